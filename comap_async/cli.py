@@ -1,0 +1,57 @@
+"""The ``comap`` console command.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
+modules are imported only when their command runs, so ``comap --help`` is instant and the core
+never imports a process package at import time. Only working commands are listed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Process packages own their entry modules.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "model": ("comap_async.commands.model", "provision models: `comap model prepare` (default SmolLM2, offline)"),
+    "config": ("comap_async.commands.config", "print the validated configuration (with --set overrides)"),
+}
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", default=None, help="YAML config file (default: built-in defaults)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config field (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="comap", description="comap-async: co-evolving LLM agent policies and world models")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        # argument definitions are cheap; the module import happens here only for its parser
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from comap_async.config import ConfigError
+    from comap_async.models import ModelError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except (ConfigError, ModelError) as exc:
+        print(f"comap {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

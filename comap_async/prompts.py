@@ -1,0 +1,242 @@
+"""Prompt rendering and parsing for every role, in one place (DESIGN.md section 1).
+
+Actors and the learner build prompts only through these functions and the model's own chat
+template, so both sides produce the same token sequences. Rendering uses jinja2 on the template
+stored in the model directory (no transformers import), which keeps actors light.
+
+Roles:
+* draft       ``s_t`` -> an action
+* reflect     ``(s_t, a_draft, ŝ)`` -> ``Decision: KEEP|REVISE`` + ``Final Action: ...``
+* world model ``(s_t, a)`` -> the next observation
+* teacher     ``(s_t, a, s')`` -> the next observation, having seen the real one (hindsight)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+SYSTEM_AGENT = (
+    "You are an agent in a text-based household environment. "
+    "You act with short commands such as 'go to cabinet 1', 'open fridge 1', 'take apple 1 from countertop 1', "
+    "'move apple 1 to countertop 1', 'heat egg 1 with microwave 1'."
+)
+SYSTEM_WORLD = (
+    "You are a world model of a text-based household environment. "
+    "Given the current state and an action, you write the exact observation the environment returns."
+)
+DECISION_PREFIX = "Decision:"
+FINAL_PREFIX = "Final Action:"
+
+
+# ---------------------------------------------------------------- textual state s_t
+def render_state(
+    task: str,
+    history: Sequence[tuple[str, str]],
+    observation: str,
+    admissible: Sequence[str] | None = None,
+    k: int = 3,
+    show_admissible: bool = True,
+) -> str:
+    """``s_t``: the task, the last ``k`` (action, observation) pairs and the current observation."""
+    parts = [f"Task: {task.strip()}"]
+    recent = list(history)[-k:] if k > 0 else []
+    if recent:
+        parts.append("Recent history:")
+        parts.extend(f"> {a.strip()}\n{o.strip()}" for a, o in recent)
+    parts.append(f"Current observation: {observation.strip()}")
+    if show_admissible and admissible:
+        parts.append("Admissible commands: " + ", ".join(a.strip() for a in admissible))
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------- messages per role
+def draft_messages(state: str) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": SYSTEM_AGENT},
+        {"role": "user", "content": f"{state}\n\nWhat is your next action? Answer with one command only."},
+    ]
+
+
+def reflect_messages(state: str, a_draft: str, s_hat: str) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": SYSTEM_AGENT},
+        {
+            "role": "user",
+            "content": (
+                f"{state}\n\nYour draft action: {a_draft.strip()}\n"
+                f"Imagined result of the draft: {s_hat.strip()}\n\n"
+                "Does the draft move you towards the task? Answer exactly in this form:\n"
+                f"{DECISION_PREFIX} KEEP or REVISE\n{FINAL_PREFIX} <one command>"
+            ),
+        },
+    ]
+
+
+def world_model_messages(state: str, action: str) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": SYSTEM_WORLD},
+        {"role": "user", "content": f"{state}\n\nAction: {action.strip()}\nWhat does the environment answer?"},
+    ]
+
+
+def teacher_messages(state: str, action: str, real_next: str) -> list[dict[str, str]]:
+    """The EMA teacher's context: the world-model prompt plus the real next observation (hindsight)."""
+    return [
+        {"role": "system", "content": SYSTEM_WORLD},
+        {
+            "role": "user",
+            "content": (
+                f"{state}\n\nAction: {action.strip()}\n"
+                f"(Hindsight: the environment actually answered: {real_next.strip()})\n"
+                "What does the environment answer?"
+            ),
+        },
+    ]
+
+
+def reflection_target(decision: str, action: str) -> str:
+    """The assistant text after the ``Decision:`` prefix, as trained and as generated."""
+    return f" {decision}\n{FINAL_PREFIX} {action.strip()}"
+
+
+# ---------------------------------------------------------------- chat template
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+@dataclass
+class ChatTemplate:
+    """A model's chat template rendered with jinja2 the way transformers does."""
+
+    template: str
+    special: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
+        env.globals["raise_exception"] = _raise
+        self._compiled = env.from_string(self.template)
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> "ChatTemplate":
+        p = Path(path)
+        cfg_path = p / "tokenizer_config.json"
+        cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        template = cfg.get("chat_template")
+        jinja_file = p / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        if not template:
+            raise ValueError(f"{p}: the model has no chat template (tokenizer_config.json / chat_template.jinja)")
+
+        def tok(name: str) -> str:
+            v = cfg.get(name)
+            return v.get("content", "") if isinstance(v, dict) else (v or "")
+
+        return cls(template, {"bos_token": tok("bos_token"), "eos_token": tok("eos_token")})
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """Prompt strings per role for one model; the generation starts right after each string."""
+
+    chat: ChatTemplate
+
+    def draft(self, state: str) -> str:
+        return self.chat.render(draft_messages(state))
+
+    def reflect(self, state: str, a_draft: str, s_hat: str) -> str:
+        # The decision word is the first generated token, so its logprobs give p_revise.
+        return self.chat.render(reflect_messages(state, a_draft, s_hat)) + DECISION_PREFIX
+
+    def world_model(self, state: str, action: str) -> str:
+        return self.chat.render(world_model_messages(state, action))
+
+    def teacher(self, state: str, action: str, real_next: str) -> str:
+        return self.chat.render(teacher_messages(state, action, real_next))
+
+
+# ---------------------------------------------------------------- parsing
+_ACTION_PREFIX = re.compile(r"^\s*(?:>|action\s*:|final action\s*:|command\s*:|\d+[.)])\s*", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    value: str | None
+    """The parsed text, or None when nothing usable was found."""
+    problem: str | None = None
+    """What could not be parsed (for counters), None when clean."""
+
+
+def parse_action(text: str) -> Parsed:
+    """First non-empty line, without prompt-like prefixes, quotes and trailing punctuation."""
+    for line in text.splitlines():
+        line = _ACTION_PREFIX.sub("", line).strip().strip("\"'`").rstrip(".!").strip()
+        if line:
+            return Parsed(line, None if line == text.strip() else "extra_text")
+    return Parsed(None, "empty")
+
+
+@dataclass(frozen=True, slots=True)
+class Reflection:
+    decision: str | None
+    """KEEP, REVISE, or None when unreadable."""
+    final_action: str | None
+    """The action after ``Final Action:``, or None."""
+    problem: str | None = None
+
+
+_DECISION = re.compile(r"\b(KEEP|REVISE)\b", re.IGNORECASE)
+_FINAL = re.compile(r"final\s*action\s*:\s*(.+)", re.IGNORECASE)
+
+
+def parse_reflection(completion: str) -> Reflection:
+    """Parse the text generated after the ``Decision:`` prefix (or a full answer that repeats it)."""
+    text = completion.strip()
+    first = text.splitlines()[0] if text else ""
+    m = _DECISION.search(first.split(":", 1)[-1] if first.lower().startswith("decision") else first)
+    decision = m.group(1).upper() if m else None
+    fm = _FINAL.search(text)
+    final = parse_action(fm.group(1)).value if fm else None
+    problem = None if decision and final else ("no_decision" if not decision else "no_final_action")
+    return Reflection(decision, final, problem)
+
+
+def revise_probability(top_logprobs: dict[str, float] | None) -> float | None:
+    """P(REVISE) / (P(REVISE) + P(KEEP)) from the decision token's top-k alternatives.
+
+    Tokenizers split the two words differently, so a candidate counts for a word when it is a
+    non-empty prefix of it (``" RE"`` for REVISE). None when neither word is among the top-k.
+    """
+    if not top_logprobs:
+        return None
+    p_rev = p_keep = 0.0
+    for token, lp in top_logprobs.items():
+        t = token.strip().upper()
+        if not t:
+            continue
+        if "REVISE".startswith(t):
+            p_rev += math.exp(lp)
+        elif "KEEP".startswith(t):
+            p_keep += math.exp(lp)
+    total = p_rev + p_keep
+    return p_rev / total if total > 0 else None
+
+
+def sequence_confidence(token_logprobs: Sequence[float]) -> float:
+    """Geometric-mean token probability (``q_ref``); 0 for an empty sequence."""
+    if not token_logprobs:
+        return 0.0
+    return math.exp(sum(token_logprobs) / len(token_logprobs))

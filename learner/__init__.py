@@ -1,0 +1,1 @@
+"""learner process package."""
