@@ -13,10 +13,17 @@ from collections.abc import Iterable
 
 Facts = frozenset[str]
 
+NO_CHANGE = "nochange()"
+"""A parser's fact for text that reports a failed or informational action (ALFWorld's
+``Nothing happens.``): the state after it is the state before, so it induces no change. It is
+dropped from a *before* set, where it carries no state."""
+
 
 def fact_changes(before: Iterable[str], after: Iterable[str]) -> frozenset[str]:
     """Signed symmetric difference: ``+f`` for facts gained, ``-f`` for facts lost."""
-    b, a = frozenset(before), frozenset(after)
+    b, a = frozenset(before) - {NO_CHANGE}, frozenset(after)
+    if NO_CHANGE in a:
+        return frozenset()
     return frozenset({"+" + f for f in a - b} | {"-" + f for f in b - a})
 
 

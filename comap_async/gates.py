@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from comap_async.facts import Facts, fact_changes, set_f1
 
@@ -26,8 +25,7 @@ def canonical_action(action: str) -> str:
     return _TRAILING.sub("", a)
 
 
-@dataclass(frozen=True, slots=True)
-class ActionGateResult:
+class ActionGateResult(NamedTuple):
     open: bool
     """True: execute ``a_ref``; False: execute ``a_draft``."""
     reason: str
@@ -53,8 +51,7 @@ def action_gate(
     return ActionGateResult(True, "revised")
 
 
-@dataclass(frozen=True, slots=True)
-class WorldStateGateResult:
+class WorldStateGateResult(NamedTuple):
     use_imagined: bool
     """True: the reflection sample shows the student's imagined state."""
     score: float

@@ -1,0 +1,85 @@
+"""Acceptance (issue 2, point 5): readable configuration errors; every field documented."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from comap_async.config import CoMapConfig, ConfigError, load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_shipped_configs_are_valid(name):
+    load_config(CONFIGS / name)
+
+
+def test_misspelled_field_names_file_field_and_suggestion(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text(yaml.safe_dump({"broker": {"max_stalenes": 3}}))
+    with pytest.raises(ConfigError) as exc:
+        load_config(f)
+    msg = str(exc.value)
+    assert str(f) in msg and "broker.max_stalenes" in msg and "unknown field" in msg
+    assert "did you mean 'max_staleness'" in msg
+
+
+def test_out_of_range_threshold(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("gates:\n  tau_q: 1.7\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: gates.tau_q: .*less than or equal to 1"):
+        load_config(f)
+
+
+def test_invariant_capacity_vs_batch_size():
+    with pytest.raises(ConfigError, match=r"broker.capacity_demos \(4\) must be larger than learner.batch_size \(8\)"):
+        load_config(None, ["broker.capacity_demos=4", "learner.batch_size=8"])
+
+
+def test_invariant_non_loopback_needs_curve():
+    with pytest.raises(ConfigError, match="broker.curve"):
+        load_config(None, ["broker.host=0.0.0.0", "broker.http_token=x"])
+    cfg = load_config(None, ["broker.host=0.0.0.0", "broker.curve=true", "broker.http_token=x"])
+    assert cfg.broker.curve
+
+
+def test_port_clash_is_reported():
+    with pytest.raises(ConfigError, match="each listener needs its own port"):
+        load_config(None, ["broker.actor_port=9000", "broker.learner_port=9000"])
+
+
+def test_overrides_parse_yaml_values():
+    cfg = load_config(CONFIGS / "test.yaml", ["env.task_types=[1, 2]", "learner.lr=3e-4", "run.name=x"])
+    assert cfg.env.task_types == [1, 2] and cfg.learner.lr == 3e-4 and cfg.run.name == "x"
+
+
+@pytest.mark.parametrize("bad", ["novalue", "=3", "a.b=[unclosed"])
+def test_bad_override_is_clear(bad):
+    with pytest.raises(ConfigError, match="--set"):
+        load_config(None, [bad])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    f = tmp_path / "list.yaml"
+    f.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(f)
+    f.write_text("broker: {host: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(f)
+
+
+def test_every_field_has_a_docstring():
+    def walk(model, prefix=""):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{prefix}{name} has no docstring"
+            ann = field.annotation
+            if isinstance(ann, type) and hasattr(ann, "model_fields"):
+                walk(ann, f"{prefix}{name}.")
+
+    walk(CoMapConfig)

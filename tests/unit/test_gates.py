@@ -1,0 +1,122 @@
+"""Acceptance (issue 2, point 4): worked examples for both gates and Delta-F1."""
+
+from __future__ import annotations
+
+import pytest
+
+from comap_async.facts import delta_f1, fact_changes, set_f1
+from comap_async.gates import action_gate, canonical_action, derive_policy_sample, world_state_gate
+from tests.fixtures.messages import transition
+
+PREV = frozenset({"at(countertop 1)", "in(apple 1, countertop 1)"})
+REAL = frozenset({"at(countertop 1)", "holding(apple 1)"})  # picked the apple up
+
+
+# ------------------------------------------------------------------ Delta-F1
+def test_delta_f1_agreement_is_one():
+    assert delta_f1(PREV, REAL, REAL) == 1.0
+
+
+def test_delta_f1_disagreement_is_partial():
+    # predicted: the apple left the countertop, but nothing says it is held (1 of 2 changes right)
+    pred = frozenset({"at(countertop 1)"})
+    assert fact_changes(PREV, pred) == {"-in(apple 1, countertop 1)"}
+    assert delta_f1(PREV, pred, REAL) == pytest.approx(2 * 1.0 * 0.5 / 1.5)
+
+
+def test_delta_f1_total_disagreement_is_zero():
+    pred = frozenset({"at(fridge 1)", "in(apple 1, countertop 1)"})
+    assert delta_f1(PREV, pred, REAL) == 0.0
+
+
+def test_delta_f1_empty_changes():
+    # "Nothing happens." predicted and real: both change sets empty -> perfect agreement
+    assert delta_f1(PREV, PREV, PREV) == 1.0
+    # predicted no change but something changed -> 0; predicted a change that did not happen -> 0
+    assert delta_f1(PREV, PREV, REAL) == 0.0
+    assert delta_f1(PREV, REAL, PREV) == 0.0
+
+
+def test_delta_f1_unparseable_prediction_is_zero():
+    assert delta_f1(PREV, None, REAL) == 0.0
+    with pytest.raises(ValueError):
+        delta_f1(None, REAL, REAL)
+
+
+def test_set_f1_symmetry_and_bounds():
+    a, b = {"+x", "+y", "-z"}, {"+x", "-z", "+w", "+v"}
+    assert set_f1(a, b) == set_f1(b, a) == pytest.approx(2 * 2 / (3 + 4))
+
+
+# ------------------------------------------------------------------ action gate
+@pytest.mark.parametrize(
+    "p, q, a_ref, a_draft, expected",
+    [
+        (0.9, 0.9, "open fridge 1", "go to fridge 1", (True, "revised")),
+        (0.5, 0.9, "open fridge 1", "go to fridge 1", (False, "keep")),  # strictly greater than tau_p
+        (0.9, 0.6, "open fridge 1", "go to fridge 1", (False, "low_confidence")),  # strictly greater than tau_q
+        (0.9, 0.9, "Go to  Fridge 1.", "go to fridge 1", (False, "same_action")),  # canonically equal
+        (0.9, 0.9, "  ", "go to fridge 1", (False, "same_action")),
+        (0.1, 0.1, "open fridge 1", "go to fridge 1", (False, "keep")),
+    ],
+)
+def test_action_gate(p, q, a_ref, a_draft, expected):
+    r = action_gate(p, q, a_ref, a_draft, tau_p=0.5, tau_q=0.6)
+    assert (r.open, r.reason) == expected
+
+
+def test_canonical_action():
+    assert canonical_action(' "Take Apple 1 from  countertop 1." ') == "take apple 1 from countertop 1"
+
+
+# ------------------------------------------------------------------ world-state gate
+def test_world_state_gate_agreement_and_threshold():
+    s = fact_changes(PREV, REAL)
+    assert world_state_gate(s, s, 0.6) == (True, 1.0)
+    partial = frozenset({"-in(apple 1, countertop 1)"})  # F1 = 2/3 with s
+    r = world_state_gate(partial, s, 0.6)
+    assert r.use_imagined and r.score == pytest.approx(2 / 3)
+    assert not world_state_gate(partial, s, 0.7).use_imagined
+    assert world_state_gate(frozenset({"+at(fridge 1)"}), s, 0.6) == (False, 0.0)
+
+
+def test_world_state_gate_empty_and_unparseable():
+    assert world_state_gate(frozenset(), frozenset(), 0.6).use_imagined  # both say "nothing changes"
+    assert world_state_gate(None, frozenset(), 0.6) == (False, 0.0)
+    assert world_state_gate(frozenset(), None, 0.6) == (False, 0.0)
+
+
+# ------------------------------------------------------------------ derived sample
+_FACTS = {
+    "O": PREV,
+    "PICKED": REAL,
+    "FRIDGE": frozenset({"at(fridge 1)", "in(apple 1, countertop 1)"}),
+}
+
+
+def _parse(text: str):
+    return _FACTS.get(text)  # unknown text is unparseable
+
+
+def test_derived_sample_imagined_state_and_accepted_revision():
+    tr = transition(1, o="O", s_hat_exec="PICKED", s_hat_teacher="PICKED", s_next="REAL NEXT",
+                    a_draft="go to fridge 1", a_ref="take apple 1 from countertop 1", decision="REVISE",
+                    p_revise=0.8, q_ref=0.7, a_exec="take apple 1 from countertop 1")
+    d = derive_policy_sample(tr, _parse)
+    assert d["s_bar"] == "PICKED" and d["ws_imagined"] and d["ws_score"] == 1.0
+    assert d["target"] == "take apple 1 from countertop 1" and d["y"] == 1
+
+
+def test_derived_sample_real_state_and_kept_draft():
+    tr = transition(1, o="O", s_hat_exec="PICKED", s_hat_teacher="FRIDGE", s_next="REAL NEXT",
+                    a_draft="go to fridge 1", a_ref="take apple 1 from countertop 1", decision="REVISE",
+                    p_revise=0.8, q_ref=0.5, a_exec="go to fridge 1")
+    d = derive_policy_sample(tr, _parse)
+    assert d["s_bar"] == "REAL NEXT" and not d["ws_imagined"]
+    assert d["target"] == "go to fridge 1" and d["y"] == 0 and d["ag_reason"] == "low_confidence"
+
+
+def test_derived_sample_unparseable_student_uses_real_state():
+    tr = transition(1, o="O", s_hat_exec="gibberish", s_hat_teacher="PICKED", s_next="REAL NEXT")
+    d = derive_policy_sample(tr, _parse)
+    assert d["s_bar"] == "REAL NEXT" and d["ws_score"] == 0.0

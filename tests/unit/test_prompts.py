@@ -1,0 +1,84 @@
+"""Prompt rendering and tolerant parsing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from comap_async import prompts
+from comap_async.prompts import ChatTemplate, Prompts, parse_action, parse_reflection, render_state, revise_probability
+
+
+def test_render_state_keeps_last_k_and_admissible():
+    hist = [("go to desk 1", "You arrive at desk 1."), ("open drawer 1", "You open the drawer 1."),
+            ("look", "You are facing the drawer 1.")]
+    s = render_state("put a pen in drawer.", hist, "Nothing happens.", ["look", "inventory"], k=2)
+    assert "go to desk 1" not in s and "open drawer 1" in s and "look" in s
+    assert s.startswith("Task: put a pen in drawer.") and "Admissible commands: look, inventory" in s
+    assert "Admissible" not in render_state("t", hist, "o", ["look"], k=0, show_admissible=False)
+    assert "Recent history" not in render_state("t", hist, "o", k=0)
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("go to fridge 1", "go to fridge 1"),
+        ("> go to fridge 1.\nmore text", "go to fridge 1"),
+        ("Action: open drawer 2", "open drawer 2"),
+        ("\n\n  'take pen 1 from desk 1'  ", "take pen 1 from desk 1"),
+        ("", None),
+        ("   \n  ", None),
+    ],
+)
+def test_parse_action(text, value):
+    assert parse_action(text).value == value
+
+
+@pytest.mark.parametrize(
+    "completion, decision, action",
+    [
+        (" REVISE\nFinal Action: open fridge 1", "REVISE", "open fridge 1"),
+        (" keep\nfinal action: go to desk 1.", "KEEP", "go to desk 1"),
+        ("Decision: KEEP\nFinal Action: look", "KEEP", "look"),
+        (" maybe\nFinal Action: look", None, "look"),
+        (" REVISE", "REVISE", None),
+        ("", None, None),
+    ],
+)
+def test_parse_reflection_tolerates_junk(completion, decision, action):
+    r = parse_reflection(completion)
+    assert (r.decision, r.final_action) == (decision, action)
+    assert (r.problem is None) == (decision is not None and action is not None)
+
+
+def test_revise_probability_from_top_logprobs():
+    # SmolLM2 splits " REVISE" into " RE"+"V"+"ISE" and " KEEP" into " KE"+"EP"
+    top = {" RE": math.log(0.3), " KE": math.log(0.1), " the": math.log(0.5)}
+    assert revise_probability(top) == pytest.approx(0.75)
+    assert revise_probability({" the": -0.1}) is None
+    assert revise_probability(None) is None
+
+
+def test_sequence_confidence_is_geometric_mean():
+    assert prompts.sequence_confidence([math.log(0.5), math.log(0.8)]) == pytest.approx(math.sqrt(0.4))
+    assert prompts.sequence_confidence([]) == 0.0
+
+
+def test_chat_template_matches_transformers(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    chat = ChatTemplate.from_model_dir(tiny_model_dir)
+    for msgs in (prompts.draft_messages("Task: x"), prompts.teacher_messages("s", "a", "real"),
+                 [{"role": "user", "content": "no system message"}]):
+        assert chat.render(msgs) == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    p = Prompts(chat)
+    assert p.reflect("s", "go to desk 1", "You arrive.").endswith("<|im_start|>assistant\nDecision:")
+    assert "Hindsight" in p.teacher("s", "a", "You arrive at desk 1.")
+    assert "Hindsight" not in p.world_model("s", "a")
+
+
+def test_missing_chat_template_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="no chat template"):
+        ChatTemplate.from_model_dir(tmp_path)
