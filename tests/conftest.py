@@ -10,4 +10,5 @@ pytest_plugins = [
     "tests.fixtures.alfworld",
     "tests.fixtures.inference",
     "tests.fixtures.broker",
+    "tests.fixtures.learner",
 ]

@@ -1,0 +1,87 @@
+"""Turn stored records into token tensors for each loss (the get-batch step, kept apart from learning).
+
+Prompts come from ``comap_async.prompts`` (the same strings the actors sent to the inference
+server); a target is tokenised on its own and appended, exactly as generation continues a prompt.
+Over-long prompts are truncated from the left so the target always survives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from comap_async.prompts import Prompts, reflection_target
+from learner.losses import IGNORE
+
+
+@dataclass
+class Seq:
+    ids: list[int]
+    start: int  # index of the first target token
+    n_target: int
+
+
+@dataclass
+class Encoder:
+    tokenizer: Any
+    prompts: Prompts
+    max_seq_len: int
+
+    def __post_init__(self) -> None:
+        self.eos = self.tokenizer.eos_token or ""
+        keep = self._ids(" KEEP")
+        revise = self._ids(" REVISE")
+        if not keep or not revise or keep[0] == revise[0]:
+            raise ValueError("the tokenizer does not separate ' KEEP' and ' REVISE' at their first token")
+        self.keep_id, self.revise_id = keep[0], revise[0]
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def seq(self, prompt: str, target: str, add_eos: bool = True) -> Seq:
+        p = self._ids(prompt)
+        t = self._ids(target + (self.eos if add_eos else ""))
+        t = t[: max(1, self.max_seq_len // 2)]  # a runaway target must not push the prompt out entirely
+        room = self.max_seq_len - len(t)
+        p = p[-room:] if room > 0 else []
+        return Seq(p + t, len(p), len(t))
+
+    # ------------------------------------------------------------ per role
+    def world_model_ce(self, r: dict[str, Any]) -> Seq:
+        return self.seq(self.prompts.world_model(r["s"], r["a_exec"]), r["s_next"])
+
+    def world_model_rollout(self, r: dict[str, Any]) -> tuple[Seq, Seq] | None:
+        """Student and teacher sequences over the stored student rollout ``s_hat_exec`` (None if empty)."""
+        if not r.get("s_hat_exec", "").strip():
+            return None
+        student = self.seq(self.prompts.world_model(r["s"], r["a_exec"]), r["s_hat_exec"], add_eos=False)
+        teacher = self.seq(self.prompts.teacher(r["s"], r["a_exec"], r["s_next"]), r["s_hat_exec"], add_eos=False)
+        n = min(student.n_target, teacher.n_target)
+        return Seq(student.ids, student.start, n), Seq(teacher.ids, teacher.start, n)
+
+    def draft(self, r: dict[str, Any]) -> Seq:
+        return self.seq(self.prompts.draft(r["s"]), r["target"])
+
+    def reflection(self, r: dict[str, Any]) -> Seq:
+        decision = "REVISE" if int(r["y"]) == 1 else "KEEP"
+        return self.seq(self.prompts.reflect(r["s"], r["a_draft"], r["s_bar"]), reflection_target(decision, r["target"]))
+
+
+def collate(seqs: list[Seq], pad_id: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask``, ``labels`` (targets only) and target spans."""
+    width = max(len(s.ids) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    labels = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        n = len(s.ids)
+        ids[i, :n] = torch.tensor(s.ids)
+        attn[i, :n] = 1
+        labels[i, s.start: s.start + s.n_target] = ids[i, s.start: s.start + s.n_target]
+    return {
+        "input_ids": ids.to(device), "attention_mask": attn.to(device), "labels": labels.to(device),
+        "starts": torch.tensor([s.start for s in seqs], device=device),
+        "lengths": torch.tensor([s.n_target for s in seqs], device=device),
+    }

@@ -1,0 +1,81 @@
+"""Atomic checkpoints: adapters (teacher included), optimizer, scheduler, step, RNG, phase.
+
+A checkpoint is a directory ``step-00000123`` written under a temporary name and renamed into
+place, so a learner killed mid-write leaves the previous checkpoint intact; ``latest()`` only ever
+sees complete ones.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from learner.model import ROLES, adapter_state, load_adapter_state
+
+_FILE = "state.pt"
+
+
+def _rng_state() -> dict[str, Any]:
+    import numpy as np
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def save_checkpoint(root: Path, trainer: Any, extra: dict[str, Any], keep: int = 3) -> Path:
+    """Write ``root/step-N`` atomically and keep the newest ``keep`` checkpoints."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{trainer.step:08d}"
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+    try:
+        torch.save(
+            {
+                "step": trainer.step,
+                "adapters": {role: adapter_state(trainer.model, role) for role in ROLES},
+                "optimizer": trainer.optimizer.state_dict(),
+                "scheduler": trainer.scheduler.state_dict(),
+                "rng": _rng_state(),
+                "extra": extra,
+            },
+            tmp / _FILE,
+        )
+        with open(tmp / _FILE, "rb") as fh:
+            os.fsync(fh.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in sorted(root.glob("step-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest(root: Path) -> Path | None:
+    done = sorted(p for p in root.glob("step-*") if (p / _FILE).is_file())
+    return done[-1] if done else None
+
+
+def load_checkpoint(path: Path, trainer: Any) -> dict[str, Any]:
+    """Restore everything into ``trainer``; returns the ``extra`` dict saved with it."""
+    state = torch.load(path / _FILE, map_location=trainer.device, weights_only=False)
+    for role in ROLES:
+        load_adapter_state(trainer.model, role, state["adapters"][role])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    trainer.step = state["step"]
+    _set_rng_state(state["rng"])
+    return state["extra"]

@@ -1,0 +1,92 @@
+"""CoMap loss terms, one small pure function each (DESIGN.md section 6).
+
+Shapes: ``logits`` [B, T, V]; ``labels`` [B, T] with -100 where a token is not a target. Every
+function returns a scalar tensor averaged over the tokens (or samples) that count, and 0 (still
+differentiable) when nothing counts, so a micro-batch without such tokens adds nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+
+
+def _zero(like: torch.Tensor) -> torch.Tensor:
+    return like.sum() * 0.0
+
+
+def masked_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy over target tokens only (prompt and padding are -100)."""
+    shift_logits = logits[:, :-1, :]
+    shift_labels = labels[:, 1:]
+    mask = shift_labels != IGNORE
+    if not mask.any():
+        return _zero(logits)
+    return F.cross_entropy(shift_logits[mask].float(), shift_labels[mask])
+
+
+def gather_positions(logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``logits[b, positions[b, j]]`` -> [B, L, V] (positions clipped into range by the caller)."""
+    idx = positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+    return torch.gather(logits, 1, idx)
+
+
+def rollout_positions(starts: torch.Tensor, lengths: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions whose logits predict rollout token j (``start + j - 1``) and the validity mask.
+
+    ``starts[b]`` is where sample b's rollout begins in its sequence, ``lengths[b]`` how many
+    rollout tokens it has. Returns ([B, L], [B, L]) with L = max length.
+    """
+    width = int(lengths.max().item()) if lengths.numel() else 0
+    j = torch.arange(width, device=starts.device).unsqueeze(0)
+    mask = j < lengths.unsqueeze(1)
+    pos = (starts.unsqueeze(1) + j - 1).clamp(0, seq_len - 1)
+    return pos, mask
+
+
+def self_distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token-level ``KL(teacher || student)`` averaged over the masked (rollout) tokens.
+
+    Both logits are [B, L, V] aligned on the same rollout tokens; the teacher carries no gradient.
+    """
+    if not mask.any():
+        return _zero(student_logits)
+    s_logp = F.log_softmax(student_logits[mask].float(), dim=-1)
+    t_logp = F.log_softmax(teacher_logits[mask].detach().float(), dim=-1)
+    kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)
+    return kl.mean()
+
+
+def revise_probability(decision_logits: torch.Tensor, keep_id: int, revise_id: int) -> torch.Tensor:
+    """P(REVISE) / (P(REVISE) + P(KEEP)) at the decision position: a softmax over the two tokens.
+
+    This is the same normalised quantity the actor reads from the server's top-k logprobs.
+    """
+    two = torch.stack([decision_logits[:, keep_id], decision_logits[:, revise_id]], dim=-1).float()
+    return torch.softmax(two, dim=-1)[:, 1]
+
+
+def revise_bce(decision_logits: torch.Tensor, keep_id: int, revise_id: int, y: torch.Tensor) -> torch.Tensor:
+    """Binary cross-entropy of the revise probability against the gate label ``y`` (0/1)."""
+    if decision_logits.shape[0] == 0:
+        return _zero(decision_logits)
+    two = torch.stack([decision_logits[:, keep_id], decision_logits[:, revise_id]], dim=-1).float()
+    # log-space form of BCE(softmax(two)[:, 1], y): numerically stable for confident logits
+    logp = torch.log_softmax(two, dim=-1)
+    y = y.float()
+    return -(y * logp[:, 1] + (1 - y) * logp[:, 0]).mean()
+
+
+def world_model_loss(ce: torch.Tensor, kl: torch.Tensor, eta: float) -> torch.Tensor:
+    """``CE(s' | s, a) + eta * KL(teacher || student)``."""
+    return ce + eta * kl
+
+
+def policy_loss(
+    draft_ce: torch.Tensor, reflect_ce: torch.Tensor, bce: torch.Tensor,
+    draft_weight: float = 1.0, reflect_weight: float = 1.0, bce_weight: float = 0.01,
+) -> torch.Tensor:
+    """Expert-draft anchor + gated reflection CE + weighted BCE on the revise probability."""
+    return draft_weight * draft_ce + reflect_weight * reflect_ce + bce_weight * bce
