@@ -15,6 +15,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("comap_async.commands.model", "provision models: `comap model prepare` (default SmolLM2, offline)"),
     "config": ("comap_async.commands.config", "print the validated configuration (with --set overrides)"),
+    "data": ("comap_async.commands.data", "extract offline datasets: `comap data alfworld --archive PATH... --to DIR`"),
+    "env": ("comap_async.commands.env", "check environments: `comap env check --split NAME --data DIR`"),
 }
 
 

@@ -1,0 +1,51 @@
+"""``comap env check --split NAME --data DIR``: load a split, replay walkthroughs, run the expert."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    chk = sub.add_parser("check", help="count games, walkthrough wins and handcoded-expert wins of a split")
+    chk.add_argument("--split", default="valid_seen", choices=["train", "valid_seen", "valid_unseen", "valid_train"])
+    chk.add_argument("--data", default=None, metavar="DIR", help="ALFWorld data root (default: $ALFWORLD_DATA)")
+    chk.add_argument("--games", type=int, default=None, metavar="N", help="check only N games (sampled with --seed)")
+    chk.add_argument("--seed", type=int, default=0)
+    chk.add_argument("--max-steps", type=int, default=50, help="step limit of the expert's own episodes")
+    chk.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from comap_async.envs.alfworld_check import check_games
+    from comap_async.envs.alfworld_games import AlfworldDataError, discover_games, resolve_data_root
+
+    try:
+        games = discover_games(resolve_data_root(args.data), args.split, max_games=args.games, seed=args.seed)
+    except AlfworldDataError as exc:
+        print(f"comap env: error: {exc}", file=sys.stderr)
+        return 2
+    checks = []
+    for check in tqdm(check_games(games, args.max_steps, args.workers), total=len(games), desc=args.split, file=sys.stderr):
+        checks.append(check)
+    observations = sum(c.observations for c in checks)
+    unparseable = [o for c in checks for o in c.unparseable]
+    walk_wins = sum(c.walkthrough_won for c in checks)
+    expert_wins = sum(c.expert_won for c in checks)
+    missing = sum(c.expert_missing_steps for c in checks)
+    from_walk = sum(c.expert_from_walkthrough for c in checks)
+    walk_steps = sum(c.observations for c in checks)
+    print(f"split={args.split} games={len(games)}")
+    print(f"walkthrough: {walk_wins}/{len(checks)} won; expert action present at {walk_steps - missing}/{walk_steps} "
+          f"steps ({from_walk} from the walkthrough after the handcoded expert failed)")
+    print(f"handcoded expert within {args.max_steps} steps: {expert_wins}/{len(checks)} won")
+    print(f"facts: {len(unparseable)}/{observations} observations unparseable ({100 * len(unparseable) / max(observations, 1):.2f}%), "
+          f"{sum(c.self_f1_below_one for c in checks)} transitions with self Delta-F1 < 1")
+    for text in unparseable[:5]:
+        print(f"  unparseable: {text[:160]!r}")
+    print(f"games={len(games)} walkthrough_wins={walk_wins} expert_wins={expert_wins}")
+    return 0

@@ -1,0 +1,146 @@
+"""Canonical facts of ALFWorld observation text (a pure parser: no alfworld, textworld or torch).
+
+The broker calls :func:`parse_facts` on every stored transition (real and predicted observations)
+for Delta-F1 and the world-state gate, so it is a loop of anchored regular expressions over the
+fixed templates of ``alfred.twl2`` (alfworld 0.4.x), one per observation sentence family.
+
+A fact set describes what one observation says about the world, plus what the sentence implies
+without doubt (you can only pick something up from the receptacle you stand at, so
+``You pick up the apple 1 from the countertop 1.`` also gives ``at(countertop 1)``). Implied
+locations keep ``at(...)`` stable across steps, so the action-induced change is not blurred by
+a location that the text merely stopped mentioning.
+
+Facts: ``at(r)`` (``at(room)`` in the middle of the room), ``holding(o)`` (``holding(nothing)``),
+``in(o, r)``, ``empty(r)``, ``open(r)``, ``closed(r)``, ``near(o)`` (on the floor next to you),
+``hot(o)``, ``cool(o)``, ``clean(o)``, ``sliced(o)``, ``on(o)``, ``off(o)``, ``plain(o)``.
+Failed or informational actions (``Nothing happens.``, ``help``, a missing switch) give
+:data:`~comap_async.facts.NO_CHANGE`: the state after them is the state before.
+
+Text that is not entirely made of known sentences is unreadable: :func:`parse_facts` returns
+``None`` rather than a guess, so a garbled prediction scores 0 instead of partial credit.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from comap_async.facts import NO_CHANGE
+
+# Entity names as the ALFWorld demangler writes them: a lower-case class and an instance number.
+_NAME = r"[a-z]+ \d+"
+_ITEM = rf"an? {_NAME}"
+_LIST = rf"nothing|{_ITEM}(?:,? (?:and )?{_ITEM})*"
+_NAMES = rf"{_NAME}(?:,? (?:and )?{_NAME})*"
+_NAME_RE = re.compile(_NAME)
+_ADJECTIVES = {"hot": "hot", "cool": "cool", "cold": "cool", "clean": "clean", "sliced": "sliced"}
+
+FactBuilder = Callable[[re.Match[str]], list[str]]
+
+
+def _names(text: str) -> list[str]:
+    return _NAME_RE.findall(text)
+
+
+def _contents(receptacle: str, listing: str) -> list[str]:
+    if listing == "nothing":
+        return [f"empty({receptacle})"]
+    return [f"in({o}, {receptacle})" for o in _names(listing)]
+
+
+def _adjectives(m: re.Match[str]) -> list[str]:
+    obj = m.group(2)
+    words = m.group(1).replace(" and ", " ").split()
+    return [f"{_ADJECTIVES[w]}({obj})" for w in words]
+
+
+_NO_CHANGE: FactBuilder = lambda m: [NO_CHANGE]  # noqa: E731
+
+# (pattern, facts) in match order; every pattern ends at a sentence boundary.
+_SENTENCES: list[tuple[str, FactBuilder]] = [
+    (r"-= Welcome to TextWorld, ALFRED! =-", lambda m: []),
+    # the task is not world state; its own line ends at the newline (it may lack a period)
+    (r"Your task is to: [^\n]*", lambda m: []),
+    (rf"You are in the middle of a room\. Looking quickly around you, you see (?:{_LIST})\.", lambda m: ["at(room)"]),
+    (
+        rf"You are facing the ({_NAMES})\. Next to it, you see ({_LIST})\.",
+        lambda m: [f"at({r})" for r in _names(m.group(1))]
+        + ([] if m.group(2) == "nothing" else [f"near({o})" for o in _names(m.group(2))]),
+    ),
+    (rf"You arrive at ({_NAME})\.", lambda m: [f"at({m.group(1)})"]),
+    (rf"You open the ({_NAME})\.", lambda m: [f"at({m.group(1)})", f"open({m.group(1)})"]),
+    (rf"You close the ({_NAME})\.", lambda m: [f"at({m.group(1)})", f"closed({m.group(1)})"]),
+    (
+        rf"The ({_NAME}) is open\. In it, you see ({_LIST})\.",
+        lambda m: [f"at({m.group(1)})", f"open({m.group(1)})", *_contents(m.group(1), m.group(2))],
+    ),
+    (rf"The ({_NAME}) is closed\.", lambda m: [f"at({m.group(1)})", f"closed({m.group(1)})"]),
+    (rf"On the ({_NAME}), you see ({_LIST})\.", lambda m: [f"at({m.group(1)})", *_contents(m.group(1), m.group(2))]),
+    (
+        rf"You pick up the ({_NAME}) from the ({_NAME})\.",
+        lambda m: [f"holding({m.group(1)})", f"at({m.group(2)})"],
+    ),
+    (rf"You move the ({_NAME}) to the ({_NAME})\.", lambda m: [f"in({m.group(1)}, {m.group(2)})", f"at({m.group(2)})"]),
+    # receptacle-object variants (mugs, pans, ...) keep their action name as a prefix in 0.4.x
+    (
+        rf"Pickup(?:ObjectFromReceptacleObject|EmptyReceptacleObject|FullReceptacleObject): You pick up the ({_NAME})\.",
+        lambda m: [f"holding({m.group(1)})"],
+    ),
+    (
+        rf"Put(?:ObjectInReceptacleObject|EmptyReceptacleObjectinReceptacle|FullReceptacleObjectInReceptacle): "
+        rf"You put the ({_NAME}) in the ({_NAME})\.",
+        lambda m: [f"in({m.group(1)}, {m.group(2)})"],
+    ),
+    (rf"You are carrying: ((?:{_ITEM})(?:,? (?:and )?{_ITEM})*)\.", lambda m: [f"holding({o})" for o in _names(m.group(1))]),
+    (r"You are not carrying anything\.", lambda m: ["holding(nothing)"]),
+    (rf"This is a normal ({_NAME})\. In it, you see ({_LIST})\.", lambda m: _contents(m.group(1), m.group(2))),
+    (rf"This is a ((?:(?:hot|cool|cold|clean|sliced)(?: and)? )+)({_NAME})\.", _adjectives),
+    (rf"This ({_NAME}) is (on|off)\.", lambda m: [f"{m.group(2)}({m.group(1)})"]),
+    (rf"There's nothing special about ({_NAME})\.", lambda m: [f"plain({m.group(1)})"]),
+    (rf"You turn (on|off) the ({_NAME})\.", lambda m: [f"{m.group(1)}({m.group(2)})"]),
+    (
+        rf"You (heat|clean|cool) the ({_NAME}) using the ({_NAME})\.",
+        lambda m: [
+            f"{m.group(1)}({m.group(2)})".replace("heat(", "hot("),
+            f"holding({m.group(2)})",
+            f"at({m.group(3)})",
+        ],
+    ),
+    (rf"You sliced the ({_NAME}) with the ({_NAME})\.", lambda m: [f"sliced({m.group(1)})", f"holding({m.group(2)})"]),
+    (r"Nothing happens\.", _NO_CHANGE),
+    (rf"You don't see any switch on the ({_NAME})\.", _NO_CHANGE),
+    # the help text is a fixed block that runs to the end of the observation
+    (r"Available commands:\n.*", _NO_CHANGE),
+]
+
+_COMPILED = [(re.compile(p, re.DOTALL if p.startswith("Available") else 0), build) for p, build in _SENTENCES]
+# cheap dispatch: candidate patterns by the sentence's first two characters
+_BY_PREFIX: dict[str, list[tuple[re.Pattern[str], FactBuilder]]] = {}
+for _pattern, _build in _COMPILED:
+    _BY_PREFIX.setdefault(_pattern.pattern[:2], []).append((_pattern, _build))
+_SPACE = re.compile(r"\s+")
+
+
+def parse_facts(text: str) -> frozenset[str] | None:
+    """The canonical facts of one observation, or ``None`` when any part of it is unreadable."""
+    if not text.strip():
+        return None  # empty text says nothing
+    facts: list[str] = []
+    pos, end = 0, len(text)
+    while True:
+        gap = _SPACE.match(text, pos)
+        if gap:
+            pos = gap.end()
+        if pos >= end:
+            break
+        for pattern, build in _BY_PREFIX.get(text[pos : pos + 2], ()):
+            m = pattern.match(text, pos)
+            if m:
+                facts.extend(build(m))
+                pos = m.end()
+                break
+        else:
+            return None
+    if NO_CHANGE in facts and len(facts) > 1:
+        return None  # "Nothing happens." next to a state change contradicts itself
+    return frozenset(facts)

@@ -1,0 +1,63 @@
+"""The text-environment protocol every benchmark implements (DESIGN.md section 8)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True, slots=True)
+class GameInfo:
+    """One playable game: where its file is and what kind of task it poses."""
+
+    path: str
+    """The game file (for ALFWorld a ``game.tw-pddl``)."""
+    split: str
+    """``train``, ``valid_seen``, ``valid_unseen`` or ``valid_train``."""
+    task_type: int
+    """Task family id (ALFWorld: 1-6, see ``alfworld_games.TASK_TYPES``)."""
+    name: str
+    """Stable short id: ``<split>/<task folder>/<trial>``."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What the environment answers after ``reset`` or ``step``."""
+
+    observation: str
+    """Observation text (after ``reset``: the intro, which carries ``Your task is to: ...``)."""
+    won: bool
+    """The game's goal holds."""
+    done: bool
+    """The episode is over: won, or the step limit reached."""
+    admissible: tuple[str, ...]
+    """Commands the engine accepts in the new state (sorted)."""
+    expert_action: str | None
+    """The handcoded expert's next action, ``None`` when it has none (failed or timed out)."""
+    reward: float = 0.0
+    """1.0 when won, else 0.0."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Extras: ``task`` (after reset), ``steps``, ``truncated``, ``expert_error``."""
+
+
+@runtime_checkable
+class TextEnv(Protocol):
+    """A synchronous text game; :mod:`comap_async.envs.pool` runs these in worker processes."""
+
+    max_steps: int
+
+    def reset(self, game: GameInfo | str) -> StepResult:
+        """Load ``game`` (when it is not the current one) and start a new episode."""
+        ...
+
+    def step(self, action: str) -> StepResult:
+        """Execute one command; unknown commands answer like the game does (no exception)."""
+        ...
+
+    def restore(self, game: GameInfo | str, actions: Sequence[str]) -> StepResult:
+        """Re-create the state after ``actions`` from a fresh reset (restore by replay)."""
+        ...
+
+    def close(self) -> None:
+        ...

@@ -1,0 +1,205 @@
+"""Environments for asyncio code: every env step runs in a worker process, never on the loop.
+
+Worker processes (not threads) host the environments because TextWorld's PDDL translation
+rewrites ``sys.argv`` and swaps ``sys.stdout``, and the speed-up caches patch modules. Each
+worker holds many environments (one per :class:`AsyncTextEnv`) and serves requests in order;
+an env's requests therefore never overlap, while envs on different workers step in parallel.
+Replies come back through the event loop's reader callback on the worker's pipe, so waiting
+costs the loop nothing. A worker that dies fails its pending calls with :class:`EnvWorkerError`.
+
+    async with AsyncEnvPool(workers=2, max_steps=50) as pool:
+        env = pool.env()
+        first = await env.reset(game)
+        result = await env.step(first.expert_action)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing as mp
+import os
+import traceback
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from comap_async.envs.base import GameInfo, StepResult
+
+_START_TIMEOUT_S = 120.0
+
+
+class EnvWorkerError(RuntimeError):
+    """An environment call failed in its worker process (the message carries the remote traceback)."""
+
+
+def _worker_main(conn: Connection, env_name: str, env_kwargs: dict[str, Any]) -> None:
+    # one torch/BLAS thread is the project rule; the env needs none, but imports may start pools
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from comap_async.envs import create_env
+
+    envs: dict[int, Any] = {}
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:
+            break
+        if request is None:
+            break
+        req_id, env_id, method, args = request
+        try:
+            if method == "close":
+                env = envs.pop(env_id, None)
+                result = env.close() if env is not None else None
+            else:
+                env = envs.get(env_id)
+                if env is None:
+                    env = envs[env_id] = create_env(env_name, **env_kwargs)
+                result = getattr(env, method)(*args)
+            reply = (req_id, True, result)
+        except Exception as exc:  # noqa: BLE001 - sent to the caller, who raises it
+            reply = (req_id, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        conn.send(reply)
+    for env in envs.values():
+        env.close()
+
+
+class _Worker:
+    def __init__(self, ctx: Any, env_name: str, env_kwargs: dict[str, Any]) -> None:
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=_worker_main, args=(child, env_name, env_kwargs), daemon=True)
+        self.process.start()
+        child.close()
+        self.pending: dict[int, asyncio.Future[Any]] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.dead: str | None = None
+
+    async def wait_ready(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            ready = await asyncio.wait_for(loop.run_in_executor(None, self.conn.recv), _START_TIMEOUT_S)
+        except EOFError:
+            self.process.join(5)
+            raise EnvWorkerError(
+                f"environment worker exited at start (exit code {self.process.exitcode}); with the spawn start "
+                "method the main script must guard its entry point with `if __name__ == '__main__':`"
+            ) from None
+        if ready[0] != "ready":
+            raise EnvWorkerError(f"worker sent {ready!r} instead of ready")
+        self.loop = loop
+        loop.add_reader(self.conn.fileno(), self._on_readable)
+
+    def _on_readable(self) -> None:
+        try:
+            while self.conn.poll():
+                req_id, ok, payload = self.conn.recv()
+                fut = self.pending.pop(req_id, None)
+                if fut is None or fut.done():
+                    continue  # the caller was cancelled; the reply has no one to go to
+                if ok:
+                    fut.set_result(payload)
+                else:
+                    fut.set_exception(EnvWorkerError(payload))
+        except (EOFError, OSError) as exc:
+            self._fail_all(f"environment worker pid {self.process.pid} died ({type(exc).__name__}, exit code {self.process.exitcode})")
+
+    def _fail_all(self, reason: str) -> None:
+        self.dead = reason
+        if self.loop is not None:
+            self.loop.remove_reader(self.conn.fileno())
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(EnvWorkerError(reason))
+        self.pending.clear()
+
+    def call(self, req_id: int, env_id: int, method: str, args: tuple[Any, ...]) -> asyncio.Future[Any]:
+        if self.dead:
+            raise EnvWorkerError(self.dead)
+        assert self.loop is not None, "worker not started"
+        fut = self.loop.create_future()
+        self.pending[req_id] = fut
+        # requests are a few hundred bytes: the pipe buffer takes them without blocking
+        self.conn.send((req_id, env_id, method, args))
+        return fut
+
+    def detach(self) -> None:
+        """Stop watching the pipe (on the loop's thread, before :meth:`stop`)."""
+        if self.loop is not None and not self.dead:
+            self.loop.remove_reader(self.conn.fileno())
+        self.dead = self.dead or "environment pool closed"
+
+    def stop(self, timeout: float = 5.0) -> None:
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass  # already gone: nothing to tell it
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout)
+        self.conn.close()
+
+
+class AsyncTextEnv:
+    """One environment living in a worker process; its calls are awaited in order."""
+
+    def __init__(self, pool: "AsyncEnvPool", worker: _Worker, env_id: int) -> None:
+        self._pool, self._worker, self.env_id = pool, worker, env_id
+        self._lock = asyncio.Lock()
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        async with self._lock:
+            return await self._worker.call(next(self._pool._req_ids), self.env_id, method, args)
+
+    async def reset(self, game: GameInfo | str) -> StepResult:
+        return await self._call("reset", game)
+
+    async def step(self, action: str) -> StepResult:
+        return await self._call("step", action)
+
+    async def restore(self, game: GameInfo | str, actions: Sequence[str]) -> StepResult:
+        """The state after ``actions`` from a fresh reset of ``game`` (restore by replay)."""
+        return await self._call("restore", game, list(actions))
+
+    async def close(self) -> None:
+        await self._call("close")
+
+
+class AsyncEnvPool:
+    """Worker processes hosting environments; :meth:`env` hands them out round-robin."""
+
+    def __init__(self, workers: int = 1, env_name: str = "alfworld", start_method: str = "spawn", **env_kwargs: Any) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.num_workers = workers
+        self.env_name = env_name
+        self.env_kwargs = env_kwargs
+        self._ctx = mp.get_context(start_method)
+        self._workers: list[_Worker] = []
+        self._req_ids = itertools.count()
+        self._env_ids = itertools.count()
+
+    async def start(self) -> "AsyncEnvPool":
+        self._workers = [_Worker(self._ctx, self.env_name, self.env_kwargs) for _ in range(self.num_workers)]
+        await asyncio.gather(*(w.wait_ready() for w in self._workers))
+        return self
+
+    def env(self) -> AsyncTextEnv:
+        if not self._workers:
+            raise RuntimeError("AsyncEnvPool.start() first (or use `async with`)")
+        env_id = next(self._env_ids)
+        return AsyncTextEnv(self, self._workers[env_id % len(self._workers)], env_id)
+
+    async def close(self) -> None:
+        workers, self._workers = self._workers, []
+        for w in workers:
+            w.detach()
+        if workers:
+            await asyncio.get_running_loop().run_in_executor(None, lambda: [w.stop() for w in workers])
+
+    async def __aenter__(self) -> "AsyncEnvPool":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
