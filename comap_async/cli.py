@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("comap_async.commands.config", "print the validated configuration (with --set overrides)"),
     "data": ("comap_async.commands.data", "extract offline datasets: `comap data alfworld --archive PATH... --to DIR`"),
     "env": ("comap_async.commands.env", "check environments: `comap env check --split NAME --data DIR`"),
+    "broker": ("broker.cli", "run the replay broker (ZeroMQ ingest, gates, LMDB stores, stats HTTP)"),
+    "keys": ("broker.keys", "create ZeroMQ CURVE key pairs for the broker and its clients"),
 }
 
 

@@ -147,6 +147,8 @@ class InferenceConfig(_Section):
 class ActorConfig(_Section):
     envs: int = Field(default=4, ge=1)
     """Episodes run concurrently in one actor process."""
+    env_workers: int = Field(default=1, ge=1)
+    """Worker processes hosting this actor's environments (several environments each)."""
     outbox_max: int = Field(default=1024, ge=1)
     """Unacknowledged messages kept before the episode loops pause (backpressure)."""
     ack_timeout_s: float = Field(default=2.0, gt=0)

@@ -70,7 +70,9 @@ SCHEMAS: dict[str, dict[str, F]] = {
         "target": _T, "y": F("int", choices=(0, 1)), "policy_version": _I, "wm_version": _I, "ts": _FL,
     },
     # broker -> actor: stored (after commit) or refused
-    "ack": {"seq": _I, "ok": _B, "error": _OPT_S, "registry": F("map")},
+    # ``retry`` (on ok=False): true = temporary (storage refused; keep and resend later),
+    # false = the message itself is bad (resending cannot help).
+    "ack": {"seq": _I, "ok": _B, "error": _OPT_S, "registry": F("map"), "retry": F("bool", required=False)},
     # learner -> broker
     "sample": {"req": _I, "store": F("str", choices=STORES), "n": _I, "seed": F("int", nullable=True, required=False)},
     "announce": {"req": _I, "phase": F("str", choices=PHASES), "versions": F("map"), "adapters": F("map"),

@@ -1,0 +1,287 @@
+"""The actor's outbox: at-least-once delivery to the broker with acks, resends and backpressure.
+
+Every message gets a sequence number and stays in the outbox until the broker acks it, which the
+broker does only after the LMDB commit that stored it (DESIGN.md section 4). Unacked messages are
+resent after ``ack_timeout_s`` and right after a (re)connection; the broker dedups on the message
+id, so resending is always safe. The outbox is bounded: :meth:`Outbox.put` waits while it is full,
+which pauses the episode loops instead of dropping data. With ``spill_dir`` each unacked message
+is also a file there, so an actor restarted after a crash resends what was never acknowledged.
+
+The broker's registry (adapter names/versions, phase) rides on every ack; :attr:`Outbox.registry`
+holds the latest and ``on_registry`` is called when it changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from comap_async.protocol import DEFAULT_MAX_MESSAGE_BYTES, SCHEMA_VERSION, ProtocolError, decode, encode
+
+
+@dataclass(slots=True)
+class _Entry:
+    data: bytes
+    msg_id: str
+    sent_at: float | None = None  # None: due now
+    attempts: int = 0
+    spill_path: Path | None = None
+
+
+class Outbox:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        max_pending: int = 1024,
+        ack_timeout_s: float = 2.0,
+        client_keys: Any = None,
+        spill_dir: str | Path | None = None,
+        on_registry: Callable[[dict[str, Any]], Any] | None = None,
+        on_reject: Callable[[str, str], Any] | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        ctx: zmq.asyncio.Context | None = None,
+        log: Any = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.max_pending = max_pending
+        self.ack_timeout_s = ack_timeout_s
+        self.client_keys = client_keys
+        self.spill_dir = Path(spill_dir).expanduser() if spill_dir else None
+        self.on_registry, self.on_reject = on_registry, on_reject
+        self.max_message_bytes = max_message_bytes
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.asyncio.Context()
+        self.log = log
+        self.registry: dict[str, Any] | None = None
+        self.stats = {"sent": 0, "resent": 0, "acked": 0, "rejected": 0, "refused": 0, "bad_acks": 0}
+        self._pending: dict[int, _Entry] = {}
+        self._seq = 0
+        self._spill_prefix = f"{time.time_ns():020d}"
+        self._changed = asyncio.Event()  # something was acked (room, flush)
+        self._due = asyncio.Event()  # something should be sent now
+        self._tasks: list[asyncio.Task] = []
+        self.sock: zmq.asyncio.Socket | None = None
+        self._mon: zmq.asyncio.Socket | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any, **kw: Any) -> "Outbox":
+        """An outbox for ``cfg`` (a CoMapConfig): endpoint, bounds, timeout, spill dir, CURVE keys."""
+        keys = kw.pop("client_keys", None)
+        if keys is None and cfg.broker.curve:
+            from broker.keys import load_client_keys
+
+            keys = load_client_keys(cfg.broker.keys_dir)
+        host = "127.0.0.1" if cfg.broker.host in ("localhost", "0.0.0.0") else cfg.broker.host
+        return cls(f"tcp://{host}:{cfg.broker.actor_port}", max_pending=cfg.actor.outbox_max,
+                   ack_timeout_s=cfg.actor.ack_timeout_s, spill_dir=cfg.actor.spill_dir, client_keys=keys,
+                   max_message_bytes=cfg.broker.max_message_bytes, **kw)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> "Outbox":
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        # Queue only to a live, handshaken connection: while the broker is down a send fails
+        # (and is retried) instead of piling stale copies into a pipe.
+        sock.immediate = True
+        sock.sndhwm = sock.rcvhwm = max(1000, self.max_pending)
+        sock.reconnect_ivl = 100
+        sock.reconnect_ivl_max = 2000
+        sock.maxmsgsize = max(self.max_message_bytes, 1 << 20) * 2
+        if self.client_keys is not None:
+            self.client_keys.apply(sock)
+        mon = self._mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECTED)
+        sock.connect(self.endpoint)
+        self.sock = sock
+        if self.spill_dir is not None:
+            self._load_spill()
+        self._tasks = [asyncio.create_task(self._recv_loop(), name="outbox-recv"),
+                       asyncio.create_task(self._send_loop(), name="outbox-send"),
+                       asyncio.create_task(self._monitor_loop(mon), name="outbox-monitor")]
+        return self
+
+    async def close(self, flush_timeout: float | None = None) -> None:
+        if flush_timeout:
+            try:
+                await self.flush(flush_timeout)
+            except TimeoutError:
+                self._log("warning", "outbox.close_unflushed", pending=len(self._pending))
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._mon is not None:  # closed here too: a task cancelled before it ran never closes it
+            self._mon.close(linger=0)
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        if self._own_ctx:
+            self.ctx.destroy(linger=0)
+
+    async def __aenter__(self) -> "Outbox":
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # ---- API -----------------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def put(self, msg: dict[str, Any]) -> int:
+        """Queue ``msg`` (a message dict without ``seq``); waits while the outbox is full."""
+        while len(self._pending) >= self.max_pending:
+            self._changed.clear()
+            await self._changed.wait()
+        self._seq += 1
+        seq = self._seq
+        full = {**msg, "v": SCHEMA_VERSION, "seq": seq}
+        data = encode(full)  # a bad message is the actor's bug: fail loudly here, not at the broker
+        if len(data) > self.max_message_bytes:
+            raise ProtocolError(f"{msg.get('type')} {msg.get('id')!r} is {len(data)} bytes, broker limit "
+                                f"{self.max_message_bytes}")
+        entry = _Entry(data, str(msg.get("id", "")))
+        if self.spill_dir is not None:
+            entry.spill_path = self._spill(seq, data)
+        self._pending[seq] = entry
+        self._send(seq, entry)
+        return seq
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Wait until every queued message is acknowledged (TimeoutError after ``timeout``)."""
+        async def wait_empty() -> None:
+            while self._pending:
+                self._changed.clear()
+                await self._changed.wait()
+
+        await asyncio.wait_for(wait_empty(), timeout)
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _log(self, level: str, event: str, **kw: Any) -> None:
+        if self.log is not None:
+            getattr(self.log, level)(event, **kw)
+
+    def _send(self, seq: int, entry: _Entry) -> bool:
+        assert self.sock is not None
+        try:
+            # NOBLOCK on an asyncio socket returns a finished future; result() raises Again
+            self.sock.send(entry.data, zmq.NOBLOCK).result()
+        except zmq.Again:  # not connected or queue full: the send loop retries
+            entry.sent_at = None
+            return False
+        self.stats["resent" if entry.attempts else "sent"] += 1
+        entry.attempts += 1
+        entry.sent_at = time.monotonic()
+        return True
+
+    async def _send_loop(self) -> None:
+        tick = min(0.25, self.ack_timeout_s / 4)
+        while True:
+            try:
+                await asyncio.wait_for(self._due.wait(), tick)
+            except TimeoutError:
+                pass
+            self._due.clear()
+            now = time.monotonic()
+            for seq, entry in list(self._pending.items()):
+                if entry.sent_at is None or now - entry.sent_at >= self.ack_timeout_s:
+                    if seq in self._pending and not self._send(seq, entry):
+                        break  # not connected: try again next tick
+
+    async def _monitor_loop(self, mon: zmq.asyncio.Socket) -> None:
+        while True:
+            event = parse_monitor_message(await mon.recv_multipart())
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._pending:
+                # a new connection: whatever was in flight on the old one may be lost
+                for entry in self._pending.values():
+                    entry.sent_at = None
+                self._due.set()
+
+    async def _recv_loop(self) -> None:
+        assert self.sock is not None
+        while True:
+            frames = await self.sock.recv_multipart()
+            try:
+                ack = decode(frames[-1], max(self.max_message_bytes, 1 << 20) * 2)
+                if ack["type"] != "ack":
+                    raise ProtocolError(f"expected an ack, got {ack['type']!r}")
+            except ProtocolError as exc:
+                self.stats["bad_acks"] += 1
+                self._log("error", "outbox.bad_ack", error=str(exc))
+                continue
+            self._on_ack(ack)
+
+    def _on_ack(self, ack: dict[str, Any]) -> None:
+        registry = ack["registry"]
+        if registry and registry != self.registry:
+            self.registry = registry
+            if self.on_registry is not None:
+                res = self.on_registry(registry)
+                if inspect.isawaitable(res):
+                    asyncio.ensure_future(res)
+        entry = self._pending.get(ack["seq"])
+        if entry is None:
+            if not ack["ok"]:  # an error for a frame we cannot match: still worth a loud line
+                self._log("error", "outbox.unmatched_error", seq=ack["seq"], error=ack.get("error"))
+            return  # a duplicate ack of a resend
+        if ack["ok"]:
+            self.stats["acked"] += 1
+            self._forget(ack["seq"], entry)
+        elif ack.get("retry", True):
+            self.stats["refused"] += 1  # broker storage refused: keep it, resend after the timeout
+            self._log("warning", "outbox.refused", id=entry.msg_id, error=ack.get("error"))
+        else:
+            self.stats["rejected"] += 1  # the message itself is bad: resending cannot help
+            self._log("error", "outbox.rejected", id=entry.msg_id, error=ack.get("error"))
+            self._forget(ack["seq"], entry)
+            if self.on_reject is not None:
+                self.on_reject(entry.msg_id, ack.get("error") or "")
+
+    def _forget(self, seq: int, entry: _Entry) -> None:
+        del self._pending[seq]
+        if entry.spill_path is not None:
+            entry.spill_path.unlink(missing_ok=True)
+        self._changed.set()
+
+    def _spill(self, seq: int, data: bytes) -> Path:
+        assert self.spill_dir is not None
+        path = self.spill_dir / f"{self._spill_prefix}-{seq:012d}.msg"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # never a half-written file under the final name
+        return path
+
+    def _load_spill(self) -> None:
+        assert self.spill_dir is not None
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.spill_dir.glob("*.tmp"):
+            stale.unlink(missing_ok=True)
+        loaded = 0
+        for path in sorted(self.spill_dir.glob("*.msg")):
+            try:
+                msg = msgpack.unpackb(path.read_bytes(), raw=False)
+                self._seq += 1
+                msg["seq"] = self._seq
+                data = encode(msg)
+            except Exception as exc:  # noqa: BLE001 - a damaged spill file is reported and kept aside
+                self._log("error", "outbox.bad_spill_file", path=str(path), error=str(exc))
+                path.rename(path.with_suffix(".bad"))
+                continue
+            self._pending[self._seq] = _Entry(data, str(msg.get("id", "")), spill_path=path)
+            loaded += 1
+        if loaded:
+            self._log("info", "outbox.spill_loaded", messages=loaded)
+            self._due.set()

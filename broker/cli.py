@@ -1,0 +1,67 @@
+"""``comap broker`` / ``python -m broker``: run the broker until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from comap_async.cli import add_config_arguments
+
+    add_config_arguments(p)
+    p.add_argument("--replay-dir", default=None, help="LMDB directory (default: <run dir>/replay)")
+    p.add_argument("--fact-parser", default=None, metavar="MODULE:FUNCTION",
+                   help="fact parser for the world-state gate (default: the one of env.name)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from comap_async.config import is_loopback, load_config
+    from comap_async.logsetup import configure_logging
+
+    from broker.ingest import load_fact_parser
+    from broker.keys import KeysError, load_server_keys
+    from broker.server import Broker
+
+    from comap_async.config import ConfigError
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"comap broker: error: {exc}", file=sys.stderr)
+        return 2
+    log = configure_logging("broker")
+    b = cfg.broker
+    if not is_loopback(b.host) and not b.curve:  # the config invariant says so too; never bind open
+        log.error("broker.refused", reason=f"host {b.host} is not loopback and broker.curve is off")
+        return 2
+    try:
+        keys = load_server_keys(b.keys_dir) if b.curve else None
+        parser = load_fact_parser(cfg.env.name, args.fact_parser)
+    except (KeysError, RuntimeError, ValueError, ImportError, AttributeError) as exc:
+        print(f"comap broker: error: {exc}", file=sys.stderr)
+        return 2
+
+    async def main() -> int:
+        broker = Broker(cfg, parser, log, keys, replay_dir=args.replay_dir)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, broker.stopping.set)
+        try:
+            await broker.start()
+        except Exception as exc:  # port in use, LMDB unreadable...: a clear line, not a traceback wall
+            log.error("broker.start_failed", error=f"{type(exc).__name__}: {exc}")
+            return 2
+        await broker.stopping.wait()
+        await broker.shutdown()
+        return 0
+
+    return asyncio.run(main())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m broker", description="comap-async replay broker")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

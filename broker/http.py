@@ -1,0 +1,98 @@
+"""Broker HTTP: ``/healthz`` (open), ``/stats`` JSON and ``/metrics`` Prometheus text (bearer token if set)."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from broker.server import Broker
+
+
+def _authorised(request: web.Request, token: str | None) -> bool:
+    if not token:
+        return True
+    header = request.headers.get("Authorization", "")
+    return header.startswith("Bearer ") and hmac.compare_digest(header[7:].encode(), token.encode())
+
+
+def _esc(value: Any) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prometheus_text(stats: dict[str, Any]) -> str:
+    """Render the stats snapshot as Prometheus exposition text (counters end in _total)."""
+    out: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[dict[str, Any], float]]) -> None:
+        out.append(f"# HELP comap_broker_{name} {help_text}")
+        out.append(f"# TYPE comap_broker_{name} {kind}")
+        for labels, value in samples:
+            lab = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
+            out.append(f"comap_broker_{name}{{{lab}}} {float(value)!r}" if lab else f"comap_broker_{name} {float(value)!r}")
+
+    stores = stats["stores"]
+    metric("store_items", "gauge", "Items held per replay store.", [({"store": s}, v["count"]) for s, v in stores.items()])
+    metric("store_capacity", "gauge", "Ring capacity per replay store.", [({"store": s}, v["capacity"]) for s, v in stores.items()])
+    metric("store_evicted_total", "counter", "Items evicted (FIFO) per store.", [({"store": s}, v["evicted"]) for s, v in stores.items()])
+    metric("store_written_total", "counter", "Items ever written per store.", [({"store": s}, v["written"]) for s, v in stores.items()])
+    ing = stats["ingest"]
+    metric("stored_total", "counter", "Actor messages stored.", [({}, ing["stored_total"])])
+    metric("duplicates_total", "counter", "Resent messages recognised as already stored.", [({}, ing["duplicates"])])
+    metric("refused_total", "counter", "Messages refused because storage failed (disk full, map limit).", [({}, ing["refused"])])
+    metric("ingest_rate", "gauge", "Messages stored per second (last 10 s).", [({}, ing["rate_per_s"])])
+    metric("rejects_total", "counter", "Rejected (malformed, wrong-version, misrouted) messages by reason.",
+           [({"reason": k}, v) for k, v in stats["rejects"].items() if k != "total"])
+    metric("stale_skipped_total", "counter", "Items skipped by sampling as too stale, by store.",
+           [({"store": k}, v) for k, v in stats["stale_skipped"].items()])
+    metric("peer_events_total", "counter", "ZeroMQ peer events (handshake failures include CURVE rejections).",
+           [({"event": k}, v) for k, v in stats["peers"].items()])
+    g = stats["gates"]
+    metric("gate_world_state_imagined_total", "counter", "Reflection samples that use the imagined state.", [({}, g["world_state_imagined"])])
+    metric("gate_world_state_total", "counter", "Reflection samples derived.", [({}, g["world_state_total"])])
+    metric("gate_action_revised_total", "counter", "Transitions whose revision passed the action gate.", [({}, g["action_revised"])])
+    metric("gate_action_total", "counter", "Transitions seen by the action gate.", [({}, g["action_total"])])
+    metric("actor_last_seen_seconds", "gauge", "Seconds since each actor's last message.",
+           [({"actor": a}, e["age_s"]) for a, e in stats["actors"].items()])
+    reg = stats["registry"]
+    metric("registry_version", "gauge", "Current adapter versions.", [({"role": r}, v) for r, v in reg["versions"].items()])
+    metric("writable", "gauge", "1 when the broker can store, 0 while it refuses writes.", [({}, 1 if stats["writable"] else 0)])
+    metric("map_bytes", "gauge", "LMDB map size and used bytes.",
+           [({"kind": "size"}, stats["map"]["map_size"]), ({"kind": "used"}, stats["map"]["map_used"])])
+    return "\n".join(out) + "\n"
+
+
+def make_app(broker: "Broker") -> web.Application:
+    token = broker.b.http_token
+
+    async def healthz(request: web.Request) -> web.Response:
+        ok = broker.writable_error is None
+        body = {"ok": ok, "writable": ok, "error": broker.writable_error, "registry": broker.store.registry}
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def stats(request: web.Request) -> web.Response:
+        if not _authorised(request, token):
+            return web.json_response({"error": "missing or wrong bearer token"}, status=401)
+        return web.Response(text=json.dumps(broker.stats()), content_type="application/json")
+
+    async def metrics(request: web.Request) -> web.Response:
+        if not _authorised(request, token):
+            return web.Response(text="missing or wrong bearer token\n", status=401)
+        return web.Response(text=prometheus_text(broker.stats()), content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+    app = web.Application(client_max_size=64 * 1024)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/stats", stats)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def start_http(broker: "Broker", host: str, port: int) -> web.AppRunner:
+    runner = web.AppRunner(make_app(broker), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner

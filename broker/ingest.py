@@ -1,0 +1,150 @@
+"""Validated actor messages -> the records the broker stores, with the gates applied (DESIGN.md 4-5).
+
+Per message type:
+
+* ``transition`` in ``warmup``: the actor executed the expert's action (no LLM ran), so there is no
+  reflection to learn from: the raw transition goes to ``transitions`` (world-model warm-up on
+  real transitions) and ``(s, expert action)`` to ``demos``.
+* ``transition`` in ``reflect_init``/``coevolve``: the raw transition goes to ``transitions`` and
+  the gated policy sample of :func:`comap_async.gates.derive_policy_sample` to ``reflections``.
+* ``reflection`` (suffix-labelled in ``reflect_init``): to ``reflections`` as sent.
+* ``episode``: to ``episodes``.
+
+The raw transition is stored as the exact bytes received; the derived sample keeps the gate
+scores, so an analysis can recompute both gates with other thresholds later.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from comap_async.config import GateConfig
+from comap_async.facts import Facts
+from comap_async.gates import derive_policy_sample
+
+from broker.store import WriteItem
+
+FactParser = Callable[[str], "Facts | None"]
+ENVELOPE = ("v", "type", "seq")
+ACTOR_TYPES = ("transition", "episode", "reflection")
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def load_fact_parser(env_name: str, override: str | None = None) -> FactParser:
+    """The environment's fact parser (``comap_async.envs.get_fact_parser``) or ``module:attr``."""
+    if override:
+        module, _, attr = override.partition(":")
+        if not module or not attr:
+            raise ValueError(f"--fact-parser {override!r}: expected module:function")
+        return getattr(importlib.import_module(module), attr)
+    try:
+        from comap_async.envs import get_fact_parser
+    except ImportError:
+        # the same parser by its module name (comap_async.envs.<env>_facts:parse_facts)
+        try:
+            return importlib.import_module(f"comap_async.envs.{env_name}_facts").parse_facts
+        except (ImportError, AttributeError) as exc:
+            raise RuntimeError(f"cannot load the fact parser for env '{env_name}': {exc}") from None
+    return get_fact_parser(env_name)
+
+
+class SafeParser:
+    """Wraps a fact parser so an exception on odd text reads as 'unparseable' (counted), not a crash."""
+
+    def __init__(self, parse: FactParser, cache_size: int = 8192) -> None:
+        # The parser is pure and the same texts recur (the student and the teacher often predict
+        # the same sentence, "Nothing happens." is everywhere): remember recent results.
+        self._parse = functools.lru_cache(maxsize=cache_size)(parse) if cache_size else parse
+        self.errors = 0
+        self.last_error: str | None = None
+
+    def __call__(self, text: str) -> Facts | None:
+        try:
+            return self._parse(text)
+        except Exception as exc:  # a parser bug must not lose the transition or kill the broker
+            self.errors += 1
+            self.last_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+            return None
+
+
+def strip_envelope(msg: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in msg.items() if k not in ENVELOPE}
+
+
+class Ingest:
+    """Turns validated actor messages into :class:`WriteItem`s (pure apart from counters)."""
+
+    def __init__(self, parse_facts: FactParser, gates: GateConfig) -> None:
+        self.parser = SafeParser(parse_facts)
+        self.gates = gates
+
+    def prepare(self, msg: dict[str, Any], raw: bytes) -> WriteItem:
+        mtype = msg["type"]
+        if mtype == "transition":
+            return self._transition(msg, raw)
+        if mtype == "reflection":
+            rec = strip_envelope(msg)
+            rec["source"] = "suffix"
+            return WriteItem(b"r:" + msg["id"].encode(), [("reflections", _pack(rec))], {"stored_reflection_msgs": 1})
+        if mtype == "episode":
+            return WriteItem(b"e:" + msg["id"].encode(), [("episodes", _pack(strip_envelope(msg)))],
+                             {"stored_episodes": 1})
+        raise ValueError(f"not an actor message type: {mtype!r}")
+
+    def _transition(self, tr: dict[str, Any], raw: bytes) -> WriteItem:
+        key = b"t:" + tr["id"].encode()
+        if tr["phase"] == "warmup":
+            target = tr["expert_action"] or tr["a_exec"]
+            demo = {"id": tr["id"], "game": tr["game"], "goal": tr["goal"], "s": tr["s"], "target": target,
+                    "policy_version": tr["policy_version"], "wm_version": tr["wm_version"], "source": "expert",
+                    "ts": tr["ts"]}
+            return WriteItem(key, [("transitions", raw), ("demos", _pack(demo))],
+                             {"stored_transitions": 1, "stored_demos": 1})
+        g = self.gates
+        sample = derive_policy_sample(tr, self.parser, g.tau_p, g.tau_q, g.tau_ws)
+        sample["phase"] = tr["phase"]
+        counters = {
+            "stored_transitions": 1, "stored_derived": 1,
+            "gate_ws_total": 1, "gate_ws_imagined": int(sample["ws_imagined"]),
+            "gate_ag_total": 1, "gate_ag_open": sample["y"], f"gate_ag_{sample['ag_reason']}": 1,
+        }
+        return WriteItem(key, [("transitions", raw), ("reflections", _pack(sample))], counters)
+
+
+def record_from_store(store: str, value: bytes) -> dict[str, Any]:
+    """A stored value -> the item served to learners (raw transitions lose their wire envelope)."""
+    rec = msgpack.unpackb(value, raw=False)
+    if store == "transitions":
+        for k in ENVELOPE:
+            rec.pop(k, None)
+    return rec
+
+
+def best_effort_int(raw: Any, field: str) -> int:
+    """The ``seq``/``req`` of a message that failed validation, so the sender can match the error."""
+    try:
+        obj = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_bin_len=0, max_ext_len=0)
+        value = obj.get(field) if isinstance(obj, dict) else None
+        return value if type(value) is int and abs(value) <= (1 << 62) else -1
+    except Exception:  # any garbage: there is no number to echo
+        return -1
+
+
+def checked_registry(msg: dict[str, Any]) -> dict[str, Any]:
+    """The registry an ``announce`` sets, after checks the schema cannot express (ValueError)."""
+    versions, adapters = msg["versions"], msg["adapters"]
+    for role, v in versions.items():
+        if type(v) is not int or v < 0:
+            raise ValueError(f"announce: versions.{role} must be a non-negative integer, got {v!r}")
+    for role, name in adapters.items():
+        if type(name) is not str or not name or len(name) > 256:
+            raise ValueError(f"announce: adapters.{role} must be a non-empty adapter name, got {name!r}")
+    return {"phase": msg["phase"], "versions": dict(versions), "adapters": dict(adapters), "step": msg["step"]}

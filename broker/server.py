@@ -1,0 +1,396 @@
+"""The broker process: two ZeroMQ ROUTERs, group-committed LMDB storage, the stats HTTP server.
+
+Actor path (one task): drain the actor ROUTER, validate each frame (a bad one is answered with
+an error ack and counted at once), queue the valid ones; take up to ``broker.group_commit``
+queued messages, apply the gates, store them in one durable LMDB transaction, and only then ack
+each with the current registry. While a commit syncs, ZeroMQ's I/O thread keeps receiving (the
+GIL is released), so the next batch is waiting. When the queue is long the task stops reading;
+ZeroMQ's high-water marks then push back on actors.
+
+All LMDB work runs on the event loop thread: map resizing needs no concurrent transaction, and
+a storage thread would fight the loop for the GIL on every put (see ``_store_and_ack``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from comap_async.config import CoMapConfig
+from comap_async.protocol import ID_LEN, MAX_ITEMS, SCHEMA_VERSION, ProtocolError, decode, error_reason
+
+from broker import sampling
+from broker.ingest import ACTOR_TYPES, FactParser, Ingest, best_effort_int, checked_registry
+from broker.keys import ServerKeys
+from broker.stats import LiveStats, build_snapshot, reject_category, stored_total
+from broker.store import ReplayStore, StoreRefused, WriteItem
+
+ZAP_DOMAIN = "comap"
+LEARNER_TYPES = ("sample", "announce", "get_registry", "get_stats")
+_MONITOR_EVENTS = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake_failed_auth",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_failed_protocol",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_failed_no_detail",
+    zmq.EVENT_DISCONNECTED: "disconnected",
+    zmq.EVENT_HANDSHAKE_SUCCEEDED: "handshake_succeeded",
+}
+
+
+class Broker:
+    def __init__(self, cfg: CoMapConfig, parse_facts: FactParser, log: Any, server_keys: ServerKeys | None = None,
+                 replay_dir: str | Path | None = None) -> None:
+        b = cfg.broker
+        self.cfg, self.b, self.log, self.server_keys = cfg, b, log, server_keys
+        self.capacities = {"transitions": b.capacity_transitions, "reflections": b.capacity_reflections,
+                           "demos": b.capacity_demos, "episodes": b.capacity_episodes}
+        self.store = ReplayStore(replay_dir or cfg.run.dir / "replay", self.capacities,
+                                 map_size_mb=b.map_size_mb, max_map_size_mb=b.max_map_size_mb)
+        self.ingest = Ingest(parse_facts, cfg.gates)
+        self.live = LiveStats(self.store.state["counters"])
+        self.live.note_stored_total(stored_total(self.store.state["counters"]))
+        self.pending: list[tuple[bytes, list[bytes], dict[str, Any], bytes]] = []
+        self.max_pending = 4 * b.group_commit
+        self.writable_error: str | None = None
+        self.map_info: dict[str, Any] = self.store.info()
+        self.stopping = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._monitors: list[zmq.asyncio.Socket] = []
+        self._ack_cache: tuple[Any, bytes] = (None, b"")
+        self._actor_sync: zmq.Socket | None = None
+        self.ctx = zmq.asyncio.Context()
+        self.auth = None
+        self.endpoints: dict[str, str] = {}
+
+    # ---- set-up ------------------------------------------------------------------------------
+
+    def _router(self, port: int, label: str) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.linger = 500
+        sock.maxmsgsize = self.b.max_message_bytes  # ZeroMQ drops the peer of an oversized frame
+        sock.rcvhwm = sock.sndhwm = max(1000, 4 * self.b.group_commit)
+        sock.router_mandatory = False  # a reply to a vanished peer is dropped, never raises
+        if self.server_keys is not None:
+            sock.curve_server = True
+            sock.curve_secretkey = self.server_keys.secret
+            sock.curve_publickey = self.server_keys.public
+            sock.zap_domain = ZAP_DOMAIN.encode()
+        host = "127.0.0.1" if self.b.host == "localhost" else self.b.host
+        sock.bind(f"tcp://{host}:{port}")
+        self.endpoints[label] = f"tcp://{host}:{port}"
+        mon = sock.get_monitor_socket(sum(_MONITOR_EVENTS))
+        self._tasks.append(asyncio.create_task(self._monitor(mon, label), name=f"monitor-{label}"))
+        return sock
+
+    async def start(self) -> None:
+        if self.server_keys is not None:
+            from zmq.auth.asyncio import AsyncioAuthenticator
+
+            self.auth = AsyncioAuthenticator(self.ctx)
+            self.auth.start()
+            # pyzmq looks certificates up by the socket's exact ZAP domain ("*" is used only for an
+            # empty one), so register them under the domain the ROUTERs declare.
+            self.auth.configure_curve(domain=ZAP_DOMAIN, location=str(self.server_keys.authorized_dir))
+        self.actor_sock = self._router(self.b.actor_port, "actor")
+        self.learner_sock = self._router(self.b.learner_port, "learner")
+        self._actor_task = asyncio.create_task(self._actor_loop(), name="actor")
+        self._tasks.append(asyncio.create_task(self._learner_loop(), name="learner-recv"))
+        from broker.http import start_http
+
+        self.http_runner = await start_http(self, "127.0.0.1" if self.b.host == "localhost" else self.b.host,
+                                            self.b.http_port)
+        self.log.info("broker.started", **self.endpoints, http_port=self.b.http_port, replay=str(self.store.path),
+                      curve=self.server_keys is not None, stores={s: self.store.count(s) for s in self.capacities},
+                      registry=self.store.registry)
+
+    async def run(self) -> None:
+        await self.start()
+        await self.stopping.wait()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """Stop reading, commit and ack what is queued, then close everything."""
+        self.stopping.set()
+        try:  # the actor task stops reading, commits and acks what it holds, then returns
+            await asyncio.wait_for(self._actor_task, timeout=30)
+        except Exception as exc:  # noqa: BLE001 - shutdown must finish
+            self.log.error("broker.shutdown_flush_failed", error=repr(exc))
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.http_runner.cleanup()
+        if self.auth is not None:
+            self.auth.stop()
+        for sock in (*self._monitors, self.actor_sock, self.learner_sock):
+            sock.close(linger=0 if sock in self._monitors else 500)
+        self.ctx.destroy(linger=500)  # closes anything left (ZAP socket...) instead of hanging in term()
+        self.store.close()
+        self.log.info("broker.stopped", stored_total=stored_total(self.store.state["counters"]))
+
+    # ---- actor path --------------------------------------------------------------------------
+
+    def _ok_ack(self, seq: int) -> bytes:
+        """A positive ack, packed from a cached body (the registry changes rarely, acks are per message)."""
+        reg = self.store.registry
+        if self._ack_cache[0] is not reg:
+            body = {"v": SCHEMA_VERSION, "type": "ack", "ok": True, "error": None, "registry": reg}
+            # a msgpack map is a header plus key/value pairs: the same map with "seq" appended
+            self._ack_cache = (reg, msgpack.packb(body, use_bin_type=True)[1:])
+        return b"\x86" + self._ack_cache[1] + b"\xa3seq" + msgpack.packb(seq)
+
+    def _send_ack(self, ident: bytes, delim: list[bytes], seq: int, ok: bool, error: str | None = None,
+                  retry: bool = False) -> None:
+        if ok:
+            data = self._ok_ack(seq)
+        else:
+            data = msgpack.packb({"v": SCHEMA_VERSION, "type": "ack", "seq": seq, "ok": False,
+                                  "error": error[:ID_LEN] if error else None, "registry": self.store.registry,
+                                  "retry": retry}, use_bin_type=True)
+        try:
+            # NOBLOCK on an asyncio socket returns a finished future; result() raises its error
+            self._actor_sync.send_multipart([ident, *delim, data], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone or its queue full: it will resend and get a duplicate ack
+            self.live.bump("peer_ack_dropped")
+            if self.live.should_log("ack_drop"):
+                self.log.warning("broker.ack_dropped", error=str(exc))
+
+    def _reject(self, ident: bytes, delim: list[bytes], category: str, reason: str, raw: Any) -> None:
+        self.live.reject(category)
+        if self.live.should_log("reject:" + category):
+            self.log.warning("broker.reject", category=category, reason=reason, peer=ident.hex()[:16],
+                             total=self.live.rejects_total)
+        seq = best_effort_int(raw, "seq") if isinstance(raw, bytes) else -1
+        self._send_ack(ident, delim, seq, False, reason, retry=False)
+
+    def _on_actor_frames(self, frames: list[bytes]) -> None:
+        ident, body = frames[0], frames[1:]
+        delim: list[bytes] = []
+        if len(body) == 2 and body[0] == b"":  # REQ-style envelope: echo the delimiter back
+            delim, body = [b""], body[1:]
+        if len(body) != 1:
+            self._reject(ident, delim, "bad_frames", f"expected one message frame, got {len(body)}", None)
+            return
+        raw = body[0]
+        try:
+            msg = decode(raw, self.b.max_message_bytes)
+        except ProtocolError as exc:
+            self._reject(ident, delim, reject_category(exc), error_reason(exc), raw)
+            return
+        if msg["type"] not in ACTOR_TYPES:
+            self._reject(ident, delim, "wrong_socket", f"'{msg['type']}' is not an actor message (learners use "
+                         f"the learner port {self.b.learner_port})", raw)
+            return
+        self.live.seen_actor(msg["actor"])
+        self.pending.append((ident, delim, msg, raw))
+
+    async def _actor_loop(self) -> None:
+        """Receive, store and ack in one task: drain, commit a batch, ack, repeat; sleep in poll.
+
+        The socket is read and written through a synchronous view (an asyncio NOBLOCK call costs
+        a future each, measured ~3x slower per ack). That is safe because only this task touches
+        the socket, never while its own poll is pending, and the asyncio poll checks ZMQ_EVENTS
+        before it sleeps, so an edge consumed by a synchronous call is not a missed wake-up."""
+        self._actor_sync = zmq.Socket.shadow(self.actor_sock.underlying)
+        sync = self._actor_sync
+        while True:
+            while not self.stopping.is_set() and len(self.pending) < self.max_pending:
+                try:
+                    frames = sync.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    self._on_actor_frames(frames)
+                except Exception as exc:  # noqa: BLE001 - input must never kill the broker
+                    self.live.bump("internal_errors")
+                    self.log.exception("broker.actor_frame_error", error=repr(exc))
+            if self.pending:
+                batch = self.pending[: self.b.group_commit]
+                del self.pending[: self.b.group_commit]
+                self._store_and_ack(batch)
+                await asyncio.sleep(0)  # let HTTP and learner requests run between transactions
+                continue
+            if self.stopping.is_set():
+                return  # everything read has been committed and acked
+            # while the queue is long we do not read: ZeroMQ's high-water marks push back on actors
+            await self.actor_sock.poll(timeout=100, flags=zmq.POLLIN)
+
+    def _prepare_batch(self, batch: list[tuple[bytes, list[bytes], dict[str, Any], bytes]]
+                       ) -> tuple[list[WriteItem], list[int | str]]:
+        """Gates and records for a batch. ``slots`` maps each message to its item index, or to an
+        error string when preparing it failed (a bug for one message must not lose the batch)."""
+        items: list[WriteItem] = []
+        slots: list[int | str] = []
+        for _, _, msg, raw in batch:
+            try:
+                items.append(self.ingest.prepare(msg, raw))
+                slots.append(len(items) - 1)
+            except Exception as exc:  # noqa: BLE001
+                slots.append(f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
+        parser_errors = self.ingest.parser.errors
+        if parser_errors:  # counted and logged; the transition is kept, its text read as unparseable
+            self.ingest.parser.errors = 0
+            self.live.bump("internal_errors_fact_parser", parser_errors)
+            if self.live.should_log("fact_parser"):
+                self.log.error("broker.fact_parser_failed", count=parser_errors, last=self.ingest.parser.last_error)
+        return items, slots
+
+    def _store_and_ack(self, batch: list) -> None:
+        """Gates, one durable transaction, then an ack per message (or a refusal for all).
+
+        This runs on the event loop thread on purpose: py-lmdb releases the GIL around every
+        put, and a storage thread competing with the loop for the GIL made each commit 3-5 times
+        slower than the few milliseconds the transaction takes alone (measured)."""
+        try:
+            items, slots = self._prepare_batch(batch)
+            if items:
+                self.store.write(items, dict(self.live.counters))
+            self.map_info = self.store.info()
+            self.writable_error = None
+        except StoreRefused as exc:
+            self._refuse(batch, str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - report, refuse this batch, keep serving
+            self.live.bump("internal_errors")
+            self.log.exception("broker.store_failed", error=repr(exc))
+            self._refuse(batch, f"internal storage error: {type(exc).__name__}: {str(exc)[:200]}")
+            return
+        for (ident, delim, msg, _), slot in zip(batch, slots):
+            if isinstance(slot, int):  # STORED or DUPLICATE: either way it is in the store now
+                self._send_ack(ident, delim, msg["seq"], True)
+            else:
+                self.live.bump("internal_errors")
+                self.log.error("broker.prepare_failed", id=msg.get("id"), error=slot)
+                self._send_ack(ident, delim, msg["seq"], False, slot, retry=False)
+        self.live.note_stored_total(stored_total(self.store.state["counters"]))
+
+    def _refuse(self, batch: list, reason: str) -> None:
+        self.writable_error = reason
+        self.live.bump("refused", len(batch))
+        if self.live.should_log("refused"):
+            self.log.error("broker.refusing_writes", reason=reason, refused_total=self.live.counters["refused"])
+        for ident, delim, msg, _ in batch:  # the actor keeps them and resends later
+            self._send_ack(ident, delim, msg["seq"], False, f"broker cannot store: {reason}", retry=True)
+
+    # ---- learner path ------------------------------------------------------------------------
+
+    async def _learner_loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                frames = await self.learner_sock.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                self.log.error("broker.learner_recv_failed", error=str(exc))
+                await asyncio.sleep(0.1)
+                continue
+            t = asyncio.create_task(self._learner_request(frames))
+            t.add_done_callback(self._tasks_done)
+
+    def _tasks_done(self, t: asyncio.Task) -> None:
+        if not t.cancelled() and t.exception() is not None:
+            self.live.bump("internal_errors")
+            self.log.error("broker.learner_task_failed", error=repr(t.exception()))
+
+    async def _reply(self, ident: bytes, delim: list[bytes], msg: dict[str, Any]) -> None:
+        if msg.get("error"):
+            msg["error"] = msg["error"][:ID_LEN]  # the schema's limit: a longer reason would be rejected
+        data = msgpack.packb(msg, use_bin_type=True)
+        if len(data) > self.b.max_message_bytes and msg.get("type") == "batch" and len(msg["items"]) > 1:
+            # keep the reply under the frame limit the learner enforces: serve fewer items
+            msg["items"] = msg["items"][: len(msg["items"]) // 2]
+            await self._reply(ident, delim, msg)
+            return
+        await self.learner_sock.send_multipart([ident, *delim, data])
+
+    async def _learner_request(self, frames: list[bytes]) -> None:
+        ident, body = frames[0], frames[1:]
+        delim: list[bytes] = []
+        if len(body) == 2 and body[0] == b"":
+            delim, body = [b""], body[1:]
+
+        def fail(category: str, reason: str, req: int) -> dict[str, Any]:
+            self.live.reject(category)
+            if self.live.should_log("reject:" + category):
+                self.log.warning("broker.learner_reject", category=category, reason=reason)
+            return {"v": SCHEMA_VERSION, "type": "reply", "req": req, "ok": False, "error": reason, "data": {}}
+
+        if len(body) != 1:
+            await self._reply(ident, delim, fail("bad_frames", f"expected one message frame, got {len(body)}", -1))
+            return
+        raw = body[0]
+        try:
+            msg = decode(raw, self.b.max_message_bytes)
+        except ProtocolError as exc:
+            await self._reply(ident, delim, fail(reject_category(exc), error_reason(exc), best_effort_int(raw, "req")))
+            return
+        if msg["type"] not in LEARNER_TYPES:
+            await self._reply(ident, delim, fail("wrong_socket", f"'{msg['type']}' is not a learner request", -1))
+            return
+        self.live.bump("learner_requests")
+        try:
+            reply = await self._handle_learner(msg)
+        except StoreRefused as exc:
+            reply = {"ok": False, "error": f"broker cannot store: {exc}", "data": {}}
+        except ValueError as exc:
+            reply = fail("bad_field", str(exc), msg["req"])
+        reply = {"v": SCHEMA_VERSION, "type": reply.pop("type", "reply"), "req": msg["req"], **reply}
+        await self._reply(ident, delim, reply)
+
+    async def _handle_learner(self, msg: dict[str, Any]) -> dict[str, Any]:
+        mtype = msg["type"]
+        if mtype == "get_registry":
+            return {"ok": True, "error": None, "data": self.store.registry}
+        if mtype == "get_stats":
+            return {"ok": True, "error": None, "data": self.stats()}
+        if mtype == "announce":
+            registry = checked_registry(msg)
+            old = self.store.registry
+            self.store.set_registry(registry)
+            if registry["versions"].get("policy", 0) < old["versions"].get("policy", 0):
+                self.log.warning("broker.policy_version_decreased", old=old["versions"], new=registry["versions"])
+            self.log.info("broker.registry", **registry)
+            return {"ok": True, "error": None, "data": registry}
+        # sample
+        n = msg["n"]
+        if not 1 <= n <= MAX_ITEMS:
+            raise ValueError(f"sample: n must be in [1, {MAX_ITEMS}], got {n}")
+        current = int(self.store.registry["versions"].get("policy", 0))
+        res = sampling.sample(self.store, msg["store"], n, window=self.b.window, current_policy=current,
+                              max_staleness=self.b.max_staleness, seed=msg.get("seed"))
+        if res.stale_skipped:
+            self.live.bump("stale_skipped_" + msg["store"], res.stale_skipped)
+        return {"type": "batch", "store": msg["store"], "items": res.items, "stale_skipped": res.stale_skipped,
+                "available": res.available}
+
+    # ---- monitoring ------------------------------------------------------------------------
+
+    async def _monitor(self, mon: zmq.asyncio.Socket, label: str) -> None:
+        self._monitors.append(mon)
+        while True:
+            frames = await mon.recv_multipart()
+            try:
+                event = parse_monitor_message(frames)
+                name = _MONITOR_EVENTS.get(event["event"])
+                if name is None:
+                    continue
+                self.live.bump(f"peer_{label}_{name}")
+                if name.startswith("handshake_failed") and self.live.should_log(f"hs:{label}:{name}"):
+                    endpoint = event.get("endpoint", b"")
+                    self.log.warning("broker.handshake_failed", socket=label, kind=name, value=event.get("value"),
+                                     endpoint=endpoint.decode(errors="replace") if isinstance(endpoint, bytes) else
+                                     str(endpoint))
+            except Exception as exc:  # noqa: BLE001 - counting must not stop on one odd event
+                self.live.bump("internal_errors")
+                self.log.error("broker.monitor_error", error=repr(exc))
+
+    def stats(self) -> dict[str, Any]:
+        return build_snapshot(self.store.state, self.capacities, self.live, self.store.registry, {
+            "writable": self.writable_error is None, "last_error": self.writable_error, "map": self.map_info,
+            "pending": len(self.pending), "curve": self.server_keys is not None, "endpoints": self.endpoints,
+            "time": time.time()})

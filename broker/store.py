@@ -1,0 +1,253 @@
+"""LMDB replay stores: bounded FIFO rings, a dedup index and persisted counters (DESIGN.md section 5).
+
+One LMDB environment holds named databases:
+
+* ``transitions``, ``reflections``, ``demos``, ``episodes``: rings keyed by a big-endian 8-byte
+  index; ``head`` is the next index to write and ``tail`` the oldest kept one.
+* ``dedup`` (key -> index) and ``dedup_order`` (index -> key): a FIFO ring of message ids already
+  stored, so a resent message is acknowledged without being stored twice.
+* ``meta``: ``state`` (ring positions, eviction and ingest counters) and ``registry``.
+
+Everything a write changes, ``state`` included, goes into one transaction, so a broker killed at
+any instant reopens with rings, dedup index and counters that agree with each other. LMDB's
+default durable commit is kept: an ack that follows :meth:`ReplayStore.write` is never lost.
+
+All methods must be called from one thread (the broker's event loop): ``set_mapsize`` needs no
+transaction open in this process, which one thread guarantees.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import msgpack
+
+from comap_async.protocol import STORES, empty_registry
+
+_KEY = struct.Struct(">Q")
+MB = 1 << 20
+STORED, DUPLICATE = "stored", "duplicate"
+
+
+class StoreRefused(RuntimeError):
+    """A write was refused (map at its size limit, disk full, I/O error); nothing was changed."""
+
+
+@dataclass(slots=True)
+class WriteItem:
+    """One message's effect: records to append and counters to bump, or nothing if it is a duplicate."""
+
+    dedup_key: bytes
+    records: list[tuple[str, bytes]]
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False)
+
+
+def _fresh_state(stores: Iterable[str]) -> dict[str, Any]:
+    return {
+        "rings": {s: [0, 0] for s in stores},  # [tail, head]
+        "evicted": {s: 0 for s in stores},
+        "dedup": [0, 0],
+        "counters": {},
+    }
+
+
+class ReplayStore:
+    """Bounded FIFO rings over one LMDB environment with a dedup index and persisted counters."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        capacities: dict[str, int],
+        *,
+        map_size_mb: int = 256,
+        max_map_size_mb: int = 65536,
+        dedup_capacity: int | None = None,
+        readonly: bool = False,
+    ) -> None:
+        unknown = set(capacities) - set(STORES)
+        if unknown:
+            raise ValueError(f"unknown stores {sorted(unknown)}; known: {list(STORES)}")
+        self.path = Path(path)
+        self.capacities = dict(capacities)
+        # Resends arrive seconds after the original; remembering as many ids as the rings hold
+        # items covers them with a wide margin while keeping the index bounded.
+        self.dedup_capacity = dedup_capacity or max(1, sum(capacities.values()))
+        self.max_map_size = max(max_map_size_mb, map_size_mb) * MB
+        if not readonly:
+            self.path.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(
+            str(self.path), map_size=map_size_mb * MB, max_dbs=16, readonly=readonly,
+            lock=True, readahead=False, meminit=False,
+        )
+        self._dbs = {name: self.env.open_db(name.encode(), create=not readonly)
+                     for name in (*STORES, "dedup", "dedup_order", "meta")}
+        self.last_error: str | None = None
+        self.map_grown = 0
+        with self.env.begin() as txn:
+            raw_state = txn.get(b"state", db=self._dbs["meta"])
+            raw_reg = txn.get(b"registry", db=self._dbs["meta"])
+        self.state = _fresh_state(STORES)
+        if raw_state is not None:
+            saved = _unpack(raw_state)
+            for key in ("rings", "evicted"):
+                self.state[key].update(saved.get(key, {}))
+            self.state["dedup"] = saved.get("dedup", [0, 0])
+            self.state["counters"] = saved.get("counters", {})
+        self.registry: dict[str, Any] = _unpack(raw_reg) if raw_reg is not None else empty_registry()
+
+    # ---- reading -------------------------------------------------------------------------
+
+    def count(self, store: str) -> int:
+        tail, head = self.state["rings"][store]
+        return head - tail
+
+    def bounds(self, store: str) -> tuple[int, int]:
+        tail, head = self.state["rings"][store]
+        return tail, head
+
+    def get_many(self, store: str, indices: Iterable[int]) -> list[bytes | None]:
+        db = self._dbs[store]
+        with self.env.begin(buffers=False) as txn:
+            return [txn.get(_KEY.pack(i), db=db) for i in indices]
+
+    def iter_store(self, store: str) -> Iterable[bytes]:
+        """Every record of a store, oldest first (for analysis and tests)."""
+        with self.env.begin() as txn:
+            for _, value in txn.cursor(db=self._dbs[store]):
+                yield bytes(value)
+
+    def is_duplicate(self, dedup_key: bytes) -> bool:
+        with self.env.begin() as txn:
+            return txn.get(dedup_key, db=self._dbs["dedup"]) is not None
+
+    def info(self) -> dict[str, Any]:
+        info, stat = self.env.info(), self.env.stat()
+        used = (info["last_pgno"] + 1) * stat["psize"]
+        return {"map_size": info["map_size"], "map_used": used, "max_map_size": self.max_map_size,
+                "map_grown": self.map_grown}
+
+    # ---- writing -------------------------------------------------------------------------
+
+    def write(self, items: list[WriteItem], extra_counters: dict[str, int] | None = None) -> list[str]:
+        """Store ``items`` in one durable transaction; returns STORED or DUPLICATE per item.
+
+        ``extra_counters`` (absolute values, e.g. reject counts kept by the server) are persisted
+        alongside. Grows the map on MapFullError; raises :class:`StoreRefused` with the reason
+        when it cannot, leaving the database and ``self.state`` exactly as they were.
+        """
+        while True:
+            state = copy.deepcopy(self.state)
+            try:
+                results = self._write_txn(items, state, extra_counters)
+            except lmdb.MapFullError:
+                self._grow_or_refuse()
+                continue
+            except lmdb.Error as exc:
+                self._refuse_io(exc)
+            self.state = state
+            self.last_error = None
+            return results
+
+    def set_registry(self, registry: dict[str, Any]) -> None:
+        """Persist a new registry (one durable transaction); same growth/refusal rules as write."""
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    txn.put(b"registry", _pack(registry), db=self._dbs["meta"])
+            except lmdb.MapFullError:
+                self._grow_or_refuse()
+                continue
+            except lmdb.Error as exc:
+                self._refuse_io(exc)
+            self.registry = registry
+            return
+
+    def _write_txn(self, items: list[WriteItem], state: dict[str, Any], extra: dict[str, int] | None) -> list[str]:
+        dedup_db, order_db = self._dbs["dedup"], self._dbs["dedup_order"]
+        counters = state["counters"]
+        results: list[str] = []
+        with self.env.begin(write=True) as txn:
+            seen: set[bytes] = set()
+            for item in items:
+                if item.dedup_key in seen or txn.get(item.dedup_key, db=dedup_db) is not None:
+                    counters["duplicates"] = counters.get("duplicates", 0) + 1
+                    results.append(DUPLICATE)
+                    continue
+                seen.add(item.dedup_key)
+                for store, value in item.records:
+                    self._append(txn, state, store, value)
+                # the dedup index is a ring too: the oldest ids are forgotten first
+                d_tail, d_head = state["dedup"]
+                txn.put(item.dedup_key, _KEY.pack(d_head), db=dedup_db)
+                txn.put(_KEY.pack(d_head), item.dedup_key, db=order_db)
+                d_head += 1
+                if d_head - d_tail > self.dedup_capacity:
+                    old = txn.pop(_KEY.pack(d_tail), db=order_db)
+                    if old is not None:
+                        txn.delete(old, db=dedup_db)
+                    d_tail += 1
+                state["dedup"] = [d_tail, d_head]
+                for k, v in item.counters.items():
+                    counters[k] = counters.get(k, 0) + v
+                results.append(STORED)
+            if extra:
+                counters.update(extra)
+            txn.put(b"state", _pack(state), db=self._dbs["meta"])
+        return results
+
+    def _append(self, txn: lmdb.Transaction, state: dict[str, Any], store: str, value: bytes) -> None:
+        db = self._dbs[store]
+        tail, head = state["rings"][store]
+        txn.put(_KEY.pack(head), value, db=db, append=True)
+        head += 1
+        while head - tail > self.capacities[store]:
+            txn.delete(_KEY.pack(tail), db=db)
+            tail += 1
+            state["evicted"][store] += 1
+        state["rings"][store] = [tail, head]
+
+    def _grow_or_refuse(self) -> None:
+        size = self.env.info()["map_size"]
+        if size >= self.max_map_size:
+            self.last_error = (f"LMDB map is full at its limit ({size // MB} MB = broker.max_map_size_mb); "
+                               "raise max_map_size_mb or lower the store capacities")
+            raise StoreRefused(self.last_error)
+        new = min(self.max_map_size, size * 2)
+        self.env.set_mapsize(new)
+        self.map_grown += 1
+
+    def _refuse_io(self, exc: lmdb.Error) -> None:
+        try:
+            free = shutil.disk_usage(self.path).free
+        except OSError:
+            free = -1
+        hint = "disk full" if 0 <= free < 64 * MB else "I/O error"
+        self.last_error = f"LMDB write failed ({hint}, {free // MB if free >= 0 else '?'} MB free at {self.path}): {exc}"
+        raise StoreRefused(self.last_error) from None
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def key_of(index: int) -> bytes:
+    return _KEY.pack(index)
+
+
+def disk_free_bytes(path: str | Path) -> int:
+    return shutil.disk_usage(os.fspath(path)).free

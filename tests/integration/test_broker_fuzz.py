@@ -1,0 +1,135 @@
+"""Acceptance 2: 10,000 malformed frames from raw ZeroMQ sockets; the broker keeps serving and counts them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from actors.outbox import Outbox
+from learner.broker_client import BrokerClient
+from comap_async.protocol import SCHEMAS
+from tests.fixtures.broker import make_transition
+
+N_FRAMES = 10_000
+WRONG = {  # values of the wrong wire type for each schema field kind
+    "str": [1, 1.5, True, [1], {"a": 1}, b"\x00\x01"],
+    "int": ["7", 1.5, True, None, [1], b"\x07"],
+    "float": ["0.5", True, None, {"x": 1}],
+    "bool": [1, 0, "true", None, 1.0],
+}
+MAX_BYTES = 256 * 1024
+
+
+def malformed_frames(rng: random.Random, n: int) -> list[list[bytes]]:
+    valid = make_transition(1, actor="fuzz")
+    valid["seq"] = 1
+    packed = msgpack.packb(valid)
+    keys = list(valid)
+    out: list[list[bytes]] = []
+    for i in range(n):
+        kind = i % 10
+        if kind == 0:  # random bytes (sometimes empty)
+            out.append([rng.randbytes(rng.randrange(0, 300))])
+        elif kind == 1:  # truncated msgpack of a valid message
+            out.append([packed[: rng.randrange(1, len(packed))]])
+        elif kind == 2:  # a field of the wrong type (chosen from the schema so it is really wrong)
+            m = dict(valid)
+            name = rng.choice(keys[2:])
+            m[name] = rng.choice(WRONG[SCHEMAS["transition"][name].kind])
+            out.append([msgpack.packb(m, use_bin_type=True)])
+        elif kind == 3:  # a huge string (above the field limit, below the frame limit)
+            m = dict(valid)
+            m[rng.choice(["s", "o", "id", "s_next", "goal"])] = "z" * rng.randrange(70_000, 200_000)
+            out.append([msgpack.packb(m)])
+        elif kind == 4:  # unknown or malformed schema versions
+            m = dict(valid)
+            m["v"] = rng.choice([0, 2, 99, "1", 1.0, None, -1])
+            out.append([msgpack.packb(m)])
+        elif kind == 5:  # missing field / unknown field / unknown type / learner message
+            m = dict(valid)
+            choice = rng.randrange(4)
+            if choice == 0:
+                del m[rng.choice(keys[2:])]
+            elif choice == 1:
+                m["x" * rng.randrange(1, 500)] = 1
+            elif choice == 2:
+                m["type"] = rng.choice(["transitionX", "", "ack", 5])
+            else:
+                m = {"v": 1, "type": "sample", "req": 1, "store": "demos", "n": 1}
+            out.append([msgpack.packb(m)])
+        elif kind == 6:  # not a map at top level, or deeply nested garbage
+            out.append([msgpack.packb(rng.choice([[1, 2, 3], 42, "transition", None, [[[[[]]]]] * 50, {1: 2}]))])
+        elif kind == 7:  # several frames in one message
+            out.append([b"x" + rng.randbytes(8), msgpack.packb(valid)])
+        elif kind == 8:  # out-of-range ints, NaN/inf floats, binary strings, bad enum values
+            m = dict(valid)
+            field, value = rng.choice([("t", 1 << 63), ("p_revise", float("nan")), ("q_ref", float("inf")),
+                                       ("decision", "MAYBE"), ("phase", "train"), ("s", b"bytes"), ("seq", 2**64 - 1)])
+            m[field] = value
+            out.append([msgpack.packb(m, use_bin_type=True)])
+        else:  # msgpack ext types and invalid utf-8 in strings
+            out.append([rng.choice([b"\xd4\x01\x02", b"\xa3\xff\xfe\xfd", b"\x81\xa1v\xc1", b"\xc1"])])
+    return out
+
+
+async def test_fuzz_frames_are_rejected_counted_and_broker_survives(broker_factory):
+    bp = broker_factory([f"broker.max_message_bytes={MAX_BYTES}"])
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.rcvhwm = 0  # read every error ack
+    sock.connect(bp.actor_endpoint)
+    frames = malformed_frames(random.Random(1234), N_FRAMES)
+    acks: list[dict] = []
+
+    async def reader() -> None:
+        while len(acks) < N_FRAMES:
+            acks.append(msgpack.unpackb(await sock.recv()))
+
+    read = asyncio.create_task(reader())
+    for f in frames:
+        await sock.send_multipart(f)
+    await asyncio.wait_for(read, 60)
+    assert all(not a["ok"] and a["retry"] is False and a["error"] for a in acks)
+    assert all(a["type"] == "ack" and a["v"] == 1 for a in acks)
+
+    # learner port: garbage gets error replies too
+    lsock = ctx.socket(zmq.DEALER)
+    lsock.connect(bp.learner_endpoint)
+    # (kind 5 includes a valid learner request, which would rightly be answered)
+    for f in [f for i, f in enumerate(frames) if i % 10 != 5][:500]:
+        await lsock.send_multipart(f)
+    replies = [msgpack.unpackb(await asyncio.wait_for(lsock.recv(), 10)) for _ in range(500)]
+    assert all(r["type"] == "reply" and not r["ok"] for r in replies)
+
+    # an oversized frame: ZeroMQ (MAXMSGSIZE) drops that peer; nothing reaches the broker's code
+    big = ctx.socket(zmq.DEALER)
+    big.connect(bp.actor_endpoint)
+    await big.send(b"\x00" * (MAX_BYTES + 10))
+    await asyncio.sleep(0.5)
+
+    status, body = bp.http("/healthz")
+    assert status == 200 and json.loads(body)["ok"]
+    async with BrokerClient(bp.learner_endpoint, timeout_s=5) as client:
+        out = await Outbox(bp.actor_endpoint, ack_timeout_s=1.0).start()
+        await out.put(make_transition(7, actor="good"))
+        await out.flush(10)
+        await out.close()
+        assert out.stats["acked"] == 1
+        assert (await client.get_registry())["phase"] == "warmup"
+    stats = bp.stats()
+    assert stats["rejects"]["total"] == N_FRAMES + 500
+    for cat in ("not_msgpack", "bad_field", "bad_version", "unknown_type", "bad_frames", "wrong_socket", "not_a_map",
+                "empty"):
+        assert stats["rejects"].get(cat, 0) > 0, cat
+    assert stats["stores"]["transitions"]["count"] == 1
+    assert stats["peers"].get("actor_disconnected", 0) >= 1
+    assert bp.proc.poll() is None
+    for s in (sock, lsock, big):
+        s.close(0)
+    ctx.term()
+    assert bp.terminate() == 0
