@@ -34,10 +34,6 @@ ENVELOPE = ("v", "type", "seq")
 ACTOR_TYPES = ("transition", "episode", "reflection")
 
 
-def _pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
 def load_fact_parser(env_name: str, override: str | None = None) -> FactParser:
     """The environment's fact parser (``comap_async.envs.get_fact_parser``) or ``module:attr``."""
     if override:
@@ -85,6 +81,9 @@ class Ingest:
     def __init__(self, parse_facts: FactParser, gates: GateConfig) -> None:
         self.parser = SafeParser(parse_facts)
         self.gates = gates
+        # packb builds a Packer per call; one reused Packer saves that on every record. A Packer
+        # is not thread-safe, and an Ingest is used by one thread (the broker's event loop).
+        self._pack = msgpack.Packer(use_bin_type=True).pack
 
     def prepare(self, msg: dict[str, Any], raw: bytes) -> WriteItem:
         mtype = msg["type"]
@@ -93,20 +92,22 @@ class Ingest:
         if mtype == "reflection":
             rec = strip_envelope(msg)
             rec["source"] = "suffix"
-            return WriteItem(b"r:" + msg["id"].encode(), [("reflections", _pack(rec))], {"stored_reflection_msgs": 1})
+            return WriteItem(b"r:" + msg["id"].encode(), [("reflections", self._pack(rec))], {"stored_reflection_msgs": 1})
         if mtype == "episode":
-            return WriteItem(b"e:" + msg["id"].encode(), [("episodes", _pack(strip_envelope(msg)))],
+            return WriteItem(b"e:" + msg["id"].encode(), [("episodes", self._pack(strip_envelope(msg)))],
                              {"stored_episodes": 1})
         raise ValueError(f"not an actor message type: {mtype!r}")
 
     def _transition(self, tr: dict[str, Any], raw: bytes) -> WriteItem:
         key = b"t:" + tr["id"].encode()
         if tr["phase"] == "warmup":
-            target = tr["expert_action"] or tr["a_exec"]
+            # warm-up executes the demonstration (a walkthrough or the expert), so a_exec is the target;
+            # ``expert_action`` stays in the raw transition as the handcoded expert's own label
+            target = tr["a_exec"]
             demo = {"id": tr["id"], "game": tr["game"], "goal": tr["goal"], "s": tr["s"], "target": target,
                     "policy_version": tr["policy_version"], "wm_version": tr["wm_version"], "source": "expert",
                     "ts": tr["ts"]}
-            return WriteItem(key, [("transitions", raw), ("demos", _pack(demo))],
+            return WriteItem(key, [("transitions", raw), ("demos", self._pack(demo))],
                              {"stored_transitions": 1, "stored_demos": 1})
         g = self.gates
         sample = derive_policy_sample(tr, self.parser, g.tau_p, g.tau_q, g.tau_ws)
@@ -116,7 +117,7 @@ class Ingest:
             "gate_ws_total": 1, "gate_ws_imagined": int(sample["ws_imagined"]),
             "gate_ag_total": 1, "gate_ag_open": sample["y"], f"gate_ag_{sample['ag_reason']}": 1,
         }
-        return WriteItem(key, [("transitions", raw), ("reflections", _pack(sample))], counters)
+        return WriteItem(key, [("transitions", raw), ("reflections", self._pack(sample))], counters)
 
 
 def record_from_store(store: str, value: bytes) -> dict[str, Any]:

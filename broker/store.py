@@ -179,43 +179,51 @@ class ReplayStore:
             return
 
     def _write_txn(self, items: list[WriteItem], state: dict[str, Any], extra: dict[str, int] | None) -> list[str]:
-        dedup_db, order_db = self._dbs["dedup"], self._dbs["dedup_order"]
-        counters = state["counters"]
+        dedup_db, order_db, dbs = self._dbs["dedup"], self._dbs["dedup_order"], self._dbs
+        counters, rings = state["counters"], state["rings"]
+        key = _KEY.pack
         results: list[str] = []
+        d_tail, d_head = state["dedup"]
+        # Ring heads only grow, so every key is appended (append=True skips LMDB's search), and
+        # the records of the whole batch go in with one putmulti per store instead of a put each.
+        appends: dict[str, list[tuple[bytes, bytes]]] = {}
         with self.env.begin(write=True) as txn:
-            seen: set[bytes] = set()
+            put = txn.put
             for item in items:
-                if item.dedup_key in seen or txn.get(item.dedup_key, db=dedup_db) is not None:
+                # one put both tests and records the id: no separate lookup, and a second copy
+                # within the same batch sees the first because it is in the same transaction
+                if not put(item.dedup_key, key(d_head), db=dedup_db, overwrite=False):
                     counters["duplicates"] = counters.get("duplicates", 0) + 1
                     results.append(DUPLICATE)
                     continue
-                seen.add(item.dedup_key)
-                for store, value in item.records:
-                    self._append(txn, state, store, value)
-                # the dedup index is a ring too: the oldest ids are forgotten first
-                d_tail, d_head = state["dedup"]
-                txn.put(item.dedup_key, _KEY.pack(d_head), db=dedup_db)
-                txn.put(_KEY.pack(d_head), item.dedup_key, db=order_db)
+                put(key(d_head), item.dedup_key, db=order_db, append=True)
                 d_head += 1
-                if d_head - d_tail > self.dedup_capacity:
-                    old = txn.pop(_KEY.pack(d_tail), db=order_db)
-                    if old is not None:
-                        txn.delete(old, db=dedup_db)
-                    d_tail += 1
-                state["dedup"] = [d_tail, d_head]
+                for store, value in item.records:
+                    ring = rings[store]
+                    appends.setdefault(store, []).append((key(ring[1]), value))
+                    ring[1] += 1
                 for k, v in item.counters.items():
                     counters[k] = counters.get(k, 0) + v
                 results.append(STORED)
+            for store, pairs in appends.items():
+                with txn.cursor(db=dbs[store]) as cur:
+                    cur.putmulti(pairs, append=True)
+                self._evict(txn, state, store)
+            # the dedup index is a ring too: the oldest ids are forgotten first
+            while d_head - d_tail > self.dedup_capacity:
+                old = txn.pop(key(d_tail), db=order_db)
+                if old is not None:
+                    txn.delete(old, db=dedup_db)
+                d_tail += 1
+            state["dedup"] = [d_tail, d_head]
             if extra:
                 counters.update(extra)
             txn.put(b"state", _pack(state), db=self._dbs["meta"])
         return results
 
-    def _append(self, txn: lmdb.Transaction, state: dict[str, Any], store: str, value: bytes) -> None:
+    def _evict(self, txn: lmdb.Transaction, state: dict[str, Any], store: str) -> None:
         db = self._dbs[store]
         tail, head = state["rings"][store]
-        txn.put(_KEY.pack(head), value, db=db, append=True)
-        head += 1
         while head - tail > self.capacities[store]:
             txn.delete(_KEY.pack(tail), db=db)
             tail += 1

@@ -15,10 +15,14 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("comap_async.commands.model", "provision models: `comap model prepare` (default SmolLM2, offline)"),
     "config": ("comap_async.commands.config", "print the validated configuration (with --set overrides)"),
+    "serve": ("comap_async.commands.serve", "OpenAI-compatible LLM server with LoRA hot-swap (embedded CPU, or --backend vllm)"),
     "data": ("comap_async.commands.data", "extract offline datasets: `comap data alfworld --archive PATH... --to DIR`"),
     "env": ("comap_async.commands.env", "check environments: `comap env check --split NAME --data DIR`"),
     "broker": ("broker.cli", "run the replay broker (ZeroMQ ingest, gates, LMDB stores, stats HTTP)"),
     "keys": ("broker.keys", "create ZeroMQ CURVE key pairs for the broker and its clients"),
+    "learner": ("learner.cli", "train the policy and world-model LoRA adapters continuously; publish them"),
+    "actor": ("actors.cli", "run environment workers playing the CoMap loop (phases from the broker)"),
+    "eval": ("actors.evaluate", "evaluate adapters on a split; writes eval.json and eval.md"),
 }
 
 

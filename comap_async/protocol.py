@@ -150,6 +150,9 @@ def validate(msg: Any) -> dict[str, Any]:
     schema = SCHEMAS.get(mtype) if type(mtype) is str else None
     if schema is None:
         raise ProtocolError(f"unknown message type {mtype!r}")
+    if _FAST_CHECKS[mtype](msg):
+        return msg
+    # Something is wrong: the field-by-field walk finds the first problem and names it.
     for name, spec in schema.items():
         if name in msg:
             _check_value(name, spec, msg[name])
@@ -159,6 +162,68 @@ def validate(msg: Any) -> dict[str, Any]:
         if k not in schema and k not in ("v", "type"):
             raise ProtocolError(f"{mtype}: unknown field {str(k)[:64]!r}")
     return msg
+
+
+_MISSING = object()
+_INT_BOUND = 1 << 62
+
+
+def _fast_condition(var: str, spec: F, consts: dict[str, Any]) -> str:
+    """A Python expression that is true iff ``_check_value`` would accept ``var`` for ``spec``."""
+    kind = spec.kind
+    if kind == "str":
+        cond = f"type({var}) is str and len({var}) <= {spec.max_len}"
+    elif kind == "int":
+        cond = f"type({var}) is int and -_INT_BOUND <= {var} <= _INT_BOUND"
+    elif kind == "float":
+        # same call as the slow path, so a huge int behaves identically (OverflowError either way)
+        cond = f"(type({var}) is float or type({var}) is int) and _isfinite({var})"
+    elif kind == "bool":
+        cond = f"type({var}) is bool"
+    else:  # maps and lists are rare and small: reuse the exact slow check
+        consts[f"spec_{var}"] = spec
+        cond = f"_accepts(spec_{var}, {var})"
+    if spec.choices is not None:
+        consts[f"choices_{var}"] = spec.choices
+        cond = f"({cond}) and {var} in choices_{var}"
+    if spec.nullable:
+        cond = f"{var} is None or ({cond})"
+    return cond
+
+
+def _accepts(spec: F, value: Any) -> bool:
+    try:
+        _check_value("", spec, value)
+    except ProtocolError:
+        return False
+    return True
+
+
+def _compile_check(mtype: str, schema: dict[str, F]) -> Any:
+    """A straight-line acceptance test for one schema: no per-field function calls or spec lookups.
+
+    It only answers "valid or not"; :func:`validate` walks the schema again to word the reason
+    when it says no, so the fast path cannot change which messages pass or what a reject says.
+    Counting the fields seen and comparing with ``len(msg)`` catches unknown keys without a loop.
+    """
+    consts: dict[str, Any] = {"_MISSING": _MISSING, "_INT_BOUND": _INT_BOUND, "_isfinite": math.isfinite,
+                              "_accepts": _accepts}
+    lines = [f"def check_{mtype}(msg):", "    get = msg.get", "    n = 2  # 'v' and 'type', checked by the caller"]
+    for i, (name, spec) in enumerate(schema.items()):
+        var = f"f{i}"
+        lines.append(f"    {var} = get({name!r}, _MISSING)")
+        cond = _fast_condition(var, spec, consts)
+        if spec.required:
+            lines += [f"    if {var} is _MISSING or not ({cond}):", "        return False", "    n += 1"]
+        else:
+            lines += [f"    if {var} is not _MISSING:", f"        if not ({cond}):", "            return False",
+                      "        n += 1"]
+    lines.append("    return len(msg) == n")
+    exec(compile("\n".join(lines), f"<protocol check {mtype}>", "exec"), consts)  # noqa: S102 - our own schema
+    return consts[f"check_{mtype}"]
+
+
+_FAST_CHECKS = {mtype: _compile_check(mtype, schema) for mtype, schema in SCHEMAS.items()}
 
 
 def make(mtype: str, **fields: Any) -> dict[str, Any]:

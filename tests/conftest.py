@@ -11,4 +11,5 @@ pytest_plugins = [
     "tests.fixtures.inference",
     "tests.fixtures.broker",
     "tests.fixtures.learner",
+    "tests.fixtures.system",
 ]

@@ -162,6 +162,10 @@ class AsyncTextEnv:
         """The state after ``actions`` from a fresh reset of ``game`` (restore by replay)."""
         return await self._call("restore", game, list(actions))
 
+    async def walkthrough(self) -> list[str]:
+        """The current game's recorded winning command sequence (after ``reset``)."""
+        return await self._call("walkthrough")
+
     async def close(self) -> None:
         await self._call("close")
 

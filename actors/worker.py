@@ -1,0 +1,186 @@
+"""The actor process: ``envs`` concurrent episode loops over one environment pool and one outbox.
+
+The phase and adapters come from the registry on the broker's acks. Until the first ack arrives
+the actor plays expert episodes: demonstrations are useful in every phase, so nothing is wasted.
+Outages of the inference server are retried with backoff and logged once per outage; a broker
+outage simply fills the outbox, which pauses the loops (backpressure) until acks resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import time
+from collections import defaultdict
+from typing import Any
+
+from actors.episodes import EpisodeContext, EpisodeStats, play_coevolve, play_expert, play_reflect_init
+
+
+class ActorMetrics:
+    """Steps/s, success by adapter version, revision and invalid-action rates (logged periodically)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.steps = 0
+        self.episodes = 0
+        self.by_version: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # version -> [won, played]
+        self.revisions = self.invalid = 0
+        self.failures = 0
+
+    def add(self, stats: EpisodeStats, version: int) -> None:
+        self.steps += stats.steps
+        self.episodes += 1
+        self.by_version[version][0] += stats.won
+        self.by_version[version][1] += 1
+        self.revisions += stats.revisions
+        self.invalid += stats.invalid
+
+    def summary(self) -> dict[str, Any]:
+        dt = max(1e-9, time.monotonic() - self.t0)
+        n = max(1, self.steps)
+        return {"actor/steps_per_s": round(self.steps / dt, 3), "actor/episodes": self.episodes,
+                "actor/revision_rate": round(self.revisions / n, 4), "actor/invalid_rate": round(self.invalid / n, 4),
+                "actor/success_by_version": {str(v): round(w / p, 3) for v, (w, p) in sorted(self.by_version.items())},
+                "actor/episode_failures": self.failures}
+
+
+class ActorWorker:
+    def __init__(self, cfg: Any, log: Any, envs: int | None = None, episodes: int | None = None,
+                 eval_mode: bool = False, split: str | None = None, games: list | None = None) -> None:
+        self.cfg, self.log = cfg, log
+        self.n_envs = envs or cfg.actor.envs
+        self.episode_budget = episodes
+        self.eval_mode = eval_mode
+        self.split = split
+        self.games = games
+        self.actor_id = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns() % 10**9}"
+        self.metrics = ActorMetrics()
+        self.results: list[tuple[Any, EpisodeStats]] = []
+        self.stop = asyncio.Event()
+        self._started = 0
+        self._counter = 0
+
+    def _claim_episode(self) -> str | None:
+        if self.stop.is_set() or (self.episode_budget is not None and self._started >= self.episode_budget):
+            return None
+        self._started += 1
+        self._counter += 1
+        return f"{self.actor_id}:e{self._counter}"
+
+    async def _episode_loop(self, ctx: EpisodeContext, pool: Any, games: list, rng: random.Random, index: int) -> None:
+        env, branch = pool.env(), None
+        while (episode_id := self._claim_episode()) is not None:
+            game = games[index % len(games)] if self.eval_mode or self.games else rng.choice(games)
+            index += self.n_envs
+            registry = ctx.registry()
+            phase = registry.get("phase", "warmup") if registry else "warmup"
+            version = int((registry.get("versions") or {}).get("policy", 0)) if registry else 0
+            try:
+                if self.eval_mode:
+                    stats = await play_coevolve(ctx, env, game, episode_id, eval_mode=True)
+                elif phase == "warmup":
+                    stats = await play_expert(ctx, env, game, episode_id)
+                elif phase == "reflect_init":
+                    branch = branch or pool.env()
+                    stats = await play_reflect_init(ctx, env, branch, game, episode_id)
+                else:
+                    stats = await play_coevolve(ctx, env, game, episode_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # one broken episode must not end the loop; counted and logged
+                self.metrics.failures += 1
+                self.log.warning("actor.episode_failed", episode=episode_id, game=game.name, error=repr(exc)[:300])
+                await asyncio.sleep(1.0)
+                continue
+            self.metrics.add(stats, version)
+            self.results.append((game, stats))
+            self.log.info("actor.episode", episode=episode_id, game=game.name, phase="eval" if self.eval_mode else phase,
+                          won=stats.won, steps=stats.steps, version=version, **stats.metrics())
+
+    async def _report(self) -> None:
+        while True:
+            await asyncio.sleep(30)
+            self.log.info("actor.metrics", **self.metrics.summary())
+
+    async def run(self, outbox: Any = None) -> list[tuple[Any, EpisodeStats]]:
+        from comap_async.envs import env_pool_from_config, games_from_config, get_fact_parser
+        from comap_async.inference.client import InferenceClient
+        from comap_async.models import resolve_model
+        from comap_async.prompts import ChatTemplate, Prompts
+        from actors.llm import AgentLLM
+        from actors.outbox import Outbox
+
+        cfg = self.cfg
+        games = self.games or games_from_config(cfg, self.split)
+        if not games:
+            raise ValueError(f"no games found for split {self.split or cfg.env.split!r}")
+        # Tokenizer files only (chat template): actors never load model weights.
+        prompts = Prompts(ChatTemplate.from_model_dir(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)))
+        client = InferenceClient.from_config(cfg)
+        own_outbox = outbox is None
+        outbox = outbox or Outbox.from_config(cfg, log=self.log)
+        llm = AgentLLM(client, prompts, cfg.actor, base_model="")
+        outbox.on_registry = llm.use_registry
+        if own_outbox:
+            await outbox.start()
+            if outbox.registry is None:
+                outbox.registry = await self._initial_registry()
+        if outbox.registry:
+            llm.use_registry(outbox.registry)
+        pool = env_pool_from_config(cfg, workers=cfg.actor.env_workers)
+        reporter = asyncio.create_task(self._report())
+        try:
+            llm.base_model = await self._base_model(client)
+            await pool.start()
+            ctx = EpisodeContext(self.actor_id, cfg, llm, outbox.put, get_fact_parser(cfg.env.name),
+                                 lambda: outbox.registry or {})
+            rng = random.Random(f"{cfg.run.seed}-{self.actor_id}")
+            loops = [asyncio.create_task(self._episode_loop(ctx, pool, games, rng, i)) for i in range(self.n_envs)]
+            stopper = asyncio.create_task(self.stop.wait())
+            await asyncio.wait([stopper, *loops], return_when=asyncio.FIRST_COMPLETED)
+            if self.stop.is_set():  # finish no new episodes; give the running ones no more time
+                for t in loops:
+                    t.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+            stopper.cancel()
+            await outbox.flush(timeout=60)
+        finally:
+            reporter.cancel()
+            await pool.close()
+            await client.close()
+            if own_outbox:
+                await outbox.close(flush_timeout=10)
+            self.log.info("actor.done", **self.metrics.summary())
+        return self.results
+
+    async def _initial_registry(self) -> dict[str, Any] | None:
+        """The phase and adapters before the first ack, from the broker (waits until it answers)."""
+        from learner.broker_client import BrokerClient
+
+        last = 0.0
+        async with BrokerClient.from_config(self.cfg, timeout_s=2.0, retries=0) as broker:
+            while not self.stop.is_set():
+                try:
+                    return await broker.get_registry()
+                except Exception as exc:  # broker not up yet: start-up order is free
+                    if time.monotonic() - last > 10:
+                        self.log.info("actor.waiting", target="broker", reason=str(exc)[:200])
+                        last = time.monotonic()
+                    await asyncio.sleep(1.0)
+        return None
+
+    async def _base_model(self, client: Any) -> str:
+        """The served base model's id, waiting (with a periodic line) until a server answers."""
+        last = 0.0
+        while True:
+            try:
+                models = await client.models()
+                return models[0] if models else ""
+            except Exception as exc:  # server not up yet: start-up order is free
+                if time.monotonic() - last > 10:
+                    self.log.info("actor.waiting", target="inference", reason=str(exc)[:200])
+                    last = time.monotonic()
+                await asyncio.sleep(1.0)

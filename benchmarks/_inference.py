@@ -1,0 +1,75 @@
+"""Shared helpers of the inference benchmarks: a real ``comap serve`` subprocess and LoRA adapter files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def served(overrides: list[str], adapter_root: Path, log_path: Path, timeout_s: float = 180):
+    """Yield the URL of a healthy ``comap serve`` started with these ``--set`` overrides."""
+    port = free_port()
+    args = [sys.executable, "-m", "comap_async", "serve", "--set", f"inference.port={port}",
+            "--set", f"inference.adapter_root={adapter_root}"]
+    for o in overrides:
+        args += ["--set", o]
+    env = {**os.environ, "COMAP_LOG_JSON": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited ({proc.returncode}):\n{log_path.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{url} did not come up; log: {log_path}") from None
+                time.sleep(0.3)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def write_random_adapters(model_dir: str, root: Path, names: list[str], r: int = 8, scale: float = 0.02) -> list[Path]:
+    """peft ``save_pretrained`` adapters (r, alpha=2r, all-linear) with random non-zero B, one base load."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", lora_dropout=0.0))
+    out = []
+    for i, name in enumerate(names):
+        g = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=g) * scale)
+        model.save_pretrained(str(root / name))
+        out.append(root / name)
+    return out

@@ -1,0 +1,271 @@
+"""Async client of the OpenAI-compatible inference API (embedded server or vLLM), used by actors and learner.
+
+* Completions go to the endpoint with the fewest requests in flight (ties broken at random), so
+  several servers share the load and a slow one gets less.
+* Connection errors, timeouts, 429 and 5xx are retried with exponential backoff and full jitter
+  (so many actors do not retry in lockstep), on another endpoint when there is one; an endpoint
+  that just failed is avoided for a moment. Other 4xx are the caller's mistake and raise at once.
+* After the retry budget an :class:`InferenceError` says which endpoints failed and how.
+* Adapter load/unload go to *every* endpoint: an adapter is only usable once all servers have it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+
+class InferenceError(RuntimeError):
+    """A request failed for good: after the retry budget, or a non-retryable client error (``status`` 4xx)."""
+
+    def __init__(self, message: str, status: int | None = None, endpoint: str | None = None, attempts: int = 1):
+        super().__init__(message)
+        self.status, self.endpoint, self.attempts = status, endpoint, attempts
+
+
+class _Retryable(Exception):
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class _Fields:
+    """Read access by key too (``resp["choices"][0]["text"]``, ``.get``), for callers that treat responses as JSON."""
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return getattr(self, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
+
+
+@dataclass
+class Logprobs(_Fields):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+@dataclass
+class Choice(_Fields):
+    index: int
+    text: str
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: Logprobs | None = None
+
+
+@dataclass
+class Completion(_Fields):
+    id: str
+    model: str
+    choices: list[Choice]
+    usage: dict[str, Any]
+    endpoint: str = ""
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any], endpoint: str = "") -> "Completion":
+        choices = []
+        for c in body.get("choices") or []:
+            lp = c.get("logprobs")
+            logprobs = Logprobs(lp.get("tokens") or [], lp.get("token_logprobs") or [], lp.get("top_logprobs") or [],
+                                lp.get("text_offset") or []) if lp else None
+            choices.append(Choice(c.get("index", len(choices)), c.get("text", ""), c.get("finish_reason"),
+                                  c.get("stop_reason"), logprobs))
+        return cls(body.get("id", ""), body.get("model", ""), choices, body.get("usage") or {}, endpoint, body)
+
+
+def _message(status: int, text: str) -> str:
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text.strip()[:500] or f"HTTP {status}"
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        if body.get("message"):
+            return str(body["message"])
+    return text.strip()[:500]
+
+
+class InferenceClient:
+    def __init__(self, endpoints: list[str] | str, *, token: str | None = None, timeout_s: float = 120.0,
+                 retries: int = 5, backoff_s: float = 0.25, backoff_max_s: float = 8.0, connect_timeout_s: float = 5.0,
+                 avoid_s: float = 2.0, seed: int | None = None) -> None:
+        eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not eps:
+            raise ValueError("InferenceClient needs at least one endpoint")
+        self.endpoints = [e.rstrip("/") for e in eps]
+        self.token = token
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
+        self.retries, self.backoff_s, self.backoff_max_s, self.avoid_s = retries, backoff_s, backoff_max_s, avoid_s
+        self.outstanding = {e: 0 for e in self.endpoints}
+        self._avoid_until = {e: 0.0 for e in self.endpoints}
+        self._rng = random.Random(seed)
+        self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any, **kw: Any) -> "InferenceClient":
+        inf = cfg.inference
+        return cls(inf.endpoints, token=inf.admin_token, timeout_s=inf.request_timeout_s, retries=inf.retries, **kw)
+
+    async def __aenter__(self) -> "InferenceClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+            self._session = aiohttp.ClientSession(timeout=self.timeout, headers=headers,
+                                                  connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    # ---------------------------------------------------------------- endpoint choice and retries
+    def pick(self, exclude: str | None = None) -> str:
+        """Least outstanding requests; endpoints that failed a moment ago only when nothing else is left."""
+        now = time.monotonic()
+        pool = [e for e in self.endpoints if e != exclude and self._avoid_until[e] <= now]
+        if not pool:
+            pool = [e for e in self.endpoints if e != exclude] or self.endpoints
+        least = min(self.outstanding[e] for e in pool)
+        return self._rng.choice([e for e in pool if self.outstanding[e] == least])
+
+    def _backoff(self, attempt: int) -> float:
+        return self._rng.uniform(0, min(self.backoff_max_s, self.backoff_s * (2 ** attempt)))
+
+    async def _once(self, endpoint: str, method: str, path: str, body: Any) -> tuple[int, str]:
+        self.outstanding[endpoint] = self.outstanding.get(endpoint, 0) + 1
+        try:
+            async with self._get_session().request(method, endpoint + path, json=body) as resp:
+                text = await resp.text()
+                if resp.status >= 500 or resp.status == 429:
+                    raise _Retryable(f"HTTP {resp.status}: {_message(resp.status, text)}", resp.status)
+                return resp.status, text
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            raise _Retryable(f"{type(exc).__name__}: {exc}") from None
+        except asyncio.TimeoutError:
+            raise _Retryable(f"timed out after {self.timeout.total:g} s") from None
+        finally:
+            self.outstanding[endpoint] -= 1
+
+    async def _request(self, method: str, path: str, body: Any = None, endpoint: str | None = None) -> tuple[int, str, str]:
+        """(status, text, endpoint) of the first non-retryable answer; ``endpoint`` pins the server."""
+        errors: list[str] = []
+        last_status = None
+        endpoint = endpoint.rstrip("/") if endpoint else None
+        ep = endpoint
+        for attempt in range(self.retries + 1):
+            ep = endpoint or self.pick(exclude=ep if attempt and len(self.endpoints) > 1 else None)
+            try:
+                status, text = await self._once(ep, method, path, body)
+                return status, text, ep
+            except _Retryable as exc:
+                last_status = exc.status
+                errors.append(f"{ep}: {exc}")
+                self._avoid_until[ep] = time.monotonic() + self.avoid_s
+                if attempt < self.retries:
+                    await asyncio.sleep(self._backoff(attempt))
+        detail = "; ".join(errors[-3:])
+        raise InferenceError(f"{method} {path} failed after {self.retries + 1} attempts: {detail}",
+                             status=last_status, endpoint=ep, attempts=self.retries + 1)
+
+    async def _checked(self, method: str, path: str, body: Any = None, endpoint: str | None = None) -> tuple[str, str]:
+        status, text, ep = await self._request(method, path, body, endpoint)
+        if status >= 400:
+            raise InferenceError(f"{method} {path} on {ep}: HTTP {status}: {_message(status, text)}", status=status,
+                                 endpoint=ep)
+        return text, ep
+
+    # ---------------------------------------------------------------- API
+    async def complete(self, prompt: str | list, *, model: str | None = None, max_tokens: int = 16,
+                       temperature: float = 1.0, top_p: float = 1.0, stop: str | list[str] | None = None,
+                       seed: int | None = None, logprobs: int | None = None, n: int = 1, **extra: Any) -> Completion:
+        """``POST /v1/completions``; ``extra`` passes vLLM's extra fields (``top_k``, ``ignore_eos``, ...)."""
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+                                "top_p": top_p, "n": n, **extra}
+        if model is not None:
+            body["model"] = model
+        for key, value in (("stop", stop), ("seed", seed), ("logprobs", logprobs)):
+            if value is not None:
+                body[key] = value
+        text, ep = await self._checked("POST", "/v1/completions", body)
+        return Completion.from_json(json.loads(text), ep)
+
+    async def _on_all(self, path: str, body: dict[str, Any], ok_404: bool = False,
+                      endpoints: list[str] | None = None) -> None:
+        targets = [e.rstrip("/") for e in endpoints] if endpoints else self.endpoints
+        results = await asyncio.gather(*(self._request("POST", path, body, endpoint=e) for e in targets),
+                                       return_exceptions=True)
+        failures = []
+        for ep, res in zip(targets, results):
+            if isinstance(res, BaseException):
+                failures.append((ep, None, str(res)))
+            elif res[0] >= 400 and not (ok_404 and res[0] == 404):
+                failures.append((ep, res[0], _message(res[0], res[1])))
+        if failures:
+            detail = "; ".join(f"{ep}: {f'HTTP {st}: ' if st else ''}{msg}" for ep, st, msg in failures)
+            raise InferenceError(f"POST {path} failed on {len(failures)}/{len(targets)} endpoints: {detail}",
+                                 status=failures[0][1], endpoint=failures[0][0])
+
+    async def load_adapter(self, name: str, path: str, *, load_inplace: bool = False, endpoint: str | None = None) -> None:
+        """Load a peft adapter directory under ``name`` on every endpoint (or only on ``endpoint``)."""
+        body = {"lora_name": name, "lora_path": str(path), "load_inplace": load_inplace}
+        await self._on_all("/v1/load_lora_adapter", body, endpoints=[endpoint] if endpoint else None)
+
+    async def unload_adapter(self, name: str, *, missing_ok: bool = False, endpoint: str | None = None) -> None:
+        """Unload ``name`` everywhere (or on ``endpoint``); ``missing_ok``: a server without it (restarted) is fine."""
+        await self._on_all("/v1/unload_lora_adapter", {"lora_name": name}, ok_404=missing_ok,
+                           endpoints=[endpoint] if endpoint else None)
+
+    async def model_cards(self, endpoint: str | None = None) -> list[dict[str, Any]]:
+        """``GET /v1/models`` data: the base model first, then the adapters."""
+        text, _ = await self._checked("GET", "/v1/models", endpoint=endpoint)
+        return json.loads(text).get("data", [])
+
+    async def models(self, endpoint: str | None = None) -> list[str]:
+        """Served model ids: the base model first, then the adapter names."""
+        return [card["id"] for card in await self.model_cards(endpoint)]
+
+    async def health(self, endpoint: str | None = None) -> dict[str, bool] | bool:
+        """One attempt, no retries. With ``endpoint``: True, or :class:`InferenceError` when it is not healthy
+        (so it can serve as a readiness probe); without: ``{endpoint: healthy}`` for all, never raising."""
+
+        async def one(ep: str) -> tuple[bool, str]:
+            try:
+                status, text = await self._once(ep, "GET", "/health", None)
+                return status == 200, f"HTTP {status}: {_message(status, text)}"
+            except _Retryable as exc:
+                return False, str(exc)
+
+        if endpoint is not None:
+            ok, why = await one(endpoint.rstrip("/"))
+            if not ok:
+                raise InferenceError(f"{endpoint} is not healthy: {why}", endpoint=endpoint)
+            return True
+        results = await asyncio.gather(*(one(e) for e in self.endpoints))
+        return {e: ok for e, (ok, _) in zip(self.endpoints, results)}

@@ -1,0 +1,338 @@
+"""Continuous batching over one transformers model with many LoRA adapters, on a dedicated thread.
+
+The engine thread owns the model. Each iteration it (1) runs queued adapter operations, so weights
+only change between forward passes; (2) admits waiting sequences up to ``max_batch_size``, each
+prefilled on its own (no padding inside a prompt) and merged into the running batch's KV cache;
+(3) runs one decode step for the whole batch, rows of different adapters together (peft's
+mixed-adapter forward). A sequence leaves the batch as soon as it finishes, and a newcomer takes its
+row at the next step, so short and long requests do not wait for each other.
+
+Everything crossing threads goes through ``submit`` (a condition-guarded deque), ``call`` (a queue
+of functions returning ``concurrent.futures.Future``) and each sequence's ``on_done`` callback.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from comap_async.inference.adapters import BASE, SlotManager
+from comap_async.inference.kvcache import BatchCache, with_capacity
+from comap_async.inference.prefix import PrefixCache
+from comap_async.inference.sampling import SamplingParams, StepOutput, sample_step
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated choice. Output fields are written by the engine thread only."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    slot: str = BASE
+    on_done: Callable[["Sequence"], None] | None = None
+    generator: torch.Generator | None = None
+    out_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    t_submit: float = field(default_factory=time.monotonic)
+    t_first: float | None = None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    step_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    batch_rows: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finished: int = 0
+    failed: int = 0
+    running: int = 0
+    waiting: int = 0
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, slots: SlotManager, *, max_batch_size: int = 8,
+                 batch_wait_ms: float = 5.0, max_model_len: int = 4096, seed: int = 0, log: Any = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
+        self.model, self.tokenizer, self.slots = model, tokenizer, slots
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_ms / 1000.0
+        self.max_model_len = max_model_len
+        self.log = log
+        self.stats = EngineStats()
+        self.prefix = prefix_cache
+        self.num_layers = model.config.get_text_config().num_hidden_layers
+        eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if tokenizer.eos_token_id is not None:
+            eos_ids.add(tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos_ids)
+        self._default_gen = torch.Generator().manual_seed(seed)
+        self._token_str: dict[int, str] = {}
+        self._cond = threading.Condition()
+        self._waiting: deque[Sequence] = deque()
+        self._ops: deque[tuple[Callable[[], Any], concurrent.futures.Future, bool]] = deque()
+        self._running: list[Sequence] = []
+        self._cache = BatchCache(self.num_layers)
+        self._stop = False
+        self.idle_delay_s = 1.0
+        self._last_busy = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="comap-engine", daemon=True)
+        self.fatal: BaseException | None = None
+
+    # ---------------------------------------------------------------- public, any thread
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.fatal is None
+
+    def submit(self, seqs: list[Sequence]) -> None:
+        with self._cond:
+            self._waiting.extend(seqs)
+            self.stats.waiting = len(self._waiting)
+            self._cond.notify_all()
+
+    def call(self, fn: Callable[[], Any], idle: bool = False) -> concurrent.futures.Future:
+        """Run ``fn`` on the engine thread between forward passes (``idle``: only when nothing is decoding)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._ops.append((fn, fut, idle))
+            self._cond.notify_all()
+        return fut
+
+    def token_str(self, token_id: int) -> str:
+        s = self._token_str.get(token_id)
+        if s is None:
+            s = self._token_str[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return s
+
+    # ---------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while True:
+                    was_idle = not self._running
+                    with self._cond:
+                        while not self._stop and not self._waiting and not self._runnable_ops(was_idle) and was_idle:
+                            self._cond.wait(timeout=0.25)
+                        idle = was_idle and not self._waiting
+                        if self._stop:
+                            self._fail_all(RuntimeError("the inference engine is shutting down"))
+                            for _, fut, _ in self._ops:
+                                fut.cancel()
+                            self._ops.clear()
+                            break
+                        ops = self._take_ops(idle)
+                    if ops:
+                        # adapter weights made here are written later from other threads (spare refills),
+                        # which inference tensors forbid
+                        with torch.inference_mode(False):
+                            for fn, fut, _ in ops:
+                                self._run_op(fn, fut)
+                    if was_idle and self._waiting and self.batch_wait_s > 0:
+                        # let a burst of concurrent requests arrive so they start decoding together
+                        time.sleep(self.batch_wait_s)
+                    self._admit()
+                    if self._running:
+                        self._decode_step()
+        except BaseException as exc:  # the thread must not die silently: /health reports it
+            self.fatal = exc
+            if self.log:
+                self.log.exception("engine.fatal")
+            self._fail_all(exc)
+            raise
+
+    def _quiet(self, idle: bool) -> bool:
+        # Idle-only work (building spare adapter slots, ~0.2-0.4 s) waits for a quiet spell, so it does
+        # not land between a publish and the first requests for the new version.
+        return idle and time.monotonic() - self._last_busy >= self.idle_delay_s
+
+    def _runnable_ops(self, idle: bool) -> bool:
+        quiet = self._quiet(idle)
+        return any(quiet or not only_idle for _, _, only_idle in self._ops)
+
+    def _take_ops(self, idle: bool) -> list:
+        quiet = self._quiet(idle)
+        taken = [op for op in self._ops if quiet or not op[2]]
+        for op in taken:
+            self._ops.remove(op)
+        return taken
+
+    @staticmethod
+    def _run_op(fn: Callable[[], Any], fut: concurrent.futures.Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:  # handed to the caller through the future
+            fut.set_exception(exc)
+
+    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: BatchCache,
+                 adapters: list[str], **kw: Any) -> torch.Tensor:
+        self.slots.begin_step(adapters)
+        try:
+            out = self.slots.forward_model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                                           past_key_values=cache, use_cache=True, **kw)
+        finally:
+            self.slots.end_step()
+        return out.logits[:, -1, :]
+
+    def _admit(self) -> None:
+        while len(self._running) < self.max_batch_size:
+            with self._cond:
+                if not self._waiting:
+                    break
+                seq = self._waiting.popleft()
+                self.stats.waiting = len(self._waiting)
+            if seq.cancelled:
+                self._finish(seq, "abort")
+                continue
+            try:
+                self._prefill(seq)
+            except Exception as exc:  # one bad sequence (e.g. out of memory on a huge prompt) fails alone
+                if self.log:
+                    self.log.exception("engine.prefill_failed", prompt_tokens=len(seq.prompt_ids))
+                seq.error = exc
+                self._finish(seq, "error")
+        self.stats.running = len(self._running)
+
+    def _prefill(self, seq: Sequence) -> None:
+        t0 = time.perf_counter()
+        self._last_busy = time.monotonic()
+        prompt, n = seq.prompt_ids, len(seq.prompt_ids)
+        cache = BatchCache(self.num_layers)
+        gen = self.slots.generation.get(seq.slot, 0)
+        done, layers = self.prefix.lookup(seq.slot, gen, prompt) if self.prefix is not None else (0, None)
+        if layers is not None:
+            for layer, (k, v) in zip(cache.layers, layers):
+                layer._set(*with_capacity(k, v, done), done)
+        ids = torch.tensor([prompt[done:]], dtype=torch.long)
+        mask = torch.ones(1, n, dtype=torch.long)
+        positions = torch.arange(done, n).unsqueeze(0)
+        logits = self._forward(ids, mask, positions, cache, [seq.slot], logits_to_keep=1)
+        cache.mask = mask
+        if self.prefix is not None:
+            self.prefix.store(seq.slot, gen, prompt, [(layer.keys, layer.values) for layer in cache.layers], done)
+            self.prefix.hits += done
+            self.prefix.misses += n - done
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        self.stats.prompt_tokens += n
+        step = sample_step(logits, [seq.params], [seq.generator], self._default_gen)[0]
+        seq.t_first = time.monotonic()
+        if not self._append(seq, step):
+            self._cache.merge(cache)
+            self._running.append(seq)
+
+    def _decode_step(self) -> None:
+        t0 = time.perf_counter()
+        self._last_busy = time.monotonic()
+        rows = self._running
+        ids = torch.tensor([[s.out_ids[-1]] for s in rows], dtype=torch.long)
+        positions = torch.tensor([[len(s.prompt_ids) + len(s.out_ids) - 1] for s in rows], dtype=torch.long)
+        try:
+            mask = self._cache.extend_mask()
+            logits = self._forward(ids, mask, positions, self._cache, [s.slot for s in rows])
+            steps = sample_step(logits, [s.params for s in rows], [s.generator for s in rows], self._default_gen)
+        except Exception as exc:  # a failed step poisons the shared cache: fail this batch, keep serving
+            if self.log:
+                self.log.exception("engine.step_failed", batch=len(rows))
+            self._fail_all(exc)
+            return
+        keep: list[int] = []
+        for i, (seq, step) in enumerate(zip(rows, steps)):
+            if seq.cancelled:
+                self._finish(seq, "abort")
+            elif not self._append(seq, step):
+                keep.append(i)
+        if len(keep) != len(rows):
+            self._cache.select(keep)
+            self._running = [rows[i] for i in keep]
+        self.stats.steps += 1
+        self.stats.batch_rows += len(rows)
+        self.stats.running = len(self._running)
+        self.stats.step_seconds += time.perf_counter() - t0
+
+    def _append(self, seq: Sequence, step: StepOutput) -> bool:
+        """Record one token; True when the sequence has finished (and was handed back)."""
+        p = seq.params
+        tok = step.token
+        seq.out_ids.append(tok)
+        seq.token_logprobs.append(step.logprob)
+        if p.logprobs is not None:
+            seq.top_logprobs.append(step.top)
+        self.stats.generated_tokens += 1
+        reason: str | None = None
+        if tok in self.eos_ids and not p.ignore_eos:
+            reason = "stop"
+        elif tok in p.stop_token_ids:
+            reason, seq.stop_reason = "stop", tok
+        elif p.stop and self._hit_stop(seq):
+            reason = "stop"
+        elif len(seq.out_ids) >= p.max_tokens or len(seq.prompt_ids) + len(seq.out_ids) >= self.max_model_len:
+            reason = "length"
+        if reason is None:
+            return False
+        self._finish(seq, reason)
+        return True
+
+    def _hit_stop(self, seq: Sequence) -> bool:
+        text = self.tokenizer.decode(seq.out_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        best: tuple[int, str] | None = None
+        for s in seq.params.stop:
+            i = text.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        seq.text = text[: i + len(s)] if seq.params.include_stop_str_in_output else text[:i]
+        seq.stop_reason = s
+        return True
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        if not isinstance(seq.stop_reason, str):  # a stop string already set the truncated text
+            seq.text = self.tokenizer.decode(seq.out_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        if reason == "error":
+            self.stats.failed += 1
+        else:
+            self.stats.finished += 1
+        if seq.on_done is not None:
+            try:
+                seq.on_done(seq)
+            except Exception:  # a broken callback must not take the engine down; it is a bug, so log it
+                if self.log:
+                    self.log.exception("engine.callback_failed")
+
+    def _fail_all(self, exc: BaseException, waiting: bool = False) -> None:
+        rows, self._running = self._running, []
+        if waiting or self._stop or self.fatal is not None:
+            with self._cond:
+                rows += list(self._waiting)
+                self._waiting.clear()
+        self._cache = BatchCache(self.num_layers)
+        for seq in rows:
+            seq.error = exc
+            self._finish(seq, "error")
+        self.stats.running = 0

@@ -1,0 +1,49 @@
+"""Prometheus text exposition (format 0.0.4) of the embedded server's counters; no client library needed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_P = "comap_inference_"
+
+
+def _line(out: list[str], name: str, kind: str, help_: str, samples: list[tuple[dict[str, Any], float]]) -> None:
+    out.append(f"# HELP {_P}{name} {help_}")
+    out.append(f"# TYPE {_P}{name} {kind}")
+    for labels, value in samples:
+        lab = ",".join(f'{k}="{str(v)}"' for k, v in labels.items())
+        out.append(f"{_P}{name}{{{lab}}} {float(value)!r}" if lab else f"{_P}{name} {float(value)!r}")
+
+
+def render(state: Any) -> str:
+    st = state.engine.stats
+    reg = state.registry
+    out: list[str] = []
+    _line(out, "http_requests_total", "counter", "HTTP requests by route and status.",
+          [({"route": r, "status": s}, n) for (r, s), n in sorted(state.requests.items())])
+    _line(out, "http_request_seconds_total", "counter", "Time spent handling HTTP requests.", [({}, state.request_seconds)])
+    _line(out, "prompt_tokens_total", "counter", "Prompt tokens prefilled.", [({}, st.prompt_tokens)])
+    _line(out, "generation_tokens_total", "counter", "Tokens generated.", [({}, st.generated_tokens)])
+    _line(out, "sequences_finished_total", "counter", "Sequences finished (stop, length or abort).", [({}, st.finished)])
+    _line(out, "sequences_failed_total", "counter", "Sequences failed by an engine error.", [({}, st.failed)])
+    _line(out, "sequences_running", "gauge", "Sequences in the decoding batch.", [({}, st.running)])
+    _line(out, "sequences_waiting", "gauge", "Sequences queued for the batch.", [({}, st.waiting)])
+    _line(out, "decode_steps_total", "counter", "Batched decode steps.", [({}, st.steps)])
+    _line(out, "decode_rows_total", "counter", "Sum of batch sizes over decode steps (rows/steps = mean batch).",
+          [({}, st.batch_rows)])
+    _line(out, "decode_seconds_total", "counter", "Time in decode steps.", [({}, st.step_seconds)])
+    _line(out, "prefill_seconds_total", "counter", "Time in prompt prefill.", [({}, st.prefill_seconds)])
+    _line(out, "adapter_loads_total", "counter", "Adapter loads by path (fast = prebuilt spare slot).",
+          [({"path": k}, v) for k, v in sorted(reg.loads.items())])
+    _line(out, "adapter_load_seconds_total", "counter", "Time spent loading adapters.", [({}, reg.load_seconds)])
+    _line(out, "adapters_loaded", "gauge", "Adapter names being served.", [({}, len(reg.bindings))])
+    _line(out, "adapter_slots_retired", "gauge", "Old adapter versions still finishing requests.", [({}, len(reg.retired))])
+    _line(out, "adapter_spare_slots", "gauge", "Prebuilt adapter slots ready for a fast load.",
+          [({}, len(reg.slots.spares))])
+    pc = state.engine.prefix
+    if pc is not None:
+        _line(out, "prefix_cache_hit_tokens_total", "counter", "Prompt tokens whose KV came from the prefix cache.",
+              [({}, pc.hits)])
+        _line(out, "prefix_cache_blocks", "gauge", "Cached prompt-prefix blocks.", [({}, len(pc))])
+    _line(out, "engine_alive", "gauge", "1 while the engine thread runs.", [({}, 1 if state.engine.alive else 0)])
+    return "\n".join(out) + "\n"

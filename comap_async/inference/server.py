@@ -1,0 +1,349 @@
+"""The embedded OpenAI-compatible server (aiohttp): the same routes and JSON shapes as vLLM's.
+
+Routes: ``POST /v1/completions``, ``GET /v1/models``, ``POST /v1/load_lora_adapter``,
+``POST /v1/unload_lora_adapter`` (bearer token when configured), ``GET /health``, ``GET /metrics``.
+The event loop only parses, validates and waits: tokenization and adapter file reads run in a small
+thread pool, generation on the engine thread (see engine.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import signal
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from comap_async.inference.engine import Engine, Sequence
+from comap_async.inference.registry import AdapterRegistry
+from comap_async.inference.sampling import CompletionRequest, RequestError, make_generator, parse_completion_request
+
+MAX_WAITING = 1024  # queued sequences beyond this get 503 (clients retry elsewhere / later)
+MAX_BODY = 8 << 20
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    registry: AdapterRegistry
+    tokenizer: Any
+    base_name: str
+    model_path: str
+    max_prompt_tokens: int
+    max_new_tokens: int
+    max_model_len: int
+    executor: ThreadPoolExecutor
+    admin_token: str | None = None
+    log: Any = None
+    started: int = field(default_factory=lambda: int(time.time()))
+    requests: dict[tuple[str, int], int] = field(default_factory=dict)
+    request_seconds: float = 0.0
+
+
+STATE = web.AppKey("state", ServerState)
+
+
+def _error(status: int, message: str, err_type: str = "BadRequestError", param: str | None = None) -> web.Response:
+    # vLLM's ErrorResponse shape
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return web.json_response(body, status=status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    state = request.app[STATE]
+    t0 = time.perf_counter()
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except RequestError as exc:
+        status = exc.status
+        return _error(exc.status, str(exc), exc.err_type, exc.param)
+    except web.HTTPException as exc:
+        status = exc.status
+        if exc.status < 400:
+            raise
+        return _error(exc.status, exc.reason if exc.text is None else exc.text, exc.reason.replace(" ", "") + "Error")
+    except asyncio.CancelledError:
+        status = 499  # client went away
+        raise
+    except Exception as exc:  # a bug must cost one request, not the server; it is logged with its traceback
+        if state.log:
+            state.log.exception("http.unhandled", path=request.path)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
+    finally:
+        key = (request.path if request.path in _ROUTES else "other", status)
+        state.requests[key] = state.requests.get(key, 0) + 1
+        state.request_seconds += time.perf_counter() - t0
+
+
+async def _json(request: web.Request) -> Any:
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(f"the request body is not valid JSON: {exc}") from None
+
+
+def _check_admin(request: web.Request) -> None:
+    token = request.app[STATE].admin_token
+    if not token:
+        return
+    got = request.headers.get("Authorization", "")
+    if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), token.encode())):
+        raise RequestError("Unauthorized: this endpoint needs 'Authorization: Bearer <inference.admin_token>'",
+                           status=401)
+
+
+# ------------------------------------------------------------------ completions
+def _tokenize(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
+    texts = [p for p in prompts if isinstance(p, str)]
+    encoded = iter(tokenizer(texts, add_special_tokens=True)["input_ids"]) if texts else iter(())
+    return [list(next(encoded)) if isinstance(p, str) else p for p in prompts]
+
+
+def _check_lengths(state: ServerState, req: CompletionRequest, ids: list[list[int]]) -> None:
+    vocab = len(state.tokenizer)
+    for i, p in enumerate(ids):
+        n = len(p)
+        if n == 0:
+            raise RequestError(f"prompt {i} is empty after tokenization", param="prompt")
+        if any(t < 0 or t >= vocab for t in p):
+            raise RequestError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})", param="prompt")
+        if n > state.max_prompt_tokens:
+            raise RequestError(f"prompt {i} has {n} tokens, more than the server's limit of {state.max_prompt_tokens} "
+                               "(inference.max_prompt_tokens)", param="prompt")
+        if n + req.params.max_tokens > state.max_model_len:
+            raise RequestError(f"This model's maximum context length is {state.max_model_len} tokens. However, you "
+                               f"requested {n + req.params.max_tokens} tokens ({n} in the messages, "
+                               f"{req.params.max_tokens} in the completion). Please reduce the length of the "
+                               "messages or completion.", param="max_tokens")
+
+
+def _logprobs(engine: Engine, seq: Sequence, k: int, as_ids: bool) -> dict[str, Any]:
+    name = (lambda t: f"token_id:{t}") if as_ids else engine.token_str
+    tokens, offsets, tops = [], [], []
+    offset = 0
+    for tok, lp, top in zip(seq.out_ids, seq.token_logprobs, seq.top_logprobs):
+        s = name(tok)
+        d = {s: max(lp, -9999.0)}  # the chosen token first, then the k most likely (as vLLM/OpenAI)
+        for t, v in top[:k]:
+            d.setdefault(name(t), max(v, -9999.0))
+        tokens.append(s)
+        offsets.append(offset)
+        offset += len(s)
+        tops.append(d)
+    return {"text_offset": offsets, "token_logprobs": [max(v, -9999.0) for v in seq.token_logprobs],
+            "tokens": tokens, "top_logprobs": tops}
+
+
+async def completions(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = parse_completion_request(await _json(request), state.max_new_tokens)
+    name = req.model or state.base_name
+    state.registry.resolve(req.model)  # 404 before any work
+    loop = asyncio.get_running_loop()
+    ids = await loop.run_in_executor(state.executor, _tokenize, state.tokenizer, req.prompts)
+    _check_lengths(state, req, ids)
+    n_new = len(ids) * req.n
+    if state.engine.stats.waiting + n_new > MAX_WAITING:
+        raise RequestError(f"server busy: {state.engine.stats.waiting} sequences waiting", status=503)
+    if not state.engine.alive:
+        raise RequestError("the inference engine has stopped; see the server log", status=503)
+    seqs: list[Sequence] = []
+    futures: list[asyncio.Future] = []
+
+    def done(seq: Sequence, fut: asyncio.Future) -> None:
+        state.registry.release(seq.slot)
+        if not fut.done():
+            fut.set_result(seq)
+
+    for p in ids:
+        for j in range(req.n):
+            fut = loop.create_future()
+            seed = None if req.params.seed is None else req.params.seed + j
+            seq = Sequence(p, req.params, slot=state.registry.acquire(req.model), generator=make_generator(seed))
+            seq.on_done = lambda s, f=fut: loop.call_soon_threadsafe(done, s, f)
+            seqs.append(seq)
+            futures.append(fut)
+    state.engine.submit(seqs)
+    try:
+        await asyncio.gather(*futures)
+    except asyncio.CancelledError:
+        for s in seqs:
+            s.cancelled = True  # the engine drops them at its next step and releases their slots
+        raise
+    failed = [s for s in seqs if s.error is not None]
+    if failed:
+        raise RuntimeError(f"generation failed: {failed[0].error!r}")
+    k = req.params.logprobs
+    choices = [{
+        "index": i, "text": s.text,
+        "logprobs": _logprobs(state.engine, s, k, req.return_tokens_as_token_ids) if k is not None else None,
+        "finish_reason": s.finish_reason, "stop_reason": s.stop_reason, "prompt_logprobs": None,
+    } for i, s in enumerate(seqs)]
+    prompt_tokens = sum(len(p) for p in ids)
+    completion_tokens = sum(len(s.out_ids) for s in seqs)
+    return web.json_response({
+        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": name,
+        "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                  "completion_tokens": completion_tokens, "prompt_tokens_details": None},
+        "system_fingerprint": None, "service_tier": None, "kv_transfer_params": None,
+    })
+
+
+# ------------------------------------------------------------------ models and adapters
+def _card(state: ServerState, id_: str, root: str, parent: str | None, created: int) -> dict[str, Any]:
+    perm = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
+    return {"id": id_, "object": "model", "created": created, "owned_by": "vllm", "root": root, "parent": parent,
+            "max_model_len": state.max_model_len if parent is None else None, "permission": [perm]}
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    data = [_card(state, state.base_name, state.model_path, None, state.started)]
+    data += [_card(state, b.name, b.path, state.base_name, b.created) for b in state.registry.bindings.values()]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def load_adapter(request: web.Request) -> web.Response:
+    _check_admin(request)
+    body = await _json(request)
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    if not body.get("lora_name") or not body.get("lora_path"):
+        raise RequestError("Both 'lora_name' and 'lora_path' must be provided.")
+    # shielded: a client that gives up mid-load must not leave a half-bound adapter slot behind
+    msg = await asyncio.shield(request.app[STATE].registry.load(body["lora_name"], body["lora_path"],
+                                                                body.get("load_inplace", False)))
+    return web.Response(text=msg)
+
+
+async def unload_adapter(request: web.Request) -> web.Response:
+    _check_admin(request)
+    body = await _json(request)
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return web.Response(text=await asyncio.shield(request.app[STATE].registry.unload(body.get("lora_name"))))
+
+
+async def health(request: web.Request) -> web.Response:
+    if not request.app[STATE].engine.alive:
+        return _error(503, "the inference engine has stopped", "ServiceUnavailableError")
+    return web.Response(status=200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    from comap_async.inference.metrics import render
+
+    return web.Response(text=render(request.app[STATE]), content_type="text/plain", charset="utf-8",
+                        headers={"X-Prometheus-Format": "0.0.4"})
+
+
+_ROUTES = {
+    "/v1/completions": ("POST", completions),
+    "/v1/models": ("GET", models),
+    "/v1/load_lora_adapter": ("POST", load_adapter),
+    "/v1/unload_lora_adapter": ("POST", unload_adapter),
+    "/health": ("GET", health),
+    "/metrics": ("GET", metrics),
+}
+
+
+def build_app(state: ServerState) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY)
+    app[STATE] = state
+    for path, (method, handler) in _ROUTES.items():
+        app.router.add_route(method, path, handler)
+    return app
+
+
+# ------------------------------------------------------------------ process entry
+def create_state(cfg: Any, log: Any = None) -> ServerState:
+    """Load the model and start the engine (blocking, seconds)."""
+    import torch
+
+    from comap_async.inference.adapters import SlotManager
+    from comap_async.inference.layout import prepare_for_inference
+    from comap_async.inference.registry import AdapterRegistry
+    from comap_async.models import load_model_and_tokenizer, resolve_model
+
+    torch.set_num_threads(cfg.model.torch_threads)
+    path = resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)
+    model, tok = load_model_and_tokenizer(path, cfg.model.dtype)
+    prepare_for_inference(model)
+    from peft import LoraConfig
+
+    lr = cfg.learner
+    spare = LoraConfig(r=lr.lora_r, lora_alpha=lr.lora_alpha, lora_dropout=0.0, target_modules=lr.target_modules)
+    # one spare per role (policy, wm, wm_teacher) plus one: a whole publish takes the fast path;
+    # the versions it replaces come back to the pool when the learner unloads them
+    slots = SlotManager(model, spare, spares=4)
+    inf = cfg.inference
+    max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30
+    max_model_len = min(max_pos, inf.max_prompt_tokens + inf.max_new_tokens)
+    from comap_async.inference.prefix import PrefixCache
+
+    engine = Engine(model, tok, slots, max_batch_size=inf.max_batch_size, batch_wait_ms=inf.batch_wait_ms,
+                    max_model_len=max_model_len, seed=cfg.run.seed, log=log, prefix_cache=PrefixCache())
+    engine.start()
+    engine.call(slots.fill_spares).result()
+    executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="comap-io")
+    root = cfg.adapter_root
+    root.mkdir(parents=True, exist_ok=True)
+    registry = AdapterRegistry(engine, slots, root, cfg.model.name_or_path, executor, log)
+    return ServerState(engine=engine, registry=registry, tokenizer=tok, base_name=cfg.model.name_or_path,
+                       model_path=str(path), max_prompt_tokens=inf.max_prompt_tokens,
+                       max_new_tokens=inf.max_new_tokens, max_model_len=max_model_len, executor=executor,
+                       admin_token=inf.admin_token, log=log)
+
+
+async def serve(cfg: Any, log: Any = None, initial_adapters: dict[str, str] | None = None,
+                ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    """Run until SIGTERM/SIGINT (or ``stop`` is set)."""
+    loop = asyncio.get_running_loop()
+    state = await loop.run_in_executor(None, create_state, cfg, log)
+    for name, p in (initial_adapters or {}).items():
+        await state.registry.load(name, p)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its sequences
+    runner = web.AppRunner(build_app(state), access_log=None, handle_signals=False, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.inference.host, cfg.inference.port, reuse_address=True)
+    await site.start()
+    stop = stop or asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (in-process tests): ``stop`` is used
+            pass
+    if log:
+        log.info("serve.ready", url=f"http://{cfg.inference.host}:{cfg.inference.port}", model=state.base_name,
+                 adapter_root=str(state.registry.root), max_batch_size=state.engine.max_batch_size)
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        if log:
+            log.info("serve.stopping")
+        await runner.cleanup()
+        await loop.run_in_executor(None, state.engine.stop)
+        state.executor.shutdown(wait=False)
+
+
+def run_server(cfg: Any, log: Any = None, initial_adapters: dict[str, str] | None = None) -> int:
+    asyncio.run(serve(cfg, log, initial_adapters))
+    return 0
+

@@ -1,0 +1,89 @@
+"""Start vLLM's OpenAI server from the same config as the embedded server (``comap serve --backend vllm``).
+
+The command is ``python -m vllm.entrypoints.openai.api_server`` (not ``vllm serve``: the CPU build
+in its own virtualenv may lack a working ``vllm`` console script) with LoRA enabled and runtime
+LoRA updating on (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` enables ``/v1/load_lora_adapter``).
+The base model is served under ``model.name_or_path`` so clients use the same model names against
+both backends, and ``--generation-config vllm`` keeps the request defaults independent of the
+model's generation_config.json, as in the embedded server.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+VLLM_PYTHON_ENV = "COMAP_VLLM_PYTHON"
+_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max-lora-rank values
+
+
+def max_lora_rank(r: int) -> int:
+    for allowed in _RANKS:
+        if r <= allowed:
+            return allowed
+    raise ValueError(f"LoRA rank {r} exceeds vLLM's largest --max-lora-rank ({_RANKS[-1]})")
+
+
+def find_vllm_python(explicit: str | None = None) -> str:
+    """The interpreter that has vLLM: ``--vllm-python``, ``$COMAP_VLLM_PYTHON``, or this one."""
+    candidate = explicit or os.environ.get(VLLM_PYTHON_ENV)
+    if candidate:
+        path = shutil.which(candidate) or candidate
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"vLLM python {candidate!r} not found")
+        return path
+    if importlib.util.find_spec("vllm") is None:
+        raise FileNotFoundError(
+            "vLLM is not installed in this interpreter: install it (GPU: `pip install vllm`; CPU: see "
+            f"DEVELOPERS.md) or point ${VLLM_PYTHON_ENV} / --vllm-python at the python of its virtualenv"
+        )
+    return sys.executable
+
+
+def build_command(cfg: Any, model_path: str, python: str, lora_modules: dict[str, str] | None = None,
+                  extra: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment additions) for vLLM's OpenAI server."""
+    inf, lr = cfg.inference, cfg.learner
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model_path,
+        "--served-model-name", cfg.model.name_or_path,
+        "--host", inf.host,
+        "--port", str(inf.port),
+        "--dtype", cfg.model.dtype,
+        "--seed", str(cfg.run.seed),
+        "--max-model-len", str(inf.max_prompt_tokens + inf.max_new_tokens),
+        "--max-num-seqs", str(inf.max_batch_size),
+        "--generation-config", "vllm",
+        "--enable-lora",
+        "--max-lora-rank", str(max_lora_rank(lr.lora_r)),
+        # policy, wm and wm_teacher, each possibly in two versions while a publish is in flight
+        "--max-loras", "6",
+        "--max-cpu-loras", "12",
+    ]
+    if inf.admin_token:
+        # vLLM's key guards every /v1 route, not only the admin ones; the client sends it on all requests
+        argv += ["--api-key", inf.admin_token]
+    for name, path in (lora_modules or {}).items():
+        argv += ["--lora-modules", f"{name}={path}"]
+    argv += list(extra or [])
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    return argv, env
+
+
+def exec_vllm(cfg: Any, python: str | None = None, lora_modules: dict[str, str] | None = None,
+              extra: list[str] | None = None, log: Any = None) -> None:
+    """Replace this process with vLLM's server (signals from honcho/systemd then reach vLLM directly)."""
+    from comap_async.models import resolve_model
+
+    model_path = resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)
+    argv, env = build_command(cfg, model_path, find_vllm_python(python), lora_modules, extra)
+    if log:
+        log.info("serve.vllm", argv=" ".join(argv))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(argv[0], argv, {**os.environ, **env})

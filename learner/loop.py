@@ -1,0 +1,250 @@
+"""The learner process: fetch batches, learn, publish, checkpoint; phases warmup -> reflect_init -> coevolve.
+
+Act / learn / get-batch are kept apart: a :class:`Prefetcher` task keeps micro-batches queued
+from the broker while the learn step runs in a worker thread, so the model waits on the network
+only when there is no data (and says so). Everything needed to continue — adapters, optimizer,
+schedule, RNG, phase, adapter version — is in the checkpoint; a restarted learner resumes there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from comap_async.config import CoMapConfig
+
+PHASE_STORES = {
+    "warmup": ("demos", "transitions"),
+    "reflect_init": ("demos", "transitions", "reflections"),
+    "coevolve": ("demos", "transitions", "reflections"),
+}
+
+
+@dataclass
+class LearnerState:
+    phase: str = "warmup"
+    version: int = 0
+    phase_start: int = 0
+    round_episodes: int = 0  # episodes written when the current round started (rounds schedule)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class Prefetcher:
+    """Keeps up to ``depth`` micro-batches ready; stores follow the current phase."""
+
+    def __init__(self, broker: Any, state: LearnerState, batch_size: int, depth: int, seed: int, log: Any) -> None:
+        self.broker, self.state, self.batch_size, self.log = broker, state, batch_size, log
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=depth)
+        self.seed = seed
+        self.draws = 0
+        self.waited_s = 0.0
+
+    async def run(self) -> None:
+        last_note = 0.0
+        while True:
+            phase = self.state.phase
+            mb: dict[str, list] = {}
+            for store in PHASE_STORES[phase]:
+                self.draws += 1
+                batch = await self.broker.sample(store, self.batch_size, seed=self.seed * 1_000_003 + self.draws)
+                if batch.items:
+                    mb[store] = batch.items
+            if not mb or (phase == "warmup" and "demos" not in mb):
+                if time.monotonic() - last_note > 10:
+                    self.log.info("learner.waiting_for_data", phase=phase, stores=list(PHASE_STORES[phase]))
+                    last_note = time.monotonic()
+                await asyncio.sleep(0.5)
+                continue
+            t0 = time.monotonic()
+            await self.queue.put(mb)
+            self.waited_s += time.monotonic() - t0
+
+
+async def wait_for(what: str, probe: Any, log: Any, stop: asyncio.Event, every_s: float = 10.0) -> Any:
+    """Retry ``probe()`` until it succeeds, logging one line per ``every_s`` (start-up order is free)."""
+    last = 0.0
+    while not stop.is_set():
+        try:
+            return await probe()
+        except Exception as exc:  # the other process is not up yet: the point of waiting
+            if time.monotonic() - last > every_s:
+                log.info("learner.waiting", target=what, reason=str(exc)[:200])
+                last = time.monotonic()
+            await asyncio.sleep(1.0)
+    return None
+
+
+class Learner:
+    def __init__(self, cfg: CoMapConfig, log: Any) -> None:
+        import torch
+
+        from comap_async.models import load_model_and_tokenizer, resolve_model
+        from comap_async.prompts import ChatTemplate, Prompts
+        from learner.batches import Encoder
+        from learner.model import build_peft_model
+        from learner.trainer import Trainer
+
+        self.cfg, self.log = cfg, log
+        lc = cfg.learner
+        torch.set_num_threads(cfg.model.torch_threads)
+        torch.manual_seed(cfg.run.seed)
+        path = resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)
+        base, tok = load_model_and_tokenizer(path, cfg.model.dtype, lc.device)
+        model = build_peft_model(base, lc.lora_r, lc.lora_alpha, lc.lora_dropout, lc.target_modules)
+        self.trainer = Trainer(model, Encoder(tok, Prompts(ChatTemplate.from_model_dir(path)), lc.max_seq_len), lc, lc.device)
+        self.state = LearnerState(phase="warmup" if lc.warmup_steps > 0 else "reflect_init")
+        self.run_dir = cfg.run.dir
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.adapter_root = cfg.adapter_root
+        self.writer = None
+        self.stop = asyncio.Event()
+        self.history: list[dict[str, float]] = []  # per-step metrics of this process (tests, eval)
+
+    # ------------------------------------------------------------------ persistence
+    def resume(self) -> bool:
+        from learner.checkpoint import latest, load_checkpoint
+
+        path = latest(self.ckpt_dir)
+        if path is None:
+            return False
+        extra = load_checkpoint(path, self.trainer)
+        self.state = LearnerState(**extra["state"])
+        self.log.info("learner.resumed", checkpoint=str(path), step=self.trainer.step, **self.state.as_dict())
+        return True
+
+    def checkpoint(self) -> None:
+        from learner.checkpoint import save_checkpoint
+
+        path = save_checkpoint(self.ckpt_dir, self.trainer, {"state": self.state.as_dict()})
+        self.log.info("learner.checkpoint", path=str(path), step=self.trainer.step)
+
+    def scalars(self, metrics: dict[str, float]) -> None:
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, self.trainer.step)
+
+    # ------------------------------------------------------------------ phases
+    def next_phase(self) -> str | None:
+        """The phase to switch to after this step, or None to stay."""
+        lc, s, step = self.cfg.learner, self.state, self.trainer.step
+        if s.phase == "warmup" and step - s.phase_start >= lc.warmup_steps:
+            return "reflect_init" if lc.reflect_init_steps > 0 else "coevolve"
+        if s.phase == "reflect_init" and step - s.phase_start >= lc.reflect_init_steps:
+            return "coevolve"
+        return None
+
+    async def publish(self, inference: Any, broker: Any) -> dict[str, Any]:
+        from learner.publish import publish_adapters
+
+        self.state.version += 1
+        out = await publish_adapters(
+            self.trainer.model, self.state.version, self.state.phase, self.trainer.step, root=self.adapter_root,
+            inference=inference, endpoints=list(self.cfg.inference.endpoints), broker=broker, log=self.log,
+            retries=self.cfg.inference.retries,
+        )
+        return {k: v for k, v in out.items() if k.startswith("learner/")}
+
+    async def wait_for_round(self, broker: Any) -> None:
+        """``rounds`` schedule: block until the actors finished ``rounds_episodes`` new episodes."""
+        need = self.state.round_episodes + self.cfg.learner.rounds_episodes
+        last = 0.0
+        while not self.stop.is_set():
+            written = (await broker.get_stats())["stores"]["episodes"]["written"]
+            if written >= need:
+                self.state.round_episodes = written
+                return
+            if time.monotonic() - last > 10:
+                self.log.info("learner.waiting_for_round", episodes=written, need=need)
+                last = time.monotonic()
+            await asyncio.sleep(1.0)
+
+    async def run(self, max_steps: int | None = None) -> int:
+        from comap_async.inference.client import InferenceClient
+        from learner.broker_client import BrokerClient
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop.set)
+        resumed = self.resume()
+        lc = self.cfg.learner
+        async with BrokerClient.from_config(self.cfg) as broker:
+            inference = InferenceClient.from_config(self.cfg)
+            try:
+                registry = await wait_for("broker", broker.get_registry, self.log, self.stop)
+                if registry is None:
+                    return 0
+                for url in self.cfg.inference.endpoints:
+                    await wait_for(f"inference {url}", lambda u=url: inference.health(endpoint=u), self.log, self.stop)
+                if resumed and self.state.version > 0:
+                    # endpoints may have restarted without our adapters, or the last announce was lost
+                    self.state.version -= 1
+                    await self.publish(inference, broker)
+                elif not resumed and registry.get("phase") != self.state.phase:
+                    await broker.announce(self.state.phase, registry.get("versions", {}), registry.get("adapters", {}), 0)
+                prefetch = Prefetcher(broker, self.state, lc.batch_size, lc.prefetch, self.cfg.run.seed, self.log)
+                task = asyncio.create_task(prefetch.run())
+                try:
+                    await self._train(prefetch, task, inference, broker, max_steps)
+                finally:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    self.checkpoint()
+            finally:
+                await inference.close()
+                if self.writer is not None:
+                    self.writer.close()
+        return 0
+
+    async def _train(self, prefetch: Prefetcher, task: asyncio.Task, inference: Any, broker: Any, max_steps: int | None) -> None:
+        lc = self.cfg.learner
+        start = self.trainer.step
+        while not self.stop.is_set() and (max_steps is None or self.trainer.step - start < max_steps):
+            if lc.schedule == "rounds" and self.state.phase == "coevolve" and (self.trainer.step - self.state.phase_start) % lc.publish_every == 0:
+                await self.wait_for_round(broker)
+            micro = []
+            t_wait = time.monotonic()
+            while len(micro) < lc.grad_accum and not self.stop.is_set():
+                getter = asyncio.ensure_future(prefetch.queue.get())
+                stopper = asyncio.ensure_future(self.stop.wait())
+                done, _ = await asyncio.wait({getter, stopper, task}, return_when=asyncio.FIRST_COMPLETED)
+                stopper.cancel()
+                if task in done:
+                    getter.cancel()
+                    task.result()  # the prefetcher died: raise its error here instead of hanging
+                if getter in done:
+                    micro.append(getter.result())
+                else:
+                    getter.cancel()
+            if len(micro) < lc.grad_accum:
+                break
+            data_wait = time.monotonic() - t_wait
+            metrics = await asyncio.to_thread(self.trainer.train_step, micro)
+            metrics["learner/data_wait_s"] = data_wait
+            step = self.trainer.step
+            nxt = self.next_phase()
+            if nxt is not None:
+                self.log.info("learner.phase", old=self.state.phase, new=nxt, step=step)
+                self.state.phase, self.state.phase_start = nxt, step
+                metrics.update(await self.publish(inference, broker))
+            elif self.state.phase != "warmup" and (step - self.state.phase_start) % lc.publish_every == 0:
+                metrics.update(await self.publish(inference, broker))
+            if step % lc.checkpoint_every == 0:
+                self.checkpoint()
+            self.scalars(metrics)
+            self.history.append(metrics)
+            self.log.info("learner.step", step=step, phase=self.state.phase, version=self.state.version,
+                          **{k: round(v, 4) for k, v in metrics.items() if "/" in k})
+
+
+def run_learner(cfg: CoMapConfig, log: Any, max_steps: int | None = None) -> int:
+    Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    return asyncio.run(Learner(cfg, log).run(max_steps))

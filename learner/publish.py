@@ -1,0 +1,104 @@
+"""Publishing adapters: save versioned, load into every inference endpoint, announce, prune.
+
+Order matters (DESIGN.md section 6): the broker announces a version only after every endpoint
+serves it, so an actor never asks for an adapter that is not loaded; versions older than the
+previous one are unloaded last, so requests already in flight on the previous version finish.
+Versioned names (``policy-v7``) avoid the stale-cache bugs of reloading under one name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from learner.model import ROLES
+
+
+class PublishError(RuntimeError):
+    """An endpoint could not load a new adapter version after all retries."""
+
+
+def adapter_name(role: str, version: int) -> str:
+    return f"{role}-v{version}"
+
+
+def save_adapter(model: Any, role: str, out: Path) -> Path:
+    """peft's on-disk adapter format (adapter_config.json + adapter_model.safetensors), atomically."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        config = model.peft_config[role]
+        config.save_pretrained(str(tmp))
+        state = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model, adapter_name=role).items()}
+        save_file(state, str(tmp / "adapter_model.safetensors"))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def save_versioned_adapters(model: Any, root: Path, version: int) -> dict[str, Path]:
+    return {role: save_adapter(model, role, root / adapter_name(role, version)) for role in ROLES}
+
+
+async def load_everywhere(client: Any, endpoints: list[str], name: str, path: Path, retries: int, log: Any) -> None:
+    """Load one adapter into every endpoint; each failure is retried and logged, never skipped."""
+    for endpoint in endpoints:
+        for attempt in range(retries + 1):
+            try:
+                # in place: a resumed learner re-publishes its current version, which an endpoint that
+                # kept running still holds; for a new name this is an ordinary load
+                await client.load_adapter(name, str(path), load_inplace=True, endpoint=endpoint)
+                break
+            except Exception as exc:  # any failure of this endpoint: retry, then fail the publish loudly
+                log.warning("publish.load_failed", endpoint=endpoint, adapter=name, attempt=attempt + 1, error=str(exc))
+                if attempt == retries:
+                    raise PublishError(f"{endpoint} could not load {name} after {retries + 1} attempts: {exc}") from exc
+                await asyncio.sleep(min(5.0, 0.5 * 2**attempt))
+
+
+async def unload_everywhere(client: Any, endpoints: list[str], name: str, log: Any) -> None:
+    for endpoint in endpoints:
+        try:
+            await client.unload_adapter(name, missing_ok=True, endpoint=endpoint)
+        except Exception as exc:  # unload is cleanup: a failure is reported, the new version is already live
+            log.warning("publish.unload_failed", endpoint=endpoint, adapter=name, error=str(exc))
+
+
+async def publish_adapters(
+    model: Any, version: int, phase: str, step: int, *, root: Path, inference: Any, endpoints: list[str],
+    broker: Any, log: Any, retries: int = 3, keep_dirs: int = 5,
+) -> dict[str, Any]:
+    """Save, load everywhere, announce, unload old; returns the new registry and timings."""
+    t0 = time.perf_counter()
+    paths = await asyncio.to_thread(save_versioned_adapters, model, root, version)
+    t_saved = time.perf_counter()
+    for role, path in paths.items():
+        await load_everywhere(inference, endpoints, adapter_name(role, version), path, retries, log)
+    t_loaded = time.perf_counter()
+    registry = await broker.announce(
+        phase=phase, versions={role: version for role in ROLES},
+        adapters={role: adapter_name(role, version) for role in ROLES}, step=step,
+    )
+    for old in range(max(1, version - 4), version - 1):  # keep the current and the previous version live
+        for role in ROLES:
+            await unload_everywhere(inference, endpoints, adapter_name(role, old), log)
+    for role in ROLES:
+        for old_dir in sorted(root.glob(f"{role}-v*"), key=lambda p: int(p.name.rsplit("-v", 1)[1]))[:-keep_dirs]:
+            shutil.rmtree(old_dir, ignore_errors=True)
+    (root / "latest.json").write_text(json.dumps({"version": version, "step": step, "phase": phase}))
+    timings = {"learner/publish_s": time.perf_counter() - t0, "learner/save_s": t_saved - t0,
+               "learner/load_s": t_loaded - t_saved}
+    log.info("publish.done", version=version, phase=phase, step=step, **{k.split("/")[1]: round(v, 3) for k, v in timings.items()})
+    return {"registry": registry, **timings}

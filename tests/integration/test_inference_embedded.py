@@ -1,0 +1,52 @@
+"""Embedded-server specifics beyond the shared contract: several prompts and n, metrics, start-up adapters."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from tests.fixtures.inference import AdapterFactory, start_server, stop_server
+from tests.fixtures.core import free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def test_prompt_list_and_n_give_one_choice_each(embedded_server):
+    async with embedded_server.client() as c:
+        r = await c.complete(["go to", "look around"], n=2, max_tokens=3, temperature=1.0, seed=3, ignore_eos=True)
+        single = await c.complete("look around", max_tokens=3, temperature=1.0, seed=3, ignore_eos=True)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    assert r.usage["completion_tokens"] == 12
+    assert r.choices[2].text == single.text  # prompt 2, first sample: seed 3 as in the single request
+
+
+async def test_metrics_are_prometheus_text(embedded_server):
+    async with embedded_server.client() as c:
+        await c.complete("look", max_tokens=4, ignore_eos=True)
+    async with aiohttp.ClientSession() as s, s.get(embedded_server.url + "/metrics") as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = await r.text()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and line[0] != "#"}
+    assert values["comap_inference_generation_tokens_total"] >= 4
+    assert values['comap_inference_http_requests_total{route="/v1/completions",status="200"}'] >= 1
+    assert values["comap_inference_engine_alive"] == 1
+    assert "# TYPE comap_inference_decode_steps_total counter" in text
+
+
+def test_serve_loads_adapters_given_at_start(tiny_model_dir, tmp_path):
+    root = tmp_path / "adapters"
+    AdapterFactory(tiny_model_dir, root).random("policy-v1", seed=5)
+    port = free_port()
+    proc = start_server(["--set", f"model.name_or_path={tiny_model_dir}", "--set", f"inference.port={port}",
+                         "--set", f"inference.adapter_root={root}", "--lora", "policy-v1=policy-v1"],
+                        port, tmp_path / "serve.log", timeout_s=90)
+    try:
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
+            ids = [m["id"] for m in json.loads(r.read())["data"]]
+        assert ids == [str(tiny_model_dir), "policy-v1"]
+    finally:
+        stop_server(proc)
+    assert proc.returncode == 0  # SIGTERM is a clean shutdown

@@ -1,0 +1,190 @@
+"""The batching engine in-process on the tiny model: continuous batching must not change results."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from comap_async.inference.adapters import SlotManager, read_adapter
+from comap_async.inference.engine import Engine, Sequence
+from comap_async.inference.layout import prepare_for_inference
+from comap_async.inference.sampling import SamplingParams
+from comap_async.models import load_model_and_tokenizer
+from tests.fixtures.inference import AdapterFactory
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPTS = ["You arrive at countertop 1. On the countertop", "go to", "look",
+           "Your task is to: put a clean apple in fridge. You open the fridge 1. The fridge 1 is open."]
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    from peft import LoraConfig
+
+    model, tok = load_model_and_tokenizer(str(tiny_model_dir))
+    prepare_for_inference(model)
+    slots = SlotManager(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"), spares=1)
+    eng = Engine(model, tok, slots, max_batch_size=3, batch_wait_ms=0)
+    eng.start()
+    eng.call(slots.fill_spares).result(30)
+    yield eng
+    eng.stop()
+
+
+def run(eng: Engine, seqs: list[Sequence], stagger_s: float = 0.0) -> None:
+    done = threading.Semaphore(0)
+    for s in seqs:
+        s.on_done = lambda _s: done.release()
+        eng.submit([s])
+        time.sleep(stagger_s)
+    for _ in seqs:
+        assert done.acquire(timeout=60)
+
+
+def test_staggered_batching_equals_generate(engine, tiny_model_dir):
+    """8 greedy sequences of different lengths join and leave a batch of 3: same tokens as HF generate."""
+    ref, tok = load_model_and_tokenizer(str(tiny_model_dir))
+    seqs = [Sequence(tok(p).input_ids, SamplingParams(max_tokens=5 + 4 * i, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(PROMPTS * 2)]
+    run(engine, seqs, stagger_s=0.003)
+    assert engine.stats.batch_rows > engine.stats.steps  # rows were really batched
+    for s in seqs:
+        ids = torch.tensor([s.prompt_ids])
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=s.params.max_tokens,
+                           do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id)
+        assert s.out_ids == out[0, ids.shape[1]:].tolist()
+        assert s.finish_reason == "length" and s.text == tok.decode(s.out_ids, skip_special_tokens=True)
+
+
+def test_seeded_sampling_is_reproducible_across_batch_company(engine, tiny_model_dir):
+    tok = engine.tokenizer
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True)
+    from comap_async.inference.sampling import make_generator
+
+    alone = Sequence(tok(PROMPTS[0]).input_ids, params, generator=make_generator(5))
+    run(engine, [alone])
+    crowd = [Sequence(tok(p).input_ids, params, generator=make_generator(5 if i == 0 else i)) for i, p in enumerate(PROMPTS)]
+    run(engine, crowd)
+    assert crowd[0].out_ids == alone.out_ids
+
+
+def test_adapter_with_another_shape_takes_the_slow_path(engine, tiny_model_dir, tmp_path):
+    """r=4 does not fit the r=8 spares: built on the engine thread, and it works in a mixed batch."""
+    path = AdapterFactory(tiny_model_dir, tmp_path).random("r4", seed=9, r=4)
+    files = read_adapter(path)
+    spare = engine.slots.take_spare()
+    assert spare is not None and not engine.slots.fill_spare(spare, files)
+    engine.slots.give_back(spare)
+    slot = engine.call(lambda: engine.slots.add_slow(files)).result(30)
+    tok = engine.tokenizer
+    p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    seqs = [Sequence(tok(PROMPTS[3]).input_ids, p, slot=s) for s in (slot, "__base__", slot)]
+    run(engine, seqs)
+    from peft import PeftModel
+
+    ref, _ = load_model_and_tokenizer(str(tiny_model_dir))
+    ref = PeftModel.from_pretrained(ref, str(path)).eval()
+    ids = torch.tensor([seqs[0].prompt_ids + seqs[0].out_ids])
+    with torch.inference_mode():
+        lp = torch.log_softmax(ref(input_ids=ids).logits[0].float(), -1)
+    n = len(seqs[0].prompt_ids)
+    expect = [float(lp[n - 1 + i, t]) for i, t in enumerate(seqs[0].out_ids)]
+    assert max(abs(a - b) for a, b in zip(expect, seqs[0].token_logprobs)) < 1e-3
+    assert seqs[0].out_ids == seqs[2].out_ids != seqs[1].out_ids
+    assert engine.slots.stacked  # the batched (stacked) LoRA path produced these, with r=4 padded to 8
+    engine.call(lambda: engine.slots.delete(slot)).result(30)
+    assert slot not in engine.slots.peft.peft_config
+
+
+def _saved(tiny_model_dir, out, **lora):
+    import torch as _t
+    from peft import LoraConfig, get_peft_model
+
+    base, _ = load_model_and_tokenizer(str(tiny_model_dir))
+    _t.manual_seed(0)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", **lora))
+    with _t.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    model.save_pretrained(str(out))
+    return out
+
+
+def test_lora_bias_adapter_falls_back_to_peft_forward(engine, tiny_model_dir, tmp_path):
+    """The stacked path has no B bias: such an adapter switches the engine to peft's mixed forward."""
+    from peft import PeftModel
+
+    path = _saved(tiny_model_dir, tmp_path / "biased", lora_bias=True)
+    files = read_adapter(path)
+    slot = engine.call(lambda: engine.slots.add_slow(files)).result(30)
+    assert not engine.slots.stacked
+    tok = engine.tokenizer
+    p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    seqs = [Sequence(tok(PROMPTS[2]).input_ids, p, slot=s) for s in (slot, "__base__")]
+    run(engine, seqs)
+    assert seqs[0].error is None, repr(seqs[0].error)
+    ref, _ = load_model_and_tokenizer(str(tiny_model_dir))
+    ref = PeftModel.from_pretrained(ref, str(path)).eval()
+    ids = torch.tensor([seqs[0].prompt_ids])
+    out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                       pad_token_id=tok.pad_token_id)
+    assert seqs[0].out_ids == out[0, ids.shape[1]:].tolist() != seqs[1].out_ids
+
+
+def test_dora_adapters_are_refused(engine, tiny_model_dir, tmp_path):
+    from comap_async.inference.sampling import RequestError
+
+    files = read_adapter(_saved(tiny_model_dir, tmp_path / "dora", use_dora=True))
+    with pytest.raises(RequestError, match="DoRA"):
+        engine.call(lambda: engine.slots.add_slow(files)).result(30)
+    assert engine.slots.stacked
+
+
+def test_stop_string_and_cancel(engine):
+    tok = engine.tokenizer
+    free = Sequence(tok(PROMPTS[0]).input_ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    run(engine, [free])
+    stop = free.text[5:8]
+    cut = Sequence(tok(PROMPTS[0]).input_ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                             stop=(stop,), include_stop_str_in_output=True))
+    gone = Sequence(tok(PROMPTS[1]).input_ids, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    gone.cancelled = True
+    run(engine, [cut, gone])
+    assert cut.finish_reason == "stop" and cut.text == free.text[: free.text.find(stop) + len(stop)]
+    assert gone.finish_reason == "abort" and len(gone.out_ids) <= 1
+
+
+def test_prefix_cache_reuses_prompt_starts_without_changing_results(tiny_model_dir):
+    from peft import LoraConfig
+
+    from comap_async.inference.prefix import PrefixCache
+
+    model, tok = load_model_and_tokenizer(str(tiny_model_dir))
+    prepare_for_inference(model)
+    slots = SlotManager(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"), spares=1)
+    eng = Engine(model, tok, slots, max_batch_size=4, batch_wait_ms=0, prefix_cache=PrefixCache(block=4))
+    eng.start()
+    try:
+        eng.call(slots.fill_spares).result(30)
+        p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+        long_prompt = tok(PROMPTS[3]).input_ids
+        first = Sequence(long_prompt, p)
+        run(eng, [first])
+        assert eng.prefix.hits == 0 and len(eng.prefix) == len(long_prompt) // 4
+        again = [Sequence(long_prompt, p), Sequence(long_prompt[:-3] + tok(" look").input_ids, p)]
+        run(eng, again)
+        assert eng.prefix.hits >= 2 * 4 * ((len(long_prompt) - 4) // 4)
+        assert again[0].out_ids == first.out_ids
+        assert max(abs(a - b) for a, b in zip(again[0].token_logprobs, first.token_logprobs)) < 1e-4
+        # another slot never sees the base model's cached keys/values
+        spare = slots.take_spare()
+        hits = eng.prefix.hits
+        run(eng, [Sequence(long_prompt, p, slot=spare)])
+        assert eng.prefix.hits == hits
+    finally:
+        eng.stop()

@@ -1,0 +1,25 @@
+"""Pure parts of the actor's model calls: q_ref covers exactly the refined action's tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from actors.llm import action_token_logprobs
+
+
+def test_action_tokens_are_those_after_final_action():
+    tokens = [" RE", "VISE", "\n", "Final", " Action", ":", " open", " fridge", " 1", "\n", "junk"]
+    lps = [-0.1, -0.2, -0.3, -0.4, -0.5, -0.6, -1.0, -2.0, -3.0, -4.0, -5.0]
+    text = "".join(tokens)
+    assert action_token_logprobs(text, tokens, lps) == [-1.0, -2.0, -3.0]
+
+
+def test_no_final_action_gives_no_tokens():
+    assert action_token_logprobs(" KEEP", [" KE", "EP"], [-0.1, -0.1]) == []
+
+
+def test_none_logprobs_are_skipped():
+    tokens = ["Final Action:", " look"]
+    assert action_token_logprobs("".join(tokens), tokens, [None, math.log(0.5)]) == [pytest.approx(math.log(0.5))]

@@ -1,0 +1,134 @@
+"""Pure pieces of the inference package: request validation, sampling, KV-cache bookkeeping, paths, vLLM argv."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comap_async.config import load_config
+from comap_async.inference import vllm
+from comap_async.inference.adapters import resolve_adapter_dir
+from comap_async.inference.kvcache import BatchCache
+from comap_async.inference.sampling import (
+    RequestError, SamplingParams, _filter_top, parse_completion_request, sample_step,
+)
+
+
+def test_defaults_follow_openai():
+    req = parse_completion_request({"prompt": "hi"}, max_new_tokens=64)
+    assert req.prompts == ["hi"] and req.n == 1 and req.model is None
+    assert req.params == SamplingParams(max_tokens=16, temperature=1.0, top_p=1.0)
+    req = parse_completion_request({"prompt": [[1, 2], [3]], "stop": "\n", "top_k": -1, "logprobs": 0}, 64)
+    assert req.prompts == [[1, 2], [3]] and req.params.stop == ("\n",) and req.params.top_k == 0
+    assert req.params.logprobs == 0
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "max_tokens": 65}, "max_tokens"), ({"prompt": "x", "temperature": float("nan")}, "temperature"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"), ({"prompt": "x", "logprobs": True}, "logprobs"),
+    ({"prompt": "x", "seed": "1"}, "seed"), ({"prompt": []}, "prompt"), ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": "x", "stop": [""]}, "stop"), ({"prompt": "x", "stream": True}, "stream"),
+    ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"), ({"prompt": "x", "model": 3}, "model"),
+])
+def test_invalid_values_name_the_field(body, param):
+    with pytest.raises(RequestError) as err:
+        parse_completion_request(body, max_new_tokens=64)
+    assert err.value.status == 400 and err.value.param == param and param in str(err.value)
+
+
+def test_top_p_keeps_smallest_prefix_reaching_mass():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = torch.isfinite(_filter_top(logits, 0, 0.8))
+    assert kept.tolist() == [True, True, False, False]
+    assert torch.isfinite(_filter_top(logits, 0, 0.01)).tolist() == [True, False, False, False]
+    assert torch.isfinite(_filter_top(logits[[2, 0, 3, 1]], 2, 1.0)).tolist() == [False, True, False, True]
+
+
+def test_sample_step_reports_raw_logprobs_and_honours_seeds():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 0.0, 5.0, 0.0]])
+    raw = torch.log_softmax(logits, -1)
+    greedy = SamplingParams(temperature=0.0, logprobs=2)
+    hot = SamplingParams(temperature=5.0, logprobs=2)
+    g = torch.Generator().manual_seed(0)
+    out = sample_step(logits, [greedy, hot], [None, torch.Generator().manual_seed(3)], g)
+    assert out[0].token == 0 and out[0].logprob == pytest.approx(float(raw[0, 0]))
+    # logprobs ignore temperature: they are the model's distribution
+    assert [t for t, _ in out[1].top] == [2, 0] and out[1].top[0][1] == pytest.approx(float(raw[1, 2]))
+    again = sample_step(logits, [greedy, hot], [None, torch.Generator().manual_seed(3)], g)
+    assert again[1].token == out[1].token
+    assert sample_step(logits, [SamplingParams(), SamplingParams()], [None, None], g)[0].top == []
+
+
+def _layer_rows(cache: BatchCache) -> torch.Tensor:
+    return cache.layers[0].keys[:, 0, :, 0]
+
+
+def test_batch_cache_merges_left_padded_and_trims():
+    def filled(values: list[list[float]]) -> BatchCache:
+        c = BatchCache(2)
+        n = max(len(v) for v in values)
+        k = torch.zeros(len(values), 1, n, 1)
+        mask = torch.zeros(len(values), n, dtype=torch.long)
+        for i, v in enumerate(values):
+            k[i, 0, n - len(v):, 0] = torch.tensor(v)
+            mask[i, n - len(v):] = 1
+        for layer in c.layers:
+            layer.update(k.clone(), k.clone())
+        c.mask = mask
+        return c
+
+    a, b = filled([[1, 2, 3, 4, 5]]), filled([[7, 8]])
+    a.merge(b)
+    assert a.length == 5 and a.mask.tolist() == [[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]
+    assert _layer_rows(a).tolist() == [[1, 2, 3, 4, 5], [0, 0, 0, 7, 8]]
+    a.extend_mask()
+    for layer in a.layers:  # one decode step: every row gains a column
+        layer.update(torch.full((2, 1, 1, 1), 9.0), torch.full((2, 1, 1, 1), 9.0))
+    a.select([1])  # the long row leaves: leading padding columns go with it
+    assert a.length == 3 and a.mask.tolist() == [[1, 1, 1]] and _layer_rows(a).tolist() == [[7, 8, 9]]
+    a.select([])
+    assert a.batch == 0 and a.length == 0
+
+
+def test_adapter_paths_stay_inside_root(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    for d in (root / "policy-v1", outside):
+        d.mkdir(parents=True)
+        (d / "adapter_config.json").write_text("{}")
+        (d / "adapter_model.safetensors").write_bytes(b"")
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    (root / "half").mkdir()
+    (root / "half" / "adapter_config.json").write_text("{}")
+    (root / "half" / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
+    assert resolve_adapter_dir(root, "policy-v1") == (root / "policy-v1").resolve()
+    assert resolve_adapter_dir(root, str(root / "policy-v1")) == (root / "policy-v1").resolve()
+    for bad, status in [(str(outside), 400), ("../outside", 400), ("policy-v1/../../outside", 400), ("link", 400),
+                        ("half", 400), ("missing", 404), ("", 400), (None, 400)]:
+        with pytest.raises(RequestError) as err:
+            resolve_adapter_dir(root, bad)
+        assert err.value.status == status, bad
+
+
+def test_vllm_command_from_config():
+    cfg = load_config(None, ["inference.admin_token=s3cret", "inference.port=9001", "learner.lora_r=12"])
+    argv, env = vllm.build_command(cfg, "/models/smol", "/venv/bin/python", {"policy-v1": "/a/policy-v1"})
+    assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    joined = " ".join(argv)
+    for part in ("--model /models/smol", "--served-model-name smollm2-135m-instruct", "--port 9001", "--enable-lora",
+                 "--max-lora-rank 16", "--api-key s3cret", "--lora-modules policy-v1=/a/policy-v1",
+                 "--generation-config vllm"):
+        assert part in joined
+    assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    assert vllm.max_lora_rank(8) == 8 and vllm.max_lora_rank(9) == 16
+    with pytest.raises(ValueError):
+        vllm.max_lora_rank(1000)
+
+
+def test_draw_follows_the_distribution_and_never_picks_zero_mass():
+    from comap_async.inference.sampling import _draw
+
+    p = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
+    g = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([_draw(p, g) for _ in range(20000)]), minlength=5) / 20000
+    assert counts[1] == 0 and counts[4] == 0
+    assert torch.allclose(counts, p, atol=0.015)
