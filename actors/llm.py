@@ -7,6 +7,7 @@ back as ``None`` with a ``problem`` the caller counts, never an exception.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,9 +49,12 @@ def action_token_logprobs(text: str, tokens: list[str], token_logprobs: list[flo
 
 
 class AgentLLM:
-    def __init__(self, client: Any, prompts: Prompts, cfg: ActorConfig, base_model: str) -> None:
+    def __init__(self, client: Any, prompts: Prompts, cfg: ActorConfig, base_model: str,
+                 refresh_registry: Callable[[], Awaitable[dict[str, Any] | None]] | None = None) -> None:
         self.client, self.prompts, self.cfg, self.base_model = client, prompts, cfg, base_model
         self.adapters: dict[str, str] = {}
+        self.refresh_registry = refresh_registry
+        self.stale_adapter_retries = 0
 
     def use_registry(self, registry: dict[str, Any] | None) -> None:
         self.adapters = dict((registry or {}).get("adapters") or {})
@@ -60,10 +64,22 @@ class AgentLLM:
 
     async def _complete(self, role: str, prompt: str, max_tokens: int, stop: list[str], temperature: float,
                         logprobs: int | None = None) -> dict[str, Any]:
-        return _choice(await self.client.complete(
-            prompt=prompt, model=self.model_for(role), max_tokens=max_tokens, temperature=temperature,
-            top_p=self.cfg.top_p, stop=stop, logprobs=logprobs,
-        ))
+        from comap_async.inference.client import InferenceError
+
+        for attempt in (0, 1):
+            try:
+                return _choice(await self.client.complete(
+                    prompt=prompt, model=self.model_for(role), max_tokens=max_tokens, temperature=temperature,
+                    top_p=self.cfg.top_p, stop=stop, logprobs=logprobs,
+                ))
+            except InferenceError as exc:
+                # The learner retires old adapter versions; an actor whose last ack predates two publishes
+                # asks for one that is gone (404). Fetch the current registry and retry once.
+                if exc.status != 404 or attempt or self.refresh_registry is None or role not in self.adapters:
+                    raise
+                self.stale_adapter_retries += 1
+                self.use_registry(await self.refresh_registry())
+        raise AssertionError("unreachable")
 
     async def draft(self, state: str) -> tuple[str | None, str | None]:
         """(action, problem); action None when the output had no usable line."""

@@ -122,7 +122,13 @@ class ActorWorker:
         client = InferenceClient.from_config(cfg)
         own_outbox = outbox is None
         outbox = outbox or Outbox.from_config(cfg, log=self.log)
-        llm = AgentLLM(client, prompts, cfg.actor, base_model="")
+        refresher = None
+        if own_outbox:
+            from learner.broker_client import BrokerClient
+
+            refresher = BrokerClient.from_config(cfg, timeout_s=5.0, retries=2)
+        llm = AgentLLM(client, prompts, cfg.actor, base_model="",
+                       refresh_registry=refresher.get_registry if refresher else None)
         outbox.on_registry = llm.use_registry
         if own_outbox:
             await outbox.start()
@@ -151,6 +157,8 @@ class ActorWorker:
             reporter.cancel()
             await pool.close()
             await client.close()
+            if refresher is not None:
+                await refresher.close()
             if own_outbox:
                 await outbox.close(flush_timeout=10)
             self.log.info("actor.done", **self.metrics.summary())

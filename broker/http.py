@@ -8,6 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from broker.ingest import record_from_store
+
+MAX_RECORDS = 20_000  # one response stays a few MB at most
+
 if TYPE_CHECKING:
     from broker.server import Broker
 
@@ -84,10 +88,31 @@ def make_app(broker: "Broker") -> web.Application:
         return web.Response(text=prometheus_text(broker.stats()), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
+    async def records(request: web.Request) -> web.Response:
+        """The newest ``limit`` records of a store (for `comap stats` and analysis), oldest first."""
+        if not _authorised(request, token):
+            return web.json_response({"error": "missing or wrong bearer token"}, status=401)
+        store = request.query.get("store", "")
+        if store not in broker.store.capacities:
+            return web.json_response({"error": f"unknown store {store!r}; known: {sorted(broker.store.capacities)}"},
+                                     status=400)
+        try:
+            limit = int(request.query.get("limit", "1000"))
+        except ValueError:
+            return web.json_response({"error": "limit must be an integer"}, status=400)
+        if not 1 <= limit <= MAX_RECORDS:
+            return web.json_response({"error": f"limit must be in [1, {MAX_RECORDS}]"}, status=400)
+        tail, head = broker.store.bounds(store)
+        raw = broker.store.get_many(store, range(max(tail, head - limit), head))
+        items = [record_from_store(store, v) for v in raw if v is not None]
+        return web.Response(text=json.dumps({"store": store, "items": items}, default=str),
+                            content_type="application/json")
+
     app = web.Application(client_max_size=64 * 1024)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/stats", stats)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/records", records)
     return app
 
 

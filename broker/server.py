@@ -204,6 +204,8 @@ class Broker(ActorPath):
             self.store.set_registry(registry)
             if registry["versions"].get("policy", 0) < old["versions"].get("policy", 0):
                 self.log.warning("broker.policy_version_decreased", old=old["versions"], new=registry["versions"])
+            self.learner_metrics = {k: v for k, v in (msg.get("metrics") or {}).items()
+                                    if type(v) in (int, float)}
             self.log.info("broker.registry", **registry)
             return {"ok": True, "error": None, "data": registry}
         # sample
@@ -243,4 +245,4 @@ class Broker(ActorPath):
         return build_snapshot(self.store.state, self.capacities, self.live, self.store.registry, {
             "writable": self.writable_error is None, "last_error": self.writable_error, "map": self.map_info,
             "pending": len(self.pending), "curve": self.server_keys is not None, "endpoints": self.endpoints,
-            "time": time.time()})
+            "time": time.time(), "learner": getattr(self, "learner_metrics", {})})

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import shlex
 import sys
 
 # name -> (module, one-line help). Process packages own their entry modules.
@@ -23,13 +25,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "learner": ("learner.cli", "train the policy and world-model LoRA adapters continuously; publish them"),
     "actor": ("actors.cli", "run environment workers playing the CoMap loop (phases from the broker)"),
     "eval": ("actors.evaluate", "evaluate adapters on a split; writes eval.json and eval.md"),
+    "stats": ("comap_async.commands.stats", "live summary of a running system from the broker (--plot DIR for PNGs)"),
 }
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", "-c", default=None, help="YAML config file (default: built-in defaults)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one config field (repeatable)")
+    # $COMAP_CONFIG / $COMAP_OVERRIDES let one Procfile drive any config (honcho passes the environment)
+    parser.add_argument("--config", "-c", default=os.environ.get("COMAP_CONFIG") or None,
+                        help="YAML config file (default: $COMAP_CONFIG, else built-in defaults)")
+    parser.add_argument("--set", dest="overrides", action="append", default=shlex.split(os.environ.get("COMAP_OVERRIDES", "")),
+                        metavar="SECTION.KEY=VALUE",
+                        help="override one config field (repeatable; $COMAP_OVERRIDES holds more, whitespace-separated)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -104,8 +104,12 @@ def _is_prepared(out: Path, stamp: dict[str, Any] | None = None) -> bool:
     return all(saved.get(k) == v for k, v in stamp.items())
 
 
-def _atomic_publish(tmp: Path, out: Path) -> None:
+def _atomic_publish(tmp: Path, out: Path, replace: bool = False) -> None:
+    """Move a finished directory into place. Without ``replace``, a directory another process
+    finished first wins (several processes may build the tiny model at once; one may be reading it)."""
     if out.exists():
+        if not replace:
+            return
         shutil.rmtree(out)
     os.replace(tmp, out)
 
@@ -136,7 +140,7 @@ def prepare_default_model(cache_dir: str | os.PathLike, force: bool = False, log
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / _MARKER).write_text(json.dumps({**stamp, **meta, "converted_s": round(time.time() - t0, 1)}))
-        _atomic_publish(tmp, out)
+        _atomic_publish(tmp, out, replace=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

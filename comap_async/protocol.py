@@ -76,7 +76,7 @@ SCHEMAS: dict[str, dict[str, F]] = {
     # learner -> broker
     "sample": {"req": _I, "store": F("str", choices=STORES), "n": _I, "seed": F("int", nullable=True, required=False)},
     "announce": {"req": _I, "phase": F("str", choices=PHASES), "versions": F("map"), "adapters": F("map"),
-                 "step": _I},
+                 "step": _I, "metrics": F("map", required=False)},
     "get_registry": {"req": _I},
     "get_stats": {"req": _I},
     # broker -> learner

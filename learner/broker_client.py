@@ -87,9 +87,13 @@ class BrokerClient:
         rep = await self._request("sample", store=store, n=n, seed=seed)
         return Batch(rep["store"], rep["items"], rep["stale_skipped"], rep["available"])
 
-    async def announce(self, phase: str, versions: dict[str, int], adapters: dict[str, str], step: int) -> dict[str, Any]:
-        """Replace the broker's registry (after the adapters are live on every inference server)."""
-        return (await self._request("announce", phase=phase, versions=versions, adapters=adapters, step=step))["data"]
+    async def announce(self, phase: str, versions: dict[str, int], adapters: dict[str, str], step: int,
+                       metrics: dict[str, float] | None = None) -> dict[str, Any]:
+        """Replace the broker's registry (after the adapters are live on every inference server);
+        ``metrics`` (numbers) are the learner's latest scalars, shown in the broker's /stats."""
+        extra = {"metrics": metrics} if metrics else {}
+        return (await self._request("announce", phase=phase, versions=versions, adapters=adapters, step=step,
+                                    **extra))["data"]
 
     async def get_registry(self) -> dict[str, Any]:
         return (await self._request("get_registry"))["data"]

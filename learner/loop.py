@@ -142,16 +142,28 @@ class Learner:
             return "coevolve"
         return None
 
-    async def publish(self, inference: Any, broker: Any) -> dict[str, Any]:
+    async def publish(self, inference: Any, broker: Any, metrics: dict[str, float] | None = None) -> dict[str, Any]:
         from learner.publish import publish_adapters
 
         self.state.version += 1
         out = await publish_adapters(
             self.trainer.model, self.state.version, self.state.phase, self.trainer.step, root=self.adapter_root,
             inference=inference, endpoints=list(self.cfg.inference.endpoints), broker=broker, log=self.log,
-            retries=self.cfg.inference.retries,
+            retries=self.cfg.inference.retries, metrics=metrics,
         )
         return {k: v for k, v in out.items() if k.startswith("learner/")}
+
+    async def wait_for_demos(self, broker: Any) -> None:
+        """Warm-up starts once the broker holds ``warmup_min_demos`` demonstrations."""
+        need, last = self.cfg.learner.warmup_min_demos, 0.0
+        while not self.stop.is_set():
+            have = (await broker.get_stats())["stores"]["demos"]["count"]
+            if have >= need:
+                return
+            if time.monotonic() - last > 10:
+                self.log.info("learner.waiting_for_demos", demos=have, need=need)
+                last = time.monotonic()
+            await asyncio.sleep(1.0)
 
     async def wait_for_round(self, broker: Any) -> None:
         """``rounds`` schedule: block until the actors finished ``rounds_episodes`` new episodes."""
@@ -190,6 +202,8 @@ class Learner:
                     await self.publish(inference, broker)
                 elif not resumed and registry.get("phase") != self.state.phase:
                     await broker.announce(self.state.phase, registry.get("versions", {}), registry.get("adapters", {}), 0)
+                if self.state.phase == "warmup":
+                    await self.wait_for_demos(broker)
                 prefetch = Prefetcher(broker, self.state, lc.batch_size, lc.prefetch, self.cfg.run.seed, self.log)
                 task = asyncio.create_task(prefetch.run())
                 try:
@@ -234,9 +248,9 @@ class Learner:
             if nxt is not None:
                 self.log.info("learner.phase", old=self.state.phase, new=nxt, step=step)
                 self.state.phase, self.state.phase_start = nxt, step
-                metrics.update(await self.publish(inference, broker))
+                metrics.update(await self.publish(inference, broker, metrics))
             elif self.state.phase != "warmup" and (step - self.state.phase_start) % lc.publish_every == 0:
-                metrics.update(await self.publish(inference, broker))
+                metrics.update(await self.publish(inference, broker, metrics))
             if step % lc.checkpoint_every == 0:
                 self.checkpoint()
             self.scalars(metrics)

@@ -78,7 +78,7 @@ async def unload_everywhere(client: Any, endpoints: list[str], name: str, log: A
 
 async def publish_adapters(
     model: Any, version: int, phase: str, step: int, *, root: Path, inference: Any, endpoints: list[str],
-    broker: Any, log: Any, retries: int = 3, keep_dirs: int = 5,
+    broker: Any, log: Any, retries: int = 3, keep_dirs: int = 5, metrics: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Save, load everywhere, announce, unload old; returns the new registry and timings."""
     t0 = time.perf_counter()
@@ -89,9 +89,10 @@ async def publish_adapters(
     t_loaded = time.perf_counter()
     registry = await broker.announce(
         phase=phase, versions={role: version for role in ROLES},
-        adapters={role: adapter_name(role, version) for role in ROLES}, step=step,
+        adapters={role: adapter_name(role, version) for role in ROLES}, step=step, metrics=metrics,
     )
-    for old in range(max(1, version - 4), version - 1):  # keep the current and the previous version live
+    # keep the newest three versions live: actors learn of a new version only with their next ack
+    for old in range(max(1, version - 6), version - 2):
         for role in ROLES:
             await unload_everywhere(inference, endpoints, adapter_name(role, old), log)
     for role in ROLES:
