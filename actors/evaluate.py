@@ -164,6 +164,9 @@ def run(args: argparse.Namespace) -> int:
             log.info("eval.started_server", port=port, pid=server.pid)
     try:
         report = asyncio.run(_evaluate(cfg, args, log))
+    except ValueError as exc:  # bad split, no games, unknown adapter version: the user's to fix
+        print(f"comap eval: error: {exc}", file=sys.stderr)
+        return 2
     finally:
         if server is not None:
             server.terminate()

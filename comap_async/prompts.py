@@ -109,6 +109,10 @@ def reflection_target(decision: str, action: str) -> str:
 
 
 # ---------------------------------------------------------------- chat template
+_NO_SKELETON = object()
+_VERIFY = 3  # full renders a skeleton is checked against before it is trusted
+
+
 def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)
 
@@ -125,6 +129,7 @@ class ChatTemplate:
         env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
         env.globals["raise_exception"] = _raise
         self._compiled = env.from_string(self.template)
+        self._skeletons: dict[tuple, Any] = {}
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> "ChatTemplate":
@@ -145,7 +150,41 @@ class ChatTemplate:
         return cls(template, {"bos_token": tok("bos_token"), "eos_token": tok("eos_token")})
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The template's output. Actors render several prompts per step, so for each message-role
+        shape the template is rendered once with sentinel contents into a skeleton that is then
+        filled by string replacement; the first ``_VERIFY`` uses of a skeleton are checked against a
+        full render, and a template that transforms contents falls back to full renders for good."""
+        key = (tuple(m["role"] for m in messages), add_generation_prompt)
+        skeleton = self._skeletons.get(key)
+        if skeleton is None:
+            skeleton = self._skeletons[key] = self._make_skeleton(messages, add_generation_prompt)
+        if skeleton is _NO_SKELETON:
+            return self._full(messages, add_generation_prompt)
+        parts, checks = skeleton
+        out = parts[0]
+        for i, m in enumerate(messages):
+            out += m["content"] + parts[i + 1]
+        if checks[0] < _VERIFY:
+            checks[0] += 1
+            if out != self._full(messages, add_generation_prompt):
+                self._skeletons[key] = _NO_SKELETON
+                return self._full(messages, add_generation_prompt)
+        return out
+
+    def _full(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+
+    def _make_skeleton(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> Any:
+        sentinels = [f"\x00comap-content-{i}\x00" for i in range(len(messages))]
+        text = self._full([{**m, "content": s} for m, s in zip(messages, sentinels)], add_generation_prompt)
+        parts, rest = [], text
+        for s in sentinels:
+            if rest.count(s) != 1:  # the template drops, repeats or reorders contents
+                return _NO_SKELETON
+            head, rest = rest.split(s)
+            parts.append(head)
+        parts.append(rest)
+        return parts, [0]
 
 
 @dataclass(frozen=True)

@@ -256,7 +256,7 @@ class Learner:
             self.scalars(metrics)
             self.history.append(metrics)
             self.log.info("learner.step", step=step, phase=self.state.phase, version=self.state.version,
-                          **{k: round(v, 4) for k, v in metrics.items() if "/" in k})
+                          **{k: float(f"{v:.4g}") for k, v in metrics.items() if "/" in k})
 
 
 def run_learner(cfg: CoMapConfig, log: Any, max_steps: int | None = None) -> int:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+
+import orjson
 import random
 import time
 from dataclasses import dataclass, field
@@ -141,8 +143,10 @@ class InferenceClient:
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+            # orjson: actors send several requests per environment step; stdlib json is a visible share of it
             self._session = aiohttp.ClientSession(timeout=self.timeout, headers=headers,
-                                                  connector=aiohttp.TCPConnector(limit=0))
+                                                  connector=aiohttp.TCPConnector(limit=0),
+                                                  json_serialize=lambda obj: orjson.dumps(obj).decode())
         return self._session
 
     # ---------------------------------------------------------------- endpoint choice and retries
@@ -214,7 +218,7 @@ class InferenceClient:
             if value is not None:
                 body[key] = value
         text, ep = await self._checked("POST", "/v1/completions", body)
-        return Completion.from_json(json.loads(text), ep)
+        return Completion.from_json(orjson.loads(text), ep)
 
     async def _on_all(self, path: str, body: dict[str, Any], ok_404: bool = False,
                       endpoints: list[str] | None = None) -> None:

@@ -82,3 +82,22 @@ def test_chat_template_matches_transformers(tiny_model_dir):
 def test_missing_chat_template_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="no chat template"):
         ChatTemplate.from_model_dir(tmp_path)
+
+
+def test_skeleton_rendering_equals_full_render(tiny_model_dir):
+    chat = ChatTemplate.from_model_dir(tiny_model_dir)
+    for i in range(6):  # past the verification window too
+        msgs = prompts.reflect_messages(f"Task: t{i}\n{{{{ not jinja }}}} %s", f"go to desk {i}", "You arrive.")
+        assert chat.render(msgs) == chat._full(msgs, True)
+
+
+def test_template_that_transforms_content_falls_back_to_full_render():
+    chat = ChatTemplate("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim | upper }}{% endfor %}")
+    msgs = [{"role": "user", "content": "  hello "}]
+    for _ in range(5):
+        assert chat.render(msgs) == "<user>HELLO"
+    only_if = ChatTemplate("{% for m in messages %}{% if 'x' in m['content'] %}X{% endif %}[{{ m['content'] }}]{% endfor %}")
+    assert only_if.render([{"role": "user", "content": "abc"}]) == "[abc]"
+    assert only_if.render([{"role": "user", "content": "xyz"}]) == "X[xyz]"  # caught by verification
+    for _ in range(5):
+        assert only_if.render([{"role": "user", "content": "xy"}]) == "X[xy]"

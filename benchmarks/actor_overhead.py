@@ -1,0 +1,90 @@
+"""The actor's own CPU time per environment step (the CoMap step: 4-5 model calls, gates, outbox).
+
+Runs a real actor in this process against a broker subprocess and an embedded tiny-model server
+subprocess; environments live in worker processes. This process's CPU time (all its threads)
+therefore excludes inference and the environment; it is sampled in steady state (after the first
+steps) and divided by the steps taken meanwhile.
+
+    python benchmarks/actor_overhead.py [--data DIR] [--episodes 12] [--envs 4]
+
+Last line: ``actor_cpu_ms_per_step=X``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+async def measure(cfg, episodes: int, envs: int) -> tuple[float, int]:
+    from actors.worker import ActorWorker
+    from comap_async.logsetup import configure_logging
+    from learner.broker_client import BrokerClient
+
+    async with BrokerClient(f"tcp://127.0.0.1:{cfg.broker.learner_port}") as bc:
+        await bc.announce("coevolve", {"policy": 0, "wm": 0, "wm_teacher": 0}, {}, 0)
+    worker = ActorWorker(cfg, configure_logging("actor-bench", level="WARNING"), envs=envs, episodes=episodes)
+    samples: list[tuple[float, int]] = []
+
+    async def sample() -> None:
+        while True:
+            samples.append((time.process_time(), worker.metrics.steps))
+            await asyncio.sleep(0.25)
+
+    sampler = asyncio.create_task(sample())
+    await worker.run()
+    sampler.cancel()
+    # steady state: from the first completed episode to the last sample with progress
+    steady = [s for s in samples if s[1] > 0]
+    if len(steady) < 2 or steady[-1][1] == steady[0][1]:
+        raise SystemExit("too few steps measured; raise --episodes")
+    (c0, n0), (c1, n1) = steady[0], max(steady, key=lambda s: s[1])
+    return (c1 - c0) / (n1 - n0) * 1000.0, n1 - n0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--data", default=os.environ.get("ALFWORLD_DATA", "~/.cache/comap-async/alfworld"))
+    ap.add_argument("--episodes", type=int, default=12)
+    ap.add_argument("--envs", type=int, default=4)
+    args = ap.parse_args()
+
+    from comap_async.config import load_config
+    from comap_async.models import build_tiny_model
+    from tests.fixtures.broker import BrokerProc
+    from tests.fixtures.core import free_port
+    from tests.fixtures.inference import start_server, stop_server
+
+    tmp = Path(tempfile.mkdtemp(prefix="actor-bench-"))
+    model = build_tiny_model(tmp / "tiny")
+    broker = BrokerProc(tmp / "runs", ["broker.max_staleness=100"], log_dir=tmp)
+    broker.run_root.mkdir(parents=True)
+    broker.start()
+    port = free_port()
+    server = start_server(["--set", f"model.name_or_path={model}", "--set", f"inference.port={port}",
+                           "--set", "inference.max_prompt_tokens=2048"], port, tmp / "serve.log", timeout_s=120)
+    try:
+        cfg = load_config(REPO / "configs" / "test.yaml", [
+            f"run.root={broker.run_root}", "run.name=t", f"model.name_or_path={model}",
+            f"broker.actor_port={broker.actor_port}", f"broker.learner_port={broker.learner_port}",
+            f"broker.http_port={broker.http_port}", f"inference.port={port}",
+            f"inference.endpoints=['http://127.0.0.1:{port}']", f"env.data_dir={Path(args.data).expanduser()}",
+            "env.split=valid_seen", "env.max_steps=10"])
+        ms, steps = asyncio.run(measure(cfg, args.episodes, args.envs))
+    finally:
+        stop_server(server)
+        broker.terminate()
+    print(f"steps_measured={steps} envs={args.envs} calls_per_step=4-5 (draft, imagine, reflect, teacher[, imagine])")
+    print(f"actor_cpu_ms_per_step={ms:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""`comap eval` on the tiny model (issue 8, point 2): completes and writes eval.json + eval.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.alfworld
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_eval_writes_json_and_markdown(tmp_path, alfworld_data, model_cache):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "comap_async", "eval", "--config", "configs/test.yaml", "--split", "valid_seen",
+           "--games", "5", "--data", str(alfworld_data), "--out", str(out),
+           "--set", f"model.cache_dir={model_cache}", "--set", f"run.root={tmp_path / 'runs'}"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((out / "eval.json").read_text())
+    for key in ("success_rate", "mean_steps", "delta_f1", "revision_rate", "invalid_action_rate"):
+        assert key in report, key
+    assert report["games"] == 5 and len(report["episodes"]) == 5 and 0.0 <= report["success_rate"] <= 1.0
+    assert report["delta_f1_transitions"] > 0  # Delta-F1 measured on executed transitions
+    assert report["mean_steps"] == sum(e["steps"] for e in report["episodes"]) / 5
+    md = (out / "eval.md").read_text()
+    assert "| games | success rate |" in md and md.count("valid_seen/") == 5
+    assert "100%" in r.stderr  # the progress bar ran to the end
+
+
+def test_eval_rejects_unknown_adapter_version(tmp_path, alfworld_data, model_cache):
+    cmd = [sys.executable, "-m", "comap_async", "eval", "--config", "configs/test.yaml", "--split", "valid_seen",
+           "--games", "1", "--data", str(alfworld_data), "--out", str(tmp_path / "o"), "--adapters", "7",
+           "--set", f"model.cache_dir={model_cache}", "--set", f"run.root={tmp_path / 'runs'}", "--serve", "never"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "comap eval: error: adapter version 7 not found" in r.stderr
+    assert "Traceback" not in r.stderr
