@@ -62,6 +62,8 @@ class ActorWorker:
         self.stop = asyncio.Event()
         self._started = 0
         self._counter = 0
+        self._warmup_played = 0
+        self.refresh_registry: Any = None  # set in run(): fetches the registry from the broker
 
     def _claim_episode(self) -> str | None:
         if self.stop.is_set() or (self.episode_budget is not None and self._started >= self.episode_budget):
@@ -77,6 +79,14 @@ class ActorWorker:
             index += self.n_envs
             registry = ctx.registry()
             phase = registry.get("phase", "warmup") if registry else "warmup"
+            if phase == "warmup" and not self.eval_mode and self._warmup_played >= self.cfg.actor.max_warmup_episodes:
+                # enough demonstrations from this process: wait for the learner instead of burning a core
+                self._started -= 1
+                self._counter -= 1
+                await self._idle_until_phase_changes()
+                continue
+            if phase == "warmup" and not self.eval_mode:
+                self._warmup_played += 1
             version = int((registry.get("versions") or {}).get("policy", 0)) if registry else 0
             try:
                 if self.eval_mode:
@@ -99,6 +109,21 @@ class ActorWorker:
             self.results.append((game, stats))
             self.log.info("actor.episode", episode=episode_id, game=game.name, phase="eval" if self.eval_mode else phase,
                           won=stats.won, steps=stats.steps, version=version, **stats.metrics())
+
+    async def _idle_until_phase_changes(self) -> None:
+        if self.refresh_registry is None:  # no broker to ask (evaluation): nothing to wait for
+            self.stop.set()
+            return
+        try:
+            registry = await self.refresh_registry()
+        except Exception as exc:  # broker briefly away: ask again on the next round
+            self.log.info("actor.waiting", target="broker", reason=str(exc)[:200])
+            registry = None
+        if registry and registry.get("phase") != "warmup":
+            self._outbox.registry = registry
+            self._llm.use_registry(registry)
+            return
+        await asyncio.sleep(5.0)
 
     async def _report(self) -> None:
         while True:
@@ -129,6 +154,8 @@ class ActorWorker:
             refresher = BrokerClient.from_config(cfg, timeout_s=5.0, retries=2)
         llm = AgentLLM(client, prompts, cfg.actor, base_model="",
                        refresh_registry=refresher.get_registry if refresher else None)
+        self.refresh_registry = refresher.get_registry if refresher else None
+        self._outbox, self._llm = outbox, llm
         outbox.on_registry = llm.use_registry
         if own_outbox:
             await outbox.start()

@@ -147,6 +147,9 @@ class InferenceConfig(_Section):
 class ActorConfig(_Section):
     envs: int = Field(default=4, ge=1)
     """Episodes run concurrently in one actor process."""
+    max_warmup_episodes: int = Field(default=100, ge=1)
+    """Expert episodes one actor process plays in ``warmup``; then it idles (polling the registry)
+    until the learner moves on, leaving the CPU to the learner."""
     env_workers: int = Field(default=1, ge=1)
     """Worker processes hosting this actor's environments (several environments each)."""
     outbox_max: int = Field(default=1024, ge=1)

@@ -114,3 +114,21 @@ async def test_actor_survives_broker_outage_without_loss_or_duplicates(broker_fa
     assert len(episodes) == 6
     assert len(transitions) == sum(s.steps for _, s in results)
     check_contiguous(transitions, episodes)
+
+
+async def test_actor_idles_after_its_warmup_share_until_the_phase_moves_on(broker_factory, roomy_server,
+                                                                          alfworld_data, tiny_model_dir, valid_seen):
+    broker = broker_factory()
+    games = sorted(valid_seen, key=lambda g: g.name)[:3]
+    cfg = actor_config(broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=3",
+                       "actor.max_warmup_episodes=1")
+    worker = ActorWorker(cfg, configure_logging("actor-test"), envs=1, episodes=3, games=games)
+    run = asyncio.create_task(worker.run())
+    while not broker.stats()["stores"]["episodes"]["count"]:
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(3)  # idle: no second warm-up episode
+    assert len(stored(broker, "episodes")) == 1 and not run.done()
+    await announce(broker, "coevolve")
+    await asyncio.wait_for(run, timeout=300)
+    phases = [e["phase"] for e in stored(broker, "episodes")]
+    assert phases == ["warmup", "coevolve", "coevolve"]
