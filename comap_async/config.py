@@ -276,7 +276,9 @@ class CoMapConfig(_Section):
 
     @property
     def adapter_root(self) -> Path:
-        return Path(self.inference.adapter_root).expanduser() if self.inference.adapter_root else self.run.dir / "adapters"
+        """Absolute: the learner publishes paths that the inference servers resolve on their own."""
+        root = Path(self.inference.adapter_root).expanduser() if self.inference.adapter_root else self.run.dir / "adapters"
+        return root.resolve()
 
     @property
     def alfworld_data(self) -> Path | None:

@@ -82,7 +82,8 @@ async def publish_adapters(
 ) -> dict[str, Any]:
     """Save, load everywhere, announce, unload old; returns the new registry and timings."""
     t0 = time.perf_counter()
-    paths = await asyncio.to_thread(save_versioned_adapters, model, root, version)
+    # absolute: a server resolves a relative lora_path inside its own adapter root
+    paths = await asyncio.to_thread(save_versioned_adapters, model, root.resolve(), version)
     t_saved = time.perf_counter()
     for role, path in paths.items():
         await load_everywhere(inference, endpoints, adapter_name(role, version), path, retries, log)

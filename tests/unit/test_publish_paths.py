@@ -1,0 +1,45 @@
+"""Publishing sends absolute adapter paths, even from a relative run directory."""
+
+from __future__ import annotations
+
+import os
+
+from comap_async.config import load_config
+from learner.publish import publish_adapters
+from tests.fixtures.learner import make_trainer
+
+
+class RecordingEndpoint:
+    """Records the admin calls; stands in for the HTTP server in this path-only check."""
+
+    def __init__(self):
+        self.loads = []
+
+    async def load_adapter(self, name, path, load_inplace=False, endpoint=None):
+        self.loads.append((name, path, load_inplace))
+
+    async def unload_adapter(self, name, missing_ok=False, endpoint=None):
+        pass
+
+    async def announce(self, **kw):
+        return kw
+
+
+class Log:
+    def info(self, *a, **k):
+        pass
+
+    warning = info
+
+
+async def test_relative_run_dir_publishes_absolute_paths(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["run.root=runs", "run.name=x"])
+    assert cfg.adapter_root.is_absolute() and cfg.adapter_root == (tmp_path / "runs" / "x" / "adapters")
+    trainer = make_trainer(tiny_model_dir)
+    rec = RecordingEndpoint()
+    await publish_adapters(trainer.model, 1, "coevolve", 5, root=cfg.adapter_root, inference=rec,
+                           endpoints=["http://e"], broker=rec, log=Log())
+    assert [n for n, _, _ in rec.loads] == ["policy-v1", "wm-v1", "wm_teacher-v1"]
+    for _, path, inplace in rec.loads:
+        assert os.path.isabs(path) and os.path.isfile(os.path.join(path, "adapter_model.safetensors")) and inplace
