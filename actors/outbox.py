@@ -78,13 +78,10 @@ class Outbox:
     @classmethod
     def from_config(cls, cfg: Any, **kw: Any) -> "Outbox":
         """An outbox for ``cfg`` (a CoMapConfig): endpoint, bounds, timeout, spill dir, CURVE keys."""
-        keys = kw.pop("client_keys", None)
-        if keys is None and cfg.broker.curve:
-            from broker.keys import load_client_keys
+        from broker.keys import client_connection
 
-            keys = load_client_keys(cfg.broker.keys_dir)
-        host = "127.0.0.1" if cfg.broker.host in ("localhost", "0.0.0.0") else cfg.broker.host
-        return cls(f"tcp://{host}:{cfg.broker.actor_port}", max_pending=cfg.actor.outbox_max,
+        endpoint, keys = client_connection(cfg, cfg.broker.actor_port, kw.pop("client_keys", None))
+        return cls(endpoint, max_pending=cfg.actor.outbox_max,
                    ack_timeout_s=cfg.actor.ack_timeout_s, spill_dir=cfg.actor.spill_dir, client_keys=keys,
                    max_message_bytes=cfg.broker.max_message_bytes, **kw)
 

@@ -17,6 +17,7 @@ from collections import defaultdict
 from typing import Any
 
 from actors.episodes import EpisodeContext, EpisodeStats, play_coevolve, play_expert, play_reflect_init
+from comap_async.waiting import wait_until_answers
 
 
 class ActorMetrics:
@@ -159,8 +160,9 @@ class ActorWorker:
         outbox.on_registry = llm.use_registry
         if own_outbox:
             await outbox.start()
-            if outbox.registry is None:
-                outbox.registry = await self._initial_registry()
+            if outbox.registry is None:  # the phase before the first ack, from the broker
+                outbox.registry = await wait_until_answers("broker", refresher.get_registry, self.log, self.stop,
+                                                           "actor.waiting")
         if outbox.registry:
             llm.use_registry(outbox.registry)
         pool = env_pool_from_config(cfg, workers=cfg.actor.env_workers)
@@ -191,31 +193,7 @@ class ActorWorker:
             self.log.info("actor.done", **self.metrics.summary())
         return self.results
 
-    async def _initial_registry(self) -> dict[str, Any] | None:
-        """The phase and adapters before the first ack, from the broker (waits until it answers)."""
-        from learner.broker_client import BrokerClient
-
-        last = 0.0
-        async with BrokerClient.from_config(self.cfg, timeout_s=2.0, retries=0) as broker:
-            while not self.stop.is_set():
-                try:
-                    return await broker.get_registry()
-                except Exception as exc:  # broker not up yet: start-up order is free
-                    if time.monotonic() - last > 10:
-                        self.log.info("actor.waiting", target="broker", reason=str(exc)[:200])
-                        last = time.monotonic()
-                    await asyncio.sleep(1.0)
-        return None
-
     async def _base_model(self, client: Any) -> str:
-        """The served base model's id, waiting (with a periodic line) until a server answers."""
-        last = 0.0
-        while True:
-            try:
-                models = await client.models()
-                return models[0] if models else ""
-            except Exception as exc:  # server not up yet: start-up order is free
-                if time.monotonic() - last > 10:
-                    self.log.info("actor.waiting", target="inference", reason=str(exc)[:200])
-                    last = time.monotonic()
-                await asyncio.sleep(1.0)
+        """The served base model's id (the first of /v1/models), once a server answers."""
+        models = await wait_until_answers("inference", client.models, self.log, self.stop, "actor.waiting")
+        return models[0] if models else ""

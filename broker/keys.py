@@ -17,6 +17,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.auth
@@ -101,6 +102,14 @@ def load_client_keys(keys_dir: str | Path, name: str = "client") -> ClientKeys:
 
 
 # ---- `comap keys` --------------------------------------------------------------------------
+
+def client_connection(cfg: Any, port: int, keys: Any = None) -> tuple[str, Any]:
+    """(endpoint, CURVE client keys or None) for a client of the broker's ``port`` under ``cfg``."""
+    if keys is None and cfg.broker.curve:
+        keys = load_client_keys(cfg.broker.keys_dir)
+    host = "127.0.0.1" if cfg.broker.host in ("localhost", "0.0.0.0") else cfg.broker.host
+    return f"tcp://{host}:{port}", keys
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from comap_async.cli import add_config_arguments

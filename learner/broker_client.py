@@ -54,13 +54,10 @@ class BrokerClient:
 
     @classmethod
     def from_config(cls, cfg: Any, **kw: Any) -> "BrokerClient":
-        keys = kw.pop("client_keys", None)
-        if keys is None and cfg.broker.curve:
-            from broker.keys import load_client_keys
+        from broker.keys import client_connection
 
-            keys = load_client_keys(cfg.broker.keys_dir)
-        host = "127.0.0.1" if cfg.broker.host in ("localhost", "0.0.0.0") else cfg.broker.host
-        return cls(f"tcp://{host}:{cfg.broker.learner_port}", client_keys=keys,
+        endpoint, keys = client_connection(cfg, cfg.broker.learner_port, kw.pop("client_keys", None))
+        return cls(endpoint, client_keys=keys,
                    max_message_bytes=cfg.broker.max_message_bytes, **kw)
 
     async def close(self) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from comap_async.config import CoMapConfig
+from comap_async.waiting import wait_until_answers
 
 PHASE_STORES = {
     "warmup": ("demos", "transitions"),
@@ -64,20 +65,6 @@ class Prefetcher:
             t0 = time.monotonic()
             await self.queue.put(mb)
             self.waited_s += time.monotonic() - t0
-
-
-async def wait_for(what: str, probe: Any, log: Any, stop: asyncio.Event, every_s: float = 10.0) -> Any:
-    """Retry ``probe()`` until it succeeds, logging one line per ``every_s`` (start-up order is free)."""
-    last = 0.0
-    while not stop.is_set():
-        try:
-            return await probe()
-        except Exception as exc:  # the other process is not up yet: the point of waiting
-            if time.monotonic() - last > every_s:
-                log.info("learner.waiting", target=what, reason=str(exc)[:200])
-                last = time.monotonic()
-            await asyncio.sleep(1.0)
-    return None
 
 
 class Learner:
@@ -191,11 +178,12 @@ class Learner:
         async with BrokerClient.from_config(self.cfg) as broker:
             inference = InferenceClient.from_config(self.cfg)
             try:
-                registry = await wait_for("broker", broker.get_registry, self.log, self.stop)
+                registry = await wait_until_answers("broker", broker.get_registry, self.log, self.stop, "learner.waiting")
                 if registry is None:
                     return 0
                 for url in self.cfg.inference.endpoints:
-                    await wait_for(f"inference {url}", lambda u=url: inference.health(endpoint=u), self.log, self.stop)
+                    await wait_until_answers(f"inference {url}", lambda u=url: inference.health(endpoint=u), self.log,
+                                             self.stop, "learner.waiting")
                 if resumed and self.state.version > 0:
                     # endpoints may have restarted without our adapters, or the last announce was lost
                     self.state.version -= 1
