@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--data", default=os.environ.get("ALFWORLD_DATA", "~/.cache/comap-async/alfworld"))
     ap.add_argument("--episodes", type=int, default=12)
     ap.add_argument("--envs", type=int, default=4)
+    ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
+                    help="event loop of the actor process (comap actor uses uvloop when installed)")
     args = ap.parse_args()
 
     from comap_async.config import load_config
@@ -78,11 +80,16 @@ def main() -> None:
             f"broker.http_port={broker.http_port}", f"inference.port={port}",
             f"inference.endpoints=['http://127.0.0.1:{port}']", f"env.data_dir={Path(args.data).expanduser()}",
             "env.split=valid_seen", "env.max_steps=10"])
-        ms, steps = asyncio.run(measure(cfg, args.episodes, args.envs))
+        if args.loop == "uvloop":
+            import uvloop
+
+            ms, steps = uvloop.run(measure(cfg, args.episodes, args.envs))
+        else:
+            ms, steps = asyncio.run(measure(cfg, args.episodes, args.envs))
     finally:
         stop_server(server)
         broker.terminate()
-    print(f"steps_measured={steps} envs={args.envs} calls_per_step=4-5 (draft, imagine, reflect, teacher[, imagine])")
+    print(f"loop={args.loop} steps_measured={steps} envs={args.envs} calls_per_step=4-5 (draft, imagine, reflect, teacher[, imagine])")
     print(f"actor_cpu_ms_per_step={ms:.2f}")
 
 
