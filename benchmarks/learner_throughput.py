@@ -66,7 +66,8 @@ def main() -> None:
                                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=len(tok))
         base = AutoModelForCausalLM.from_config(cfg4b, dtype=torch.bfloat16).to(args.device)
     cfg = LearnerConfig(batch_size=args.batch_size, max_seq_len=1024, device=args.device)
-    model = build_peft_model(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules)
+    model = build_peft_model(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules,
+                             cfg.gradient_checkpointing)
     trainer = Trainer(model, Encoder(tok, Prompts(ChatTemplate.from_model_dir(path)), cfg.max_seq_len), cfg, args.device)
     rows = [records(i) for i in range(args.batch_size)]
     mb = {"transitions": [r[0] for r in rows], "demos": [r[1] for r in rows], "reflections": [r[2] for r in rows]}

@@ -195,6 +195,9 @@ class LearnerConfig(_Section):
     """Samples per store per micro-batch."""
     grad_accum: int = Field(default=1, ge=1)
     """Micro-batches per optimizer step."""
+    gradient_checkpointing: bool = True
+    """Recompute activations in the backward pass: ~30 % more compute for a fraction of the memory
+    (without it the 135M default model peaks above 20 GB at batch 2 x 640 tokens in fp32)."""
     max_seq_len: int = Field(default=1024, ge=16)
     """Longer sequences are truncated from the left of the prompt."""
     eta: float = Field(default=0.5, ge=0.0)

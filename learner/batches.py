@@ -70,18 +70,34 @@ class Encoder:
 
 
 def collate(seqs: list[Seq], pad_id: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Right-padded ``input_ids``, ``attention_mask``, ``labels`` (targets only) and target spans."""
+    """Left-padded ``input_ids``, ``attention_mask``, ``position_ids``, ``labels`` (targets only),
+    and each row's target span (``starts`` are positions in the padded row).
+
+    Left padding puts every target in the last positions of its row, so the model computes the
+    vocabulary projection only for the last ``keep`` positions (:func:`logits_window`): with a
+    49k vocabulary that projection would otherwise dominate the learner's memory.
+    """
     width = max(len(s.ids) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(seqs), width), dtype=torch.long)
     labels = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
+    starts = []
     for i, s in enumerate(seqs):
-        n = len(s.ids)
-        ids[i, :n] = torch.tensor(s.ids)
-        attn[i, :n] = 1
-        labels[i, s.start: s.start + s.n_target] = ids[i, s.start: s.start + s.n_target]
+        pad = width - len(s.ids)
+        ids[i, pad:] = torch.tensor(s.ids)
+        attn[i, pad:] = 1
+        start = pad + s.start
+        labels[i, start: start + s.n_target] = ids[i, start: start + s.n_target]
+        starts.append(start)
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
     return {
-        "input_ids": ids.to(device), "attention_mask": attn.to(device), "labels": labels.to(device),
-        "starts": torch.tensor([s.start for s in seqs], device=device),
+        "input_ids": ids.to(device), "attention_mask": attn.to(device), "position_ids": positions.to(device),
+        "labels": labels.to(device), "starts": torch.tensor(starts, device=device),
         "lengths": torch.tensor([s.n_target for s in seqs], device=device),
     }
+
+
+def logits_window(batch: dict[str, torch.Tensor]) -> int:
+    """How many final positions need logits: from the one predicting the earliest target token on."""
+    width = batch["input_ids"].shape[1]
+    return int(width - batch["starts"].min().item() + 1)

@@ -83,7 +83,8 @@ class Learner:
         torch.manual_seed(cfg.run.seed)
         path = resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)
         base, tok = load_model_and_tokenizer(path, cfg.model.dtype, lc.device)
-        model = build_peft_model(base, lc.lora_r, lc.lora_alpha, lc.lora_dropout, lc.target_modules)
+        model = build_peft_model(base, lc.lora_r, lc.lora_alpha, lc.lora_dropout, lc.target_modules,
+                                 lc.gradient_checkpointing)
         self.trainer = Trainer(model, Encoder(tok, Prompts(ChatTemplate.from_model_dir(path)), lc.max_seq_len), lc, lc.device)
         self.state = LearnerState(phase="warmup" if lc.warmup_steps > 0 else "reflect_init")
         self.run_dir = cfg.run.dir

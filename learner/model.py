@@ -10,9 +10,14 @@ ROLES = ("policy", "wm", "wm_teacher")
 TRAINED = ("policy", "wm")
 
 
-def build_peft_model(base: Any, r: int = 8, alpha: int = 16, dropout: float = 0.05, target_modules: Any = "all-linear") -> Any:
+def build_peft_model(base: Any, r: int = 8, alpha: int = 16, dropout: float = 0.05, target_modules: Any = "all-linear",
+                     gradient_checkpointing: bool = False) -> Any:
     """Wrap ``base`` with the three adapters; base weights are frozen, the teacher starts as the student."""
     from peft import LoraConfig, get_peft_model
+
+    if gradient_checkpointing:
+        # non-reentrant: works with frozen inputs (only LoRA tensors need grad) and keeps dropout's RNG
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     from learner.ema import copy_student_to_teacher, paired_lora_tensors
 

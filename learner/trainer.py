@@ -17,7 +17,7 @@ import torch
 
 from comap_async.config import LearnerConfig
 from learner import losses
-from learner.batches import Encoder, collate
+from learner.batches import Encoder, collate, logits_window
 from learner.ema import ema_update, paired_lora_tensors
 from learner.model import TRAINED, activate, adapter_parameters
 
@@ -52,8 +52,14 @@ class Trainer:
             self.pad_id = self.encoder.tokenizer.eos_token_id
 
     # ------------------------------------------------------------------ forward passes
-    def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    def _logits(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Logits of the last ``keep`` positions only, and the batch's labels/starts shifted to match."""
+        keep = logits_window(batch)
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                            position_ids=batch["position_ids"], logits_to_keep=keep).logits
+        offset = batch["input_ids"].shape[1] - keep
+        return logits, {"labels": batch["labels"][:, offset:], "starts": batch["starts"] - offset,
+                        "lengths": batch["lengths"]}
 
     def world_model_losses(self, records: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(CE on real next states, KL(teacher || student) on rollout tokens, tokens processed)."""
@@ -65,20 +71,24 @@ class Trainer:
             t_batch = collate([t for _, t in pairs], self.pad_id, self.device)
             activate(self.model, "wm_teacher", trainable=False)
             with torch.no_grad():
-                t_all = self._logits(t_batch)
-            pos, _ = losses.rollout_positions(t_batch["starts"], t_batch["lengths"], t_all.shape[1])
+                t_all, t_win = self._logits(t_batch)
+            pos, _ = losses.rollout_positions(t_win["starts"], t_win["lengths"], t_all.shape[1])
             teacher_logits = losses.gather_positions(t_all, pos)
             del t_all
         activate(self.model, "wm", trainable=True)
-        batch = collate(ce_seqs + [s for s, _ in pairs], self.pad_id, self.device)
-        logits = self._logits(batch)
-        n = len(ce_seqs)
-        ce = losses.masked_token_ce(logits[:n], batch["labels"][:n])
+        batch = collate(ce_seqs, self.pad_id, self.device)
+        logits, win = self._logits(batch)
+        ce = losses.masked_token_ce(logits, win["labels"])
+        tokens = int(batch["attention_mask"].sum())
         kl = losses._zero(logits)
         if pairs:
-            pos, mask = losses.rollout_positions(batch["starts"][n:], batch["lengths"][n:], logits.shape[1])
-            kl = losses.self_distillation_kl(losses.gather_positions(logits[n:], pos), teacher_logits, mask)
-        return ce, kl, int(batch["attention_mask"].sum())
+            # the student's rollout rows go in their own forward: their windows differ from the CE rows'
+            s_batch = collate([s for s, _ in pairs], self.pad_id, self.device)
+            s_logits, s_win = self._logits(s_batch)
+            pos, mask = losses.rollout_positions(s_win["starts"], s_win["lengths"], s_logits.shape[1])
+            kl = losses.self_distillation_kl(losses.gather_positions(s_logits, pos), teacher_logits, mask)
+            tokens += int(s_batch["attention_mask"].sum())
+        return ce, kl, tokens
 
     def policy_losses(self, demos: list[dict[str, Any]], reflections: list[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
         """(draft CE, reflection CE, revise BCE, tokens processed) with the policy adapter."""
@@ -86,11 +96,11 @@ class Trainer:
         seqs = [enc.draft(r) for r in demos] + [enc.reflection(r) for r in reflections]
         activate(self.model, "policy", trainable=True)
         batch = collate(seqs, self.pad_id, self.device)
-        logits = self._logits(batch)
+        logits, win = self._logits(batch)
         nd = len(demos)
-        draft_ce = losses.masked_token_ce(logits[:nd], batch["labels"][:nd])
-        reflect_ce = losses.masked_token_ce(logits[nd:], batch["labels"][nd:])
-        decision_pos = batch["starts"][nd:] - 1
+        draft_ce = losses.masked_token_ce(logits[:nd], win["labels"][:nd])
+        reflect_ce = losses.masked_token_ce(logits[nd:], win["labels"][nd:])
+        decision_pos = win["starts"][nd:] - 1
         decision_logits = logits[nd:][torch.arange(len(reflections)), decision_pos]
         y = torch.tensor([int(r["y"]) for r in reflections], device=logits.device)
         bce = losses.revise_bce(decision_logits, enc.keep_id, enc.revise_id, y)

@@ -75,3 +75,33 @@ def test_interrupted_checkpoint_is_ignored(tiny_model_dir, tmp_path):
     (tmp_path / ".tmp-half").mkdir()  # a learner killed mid-write leaves only a temp dir
     (tmp_path / "step-00000009").mkdir()  # or a directory without its state file
     assert latest(tmp_path).name == "step-00000001"
+
+
+def test_padded_batch_losses_equal_per_sequence_losses(tiny_model_dir):
+    """Left padding, position ids and the logits window change nothing: a batch of mixed lengths
+    gives the token-weighted mean of each sequence's own unpadded loss."""
+    from learner import losses
+    from learner.batches import collate
+
+    trainer = make_trainer(tiny_model_dir)
+    model, enc = trainer.model, trainer.encoder
+    seqs = [enc.draft(demo_record(0)), enc.draft({"s": "Task: short.", "target": "look"}),
+            enc.reflection(reflection_record(1))]
+    assert len({len(s.ids) for s in seqs}) == 3
+    from learner.model import activate
+
+    activate(model, "policy", trainable=False)
+    with torch.no_grad():
+        batch = collate(seqs, trainer.pad_id)
+        logits, win = trainer._logits(batch)
+        assert logits.shape[1] < batch["input_ids"].shape[1]  # only the window was projected
+        batched = losses.masked_token_ce(logits, win["labels"]).item()
+        total, count = 0.0, 0
+        for s in seqs:
+            ids = torch.tensor([s.ids])
+            full = model(input_ids=ids).logits
+            labels = torch.full_like(ids, -100)
+            labels[0, s.start: s.start + s.n_target] = ids[0, s.start: s.start + s.n_target]
+            total += losses.masked_token_ce(full, labels).item() * s.n_target
+            count += s.n_target
+    assert abs(batched - total / count) < 1e-4
