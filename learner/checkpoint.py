@@ -7,6 +7,7 @@ sees complete ones.
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import shutil
@@ -21,12 +22,6 @@ from learner.model import ROLES, adapter_state, load_adapter_state
 _FILE = "state.pt"
 
 
-def _rng_state() -> dict[str, Any]:
-    import numpy as np
-
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
 def _set_rng_state(state: dict[str, Any]) -> None:
     import numpy as np
 
@@ -38,20 +33,19 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(root: Path, trainer: Any, extra: dict[str, Any], keep: int = 3) -> Path:
     """Write ``root/step-N`` atomically and keep the newest ``keep`` checkpoints."""
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{trainer.step:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
-        torch.save(
-            {
+        with trainer.update_lock:  # a step may be running in another thread: take the last completed one
+            state = {
                 "step": trainer.step,
                 "adapters": {role: adapter_state(trainer.model, role) for role in ROLES},
-                "optimizer": trainer.optimizer.state_dict(),
+                "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
                 "scheduler": trainer.scheduler.state_dict(),
-                "rng": _rng_state(),
+                "rng": trainer.rng_at_step_start,
                 "extra": extra,
-            },
-            tmp / _FILE,
-        )
+            }
+        torch.save(state, tmp / _FILE)
+        final = root / f"step-{state['step']:08d}"
         with open(tmp / _FILE, "rb") as fh:
             os.fsync(fh.fileno())
         if final.exists():
@@ -78,4 +72,5 @@ def load_checkpoint(path: Path, trainer: Any) -> dict[str, Any]:
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.step = state["step"]
     _set_rng_state(state["rng"])
+    trainer.rng_at_step_start = state["rng"]
     return state["extra"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,7 +231,9 @@ class Learner:
             if len(micro) < lc.grad_accum:
                 break
             data_wait = time.monotonic() - t_wait
-            metrics = await asyncio.to_thread(self.trainer.train_step, micro)
+            metrics = await self._step_or_stop(micro)
+            if metrics is None:  # SIGTERM during a step: checkpoint the last completed one, now
+                break
             metrics["learner/data_wait_s"] = data_wait
             step = self.trainer.step
             nxt = self.next_phase()
@@ -246,6 +249,37 @@ class Learner:
             self.history.append(metrics)
             self.log.info("learner.step", step=step, phase=self.state.phase, version=self.state.version,
                           **{k: float(f"{v:.4g}") for k, v in metrics.items() if "/" in k})
+
+
+    async def _step_or_stop(self, micro: list) -> dict[str, float] | None:
+        """Run one step in a daemon thread; None when ``stop`` comes first.
+
+        A step of the default model on one CPU core takes tens of seconds and honcho sends SIGKILL
+        5 s after SIGTERM, so shutdown cannot wait for it: the step is told to abandon at its next
+        micro-batch, and the checkpoint (taken under the trainer's update lock) holds the last
+        completed step. A daemon thread does not keep the exiting process alive.
+        """
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def work() -> None:
+            try:
+                result = self.trainer.train_step(micro)
+            except BaseException as exc:  # handed to the event loop, which raises it in _train
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(exc))
+            else:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+
+        threading.Thread(target=work, name="learner-step", daemon=True).start()
+        stopper = asyncio.ensure_future(self.stop.wait())
+        finished, _ = await asyncio.wait({done, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if done in finished:
+            return done.result()
+        self.trainer.abort = True
+        done.add_done_callback(lambda f: f.exception())  # an abandoned step's StepAborted is expected
+        self.log.info("learner.step_abandoned", step=self.trainer.step + 1)
+        return None
 
 
 def run_learner(cfg: CoMapConfig, log: Any, max_steps: int | None = None) -> int:

@@ -9,6 +9,7 @@ Whatever stores a micro-batch holds are trained; the phase decides what the loop
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,18 @@ from learner import losses
 from learner.batches import Encoder, collate, logits_window
 from learner.ema import ema_update, paired_lora_tensors
 from learner.model import TRAINED, activate, adapter_parameters
+
+
+class StepAborted(RuntimeError):
+    """A step stopped before its update because the learner is shutting down."""
+
+
+def rng_state() -> dict[str, Any]:
+    import random
+
+    import numpy as np
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
 
 def cosine_with_warmup(step: int, total: int, warmup_ratio: float, floor: float = 0.1) -> float:
@@ -39,6 +52,7 @@ class Trainer:
     device: str = "cpu"
     step: int = 0
     _pairs: list = field(default_factory=list, init=False)
+    abort: bool = False  # set from another thread: the step in flight stops at its next micro-batch
 
     def __post_init__(self) -> None:
         params = [p for role in TRAINED for _, p in adapter_parameters(self.model, role)]
@@ -47,6 +61,10 @@ class Trainer:
             self.optimizer, lambda s: cosine_with_warmup(s, self.cfg.total_steps, self.cfg.warmup_ratio)
         )
         self._pairs = paired_lora_tensors(self.model)
+        # Held while the weights change (optimizer, EMA, step): a checkpoint taken from another thread
+        # during a step sees the state after the previous one, with the RNG as that step left it.
+        self.update_lock = threading.Lock()
+        self.rng_at_step_start = rng_state()
         self.pad_id = self.encoder.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.encoder.tokenizer.eos_token_id
@@ -119,6 +137,9 @@ class Trainer:
             sums[name] = sums.get(name, 0.0) + float(value.detach()) * scale
 
         for mb in micro_batches:
+            if self.abort:
+                self.optimizer.zero_grad(set_to_none=True)
+                raise StepAborted(f"step {self.step + 1} abandoned (shutdown)")
             wm_records = mb.get("transitions") or []
             if wm_records:
                 ce, kl, n = self.world_model_losses(wm_records)
@@ -137,11 +158,13 @@ class Trainer:
                 tokens += n
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0) if params else torch.tensor(0.0)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        ema_update(self._pairs, self.cfg.ema_momentum)
-        self.step += 1
+        with self.update_lock:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            ema_update(self._pairs, self.cfg.ema_momentum)
+            self.step += 1
+            self.rng_at_step_start = rng_state()
         self.model.eval()
         dt = time.perf_counter() - t0
         return {**sums, "learner/grad_norm": float(grad_norm), "learner/lr": self.scheduler.get_last_lr()[0],

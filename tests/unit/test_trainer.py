@@ -105,3 +105,38 @@ def test_padded_batch_losses_equal_per_sequence_losses(tiny_model_dir):
             total += losses.masked_token_ce(full, labels).item() * s.n_target
             count += s.n_target
     assert abs(batched - total / count) < 1e-4
+
+
+def test_checkpoint_during_a_step_holds_the_last_completed_step_and_abort_is_prompt(tiny_model_dir, tmp_path):
+    import threading
+    import time as _time
+
+    from learner.trainer import StepAborted
+
+    trainer = make_trainer(tiny_model_dir, lora_dropout=0.05)
+    trainer.train_step([fixed_batch()])
+    before = {r: adapter_state(trainer.model, r) for r in ROLES}
+    rng_before = trainer.rng_at_step_start
+    errors: list[BaseException] = []
+
+    def long_step():
+        try:
+            trainer.train_step([fixed_batch() for _ in range(40)])
+        except BaseException as exc:  # collected for the assertion below
+            errors.append(exc)
+
+    t = threading.Thread(target=long_step)
+    t.start()
+    _time.sleep(0.3)
+    assert t.is_alive(), "the step should still be running"
+    path = save_checkpoint(tmp_path, trainer, {})
+    t0 = _time.monotonic()
+    trainer.abort = True
+    t.join(30)
+    assert _time.monotonic() - t0 < 5 and isinstance(errors[0], StepAborted)
+    assert path.name == "step-00000001" and trainer.step == 1
+    saved = torch.load(path / "state.pt", weights_only=False)
+    for role in ROLES:
+        for k, v in before[role].items():
+            assert torch.equal(saved["adapters"][role][k], v)
+    assert torch.equal(saved["rng"]["torch"], rng_before["torch"])
