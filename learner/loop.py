@@ -94,6 +94,7 @@ class Learner:
         self.writer = None
         self.stop = asyncio.Event()
         self.history: list[dict[str, float]] = []  # per-step metrics of this process (tests, eval)
+        self.step_thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ persistence
     def resume(self) -> bool:
@@ -135,12 +136,39 @@ class Learner:
         from learner.publish import publish_adapters
 
         self.state.version += 1
-        out = await publish_adapters(
+        task = asyncio.ensure_future(publish_adapters(
             self.trainer.model, self.state.version, self.state.phase, self.trainer.step, root=self.adapter_root,
             inference=inference, endpoints=list(self.cfg.inference.endpoints), broker=broker, log=self.log,
             retries=self.cfg.inference.retries, metrics=metrics,
-        )
-        return {k: v for k, v in out.items() if k.startswith("learner/")}
+        ))
+        stopper = asyncio.ensure_future(self.stop.wait())
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if not task.done():
+            # shutting down (the servers may already be gone): an unannounced version is never used,
+            # and the next start reloads whatever the registry names
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            self.log.info("learner.publish_abandoned", version=self.state.version)
+            return {}
+        return {k: v for k, v in task.result().items() if k.startswith("learner/")}
+
+    async def reload_live_adapters(self, inference: Any, registry: dict[str, Any]) -> None:
+        """Load the registry's adapters from the adapter root into every endpoint.
+
+        After a restart of the inference servers, actors must find exactly the versions the
+        registry names; the files are the published ones, so nothing changes for them.
+        """
+        from learner.publish import load_everywhere
+
+        for role, name in (registry.get("adapters") or {}).items():
+            path = self.adapter_root / name
+            if not path.is_dir():
+                self.log.warning("learner.live_adapter_missing", role=role, adapter=name, path=str(path))
+                continue
+            await load_everywhere(inference, list(self.cfg.inference.endpoints), name, path,
+                                  self.cfg.inference.retries, self.log)
+        self.log.info("learner.live_adapters_reloaded", adapters=registry.get("adapters"))
 
     async def wait_for_demos(self, broker: Any) -> None:
         """Warm-up starts once the broker holds ``warmup_min_demos`` demonstrations."""
@@ -186,11 +214,12 @@ class Learner:
                 for url in self.cfg.inference.endpoints:
                     await wait_until_answers(f"inference {url}", lambda u=url: inference.health(endpoint=u), self.log,
                                              self.stop, "learner.waiting")
-                if resumed and self.state.version > 0:
-                    # endpoints may have restarted without our adapters, or the last announce was lost
-                    self.state.version -= 1
-                    await self.publish(inference, broker)
-                elif not resumed and registry.get("phase") != self.state.phase:
+                live = int((registry.get("versions") or {}).get("policy", 0))
+                if live > 0:
+                    await self.reload_live_adapters(inference, registry)
+                # new versions are numbered above anything announced, even after an older checkpoint
+                self.state.version = max(self.state.version, live)
+                if not resumed and registry.get("phase") != self.state.phase:
                     await broker.announce(self.state.phase, registry.get("versions", {}), registry.get("adapters", {}), 0)
                 if self.state.phase == "warmup":
                     await self.wait_for_demos(broker)
@@ -236,6 +265,8 @@ class Learner:
                 break
             metrics["learner/data_wait_s"] = data_wait
             step = self.trainer.step
+            if self.stop.is_set():  # the step completed as SIGTERM came: keep it, skip the publish
+                break
             nxt = self.next_phase()
             if nxt is not None:
                 self.log.info("learner.phase", old=self.state.phase, new=nxt, step=step)
@@ -270,7 +301,8 @@ class Learner:
             else:
                 loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
 
-        threading.Thread(target=work, name="learner-step", daemon=True).start()
+        self.step_thread = threading.Thread(target=work, name="learner-step", daemon=True)
+        self.step_thread.start()
         stopper = asyncio.ensure_future(self.stop.wait())
         finished, _ = await asyncio.wait({done, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
@@ -283,5 +315,20 @@ class Learner:
 
 
 def run_learner(cfg: CoMapConfig, log: Any, max_steps: int | None = None) -> int:
+    import os
+    import sys
+
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-    return asyncio.run(Learner(cfg, log).run(max_steps))
+    learner = Learner(cfg, log)
+    code = asyncio.run(learner.run(max_steps))
+    thread = learner.step_thread
+    if thread is not None and thread.is_alive():
+        thread.join(3.0)  # an abandoned step stops at its next micro-batch
+        if thread.is_alive():
+            # still inside one long torch op: finalising the interpreter under it aborts the process;
+            # the checkpoint and the logs are written, so leave now
+            log.info("learner.exit_during_step")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return code

@@ -111,6 +111,7 @@ def test_honcho_system_runs_stops_cleanly_and_resumes(tmp_path, tiny_model_dir, 
         for png in pngs:
             assert matplotlib.image.imread(png).shape[0] > 100
 
+        final_registry = system.get("/stats")["registry"]
         system.stop()
         first_log = system.log()
         ckpts = sorted((tmp_path / "runs" / "test" / "checkpoints").glob("step-*"))
@@ -124,7 +125,10 @@ def test_honcho_system_runs_stops_cleanly_and_resumes(tmp_path, tiny_model_dir, 
         resumed = re.search(r'\{[^\n]*"event": "learner.resumed"[^\n]*\}', system.log()).group(0)
         assert json.loads(resumed)["step"] == last_step and json.loads(resumed)["phase"] == "coevolve"
         reg2 = system.wait("registry after restart", lambda: system.get("/stats")["registry"])
+        assert reg2["versions"] == final_registry["versions"] or reg2["versions"]["policy"] > final_registry["versions"]["policy"]
         assert reg2["phase"] == "coevolve" and reg2["versions"]["policy"] >= reg["versions"]["policy"]
+        # the restarted server gets the registry's adapters back before anyone asks for them
+        system.wait("live adapters reloaded", lambda: '"event": "learner.live_adapters_reloaded"' in system.log())
         system.wait("an episode after restart", lambda: '"event": "actor.episode"' in system.log(), timeout=180)
         second = system.log()
         assert '"phase": "warmup"' not in second and "learner.waiting_for_demos" not in second
