@@ -88,14 +88,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _reachable(client: Any) -> bool:
-    try:
-        await client.models()
-        return True
-    except Exception:  # unreachable is an answer here, not an error
-        return False
-
-
 async def _evaluate(cfg: Any, args: argparse.Namespace, log: Any) -> dict[str, Any]:
     from tqdm import tqdm
 
@@ -181,7 +173,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _probe(client: Any) -> bool:
+    """Whether an inference server answers at the configured endpoints (closes the client)."""
     try:
-        return await _reachable(client)
+        await client.models()
+        return True
+    except Exception:  # unreachable is an answer here, not an error
+        return False
     finally:
         await client.close()

@@ -151,32 +151,33 @@ class ReplayStore:
         alongside. Grows the map on MapFullError; raises :class:`StoreRefused` with the reason
         when it cannot, leaving the database and ``self.state`` exactly as they were.
         """
-        while True:
-            state = copy.deepcopy(self.state)
-            try:
-                results = self._write_txn(items, state, extra_counters)
-            except lmdb.MapFullError:
-                self._grow_or_refuse()
-                continue
-            except lmdb.Error as exc:
-                self._refuse_io(exc)
-            self.state = state
-            self.last_error = None
-            return results
+        def attempt() -> tuple[list[str], dict[str, Any]]:
+            state = copy.deepcopy(self.state)  # a fresh copy per attempt: a failed one left no trace
+            return self._write_txn(items, state, extra_counters), state
+
+        results, self.state = self._until_stored(attempt)
+        self.last_error = None
+        return results
 
     def set_registry(self, registry: dict[str, Any]) -> None:
         """Persist a new registry (one durable transaction); same growth/refusal rules as write."""
+        def attempt() -> None:
+            with self.env.begin(write=True) as txn:
+                txn.put(b"registry", _pack(registry), db=self._dbs["meta"])
+
+        self._until_stored(attempt)
+        self.registry = registry
+
+    def _until_stored(self, attempt: Any) -> Any:
+        """Run a write transaction, growing the map on MapFullError until it fits; any other LMDB
+        error (or the map limit) raises :class:`StoreRefused`. The aborted attempts changed nothing."""
         while True:
             try:
-                with self.env.begin(write=True) as txn:
-                    txn.put(b"registry", _pack(registry), db=self._dbs["meta"])
+                return attempt()
             except lmdb.MapFullError:
                 self._grow_or_refuse()
-                continue
             except lmdb.Error as exc:
                 self._refuse_io(exc)
-            self.registry = registry
-            return
 
     def _write_txn(self, items: list[WriteItem], state: dict[str, Any], extra: dict[str, int] | None) -> list[str]:
         dedup_db, order_db, dbs = self._dbs["dedup"], self._dbs["dedup_order"], self._dbs
