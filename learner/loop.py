@@ -170,31 +170,31 @@ class Learner:
                                   self.cfg.inference.retries, self.log)
         self.log.info("learner.live_adapters_reloaded", adapters=registry.get("adapters"))
 
-    async def wait_for_demos(self, broker: Any) -> None:
-        """Warm-up starts once the broker holds ``warmup_min_demos`` demonstrations."""
-        need, last = self.cfg.learner.warmup_min_demos, 0.0
+    async def wait_for_store(self, broker: Any, store: str, key: str, need: int, event: str) -> int | None:
+        """Poll the broker's stats until ``stores[store][key] >= need`` (one log line per 10 s);
+        returns the value reached, or None when stopping."""
+        last = 0.0
         while not self.stop.is_set():
-            have = (await broker.get_stats())["stores"]["demos"]["count"]
+            have = (await broker.get_stats())["stores"][store][key]
             if have >= need:
-                return
+                return have
             if time.monotonic() - last > 10:
-                self.log.info("learner.waiting_for_demos", demos=have, need=need)
+                self.log.info(event, store=store, have=have, need=need)
                 last = time.monotonic()
             await asyncio.sleep(1.0)
+        return None
+
+    async def wait_for_demos(self, broker: Any) -> None:
+        """Warm-up starts once the broker holds ``warmup_min_demos`` demonstrations."""
+        await self.wait_for_store(broker, "demos", "count", self.cfg.learner.warmup_min_demos,
+                                  "learner.waiting_for_demos")
 
     async def wait_for_round(self, broker: Any) -> None:
         """``rounds`` schedule: block until the actors finished ``rounds_episodes`` new episodes."""
         need = self.state.round_episodes + self.cfg.learner.rounds_episodes
-        last = 0.0
-        while not self.stop.is_set():
-            written = (await broker.get_stats())["stores"]["episodes"]["written"]
-            if written >= need:
-                self.state.round_episodes = written
-                return
-            if time.monotonic() - last > 10:
-                self.log.info("learner.waiting_for_round", episodes=written, need=need)
-                last = time.monotonic()
-            await asyncio.sleep(1.0)
+        written = await self.wait_for_store(broker, "episodes", "written", need, "learner.waiting_for_round")
+        if written is not None:
+            self.state.round_episodes = written
 
     async def run(self, max_steps: int | None = None) -> int:
         from comap_async.inference.client import InferenceClient
