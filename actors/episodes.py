@@ -38,6 +38,8 @@ class EpisodeStats:
     parse_problems: int = 0
     delta_f1: list[float] = field(default_factory=list)
     reflections: int = 0
+    revision_outcomes: list[tuple[bool, str]] = field(default_factory=list)
+    """Evaluation with reflection metrics: per proposed revision, (executed, suffix outcome)."""
 
     def metrics(self) -> dict[str, float]:
         n = max(1, self.steps)
@@ -115,6 +117,14 @@ async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str)
     return await ep.finish("warmup", False)
 
 
+def suffix_outcome(revised: tuple[bool, float], kept: tuple[bool, float]) -> str:
+    """Compare two suffix rollouts by (won, return): ``better`` when the one starting with the
+    revised action wins where the other does not, or returns more; ``worse`` the other way round."""
+    if revised > kept:
+        return "better"
+    return "worse" if revised < kept else "same"
+
+
 async def _branch_return(env: Any, game: Any, prefix: list[str], first: str, horizon: int) -> tuple[bool, float, str]:
     """Restore the state after ``prefix``, take ``first``, continue with the expert for the rest of
     the horizon: (won, return, observation right after ``first``)."""
@@ -148,7 +158,7 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
         if draft is not None and canonical_action(draft) != canonical_action(expert):
             d_won, d_ret, d_after = await _branch_return(branch, game, prefix, draft, horizon)
             e_won, e_ret, _ = await _branch_return(branch, game, prefix, expert, horizon)
-            better = (e_won and not d_won) or e_ret > d_ret
+            better = suffix_outcome((e_won, e_ret), (d_won, d_ret)) == "better"
             policy_v, wm_v = _versions(ctx.registry())
             await ctx.emit({"type": "reflection", "id": f"{episode_id}:{ep.stats.steps}:r", "actor": ctx.actor,
                             "game": game.name, "s": s, "a_draft": draft, "s_bar": d_after,
@@ -160,8 +170,25 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
     return await ep.finish("reflect_init", False)
 
 
-async def play_coevolve(ctx: EpisodeContext, env: Any, game: Any, episode_id: str, eval_mode: bool = False) -> EpisodeStats:
-    """The CoMap step: draft -> imagine -> reflect -> action gate -> act -> teacher -> transition."""
+async def judge_revision(ctx: EpisodeContext, branch: Any, game: Any, prefix: list[str], a_draft: str,
+                         a_ref: str) -> str:
+    """Suffix rollouts from the current state (restored on ``branch``): one starting with the
+    refined action, one with the draft, both continued by the expert for ``actor.suffix_horizon``
+    steps, as in reflection initialisation; see :func:`suffix_outcome`."""
+    horizon = ctx.cfg.actor.suffix_horizon
+    r_won, r_ret, _ = await _branch_return(branch, game, prefix, a_ref, horizon)
+    d_won, d_ret, _ = await _branch_return(branch, game, prefix, a_draft, horizon)
+    return suffix_outcome((r_won, r_ret), (d_won, d_ret))
+
+
+async def play_coevolve(ctx: EpisodeContext, env: Any, game: Any, episode_id: str, eval_mode: bool = False,
+                        branch: Any = None) -> EpisodeStats:
+    """The CoMap step: draft -> imagine -> reflect -> action gate -> act -> teacher -> transition.
+
+    With a ``branch`` environment (evaluation with reflection metrics), every revision the
+    reflection proposes (a refined action canonically different from the draft) is judged by
+    :func:`judge_revision` before the step is taken, whether the action gate executes it or not.
+    """
     g, llm = ctx.cfg.gates, ctx.llm
     ep = Episode(ctx, game, episode_id, await env.reset(game))
     while not ep.current.done:
@@ -176,6 +203,10 @@ async def play_coevolve(ctx: EpisodeContext, env: Any, game: Any, episode_id: st
         ep.stats.parse_problems += refl.problem is not None
         gate = action_gate(refl.p_revise, refl.q_ref, refl.a_ref, a_draft, g.tau_p, g.tau_q)
         a_exec = refl.a_ref if gate.open else a_draft
+        if branch is not None and refl.a_ref.strip() and canonical_action(refl.a_ref) != canonical_action(a_draft):
+            prefix = [a for a, _ in ep.history]
+            outcome = await judge_revision(ctx, branch, game, prefix, a_draft, refl.a_ref)
+            ep.stats.revision_outcomes.append((gate.open, outcome))
         ep.stats.revisions += gate.open
         ep.stats.invalid += bool(admissible) and a_exec not in admissible
         ep.advance(a_exec, await env.step(a_exec))

@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="adapter version to evaluate: a number, 'latest' (newest in the adapter root) or 'base'")
     p.add_argument("--out", required=True, help="directory for eval.json and eval.md")
     p.add_argument("--envs", type=int, default=None, help="concurrent episodes (default: actor.envs)")
+    p.add_argument("--reflection-metrics", action="store_true",
+                   help="judge every revision the reflection proposes by two suffix rollouts (refined vs draft "
+                        "first, expert continuation for actor.suffix_horizon steps): URR, HRR, BRP")
     p.add_argument("--serve", choices=("auto", "never", "always"), default="auto",
                    help="start an embedded inference server for this run: when none answers (auto), never, always")
 
@@ -47,6 +50,30 @@ def resolve_version(spec: str, adapter_root: Path) -> int:
     if int(spec) not in versions:
         raise ValueError(f"adapter version {spec} not found in {adapter_root} (have: {versions or 'none'})")
     return int(spec)
+
+
+def reflection_summary(outcomes: list[tuple[bool, str]], horizon: int) -> dict[str, Any]:
+    """URR, HRR, BRP from judged revisions ``(executed by the action gate, suffix outcome)``.
+
+    Our reading of the paper's reflection metrics (its appendix C.2 text was not available to us;
+    the counts are reported too, so other definitions can be computed from them):
+    URR, useful revision rate: executed revisions whose suffix does better than the draft's;
+    HRR, harmful revision rate: executed revisions whose suffix does worse;
+    BRP, beneficial revision pass rate: of the proposed revisions that would do better, the
+    share the action gate executed. ``None`` where the denominator is zero.
+    """
+    counts = {f"{side}_{o}": 0 for side in ("executed", "blocked") for o in ("better", "worse", "same")}
+    for executed, outcome in outcomes:
+        counts[f"{'executed' if executed else 'blocked'}_{outcome}"] += 1
+    executed = counts["executed_better"] + counts["executed_worse"] + counts["executed_same"]
+    beneficial = counts["executed_better"] + counts["blocked_better"]
+
+    def rate(num: int, den: int) -> float | None:
+        return num / den if den else None
+
+    return {"proposed": len(outcomes), "executed": executed, **counts,
+            "urr": rate(counts["executed_better"], executed), "hrr": rate(counts["executed_worse"], executed),
+            "brp": rate(counts["executed_better"], beneficial), "suffix_horizon": horizon}
 
 
 def summarize(results: list[tuple[Any, Any]], split: str, version: int, wall_s: float) -> dict[str, Any]:
@@ -70,6 +97,10 @@ def summarize(results: list[tuple[Any, Any]], split: str, version: int, wall_s: 
 
 def markdown(report: dict[str, Any]) -> str:
     f1 = "n/a" if report["delta_f1"] is None else f"{report['delta_f1']:.3f}"
+
+    def num(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.3f}"
+
     rows = [
         f"# Evaluation: {report['split']} (adapters v{report['adapter_version']})", "",
         "| games | success rate | mean steps | world-model Delta-F1 | revision rate | invalid-action rate |",
@@ -79,6 +110,11 @@ def markdown(report: dict[str, Any]) -> str:
         "| game | won | steps | revisions |", "| --- | :---: | ---: | ---: |",
     ]
     rows += [f"| {e['game']} | {'yes' if e['won'] else 'no'} | {e['steps']} | {e['revisions']} |" for e in report["episodes"]]
+    r = report.get("reflection")
+    if r is not None:
+        rows += ["", f"Reflection (suffix rollouts, horizon {r['suffix_horizon']}):", "",
+                 "| proposed | executed | URR | HRR | BRP |", "| ---: | ---: | ---: | ---: | ---: |",
+                 f"| {r['proposed']} | {r['executed']} | {num(r['urr'])} | {num(r['hrr'])} | {num(r['brp'])} |"]
     return "\n".join(rows) + "\n"
 
 
@@ -126,13 +162,18 @@ async def _evaluate(cfg: Any, args: argparse.Namespace, log: Any) -> dict[str, A
             return None
 
     bar = tqdm(total=len(games), desc=f"eval {args.split}", unit="game", file=sys.stderr)
-    worker = ActorWorker(cfg, log, envs=args.envs, episodes=len(games), eval_mode=True, split=args.split, games=games)
+    worker = ActorWorker(cfg, log, envs=args.envs, episodes=len(games), eval_mode=True, split=args.split, games=games,
+                         reflection_metrics=args.reflection_metrics)
     t0 = time.time()
     try:
         results: list[tuple[Any, EpisodeStats]] = await worker.run(outbox=_Recorder())
     finally:
         bar.close()
-    return summarize(results, args.split, version, time.time() - t0)
+    report = summarize(results, args.split, version, time.time() - t0)
+    if args.reflection_metrics:
+        outcomes = [o for _, s in results for o in s.revision_outcomes]
+        report["reflection"] = reflection_summary(outcomes, cfg.actor.suffix_horizon)
+    return report
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,6 +28,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from comap_async.protocol import DEFAULT_MAX_MESSAGE_BYTES, SCHEMA_VERSION, ProtocolError, decode, encode
+from comap_async.waiting import cancel_and_wait
 
 
 @dataclass(slots=True)
@@ -110,14 +111,16 @@ class Outbox:
         return self
 
     async def close(self, flush_timeout: float | None = None) -> None:
-        if flush_timeout:
+        if flush_timeout is not None and self._pending:
             try:
                 await self.flush(flush_timeout)
             except TimeoutError:
-                self._log("warning", "outbox.close_unflushed", pending=len(self._pending))
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+                pass
+        if self._pending:  # never silent: say how many and whether a restart will resend them
+            kept = self.spill_dir is not None
+            self._log("warning", "outbox.close_unflushed", pending=len(self._pending),
+                      spilled_to=str(self.spill_dir) if kept else None, lost=0 if kept else len(self._pending))
+        await cancel_and_wait(self._tasks)
         if self._mon is not None:  # closed here too: a task cancelled before it ran never closes it
             self._mon.close(linger=0)
         if self.sock is not None:

@@ -17,7 +17,7 @@ from collections import defaultdict
 from typing import Any
 
 from actors.episodes import EpisodeContext, EpisodeStats, play_coevolve, play_expert, play_reflect_init
-from comap_async.waiting import wait_until_answers
+from comap_async.waiting import cancel_and_wait, wait_until_answers
 
 
 class ActorMetrics:
@@ -50,11 +50,13 @@ class ActorMetrics:
 
 class ActorWorker:
     def __init__(self, cfg: Any, log: Any, envs: int | None = None, episodes: int | None = None,
-                 eval_mode: bool = False, split: str | None = None, games: list | None = None) -> None:
+                 eval_mode: bool = False, split: str | None = None, games: list | None = None,
+                 reflection_metrics: bool = False) -> None:
         self.cfg, self.log = cfg, log
         self.n_envs = envs or cfg.actor.envs
         self.episode_budget = episodes
         self.eval_mode = eval_mode
+        self.reflection_metrics = reflection_metrics  # evaluation: judge proposed revisions by suffix rollouts
         self.split = split
         self.games = games
         self.actor_id = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns() % 10**9}"
@@ -91,7 +93,9 @@ class ActorWorker:
             version = int((registry.get("versions") or {}).get("policy", 0)) if registry else 0
             try:
                 if self.eval_mode:
-                    stats = await play_coevolve(ctx, env, game, episode_id, eval_mode=True)
+                    if self.reflection_metrics:
+                        branch = branch or pool.env()
+                    stats = await play_coevolve(ctx, env, game, episode_id, eval_mode=True, branch=branch)
                 elif phase == "warmup":
                     stats = await play_expert(ctx, env, game, episode_id)
                 elif phase == "reflect_init":
@@ -177,19 +181,23 @@ class ActorWorker:
             stopper = asyncio.create_task(self.stop.wait())
             await asyncio.wait([stopper, *loops], return_when=asyncio.FIRST_COMPLETED)
             if self.stop.is_set():  # finish no new episodes; give the running ones no more time
-                for t in loops:
-                    t.cancel()
-            await asyncio.gather(*loops, return_exceptions=True)
+                ended = await cancel_and_wait(loops)
+            else:
+                ended = await asyncio.gather(*loops, return_exceptions=True)
             stopper.cancel()
-            await outbox.flush(timeout=60)
+            errors = [e for e in ended if isinstance(e, Exception)]
+            if errors:  # an episode's own errors are caught in the loop: this is a bug, raise it
+                raise errors[0]
+            if not own_outbox:
+                await outbox.flush(timeout=60)
         finally:
             reporter.cancel()
+            if own_outbox:  # first: a broker stopping at the same time drains only briefly
+                await outbox.close(flush_timeout=cfg.actor.shutdown_flush_s if self.stop.is_set() else 60.0)
             await pool.close()
             await client.close()
             if refresher is not None:
                 await refresher.close()
-            if own_outbox:
-                await outbox.close(flush_timeout=10)
             self.log.info("actor.done", **self.metrics.summary())
         return self.results
 

@@ -19,6 +19,7 @@ done once per batch.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import msgpack
@@ -110,11 +111,13 @@ class ActorPath:
         self._actor_sync = zmq.Socket.shadow(self.actor_sock.underlying)
         recv, more = self._actor_sync.recv, self._actor_sync.get
         while True:
-            while not self.stopping.is_set() and len(self.pending) < self.max_pending:
+            received = False
+            while not self.ingest_closed and len(self.pending) < self.max_pending:
                 try:
                     ident = recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                received = True
                 # ZeroMQ delivers a multipart message whole, and a ROUTER prefixes at least one body
                 # frame with the peer identity, so the rest is already here
                 frames = [ident, recv(zmq.NOBLOCK)]
@@ -125,13 +128,15 @@ class ActorPath:
                 except Exception as exc:  # noqa: BLE001 - input must never kill the broker
                     self.live.bump("internal_errors")
                     self.log.exception("broker.actor_frame_error", error=repr(exc))
+            if received:  # once per drained batch: the drain at shutdown waits for a quiet socket
+                self.last_actor_rx = time.monotonic()
             if self.pending:
                 batch = self.pending[: self.b.group_commit]
                 del self.pending[: self.b.group_commit]
                 self._store_and_ack(batch)
                 await asyncio.sleep(0)  # let HTTP and learner requests run between transactions
                 continue
-            if self.stopping.is_set():
+            if self.ingest_closed:
                 return  # everything read has been committed and acked
             # while the queue is long we do not read: ZeroMQ's high-water marks push back on actors
             await self.actor_sock.poll(timeout=100, flags=zmq.POLLIN)

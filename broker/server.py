@@ -18,6 +18,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from comap_async.config import CoMapConfig
 from comap_async.protocol import ID_LEN, MAX_ITEMS, SCHEMA_VERSION, ProtocolError, decode, error_reason
+from comap_async.waiting import cancel_and_wait
 
 from broker import sampling
 from broker.actor_path import ActorPath, Pending
@@ -53,7 +54,9 @@ class Broker(ActorPath):
         self.max_pending = 4 * b.group_commit
         self.writable_error: str | None = None
         self.map_info: dict[str, Any] = self.store.info()
-        self.stopping = asyncio.Event()
+        self.stopping = asyncio.Event()  # set by SIGTERM/SIGINT; shutdown() then drains and closes
+        self.ingest_closed = False  # set by shutdown() after the drain: the actor task stops reading
+        self.last_actor_rx = time.monotonic()
         self._tasks: list[asyncio.Task] = []
         self._monitors: list[zmq.asyncio.Socket] = []
         self._ack_cache: tuple[Any, bytes] = (None, b"")
@@ -108,16 +111,27 @@ class Broker(ActorPath):
         await self.stopping.wait()
         await self.shutdown()
 
+    async def drain_actors(self) -> None:
+        """Keep storing and acking until actors have been quiet a moment (at most ``broker.drain_s``).
+
+        ``honcho`` sends SIGTERM to every process at once; the actors then flush their outboxes,
+        and a broker that stopped reading at once would leave them waiting for acks until SIGKILL.
+        """
+        deadline = time.monotonic() + self.b.drain_s
+        while (now := time.monotonic()) < deadline and now - self.last_actor_rx < self.b.drain_quiet_s:
+            await asyncio.sleep(min(0.05, deadline - now))
+
     async def shutdown(self) -> None:
-        """Stop reading, commit and ack what is queued, then close everything."""
+        """Drain actors, stop reading, commit and ack what is queued, then close everything."""
         self.stopping.set()
+        if not self._actor_task.done():
+            await self.drain_actors()
+        self.ingest_closed = True
         try:  # the actor task stops reading, commits and acks what it holds, then returns
             await asyncio.wait_for(self._actor_task, timeout=30)
         except Exception as exc:  # noqa: BLE001 - shutdown must finish
             self.log.error("broker.shutdown_flush_failed", error=repr(exc))
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         await self.http_runner.cleanup()
         if self.auth is not None:
             self.auth.stop()

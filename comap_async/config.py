@@ -111,6 +111,11 @@ class BrokerConfig(_Section):
     """Ring capacity of the episode store."""
     group_commit: int = Field(default=256, ge=1)
     """Most messages stored per LMDB transaction (acks go out after its commit)."""
+    drain_s: float = Field(default=2.0, ge=0.0, le=30.0)
+    """On SIGTERM, keep storing and acking actor messages for at most this long, so actors stopping
+    at the same moment (``honcho`` signals every process at once) flush their outboxes."""
+    drain_quiet_s: float = Field(default=0.5, gt=0.0)
+    """The drain ends early once no actor message has arrived for this long."""
     max_staleness: int = Field(default=4, ge=0)
     """Samples whose policy version is more than this behind the current one are not served."""
     window: int = Field(default=20_000, ge=1)
@@ -158,6 +163,9 @@ class ActorConfig(_Section):
     """Resend a message when its ack has not come after this long."""
     spill_dir: str | None = None
     """If set, unacked messages are written here and survive an actor restart."""
+    shutdown_flush_s: float = Field(default=3.0, ge=0.0, le=60.0)
+    """On SIGTERM, wait at most this long for the broker to ack what is queued. ``honcho`` kills
+    5 s after SIGTERM; what is still unacked then is logged (and kept in ``spill_dir`` if set)."""
     temperature: float = Field(default=0.7, ge=0.0)
     """Sampling temperature for drafts and reflections."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)

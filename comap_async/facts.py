@@ -39,6 +39,30 @@ def set_f1(predicted: Iterable[str], reference: Iterable[str]) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+def changes_f1(before: Facts, after_a: Facts, after_b: Facts) -> float:
+    """``set_f1(fact_changes(before, after_a), fact_changes(before, after_b))`` without building
+    the signed change sets (the broker computes it for every transition).
+
+    A change is shared when both sides gained the same fact (in both, not before) or lost the
+    same fact (before, in neither); the sizes are those of the one-sided differences.
+    """
+    if after_a is after_b or after_a == after_b:
+        return 1.0  # identical predictions: identical changes (both empty agrees too)
+    b = before - {NO_CHANGE} if NO_CHANGE in before else before
+    a_none, b_none = NO_CHANGE in after_a, NO_CHANGE in after_b
+    n_a = 0 if a_none else len(after_a - b) + len(b - after_a)
+    n_b = 0 if b_none else len(after_b - b) + len(b - after_b)
+    if n_a == 0 and n_b == 0:
+        return 1.0
+    if a_none or b_none:
+        return 0.0
+    tp = len((after_a & after_b) - b) + len(b - after_a - after_b)
+    if tp == 0:
+        return 0.0
+    precision, recall = tp / n_a, tp / n_b  # the same arithmetic as set_f1: bit-identical scores
+    return 2 * precision * recall / (precision + recall)
+
+
 def delta_f1(prev_facts: Facts | None, predicted_facts: Facts | None, real_facts: Facts | None) -> float:
     """Delta-F1: F1 between the predicted and the real action-induced fact changes.
 

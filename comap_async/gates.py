@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from comap_async.facts import Facts, fact_changes, set_f1
+from comap_async.facts import Facts, changes_f1, set_f1
 
 _SPACES = re.compile(r"\s+")
 _TRAILING = re.compile(r"[\s.!?;:,\"'`]+$")
@@ -68,6 +68,16 @@ def world_state_gate(
     return WorldStateGateResult(score >= threshold, score)
 
 
+def world_state_gate_on_facts(prev: Facts | None, student: Facts | None, teacher: Facts | None,
+                              threshold: float = 0.6) -> WorldStateGateResult:
+    """:func:`world_state_gate` on the changes from ``prev`` to each prediction, computed by
+    :func:`~comap_async.facts.changes_f1` (same scores, without building the change sets)."""
+    if prev is None or student is None or teacher is None:
+        return WorldStateGateResult(False, 0.0)
+    score = changes_f1(prev, student, teacher)
+    return WorldStateGateResult(score >= threshold, score)
+
+
 def derive_policy_sample(
     tr: dict[str, Any],
     parse_facts: Callable[[str], Facts | None],
@@ -82,14 +92,8 @@ def derive_policy_sample(
     ``s_next``; ``target = a_exec`` and ``y = 1`` when the action gate executed the revision, else
     ``a_draft`` and ``y = 0``. Gate inputs and scores are kept so an analysis can recompute them.
     """
-    prev = parse_facts(tr["o"])
-    student = parse_facts(tr["s_hat_exec"])
-    teacher = parse_facts(tr["s_hat_teacher"])
-    ws = world_state_gate(
-        None if prev is None or student is None else fact_changes(prev, student),
-        None if prev is None or teacher is None else fact_changes(prev, teacher),
-        tau_ws,
-    )
+    ws = world_state_gate_on_facts(parse_facts(tr["o"]), parse_facts(tr["s_hat_exec"]),
+                                   parse_facts(tr["s_hat_teacher"]), tau_ws)
     ag = action_gate(tr["p_revise"], tr["q_ref"], tr["a_ref"], tr["a_draft"], tau_p, tau_q, canon)
     return {
         "id": tr["id"],

@@ -1,10 +1,10 @@
-"""Waiting for another process, so start-up order never matters."""
+"""Waiting for another process (start-up order never matters) and for cancelled tasks to end."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 
@@ -24,3 +24,20 @@ async def wait_until_answers(what: str, probe: Callable[[], Awaitable[Any]], log
                 last = time.monotonic()
             await asyncio.sleep(poll_s)
     return None
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Future], retry_s: float = 0.2) -> list[Any]:
+    """Cancel ``tasks`` and wait until every one has ended; returns their results or exceptions.
+
+    One ``cancel()`` is not enough on Python 3.11: ``asyncio.wait_for`` returns its inner result
+    instead of raising when that result arrives in the same loop iteration as the cancellation,
+    and the task then runs on (in a loop, for ever). So a task still running after ``retry_s`` is
+    cancelled again, until it ends.
+    """
+    tasks = list(tasks)
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=retry_s)
+    return await asyncio.gather(*tasks, return_exceptions=True)

@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from comap_async.protocol import DEFAULT_MAX_MESSAGE_BYTES, SCHEMA_VERSION, ProtocolError, decode, encode
+from comap_async.waiting import cancel_and_wait
 
 
 class BrokerError(RuntimeError):
@@ -62,8 +63,7 @@ class BrokerClient:
 
     async def close(self) -> None:
         if self._recv_task is not None:
-            self._recv_task.cancel()
-            await asyncio.gather(self._recv_task, return_exceptions=True)
+            await cancel_and_wait([self._recv_task])
         for fut in self._waiting.values():
             if not fut.done():
                 fut.cancel()

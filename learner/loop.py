@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from comap_async.config import CoMapConfig
-from comap_async.waiting import wait_until_answers
+from comap_async.waiting import cancel_and_wait, wait_until_answers
 
 PHASE_STORES = {
     "warmup": ("demos", "transitions"),
@@ -147,8 +147,7 @@ class Learner:
         if not task.done():
             # shutting down (the servers may already be gone): an unannounced version is never used,
             # and the next start reloads whatever the registry names
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait([task])
             self.log.info("learner.publish_abandoned", version=self.state.version)
             return {}
         return {k: v for k, v in task.result().items() if k.startswith("learner/")}
@@ -228,8 +227,7 @@ class Learner:
                 try:
                     await self._train(prefetch, task, inference, broker, max_steps)
                 finally:
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
+                    await cancel_and_wait([task])
                     self.checkpoint()
             finally:
                 await inference.close()
@@ -293,13 +291,22 @@ class Learner:
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
+        def hand_back(settle: Any) -> None:
+            if loop.is_closed():
+                return  # the step was abandoned and the loop has finished: nobody waits for it
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:
+                if not loop.is_closed():  # closed between the check and the call is the same case
+                    raise
+
         def work() -> None:
             try:
                 result = self.trainer.train_step(micro)
             except BaseException as exc:  # handed to the event loop, which raises it in _train
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(exc))
+                hand_back(lambda: done.done() or done.set_exception(exc))
             else:
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+                hand_back(lambda: done.done() or done.set_result(result))
 
         self.step_thread = threading.Thread(target=work, name="learner-step", daemon=True)
         self.step_thread.start()

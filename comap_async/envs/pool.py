@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import multiprocessing as mp
 import os
+import signal
 import traceback
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
@@ -36,6 +37,11 @@ class EnvWorkerError(RuntimeError):
 def _worker_main(conn: Connection, env_name: str, env_kwargs: dict[str, Any]) -> None:
     # one torch/BLAS thread is the project rule; the env needs none, but imports may start pools
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The owning process decides when a worker ends (None on the pipe, or EOF when it dies):
+    # honcho signals the whole process group, and a worker killed under a running episode would
+    # fail that episode while the actor is still flushing it.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from comap_async.envs import create_env
 
     envs: dict[int, Any] = {}
@@ -60,7 +66,10 @@ def _worker_main(conn: Connection, env_name: str, env_kwargs: dict[str, Any]) ->
             reply = (req_id, True, result)
         except Exception as exc:  # noqa: BLE001 - sent to the caller, who raises it
             reply = (req_id, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-        conn.send(reply)
+        try:
+            conn.send(reply)
+        except OSError:  # the owner is gone (killed): nobody to answer
+            break
     for env in envs.values():
         env.close()
 
@@ -135,8 +144,8 @@ class _Worker:
         except OSError:
             pass  # already gone: nothing to tell it
         self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.terminate()
+        if self.process.is_alive():  # stuck in a step: it ignores SIGTERM (see _worker_main)
+            self.process.kill()
             self.process.join(timeout)
         self.conn.close()
 

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_eval_writes_json_and_markdown(tmp_path, alfworld_data, model_cache):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "comap_async", "eval", "--config", "configs/test.yaml", "--split", "valid_seen",
-           "--games", "5", "--data", str(alfworld_data), "--out", str(out),
+           "--games", "5", "--data", str(alfworld_data), "--out", str(out), "--reflection-metrics",
            "--set", f"model.cache_dir={model_cache}", "--set", f"run.root={tmp_path / 'runs'}"]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -26,8 +26,11 @@ def test_eval_writes_json_and_markdown(tmp_path, alfworld_data, model_cache):
     assert report["games"] == 5 and len(report["episodes"]) == 5 and 0.0 <= report["success_rate"] <= 1.0
     assert report["delta_f1_transitions"] > 0  # Delta-F1 measured on executed transitions
     assert report["mean_steps"] == sum(e["steps"] for e in report["episodes"]) / 5
+    refl = report["reflection"]  # judged by suffix rollouts (the scripted test covers the values)
+    assert refl["proposed"] == sum(v for k, v in refl.items() if k.startswith(("executed_", "blocked_")))
     md = (out / "eval.md").read_text()
     assert "| games | success rate |" in md and md.count("valid_seen/") == 5
+    assert "| proposed | executed | URR | HRR | BRP |" in md
     assert "100%" in r.stderr  # the progress bar ran to the end
 
 

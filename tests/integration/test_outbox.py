@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 
 import msgpack
 import pytest
@@ -73,3 +75,53 @@ async def test_permanent_reject_is_dropped_and_temporary_refusal_is_resent():
     await out.close()
     router.close(0)
     ctx.destroy()
+
+
+async def test_broker_drains_actors_that_flush_while_it_stops(broker_factory):
+    """honcho signals broker and actors at once: messages put right after the broker's SIGTERM
+    are still stored and acked, so the actors' shutdown flush completes."""
+    bp = broker_factory(["broker.drain_s=10", "broker.drain_quiet_s=1.0"])
+    out = await Outbox(bp.actor_endpoint, ack_timeout_s=0.5).start()
+    for i in range(20):
+        await out.put(make_transition(i, actor="dr"))
+    await out.flush(10)
+    bp.proc.send_signal(signal.SIGTERM)
+    await asyncio.sleep(0.2)  # the broker has the signal now; it stops only after a quiet spell
+    for i in range(20, 60):
+        await out.put(make_transition(i, actor="dr"))
+    await out.flush(5)
+    await out.close()
+    assert await asyncio.to_thread(bp.proc.wait, 30) == 0
+    log = bp.log_text()
+    assert '"stored_total": 60' in log, log[-2000:]
+
+    bp.start()  # and they are really in LMDB
+    assert bp.stats()["stores"]["transitions"]["count"] == 60
+    t0 = time.monotonic()
+    assert bp.terminate() == 0
+    assert time.monotonic() - t0 < 5.0  # no actor traffic: the drain does not wait its 10 s
+
+
+async def test_outbox_close_is_bounded_and_says_what_it_could_not_deliver(tmp_path):
+    events: list[tuple[str, dict]] = []
+
+    class Log:
+        def __getattr__(self, level):
+            return lambda event, **kw: events.append((event, kw))
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"  # nobody listens: acks never come
+    out = await Outbox(endpoint, ack_timeout_s=0.2, log=Log()).start()
+    for i in range(3):
+        await out.put(make_transition(i, actor="nb"))
+    t0 = time.monotonic()
+    await out.close(flush_timeout=0.5)
+    assert time.monotonic() - t0 < 3.0
+    assert ("outbox.close_unflushed", {"pending": 3, "spilled_to": None, "lost": 3}) in events
+
+    events.clear()
+    spill = tmp_path / "spill"
+    out = await Outbox(endpoint, ack_timeout_s=0.2, log=Log(), spill_dir=spill).start()
+    await out.put(make_transition(9, actor="nb"))
+    await out.close(flush_timeout=0.0)
+    assert ("outbox.close_unflushed", {"pending": 1, "spilled_to": str(spill), "lost": 0}) in events
+    assert len(list(spill.glob("*.msg"))) == 1

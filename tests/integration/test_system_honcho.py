@@ -73,6 +73,8 @@ class System:
         log = self.log()
         for name in PROCESSES:
             assert f"{name}.1 stopped (rc=0)" in log, f"{name} did not exit cleanly:\n{log[-4000:]}"
+        stopping = log[log.index("SIGTERM received"):]
+        assert "Traceback" not in stopping, f"a traceback while stopping:\n{stopping[-4000:]}"
 
     def kill_all(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from comap_async.facts import delta_f1, fact_changes, set_f1
-from comap_async.gates import action_gate, canonical_action, derive_policy_sample, world_state_gate
+from comap_async.facts import NO_CHANGE, changes_f1, delta_f1, fact_changes, set_f1
+from comap_async.gates import (action_gate, canonical_action, derive_policy_sample, world_state_gate,
+                               world_state_gate_on_facts)
 from tests.fixtures.messages import transition
 
 PREV = frozenset({"at(countertop 1)", "in(apple 1, countertop 1)"})
@@ -120,3 +123,25 @@ def test_derived_sample_unparseable_student_uses_real_state():
     tr = transition(1, o="O", s_hat_exec="gibberish", s_hat_teacher="PICKED", s_next="REAL NEXT")
     d = derive_policy_sample(tr, _parse)
     assert d["s_bar"] == "REAL NEXT" and d["ws_score"] == 0.0
+
+
+_FACT_POOL = ["at(a 1)", "at(b 1)", "holding(x 1)", "holding(nothing)", "in(x 1, b 1)", "in(y 1, b 1)",
+              "open(b 1)", "closed(b 1)", "hot(x 1)", NO_CHANGE]
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.frozensets(st.sampled_from(_FACT_POOL)), st.frozensets(st.sampled_from(_FACT_POOL)),
+       st.frozensets(st.sampled_from(_FACT_POOL)))
+def test_changes_f1_equals_f1_of_the_change_sets(before, a, b):
+    """The broker's fast path gives exactly (bit for bit) the reference definition's score."""
+    assert changes_f1(before, a, b) == set_f1(fact_changes(before, a), fact_changes(before, b))
+
+
+def test_world_state_gate_on_facts_matches_the_gate_on_changes():
+    prev = frozenset({"at(a 1)", "in(x 1, a 1)"})
+    student = frozenset({"at(a 1)", "holding(x 1)"})
+    teacher = frozenset({"at(a 1)", "holding(x 1)", "open(a 1)"})
+    ref = world_state_gate(fact_changes(prev, student), fact_changes(prev, teacher), 0.6)
+    assert world_state_gate_on_facts(prev, student, teacher, 0.6) == ref
+    assert world_state_gate_on_facts(None, student, teacher).use_imagined is False
+    assert world_state_gate_on_facts(prev, student, None) == (False, 0.0)
