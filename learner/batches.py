@@ -2,7 +2,9 @@
 
 Prompts come from ``comap_async.prompts`` (the same strings the actors sent to the inference
 server); a target is tokenised on its own and appended, exactly as generation continues a prompt.
-Over-long prompts are truncated from the left so the target always survives.
+Over-long prompts are truncated from the left so the target always survives; that loses the
+system prompt and the task, so it is counted (``truncated``, logged as ``learner/truncated``
+per step) and ``learner.max_seq_len`` should cover the longest prompts (see configs/local.yaml).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Encoder:
     max_seq_len: int
 
     def __post_init__(self) -> None:
+        self.truncated = 0  # prompts cut to fit max_seq_len since the trainer last read it
         self.eos = self.tokenizer.eos_token or ""
         keep = self._ids(" KEEP")
         revise = self._ids(" REVISE")
@@ -45,7 +48,9 @@ class Encoder:
         t = self._ids(target + (self.eos if add_eos else ""))
         t = t[: max(1, self.max_seq_len // 2)]  # a runaway target must not push the prompt out entirely
         room = self.max_seq_len - len(t)
-        p = p[-room:] if room > 0 else []
+        if len(p) > room:
+            self.truncated += 1
+            p = p[-room:] if room > 0 else []
         return Seq(p + t, len(p), len(t))
 
     # ------------------------------------------------------------ per role

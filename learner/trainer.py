@@ -167,6 +167,7 @@ class Trainer:
             self.rng_at_step_start = rng_state()
         self.model.eval()
         dt = time.perf_counter() - t0
-        return {**sums, "learner/grad_norm": float(grad_norm), "learner/lr": self.scheduler.get_last_lr()[0],
+        truncated, self.encoder.truncated = self.encoder.truncated, 0
+        return {**sums, "learner/truncated": truncated, "learner/grad_norm": float(grad_norm), "learner/lr": self.scheduler.get_last_lr()[0],
                 "learner/tokens": tokens, "learner/tokens_per_s": tokens / dt if dt > 0 else 0.0,
                 "learner/step_s": dt}

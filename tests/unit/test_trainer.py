@@ -140,3 +140,14 @@ def test_checkpoint_during_a_step_holds_the_last_completed_step_and_abort_is_pro
         for k, v in before[role].items():
             assert torch.equal(saved["adapters"][role][k], v)
     assert torch.equal(saved["rng"]["torch"], rng_before["torch"])
+
+
+def test_truncated_prompts_are_counted_per_step(tiny_model_dir):
+    trainer = make_trainer(tiny_model_dir, max_seq_len=256)  # the short prompts take ~170 tokens
+    long_state = demo_record(0) | {"s": "Task: cool a mug.\n" + "You arrive at countertop 1. " * 40}
+    m = trainer.train_step([{"demos": [long_state, demo_record(1)]}])
+    assert m["learner/truncated"] == 1  # only the long prompt was cut; the target survived
+    m = trainer.train_step([{"demos": [demo_record(1)]}])
+    assert m["learner/truncated"] == 0  # counted per step, not cumulatively
+    seq = trainer.encoder.draft(long_state)
+    assert len(seq.ids) == 256 and seq.n_target > 0
