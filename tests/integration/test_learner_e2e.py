@@ -148,3 +148,40 @@ async def test_learner_resumes_bit_identical_after_sigkill(broker_factory, roomy
     r = subprocess.run(_learner_cmd(overrides, max_steps=3), capture_output=True, text=True, env=env, cwd=REPO, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (ckpts / f"step-{saved['step'] + 3:08d}" / "state.pt").exists()
+
+
+async def test_rounds_schedule_trains_only_after_each_round_of_episodes(broker_factory, roomy_server, tiny_model_dir):
+    """``learner.schedule: rounds``: after each publish the learner waits for ``rounds_episodes``
+    new episodes, then trains ``publish_every`` steps and publishes (the paper's loop)."""
+    from tests.fixtures.broker import make_episode
+
+    broker = broker_factory()
+    await fill(broker, dataset())
+    cfg = learner_config(broker, roomy_server, tiny_model_dir, "learner.schedule=rounds", "learner.rounds_episodes=3",
+                         "learner.publish_every=2")
+    learner = Learner(cfg, configure_logging("learner-test"))
+    run = asyncio.create_task(learner.run(max_steps=5))
+
+    async def settles_at(step: int) -> None:
+        for _ in range(300):
+            if learner.trainer.step >= step:
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(2.0)  # and stays there: it waits for the round, not for data
+        assert learner.trainer.step == step and not run.done()
+
+    try:
+        await settles_at(1)  # one reflect_init step, the switch to coevolve publishes v1, then the round wait
+        assert learner.state.version == 1
+        await fill(broker, [make_episode(i, actor="r1") for i in range(3)])
+        await settles_at(3)  # a round: publish_every=2 steps, then v2
+        assert learner.state.version == 2
+        await fill(broker, [make_episode(i, actor="r2") for i in range(2)])
+        await asyncio.sleep(2.0)
+        assert learner.trainer.step == 3  # 2 of 3 episodes are not a round
+        await fill(broker, [make_episode(9, actor="r2")])
+        await asyncio.wait_for(run, 60)
+        assert learner.trainer.step == 5 and learner.state.version == 3
+    finally:
+        learner.stop.set()
+        await asyncio.gather(run, return_exceptions=True)
