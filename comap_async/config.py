@@ -141,6 +141,13 @@ class InferenceConfig(_Section):
     """How long the batcher waits for more requests before starting a batch."""
     max_prompt_tokens: int = Field(default=2048, ge=16)
     """Longer prompts are rejected with 400."""
+    spare_adapter_slots: int = Field(default=4, ge=0, le=64)
+    """Embedded server: LoRA slots built ahead with the learner's adapter shape, so loading a
+    published adapter only copies tensors (~10 ms); each costs one adapter's memory. The default
+    is one per role (policy, wm, wm_teacher) plus one: a whole publish takes the fast path, and
+    the versions it replaces return to the pool when the learner unloads them."""
+    prefix_cache_mb: int = Field(default=256, ge=0)
+    """Embedded server: memory for the KV of shared prompt prefixes (0 turns the cache off)."""
     max_new_tokens: int = Field(default=256, ge=1)
     """Upper bound on ``max_tokens`` per request."""
     request_timeout_s: float = Field(default=120.0, gt=0)

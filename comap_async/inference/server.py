@@ -288,16 +288,15 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
 
     lr = cfg.learner
     spare = LoraConfig(r=lr.lora_r, lora_alpha=lr.lora_alpha, lora_dropout=0.0, target_modules=lr.target_modules)
-    # one spare per role (policy, wm, wm_teacher) plus one: a whole publish takes the fast path;
-    # the versions it replaces come back to the pool when the learner unloads them
-    slots = SlotManager(model, spare, spares=4)
     inf = cfg.inference
+    slots = SlotManager(model, spare, spares=inf.spare_adapter_slots)
     max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30
     max_model_len = min(max_pos, inf.max_prompt_tokens + inf.max_new_tokens)
     from comap_async.inference.prefix import PrefixCache
 
     engine = Engine(model, tok, slots, max_batch_size=inf.max_batch_size, batch_wait_ms=inf.batch_wait_ms,
-                    max_model_len=max_model_len, seed=cfg.run.seed, log=log, prefix_cache=PrefixCache())
+                    max_model_len=max_model_len, seed=cfg.run.seed, log=log,
+                    prefix_cache=PrefixCache(max_bytes=inf.prefix_cache_mb << 20) if inf.prefix_cache_mb else None)
     engine.start()
     engine.call(slots.fill_spares).result()
     executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="comap-io")

@@ -50,3 +50,34 @@ def test_serve_loads_adapters_given_at_start(tiny_model_dir, tmp_path):
     finally:
         stop_server(proc)
     assert proc.returncode == 0  # SIGTERM is a clean shutdown
+
+
+def _metrics(url: str) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and line[0] != "#"}
+
+
+async def test_spare_slots_and_prefix_cache_follow_the_config(embedded_server, tiny_model_dir, tmp_path):
+    default = _metrics(embedded_server.url)
+    assert default["comap_inference_adapter_spare_slots"] == 4 and "comap_inference_prefix_cache_blocks" in default
+    root = tmp_path / "adapters"
+    AdapterFactory(tiny_model_dir, root).random("policy-v1", seed=5)
+    port = free_port()
+    proc = start_server(["--set", f"model.name_or_path={tiny_model_dir}", "--set", f"inference.port={port}",
+                         "--set", f"inference.adapter_root={root}", "--set", "inference.spare_adapter_slots=0",
+                         "--set", "inference.prefix_cache_mb=0"], port, tmp_path / "serve.log", timeout_s=90)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        from comap_async.inference.client import InferenceClient
+
+        async with InferenceClient([url]) as c:
+            await c.load_adapter("policy-v1", str(root / "policy-v1"))  # no spare: the slow path still works
+            out = await c.complete("look", model="policy-v1", max_tokens=3, ignore_eos=True)
+        assert len(out.choices) == 1
+        m = _metrics(url)
+        assert m["comap_inference_adapter_spare_slots"] == 0 and "comap_inference_prefix_cache_blocks" not in m
+    finally:
+        stop_server(proc)
