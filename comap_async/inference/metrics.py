@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 _P = "comap_inference_"
@@ -45,5 +46,10 @@ def render(state: Any) -> str:
         _line(out, "prefix_cache_hit_tokens_total", "counter", "Prompt tokens whose KV came from the prefix cache.",
               [({}, pc.hits)])
         _line(out, "prefix_cache_blocks", "gauge", "Cached prompt-prefix blocks.", [({}, len(pc))])
+    uptime = max(1e-9, time.time() - state.started_at)
+    busy = st.step_seconds + st.prefill_seconds
+    _line(out, "uptime_seconds", "gauge", "Seconds since the server started.", [({}, round(uptime, 3))])
+    _line(out, "idle_fraction", "gauge", "Share of the uptime with no prefill or decode running (1 - busy/uptime).",
+          [({}, round(max(0.0, 1.0 - busy / uptime), 6))])
     _line(out, "engine_alive", "gauge", "1 while the engine thread runs.", [({}, 1 if state.engine.alive else 0)])
     return "\n".join(out) + "\n"

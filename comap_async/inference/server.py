@@ -42,6 +42,7 @@ class ServerState:
     admin_token: str | None = None
     log: Any = None
     started: int = field(default_factory=lambda: int(time.time()))
+    started_at: float = field(default_factory=time.time)
     requests: dict[tuple[str, int], int] = field(default_factory=dict)
     request_seconds: float = 0.0
 

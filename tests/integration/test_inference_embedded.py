@@ -30,6 +30,7 @@ async def test_metrics_are_prometheus_text(embedded_server):
     assert values["comap_inference_generation_tokens_total"] >= 4
     assert values['comap_inference_http_requests_total{route="/v1/completions",status="200"}'] >= 1
     assert values["comap_inference_engine_alive"] == 1
+    assert 0.0 <= values["comap_inference_idle_fraction"] < 1.0 and values["comap_inference_uptime_seconds"] > 0
     assert "# TYPE comap_inference_decode_steps_total counter" in text
 
 
