@@ -2,9 +2,10 @@
 
 Prompts come from ``comap_async.prompts`` (the same strings the actors sent to the inference
 server); a target is tokenised on its own and appended, exactly as generation continues a prompt.
-Over-long prompts are truncated from the left so the target always survives; that loses the
-system prompt and the task, so it is counted (``truncated``, logged as ``learner/truncated``
-per step) and ``learner.max_seq_len`` should cover the longest prompts (see configs/local.yaml).
+An over-long prompt loses tokens from its middle: the head (chat header, system prompt, task)
+and the tail (current observation, admissible commands, the question) stay, the oldest history
+goes; the target always survives. It is counted (``truncated``, logged as ``learner/truncated``
+per step): ``learner.max_seq_len`` should cover the longest prompts (see configs/local.yaml).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 
 from comap_async.prompts import Prompts, reflection_target
 from learner.losses import IGNORE
+
+KEEP_HEAD = 128  # kept from a truncated prompt's start: header + system prompt + task are 49-83 SmolLM2 tokens
 
 
 @dataclass
@@ -50,7 +53,8 @@ class Encoder:
         room = self.max_seq_len - len(t)
         if len(p) > room:
             self.truncated += 1
-            p = p[-room:] if room > 0 else []
+            head = min(KEEP_HEAD, room // 2)
+            p = p[:head] + p[len(p) - (room - head):] if room > 0 else []
         return Seq(p + t, len(p), len(t))
 
     # ------------------------------------------------------------ per role

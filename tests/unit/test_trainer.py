@@ -150,4 +150,10 @@ def test_truncated_prompts_are_counted_per_step(tiny_model_dir):
     m = trainer.train_step([{"demos": [demo_record(1)]}])
     assert m["learner/truncated"] == 0  # counted per step, not cumulatively
     seq = trainer.encoder.draft(long_state)
+    full = trainer.encoder._ids(trainer.encoder.prompts.draft(long_state["s"]))
     assert len(seq.ids) == 256 and seq.n_target > 0
+    # the middle goes: the head (system prompt, task) and the tail (current state, question) stay
+    from learner.batches import KEEP_HEAD
+
+    head = min(KEEP_HEAD, (256 - seq.n_target) // 2)
+    assert seq.ids[:head] == full[:head] and seq.ids[head:seq.start] == full[len(full) - (seq.start - head):]
