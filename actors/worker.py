@@ -194,7 +194,7 @@ class ActorWorker:
             reporter.cancel()
             if own_outbox:  # first: a broker stopping at the same time drains only briefly
                 await outbox.close(flush_timeout=cfg.actor.shutdown_flush_s if self.stop.is_set() else 60.0)
-            await pool.close()
+            await pool.close(timeout=1.0 if self.stop.is_set() else 5.0)  # honcho kills 5 s after SIGTERM
             await client.close()
             if refresher is not None:
                 await refresher.close()

@@ -133,16 +133,18 @@ class _Worker:
         return fut
 
     def detach(self) -> None:
-        """Stop watching the pipe (on the loop's thread, before :meth:`stop`)."""
-        if self.loop is not None and not self.dead:
-            self.loop.remove_reader(self.conn.fileno())
-        self.dead = self.dead or "environment pool closed"
+        """Stop watching the pipe and fail calls still waiting (on the loop's thread, before :meth:`stop`)."""
+        if not self.dead:
+            self._fail_all("environment pool closed")
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def ask_to_stop(self) -> None:
         try:
             self.conn.send(None)
         except OSError:
             pass  # already gone: nothing to tell it
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Wait for the worker to end after :meth:`ask_to_stop`; kill it after ``timeout``."""
         self.process.join(timeout)
         if self.process.is_alive():  # stuck in a step: it ignores SIGTERM (see _worker_main)
             self.process.kill()
@@ -204,12 +206,14 @@ class AsyncEnvPool:
         env_id = next(self._env_ids)
         return AsyncTextEnv(self, self._workers[env_id % len(self._workers)], env_id)
 
-    async def close(self) -> None:
+    async def close(self, timeout: float = 5.0) -> None:
+        """Stop the workers; one still busy after ``timeout`` (in a long reset, say) is killed."""
         workers, self._workers = self._workers, []
         for w in workers:
             w.detach()
+            w.ask_to_stop()  # all at once: they wind down in parallel
         if workers:
-            await asyncio.get_running_loop().run_in_executor(None, lambda: [w.stop() for w in workers])
+            await asyncio.get_running_loop().run_in_executor(None, lambda: [w.stop(timeout) for w in workers])
 
     async def __aenter__(self) -> "AsyncEnvPool":
         return await self.start()

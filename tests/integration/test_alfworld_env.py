@@ -11,7 +11,7 @@ import pytest
 
 from comap_async.envs.alfworld_check import check_games
 from comap_async.envs.alfworld_env import AlfworldEnv
-from comap_async.envs.pool import AsyncEnvPool
+from comap_async.envs.pool import AsyncEnvPool, EnvWorkerError
 
 pytestmark = pytest.mark.alfworld
 
@@ -114,3 +114,26 @@ async def test_eight_envs_step_concurrently_while_loop_stays_responsive(valid_se
     # the loop never stalled on an env step: every heartbeat came back within 0.25 s
     assert len(gaps) > elapsed / 0.05
     assert max(gaps) < 0.25, f"event loop blocked for {max(gaps):.3f}s"
+
+
+async def test_workers_outlive_a_group_sigterm_and_close_kills_a_busy_one(valid_seen):
+    """honcho signals the whole process group: the actor, not the signal, ends its env workers.
+    A worker busy in a call when the pool closes is killed after the timeout, not waited for."""
+    import os
+    import signal
+
+    pool = await AsyncEnvPool(workers=1, max_steps=10).start()
+    env = pool.env()
+    await env.reset(valid_seen[0])
+    proc = pool._workers[0].process
+    os.kill(proc.pid, signal.SIGTERM)
+    await asyncio.sleep(0.3)
+    assert proc.is_alive()
+    assert (await env.step("look")).observation  # and still serves
+    busy = asyncio.ensure_future(env.reset(valid_seen[1]))  # a reset takes a few hundred ms
+    await asyncio.sleep(0.02)
+    t0 = time.monotonic()
+    await pool.close(timeout=0.05)
+    assert time.monotonic() - t0 < 1.0 and not proc.is_alive()
+    with pytest.raises(EnvWorkerError, match="pool closed"):
+        await asyncio.wait_for(busy, 1)  # its caller hears of it instead of hanging
