@@ -56,7 +56,7 @@ class Broker(ActorPath):
         self.map_info: dict[str, Any] = self.store.info()
         self.stopping = asyncio.Event()  # set by SIGTERM/SIGINT; shutdown() then drains and closes
         self.ingest_closed = False  # set by shutdown() after the drain: the actor task stops reading
-        self.last_actor_rx = time.monotonic()
+        self.last_actor_rx = float("-inf")  # no actor traffic yet: nothing to drain
         self._tasks: list[asyncio.Task] = []
         self._monitors: list[zmq.asyncio.Socket] = []
         self._ack_cache: tuple[Any, bytes] = (None, b"")

@@ -80,7 +80,7 @@ async def test_permanent_reject_is_dropped_and_temporary_refusal_is_resent():
 async def test_broker_drains_actors_that_flush_while_it_stops(broker_factory):
     """honcho signals broker and actors at once: messages put right after the broker's SIGTERM
     are still stored and acked, so the actors' shutdown flush completes."""
-    bp = broker_factory(["broker.drain_s=10", "broker.drain_quiet_s=1.0"])
+    bp = broker_factory(["broker.drain_s=10", "broker.drain_quiet_s=2.0"])
     out = await Outbox(bp.actor_endpoint, ack_timeout_s=0.5).start()
     for i in range(20):
         await out.put(make_transition(i, actor="dr"))
