@@ -17,7 +17,11 @@ def build_peft_model(base: Any, r: int = 8, alpha: int = 16, dropout: float = 0.
 
     if gradient_checkpointing:
         # non-reentrant: works with frozen inputs (only LoRA tensors need grad) and keeps dropout's RNG
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5 (the old name warns)
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
     from learner.ema import copy_student_to_teacher, paired_lora_tensors
 
