@@ -179,14 +179,15 @@ class ActorWorker:
             rng = random.Random(f"{cfg.run.seed}-{self.actor_id}")
             loops = [asyncio.create_task(self._episode_loop(ctx, pool, games, rng, i)) for i in range(self.n_envs)]
             stopper = asyncio.create_task(self.stop.wait())
-            await asyncio.wait([stopper, *loops], return_when=asyncio.FIRST_COMPLETED)
-            if self.stop.is_set():  # finish no new episodes; give the running ones no more time
+            done, _ = await asyncio.wait([stopper, *loops], return_when=asyncio.FIRST_COMPLETED)
+            failed = any(t is not stopper and not t.cancelled() and t.exception() is not None for t in done)
+            if self.stop.is_set() or failed:  # no new episodes; the running ones get no more time
                 ended = await cancel_and_wait(loops)
-            else:
+            else:  # a loop ran out of its episode budget: let the others finish theirs
                 ended = await asyncio.gather(*loops, return_exceptions=True)
             stopper.cancel()
             errors = [e for e in ended if isinstance(e, Exception)]
-            if errors:  # an episode's own errors are caught in the loop: this is a bug, raise it
+            if errors:  # an episode's own errors are caught in its loop: this is a bug, raise it
                 raise errors[0]
             if not own_outbox:
                 await outbox.flush(timeout=60)
