@@ -139,6 +139,19 @@ async def _branch_return(env: Any, game: Any, prefix: list[str], first: str, hor
     return r.won, total, after
 
 
+async def judge_revision(ctx: EpisodeContext, branch: Any, game: Any, prefix: list[str], a_draft: str,
+                         a_ref: str) -> tuple[str, str]:
+    """Suffix rollouts from the state after ``prefix`` (restored on ``branch``): one starting with
+    the refined action, one with the draft, both continued by the expert for
+    ``actor.suffix_horizon`` steps. Returns the :func:`suffix_outcome` of the refinement and the
+    real observation right after the draft. Reflection initialisation labels its samples with it
+    (the expert action as the refinement); evaluation judges the policy's own revisions."""
+    horizon = ctx.cfg.actor.suffix_horizon
+    d_won, d_ret, d_after = await _branch_return(branch, game, prefix, a_draft, horizon)
+    r_won, r_ret, _ = await _branch_return(branch, game, prefix, a_ref, horizon)
+    return suffix_outcome((r_won, r_ret), (d_won, d_ret)), d_after
+
+
 async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: Any, episode_id: str) -> EpisodeStats:
     """Reflection-mode initialisation on demonstration states (suffix-labelled reflection samples).
 
@@ -149,16 +162,14 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
     """
     ep = Episode(ctx, game, episode_id, await env.reset(game))
     prefix: list[str] = []
-    horizon = ctx.cfg.actor.suffix_horizon
     while not ep.current.done and ep.current.expert_action is not None:
         expert = ep.current.expert_action
         s = ep.state()
         draft, problem = await ctx.llm.draft(s)
         ep.stats.parse_problems += problem == "empty"
         if draft is not None and canonical_action(draft) != canonical_action(expert):
-            d_won, d_ret, d_after = await _branch_return(branch, game, prefix, draft, horizon)
-            e_won, e_ret, _ = await _branch_return(branch, game, prefix, expert, horizon)
-            better = suffix_outcome((e_won, e_ret), (d_won, d_ret)) == "better"
+            outcome, d_after = await judge_revision(ctx, branch, game, prefix, draft, expert)
+            better = outcome == "better"
             policy_v, wm_v = _versions(ctx.registry())
             await ctx.emit({"type": "reflection", "id": f"{episode_id}:{ep.stats.steps}:r", "actor": ctx.actor,
                             "game": game.name, "s": s, "a_draft": draft, "s_bar": d_after,
@@ -168,17 +179,6 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
         prefix.append(expert)
         ep.advance(expert, await env.step(expert))
     return await ep.finish("reflect_init", False)
-
-
-async def judge_revision(ctx: EpisodeContext, branch: Any, game: Any, prefix: list[str], a_draft: str,
-                         a_ref: str) -> str:
-    """Suffix rollouts from the current state (restored on ``branch``): one starting with the
-    refined action, one with the draft, both continued by the expert for ``actor.suffix_horizon``
-    steps, as in reflection initialisation; see :func:`suffix_outcome`."""
-    horizon = ctx.cfg.actor.suffix_horizon
-    r_won, r_ret, _ = await _branch_return(branch, game, prefix, a_ref, horizon)
-    d_won, d_ret, _ = await _branch_return(branch, game, prefix, a_draft, horizon)
-    return suffix_outcome((r_won, r_ret), (d_won, d_ret))
 
 
 async def play_coevolve(ctx: EpisodeContext, env: Any, game: Any, episode_id: str, eval_mode: bool = False,
@@ -205,7 +205,7 @@ async def play_coevolve(ctx: EpisodeContext, env: Any, game: Any, episode_id: st
         a_exec = refl.a_ref if gate.open else a_draft
         if branch is not None and refl.a_ref.strip() and canonical_action(refl.a_ref) != canonical_action(a_draft):
             prefix = [a for a, _ in ep.history]
-            outcome = await judge_revision(ctx, branch, game, prefix, a_draft, refl.a_ref)
+            outcome, _ = await judge_revision(ctx, branch, game, prefix, a_draft, refl.a_ref)
             ep.stats.revision_outcomes.append((gate.open, outcome))
         ep.stats.revisions += gate.open
         ep.stats.invalid += bool(admissible) and a_exec not in admissible
