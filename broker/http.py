@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import hmac
 import json
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+
+from comap_async.httpcommon import append_metric, bearer_matches
 
 from broker.ingest import record_from_store
 
@@ -17,14 +18,7 @@ if TYPE_CHECKING:
 
 
 def _authorised(request: web.Request, token: str | None) -> bool:
-    if not token:
-        return True
-    header = request.headers.get("Authorization", "")
-    return header.startswith("Bearer ") and hmac.compare_digest(header[7:].encode(), token.encode())
-
-
-def _esc(value: Any) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return not token or bearer_matches(request.headers.get("Authorization", ""), token)
 
 
 def prometheus_text(stats: dict[str, Any]) -> str:
@@ -32,11 +26,7 @@ def prometheus_text(stats: dict[str, Any]) -> str:
     out: list[str] = []
 
     def metric(name: str, kind: str, help_text: str, samples: list[tuple[dict[str, Any], float]]) -> None:
-        out.append(f"# HELP comap_broker_{name} {help_text}")
-        out.append(f"# TYPE comap_broker_{name} {kind}")
-        for labels, value in samples:
-            lab = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
-            out.append(f"comap_broker_{name}{{{lab}}} {float(value)!r}" if lab else f"comap_broker_{name} {float(value)!r}")
+        append_metric(out, f"comap_broker_{name}", kind, help_text, samples)
 
     stores = stats["stores"]
     metric("store_items", "gauge", "Items held per replay store.", [({"store": s}, v["count"]) for s, v in stores.items()])

@@ -5,15 +5,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from comap_async.httpcommon import append_metric
+
 _P = "comap_inference_"
 
 
 def _line(out: list[str], name: str, kind: str, help_: str, samples: list[tuple[dict[str, Any], float]]) -> None:
-    out.append(f"# HELP {_P}{name} {help_}")
-    out.append(f"# TYPE {_P}{name} {kind}")
-    for labels, value in samples:
-        lab = ",".join(f'{k}="{str(v)}"' for k, v in labels.items())
-        out.append(f"{_P}{name}{{{lab}}} {float(value)!r}" if lab else f"{_P}{name} {float(value)!r}")
+    append_metric(out, _P + name, kind, help_, samples)
 
 
 def render(state: Any) -> str:

@@ -9,7 +9,6 @@ thread pool, generation on the engine thread (see engine.py).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import signal
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from comap_async.httpcommon import bearer_matches
 from comap_async.inference.engine import Engine, Sequence
 from comap_async.inference.registry import AdapterRegistry
 from comap_async.inference.sampling import CompletionRequest, RequestError, make_generator, parse_completion_request
@@ -98,8 +98,7 @@ def _check_admin(request: web.Request) -> None:
     token = request.app[STATE].admin_token
     if not token:
         return
-    got = request.headers.get("Authorization", "")
-    if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), token.encode())):
+    if not bearer_matches(request.headers.get("Authorization", ""), token):
         raise RequestError("Unauthorized: this endpoint needs 'Authorization: Bearer <inference.admin_token>'",
                            status=401)
 
