@@ -6,7 +6,11 @@ process) with the same pre-encoded messages: ~2 KB of ALFWorld-like text per tra
 ``coevolve`` so both gates run with the real ALFWorld fact parser. The rate is messages acked
 per second, and the broker only acks after the LMDB commit that stored the message.
 
-    python benchmarks/broker_ingest.py [--n 40000] [--group-commit 256]
+    python benchmarks/broker_ingest.py [--n 40000] [--group-commit 256] [--gate-workers 1]
+
+CPU per message is also printed for the raw server and for the broker with its gate workers
+(from /proc): the ratio of rates depends on how many cores are free for the broker's processes,
+the CPU figures do not.
 
 Last line: ``broker_ingest_per_s=X ratio_vs_raw=Y``.
 """
@@ -68,6 +72,20 @@ def make_messages(n: int, text_bytes: int) -> list[bytes]:
             msg["s"] += "\n" + "You see nothing special. " * ((text_bytes - text) // 25)
         out.append(msgpack.packb(msg, use_bin_type=True))
     return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of ``pid`` and its live children (the gate workers), from /proc (Linux)."""
+    total = 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        return total
+    return total + sum(cpu_seconds(c) for c in children)
 
 
 def drive(endpoint: str, msgs: list[bytes], window: int, timeout_s: float = 300) -> float:
@@ -140,6 +158,7 @@ def main() -> int:
     ap.add_argument("--text-bytes", type=int, default=2048)
     ap.add_argument("--group-commit", type=int, default=256)
     ap.add_argument("--window", type=int, default=2048, help="unacked messages the client keeps in flight")
+    ap.add_argument("--gate-workers", type=int, default=1, help="broker.gate_workers (0: gate in the broker process)")
     ap.add_argument("--raw-server", nargs=2, metavar=("PORT", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.raw_server:
@@ -156,16 +175,19 @@ def main() -> int:
         raw = subprocess.Popen([sys.executable, __file__, "--raw-server", str(port), f"{tmp}/raw",
                                 "--group-commit", str(args.group_commit)], stdout=subprocess.PIPE, env=env)
         assert raw.stdout is not None and raw.stdout.readline().strip() == b"ready"
+        cpu0 = cpu_seconds(raw.pid)
         raw_rate = drive(f"tcp://127.0.0.1:{port}", msgs, args.window)
+        raw_cpu = (cpu_seconds(raw.pid) - cpu0) / args.n * 1e6
         raw.kill()
         raw.wait()
-        print(f"raw zmq->lmdb loop: {raw_rate:,.0f} msg/s")
+        print(f"raw zmq->lmdb loop: {raw_rate:,.0f} msg/s, {raw_cpu:.1f} us CPU per message")
 
         ports = [_free_port() for _ in range(3)]
         cap = max(args.n, 1000)
         sets = [f"run.root={tmp}", "run.name=bench", f"broker.actor_port={ports[0]}",
                 f"broker.learner_port={ports[1]}", f"broker.http_port={ports[2]}", f"broker.group_commit={args.group_commit}",
-                f"broker.capacity_transitions={cap}", f"broker.capacity_reflections={cap}", "broker.map_size_mb=1024"]
+                f"broker.capacity_transitions={cap}", f"broker.capacity_reflections={cap}", "broker.map_size_mb=1024",
+                f"broker.gate_workers={args.gate_workers}"]
         cmd = [sys.executable, "-m", "broker"] + [x for s in sets for x in ("--set", s)]
         broker = subprocess.Popen(cmd, env=env, cwd=REPO)
         try:
@@ -175,7 +197,9 @@ def main() -> int:
                     break
                 except OSError:
                     time.sleep(0.05)
+            cpu0 = cpu_seconds(broker.pid)
             rate = drive(f"tcp://127.0.0.1:{ports[0]}", msgs, args.window)
+            broker_cpu = (cpu_seconds(broker.pid) - cpu0) / args.n * 1e6
             stats = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{ports[2]}/stats", timeout=5).read())
         finally:
             broker.terminate()
@@ -186,7 +210,8 @@ def main() -> int:
         g = stats["gates"]
         print(f"broker (validation + gates + durable group commit): {rate:,.0f} transitions/s; "
               f"stored {stored} transitions + {stats['stores']['reflections']['count']} reflection samples; "
-              f"world-state adoption {g['world_state_adoption']:.2f}, action adoption {g['action_adoption']:.2f}")
+              f"world-state adoption {g['world_state_adoption']:.2f}, action adoption {g['action_adoption']:.2f}; "
+              f"{broker_cpu:.1f} us CPU per message (broker + {args.gate_workers} gate workers)")
     print(f"broker_ingest_per_s={rate:.0f} ratio_vs_raw={rate / raw_rate:.2f}")
     return 0
 

@@ -2,4 +2,5 @@ import sys
 
 from broker.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # a spawned gate worker imports this module too
+    sys.exit(main())

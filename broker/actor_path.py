@@ -1,11 +1,12 @@
 """The broker's actor path: receive, validate, gate, store in one durable transaction, then ack.
 
-One task does it all: drain the actor ROUTER, validate each frame (a bad one is answered with an
-error ack and counted at once), queue the valid ones; take up to ``broker.group_commit`` queued
-messages, apply the gates, store them in one durable LMDB transaction, and only then ack each
-with the current registry. While a commit syncs, ZeroMQ's I/O thread keeps receiving (the GIL is
-released), so the next batch is waiting. When the queue is long the task stops reading; ZeroMQ's
-high-water marks then push back on actors.
+One task does it all: drain the actor ROUTER and queue the frames; hand batches of up to
+``broker.group_commit`` frames to the gate pool (:mod:`broker.gate_worker`: decoding, validation
+and both gates, in worker processes by default); take the oldest gated batch, answer its rejects,
+store its items in one durable LMDB transaction, and only then ack each with the current
+registry. While a commit syncs, the gate workers gate the next batches and ZeroMQ's I/O thread
+keeps receiving. When the queue is long the task stops reading; ZeroMQ's high-water marks then
+push back on actors.
 
 All LMDB work runs on the event loop thread: map resizing needs no concurrent transaction, and a
 storage thread would fight the loop for the GIL on every put (see ``_store_and_ack``).
@@ -25,13 +26,15 @@ from typing import Any
 import msgpack
 import zmq
 
-from comap_async.protocol import ID_LEN, SCHEMA_VERSION, ProtocolError, decode, error_reason
+import zmq.asyncio
 
-from broker.ingest import ACTOR_TYPES, best_effort_int
-from broker.stats import reject_category, stored_total
+from comap_async.protocol import ID_LEN, SCHEMA_VERSION
+
+from broker.gate_worker import ITEM, REJECT, to_write_item
+from broker.stats import stored_total
 from broker.store import StoreRefused, WriteItem
 
-Pending = tuple[bytes, list[bytes], dict[str, Any], bytes]  # ident, delimiter, message, raw frame
+Pending = tuple[bytes, list[bytes], bytes]  # ident, delimiter, raw frame
 _SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
 
 
@@ -73,12 +76,11 @@ class ActorPath:
             if self.live.should_log("ack_drop"):
                 self.log.warning("broker.ack_dropped", error=str(exc))
 
-    def _reject(self, ident: bytes, delim: list[bytes], category: str, reason: str, raw: Any) -> None:
+    def _reject(self, ident: bytes, delim: list[bytes], category: str, reason: str, seq: int) -> None:
         self.live.reject(category)
         if self.live.should_log("reject:" + category):
             self.log.warning("broker.reject", category=category, reason=reason, peer=ident.hex()[:16],
                              total=self.live.rejects_total)
-        seq = best_effort_int(raw, "seq") if isinstance(raw, bytes) else -1
         self._send_ack(ident, delim, seq, False, reason, retry=False)
 
     def _on_actor_frames(self, frames: list[bytes]) -> None:
@@ -87,32 +89,26 @@ class ActorPath:
         if len(body) == 2 and body[0] == b"":  # REQ-style envelope: echo the delimiter back
             delim, body = [b""], body[1:]
         if len(body) != 1:
-            self._reject(ident, delim, "bad_frames", f"expected one message frame, got {len(body)}", None)
+            self._reject(ident, delim, "bad_frames", f"expected one message frame, got {len(body)}", -1)
             return
-        raw = body[0]
-        try:
-            msg = decode(raw, self.b.max_message_bytes)
-        except ProtocolError as exc:
-            self._reject(ident, delim, reject_category(exc), error_reason(exc), raw)
-            return
-        if msg["type"] not in ACTOR_TYPES:
-            self._reject(ident, delim, "wrong_socket", f"'{msg['type']}' is not an actor message (learners use "
-                         f"the learner port {self.b.learner_port})", raw)
-            return
-        self.pending.append((ident, delim, msg, raw))
+        self.pending.append((ident, delim, body[0]))  # decoded and gated by the gate pool
 
     async def _actor_loop(self) -> None:
-        """Receive, store and ack in one task: drain, commit a batch, ack, repeat; sleep in poll.
+        """Receive, gate, store and ack in one task: drain the socket, hand batches to the gate
+        pool, commit the oldest gated batch and ack it, repeat; sleep in poll.
 
-        The socket is read and written through a synchronous view (an asyncio NOBLOCK call costs
+        The sockets are read and written through synchronous views (an asyncio NOBLOCK call costs
         a future each, measured ~3x slower per ack). That is safe because only this task touches
-        the socket, never while its own poll is pending, and the asyncio poll checks ZMQ_EVENTS
-        before it sleeps, so an edge consumed by a synchronous call is not a missed wake-up."""
+        them, never while its own poll is pending, and the asyncio poll checks ZMQ_EVENTS before
+        it sleeps, so an edge consumed by a synchronous call is not a missed wake-up."""
         self._actor_sync = zmq.Socket.shadow(self.actor_sock.underlying)
         recv, more = self._actor_sync.recv, self._actor_sync.get
+        gates, group = self.gates, self.b.group_commit
+        pollers: dict[bool, zmq.asyncio.Poller] = {}
+        generation, next_check = -1, 0.0
         while True:
             received = False
-            while not self.ingest_closed and len(self.pending) < self.max_pending:
+            while not self.ingest_closed and len(self.pending) + self.in_gates < self.max_pending:
                 try:
                     ident = recv(zmq.NOBLOCK)
                 except zmq.Again:
@@ -130,76 +126,90 @@ class ActorPath:
                     self.log.exception("broker.actor_frame_error", error=repr(exc))
             if received:  # once per drained batch: the drain at shutdown waits for a quiet socket
                 self.last_actor_rx = time.monotonic()
-            if self.pending:
-                batch = self.pending[: self.b.group_commit]
-                del self.pending[: self.b.group_commit]
-                self._store_and_ack(batch)
+            # full batches go out as long as the pool takes them; a partial one only to an idle
+            # pool (for latency): one commit and one worker round trip per few frames would
+            # cost more than waiting for the batch in flight
+            while self.pending and gates.can_submit() and (len(self.pending) >= group or not gates.inflight_batches):
+                batch = self.pending[:group]
+                del self.pending[:group]
+                self.in_gates += len(batch)
+                gates.submit(batch)
+            done = gates.ready()
+            if done is not None:
+                self.in_gates -= len(done[0])
+                self._store_and_ack(*done)
                 await asyncio.sleep(0)  # let HTTP and learner requests run between transactions
                 continue
-            if self.ingest_closed:
+            if self.ingest_closed and not self.pending and not gates.inflight_batches:
                 return  # everything read has been committed and acked
-            # while the queue is long we do not read: ZeroMQ's high-water marks push back on actors
-            await self.actor_sock.poll(timeout=100, flags=zmq.POLLIN)
+            if generation != gates.generation:  # workers (re)started: poll their new sockets
+                pollers.clear()
+                generation = gates.generation
+            # while the queue is long we do not read (nor wake for the actor socket): ZeroMQ's
+            # high-water marks push back on actors
+            reading = not self.ingest_closed and len(self.pending) + self.in_gates < self.max_pending
+            if reading not in pollers:
+                pollers[reading] = poller = zmq.asyncio.Poller()
+                for sock in ([self.actor_sock] if reading else []) + gates.sockets:
+                    poller.register(sock, zmq.POLLIN)
+            await pollers[reading].poll(timeout=100)
+            if gates.inflight_batches and (now := time.monotonic()) >= next_check:
+                next_check = now + 0.2
+                gates.check_workers()
 
-    def _prepare_batch(self, batch: list[Pending]) -> tuple[list[WriteItem], list[int | str]]:
-        """Gates and records for a batch. ``slots`` maps each message to its item index, or to an
-        error string when preparing it failed (a bug for one message must not lose the batch)."""
-        items: list[WriteItem] = []
-        slots: list[int | str] = []
-        per_actor: dict[str, int] = {}
-        prepare = self.ingest.prepare
-        for _, _, msg, raw in batch:
-            actor = msg["actor"]
-            per_actor[actor] = per_actor.get(actor, 0) + 1
-            try:
-                items.append(prepare(msg, raw))
-                slots.append(len(items) - 1)
-            except Exception as exc:  # noqa: BLE001
-                slots.append(f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
-        for actor, n in per_actor.items():  # once per batch: last_seen is a clock read and a reorder
-            self.live.seen_actor(actor, n)
-        parser_errors = self.ingest.parser.errors
-        if parser_errors:  # counted and logged; the transition is kept, its text read as unparseable
-            self.ingest.parser.errors = 0
-            self.live.bump("internal_errors_fact_parser", parser_errors)
-            if self.live.should_log("fact_parser"):
-                self.log.error("broker.fact_parser_failed", count=parser_errors, last=self.ingest.parser.last_error)
-        return items, slots
-
-    def _store_and_ack(self, batch: list[Pending]) -> None:
-        """Gates, one durable transaction, then an ack per message (or a refusal for all).
+    def _store_and_ack(self, batch: list[Pending], results: list[tuple]) -> None:
+        """Answer rejects, store the gated items in one durable transaction, then ack each (or
+        refuse them all when the store cannot take them: the actors keep them and resend).
 
         This runs on the event loop thread on purpose: py-lmdb releases the GIL around every
         put, and a storage thread competing with the loop for the GIL made each commit 3-5 times
         slower than the few milliseconds the transaction takes alone (measured)."""
+        items: list[WriteItem] = []
+        stored: list[tuple[bytes, list[bytes], int]] = []
+        per_actor: dict[str, int] = {}
+        for (ident, delim, raw), res in zip(batch, results):
+            kind = res[0]
+            if kind == ITEM:
+                items.append(to_write_item(res, raw))
+                stored.append((ident, delim, res[1]))
+                per_actor[res[2]] = per_actor.get(res[2], 0) + 1
+            elif kind == REJECT:
+                self._reject(ident, delim, res[2], res[3], res[1])
+            else:  # FAILED: a bug while preparing this message; refused, never half stored
+                self.live.bump("internal_errors")
+                self.log.error("broker.prepare_failed", seq=res[1], actor=res[2], error=res[3])
+                self._send_ack(ident, delim, res[1], False, res[3], retry=False)
+        for actor, n in per_actor.items():  # once per batch: last_seen is a clock read and a reorder
+            self.live.seen_actor(actor, n)
+        gates = self.gates
+        if gates.parser_errors:  # counted and logged; the transition is kept, its text read as unparseable
+            self.live.bump("internal_errors_fact_parser", gates.parser_errors)
+            gates.parser_errors = 0
+            if self.live.should_log("fact_parser"):
+                self.log.error("broker.fact_parser_failed", last=gates.parser_last_error)
+        if not items:
+            return
         try:
-            items, slots = self._prepare_batch(batch)
-            if items:
-                self.store.write(items, dict(self.live.counters))
+            self.store.write(items, dict(self.live.counters))
             self.map_info = self.store.info()
             self.writable_error = None
         except StoreRefused as exc:
-            self._refuse(batch, str(exc))
+            self._refuse(stored, str(exc))
             return
         except Exception as exc:  # noqa: BLE001 - report, refuse this batch, keep serving
             self.live.bump("internal_errors")
             self.log.exception("broker.store_failed", error=repr(exc))
-            self._refuse(batch, f"internal storage error: {type(exc).__name__}: {str(exc)[:200]}")
+            self._refuse(stored, f"internal storage error: {type(exc).__name__}: {str(exc)[:200]}")
             return
         send_ack = self._send_ack
-        for (ident, delim, msg, _), slot in zip(batch, slots):
-            if slot.__class__ is int:  # STORED or DUPLICATE: either way it is in the store now
-                send_ack(ident, delim, msg["seq"], True)
-            else:
-                self.live.bump("internal_errors")
-                self.log.error("broker.prepare_failed", id=msg.get("id"), error=slot)
-                send_ack(ident, delim, msg["seq"], False, slot, retry=False)
+        for ident, delim, seq in stored:  # STORED or DUPLICATE: either way it is in the store now
+            send_ack(ident, delim, seq, True)
         self.live.note_stored_total(stored_total(self.store.state["counters"]))
 
-    def _refuse(self, batch: list[Pending], reason: str) -> None:
+    def _refuse(self, stored: list[tuple[bytes, list[bytes], int]], reason: str) -> None:
         self.writable_error = reason
-        self.live.bump("refused", len(batch))
+        self.live.bump("refused", len(stored))
         if self.live.should_log("refused"):
             self.log.error("broker.refusing_writes", reason=reason, refused_total=self.live.counters["refused"])
-        for ident, delim, msg, _ in batch:  # the actor keeps them and resends later
-            self._send_ack(ident, delim, msg["seq"], False, f"broker cannot store: {reason}", retry=True)
+        for ident, delim, seq in stored:  # the actor keeps them and resends later
+            self._send_ack(ident, delim, seq, False, f"broker cannot store: {reason}", retry=True)

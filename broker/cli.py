@@ -21,6 +21,7 @@ def run(args: argparse.Namespace) -> int:
     from comap_async.config import is_loopback, load_config
     from comap_async.logsetup import configure_logging
 
+    from broker.gate_worker import pool_spec
     from broker.ingest import load_fact_parser
     from broker.keys import KeysError, load_server_keys
     from broker.server import Broker
@@ -45,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     async def main() -> int:
-        broker = Broker(cfg, parser, log, keys, replay_dir=args.replay_dir)
+        broker = Broker(cfg, parser, log, keys, replay_dir=args.replay_dir,
+                        gate_spec=pool_spec(cfg, cfg.env.name, args.fact_parser))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, broker.stopping.set)

@@ -62,13 +62,29 @@ class SafeParser:
         self.errors = 0
         self.last_error: str | None = None
 
+        # ``parse.is_readable`` (optional): ``parse(text) is not None`` without building facts
+        check = getattr(parse, "is_readable", None)
+        self.readable = self._safe_readable(check) if check is not None else None
+
     def __call__(self, text: str) -> Facts | None:
         try:
             return self._parse(text)
         except Exception as exc:  # a parser bug must not lose the transition or kill the broker
-            self.errors += 1
-            self.last_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+            self._failed(exc)
             return None
+
+    def _safe_readable(self, check: Callable[[str], bool]) -> Callable[[str], bool]:
+        def readable(text: str) -> bool:
+            try:
+                return bool(check(text))
+            except Exception as exc:  # as in __call__: counted, read as unparseable
+                self._failed(exc)
+                return False
+        return readable
+
+    def _failed(self, exc: Exception) -> None:
+        self.errors += 1
+        self.last_error = f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
 def strip_envelope(msg: dict[str, Any]) -> dict[str, Any]:
@@ -110,7 +126,7 @@ class Ingest:
             return WriteItem(key, [("transitions", raw), ("demos", self._pack(demo))],
                              {"stored_transitions": 1, "stored_demos": 1})
         g = self.gates
-        sample = derive_policy_sample(tr, self.parser, g.tau_p, g.tau_q, g.tau_ws)
+        sample = derive_policy_sample(tr, self.parser, g.tau_p, g.tau_q, g.tau_ws, readable=self.parser.readable)
         sample["phase"] = tr["phase"]
         counters = {
             "stored_transitions": 1, "stored_derived": 1,

@@ -22,6 +22,7 @@ from comap_async.waiting import cancel_and_wait
 
 from broker import sampling
 from broker.actor_path import ActorPath, Pending
+from broker.gate_worker import GatePool
 from broker.ingest import FactParser, Ingest, best_effort_int, checked_registry
 from broker.keys import ServerKeys
 from broker.stats import LiveStats, build_snapshot, reject_category, stored_total
@@ -40,7 +41,9 @@ _MONITOR_EVENTS = {
 
 class Broker(ActorPath):
     def __init__(self, cfg: CoMapConfig, parse_facts: FactParser, log: Any, server_keys: ServerKeys | None = None,
-                 replay_dir: str | Path | None = None) -> None:
+                 replay_dir: str | Path | None = None, gate_spec: dict[str, Any] | None = None) -> None:
+        """``gate_spec`` (:func:`broker.gate_worker.pool_spec`) says how a worker process loads the
+        same fact parser; without it the broker gates in its own process."""
         b = cfg.broker
         self.cfg, self.b, self.log, self.server_keys = cfg, b, log, server_keys
         self.capacities = {"transitions": b.capacity_transitions, "reflections": b.capacity_reflections,
@@ -50,8 +53,10 @@ class Broker(ActorPath):
         self.ingest = Ingest(parse_facts, cfg.gates)
         self.live = LiveStats(self.store.state["counters"])
         self.live.note_stored_total(stored_total(self.store.state["counters"]))
-        self.pending: list[Pending] = []
+        self.pending: list[Pending] = []  # frames received, not yet handed to the gate pool
+        self.in_gates = 0  # frames handed to the gate pool, not yet stored and acked
         self.max_pending = 4 * b.group_commit
+        self.gate_spec = gate_spec
         self.writable_error: str | None = None
         self.map_info: dict[str, Any] = self.store.info()
         self.stopping = asyncio.Event()  # set by SIGTERM/SIGINT; shutdown() then drains and closes
@@ -94,6 +99,9 @@ class Broker(ActorPath):
             # pyzmq looks certificates up by the socket's exact ZAP domain ("*" is used only for an
             # empty one), so register them under the domain the ROUTERs declare.
             self.auth.configure_curve(domain=ZAP_DOMAIN, location=str(self.server_keys.authorized_dir))
+        workers = self.b.gate_workers if self.gate_spec is not None else 0
+        self.gates = GatePool(workers, self.ingest, self.b.max_message_bytes, self.b.learner_port,
+                              self.gate_spec or {}, self.log, self.ctx)
         self.actor_sock = self._router(self.b.actor_port, "actor")
         self.learner_sock = self._router(self.b.learner_port, "learner")
         self._actor_task = asyncio.create_task(self._actor_loop(), name="actor")
@@ -131,6 +139,7 @@ class Broker(ActorPath):
             await asyncio.wait_for(self._actor_task, timeout=30)
         except Exception as exc:  # noqa: BLE001 - shutdown must finish
             self.log.error("broker.shutdown_flush_failed", error=repr(exc))
+        self.gates.close()
         await cancel_and_wait(self._tasks)
         await self.http_runner.cleanup()
         if self.auth is not None:
@@ -258,5 +267,6 @@ class Broker(ActorPath):
     def stats(self) -> dict[str, Any]:
         return build_snapshot(self.store.state, self.capacities, self.live, self.store.registry, {
             "writable": self.writable_error is None, "last_error": self.writable_error, "map": self.map_info,
-            "pending": len(self.pending), "curve": self.server_keys is not None, "endpoints": self.endpoints,
+            "pending": len(self.pending) + self.in_gates, "gate_workers": {"pids": [w.proc.pid for w in self.gates.workers], "restarts": self.gates.restarts},
+            "curve": self.server_keys is not None, "endpoints": self.endpoints,
             "time": time.time(), "learner": getattr(self, "learner_metrics", {})})

@@ -85,15 +85,24 @@ def derive_policy_sample(
     tau_q: float = 0.6,
     tau_ws: float = 0.6,
     canon: Callable[[str], str] = canonical_action,
+    readable: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
     """The policy reflection sample ``(s, a_draft, s̄, target, y)`` for one stored transition.
 
     ``s̄ = s_hat_exec`` when the world-state gate accepts the student's prediction, else the real
     ``s_next``; ``target = a_exec`` and ``y = 1`` when the action gate executed the revision, else
     ``a_draft`` and ``y = 0``. Gate inputs and scores are kept so an analysis can recompute them.
+
+    ``readable(text)`` (``parse_facts(text) is not None``, cheaper) serves the common case of a
+    teacher that predicted the student's very text: the changes agree (score 1) as soon as the
+    previous observation and the prediction are readable, so no facts need building.
     """
-    ws = world_state_gate_on_facts(parse_facts(tr["o"]), parse_facts(tr["s_hat_exec"]),
-                                   parse_facts(tr["s_hat_teacher"]), tau_ws)
+    student, teacher = tr["s_hat_exec"], tr["s_hat_teacher"]
+    if readable is not None and student == teacher:
+        agree = readable(student) and readable(tr["o"])
+        ws = WorldStateGateResult(agree and 1.0 >= tau_ws, 1.0 if agree else 0.0)
+    else:
+        ws = world_state_gate_on_facts(parse_facts(tr["o"]), parse_facts(student), parse_facts(teacher), tau_ws)
     ag = action_gate(tr["p_revise"], tr["q_ref"], tr["a_ref"], tr["a_draft"], tau_p, tau_q, canon)
     return {
         "id": tr["id"],

@@ -144,3 +144,37 @@ def parse_facts(text: str) -> frozenset[str] | None:
     if NO_CHANGE in facts and len(facts) > 1:
         return None  # "Nothing happens." next to a state change contradicts itself
     return frozenset(facts)
+
+
+# The same sentence grammar as one regular expression, for :func:`is_readable`: each sentence is
+# an atomic group and the repetition possessive, so like parse_facts it commits to the first
+# pattern that matches at a position and never tries another split of the text.
+# Patterns are grouped by their first two (literal) characters, as parse_facts dispatches them:
+# the engine then tries a handful of alternatives per sentence instead of all of them.
+# Captures become plain groups: nothing is extracted, and Python 3.11's engine mis-tracks
+# capture spans inside atomic groups (SystemError).
+_GROUPS: dict[str, list[str]] = {}
+for _p, _ in _SENTENCES:
+    _body = re.sub(r"(?<!\\)\((?!\?)", "(?:", _p[2:])
+    _GROUPS.setdefault(_p[:2], []).append(f"(?s:{_body})" if _p.startswith("Available") else f"(?:{_body})")
+_READABLE = re.compile(
+    r"(?:\s*+(?>" + "|".join(f"{re.escape(k)}(?>{'|'.join(v)})" for k, v in _GROUPS.items()) + r"))*+\s*+"
+)
+_NO_CHANGE_MARKS = ("Nothing happens.", "You don't see any switch", "Available commands:")
+
+
+def is_readable(text: str) -> bool:
+    """``parse_facts(text) is not None``, several times faster: no facts are built.
+
+    The world-state gate only needs this when the student's and the teacher's predictions are
+    the same text (their changes then agree whatever the facts are). Text with a failed-action
+    sentence goes through :func:`parse_facts`, which also rejects one next to a state change.
+    """
+    if not text.strip() or _READABLE.fullmatch(text) is None:
+        return False
+    if any(mark in text for mark in _NO_CHANGE_MARKS):
+        return parse_facts(text) is not None
+    return True
+
+
+parse_facts.is_readable = is_readable  # type: ignore[attr-defined]  # found by the broker's gate

@@ -106,3 +106,37 @@ def test_parser_module_imports_no_engine():
     code = "import sys, comap_async.envs.alfworld_facts; print([m for m in ('alfworld','textworld','torch') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
+
+
+# ---- is_readable: the broker's shortcut must agree with parse_facts on every text ----------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from comap_async.envs.alfworld_facts import is_readable  # noqa: E402
+
+_PIECES = [c[0] for c in CASES] + [
+    "Your task is to: put a clean apple in fridge.", "-= Welcome to TextWorld, ALFRED! =-",
+    "You don't see any switch on the fridge 1.", "Available commands:\n  look: look around\n",
+    "PickupObjectFromReceptacleObject: You pick up the mug 1.", "You sliced the apple 1 with the knife 2.",
+    "You are in the middle of a room.", "On the desk 1, you see a mug 1 and", "garbage", "You arrive at",
+    " ", "\n", "\n\n", ".", ", and a cd 1.", "a mug 1", "Nothing happens.",
+]
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), min_size=0, max_size=5), st.sampled_from(["", " ", "\n", "  "]))
+def test_is_readable_agrees_with_parse_facts(pieces, sep):
+    text = sep.join(pieces)
+    assert is_readable(text) == (parse_facts(text) is not None), text
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.text(alphabet="You arrive at desk 1.On the ,seamug2Nothing happens\n", max_size=60))
+def test_is_readable_agrees_on_near_miss_text(text):
+    assert is_readable(text) == (parse_facts(text) is not None), text
+
+
+@pytest.mark.parametrize("text,expected", CASES, ids=[c[0][:40] for c in CASES])
+def test_is_readable_on_every_template(text, expected):
+    assert is_readable(text)

@@ -114,3 +114,42 @@ def test_parser_exception_counts_and_reads_as_unparseable():
     _, recs, _ = prepare(tr, ing)
     assert ing.parser.errors == 1 and "parser bug" in ing.parser.last_error
     assert recs["reflections"]["s_bar"] == tr["s_next"]
+
+
+def test_identical_predictions_shortcut_gives_the_full_gate_result():
+    """When student and teacher predicted the same text the broker only checks readability
+    (``parse_facts.is_readable``); the sample must be the one the full gate gives."""
+    from comap_async.envs.alfworld_facts import parse_facts
+
+    pick = "You pick up the apple 1 from the countertop 1."
+    cases = [  # (o, student == teacher): readable both, unreadable o, unreadable prediction, no change
+        ("You arrive at countertop 1. On the countertop 1, you see a apple 1.", pick),
+        ("You arrive at the kitchen.", pick),
+        ("You arrive at countertop 1.", "You pick up the apple."),
+        ("You arrive at countertop 1.", "Nothing happens."),
+    ]
+    plain = Ingest(lambda text: parse_facts(text), GateConfig())  # no is_readable attribute: full gate
+    fast = Ingest(parse_facts, GateConfig())
+    assert plain.parser.readable is None and fast.parser.readable is not None
+    for o, pred in cases:
+        tr = make_transition(1, o=o, s_hat_exec=pred, s_hat_teacher=pred, s_next=pick)
+        _, slow_recs, _ = prepare(tr, plain)
+        _, fast_recs, _ = prepare(tr, fast)
+        assert fast_recs["reflections"] == slow_recs["reflections"], o
+    assert [prepare(make_transition(1, o=o, s_hat_exec=p, s_hat_teacher=p), fast)[1]["reflections"]["ws_imagined"]
+            for o, p in cases] == [True, False, False, True]
+
+
+def test_readable_check_exception_counts_and_reads_as_unparseable():
+    def parser(text):
+        return toy_parser(text)
+
+    def exploding(text):
+        raise RuntimeError("readable bug")
+
+    parser.is_readable = exploding
+    ing = Ingest(parser, GateConfig())
+    tr = make_transition(1, **BASE, s_hat_exec="F: at(b)", s_hat_teacher="F: at(b)")
+    _, recs, _ = prepare(tr, ing)
+    assert ing.parser.errors >= 1 and "readable bug" in ing.parser.last_error
+    assert recs["reflections"]["ws_imagined"] is False and recs["reflections"]["s_bar"] == tr["s_next"]

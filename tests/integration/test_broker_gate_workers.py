@@ -1,0 +1,103 @@
+"""Gate worker processes: a worker killed mid-stream loses nothing (its batches are gated in the
+broker and a new worker starts), a SIGKILLed broker takes its workers with it, and the in-process
+mode (``broker.gate_workers=0``) stores the same records."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import signal
+import time
+
+import msgpack
+
+from actors.outbox import Outbox
+from broker.store import ReplayStore
+from tests.fixtures.broker import make_transition
+
+N = 3000
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purpose
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def _send(bp, n: int, on_progress=None) -> Outbox:
+    ob = await Outbox(bp.actor_endpoint, ack_timeout_s=1.0, max_pending=256).start()
+    for i in range(n):
+        await ob.put(make_transition(i, text_len=300, s_hat_teacher="Nothing happens." if i % 3 else
+                                     "You pick up the apple 1 from the countertop 1."))
+        if on_progress is not None and i % 100 == 0:
+            await on_progress(i)
+    await ob.flush(60)
+    return ob
+
+
+def _stored_records(bp) -> tuple[list[str], list[dict]]:
+    store = ReplayStore(bp.replay_dir, {"transitions": 1}, readonly=True)
+    try:
+        ids = [msgpack.unpackb(v)["id"] for v in store.iter_store("transitions")]
+        refl = [msgpack.unpackb(v) for v in store.iter_store("reflections")]
+    finally:
+        store.close()
+    return ids, refl
+
+
+async def test_killed_gate_worker_loses_nothing(broker_factory):
+    bp = broker_factory(["broker.gate_workers=1", "broker.group_commit=64",
+                         f"broker.capacity_transitions={2 * N}", f"broker.capacity_reflections={2 * N}"])
+    first = bp.stats()["gate_workers"]["pids"]
+    assert len(first) == 1 and _alive(first[0])
+    killed = []
+
+    async def kill_once(i: int) -> None:
+        if i >= N // 3 and not killed:
+            os.kill(first[0], signal.SIGKILL)
+            killed.append(i)
+
+    ob = await _send(bp, N, kill_once)
+    stats = bp.stats()
+    await ob.close()
+    assert killed and ob.stats["acked"] == N and ob.stats["rejected"] == 0
+    assert stats["gate_workers"]["restarts"] == 1
+    (second,) = stats["gate_workers"]["pids"]
+    assert second != first[0] and _alive(second)
+    assert "broker.gate_worker_died" in bp.log_text()
+    assert bp.terminate() == 0
+    assert not _alive(second), "the broker left its gate worker behind on SIGTERM"
+    ids, refl = _stored_records(bp)
+    assert collections.Counter(ids) == collections.Counter(f"a0:ep0:{i}" for i in range(N))
+    assert sorted(r["id"] for r in refl) == sorted(ids)
+
+
+async def test_sigkilled_broker_takes_its_gate_workers_with_it(broker_factory):
+    bp = broker_factory(["broker.gate_workers=2"])
+    pids = bp.stats()["gate_workers"]["pids"]
+    assert len(pids) == 2 and all(map(_alive, pids))
+    bp.kill()
+    deadline = time.monotonic() + 5
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not any(map(_alive, pids)), "gate workers outlived a SIGKILLed broker"
+
+
+async def test_in_process_gating_stores_the_same_samples(broker_factory):
+    results = []
+    for workers in (0, 2):
+        bp = broker_factory([f"broker.gate_workers={workers}", "broker.group_commit=32",
+                             "broker.capacity_transitions=1000", "broker.capacity_reflections=1000"])
+        assert len(bp.stats()["gate_workers"]["pids"]) == workers
+        ob = await _send(bp, 300)
+        await ob.close()
+        assert bp.terminate() == 0
+        ids, refl = _stored_records(bp)
+        assert sorted(ids) == sorted(f"a0:ep0:{i}" for i in range(300))
+        results.append(sorted(({k: v for k, v in r.items() if k != "ts"} for r in refl), key=lambda r: r["id"]))
+    assert results[0] == results[1]
+    assert {r["ws_imagined"] for r in results[0]} == {True, False}
