@@ -9,6 +9,7 @@ outage simply fills the outbox, which pauses the loops (backpressure) until acks
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import socket
@@ -174,8 +175,9 @@ class ActorWorker:
         try:
             llm.base_model = await self._base_model(client)
             await pool.start()
-            ctx = EpisodeContext(self.actor_id, cfg, llm, outbox.put, get_fact_parser(cfg.env.name),
-                                 lambda: outbox.registry or {})
+            # a step's observation is the next step's previous one: parse each text once (facts are frozen)
+            parse_facts = functools.lru_cache(maxsize=256)(get_fact_parser(cfg.env.name))
+            ctx = EpisodeContext(self.actor_id, cfg, llm, outbox.put, parse_facts, lambda: outbox.registry or {})
             rng = random.Random(f"{cfg.run.seed}-{self.actor_id}")
             loops = [asyncio.create_task(self._episode_loop(ctx, pool, games, rng, i)) for i in range(self.n_envs)]
             stopper = asyncio.create_task(self.stop.wait())

@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import multiprocessing as mp
 import os
+import select
 import signal
 import traceback
 from collections.abc import Sequence
@@ -97,19 +98,27 @@ class _Worker:
         if ready[0] != "ready":
             raise EnvWorkerError(f"worker sent {ready!r} instead of ready")
         self.loop = loop
+        # Connection.poll() builds a selector per call (tens of us, several times per step);
+        # one poll object answers "is another reply waiting?" in about a microsecond
+        self._more = select.poll()
+        self._more.register(self.conn.fileno(), select.POLLIN)
         loop.add_reader(self.conn.fileno(), self._on_readable)
 
     def _on_readable(self) -> None:
         try:
-            while self.conn.poll():
+            while True:
                 req_id, ok, payload = self.conn.recv()
                 fut = self.pending.pop(req_id, None)
-                if fut is None or fut.done():
-                    continue  # the caller was cancelled; the reply has no one to go to
+                if fut is None or fut.done():  # the caller was cancelled; the reply has no one to go to
+                    if not self._more.poll(0):
+                        return
+                    continue
                 if ok:
                     fut.set_result(payload)
                 else:
                     fut.set_exception(EnvWorkerError(payload))
+                if not self._more.poll(0):
+                    return
         except (EOFError, OSError) as exc:
             self._fail_all(f"environment worker pid {self.process.pid} died ({type(exc).__name__}, exit code {self.process.exitcode})")
 
