@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, worker.stop.set)
         await worker.run()
 
-    try:  # uvloop: ~15% less actor CPU per step (benchmarks/actor_overhead.py)
+    try:  # uvloop: 1.6 against 2.65 ms of actor CPU per step on asyncio (benchmarks/actor_overhead.py)
         import uvloop
     except ImportError:
         asyncio.run(main())
