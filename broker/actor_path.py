@@ -157,7 +157,7 @@ class ActorPath:
                 next_check = now + 0.2
                 gates.check_workers()
 
-    def _store_and_ack(self, batch: list[Pending], results: list[tuple]) -> None:
+    def _store_and_ack(self, batch: list[Pending], results: list[tuple], meta: dict[str, Any]) -> None:
         """Answer rejects, store the gated items in one durable transaction, then ack each (or
         refuse them all when the store cannot take them: the actors keep them and resend).
 
@@ -181,12 +181,10 @@ class ActorPath:
                 self._send_ack(ident, delim, res[1], False, res[3], retry=False)
         for actor, n in per_actor.items():  # once per batch: last_seen is a clock read and a reorder
             self.live.seen_actor(actor, n)
-        gates = self.gates
-        if gates.parser_errors:  # counted and logged; the transition is kept, its text read as unparseable
-            self.live.bump("internal_errors_fact_parser", gates.parser_errors)
-            gates.parser_errors = 0
+        if meta["parser_errors"]:  # counted and logged; the transition is kept, its text read as unparseable
+            self.live.bump("internal_errors_fact_parser", meta["parser_errors"])
             if self.live.should_log("fact_parser"):
-                self.log.error("broker.fact_parser_failed", last=gates.parser_last_error)
+                self.log.error("broker.fact_parser_failed", count=meta["parser_errors"], last=meta["last_error"])
         if not items:
             return
         try:

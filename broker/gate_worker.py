@@ -77,6 +77,15 @@ def _prepare_one(raw: bytes, ingest: Ingest, max_bytes: int, learner_port: int) 
             [(store, None if value is raw else value) for store, value in item.records], item.counters)
 
 
+def gate_batch(raws: list[bytes], ingest: Ingest, max_bytes: int,
+               learner_port: int) -> tuple[list[tuple], dict[str, Any]]:
+    """:func:`prepare_frames` plus the batch's fact-parser errors (taken off ``ingest``'s counter)."""
+    results = prepare_frames(raws, ingest, max_bytes, learner_port)
+    meta = {"parser_errors": ingest.parser.errors, "last_error": ingest.parser.last_error}
+    ingest.parser.errors = 0
+    return results, meta
+
+
 def to_write_item(result: tuple, raw: bytes) -> WriteItem:
     _, _, _, key, records, counters = result
     return WriteItem(key, [(store, raw if value is None else value) for store, value in records], counters)
@@ -115,9 +124,7 @@ def worker_main(endpoint: str, env_name: str, parser_override: str | None, gates
             if frame == STOP:
                 return
             batch_id, payload = frame[:8], memoryview(frame)[8:]  # an 8-byte batch id, then the frames
-            results = prepare_frames(msgpack.unpackb(payload, raw=False), ingest, max_bytes, learner_port)
-            meta = {"parser_errors": ingest.parser.errors, "last_error": ingest.parser.last_error}
-            ingest.parser.errors = 0
+            results, meta = gate_batch(msgpack.unpackb(payload, raw=False), ingest, max_bytes, learner_port)
             sock.send_multipart([batch_id, pack(results), pack(meta)], copy=True)
     finally:
         sock.close(0)
@@ -183,8 +190,6 @@ class GatePool:
         self.order: deque[int] = deque()
         self.next_id = 0
         self.restarts = 0
-        self.parser_errors = 0
-        self.parser_last_error: str | None = None
         self.workers = [_Worker(self.ctx, spec, i) for i in range(workers)]
         self._rr = 0
         self._pack = msgpack.Packer(use_bin_type=True).pack
@@ -217,11 +222,7 @@ class GatePool:
         worker.flush()
 
     def _compute_here(self, bid: int) -> None:
-        ingest = self.ingest
-        results = prepare_frames([p[2] for p in self.batches[bid]], ingest, self.max_bytes, self.learner_port)
-        meta = {"parser_errors": ingest.parser.errors, "last_error": ingest.parser.last_error}
-        ingest.parser.errors = 0
-        self.done[bid] = (results, meta)
+        self.done[bid] = gate_batch([p[2] for p in self.batches[bid]], self.ingest, self.max_bytes, self.learner_port)
 
     def collect(self) -> None:
         """Take every result the workers have sent (never blocks)."""
@@ -261,17 +262,15 @@ class GatePool:
             w if w not in dead else _Worker(self.ctx, self.spec, i) for i, w in enumerate(self.workers)]
         self.generation += 1
 
-    def ready(self) -> tuple[list[tuple], list[tuple]] | None:
-        """The oldest submitted batch's frames and results, if they are in (results stay in order)."""
+    def ready(self) -> tuple[list[tuple], list[tuple], dict[str, Any]] | None:
+        """The oldest submitted batch's frames, results and parser-error meta (:func:`gate_batch`),
+        if they are in (results stay in submission order)."""
         self.collect()
         if not self.order or self.order[0] not in self.done:
             return None
         bid = self.order.popleft()
         results, meta = self.done.pop(bid)
-        if meta["parser_errors"]:
-            self.parser_errors += meta["parser_errors"]
-            self.parser_last_error = meta["last_error"]
-        return self.batches.pop(bid), results
+        return self.batches.pop(bid), results, meta
 
     def close(self, timeout_s: float = 2.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -267,6 +267,7 @@ class Broker(ActorPath):
     def stats(self) -> dict[str, Any]:
         return build_snapshot(self.store.state, self.capacities, self.live, self.store.registry, {
             "writable": self.writable_error is None, "last_error": self.writable_error, "map": self.map_info,
-            "pending": len(self.pending) + self.in_gates, "gate_workers": {"pids": [w.proc.pid for w in self.gates.workers], "restarts": self.gates.restarts},
+            "pending": len(self.pending) + self.in_gates,
+            "gate_workers": {"pids": [w.proc.pid for w in self.gates.workers], "restarts": self.gates.restarts},
             "curve": self.server_keys is not None, "endpoints": self.endpoints,
             "time": time.time(), "learner": getattr(self, "learner_metrics", {})})

@@ -109,14 +109,11 @@ class _Worker:
             while True:
                 req_id, ok, payload = self.conn.recv()
                 fut = self.pending.pop(req_id, None)
-                if fut is None or fut.done():  # the caller was cancelled; the reply has no one to go to
-                    if not self._more.poll(0):
-                        return
-                    continue
-                if ok:
-                    fut.set_result(payload)
-                else:
-                    fut.set_exception(EnvWorkerError(payload))
+                if fut is not None and not fut.done():  # else the caller was cancelled: no one to tell
+                    if ok:
+                        fut.set_result(payload)
+                    else:
+                        fut.set_exception(EnvWorkerError(payload))
                 if not self._more.poll(0):
                     return
         except (EOFError, OSError) as exc:
