@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,16 +33,12 @@ import zmq
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tests.fixtures.ports import free_port  # noqa: E402 - the repo must be on sys.path first
+
 OBS = ("You arrive at countertop {k}. On the countertop {k}, you see a apple {a}, a bread {b}, a butterknife {c}, "
        "a cellphone {d}, a egg {e}, a knife {f}, a lettuce {g}, a mug {h}, a peppershaker {i}, a plate {j}, "
        "a potato {k}, a soapbottle {a}, a spatula {b}, a spoon {c}, and a tomato {d}.")
 PICK = "You pick up the apple {a} from the countertop {k}."
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_messages(n: int, text_bytes: int) -> list[bytes]:
@@ -171,7 +166,7 @@ def main() -> int:
     env = {**os.environ, "PYTHONPATH": str(REPO), "COMAP_LOG_LEVEL": "WARNING"}
     with tempfile.TemporaryDirectory(prefix="comap-bench-") as tmp:
         # raw loop first: nothing it does warms anything the broker run uses
-        port = _free_port()
+        port = free_port()
         raw = subprocess.Popen([sys.executable, __file__, "--raw-server", str(port), f"{tmp}/raw",
                                 "--group-commit", str(args.group_commit)], stdout=subprocess.PIPE, env=env)
         assert raw.stdout is not None and raw.stdout.readline().strip() == b"ready"
@@ -182,7 +177,7 @@ def main() -> int:
         raw.wait()
         print(f"raw zmq->lmdb loop: {raw_rate:,.0f} msg/s, {raw_cpu:.1f} us CPU per message")
 
-        ports = [_free_port() for _ in range(3)]
+        ports = [free_port() for _ in range(3)]
         cap = max(args.n, 1000)
         sets = [f"run.root={tmp}", "run.name=bench", f"broker.actor_port={ports[0]}",
                 f"broker.learner_port={ports[1]}", f"broker.http_port={ports[2]}", f"broker.group_commit={args.group_commit}",
