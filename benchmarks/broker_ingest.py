@@ -69,18 +69,26 @@ def make_messages(n: int, text_bytes: int) -> list[bytes]:
     return out
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of ``pid`` and its live children (the gate workers), from /proc (Linux)."""
-    total = 0.0
+def cpu_by_process(pid: int) -> dict[int, float]:
+    """User + system CPU seconds of ``pid`` and of each live descendant (the gate workers), from
+    /proc (Linux)."""
+    out: dict[int, float] = {}
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        out[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             children = [int(c) for c in f.read().split()]
     except (FileNotFoundError, ProcessLookupError):
-        return total
-    return total + sum(cpu_seconds(c) for c in children)
+        return out
+    for child in children:
+        out.update(cpu_by_process(child))
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of ``pid`` and its live descendants."""
+    return sum(cpu_by_process(pid).values())
 
 
 def drive(endpoint: str, msgs: list[bytes], window: int, timeout_s: float = 300) -> float:
@@ -171,11 +179,14 @@ def main() -> int:
                                 "--group-commit", str(args.group_commit)], stdout=subprocess.PIPE, env=env)
         assert raw.stdout is not None and raw.stdout.readline().strip() == b"ready"
         cpu0 = cpu_seconds(raw.pid)
+        client0 = time.process_time()
         raw_rate = drive(f"tcp://127.0.0.1:{port}", msgs, args.window)
+        raw_client_cpu = (time.process_time() - client0) / args.n * 1e6
         raw_cpu = (cpu_seconds(raw.pid) - cpu0) / args.n * 1e6
         raw.kill()
         raw.wait()
-        print(f"raw zmq->lmdb loop: {raw_rate:,.0f} msg/s, {raw_cpu:.1f} us CPU per message")
+        print(f"raw zmq->lmdb loop: {raw_rate:,.0f} msg/s, {raw_cpu:.1f} us CPU per message "
+              f"(client: {raw_client_cpu:.1f} us)")
 
         ports = [free_port() for _ in range(3)]
         cap = max(args.n, 1000)
@@ -192,9 +203,13 @@ def main() -> int:
                     break
                 except OSError:
                     time.sleep(0.05)
-            cpu0 = cpu_seconds(broker.pid)
+            cpu0 = cpu_by_process(broker.pid)
+            client0 = time.process_time()
             rate = drive(f"tcp://127.0.0.1:{ports[0]}", msgs, args.window)
-            broker_cpu = (cpu_seconds(broker.pid) - cpu0) / args.n * 1e6
+            client_cpu = (time.process_time() - client0) / args.n * 1e6
+            cpu1 = cpu_by_process(broker.pid)
+            main_cpu = (cpu1.get(broker.pid, 0) - cpu0.get(broker.pid, 0)) / args.n * 1e6
+            broker_cpu = (sum(cpu1.values()) - sum(cpu0.get(p, 0) for p in cpu1)) / args.n * 1e6
             stats = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{ports[2]}/stats", timeout=5).read())
         finally:
             broker.terminate()
@@ -206,7 +221,12 @@ def main() -> int:
         print(f"broker (validation + gates + durable group commit): {rate:,.0f} transitions/s; "
               f"stored {stored} transitions + {stats['stores']['reflections']['count']} reflection samples; "
               f"world-state adoption {g['world_state_adoption']:.2f}, action adoption {g['action_adoption']:.2f}; "
-              f"{broker_cpu:.1f} us CPU per message (broker + {args.gate_workers} gate workers)")
+              f"{broker_cpu:.1f} us CPU per message ({main_cpu:.1f} in the broker process, the rest in "
+              f"{args.gate_workers} gate workers; client: {client_cpu:.1f} us); "
+              f"{stats['gate_workers']['batches_gated_in_broker']} batches gated in the broker process")
+    # what a ratio of 0.5 costs at this run's CPU per message (broker and client share the host)
+    need = 0.5 * raw_rate * (broker_cpu + client_cpu) / 1e6
+    print(f"CPU for a ratio of 0.5 at these costs: {need:.2f} cores (this host: {os.cpu_count()})")
     print(f"broker_ingest_per_s={rate:.0f} ratio_vs_raw={rate / raw_rate:.2f}")
     return 0
 

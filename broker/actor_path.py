@@ -5,7 +5,9 @@ One task does it all: drain the actor ROUTER and queue the frames; hand batches 
 and both gates, in worker processes by default); take the oldest gated batch, answer its rejects,
 store its items in one durable LMDB transaction, and only then ack each with the current
 registry. While a commit syncs, the gate workers gate the next batches and ZeroMQ's I/O thread
-keeps receiving. When the queue is long the task stops reading; ZeroMQ's high-water marks then
+keeps receiving. When the workers' queues are full and no gated batch is ready, the task gates
+the next batch itself instead of sleeping, so on a busy host both processes stay at work (the
+results still come out in submission order). When the queue is long the task stops reading; ZeroMQ's high-water marks then
 push back on actors.
 
 All LMDB work runs on the event loop thread: map resizing needs no concurrent transaction, and a
@@ -139,6 +141,15 @@ class ActorPath:
                 self.in_gates -= len(done[0])
                 self._store_and_ack(*done)
                 await asyncio.sleep(0)  # let HTTP and learner requests run between transactions
+                continue
+            if len(self.pending) >= group and gates.workers:
+                # the workers' queues are full and nothing is ready to commit: rather than sleep,
+                # this process gates a batch too (it stays in order behind the workers' batches)
+                batch = self.pending[:group]
+                del self.pending[:group]
+                self.in_gates += len(batch)
+                gates.submit(batch, here=True)
+                await asyncio.sleep(0)
                 continue
             if self.ingest_closed and not self.pending and not gates.inflight_batches:
                 return  # everything read has been committed and acked

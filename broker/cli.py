@@ -19,6 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from comap_async.config import is_loopback, load_config
+    from comap_async.gctune import tune_gc_for_throughput
     from comap_async.logsetup import configure_logging
 
     from broker.gate_worker import pool_spec
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         except Exception as exc:  # port in use, LMDB unreadable...: a clear line, not a traceback wall
             log.error("broker.start_failed", error=f"{type(exc).__name__}: {exc}")
             return 2
+        tune_gc_for_throughput()
         await broker.stopping.wait()
         await broker.shutdown()
         return 0

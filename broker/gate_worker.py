@@ -4,7 +4,9 @@ Why: per stored transition the broker spends more CPU in ``msgpack`` decoding, v
 world-state gate's fact parsing than in ZeroMQ and LMDB together (measured: ~45 us against ~25 us
 for a 2 KB transition). One Python process can use one core, so that work runs in worker
 processes while the event loop's process keeps the sockets, the LMDB transactions and the acks.
-Batches are pipelined: while a worker gates batch k+1 the broker commits batch k.
+Batches are pipelined: while a worker gates batch k+1 the broker commits batch k, and a broker
+with nothing to commit while its workers' queues are full gates a batch itself (``/stats``
+``gate_workers.batches_gated_in_broker``).
 
 A worker only turns frames into records: it holds no state that matters. The broker keeps every
 frame it handed out until the stored batch is acked, so when a worker dies its batches are gated
@@ -30,6 +32,7 @@ import msgpack
 import zmq
 
 from comap_async.config import GateConfig
+from comap_async.gctune import tune_gc_for_throughput
 from comap_async.protocol import ProtocolError, decode, error_reason
 
 from broker.ingest import ACTOR_TYPES, Ingest, best_effort_int, load_fact_parser
@@ -114,6 +117,7 @@ def worker_main(endpoint: str, env_name: str, parser_override: str | None, gates
     sock = ctx.socket(zmq.PAIR)
     sock.linger = 0
     sock.connect(endpoint)
+    tune_gc_for_throughput()
     try:
         while True:
             if not sock.poll(_POLL_MS):
@@ -190,6 +194,7 @@ class GatePool:
         self.order: deque[int] = deque()
         self.next_id = 0
         self.restarts = 0
+        self.gated_here = 0  # batches gated in the broker process (no workers, idle broker, dead worker)
         self.workers = [_Worker(self.ctx, spec, i) for i in range(workers)]
         self._rr = 0
         self._pack = msgpack.Packer(use_bin_type=True).pack
@@ -206,14 +211,16 @@ class GatePool:
         # two batches per worker: one being gated, one queued, while the broker commits a third
         return not self.workers or len(self.order) < 2 * len(self.workers) + 1
 
-    def submit(self, batch: list[tuple]) -> None:
-        """Hand out ``batch`` (``(ident, delim, frame)`` tuples; only the frames travel)."""
+    def submit(self, batch: list[tuple], here: bool = False) -> None:
+        """Hand out ``batch`` (``(ident, delim, frame)`` tuples; only the frames travel), or gate
+        it in this process now when ``here`` is set or there are no workers."""
         bid = self.next_id
         self.next_id += 1
         self.batches[bid] = batch
         self.order.append(bid)
-        if not self.workers:
+        if here or not self.workers:
             self._compute_here(bid)
+            self.gated_here += 1
             return
         worker = self.workers[self._rr % len(self.workers)]
         self._rr += 1
@@ -252,6 +259,7 @@ class GatePool:
             lost = [b for b in worker.inflight if b not in self.done]
             for bid in lost:
                 self._compute_here(bid)
+            self.gated_here += len(lost)
             self.log.error("broker.gate_worker_died" if worker in dead else "broker.gate_worker_retired",
                            exitcode=worker.proc.exitcode, batches_regated=len(lost), restarts=self.restarts,
                            gating_in_broker_from_now=give_up)

@@ -268,6 +268,7 @@ class Broker(ActorPath):
         return build_snapshot(self.store.state, self.capacities, self.live, self.store.registry, {
             "writable": self.writable_error is None, "last_error": self.writable_error, "map": self.map_info,
             "pending": len(self.pending) + self.in_gates,
-            "gate_workers": {"pids": [w.proc.pid for w in self.gates.workers], "restarts": self.gates.restarts},
+            "gate_workers": {"pids": [w.proc.pid for w in self.gates.workers], "restarts": self.gates.restarts,
+                             "batches_gated_in_broker": self.gates.gated_here},
             "curve": self.server_keys is not None, "endpoints": self.endpoints,
             "time": time.time(), "learner": getattr(self, "learner_metrics", {})})

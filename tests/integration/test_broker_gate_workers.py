@@ -101,3 +101,30 @@ async def test_in_process_gating_stores_the_same_samples(broker_factory):
         results.append(sorted(({k: v for k, v in r.items() if k != "ts"} for r in refl), key=lambda r: r["id"]))
     assert results[0] == results[1]
     assert {r["ws_imagined"] for r in results[0]} == {True, False}
+
+
+async def test_broker_gates_batches_itself_while_its_worker_is_busy(broker_factory):
+    """With the worker's queue full and nothing to commit, the broker process gates batches too;
+    every message is still stored exactly once, with the samples the worker would have made."""
+    n = 640
+    bp = broker_factory(["broker.gate_workers=1", "broker.group_commit=32", "broker.capacity_transitions=1000",
+                         "broker.capacity_reflections=1000"], args=["--fact-parser", "tests.fixtures.slow_parser:parse_facts"])
+    ob = await Outbox(bp.actor_endpoint, ack_timeout_s=5.0, max_pending=512).start()
+    for i in range(n):  # new texts per message: the parser's cache cannot hide its cost
+        pick = f"You pick up the apple {i + 1} from the countertop {i + 1}."
+        await ob.put(make_transition(i, o=f"You arrive at countertop {i + 1}.", s_hat_exec=pick,
+                                     s_hat_teacher=pick if i % 2 else "Nothing happens.", s_next=pick))
+    await ob.flush(120)
+    stats = bp.stats()
+    await ob.close()
+    assert ob.stats["acked"] == n and ob.stats["rejected"] == 0
+    here = stats["gate_workers"]["batches_gated_in_broker"]
+    assert stats["gate_workers"]["restarts"] == 0
+    assert 0 < here < n // 32, f"{here} of {n // 32} batches gated in the broker process"
+    assert bp.terminate() == 0
+    ids, refl = _stored_records(bp)
+    assert collections.Counter(ids) == collections.Counter(f"a0:ep0:{i}" for i in range(n))
+    by_id = {r["id"]: r for r in refl}
+    assert len(by_id) == n
+    for i in range(n):  # the gate decided each sample as the worker would: agreement iff same text
+        assert by_id[f"a0:ep0:{i}"]["ws_imagined"] is bool(i % 2)
