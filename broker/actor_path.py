@@ -178,10 +178,11 @@ class ActorPath:
         items: list[WriteItem] = []
         stored: list[tuple[bytes, list[bytes], int]] = []
         per_actor: dict[str, int] = {}
+        shapes = meta["shapes"]
         for (ident, delim, raw), res in zip(batch, results):
             kind = res[0]
             if kind == ITEM:
-                items.append(to_write_item(res, raw))
+                items.append(to_write_item(res, raw, shapes))
                 stored.append((ident, delim, res[1]))
                 per_actor[res[2]] = per_actor.get(res[2], 0) + 1
             elif kind == REJECT:

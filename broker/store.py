@@ -188,6 +188,9 @@ class ReplayStore:
         # Ring heads only grow, so every key is appended (append=True skips LMDB's search), and
         # the records of the whole batch go in with one putmulti per store instead of a put each.
         appends: dict[str, list[tuple[bytes, bytes]]] = {}
+        # items often share one counters map (the broker's gate results do): add each map once,
+        # times the number of its stored items
+        tallies: dict[int, list] = {}
         with self.env.begin(write=True) as txn:
             put = txn.put
             for item in items:
@@ -203,9 +206,15 @@ class ReplayStore:
                     ring = rings[store]
                     appends.setdefault(store, []).append((key(ring[1]), value))
                     ring[1] += 1
-                for k, v in item.counters.items():
-                    counters[k] = counters.get(k, 0) + v
+                tally = tallies.get(id(item.counters))
+                if tally is None:
+                    tallies[id(item.counters)] = [item.counters, 1]
+                else:
+                    tally[1] += 1
                 results.append(STORED)
+            for item_counters, n in tallies.values():
+                for k, v in item_counters.items():
+                    counters[k] = counters.get(k, 0) + v * n
             for store, pairs in appends.items():
                 with txn.cursor(db=dbs[store]) as cur:
                     cur.putmulti(pairs, append=True)

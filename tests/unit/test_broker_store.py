@@ -41,6 +41,19 @@ def test_dedup_within_a_batch_and_across_batches(tmp_path):
     assert st.state["counters"]["duplicates"] == 2 and st.state["counters"]["stored_transitions"] == 3
 
 
+def test_shared_counter_maps_count_once_per_stored_item(tmp_path):
+    # the broker's gate results share one counters map per shape: a duplicate adds nothing, a
+    # map used by three stored items adds three times, and the maps themselves stay unchanged
+    st = ReplayStore(tmp_path, CAPS)
+    kept = {"stored_transitions": 1, "gate_ws_imagined": 1}
+    other = {"stored_transitions": 1, "gate_ag_open": 1}
+    batch = [WriteItem(f"t:{i}".encode(), [("transitions", b"x")], kept if i != 3 else other) for i in range(4)]
+    assert st.write(batch + [WriteItem(b"t:0", [("transitions", b"x")], kept)]) == [STORED] * 4 + [DUPLICATE]
+    c = st.state["counters"]
+    assert (c["stored_transitions"], c["gate_ws_imagined"], c["gate_ag_open"], c["duplicates"]) == (4, 3, 1, 1)
+    assert kept == {"stored_transitions": 1, "gate_ws_imagined": 1}
+
+
 def test_dedup_index_is_a_bounded_ring(tmp_path):
     st = ReplayStore(tmp_path, CAPS, dedup_capacity=3)
     st.write([item(i) for i in range(5)])
