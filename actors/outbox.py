@@ -6,6 +6,8 @@ resent after ``ack_timeout_s`` and right after a (re)connection; the broker dedu
 id, so resending is always safe. The outbox is bounded: :meth:`Outbox.put` waits while it is full,
 which pauses the episode loops instead of dropping data. With ``spill_dir`` each unacked message
 is also a file there, so an actor restarted after a crash resends what was never acknowledged.
+Messages go out in the order they were put: while older ones wait for a connection, new ones
+queue behind them; after a lost connection everything unacked is resent, in order.
 
 The broker's registry (adapter names/versions, phase) rides on every ack; :attr:`Outbox.registry`
 holds the latest and ``on_registry`` is called when it changes.
@@ -72,6 +74,9 @@ class Outbox:
         self._spill_prefix = f"{time.time_ns():020d}"
         self._changed = asyncio.Event()  # something was acked (room, flush)
         self._due = asyncio.Event()  # something should be sent now
+        # Set while older messages wait to be (re)sent: a new put then queues behind them instead
+        # of going straight out, so one actor's messages reach the broker in the order they were put.
+        self._backlog = False
         self._tasks: list[asyncio.Task] = []
         self.sock: zmq.asyncio.Socket | None = None
         self._mon: zmq.asyncio.Socket | None = None
@@ -100,7 +105,7 @@ class Outbox:
         sock.maxmsgsize = max(self.max_message_bytes, 1 << 20) * 2
         if self.client_keys is not None:
             self.client_keys.apply(sock)
-        mon = self._mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECTED)
+        mon = self._mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
         self.sock = sock
         if self.spill_dir is not None:
@@ -156,7 +161,10 @@ class Outbox:
         if self.spill_dir is not None:
             entry.spill_path = self._spill(seq, data)
         self._pending[seq] = entry
-        self._send(seq, entry)
+        if self._backlog:
+            self._due.set()  # the send loop sends it after the older ones
+        else:
+            self._send(seq, entry)
         return seq
 
     async def flush(self, timeout: float | None = None) -> None:
@@ -181,6 +189,7 @@ class Outbox:
             self.sock.send(entry.data, zmq.NOBLOCK).result()
         except zmq.Again:  # not connected or queue full: the send loop retries
             entry.sent_at = None
+            self._backlog = True
             return False
         self.stats["resent" if entry.attempts else "sent"] += 1
         entry.attempts += 1
@@ -196,18 +205,23 @@ class Outbox:
                 pass
             self._due.clear()
             now = time.monotonic()
-            for seq, entry in list(self._pending.items()):
+            for seq, entry in list(self._pending.items()):  # in seq order
                 if entry.sent_at is None or now - entry.sent_at >= self.ack_timeout_s:
                     if seq in self._pending and not self._send(seq, entry):
                         break  # not connected: try again next tick
+            else:
+                self._backlog = False  # everything due went out: new puts may go straight out
 
     async def _monitor_loop(self, mon: zmq.asyncio.Socket) -> None:
         while True:
             event = parse_monitor_message(await mon.recv_multipart())
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._pending:
-                # a new connection: whatever was in flight on the old one may be lost
+            if event["event"] == zmq.EVENT_DISCONNECTED and self._pending:
+                # whatever was in flight on the lost connection may be lost with it: resend it
+                # all, in order, once a connection is back (sends fail until then: immediate)
                 for entry in self._pending.values():
                     entry.sent_at = None
+                self._backlog = True
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._backlog:
                 self._due.set()
 
     async def _recv_loop(self) -> None:
@@ -284,4 +298,5 @@ class Outbox:
             loaded += 1
         if loaded:
             self._log("info", "outbox.spill_loaded", messages=loaded)
+            self._backlog = True
             self._due.set()

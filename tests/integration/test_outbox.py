@@ -125,3 +125,33 @@ async def test_outbox_close_is_bounded_and_says_what_it_could_not_deliver(tmp_pa
     await out.close(flush_timeout=0.0)
     assert ("outbox.close_unflushed", {"pending": 1, "spilled_to": str(spill), "lost": 0}) in events
     assert len(list(spill.glob("*.msg"))) == 1
+
+
+async def test_outbox_delivers_in_put_order_while_connecting(broker_factory):
+    """Messages put before the connection is up wait in order; later puts must not overtake them
+    once it is, so the broker stores one actor's stream in the order it was put (both for an
+    outbox started next to a running broker and for a broker that starts late)."""
+    from broker.store import ReplayStore
+
+    for late in (False, True):
+        bp = broker_factory(["broker.gate_workers=0", "broker.group_commit=16"], start=not late)
+        out = await Outbox(bp.actor_endpoint, max_pending=1000, ack_timeout_s=60).start()
+        starting = asyncio.create_task(asyncio.to_thread(bp.start)) if late else None
+        n = 0
+        while n < 600 or (starting is not None and not starting.done()):
+            await out.put(make_transition(n, actor="ord"))  # as fast as the loop allows
+            n += 1
+            if n % 50 == 0:
+                await asyncio.sleep(0.001)
+        if starting is not None:
+            await starting
+        await out.flush(30)
+        await out.close()
+        assert out.stats["acked"] == n and out.stats["resent"] == 0
+        assert bp.terminate() == 0
+        store = ReplayStore(bp.replay_dir, {"transitions": 1}, readonly=True)
+        try:
+            stored = [msgpack.unpackb(v)["t"] for v in store.iter_store("transitions")]
+        finally:
+            store.close()
+        assert stored == list(range(n)), f"late={late}: first out of order at {next(i for i, t in enumerate(stored) if t != i)}"
