@@ -10,6 +10,7 @@ per step): ``learner.max_seq_len`` should cover the longest prompts (see configs
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,20 @@ class Seq:
     ids: list[int]
     start: int  # index of the first target token
     n_target: int
+    change: list[bool] | None = None  # per target token: is it a change token (world-model CE only)
+
+
+def change_token_flags(target_ids: Sequence[int], before_ids: Collection[int]) -> list[bool]:
+    """Which target tokens are *change tokens*: tokens of the real next observation that do not
+    occur in the observation before the action (``before_ids``).
+
+    The world model's CE on ``s'`` is dominated by tokens it can copy from the state it was
+    shown (``On the countertop 1, you see ...`` repeats what was there); the NLL on the other
+    tokens (``wm/change_nll``, DESIGN.md section 9) follows what it predicts about the action's
+    effect. A proxy on token ids, not on facts: cheap enough to log at every step.
+    """
+    before = set(before_ids)
+    return [t not in before for t in target_ids]
 
 
 @dataclass
@@ -59,7 +74,11 @@ class Encoder:
 
     # ------------------------------------------------------------ per role
     def world_model_ce(self, r: dict[str, Any]) -> Seq:
-        return self.seq(self.prompts.world_model(r["s"], r["a_exec"]), r["s_next"])
+        s = self.seq(self.prompts.world_model(r["s"], r["a_exec"]), r["s_next"])
+        # the end-of-text token is never a change token; records without ``o`` count every token
+        before = self._ids(r.get("o") or "") + ([self.tokenizer.eos_token_id] if self.eos else [])
+        s.change = change_token_flags(s.ids[s.start: s.start + s.n_target], before)
+        return s
 
     def world_model_rollout(self, r: dict[str, Any]) -> tuple[Seq, Seq] | None:
         """Student and teacher sequences over the stored student rollout ``s_hat_exec`` (None if empty)."""
@@ -99,11 +118,18 @@ def collate(seqs: list[Seq], pad_id: int, device: str | torch.device = "cpu") ->
         labels[i, start: start + s.n_target] = ids[i, start: start + s.n_target]
         starts.append(start)
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
-    return {
+    out = {
         "input_ids": ids.to(device), "attention_mask": attn.to(device), "position_ids": positions.to(device),
         "labels": labels.to(device), "starts": torch.tensor(starts, device=device),
         "lengths": torch.tensor([s.n_target for s in seqs], device=device),
     }
+    if any(s.change is not None for s in seqs):  # labels of the change tokens only (-100 elsewhere)
+        change = labels.clone()
+        for i, (s, start) in enumerate(zip(seqs, starts)):
+            keep = torch.tensor(s.change if s.change is not None else [False] * s.n_target, dtype=torch.bool)
+            change[i, start: start + s.n_target][~keep] = IGNORE
+        out["change_labels"] = change.to(device)
+    return out
 
 
 def logits_window(batch: dict[str, torch.Tensor]) -> int:

@@ -76,11 +76,14 @@ class Trainer:
         logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                             position_ids=batch["position_ids"], logits_to_keep=keep).logits
         offset = batch["input_ids"].shape[1] - keep
-        return logits, {"labels": batch["labels"][:, offset:], "starts": batch["starts"] - offset,
-                        "lengths": batch["lengths"]}
+        win = {"labels": batch["labels"][:, offset:], "starts": batch["starts"] - offset, "lengths": batch["lengths"]}
+        if "change_labels" in batch:
+            win["change_labels"] = batch["change_labels"][:, offset:]
+        return logits, win
 
-    def world_model_losses(self, records: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(CE on real next states, KL(teacher || student) on rollout tokens, tokens processed)."""
+    def world_model_losses(self, records: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, int, float | None]:
+        """(CE on real next states, KL(teacher || student) on rollout tokens, tokens processed,
+        NLL on the change tokens of the real next states: a metric, None when there are none)."""
         enc = self.encoder
         ce_seqs = [enc.world_model_ce(r) for r in records]
         pairs = [p for p in (enc.world_model_rollout(r) for r in records) if p is not None]
@@ -97,6 +100,10 @@ class Trainer:
         batch = collate(ce_seqs, self.pad_id, self.device)
         logits, win = self._logits(batch)
         ce = losses.masked_token_ce(logits, win["labels"])
+        change_nll = None
+        if "change_labels" in win and bool((win["change_labels"] != losses.IGNORE).any()):
+            with torch.no_grad():
+                change_nll = float(losses.masked_token_ce(logits.detach(), win["change_labels"]))
         tokens = int(batch["attention_mask"].sum())
         kl = losses._zero(logits)
         if pairs:
@@ -106,7 +113,7 @@ class Trainer:
             pos, mask = losses.rollout_positions(s_win["starts"], s_win["lengths"], s_logits.shape[1])
             kl = losses.self_distillation_kl(losses.gather_positions(s_logits, pos), teacher_logits, mask)
             tokens += int(s_batch["attention_mask"].sum())
-        return ce, kl, tokens
+        return ce, kl, tokens, change_nll
 
     def policy_losses(self, demos: list[dict[str, Any]], reflections: list[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
         """(draft CE, reflection CE, revise BCE, tokens processed) with the policy adapter."""
@@ -136,16 +143,20 @@ class Trainer:
         def add(name: str, value: torch.Tensor) -> None:
             sums[name] = sums.get(name, 0.0) + float(value.detach()) * scale
 
+        change_nlls: list[float] = []  # a metric over the micro-batches that have change tokens
+
         for mb in micro_batches:
             if self.abort:
                 self.optimizer.zero_grad(set_to_none=True)
                 raise StepAborted(f"step {self.step + 1} abandoned (shutdown)")
             wm_records = mb.get("transitions") or []
             if wm_records:
-                ce, kl, n = self.world_model_losses(wm_records)
+                ce, kl, n, change_nll = self.world_model_losses(wm_records)
                 loss = losses.world_model_loss(ce, kl, self.cfg.eta)
                 (loss * scale).backward()
                 add("wm/ce", ce), add("wm/kl", kl), add("wm/loss", loss)
+                if change_nll is not None:
+                    change_nlls.append(change_nll)
                 tokens += n
             demos, refl = mb.get("demos") or [], mb.get("reflections") or []
             if demos or refl:
@@ -156,6 +167,8 @@ class Trainer:
                 add("policy/draft_ce", draft_ce), add("policy/reflect_ce", reflect_ce)
                 add("policy/bce", bce), add("policy/loss", loss)
                 tokens += n
+        if change_nlls:
+            sums["wm/change_nll"] = sum(change_nlls) / len(change_nlls)
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0) if params else torch.tensor(0.0)
         with self.update_lock:

@@ -157,3 +157,34 @@ def test_truncated_prompts_are_counted_per_step(tiny_model_dir):
 
     head = min(KEEP_HEAD, (256 - seq.n_target) // 2)
     assert seq.ids[:head] == full[:head] and seq.ids[head:seq.start] == full[len(full) - (seq.start - head):]
+
+
+def test_change_token_nll_counts_only_tokens_new_to_the_previous_observation(tiny_model_dir):
+    """``wm/change_nll`` is the CE over the real next observation's tokens that the observation
+    before the action did not contain (end of text excluded), computed from the same logits."""
+    from learner import losses
+    from learner.batches import change_token_flags, collate
+    from learner.model import activate
+
+    assert change_token_flags([5, 6, 7, 5], [5, 9]) == [False, True, True, False]
+    trainer = make_trainer(tiny_model_dir)
+    enc = trainer.encoder
+    rec = {**wm_record(0), "o": "You arrive at countertop 1. On the countertop 1, you see a mug 1."}
+    seq = enc.world_model_ce(rec)
+    target = seq.ids[seq.start: seq.start + seq.n_target]
+    before = set(enc._ids(rec["o"]))
+    assert seq.change == [t not in before and t != enc.tokenizer.eos_token_id for t in target]
+    assert 0 < sum(seq.change) < len(target)  # "arrive at" is shared, "fridge ... closed" is new
+
+    activate(trainer.model, "wm", trainable=False)
+    with torch.no_grad():
+        logits, win = trainer._logits(collate([seq], trainer.pad_id))
+        per_token = torch.nn.functional.cross_entropy(logits[0, :-1].float(), win["labels"][0, 1:].clamp(min=0),
+                                                      reduction="none")
+        targets = win["labels"][0, 1:] != losses.IGNORE
+        flags = torch.zeros_like(targets)
+        flags[targets] = torch.tensor(seq.change)
+        expected = per_token[flags].mean().item()
+    m = trainer.train_step([{"transitions": [rec]}])
+    assert abs(m["wm/change_nll"] - expected) < 1e-4
+    assert "wm/change_nll" not in trainer.train_step([{"demos": [demo_record(0)]}])
