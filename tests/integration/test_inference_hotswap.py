@@ -55,7 +55,14 @@ async def test_hot_swap_under_concurrent_load(inference_server, adapters, refere
             for k in range(1, VERSIONS + 1):
                 await client.load_adapter("swap", str(paths[k % VERSIONS]), load_inplace=True)
                 swaps += 1
+                # a slow server (vLLM on a CPU: seconds per request) must answer at least one
+                # request between swaps, or every version but the last would go unseen
+                answered = len(results)
                 await asyncio.sleep(0.08)
+                for _ in range(600):
+                    if len(results) > answered:
+                        break
+                    await asyncio.sleep(0.1)
             done.set()
 
         await asyncio.gather(swapper(), *(worker(w) for w in range(8)))
@@ -77,3 +84,23 @@ async def test_hot_swap_under_concurrent_load(inference_server, adapters, refere
         seen.add(match)
     # the swaps really happened under load: responses came from several versions
     assert len(seen) >= 3, seen
+
+
+async def test_in_place_reload_serves_the_new_weights(inference_server, adapters, reference):
+    """``load_inplace`` under the same name: the next request runs on the new version (the learner
+    relies on it when a resumed learner publishes a version number again)."""
+    a, b = adapters.random("inplace-a", seed=7), adapters.random("inplace-b", seed=8)
+    prompt_ids = reference.tokenizer(PROMPT).input_ids
+    async with inference_server.client() as client:
+        versions = []
+        for path in (a, b, a):
+            await client.load_adapter("inplace", str(path), load_inplace=True)
+            r = await client.complete(prompt_ids, model="inplace", max_tokens=8, temperature=0.0, logprobs=0,
+                                      ignore_eos=True, return_tokens_as_token_ids=True)
+            lp = r.choices[0].logprobs
+            out = _ids(lp.tokens)
+            errs = {name: max(abs(x - y) for x, y in zip(reference.token_logprobs(prompt_ids, out, p), lp.token_logprobs))
+                    for name, p in (("a", a), ("b", b))}
+            versions.append(min(errs, key=errs.get) if min(errs.values()) < inference_server.logprob_tol else None)
+        await client.unload_adapter("inplace")
+    assert versions == ["a", "b", "a"], versions

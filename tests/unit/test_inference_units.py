@@ -109,7 +109,8 @@ def test_adapter_paths_stay_inside_root(tmp_path):
         assert err.value.status == status, bad
 
 
-def test_vllm_command_from_config():
+def test_vllm_command_from_config(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     cfg = load_config(None, ["inference.admin_token=s3cret", "inference.port=9001", "learner.lora_r=12"])
     argv, env = vllm.build_command(cfg, "/models/smol", "/venv/bin/python", {"policy-v1": "/a/policy-v1"})
     assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
@@ -118,7 +119,11 @@ def test_vllm_command_from_config():
                  "--max-lora-rank 16", "--api-key s3cret", "--lora-modules policy-v1=/a/policy-v1",
                  "--generation-config vllm"):
         assert part in joined
-    assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    # vLLM's CPU backend would otherwise take ~92% of the host's memory for its KV cache
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "6")
+    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm.build_command(cfg, "/m", "/p")[1]  # the user's setting wins
     assert vllm.max_lora_rank(8) == 8 and vllm.max_lora_rank(9) == 16
     with pytest.raises(ValueError):
         vllm.max_lora_rank(1000)
