@@ -96,6 +96,11 @@ def summarize(stats: dict[str, Any], episodes: list[dict[str, Any]], reflections
     }
 
 
+# the learner's latest scalars (sent with each publish), in the order `comap stats` shows them
+LEARNER_SCALARS = ("wm/ce", "wm/change_nll", "wm/kl", "policy/draft_ce", "policy/reflect_ce", "policy/bce",
+                   "learner/tokens_per_s")
+
+
 def _fmt(x: Any, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec) if isinstance(x, float) else str(x)
 
@@ -120,6 +125,10 @@ def render(s: dict[str, Any]) -> str:
     out += ["", f"throughput env_steps/s={_fmt(t['env_steps_per_s'], '.2f')} transitions/s={_fmt(t['transitions_per_s'], '.2f')} "
                 f"learner_tokens/s={_fmt(t['learner_tokens_per_s'], '.1f')}",
             f"staleness  versions_behind={s['staleness']['versions_behind']} skipped={s['staleness']['skipped']}"]
+    learner = s.get("learner") or {}
+    shown = [k for k in LEARNER_SCALARS if k in learner]
+    out.append("learner    " + ("  ".join(f"{k}={_fmt(float(learner[k]))}" for k in shown) if shown
+                                 else "(no publish yet: the learner reports its scalars with each publish)"))
     return "\n".join(out)
 
 

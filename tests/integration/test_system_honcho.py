@@ -106,6 +106,7 @@ def test_honcho_system_runs_stops_cleanly_and_resumes(tmp_path, tiny_model_dir, 
         for section in ("registry", "episodes by adapter version", "gates by adapter version", "throughput", "staleness"):
             assert section in out.stdout
         assert "(no episodes yet)" not in out.stdout and "(no gated samples yet)" not in out.stdout
+        assert "learner    wm/ce=" in out.stdout  # the learner's scalars, sent with its last publish
         import matplotlib.image
 
         pngs = sorted(plots.glob("*.png"))

@@ -1,0 +1,22 @@
+"""`comap stats` text: the learner's latest scalars, in a fixed order, or a line saying why none."""
+
+from __future__ import annotations
+
+from comap_async.commands.stats import render, summarize
+
+
+def _stats(learner: dict) -> dict:
+    return {"registry": {"phase": "coevolve", "versions": {"policy": 2}, "step": 40},
+            "stores": {"transitions": {"count": 3, "capacity": 10, "evicted": 0}},
+            "ingest": {"rate_per_s": 1.5}, "gates": {}, "stale_skipped": {}, "learner": learner}
+
+
+def test_learner_scalars_are_shown_in_order():
+    text = render(summarize(_stats({"policy/bce": 0.25, "wm/change_nll": 2.5, "wm/ce": 1.0, "other": 7}), [], []))
+    line = next(x for x in text.splitlines() if x.startswith("learner "))
+    assert line.split()[1:] == ["wm/ce=1.000", "wm/change_nll=2.500", "policy/bce=0.250"]
+
+
+def test_no_publish_yet_says_so():
+    text = render(summarize(_stats({}), [], []))
+    assert "learner    (no publish yet" in text
