@@ -7,8 +7,8 @@ store its items in one durable LMDB transaction, and only then ack each with the
 registry. While a commit syncs, the gate workers gate the next batches and ZeroMQ's I/O thread
 keeps receiving. When the workers' queues are full and no gated batch is ready, the task gates
 the next batch itself instead of sleeping, so on a busy host both processes stay at work (the
-results still come out in submission order). When the queue is long the task stops reading; ZeroMQ's high-water marks then
-push back on actors.
+results still come out in submission order). When the queue is long the task stops reading;
+ZeroMQ's high-water marks then push back on actors.
 
 All LMDB work runs on the event loop thread: map resizing needs no concurrent transaction, and a
 storage thread would fight the loop for the GIL on every put (see ``_store_and_ack``).
