@@ -6,13 +6,16 @@ process) with the same pre-encoded messages: ~2 KB of ALFWorld-like text per tra
 ``coevolve`` so both gates run with the real ALFWorld fact parser. The rate is messages acked
 per second, and the broker only acks after the LMDB commit that stored the message.
 
-    python benchmarks/broker_ingest.py [--n 40000] [--group-commit 256] [--gate-workers 1]
+    python benchmarks/broker_ingest.py [--n 40000] [--group-commit 256] [--gate-workers 1] [--rounds 3]
+
+Each round measures the raw loop, then the broker; the last line gives the median rate and the
+median of the rounds' ratios (this machine's speed drifts between runs, so single runs vary).
 
 CPU per message is also printed for the raw server and for the broker with its gate workers
 (from /proc): the ratio of rates depends on how many cores are free for the broker's processes,
 the CPU figures do not.
 
-Last line: ``broker_ingest_per_s=X ratio_vs_raw=Y``.
+Last line: ``broker_ingest_per_s=X ratio_vs_raw=Y`` (medians over the rounds).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -155,6 +159,66 @@ def raw_server(port: int, path: str, group: int) -> None:
             sock.send_multipart([frames[0], ack])
 
 
+def measure_raw(args: argparse.Namespace, msgs: list[bytes], tmp: str, env: dict[str, str]) -> float:
+    """One raw-loop measurement (prints its line); returns msg/s."""
+    port = free_port()
+    raw = subprocess.Popen([sys.executable, __file__, "--raw-server", str(port), f"{tmp}/raw",
+                            "--group-commit", str(args.group_commit)], stdout=subprocess.PIPE, env=env)
+    try:
+        assert raw.stdout is not None and raw.stdout.readline().strip() == b"ready"
+        cpu0 = cpu_seconds(raw.pid)
+        client0 = time.process_time()
+        raw_rate = drive(f"tcp://127.0.0.1:{port}", msgs, args.window)
+        client_cpu = (time.process_time() - client0) / args.n * 1e6
+        raw_cpu = (cpu_seconds(raw.pid) - cpu0) / args.n * 1e6
+    finally:
+        raw.kill()
+        raw.wait()
+    print(f"raw zmq->lmdb loop: {raw_rate:,.0f} msg/s, {raw_cpu:.1f} us CPU per message (client: {client_cpu:.1f} us)")
+    return raw_rate
+
+
+def measure_broker(args: argparse.Namespace, msgs: list[bytes], tmp: str, env: dict[str, str]) -> tuple[float, float]:
+    """One broker measurement (prints its line); returns (transitions/s, broker + client CPU per message)."""
+    ports = [free_port() for _ in range(3)]
+    cap = max(args.n, 1000)
+    sets = [f"run.root={tmp}", "run.name=bench", f"broker.actor_port={ports[0]}",
+            f"broker.learner_port={ports[1]}", f"broker.http_port={ports[2]}", f"broker.group_commit={args.group_commit}",
+            f"broker.capacity_transitions={cap}", f"broker.capacity_reflections={cap}", "broker.map_size_mb=1024",
+            f"broker.gate_workers={args.gate_workers}"]
+    cmd = [sys.executable, "-m", "broker"] + [x for s in sets for x in ("--set", s)]
+    broker = subprocess.Popen(cmd, env=env, cwd=REPO)
+    try:
+        for _ in range(200):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{ports[2]}/healthz", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.05)
+        cpu0 = cpu_by_process(broker.pid)
+        client0 = time.process_time()
+        rate = drive(f"tcp://127.0.0.1:{ports[0]}", msgs, args.window)
+        client_cpu = (time.process_time() - client0) / args.n * 1e6
+        cpu1 = cpu_by_process(broker.pid)
+        main_cpu = (cpu1.get(broker.pid, 0) - cpu0.get(broker.pid, 0)) / args.n * 1e6
+        broker_cpu = (sum(cpu1.values()) - sum(cpu0.get(p, 0) for p in cpu1)) / args.n * 1e6
+        stats = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{ports[2]}/stats", timeout=5).read())
+    finally:
+        broker.terminate()
+        broker.wait(30)
+    stored = stats["stores"]["transitions"]["count"]
+    if stored != args.n or stats["stores"]["reflections"]["count"] != args.n:
+        raise SystemExit(f"broker stored {stored} transitions, expected {args.n}")
+    g = stats["gates"]
+    print(f"broker (validation + gates + durable group commit): {rate:,.0f} transitions/s; "
+          f"stored {stored} transitions + {stats['stores']['reflections']['count']} reflection samples; "
+          f"world-state adoption {g['world_state_adoption']:.2f}, action adoption {g['action_adoption']:.2f}; "
+          f"{broker_cpu:.1f} us CPU per message ({main_cpu:.1f} in the broker process, the rest in "
+          f"{args.gate_workers} gate workers; client: {client_cpu:.1f} us); "
+          f"{stats['gate_workers']['batches_gated_in_broker']} batches gated in the broker process")
+    return rate, broker_cpu + client_cpu
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=40_000, help="transitions per measurement")
@@ -162,72 +226,34 @@ def main() -> int:
     ap.add_argument("--group-commit", type=int, default=256)
     ap.add_argument("--window", type=int, default=2048, help="unacked messages the client keeps in flight")
     ap.add_argument("--gate-workers", type=int, default=1, help="broker.gate_workers (0: gate in the broker process)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="raw/broker measurement pairs, interleaved; the last line gives the medians")
     ap.add_argument("--raw-server", nargs=2, metavar=("PORT", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.raw_server:
         raw_server(int(args.raw_server[0]), args.raw_server[1], args.group_commit)
         return 0
+    if args.rounds < 1 or args.n < 1:
+        ap.error("--rounds and --n must be at least 1")
 
     msgs = make_messages(args.n, args.text_bytes)
     avg = sum(len(m) for m in msgs) / len(msgs)
     print(f"messages: {args.n} transitions, {avg:.0f} bytes each on the wire, group commit {args.group_commit}")
     env = {**os.environ, "PYTHONPATH": str(REPO), "COMAP_LOG_LEVEL": "WARNING"}
-    with tempfile.TemporaryDirectory(prefix="comap-bench-") as tmp:
-        # raw loop first: nothing it does warms anything the broker run uses
-        port = free_port()
-        raw = subprocess.Popen([sys.executable, __file__, "--raw-server", str(port), f"{tmp}/raw",
-                                "--group-commit", str(args.group_commit)], stdout=subprocess.PIPE, env=env)
-        assert raw.stdout is not None and raw.stdout.readline().strip() == b"ready"
-        cpu0 = cpu_seconds(raw.pid)
-        client0 = time.process_time()
-        raw_rate = drive(f"tcp://127.0.0.1:{port}", msgs, args.window)
-        raw_client_cpu = (time.process_time() - client0) / args.n * 1e6
-        raw_cpu = (cpu_seconds(raw.pid) - cpu0) / args.n * 1e6
-        raw.kill()
-        raw.wait()
-        print(f"raw zmq->lmdb loop: {raw_rate:,.0f} msg/s, {raw_cpu:.1f} us CPU per message "
-              f"(client: {raw_client_cpu:.1f} us)")
-
-        ports = [free_port() for _ in range(3)]
-        cap = max(args.n, 1000)
-        sets = [f"run.root={tmp}", "run.name=bench", f"broker.actor_port={ports[0]}",
-                f"broker.learner_port={ports[1]}", f"broker.http_port={ports[2]}", f"broker.group_commit={args.group_commit}",
-                f"broker.capacity_transitions={cap}", f"broker.capacity_reflections={cap}", "broker.map_size_mb=1024",
-                f"broker.gate_workers={args.gate_workers}"]
-        cmd = [sys.executable, "-m", "broker"] + [x for s in sets for x in ("--set", s)]
-        broker = subprocess.Popen(cmd, env=env, cwd=REPO)
-        try:
-            for _ in range(200):
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{ports[2]}/healthz", timeout=1)
-                    break
-                except OSError:
-                    time.sleep(0.05)
-            cpu0 = cpu_by_process(broker.pid)
-            client0 = time.process_time()
-            rate = drive(f"tcp://127.0.0.1:{ports[0]}", msgs, args.window)
-            client_cpu = (time.process_time() - client0) / args.n * 1e6
-            cpu1 = cpu_by_process(broker.pid)
-            main_cpu = (cpu1.get(broker.pid, 0) - cpu0.get(broker.pid, 0)) / args.n * 1e6
-            broker_cpu = (sum(cpu1.values()) - sum(cpu0.get(p, 0) for p in cpu1)) / args.n * 1e6
-            stats = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{ports[2]}/stats", timeout=5).read())
-        finally:
-            broker.terminate()
-            broker.wait(30)
-        stored = stats["stores"]["transitions"]["count"]
-        if stored != args.n or stats["stores"]["reflections"]["count"] != args.n:
-            raise SystemExit(f"broker stored {stored} transitions, expected {args.n}")
-        g = stats["gates"]
-        print(f"broker (validation + gates + durable group commit): {rate:,.0f} transitions/s; "
-              f"stored {stored} transitions + {stats['stores']['reflections']['count']} reflection samples; "
-              f"world-state adoption {g['world_state_adoption']:.2f}, action adoption {g['action_adoption']:.2f}; "
-              f"{broker_cpu:.1f} us CPU per message ({main_cpu:.1f} in the broker process, the rest in "
-              f"{args.gate_workers} gate workers; client: {client_cpu:.1f} us); "
-              f"{stats['gate_workers']['batches_gated_in_broker']} batches gated in the broker process")
-    # what a ratio of 0.5 costs at this run's CPU per message (broker and client share the host)
-    need = 0.5 * raw_rate * (broker_cpu + client_cpu) / 1e6
-    print(f"CPU for a ratio of 0.5 at these costs: {need:.2f} cores (this host: {os.cpu_count()})")
-    print(f"broker_ingest_per_s={rate:.0f} ratio_vs_raw={rate / raw_rate:.2f}")
+    rates, ratios = [], []
+    for r in range(args.rounds):
+        print(f"-- round {r + 1}/{args.rounds}")
+        with tempfile.TemporaryDirectory(prefix="comap-bench-") as tmp:
+            # raw loop first: nothing it does warms anything the broker run uses
+            raw_rate = measure_raw(args, msgs, tmp, env)
+            rate, cpu = measure_broker(args, msgs, tmp, env)
+        # what a ratio of 0.5 costs at this round's CPU per message (broker and client share the host)
+        print(f"round ratio {rate / raw_rate:.2f}; CPU for a ratio of 0.5 at these costs: "
+              f"{0.5 * raw_rate * cpu / 1e6:.2f} cores (this host: {os.cpu_count()})")
+        rates.append(rate)
+        ratios.append(rate / raw_rate)
+    # this machine's speed drifts between runs: the median of interleaved pairs is the figure
+    print(f"broker_ingest_per_s={statistics.median(rates):.0f} ratio_vs_raw={statistics.median(ratios):.2f}")
     return 0
 
 
