@@ -110,7 +110,7 @@ class ActorPath:
         generation, next_check = -1, 0.0
         while True:
             received = False
-            while not self.ingest_closed and len(self.pending) + self.in_gates < self.max_pending:
+            while self._reading():
                 try:
                     ident = recv(zmq.NOBLOCK)
                 except zmq.Again:
@@ -132,10 +132,7 @@ class ActorPath:
             # pool (for latency): one commit and one worker round trip per few frames would
             # cost more than waiting for the batch in flight
             while self.pending and gates.can_submit() and (len(self.pending) >= group or not gates.inflight_batches):
-                batch = self.pending[:group]
-                del self.pending[:group]
-                self.in_gates += len(batch)
-                gates.submit(batch)
+                self._hand_out_batch(here=False)
             done = gates.ready()
             if done is not None:
                 self.in_gates -= len(done[0])
@@ -145,10 +142,7 @@ class ActorPath:
             if len(self.pending) >= group and gates.workers:
                 # the workers' queues are full and nothing is ready to commit: rather than sleep,
                 # this process gates a batch too (it stays in order behind the workers' batches)
-                batch = self.pending[:group]
-                del self.pending[:group]
-                self.in_gates += len(batch)
-                gates.submit(batch, here=True)
+                self._hand_out_batch(here=True)
                 await asyncio.sleep(0)
                 continue
             if self.ingest_closed and not self.pending and not gates.inflight_batches:
@@ -158,7 +152,7 @@ class ActorPath:
                 generation = gates.generation
             # while the queue is long we do not read (nor wake for the actor socket): ZeroMQ's
             # high-water marks push back on actors
-            reading = not self.ingest_closed and len(self.pending) + self.in_gates < self.max_pending
+            reading = self._reading()
             if reading not in pollers:
                 pollers[reading] = poller = zmq.asyncio.Poller()
                 for sock in ([self.actor_sock] if reading else []) + gates.sockets:
@@ -167,6 +161,18 @@ class ActorPath:
             if gates.inflight_batches and (now := time.monotonic()) >= next_check:
                 next_check = now + 0.2
                 gates.check_workers()
+
+    def _reading(self) -> bool:
+        """Whether the actor socket is read: not after shutdown's drain, nor while the queue is long."""
+        return not self.ingest_closed and len(self.pending) + self.in_gates < self.max_pending
+
+    def _hand_out_batch(self, here: bool) -> None:
+        """The oldest ``group_commit`` queued frames to the gate pool (``here``: gated in this process now)."""
+        group = self.b.group_commit
+        batch = self.pending[:group]
+        del self.pending[:group]
+        self.in_gates += len(batch)
+        self.gates.submit(batch, here=here)
 
     def _store_and_ack(self, batch: list[Pending], results: list[tuple], meta: dict[str, Any]) -> None:
         """Answer rejects, store the gated items in one durable transaction, then ack each (or

@@ -203,7 +203,10 @@ class GatePool:
 
     def __init__(self, workers: int, ingest: Ingest, max_bytes: int, learner_port: int, spec: dict[str, Any],
                  log: Any, ctx: zmq.Context) -> None:
-        self.ingest, self.max_bytes, self.learner_port, self.spec, self.log = ingest, max_bytes, learner_port, spec, log
+        """``spec`` (:func:`pool_spec`) says how a worker rebuilds ``ingest``; it is only read when
+        there are workers."""
+        self.ingest, self.max_bytes, self.learner_port, self.log = ingest, max_bytes, learner_port, log
+        self.spec = {**spec, "max_bytes": max_bytes, "learner_port": learner_port}  # worker_main's arguments
         self.ctx = ctx  # the broker's zmq.asyncio context
         self.generation = 0  # bumped when the set of worker sockets changes (the poller re-registers)
         self.batches: dict[int, list[tuple]] = {}  # id -> (ident, delim, frame)s, until its results are taken
@@ -212,7 +215,7 @@ class GatePool:
         self.next_id = 0
         self.restarts = 0
         self.gated_here = 0  # batches gated in the broker process (no workers, idle broker, dead worker)
-        self.workers = [_Worker(self.ctx, spec, i) for i in range(workers)]
+        self.workers = [_Worker(self.ctx, self.spec, i) for i in range(workers)]
         self._rr = 0
         self._pack = msgpack.Packer(use_bin_type=True).pack
 
@@ -237,7 +240,6 @@ class GatePool:
         self.order.append(bid)
         if here or not self.workers:
             self._compute_here(bid)
-            self.gated_here += 1
             return
         worker = self.workers[self._rr % len(self.workers)]
         self._rr += 1
@@ -246,6 +248,7 @@ class GatePool:
         worker.flush()
 
     def _compute_here(self, bid: int) -> None:
+        self.gated_here += 1
         self.done[bid] = gate_batch([p[2] for p in self.batches[bid]], self.ingest, self.max_bytes, self.learner_port)
 
     def collect(self) -> None:
@@ -276,7 +279,6 @@ class GatePool:
             lost = [b for b in worker.inflight if b not in self.done]
             for bid in lost:
                 self._compute_here(bid)
-            self.gated_here += len(lost)
             self.log.error("broker.gate_worker_died" if worker in dead else "broker.gate_worker_retired",
                            exitcode=worker.proc.exitcode, batches_regated=len(lost), restarts=self.restarts,
                            gating_in_broker_from_now=give_up)
@@ -306,7 +308,7 @@ class GatePool:
 
 
 def pool_spec(cfg: Any, env_name: str, parser_override: str | None) -> dict[str, Any]:
-    """What a worker needs to rebuild the broker's :class:`Ingest` (picklable)."""
-    return {"env_name": env_name, "parser_override": parser_override, "gates": cfg.gates.model_dump(),
-            "max_bytes": cfg.broker.max_message_bytes, "learner_port": cfg.broker.learner_port}
+    """What a worker needs to rebuild the broker's :class:`Ingest` (picklable; :class:`GatePool`
+    adds the frame limit and the learner port it is given)."""
+    return {"env_name": env_name, "parser_override": parser_override, "gates": cfg.gates.model_dump()}
 
