@@ -185,15 +185,16 @@ class InferenceClient:
 
     def transport_for(self, endpoint: str) -> str:
         """``"keepalive"`` or ``"aiohttp"``: which client serves ``endpoint`` (https is always aiohttp)."""
-        lean = self._lean.get(endpoint)
+        return "keepalive" if self._is_lean(endpoint) else "aiohttp"
+
+    def _is_lean(self, endpoint: str) -> bool:
+        lean = self._lean.get(endpoint)  # decided once per endpoint, not per request
         if lean is None:
             lean = self._lean[endpoint] = self.transport == "keepalive" and endpoint.lower().startswith("http://")
-        return "keepalive" if lean else "aiohttp"
+        return lean
 
     async def _once(self, endpoint: str, method: str, path: str, body: Any) -> tuple[int, str]:
-        lean = self._lean.get(endpoint)
-        if lean is None:
-            lean = self.transport_for(endpoint) == "keepalive"
+        lean = self._is_lean(endpoint)
         self.outstanding[endpoint] = self.outstanding.get(endpoint, 0) + 1
         try:
             if not lean:
