@@ -76,7 +76,13 @@ class Broker(ActorPath):
         sock = self.ctx.socket(zmq.ROUTER)
         sock.linger = 500
         sock.maxmsgsize = self.b.max_message_bytes  # ZeroMQ drops the peer of an oversized frame
-        sock.rcvhwm = sock.sndhwm = max(1000, 4 * self.b.group_commit)
+        sock.rcvhwm = max(1000, 4 * self.b.group_commit)  # backpressure on what peers send
+        # No limit on what waits to go out: a ROUTER drops a reply silently when the peer's queue is
+        # at its high-water mark, and a peer that sent faster than it read lost error acks that
+        # way (the fuzz test: 27-393 of 10,000 missing, 2 runs in 15). Each queued reply answers a
+        # frame the peer sent, so the queue grows no faster than the peer sends, and a peer that
+        # disconnects takes its queue with it.
+        sock.sndhwm = 0
         sock.router_mandatory = False  # a reply to a vanished peer is dropped, never raises
         if self.server_keys is not None:
             sock.curve_server = True

@@ -93,7 +93,13 @@ async def test_fuzz_frames_are_rejected_counted_and_broker_survives(broker_facto
     read = asyncio.create_task(reader())
     for f in frames:
         await sock.send_multipart(f)
-    await asyncio.wait_for(read, 60)
+    try:
+        await asyncio.wait_for(read, 60)
+    except TimeoutError:  # say where the answers stopped: lost acks or a stalled broker
+        st = bp.stats()
+        raise AssertionError(f"{len(acks)} of {N_FRAMES} error acks after 60 s; broker: rejects "
+                             f"{st['rejects']['total']}, pending {st['pending']}, counters "
+                             f"{ {k: v for k, v in st['counters'].items() if 'drop' in k or 'error' in k} }") from None
     assert all(not a["ok"] and a["retry"] is False and a["error"] for a in acks)
     assert all(a["type"] == "ack" and a["v"] == 1 for a in acks)
 
