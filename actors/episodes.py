@@ -6,12 +6,15 @@ message to ``ctx.emit`` (the outbox, or nothing in evaluation), so the loops rea
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from comap_async.facts import delta_f1
+from actors.explore import explore_action
+from comap_async.diagnostics import branch_outcome, reflection_label
+from comap_async.facts import Facts, NextState, state_delta_f1
 from comap_async.gates import action_gate, canonical_action
 from comap_async.prompts import render_state
 
@@ -24,8 +27,11 @@ class EpisodeContext:
     cfg: Any  # CoMapConfig
     llm: Any  # AgentLLM (unused by expert episodes)
     emit: Emit
-    parse_facts: Callable[[str], frozenset[str] | None]
+    next_state: NextState
+    """The environment's fact-state update (``comap_async.envs.get_next_state``)."""
     registry: Callable[[], dict[str, Any]]
+    on_step: Callable[[], None] | None = None
+    """Called after every real environment step (evaluation's progress bar)."""
 
 
 @dataclass
@@ -38,8 +44,12 @@ class EpisodeStats:
     parse_problems: int = 0
     delta_f1: list[float] = field(default_factory=list)
     reflections: int = 0
-    revision_outcomes: list[tuple[bool, str]] = field(default_factory=list)
-    """Evaluation with reflection metrics: per proposed revision, (executed, suffix outcome)."""
+    labels: dict[str, int] = field(default_factory=dict)
+    """Reflection initialisation: samples per label (``expert_better``, ``equal_draft``, ``not_better``)."""
+    unreadable_real: int = 0
+    """Real observations the fact parser could not read (the fact state then stays as it was)."""
+    judged_steps: list[tuple[int, int, int]] = field(default_factory=list)
+    """Evaluation with reflection metrics: per step, ``(m, z_draft, z_ref)`` (DESIGN.md section 11)."""
 
     def metrics(self) -> dict[str, float]:
         n = max(1, self.steps)
@@ -66,6 +76,17 @@ class Episode:
         self.current = first
         self.stats = EpisodeStats()
         self.t0 = time.time()
+        # C(s_t): the canonical facts of the state, updated by every real observation
+        self.facts: Facts = self._observe(frozenset(), first.observation)
+        self.facts_before: Facts = self.facts  # the state before the last action (for its transition)
+        self.actions: list[str] = []
+
+    def _observe(self, facts: Facts, observation: str) -> Facts:
+        after = self.ctx.next_state(facts, observation)
+        if after is None:
+            self.stats.unreadable_real += 1
+            return facts
+        return after
 
     def state(self) -> str:
         e = self.ctx.cfg.env
@@ -74,17 +95,27 @@ class Episode:
 
     def advance(self, action: str, nxt: Any) -> None:
         self.history.append((action, nxt.observation))
+        self.actions.append(action)
+        self.facts_before, self.facts = self.facts, self._observe(self.facts, nxt.observation)
         self.current = nxt
+        if self.ctx.on_step is not None:
+            self.ctx.on_step()
         self.stats.steps += 1
         self.stats.won, self.stats.reward = nxt.won, self.stats.reward + nxt.reward
 
-    def transition(self, phase: str, t: int, o: str, s: str, **fields: Any) -> dict[str, Any]:
+    def transition(self, phase: str, t: int, o: str, s: str, policy_version: int | None = None,
+                   wm_version: int | None = None, **fields: Any) -> dict[str, Any]:
+        """``policy_version``/``wm_version``: the adapters that generated the step's fields (the draft
+        call's, the call that produced ``s_hat_exec``: ``AgentLLM.last_version``); None = the registry's."""
         policy_v, wm_v = _versions(self.ctx.registry())
+        policy_v = policy_v if policy_version is None else policy_version
+        wm_v = wm_v if wm_version is None else wm_version
         nxt = self.current
         return {"type": "transition", "id": f"{self.id}:{t}", "actor": self.ctx.actor, "env": self.ctx.cfg.env.name,
                 "game": self.game.name, "split": self.game.split, "episode": self.id, "t": t, "o": o, "phase": phase,
                 "goal": self.task, "s": s, "s_next": nxt.observation, "reward": float(nxt.reward), "done": bool(nxt.done),
-                "won": bool(nxt.won), "policy_version": policy_v, "wm_version": wm_v, "ts": time.time(), **fields}
+                "won": bool(nxt.won), "policy_version": policy_v, "wm_version": wm_v, "ts": time.time(),
+                "facts": sorted(self.facts_before), **fields}
 
     async def finish(self, phase: str, eval_mode: bool) -> EpisodeStats:
         policy_v, wm_v = _versions(self.ctx.registry())
@@ -98,9 +129,17 @@ class Episode:
         return self.stats
 
 
-async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str) -> EpisodeStats:
+async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str, branch: Any = None) -> EpisodeStats:
     """Warm-up: replay the game's winning walkthrough (the handcoded expert where there is none);
-    every step is a demonstration and a real transition, labelled with the expert's own action."""
+    every step is a demonstration and a real transition, labelled with the expert's own action.
+
+    With a ``branch`` environment, a share ``actor.warmup_explore`` of the steps (seeded by the run
+    seed and the episode id) also executes a non-expert action (:func:`actors.explore.explore_action`)
+    on ``branch``, restored by replay to the expert path, and records that real transition for the
+    world model only: ``explore: True``, id ``{episode}:{t}:x``, the same ``s``/``o`` as step t (the
+    broker stores no demonstration for it). The expert path continues unchanged on ``env``."""
+    a = ctx.cfg.actor
+    rng = random.Random(f"{ctx.cfg.run.seed}-{episode_id}")
     ep = Episode(ctx, game, episode_id, await env.reset(game))
     plan = await env.walkthrough()
     while not ep.current.done:
@@ -110,114 +149,149 @@ async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str)
             ep.stats.parse_problems += 1
             break
         o, s, label = ep.current.observation, ep.state(), ep.current.expert_action
+        explored = None
+        if branch is not None and a.warmup_explore > 0 and rng.random() < a.warmup_explore:
+            x_action = explore_action(rng, ep.current.admissible, action, a.warmup_explore_invalid)
+            if x_action is not None:
+                await branch.restore(game, [taken for taken, _ in ep.history])
+                explored = x_action, await branch.step(x_action)
         ep.advance(action, await env.step(action))
         await ctx.emit(ep.transition(
             "warmup", t, o, s, a_draft=action, s_hat="", decision="KEEP", a_ref=action, p_revise=0.0, q_ref=1.0,
             a_exec=action, s_hat_exec="", s_hat_teacher="", expert_action=label))
+        if explored is not None:  # emitted like step t's own transition, so it gets the same fields (facts)
+            x_action, x = explored
+            await ctx.emit(ep.transition(
+                "warmup", t, o, s, id=f"{ep.id}:{t}:x", explore=True, a_draft=x_action, s_hat="", decision="KEEP",
+                a_ref=x_action, p_revise=0.0, q_ref=1.0, a_exec=x_action, s_hat_exec="", s_hat_teacher="",
+                expert_action=label, s_next=x.observation, reward=float(x.reward), done=bool(x.done), won=bool(x.won)))
     return await ep.finish("warmup", False)
 
 
-def suffix_outcome(revised: tuple[bool, float], kept: tuple[bool, float]) -> str:
-    """Compare two suffix rollouts by (won, return): ``better`` when the one starting with the
-    revised action wins where the other does not, or returns more; ``worse`` the other way round."""
-    if revised > kept:
-        return "better"
-    return "worse" if revised < kept else "same"
-
-
-async def _branch_return(env: Any, game: Any, prefix: list[str], first: str, horizon: int) -> tuple[bool, float, str]:
-    """Restore the state after ``prefix``, take ``first``, continue with the expert for the rest of
-    the horizon: (won, return, observation right after ``first``)."""
+async def play_branch(env: Any, game: Any, prefix: list[str], first: str, plan: list[str]) -> tuple[Any, str]:
+    """One branch (DESIGN.md section 11): restore the state after ``prefix`` on ``env``, take
+    ``first``, then continue under the continuation policy, the game's expert, until the episode
+    ends (won, or ``env.max_steps`` counted from the start of the episode). The expert is
+    walkthrough-consistent: while the branch has followed the game's walkthrough ``plan`` exactly
+    it takes the walkthrough's next command, off it the handcoded expert's (which never begins
+    with its reset-time ``look``). Returns the :class:`~comap_async.diagnostics.BranchResult` and
+    the real observation right after ``first``."""
     await env.restore(game, prefix)
     r = await env.step(first)
-    after, total = r.observation, r.reward
-    for _ in range(horizon - 1):
-        if r.done or r.expert_action is None:
+    after, steps = r.observation, 1
+    taken = [*prefix, first]
+    on_plan = taken == plan[: len(taken)]
+    while not r.done:
+        if on_plan and len(taken) < len(plan):
+            action = plan[len(taken)]
+        else:
+            on_plan, action = False, r.expert_action
+        if action is None:  # the expert gave up: the branch ends unsolved
             break
-        r = await env.step(r.expert_action)
-        total += r.reward
-    return r.won, total, after
+        r = await env.step(action)
+        taken.append(action)
+        steps += 1
+    return branch_outcome(r.won, steps), after
 
 
-async def judge_revision(ctx: EpisodeContext, branch: Any, game: Any, prefix: list[str], a_draft: str,
-                         a_ref: str) -> tuple[str, str]:
-    """Suffix rollouts from the state after ``prefix`` (restored on ``branch``): one starting with
-    the refined action, one with the draft, both continued by the expert for
-    ``actor.suffix_horizon`` steps. Returns the :func:`suffix_outcome` of the refinement and the
-    real observation right after the draft. Reflection initialisation labels its samples with it
-    (the expert action as the refinement); evaluation judges the policy's own revisions."""
-    horizon = ctx.cfg.actor.suffix_horizon
-    d_won, d_ret, d_after = await _branch_return(branch, game, prefix, a_draft, horizon)
-    r_won, r_ret, _ = await _branch_return(branch, game, prefix, a_ref, horizon)
-    return suffix_outcome((r_won, r_ret), (d_won, d_ret)), d_after
+def expert_plan_action(ep: "Episode", plan: list[str]) -> str | None:
+    """The demonstration's action at the episode's current state: the walkthrough while the episode
+    follows it, then the handcoded expert (as in warm-up; no leading ``look``)."""
+    t = ep.stats.steps
+    if t < len(plan) and ep.actions == plan[:t]:
+        return plan[t]
+    return ep.current.expert_action
 
 
 async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: Any, episode_id: str) -> EpisodeStats:
     """Reflection-mode initialisation on demonstration states (suffix-labelled reflection samples).
 
-    Where the policy's draft differs canonically from the expert action, a draft branch and an
-    expert branch are rolled out from the restored state under the same continuation policy (the
-    expert) for up to H steps: y=1 with the expert action as target when the expert branch wins or
-    returns more, else y=0 with the draft kept. The real observation after the draft is ``s̄``.
+    At each state of the expert's path the policy drafts. A draft canonically equal to the expert
+    action is a keep sample (``y = 0``, label ``equal_draft``). Otherwise a draft branch and an
+    expert branch are rolled out from the restored state under the same continuation policy until
+    the episode ends (:func:`play_branch`); ``y = 1`` with the expert action as target only when
+    the expert branch is strictly better (``expert_better``), else ``y = 0`` with the draft kept
+    (``not_better``). ``s̄`` is the real observation right after the draft.
     """
     ep = Episode(ctx, game, episode_id, await env.reset(game))
-    prefix: list[str] = []
-    while not ep.current.done and ep.current.expert_action is not None:
-        expert = ep.current.expert_action
-        s = ep.state()
+    plan = await env.walkthrough()
+    while not ep.current.done and (expert := expert_plan_action(ep, plan)) is not None:
+        s, t, prefix = ep.state(), ep.stats.steps, list(ep.actions)
         draft, problem = await ctx.llm.draft(s)
         ep.stats.parse_problems += problem == "empty"
-        if draft is not None and canonical_action(draft) != canonical_action(expert):
-            outcome, d_after = await judge_revision(ctx, branch, game, prefix, draft, expert)
-            better = outcome == "better"
-            policy_v, wm_v = _versions(ctx.registry())
-            await ctx.emit({"type": "reflection", "id": f"{episode_id}:{ep.stats.steps}:r", "actor": ctx.actor,
-                            "game": game.name, "s": s, "a_draft": draft, "s_bar": d_after,
-                            "target": expert if better else draft, "y": int(better),
-                            "policy_version": policy_v, "wm_version": wm_v, "ts": time.time()})
-            ep.stats.reflections += 1
-        prefix.append(expert)
+        equal = draft is not None and canonical_action(draft) == canonical_action(expert)
+        s_bar = None
+        if draft is not None and not equal:
+            d_result, s_bar = await play_branch(branch, game, prefix, draft, plan)
+            e_result, _ = await play_branch(branch, game, prefix, expert, plan)
+            y, label = reflection_label(False, e_result, d_result)
         ep.advance(expert, await env.step(expert))
+        if draft is None:
+            continue
+        if equal:
+            y, label, s_bar = *reflection_label(True, None, None), ep.current.observation
+        policy_v, wm_v = _versions(ctx.registry())
+        await ctx.emit({"type": "reflection", "id": f"{episode_id}:{t}:r", "actor": ctx.actor,
+                        "game": game.name, "s": s, "a_draft": draft, "s_bar": s_bar,
+                        "target": expert if y else draft, "y": y, "label": label,
+                        "policy_version": policy_v, "wm_version": wm_v, "ts": time.time()})
+        ep.stats.reflections += 1
+        ep.stats.labels[label] = ep.stats.labels.get(label, 0) + 1
     return await ep.finish("reflect_init", False)
+
+
+async def judge_step(branch: Any, game: Any, prefix: list[str], a_draft: str, a_ref: str,
+                     plan: list[str]) -> tuple[int, int]:
+    """``(z_draft, z_ref)`` of one evaluated state: whether the branch started by the draft / by the
+    reflected action wins (same continuation, same horizon; one rollout when they are equal)."""
+    d_result, _ = await play_branch(branch, game, prefix, a_draft, plan)
+    if not a_ref.strip() or canonical_action(a_ref) == canonical_action(a_draft):
+        return int(d_result.won), int(d_result.won)
+    r_result, _ = await play_branch(branch, game, prefix, a_ref, plan)
+    return int(d_result.won), int(r_result.won)
 
 
 async def play_coevolve(ctx: EpisodeContext, env: Any, game: Any, episode_id: str, eval_mode: bool = False,
                         branch: Any = None) -> EpisodeStats:
     """The CoMap step: draft -> imagine -> reflect -> action gate -> act -> teacher -> transition.
 
-    With a ``branch`` environment (evaluation with reflection metrics), every revision the
-    reflection proposes (a refined action canonically different from the draft) is judged by
-    :func:`judge_revision` before the step is taken, whether the action gate executes it or not.
+    With a ``branch`` environment (evaluation with reflection metrics), every step is judged by
+    :func:`judge_step` before it is taken: ``(m, z_draft, z_ref)`` for URR, HRR and BRP.
     """
     g, llm = ctx.cfg.gates, ctx.llm
     ep = Episode(ctx, game, episode_id, await env.reset(game))
+    plan = await env.walkthrough() if branch is not None else []
     while not ep.current.done:
         o, s, t, expert = ep.current.observation, ep.state(), ep.stats.steps, ep.current.expert_action
         admissible = ep.current.admissible
         a_draft, problem = await llm.draft(s)
+        policy_v = llm.last_version("policy")  # the adapters that generated this step's fields
         if a_draft is None:  # unparseable draft: fall back to a harmless command, as the paper's agents do
             ep.stats.parse_problems += 1
             a_draft = "look"
         s_hat = await llm.imagine(s, a_draft)
+        wm_v = llm.last_version("wm")
         refl = await llm.reflect(s, a_draft, s_hat)
         ep.stats.parse_problems += refl.problem is not None
         gate = action_gate(refl.p_revise, refl.q_ref, refl.a_ref, a_draft, g.tau_p, g.tau_q)
         a_exec = refl.a_ref if gate.open else a_draft
-        if branch is not None and refl.a_ref.strip() and canonical_action(refl.a_ref) != canonical_action(a_draft):
-            prefix = [a for a, _ in ep.history]
-            outcome, _ = await judge_revision(ctx, branch, game, prefix, a_draft, refl.a_ref)
-            ep.stats.revision_outcomes.append((gate.open, outcome))
+        if branch is not None:
+            z_draft, z_ref = await judge_step(branch, game, list(ep.actions), a_draft, refl.a_ref, plan)
+            ep.stats.judged_steps.append((int(gate.open), z_draft, z_ref))
         ep.stats.revisions += gate.open
         ep.stats.invalid += bool(admissible) and a_exec not in admissible
         ep.advance(a_exec, await env.step(a_exec))
-        s_hat_exec = await llm.imagine(s, a_exec) if gate.open else s_hat
+        if gate.open:
+            s_hat_exec, wm_v = await llm.imagine(s, a_exec), llm.last_version("wm")
+        else:
+            s_hat_exec = s_hat
         s_hat_teacher = "" if eval_mode else await llm.teacher(s, a_exec, ep.current.observation)
-        prev, real = ctx.parse_facts(o), ctx.parse_facts(ep.current.observation)
-        if prev is not None and real is not None:
-            ep.stats.delta_f1.append(delta_f1(prev, ctx.parse_facts(s_hat_exec), real))
+        score = state_delta_f1(ctx.next_state, ep.facts_before, s_hat_exec, ep.current.observation)
+        if score is not None:
+            ep.stats.delta_f1.append(score)
         if not eval_mode:
             await ctx.emit(ep.transition(
                 "coevolve", t, o, s, a_draft=a_draft, s_hat=s_hat, decision=refl.decision, a_ref=refl.a_ref,
                 p_revise=refl.p_revise, q_ref=refl.q_ref, a_exec=a_exec, s_hat_exec=s_hat_exec,
-                s_hat_teacher=s_hat_teacher, expert_action=expert))
+                s_hat_teacher=s_hat_teacher, expert_action=expert, policy_version=policy_v, wm_version=wm_v))
     return await ep.finish("coevolve", eval_mode)

@@ -13,9 +13,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from actors.eval_report import label_counts, markdown, reflection_summary, summarize
 from comap_async.cli import add_config_arguments
 
 ROLES = ("policy", "wm", "wm_teacher")
@@ -24,17 +26,29 @@ ROLES = ("policy", "wm", "wm_teacher")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     p.add_argument("--split", required=True, help="train, valid_seen, valid_unseen or valid_train")
-    p.add_argument("--games", type=int, default=None, help="evaluate the first N games of the split (default: all)")
+    p.add_argument("--games", type=int, default=None,
+                   help="evaluate N games drawn with run.seed, spread over the task types (default: all)")
     p.add_argument("--data", default=None, help="ALFWorld data root (default: env.data_dir or $ALFWORLD_DATA)")
     p.add_argument("--adapters", default="latest",
                    help="adapter version to evaluate: a number, 'latest' (newest in the adapter root) or 'base'")
     p.add_argument("--out", required=True, help="directory for eval.json and eval.md")
     p.add_argument("--envs", type=int, default=None, help="concurrent episodes (default: actor.envs)")
     p.add_argument("--reflection-metrics", action="store_true",
-                   help="judge every revision the reflection proposes by two suffix rollouts (refined vs draft "
-                        "first, expert continuation for actor.suffix_horizon steps): URR, HRR, BRP")
+                   help="judge every evaluated step by two branches (draft first, reflected action first; the "
+                        "game's expert continues both until the episode ends): URR, HRR, BRP")
+    p.add_argument("--reflect-init-labels", action="store_true",
+                   help="instead of the CoMap loop, play reflection-mode initialisation on the split's walkthrough "
+                        "states with these adapters and report the label distribution (y=1, y=0 from equal drafts, "
+                        "y=0 from ties or worse); nothing is stored")
+    p.add_argument("--probes", action="store_true",
+                   help="instead of the CoMap loop, the held-out probes along each game's walkthrough (greedy): "
+                        "world-model Delta-F1 on the expert's and on seeded failure transitions, draft accuracy and "
+                        "admissible rate; last line wm_delta_f1=X draft_accuracy=Y admissible_rate=Z")
     p.add_argument("--serve", choices=("auto", "never", "always"), default="auto",
                    help="start an embedded inference server for this run: when none answers (auto), never, always")
+    p.add_argument("--serve-timeout", type=float, default=600.0, metavar="S",
+                   help="how long to wait for the server started for this run to answer (default 600 s: loading a "
+                        "model on a busy CPU takes minutes)")
 
 
 def resolve_version(spec: str, adapter_root: Path) -> int:
@@ -52,91 +66,93 @@ def resolve_version(spec: str, adapter_root: Path) -> int:
     return int(spec)
 
 
-def reflection_summary(outcomes: list[tuple[bool, str]], horizon: int) -> dict[str, Any]:
-    """URR, HRR, BRP from judged revisions ``(executed by the action gate, suffix outcome)``.
-
-    Our reading of the paper's reflection metrics (its appendix C.2 text was not available to us;
-    the counts are reported too, so other definitions can be computed from them):
-    URR, useful revision rate: executed revisions whose suffix does better than the draft's;
-    HRR, harmful revision rate: executed revisions whose suffix does worse;
-    BRP, beneficial revision pass rate: of the proposed revisions that would do better, the
-    share the action gate executed. ``None`` where the denominator is zero.
-    """
-    counts = {f"{side}_{o}": 0 for side in ("executed", "blocked") for o in ("better", "worse", "same")}
-    for executed, outcome in outcomes:
-        counts[f"{'executed' if executed else 'blocked'}_{outcome}"] += 1
-    executed = counts["executed_better"] + counts["executed_worse"] + counts["executed_same"]
-    beneficial = counts["executed_better"] + counts["blocked_better"]
-
-    def rate(num: int, den: int) -> float | None:
-        return num / den if den else None
-
-    return {"proposed": len(outcomes), "executed": executed, **counts,
-            "urr": rate(counts["executed_better"], executed), "hrr": rate(counts["executed_worse"], executed),
-            "brp": rate(counts["executed_better"], beneficial), "suffix_horizon": horizon}
-
-
-def summarize(results: list[tuple[Any, Any]], split: str, version: int, wall_s: float) -> dict[str, Any]:
-    n = len(results)
-    steps = [s.steps for _, s in results]
-    total_steps = max(1, sum(steps))
-    f1 = [x for _, s in results for x in s.delta_f1]
-    return {
-        "split": split, "adapter_version": version, "games": n,
-        "success_rate": sum(s.won for _, s in results) / n if n else 0.0,
-        "mean_steps": sum(steps) / n if n else 0.0,
-        "delta_f1": sum(f1) / len(f1) if f1 else None,
-        "delta_f1_transitions": len(f1),
-        "revision_rate": sum(s.revisions for _, s in results) / total_steps,
-        "invalid_action_rate": sum(s.invalid for _, s in results) / total_steps,
-        "wall_s": round(wall_s, 2),
-        "episodes": [{"game": g.name, "task_type": g.task_type, "won": s.won, "steps": s.steps,
-                      "revisions": s.revisions, "invalid": s.invalid} for g, s in results],
-    }
-
-
-def markdown(report: dict[str, Any]) -> str:
-    f1 = "n/a" if report["delta_f1"] is None else f"{report['delta_f1']:.3f}"
-
-    def num(x: float | None) -> str:
-        return "n/a" if x is None else f"{x:.3f}"
-
-    rows = [
-        f"# Evaluation: {report['split']} (adapters v{report['adapter_version']})", "",
-        "| games | success rate | mean steps | world-model Delta-F1 | revision rate | invalid-action rate |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
-        f"| {report['games']} | {report['success_rate']:.3f} | {report['mean_steps']:.1f} | {f1} | "
-        f"{report['revision_rate']:.3f} | {report['invalid_action_rate']:.3f} |", "",
-        "| game | won | steps | revisions |", "| --- | :---: | ---: | ---: |",
-    ]
-    rows += [f"| {e['game']} | {'yes' if e['won'] else 'no'} | {e['steps']} | {e['revisions']} |" for e in report["episodes"]]
-    r = report.get("reflection")
-    if r is not None:
-        rows += ["", f"Reflection (suffix rollouts, horizon {r['suffix_horizon']}):", "",
-                 "| proposed | executed | URR | HRR | BRP |", "| ---: | ---: | ---: | ---: | ---: |",
-                 f"| {r['proposed']} | {r['executed']} | {num(r['urr'])} | {num(r['hrr'])} | {num(r['brp'])} |"]
-    return "\n".join(rows) + "\n"
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-async def _evaluate(cfg: Any, args: argparse.Namespace, log: Any) -> dict[str, Any]:
+class _Recorder:
+    """Evaluation keeps its messages locally instead of sending them through the broker's outbox."""
+
+    def __init__(self, registry: dict[str, Any], on_game: Callable[[], None] | None) -> None:
+        self.registry, self.on_registry, self.messages, self.on_game = registry, None, [], on_game
+
+    async def put(self, msg: dict[str, Any]) -> None:
+        self.messages.append(msg)
+        if msg["type"] == "episode" and self.on_game is not None:
+            self.on_game()
+
+    async def flush(self, timeout: float | None = None) -> None:
+        return None
+
+
+async def play_games(cfg: Any, games: list, registry: dict[str, Any], log: Any, *, envs: int | None = None,
+                     on_step: Callable[[], None] | None = None, on_game: Callable[[], None] | None = None,
+                     reflection_metrics: bool = False, phase: str = "coevolve") -> tuple[list, list[dict[str, Any]]]:
+    """Play each game once with the adapters ``registry`` names (``phase``: the CoMap loop, or
+    reflection-mode initialisation for its labels); nothing is stored. Returns the
+    ``(game, EpisodeStats)`` results and the messages the episodes produced."""
+    from actors.worker import ActorWorker
+
+    worker = ActorWorker(cfg, log, envs=envs, episodes=len(games), eval_mode=True, games=games,
+                         reflection_metrics=reflection_metrics, eval_phase=phase, on_step=on_step)
+    recorder = _Recorder(registry, on_game)
+    results = await worker.run(outbox=recorder)
+    return results, recorder.messages
+
+
+class ServerStartError(RuntimeError):
+    """The inference server started for this evaluation never answered (or exited)."""
+
+
+def server_command(args: argparse.Namespace, overrides: list[str], port: int) -> list[str]:
+    """The command line of the embedded server an evaluation starts for itself."""
+    return [sys.executable, "-m", "comap_async", "serve", *(["--config", args.config] if args.config else []),
+            *sum((["--set", o] for o in overrides), []), "--set", f"inference.port={port}"]
+
+
+async def wait_for_server(cfg: Any, proc: subprocess.Popen, timeout_s: float, log: Any) -> None:
+    """Wait until the server this evaluation started answers ``/v1/models``, as the other processes
+    wait for theirs (one ``eval.waiting`` line every 10 s); a server that exits or stays silent for
+    ``timeout_s`` raises :class:`ServerStartError` with the reason."""
+    from comap_async.inference.client import InferenceClient
+
+    t0 = last = time.monotonic()
+    async with InferenceClient.from_config(cfg, retries=0) as client:
+        while True:
+            if proc.poll() is not None:
+                raise ServerStartError(f"the inference server started for this evaluation exited with code "
+                                       f"{proc.returncode} before answering (its log is above)")
+            try:
+                await client.models()
+                log.info("eval.server_ready", waited_s=round(time.monotonic() - t0, 1))
+                return
+            except Exception as exc:  # not up yet: the reason is logged, not lost
+                waited = time.monotonic() - t0
+                if waited > timeout_s:
+                    raise ServerStartError(f"the inference server started for this evaluation did not answer within "
+                                           f"{timeout_s:.0f} s (--serve-timeout); last error: {str(exc)[:200]}") from None
+                if time.monotonic() - last >= 10:
+                    log.info("eval.waiting", target="inference", waited_s=round(waited), reason=str(exc)[:200])
+                    last = time.monotonic()
+            await asyncio.sleep(0.5)
+
+
+async def _evaluate(cfg: Any, args: argparse.Namespace, log: Any, server: subprocess.Popen | None = None) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from actors.episodes import EpisodeStats
-    from actors.worker import ActorWorker
     from comap_async.envs import games_from_config
+    from comap_async.envs.base import spread_sample
     from comap_async.inference.client import InferenceClient
 
     games = games_from_config(cfg.model_copy(update={"env": cfg.env.model_copy(update={"max_games": None})}), args.split)
-    games = sorted(games, key=lambda g: g.name)[: args.games or None]
+    games = spread_sample(games, args.games, cfg.run.seed)
     if not games:
         raise ValueError(f"no games in split {args.split!r}")
     version = resolve_version(args.adapters, cfg.adapter_root)
+    if server is not None:
+        await wait_for_server(cfg, server, args.serve_timeout, log)
     client = InferenceClient.from_config(cfg)
     try:
         if version:
@@ -149,30 +165,36 @@ async def _evaluate(cfg: Any, args: argparse.Namespace, log: Any) -> dict[str, A
     registry = {"phase": "coevolve", "versions": {r: version for r in ROLES},
                 "adapters": {r: f"{r}-v{version}" for r in ROLES} if version else {}, "step": 0}
 
-    class _Recorder:  # evaluation keeps its episode records locally instead of the broker's outbox
-        def __init__(self) -> None:
-            self.registry, self.on_registry, self.messages = registry, None, []
-
-        async def put(self, msg: dict[str, Any]) -> None:
-            self.messages.append(msg)
-            if msg["type"] == "episode":
-                bar.update(1)
-
-        async def flush(self, timeout: float | None = None) -> None:
-            return None
-
     bar = tqdm(total=len(games), desc=f"eval {args.split}", unit="game", file=sys.stderr)
-    worker = ActorWorker(cfg, log, envs=args.envs, episodes=len(games), eval_mode=True, split=args.split, games=games,
-                         reflection_metrics=args.reflection_metrics)
     t0 = time.time()
+    steps = [0]
+
+    def on_step() -> None:  # the bar moves with environment steps too: a game can take minutes on a CPU
+        steps[0] += 1
+        bar.set_postfix_str(f"steps={steps[0]} ({steps[0] / max(time.time() - t0, 1e-9):.2f}/s)")
+
+    if args.probes:
+        from actors.probes import run_probes
+
+        try:
+            probes = await run_probes(cfg, games, registry, log, on_game=lambda: bar.update(1), on_step=on_step)
+        finally:
+            bar.close()
+        return {"split": args.split, "adapter_version": version, "games": len(games), "probes": probes,
+                "wall_s": round(time.time() - t0, 2), "game_names": [g.name for g in games]}
+
     try:
-        results: list[tuple[Any, EpisodeStats]] = await worker.run(outbox=_Recorder())
+        results, messages = await play_games(cfg, games, registry, log, envs=args.envs, on_step=on_step,
+                                             on_game=lambda: bar.update(1), reflection_metrics=args.reflection_metrics,
+                                             phase="reflect_init" if args.reflect_init_labels else "coevolve")
     finally:
         bar.close()
     report = summarize(results, args.split, version, time.time() - t0)
+    if args.reflect_init_labels:
+        report["reflect_init_labels"] = label_counts(m for m in messages if m["type"] == "reflection")
     if args.reflection_metrics:
-        outcomes = [o for _, s in results for o in s.revision_outcomes]
-        report["reflection"] = reflection_summary(outcomes, cfg.actor.suffix_horizon)
+        judged = [j for _, s in results for j in s.judged_steps]
+        report["reflection"] = reflection_summary(judged, cfg.env.max_steps)
     return report
 
 
@@ -187,28 +209,41 @@ def run(args: argparse.Namespace) -> int:
     if args.serve != "never":
         from comap_async.inference.client import InferenceClient
 
-        reachable = args.serve == "auto" and asyncio.run(_probe(InferenceClient.from_config(cfg)))
+        reachable = args.serve == "auto" and asyncio.run(_probe(InferenceClient.from_config(cfg, retries=0)))
         if not reachable:
             port = _free_port()
             cfg = load_config(args.config, overrides + [f"inference.port={port}",
                                                         f"inference.endpoints=['http://127.0.0.1:{port}']"])
-            server = subprocess.Popen([sys.executable, "-m", "comap_async", "serve", *(["--config", args.config] if args.config else []),
-                                       *sum((["--set", o] for o in overrides), []), "--set", f"inference.port={port}"])
+            server = subprocess.Popen(server_command(args, overrides, port))
             log.info("eval.started_server", port=port, pid=server.pid)
     try:
-        report = asyncio.run(_evaluate(cfg, args, log))
-    except ValueError as exc:  # bad split, no games, unknown adapter version: the user's to fix
+        report = asyncio.run(_evaluate(cfg, args, log, server))
+    except (ValueError, ServerStartError) as exc:  # bad split, unknown version, no server: one clear line
         print(f"comap eval: error: {exc}", file=sys.stderr)
         return 2
     finally:
         if server is not None:
             server.terminate()
-            server.wait(timeout=30)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(report, indent=2))
+    if "probes" in report:
+        from actors.probes import probe_line
+
+        log.info("eval.done", out=str(out), **{k: v for k, v in report["probes"].items() if not isinstance(v, list)})
+        print(probe_line(report["probes"]))
+        return 0
     (out / "eval.md").write_text(markdown(report))
     print(markdown(report).split("\n\n")[1])
+    if "reflect_init_labels" in report:
+        from comap_async.commands.stats import label_line
+
+        print("reflect_init " + label_line(report["reflect_init_labels"]))
     log.info("eval.done", out=str(out), success_rate=report["success_rate"], games=report["games"])
     return 0
 

@@ -3,11 +3,20 @@
 Which adapter serves a role comes from the broker's registry (riding on every ack); before the
 first publish every role is the base model. Parsing is tolerant: what could not be parsed comes
 back as ``None`` with a ``problem`` the caller counts, never an exception.
+
+Version stamping: the registry can change between two calls of one step, so a transition is
+stamped with the adapter that actually generated each field. After a call, ``last_version(role)``
+(``last_model(role)``) is the version (name) that call used; it is task-local (a ContextVar), so
+concurrent episodes of one actor, each its own asyncio task, never see each other's calls. (A
+call run in a task of its own, e.g. under ``asyncio.gather``, records in that task's context:
+read its version there.)
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +25,19 @@ from comap_async.prompts import FINAL_PREFIX, Prompts, parse_action, parse_refle
 
 STOP_ACTION = ["\n", "<|im_end|>"]
 STOP_STATE = ["<|im_end|>", "\n\n"]
+TEACHER_TEMPERATURE = 0.0
+"""The EMA teacher predicts greedily: its prediction is the world-state gate's reference."""
+
+_ADAPTER_VERSION = re.compile(r"-v(\d+)$")
+# role -> the model name this task's most recent call for that role used (copied on write, so a
+# task never changes a mapping another task sees)
+_LAST_MODEL: ContextVar[dict[str, str]] = ContextVar("comap_last_model", default={})
+
+
+def adapter_version(model: str) -> int:
+    """The adapter version a served model name denotes: ``f"{role}-v{n}"`` -> n; the base model -> 0."""
+    m = _ADAPTER_VERSION.search(model or "")
+    return int(m.group(1)) if m else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,8 +53,9 @@ def _choice(resp: dict[str, Any]) -> dict[str, Any]:
     return resp["choices"][0]
 
 
-def action_token_logprobs(text: str, tokens: list[str], token_logprobs: list[float | None]) -> list[float]:
-    """Logprobs of the tokens that spell the action after ``Final Action:`` (up to the line end)."""
+def action_token_spans(text: str, tokens: list[str]) -> list[tuple[int, int]]:
+    """(index, end offset in ``text``) of each token that spells the action after ``Final Action:``
+    (up to the line end); the end offset is clipped to the line end."""
     at = text.find(FINAL_PREFIX)
     if at < 0:
         return []
@@ -40,12 +63,18 @@ def action_token_logprobs(text: str, tokens: list[str], token_logprobs: list[flo
     end = text.find("\n", start)
     end = len(text) if end < 0 else end
     out, offset = [], 0
-    for tok, lp in zip(tokens, token_logprobs):
+    for i, tok in enumerate(tokens):
         tok_start, offset = offset, offset + len(tok)
         # a token counts when it carries action characters (not only the spaces after the colon)
-        if tok_start < end and offset > start and text[max(tok_start, start):min(offset, end)].strip() and lp is not None:
-            out.append(lp)
+        if tok_start < end and offset > start and text[max(tok_start, start):min(offset, end)].strip():
+            out.append((i, min(offset, end)))
     return out
+
+
+def action_token_logprobs(text: str, tokens: list[str], token_logprobs: list[float | None]) -> list[float]:
+    """Logprobs of the tokens that spell the action after ``Final Action:`` (up to the line end)."""
+    spans = action_token_spans(text, tokens[:len(token_logprobs)])
+    return [lp for i, _ in spans if (lp := token_logprobs[i]) is not None]
 
 
 class AgentLLM:
@@ -62,16 +91,33 @@ class AgentLLM:
     def model_for(self, role: str) -> str:
         return self.adapters.get(role) or self.base_model
 
+    @staticmethod
+    def last_model(role: str) -> str | None:
+        """The model name (adapter or base model) this task's most recent ``role`` call used, or
+        None when this task has made none."""
+        return _LAST_MODEL.get().get(role)
+
+    @staticmethod
+    def last_version(role: str) -> int | None:
+        """The adapter version (base model = 0) this task's most recent ``role`` call used, or None
+        when this task has made none. Roles: ``policy`` (draft, reflect), ``wm`` (imagine),
+        ``wm_teacher`` (teacher)."""
+        model = _LAST_MODEL.get().get(role)
+        return None if model is None else adapter_version(model)
+
     async def _complete(self, role: str, prompt: str, max_tokens: int, stop: list[str], temperature: float,
                         logprobs: int | None = None) -> dict[str, Any]:
         from comap_async.inference.client import InferenceError
 
         for attempt in (0, 1):
+            model = self.model_for(role)
             try:
-                return _choice(await self.client.complete(
-                    prompt=prompt, model=self.model_for(role), max_tokens=max_tokens, temperature=temperature,
+                choice = _choice(await self.client.complete(
+                    prompt=prompt, model=model, max_tokens=max_tokens, temperature=temperature,
                     top_p=self.cfg.top_p, stop=stop, logprobs=logprobs,
                 ))
+                _LAST_MODEL.set({**_LAST_MODEL.get(), role: model})
+                return choice
             except InferenceError as exc:
                 # The learner retires old adapter versions; an actor whose last ack predates two publishes
                 # asks for one that is gone (404). Fetch the current registry and retry once.
@@ -83,32 +129,43 @@ class AgentLLM:
 
     async def draft(self, state: str) -> tuple[str | None, str | None]:
         """(action, problem); action None when the output had no usable line."""
-        c = await self._complete("policy", self.prompts.draft(state), self.cfg.max_action_tokens, STOP_ACTION,
+        c = await self._complete("policy", self.prompts.draft(state), self.cfg.max_draft_tokens, STOP_ACTION,
                                  self.cfg.temperature)
         parsed = parse_action(c["text"])
         return parsed.value, parsed.problem
 
     async def imagine(self, state: str, action: str) -> str:
-        """The world model's (student's) predicted observation; greedy for a stable gate input."""
-        c = await self._complete("wm", self.prompts.world_model(state, action), self.cfg.max_state_tokens, STOP_STATE, 0.0)
+        """The world model's (student's) predicted observation, sampled at ``actor.wm_temperature``:
+        it is the rollout self-distillation trains on (``s_hat_exec``), as in the paper."""
+        c = await self._complete("wm", self.prompts.world_model(state, action), self.cfg.max_wm_tokens, STOP_STATE,
+                                 self.cfg.wm_temperature)
         return c["text"].strip()
 
     async def teacher(self, state: str, action: str, real_next: str) -> str:
+        """The EMA teacher's prediction given the real next state (greedy: the gate's reference)."""
         c = await self._complete("wm_teacher", self.prompts.teacher(state, action, real_next),
-                                 self.cfg.max_state_tokens, STOP_STATE, 0.0)
+                                 self.cfg.max_wm_tokens, STOP_STATE, TEACHER_TEMPERATURE)
         return c["text"].strip()
 
     async def reflect(self, state: str, a_draft: str, s_hat: str) -> Reflected:
         c = await self._complete("policy", self.prompts.reflect(state, a_draft, s_hat),
-                                 self.cfg.max_action_tokens + 8, ["<|im_end|>"], self.cfg.temperature, self.cfg.logprobs)
+                                 self.cfg.max_reflection_tokens, ["<|im_end|>"], self.cfg.temperature, self.cfg.logprobs)
         text = c["text"]
         lp = c.get("logprobs") or {}
         tops = lp.get("top_logprobs") or []
+        tokens, token_lps = lp.get("tokens") or [], lp.get("token_logprobs") or []
+        # the final action's own budget (the paper: 16 new tokens): a longer one is cut to its first tokens
+        spans = action_token_spans(text, tokens[:len(token_lps)])
+        budget = self.cfg.max_final_action_tokens
+        truncated = len(spans) > budget
+        if truncated:
+            cut = spans[budget - 1][1]
+            text, tokens, token_lps = text[:cut], tokens[:spans[budget - 1][0] + 1], token_lps[:spans[budget - 1][0] + 1]
         r = parse_reflection(text)
         p_revise = revise_probability(tops[0] if tops else None)
-        problem = r.problem
+        problem = r.problem or ("final_action_truncated" if truncated else None)
         if p_revise is None:
             p_revise, problem = 0.0, problem or "no_decision_logprob"
         a_ref = r.final_action or a_draft
-        q_ref = sequence_confidence(action_token_logprobs(text, lp.get("tokens") or [], lp.get("token_logprobs") or []))
+        q_ref = sequence_confidence(action_token_logprobs(text, tokens, token_lps))
         return Reflected(r.decision or "KEEP", a_ref, p_revise, q_ref, problem)

@@ -9,7 +9,6 @@ outage simply fills the outbox, which pauses the loops (backpressure) until acks
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import random
 import socket
@@ -52,12 +51,15 @@ class ActorMetrics:
 class ActorWorker:
     def __init__(self, cfg: Any, log: Any, envs: int | None = None, episodes: int | None = None,
                  eval_mode: bool = False, split: str | None = None, games: list | None = None,
-                 reflection_metrics: bool = False) -> None:
+                 reflection_metrics: bool = False, eval_phase: str = "coevolve",
+                 on_step: Any = None) -> None:
         self.cfg, self.log = cfg, log
         self.n_envs = envs or cfg.actor.envs
         self.episode_budget = episodes
         self.eval_mode = eval_mode
-        self.reflection_metrics = reflection_metrics  # evaluation: judge proposed revisions by suffix rollouts
+        self.reflection_metrics = reflection_metrics  # evaluation: judge every step by two branches
+        self.eval_phase = eval_phase  # evaluation plays the CoMap loop, or reflection-mode initialisation
+        self.on_step = on_step  # called after every environment step (evaluation's progress bar)
         self.split = split
         self.games = games
         self.actor_id = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns() % 10**9}"
@@ -93,12 +95,17 @@ class ActorWorker:
                 self._warmup_played += 1
             version = int((registry.get("versions") or {}).get("policy", 0)) if registry else 0
             try:
-                if self.eval_mode:
+                if self.eval_mode and self.eval_phase == "reflect_init":  # labels only, nothing trained
+                    branch = branch or pool.env()
+                    stats = await play_reflect_init(ctx, env, branch, game, episode_id)
+                elif self.eval_mode:
                     if self.reflection_metrics:
                         branch = branch or pool.env()
                     stats = await play_coevolve(ctx, env, game, episode_id, eval_mode=True, branch=branch)
                 elif phase == "warmup":
-                    stats = await play_expert(ctx, env, game, episode_id)
+                    if self.cfg.actor.warmup_explore > 0:  # exploratory actions run on a second environment
+                        branch = branch or pool.env()
+                    stats = await play_expert(ctx, env, game, episode_id, branch=branch)
                 elif phase == "reflect_init":
                     branch = branch or pool.env()
                     stats = await play_reflect_init(ctx, env, branch, game, episode_id)
@@ -137,7 +144,7 @@ class ActorWorker:
             self.log.info("actor.metrics", **self.metrics.summary())
 
     async def run(self, outbox: Any = None) -> list[tuple[Any, EpisodeStats]]:
-        from comap_async.envs import env_pool_from_config, games_from_config, get_fact_parser
+        from comap_async.envs import env_pool_from_config, games_from_config, get_next_state
         from comap_async.inference.client import InferenceClient
         from comap_async.models import resolve_model
         from comap_async.prompts import ChatTemplate, Prompts
@@ -175,9 +182,8 @@ class ActorWorker:
         try:
             llm.base_model = await self._base_model(client)
             await pool.start()
-            # a step's observation is the next step's previous one: parse each text once (facts are frozen)
-            parse_facts = functools.lru_cache(maxsize=256)(get_fact_parser(cfg.env.name))
-            ctx = EpisodeContext(self.actor_id, cfg, llm, outbox.put, parse_facts, lambda: outbox.registry or {})
+            ctx = EpisodeContext(self.actor_id, cfg, llm, outbox.put, get_next_state(cfg.env.name),
+                                 lambda: outbox.registry or {}, self.on_step)
             rng = random.Random(f"{cfg.run.seed}-{self.actor_id}")
             loops = [asyncio.create_task(self._episode_loop(ctx, pool, games, rng, i)) for i in range(self.n_envs)]
             stopper = asyncio.create_task(self.stop.wait())

@@ -69,3 +69,14 @@ def write_random_adapters(model_dir: str, root: Path, names: list[str], r: int =
         model.save_pretrained(str(root / name))
         out.append(root / name)
     return out
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """SIGTERM a process started with ``start_new_session=True`` and its children; SIGKILL after ``timeout_s``."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)

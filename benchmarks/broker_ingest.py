@@ -45,6 +45,12 @@ OBS = ("You arrive at countertop {k}. On the countertop {k}, you see a apple {a}
 PICK = "You pick up the apple {a} from the countertop {k}."
 
 
+def OBS_FACTS(text: str) -> frozenset[str]:  # noqa: N802 - a constant-like helper
+    from comap_async.envs.alfworld_facts import parse_facts
+
+    return parse_facts(text)
+
+
 def make_messages(n: int, text_bytes: int) -> list[bytes]:
     out = []
     for i in range(n):
@@ -56,6 +62,10 @@ def make_messages(n: int, text_bytes: int) -> list[bytes]:
         s = hist + "Admissible: " + ", ".join(f"take {x} {f['a']} from countertop {f['k']}" for x in
                                               ("apple", "bread", "egg", "knife", "mug", "plate"))
         pick = PICK.format(**f)
+        # the actor's fact state before the action: what the observation says plus what earlier
+        # steps showed elsewhere (~30 facts, a mid-episode state)
+        facts = sorted(OBS_FACTS(o) | {f"in(cd {i % 7 + j}, drawer {j})" for j in range(1, 15)}
+                       | {f"closed(cabinet {j})" for j in range(1, 5)})
         msg = {"v": 1, "type": "transition", "seq": i, "id": f"bench:ep{i // 50}:{i % 50}-{i}", "actor": "bench",
                "env": "alfworld", "game": "train/pick_clean_then_place/trial_1", "split": "train",
                "episode": f"bench:ep{i // 50}", "t": i % 50, "o": o, "phase": "coevolve",
@@ -65,7 +75,7 @@ def make_messages(n: int, text_bytes: int) -> list[bytes]:
                "q_ref": ((i * 7) % 10) / 10, "a_exec": f"take apple {f['a']} from countertop {f['k']}",
                "s_hat_exec": pick, "s_hat_teacher": pick if i % 4 else "Nothing happens.", "s_next": pick,
                "reward": 0.0, "done": False, "won": False, "expert_action": None, "policy_version": 1,
-               "wm_version": 1, "ts": time.time()}
+               "wm_version": 1, "ts": time.time(), "facts": facts}
         text = sum(len(v) for v in msg.values() if isinstance(v, str))
         if text < text_bytes:  # pad the rendered state up to the target text size
             msg["s"] += "\n" + "You see nothing special. " * ((text_bytes - text) // 25)

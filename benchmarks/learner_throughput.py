@@ -1,26 +1,54 @@
-"""Training tokens/s of the learner step (world model CE+KL and policy losses) on realistic records.
+"""Training tokens/s and peak RSS of the learner step (world model CE+KL and policy losses) on
+realistic records: the learner as configured (configs/local.yaml: ``learner.fast_path``,
+``learner.autocast``, ``learner.gradient_checkpointing``) against the reference path (fp32,
+activation checkpointing, full-vocabulary logits over a window, one pass per kind of row).
 
-    python benchmarks/learner_throughput.py [--model smollm2-135m-instruct|tiny|DIR] [--steps 6]
+    python benchmarks/learner_throughput.py [--model smollm2-135m-instruct|tiny|DIR] [--steps 3] [--rounds 2]
+    python benchmarks/learner_throughput.py --variants reference,new --rounds 1 --steps 1   # quick look
     python benchmarks/learner_throughput.py --qwen3-4b-shape   # random Qwen3-4B-shaped model, GPU only
 
-Last line: ``learner_tokens_per_s=X``.
+Every variant runs in its own child process (its peak RSS is its own); the reference and the new
+path alternate round by round, so a machine that gets busier or quieter affects both alike.
+Each child times ``--steps`` steps after one untimed warm-up step. The same records make the
+same training tokens in every variant (the sequences' own lengths: the fast path computes fewer
+positions for them, that is its point), so tokens/s ratios are step-time ratios. Variants at more
+than one torch thread are reported apart and are not part of the headline.
+
+Last line: ``learner_tokens_per_s=X reference_tokens_per_s=Y speedup=Z``.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import json
+import os
+import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 OBS = ("You arrive at countertop 1. On the countertop 1, you see a apple 1, a bread 1, a butterknife 2, "
        "a cup 1, a dishsponge 1, a egg 2, a knife 1, a lettuce 1, a mug 2, a peppershaker 1, and a spatula 1.")
 
+# name -> (learner overrides on top of the config's learner section, torch threads, description)
+REFERENCE = {"fast_path": False, "autocast": "off", "gradient_checkpointing": True}
+VARIANTS = {
+    "reference": (REFERENCE, 1, "today's path: fp32, activation checkpointing, window logits"),
+    "reference-no-ckpt": ({**REFERENCE, "gradient_checkpointing": False}, 1, "the same without checkpointing"),
+    "fast-fp32": ({"fast_path": True, "autocast": "off", "gradient_checkpointing": False}, 1,
+                  "fast path in fp32, no checkpointing"),
+    "new": ({}, 1, "the learner as configured"),
+    "new-2-threads": ({}, 2, "as configured, 2 torch threads (not in the headline)"),
+}
+HEADLINE = ("reference", "new")
+LOSSES = ("wm/ce", "wm/kl", "policy/draft_ce", "policy/reflect_ce", "policy/bce")
 
-def records(i: int) -> dict:
+
+def records(i: int) -> tuple[dict, dict, dict]:
     from comap_async.prompts import render_state
 
     hist = [("go to countertop 1", OBS), ("take apple 1 from countertop 1", "You pick up the apple 1 from the countertop 1."),
@@ -28,60 +56,149 @@ def records(i: int) -> dict:
     s = render_state("put a clean apple in fridge.", hist, OBS, ["go to fridge 1", "clean apple 1 with sinkbasin 1", "look",
                                                                   "inventory", "examine countertop 1"] * 3, k=3)
     wm = {"s": s + f" ({i})", "a_exec": "go to fridge 1", "s_next": "You arrive at fridge 1. The fridge 1 is closed.",
-          "s_hat_exec": "You arrive at fridge 1. The fridge 1 is open. In it, you see a egg 1."}
+          "s_hat_exec": "You arrive at fridge 1. The fridge 1 is open. In it, you see a egg 1.",
+          "o": "You arrive at sinkbasin 1. On the sinkbasin 1, you see nothing."}
     demo = {"s": s, "target": "clean apple 1 with sinkbasin 1"}
     refl = {"s": s, "a_draft": "go to fridge 1", "s_bar": "You arrive at fridge 1. The fridge 1 is closed.",
             "target": "clean apple 1 with sinkbasin 1", "y": i % 2}
     return wm, demo, refl
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--cache-dir", default="~/.cache/comap-async/models")
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--device", default="cuda" if "--qwen3-4b-shape" in sys.argv else "cpu")
-    ap.add_argument("--qwen3-4b-shape", action="store_true", help="random model with Qwen3-4B's shapes (needs a GPU)")
-    args = ap.parse_args()
+def peak_rss_gb() -> float:
+    """This process's peak resident set (VmHWM; ru_maxrss where /proc is missing)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9
 
-    import torch
+
+def learner_config(args: argparse.Namespace, overrides: dict):
+    import yaml
 
     from comap_async.config import LearnerConfig
+
+    section = (yaml.safe_load(Path(args.config).read_text()) or {}).get("learner") or {}
+    return LearnerConfig(**{**section, "batch_size": args.batch_size, "device": args.device, **overrides})
+
+
+def child(args: argparse.Namespace) -> None:
+    """Run one variant: load, one warm-up step, ``--steps`` timed steps; print one RESULT line."""
+    import torch
+
     from comap_async.models import load_model_and_tokenizer, resolve_model
     from comap_async.prompts import ChatTemplate, Prompts
     from learner.batches import Encoder
     from learner.model import build_peft_model
     from learner.trainer import Trainer
 
-    torch.set_num_threads(1)
+    overrides, threads, _ = VARIANTS[args.child]
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
     path = resolve_model(args.model, args.cache_dir)
     base, tok = load_model_and_tokenizer(path, device=args.device)
     if args.qwen3_4b_shape:
-        if not torch.cuda.is_available():
-            raise SystemExit("--qwen3-4b-shape needs a GPU")
         from transformers import AutoConfig, AutoModelForCausalLM
 
         cfg4b = AutoConfig.for_model("qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=len(tok))
         base = AutoModelForCausalLM.from_config(cfg4b, dtype=torch.bfloat16).to(args.device)
-    cfg = LearnerConfig(batch_size=args.batch_size, max_seq_len=1024, device=args.device)
+    cfg = learner_config(args, overrides)
     model = build_peft_model(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules,
                              cfg.gradient_checkpointing)
     trainer = Trainer(model, Encoder(tok, Prompts(ChatTemplate.from_model_dir(path)), cfg.max_seq_len), cfg, args.device)
     rows = [records(i) for i in range(args.batch_size)]
     mb = {"transitions": [r[0] for r in rows], "demos": [r[1] for r in rows], "reflections": [r[2] for r in rows]}
-    trainer.train_step([mb])  # warm-up (allocations, lazy init)
-    rates, t0, tokens = [], time.perf_counter(), 0
+    # the warm-up step (allocations, lazy init): the adapters' B matrices are still zero, so its
+    # losses are the base model's, the same in every variant up to the matmul precision
+    first = trainer.train_step([mb])
+    tokens, t0 = 0, time.perf_counter()
     for _ in range(args.steps):
-        m = trainer.train_step([mb])
-        rates.append(m["learner/tokens_per_s"])
-        tokens += m["learner/tokens"]
-    dt = time.perf_counter() - t0
-    print(f"model={args.model if not args.qwen3_4b_shape else 'qwen3-4b-shape'} device={args.device} "
-          f"batch_size={args.batch_size} tokens_per_step={tokens // args.steps} step_s={dt / args.steps:.2f} "
-          f"median_step_tokens_per_s={statistics.median(rates):.0f}")
-    print(f"learner_tokens_per_s={tokens / dt:.0f}")
+        tokens += trainer.train_step([mb])["learner/tokens"]
+    seconds = time.perf_counter() - t0
+    if args.device == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 1e9
+    else:
+        peak = peak_rss_gb()
+    print("RESULT " + json.dumps({
+        "tokens": tokens, "seconds": seconds, "steps": args.steps, "peak_gb": peak, "threads": threads,
+        "autocast": str(trainer.amp_dtype).replace("torch.", "") if trainer.amp_dtype else "fp32",
+        "fast_path": cfg.fast_path, "checkpointing": cfg.gradient_checkpointing,
+        "losses": {k: first[k] for k in LOSSES if k in first}}), flush=True)
+
+
+def run_child(args: argparse.Namespace, variant: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", variant, "--model", args.model, "--cache-dir", args.cache_dir,
+           "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--device", args.device,
+           "--config", args.config] + (["--qwen3-4b-shape"] if args.qwen3_4b_shape else [])
+    threads = str(VARIANTS[variant][1])
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise SystemExit(f"variant {variant} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--cache-dir", default="~/.cache/comap-async/models")
+    gpu_shape = "--qwen3-4b-shape" in sys.argv
+    ap.add_argument("--config", default=str(ROOT / "configs" / ("alfworld-qwen3-4b.yaml" if gpu_shape else "local.yaml")),
+                    help="its learner section is the new path (the reference overrides fast_path, autocast, "
+                         "checkpointing); default configs/local.yaml (with --qwen3-4b-shape: alfworld-qwen3-4b.yaml)")
+    ap.add_argument("--batch-size", type=int, default=2, help="samples per store (configs/local.yaml: 2)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per child process")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating reference/new rounds for the headline")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--device", default="cuda" if gpu_shape else "cpu")
+    ap.add_argument("--qwen3-4b-shape", action="store_true", help="random model with Qwen3-4B's shapes (needs a GPU)")
+    ap.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+    if args.qwen3_4b_shape:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--qwen3-4b-shape needs a GPU")
+    wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in wanted if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    results: dict[str, list[dict]] = {v: [] for v in wanted}
+    headline = [v for v in HEADLINE if v in wanted]
+    for r in range(args.rounds):  # reference and new alternate; the order flips every round
+        for v in headline if r % 2 == 0 else headline[::-1]:
+            results[v].append(run_child(args, v))
+    for v in wanted:
+        if v not in headline:
+            results[v].append(run_child(args, v))
+
+    model = "qwen3-4b-shape" if args.qwen3_4b_shape else args.model
+    mem = "peak_gpu_gb" if args.device == "cuda" else "peak_rss_gb"
+    print(f"model={model} device={args.device} batch_size={args.batch_size} steps={args.steps} rounds={args.rounds} "
+          f"cpu_count={os.cpu_count()}")
+    rate = {}
+    for v in wanted:
+        res = results[v]
+        tokens, seconds = sum(x["tokens"] for x in res), sum(x["seconds"] for x in res)
+        steps = sum(x["steps"] for x in res)
+        rate[v] = tokens / seconds
+        x = res[0]
+        losses = " ".join(f"{k}={val:.4f}" for k, val in x["losses"].items())
+        print(f"variant={v} tokens_per_s={rate[v]:.1f} step_s={seconds / steps:.2f} tokens_per_step={tokens // steps} "
+              f"{mem}={max(y['peak_gb'] for y in res):.2f} threads={x['threads']} precision={x['autocast']} "
+              f"fast_path={x['fast_path']} checkpointing={x['checkpointing']} runs={len(res)} first_step: {losses}")
+    if "reference" in rate and "new" in rate:
+        print(f"learner_tokens_per_s={rate['new']:.1f} reference_tokens_per_s={rate['reference']:.1f} "
+              f"speedup={rate['new'] / rate['reference']:.2f}")
+    elif "new" in rate:
+        print(f"learner_tokens_per_s={rate['new']:.1f}")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_config_arguments(p)
     p.add_argument("--replay-dir", default=None, help="LMDB directory (default: <run dir>/replay)")
-    p.add_argument("--fact-parser", default=None, metavar="MODULE:FUNCTION",
-                   help="fact parser for the world-state gate (default: the one of env.name)")
+    p.add_argument("--state-facts", default=None, metavar="MODULE:FUNCTION",
+                   help="the fact-state update next_state(state, text) of the world-state gate "
+                        "(default: the one of env.name)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from comap_async.logsetup import configure_logging
 
     from broker.gate_worker import pool_spec
-    from broker.ingest import load_fact_parser
+    from broker.ingest import load_next_state
     from broker.keys import KeysError, load_server_keys
     from broker.server import Broker
 
@@ -41,14 +42,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         keys = load_server_keys(b.keys_dir) if b.curve else None
-        parser = load_fact_parser(cfg.env.name, args.fact_parser)
+        next_state = load_next_state(cfg.env.name, args.state_facts)
     except (KeysError, RuntimeError, ValueError, ImportError, AttributeError) as exc:
         print(f"comap broker: error: {exc}", file=sys.stderr)
         return 2
 
     async def main() -> int:
-        broker = Broker(cfg, parser, log, keys, replay_dir=args.replay_dir,
-                        gate_spec=pool_spec(cfg, cfg.env.name, args.fact_parser))
+        broker = Broker(cfg, next_state, log, keys, replay_dir=args.replay_dir,
+                        gate_spec=pool_spec(cfg, cfg.env.name, args.state_facts))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, broker.stopping.set)

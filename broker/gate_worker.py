@@ -35,7 +35,7 @@ from comap_async.config import GateConfig
 from comap_async.gctune import tune_gc_for_throughput
 from comap_async.protocol import ProtocolError, decode, error_reason
 
-from broker.ingest import ACTOR_TYPES, Ingest, best_effort_int, load_fact_parser
+from broker.ingest import ACTOR_TYPES, Ingest, best_effort_int, load_next_state
 from broker.stats import reject_category
 from broker.store import WriteItem
 
@@ -93,7 +93,7 @@ def _prepare_one(raw: bytes, ingest: Ingest, max_bytes: int, learner_port: int, 
 
 def gate_batch(raws: list[bytes], ingest: Ingest, max_bytes: int,
                learner_port: int) -> tuple[list[tuple], dict[str, Any]]:
-    """:func:`prepare_frames` plus the batch's item shapes and fact-parser errors (taken off
+    """:func:`prepare_frames` plus the batch's item shapes and fact-state errors (taken off
     ``ingest``'s counter)."""
     shapes: dict[tuple, int] = {}
     results = prepare_frames(raws, ingest, max_bytes, learner_port, shapes)
@@ -128,7 +128,7 @@ def worker_main(endpoint: str, env_name: str, parser_override: str | None, gates
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
-    ingest = Ingest(load_fact_parser(env_name, parser_override), GateConfig(**gates))
+    ingest = Ingest(load_next_state(env_name, parser_override), GateConfig(**gates))
     pack = msgpack.Packer(use_bin_type=True).pack
     ctx = zmq.Context(1)
     sock = ctx.socket(zmq.PAIR)

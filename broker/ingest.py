@@ -4,7 +4,8 @@ Per message type:
 
 * ``transition`` in ``warmup``: the actor executed the expert's action (no LLM ran), so there is no
   reflection to learn from: the raw transition goes to ``transitions`` (world-model warm-up on
-  real transitions) and ``(s, expert action)`` to ``demos``.
+  real transitions) and ``(s, expert action)`` to ``demos``; an ``explore`` transition (a
+  non-expert action, for the world model to see failures) goes to ``transitions`` only.
 * ``transition`` in ``reflect_init``/``coevolve``: the raw transition goes to ``transitions`` and
   the gated policy sample of :func:`comap_async.gates.derive_policy_sample` to ``reflections``.
 * ``reflection`` (suffix-labelled in ``reflect_init``): to ``reflections`` as sent.
@@ -29,46 +30,45 @@ from comap_async.gates import derive_policy_sample
 
 from broker.store import WriteItem
 
-FactParser = Callable[[str], "Facts | None"]
+NextState = Callable[["Facts", str], "Facts | None"]
 ENVELOPE = ("v", "type", "seq")
 ACTOR_TYPES = ("transition", "episode", "reflection")
 
 
-def load_fact_parser(env_name: str, override: str | None = None) -> FactParser:
-    """The environment's fact parser (``comap_async.envs.get_fact_parser``) or ``module:attr``."""
+def load_next_state(env_name: str, override: str | None = None) -> NextState:
+    """The environment's fact-state update (``comap_async.envs.get_next_state``) or ``module:attr``."""
     if override:
         module, _, attr = override.partition(":")
         if not module or not attr:
-            raise ValueError(f"--fact-parser {override!r}: expected module:function")
+            raise ValueError(f"--state-facts {override!r}: expected module:function")
         return getattr(importlib.import_module(module), attr)
     try:
-        from comap_async.envs import get_fact_parser
+        from comap_async.envs import get_next_state
     except ImportError:
-        # the same parser by its module name (comap_async.envs.<env>_facts:parse_facts)
+        # the same function by its module name (comap_async.envs.<env>_facts:next_state)
         try:
-            return importlib.import_module(f"comap_async.envs.{env_name}_facts").parse_facts
+            return importlib.import_module(f"comap_async.envs.{env_name}_facts").next_state
         except (ImportError, AttributeError) as exc:
-            raise RuntimeError(f"cannot load the fact parser for env '{env_name}': {exc}") from None
-    return get_fact_parser(env_name)
+            raise RuntimeError(f"cannot load the fact state of env '{env_name}': {exc}") from None
+    return get_next_state(env_name)
 
 
-class SafeParser:
-    """Wraps a fact parser so an exception on odd text reads as 'unparseable' (counted), not a crash."""
+class SafeStateFacts:
+    """Wraps an environment's ``next_state`` so an exception on odd text reads as 'unparseable'
+    (counted), not a crash. The environment caches its own parsing (the same texts recur)."""
 
-    def __init__(self, parse: FactParser, cache_size: int = 8192) -> None:
-        # The parser is pure and the same texts recur (the student and the teacher often predict
-        # the same sentence, "Nothing happens." is everywhere): remember recent results.
-        self._parse = functools.lru_cache(maxsize=cache_size)(parse) if cache_size else parse
+    def __init__(self, next_state: NextState) -> None:
+        self._next_state = next_state
         self.errors = 0
         self.last_error: str | None = None
 
-        # ``parse.is_readable`` (optional): ``parse(text) is not None`` without building facts
-        check = getattr(parse, "is_readable", None)
+        # ``next_state.is_readable`` (optional): ``next_state(s, text) is not None`` without building facts
+        check = getattr(next_state, "is_readable", None)
         self.readable = self._safe_readable(check) if check is not None else None
 
-    def __call__(self, text: str) -> Facts | None:
+    def __call__(self, state: Facts, text: str) -> Facts | None:
         try:
-            return self._parse(text)
+            return self._next_state(state, text)
         except Exception as exc:  # a parser bug must not lose the transition or kill the broker
             self._failed(exc)
             return None
@@ -94,8 +94,8 @@ def strip_envelope(msg: dict[str, Any]) -> dict[str, Any]:
 class Ingest:
     """Turns validated actor messages into :class:`WriteItem`s (pure apart from counters)."""
 
-    def __init__(self, parse_facts: FactParser, gates: GateConfig) -> None:
-        self.parser = SafeParser(parse_facts)
+    def __init__(self, next_state: NextState, gates: GateConfig) -> None:
+        self.parser = SafeStateFacts(next_state)
         self.gates = gates
         # packb builds a Packer per call; one reused Packer saves that on every record. A Packer
         # is not thread-safe, and an Ingest is used by one thread (the broker's event loop).
@@ -108,7 +108,8 @@ class Ingest:
         if mtype == "reflection":
             rec = strip_envelope(msg)
             rec["source"] = "suffix"
-            return WriteItem(b"r:" + msg["id"].encode(), [("reflections", self._pack(rec))], {"stored_reflection_msgs": 1})
+            counters = {"stored_reflection_msgs": 1, f"reflect_label_{msg['label']}": 1}
+            return WriteItem(b"r:" + msg["id"].encode(), [("reflections", self._pack(rec))], counters)
         if mtype == "episode":
             return WriteItem(b"e:" + msg["id"].encode(), [("episodes", self._pack(strip_envelope(msg)))],
                              {"stored_episodes": 1})
@@ -117,6 +118,9 @@ class Ingest:
     def _transition(self, tr: dict[str, Any], raw: bytes) -> WriteItem:
         key = b"t:" + tr["id"].encode()
         if tr["phase"] == "warmup":
+            if tr.get("explore"):
+                # a non-expert action executed for the world model (it sees failures): no demonstration
+                return WriteItem(key, [("transitions", raw)], {"stored_transitions": 1, "stored_explore": 1})
             # warm-up executes the demonstration (a walkthrough or the expert), so a_exec is the target;
             # ``expert_action`` stays in the raw transition as the handcoded expert's own label
             target = tr["a_exec"]

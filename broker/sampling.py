@@ -7,6 +7,11 @@ demonstrations and episodes do not depend on the policy and are never stale.
 With a seed, the same store contents give the same batch: indices come from a seeded, lazily
 evaluated Fisher-Yates permutation of the window, so drawing ``n`` items costs O(n) rather than
 O(window) even when some of them turn out stale and more are drawn.
+
+A ``phases`` filter serves only items of those phases (co-evolution trains the world model on
+on-policy transitions, DESIGN.md section 6). Non-matching items are skipped and counted like
+stale ones; the draws stay O(n / share of matching items), and the scan ends at the window, so a
+filter nothing matches returns an empty batch instead of looping.
 """
 
 from __future__ import annotations
@@ -16,10 +21,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from comap_async.protocol import PHASES
+
 from broker.ingest import record_from_store
 from broker.store import ReplayStore
 
 STALENESS_STORES = ("transitions", "reflections")
+# The phase of a record that has no ``phase`` field: suffix-labelled reflection samples
+# (``source: suffix``) are written during reflection-mode initialisation; demonstrations are the
+# warm-up's expert steps.
+DEFAULT_PHASE = {"reflections": "reflect_init", "demos": "warmup"}
 
 
 @dataclass(slots=True)
@@ -27,6 +38,7 @@ class SampleResult:
     items: list[dict[str, Any]]
     stale_skipped: int
     available: int
+    phase_skipped: int = 0  # drawn, but of a phase the request did not ask for
 
 
 def lazy_permutation(rng: random.Random, lo: int, hi: int) -> Iterator[int]:
@@ -46,6 +58,21 @@ def is_stale(item: dict[str, Any], current_policy: int, max_staleness: int) -> b
     return isinstance(version, int) and current_policy - version > max_staleness
 
 
+def record_phase(name: str, rec: dict[str, Any]) -> str | None:
+    """The phase a stored record was produced in (None when neither it nor its store says)."""
+    return rec.get("phase") or DEFAULT_PHASE.get(name)
+
+
+def checked_phases(phases: Any) -> frozenset[str] | None:
+    """The ``phases`` filter of a sample request as a set (None: no filter); ValueError if unknown."""
+    if phases is None:
+        return None
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown or not phases:
+        raise ValueError(f"sample: phases must be a non-empty subset of {list(PHASES)}, got {phases!r}")
+    return frozenset(phases)
+
+
 def sample(
     store: ReplayStore,
     name: str,
@@ -55,19 +82,25 @@ def sample(
     current_policy: int,
     max_staleness: int,
     seed: int | None = None,
+    phases: Any = None,
     chunk: int = 64,
 ) -> SampleResult:
-    """Up to ``n`` distinct, non-stale items from the newest ``window`` items of ``name``."""
+    """Up to ``n`` distinct, non-stale items from the newest ``window`` items of ``name``,
+    only of ``phases`` when given."""
     tail, head = store.bounds(name)
     lo = max(tail, head - window)
     available = head - lo
     rng = random.Random(seed)
     check = name in STALENESS_STORES
+    wanted = checked_phases(phases)
     perm = lazy_permutation(rng, lo, head)
     items: list[dict[str, Any]] = []
-    stale = 0
+    stale = off_phase = 0
     while len(items) < n:
-        want = max(n - len(items), min(chunk, n))
+        # the draw grows with the skip rate seen so far: few LMDB reads when matches are rare
+        drawn = len(items) + stale + off_phase
+        rate = (len(items) + 1) / (drawn + 1)
+        want = max(n - len(items), min(chunk, n), min(4096, int((n - len(items)) / rate)))
         indices = [i for _, i in zip(range(want), perm)]
         if not indices:
             break
@@ -75,9 +108,12 @@ def sample(
             if value is None:  # evicted between bounds() and here cannot happen (one thread); be safe
                 continue
             rec = record_from_store(name, value)
+            if wanted is not None and record_phase(name, rec) not in wanted:
+                off_phase += 1
+                continue
             if check and is_stale(rec, current_policy, max_staleness):
                 stale += 1
                 continue
             if len(items) < n:
                 items.append(rec)
-    return SampleResult(items, stale, available)
+    return SampleResult(items, stale, available, off_phase)

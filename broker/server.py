@@ -23,13 +23,15 @@ from comap_async.waiting import cancel_and_wait
 from broker import sampling
 from broker.actor_path import ActorPath, Pending
 from broker.gate_worker import GatePool
-from broker.ingest import FactParser, Ingest, best_effort_int, checked_registry
+from broker.ingest import Ingest, NextState, best_effort_int, checked_registry
 from broker.keys import ServerKeys
 from broker.stats import LiveStats, build_snapshot, reject_category, stored_total
 from broker.store import ReplayStore, StoreRefused
 
 ZAP_DOMAIN = "comap"
-LEARNER_TYPES = ("sample", "announce", "get_registry", "get_stats")
+LEARNER_TYPES = ("sample", "announce", "get_registry", "get_stats", "eval_result")
+EVAL_KEY = b"eval_results"
+MAX_EVAL_RESULTS = 2000  # held-out results kept (one per evaluated version)
 _MONITOR_EVENTS = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake_failed_auth",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_failed_protocol",
@@ -40,17 +42,17 @@ _MONITOR_EVENTS = {
 
 
 class Broker(ActorPath):
-    def __init__(self, cfg: CoMapConfig, parse_facts: FactParser, log: Any, server_keys: ServerKeys | None = None,
+    def __init__(self, cfg: CoMapConfig, next_state: NextState, log: Any, server_keys: ServerKeys | None = None,
                  replay_dir: str | Path | None = None, gate_spec: dict[str, Any] | None = None) -> None:
         """``gate_spec`` (:func:`broker.gate_worker.pool_spec`) says how a worker process loads the
-        same fact parser; without it the broker gates in its own process."""
+        same fact-state update; without it the broker gates in its own process."""
         b = cfg.broker
         self.cfg, self.b, self.log, self.server_keys = cfg, b, log, server_keys
         self.capacities = {"transitions": b.capacity_transitions, "reflections": b.capacity_reflections,
                            "demos": b.capacity_demos, "episodes": b.capacity_episodes}
         self.store = ReplayStore(replay_dir or cfg.run.dir / "replay", self.capacities,
                                  map_size_mb=b.map_size_mb, max_map_size_mb=b.max_map_size_mb)
-        self.ingest = Ingest(parse_facts, cfg.gates)
+        self.ingest = Ingest(next_state, cfg.gates)
         self.live = LiveStats(self.store.state["counters"])
         self.live.note_stored_total(stored_total(self.store.state["counters"]))
         self.pending: list[Pending] = []  # frames received, not yet handed to the gate pool
@@ -227,6 +229,8 @@ class Broker(ActorPath):
             return {"ok": True, "error": None, "data": self.store.registry}
         if mtype == "get_stats":
             return {"ok": True, "error": None, "data": self.stats()}
+        if mtype == "eval_result":
+            return {"ok": True, "error": None, "data": self._record_eval(msg["version"], msg["result"])}
         if mtype == "announce":
             registry = checked_registry(msg)
             old = self.store.registry
@@ -243,11 +247,25 @@ class Broker(ActorPath):
             raise ValueError(f"sample: n must be in [1, {MAX_ITEMS}], got {n}")
         current = int(self.store.registry["versions"].get("policy", 0))
         res = sampling.sample(self.store, msg["store"], n, window=self.b.window, current_policy=current,
-                              max_staleness=self.b.max_staleness, seed=msg.get("seed"))
+                              max_staleness=self.b.max_staleness, seed=msg.get("seed"), phases=msg.get("phases"))
         if res.stale_skipped:
             self.live.bump("stale_skipped_" + msg["store"], res.stale_skipped)
+        if res.phase_skipped:  # in /stats ``counters``: how much of the window a phase filter passes over
+            self.live.bump("phase_skipped_" + msg["store"], res.phase_skipped)
         return {"type": "batch", "store": msg["store"], "items": res.items, "stale_skipped": res.stale_skipped,
                 "available": res.available}
+
+    def _record_eval(self, version: int, result: dict[str, Any]) -> dict[str, Any]:
+        """Keep the evaluator's held-out result of ``version`` (persisted; the newest results win)."""
+        if version < 0:
+            raise ValueError(f"eval_result: version must be non-negative, got {version}")
+        results = self.store.get_meta(EVAL_KEY, {})
+        results[str(version)] = result
+        while len(results) > MAX_EVAL_RESULTS:
+            results.pop(min(results, key=int))
+        self.store.put_meta(EVAL_KEY, results)
+        self.log.info("broker.eval_result", version=version)
+        return {"version": version, "stored": len(results)}
 
     # ---- monitoring ------------------------------------------------------------------------
 
@@ -277,4 +295,9 @@ class Broker(ActorPath):
             "gate_workers": {"pids": [w.proc.pid for w in self.gates.workers], "restarts": self.gates.restarts,
                              "batches_gated_in_broker": self.gates.gated_here},
             "curve": self.server_keys is not None, "endpoints": self.endpoints,
-            "time": time.time(), "learner": getattr(self, "learner_metrics", {})})
+            "time": time.time(), "learner": getattr(self, "learner_metrics", {}),
+            "eval": [self._eval_results[k] | {"version": int(k)} for k in sorted(self._eval_results, key=int)]})
+
+    @property
+    def _eval_results(self) -> dict[str, Any]:
+        return self.store.get_meta(EVAL_KEY, {})

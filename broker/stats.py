@@ -15,7 +15,7 @@ from typing import Any
 from comap_async.protocol import ProtocolError
 
 # Prefixes of the counters owned by the event loop (restored from the persisted state at start).
-LIVE_PREFIXES = ("reject_", "stale_skipped_", "refused", "internal_errors", "peer_", "learner_requests")
+LIVE_PREFIXES = ("reject_", "stale_skipped_", "phase_skipped_", "refused", "internal_errors", "peer_", "learner_requests")
 MAX_PEERS = 4096
 RATE_WINDOW_S = 10.0
 
@@ -127,6 +127,8 @@ def build_snapshot(store_state: dict[str, Any], capacities: dict[str, int], live
             "action_reasons": {k[len("gate_ag_"):]: v for k, v in counters.items()
                                if k.startswith("gate_ag_") and k not in ("gate_ag_total", "gate_ag_open")},
         },
+        # reflection-mode initialisation: samples per label (y = 1 only for expert_better)
+        "reflect_init_labels": {k[len("reflect_label_"):]: v for k, v in counters.items() if k.startswith("reflect_label_")},
         "stale_skipped": {k[len("stale_skipped_"):]: v for k, v in counters.items() if k.startswith("stale_skipped_")},
         "peers": {k[len("peer_"):]: v for k, v in counters.items() if k.startswith("peer_")},
         "actors": {a: {"messages": e["messages"], "last_seen": e["last_seen"], "age_s": round(now - e["last_seen"], 3)}

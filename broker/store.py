@@ -159,6 +159,20 @@ class ReplayStore:
         self.last_error = None
         return results
 
+    def get_meta(self, key: bytes, default: Any = None) -> Any:
+        """A small persisted object of the ``meta`` database (e.g. held-out results)."""
+        with self.env.begin() as txn:
+            raw = txn.get(key, db=self._dbs["meta"])
+        return default if raw is None else _unpack(raw)
+
+    def put_meta(self, key: bytes, obj: Any) -> None:
+        """Persist ``obj`` under ``key`` in ``meta`` (one durable transaction; growth/refusal as write)."""
+        def attempt() -> None:
+            with self.env.begin(write=True) as txn:
+                txn.put(key, _pack(obj), db=self._dbs["meta"])
+
+        self._until_stored(attempt)
+
     def set_registry(self, registry: dict[str, Any]) -> None:
         """Persist a new registry (one durable transaction); same growth/refusal rules as write."""
         def attempt() -> None:

@@ -185,17 +185,48 @@ class ActorConfig(_Section):
     """On SIGTERM, wait at most this long for the broker to ack what is queued. ``honcho`` kills
     5 s after SIGTERM; what is still unacked then is logged (and kept in ``spill_dir`` if set)."""
     temperature: float = Field(default=0.7, ge=0.0)
-    """Sampling temperature for drafts and reflections."""
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    """Nucleus sampling for drafts and reflections."""
-    max_action_tokens: int = Field(default=32, ge=1)
-    """Token budget of a drafted or refined action."""
-    max_state_tokens: int = Field(default=128, ge=1)
-    """Token budget of an imagined next state."""
+    """Sampling temperature for drafts and reflections (the paper: 0.7)."""
+    wm_temperature: float = Field(default=0.7, ge=0.0)
+    """Sampling temperature of the student world model's predictions (``s_hat``, ``s_hat_exec``):
+    the rollout self-distillation trains on is sampled, as in the paper (0.7); 0 = greedy. The EMA
+    teacher's prediction (the world-state gate's reference) is always greedy."""
+    top_p: float = Field(default=0.9, gt=0.0, le=1.0)
+    """Nucleus sampling of every sampled call: drafts, reflections, student predictions (the paper: 0.9)."""
+    max_draft_tokens: int = Field(default=32, ge=1)
+    """New-token budget of a drafted action (the paper: 64; the GPU configs set it). Formerly
+    ``max_action_tokens``, still accepted."""
+    max_reflection_tokens: int = Field(default=40, ge=1)
+    """New-token budget of a reflection: the decision and the ``Final Action:`` line (the paper: 128)."""
+    max_final_action_tokens: int = Field(default=16, ge=1)
+    """New-token budget of the final (refined) action after ``Final Action:`` (the paper: 16): a
+    longer one is cut to its first tokens (``q_ref`` over those) and counted as a parse problem."""
+    max_wm_tokens: int = Field(default=128, ge=1)
+    """New-token budget of a world-model prediction, student or teacher (the paper: 192; the GPU
+    configs set it). Formerly ``max_state_tokens``, still accepted."""
+    warmup_explore: float = Field(default=0.3, ge=0.0, le=1.0)
+    """Share of warm-up steps that also execute a non-expert action on a second environment,
+    restored to the expert path by replay, and record that real transition for the world model only
+    (``explore``; no demonstration): walkthroughs alone never show ``Nothing happens.``."""
+    warmup_explore_invalid: float = Field(default=0.5, ge=0.0, le=1.0)
+    """Of those exploratory actions, the share that are inadmissible commands built from the entities
+    in the admissible list (a take from the wrong receptacle, ``open`` an object, ``go to`` an object:
+    the game answers ``Nothing happens.``); the rest are sampled admissible non-expert commands."""
     logprobs: int = Field(default=5, ge=1, le=20)
     """Top-k alternatives requested per token (for p_revise at the decision token)."""
-    suffix_horizon: int = Field(default=5, ge=1)
-    """Steps H of the draft/expert suffix rollouts in ``reflect_init``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_budgets(cls, data: Any) -> Any:
+        """The token budgets' former names keep working (configs and ``--set`` overrides)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for old, new in (("max_action_tokens", "max_draft_tokens"), ("max_state_tokens", "max_wm_tokens")):
+            if old in data:
+                if new in data:
+                    raise ValueError(f"actor.{old} is the former name of actor.{new}: set only one")
+                data[new] = data.pop(old)
+        return data
 
 
 class LearnerConfig(_Section):
@@ -214,18 +245,40 @@ class LearnerConfig(_Section):
     weight_decay: float = Field(default=0.0, ge=0)
     """AdamW weight decay."""
     warmup_ratio: float = Field(default=0.03, ge=0.0, le=1.0)
-    """Share of ``total_steps`` spent in linear learning-rate warm-up before cosine decay."""
+    """Share of each phase's step budget spent in linear learning-rate warm-up before its cosine
+    decay (``warmup_steps``, ``reflect_init_steps``, ``total_steps``; the paper's 0.03): every
+    phase starts its own schedule, so a short phase still reaches the peak rate."""
     total_steps: int = Field(default=100_000, ge=1)
-    """Horizon of the cosine schedule (the learner keeps training at the floor afterwards)."""
+    """Co-evolution's step budget: horizon of its cosine schedule (counted from the start of
+    ``coevolve``; the learner keeps training at the floor afterwards)."""
     batch_size: int = Field(default=8, ge=1)
     """Samples per store per micro-batch."""
     grad_accum: int = Field(default=1, ge=1)
     """Micro-batches per optimizer step."""
     gradient_checkpointing: bool = True
-    """Recompute activations in the backward pass: ~30 % more compute for a fraction of the memory
-    (without it the 135M default model peaks above 20 GB at batch 2 x 640 tokens in fp32)."""
+    """Recompute activations in the backward pass: ~30 % more compute for a fraction of the memory.
+    The fast path (``fast_path``) needs it only for long sequences (the 135M default model peaks at
+    ~3 GB without it at batch 2); the reference path peaked above 20 GB without it at 640 tokens."""
     max_seq_len: int = Field(default=1024, ge=16)
     """Longer sequences are truncated from the left of the prompt."""
+    fast_path: bool = True
+    """Compute the losses from the positions that carry them: hidden states first, then the
+    vocabulary projection of the target positions only (for the KL: the rollout positions
+    only); the world model's CE target and its rollout share one pass over their common prompt;
+    sequences are packed by length. Same losses and gradients as the reference path
+    (``false``: full-vocabulary logits over a window, one pass per kind of row), checked by
+    tests/unit/test_learner_fast_path.py."""
+    chunk_tokens: int = Field(default=1024, ge=0)
+    """Fast path: a micro-batch's sequences go through the model in chunks of at most this many
+    tokens (at least one sequence each), each chunk's backward right after its forward, so only
+    one chunk's activations are alive; the loss and gradient are the whole micro-batch's. 0: one
+    pass per loss."""
+    autocast: Literal["auto", "bf16", "off"] = "off"
+    """Matmul precision of the frozen base model: ``bf16`` stores its linear weights in bf16 and
+    runs the forward under bf16 autocast (LoRA tensors, optimizer, EMA, logits and losses stay
+    fp32); ``auto`` = ``bf16`` on a GPU that supports it and on a CPU with native bf16
+    instructions (avx512_bf16 or AMX), else ``off`` (fp32). The shipped configs set ``auto``;
+    the default stays exact fp32."""
     eta: float = Field(default=0.5, ge=0.0)
     """Weight of the self-distillation KL in the world-model loss."""
     ema_momentum: float = Field(default=0.99, ge=0.0, le=1.0)
@@ -240,11 +293,29 @@ class LearnerConfig(_Section):
     """``async``: train continuously and publish every ``publish_every`` steps;
     ``rounds``: the paper's collect-train-publish loop."""
     warmup_steps: int = Field(default=200, ge=0)
-    """Optimizer steps of warm-up SFT before ``reflect_init``."""
+    """Optimizer steps of warm-up SFT before ``reflect_init`` (the least, with ``warmup_epochs``)."""
+    warmup_epochs: float | None = Field(default=None, gt=0)
+    """Size warm-up SFT by data: this many passes over the demonstrations the broker holds when warm-up
+    training starts (``ceil(epochs * demos / batch_size)`` steps, at least ``warmup_steps``); the
+    learning-rate schedule spans that budget. ``None``: ``warmup_steps`` alone."""
+    warmup_publish_every: int | None = Field(default=None, ge=1)
+    """Also publish every this many steps of warm-up SFT (the evaluator then draws the warm-up part of
+    the learning curve; actors keep replaying demonstrations). ``None``: the first publish ends warm-up."""
+    warmup_max_minutes: float | None = Field(default=None, gt=0)
+    """...and by time: warm-up SFT ends after this many minutes of training even when its step budget is
+    not spent (a slow machine still reaches co-evolution). ``None``: no time limit."""
     warmup_min_demos: int = Field(default=200, ge=1)
     """Demonstrations the broker must hold before warm-up training starts."""
     reflect_init_steps: int = Field(default=100, ge=0)
     """Optimizer steps on suffix-labelled reflection samples before ``coevolve``."""
+    reflect_init_min_samples: int = Field(default=32, ge=1)
+    """Reflection samples the broker must hold before ``reflect_init`` training starts: the actors
+    only begin labelling them when the phase begins, and a step without any trains nothing of
+    the reflection mode."""
+    wm_anchor_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    """``coevolve``: expected share of each world-model batch drawn from warm-up transitions (an
+    anchor on real expert-path data); the rest are co-evolution transitions, the policy's own
+    rollouts that self-distillation is defined on."""
     publish_every: int = Field(default=50, ge=1)
     """Publish adapters every this many optimizer steps."""
     checkpoint_every: int = Field(default=50, ge=1)
@@ -253,6 +324,28 @@ class LearnerConfig(_Section):
     """``rounds`` schedule: episodes collected per round."""
     prefetch: int = Field(default=4, ge=1)
     """Batches fetched ahead of the model."""
+
+
+class EvalConfig(_Section):
+    split: Literal["train", "valid_seen", "valid_unseen", "valid_train"] = "valid_seen"
+    """Held-out split the evaluator measures every adapter version on (``env.data_dir`` holds it)."""
+    games: int = Field(default=10, ge=1)
+    """Games of the probes (world-model Delta-F1, draft accuracy along walkthroughs), drawn with the
+    run seed and spread over the task types; the same games for every version."""
+    failures_per_game: int = Field(default=2, ge=0)
+    """Seeded non-expert transitions per probed game (the world model's failure cases)."""
+    success_games: int = Field(default=2, ge=0)
+    """Games played with the full CoMap loop for the success rate (slow on a CPU: a game is up to
+    ``env.max_steps`` steps of 4-5 model calls); 0 = probes only."""
+    every_versions: int = Field(default=1, ge=1)
+    """Evaluate every K-th published version (and the base model once), oldest first."""
+    max_pending: int = Field(default=2, ge=1)
+    """When more versions than this wait for evaluation (the learner publishes faster than the
+    evaluator measures), the newest is evaluated next and the ones between are skipped."""
+    envs: int = Field(default=1, ge=1)
+    """Games the evaluator plays at once: it shares the inference servers with the actors."""
+    poll_s: float = Field(default=5.0, gt=0)
+    """How often the evaluator asks the broker for a new version."""
 
 
 class CoMapConfig(_Section):
@@ -272,6 +365,8 @@ class CoMapConfig(_Section):
     """Environment workers."""
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     """Training."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """The evaluator process (held-out probes and success rate per adapter version)."""
 
     @model_validator(mode="after")
     def check_invariants(self) -> "CoMapConfig":

@@ -5,13 +5,22 @@ An environment's parser turns observation text into a set of canonical facts (st
 *changes* between the facts before and after it: ``+fact`` for a fact that appeared, ``-fact``
 for one that disappeared. Comparing changes rather than whole states scores what the action did,
 not how much of an unchanged room a prediction happened to repeat.
+
+The facts compared are those of the **state** (DESIGN.md section 11), not of one observation:
+an environment's ``next_state(state, text)`` applies an observation to the facts known so far
+(a receptacle's contents seen earlier are still facts after the agent walks away), so a new
+observation that merely stops mentioning something does not count as a change. Actors keep one
+state per episode, send it with each transition (``facts``), and the broker, evaluation and the
+checks score predictions with :func:`state_delta_f1` against it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 Facts = frozenset[str]
+NextState = Callable[[Facts, str], "Facts | None"]
+"""An environment's state update: the state's facts after observing a text; None if unreadable."""
 
 NO_CHANGE = "nochange()"
 """A parser's fact for text that reports a failed or informational action (ALFWorld's
@@ -74,3 +83,19 @@ def delta_f1(prev_facts: Facts | None, predicted_facts: Facts | None, real_facts
     if predicted_facts is None:
         return 0.0
     return set_f1(fact_changes(prev_facts, predicted_facts), fact_changes(prev_facts, real_facts))
+
+
+def state_delta_f1(next_state: NextState, before: Facts, predicted: str, real: str) -> float | None:
+    """Delta-F1 of a predicted next observation at the state level (DESIGN.md section 11):
+    ``F1(C(ŝ') ⊖ C(s), C(s') ⊖ C(s))`` where ``C(ŝ')`` and ``C(s')`` are the state ``before``
+    updated by the predicted and by the real observation.
+
+    ``None`` when the real observation is unreadable (no reference: not a score); an unreadable
+    prediction scores 0."""
+    after_real = next_state(before, real)
+    if after_real is None:
+        return None
+    after_pred = next_state(before, predicted)
+    if after_pred is None:
+        return 0.0
+    return changes_f1(before, after_pred, after_real)

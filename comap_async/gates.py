@@ -3,8 +3,9 @@
 * The **action gate** decides whether the reflected action ``a_ref`` is executed instead of the
   draft: only a confident, real revision passes.
 * The **world-state gate** decides whether the policy's reflection sample may show the world
-  model's imagined next state ``ŝ`` or must show the real ``s'``: the student's and the EMA
-  teacher's predicted fact changes must agree (a reliability score, the F1 between them).
+  model's imagined next state ``ŝ`` or must show the real ``s'``: the changes the student's and
+  the EMA teacher's predictions make to the state's facts must agree (a reliability score, the
+  F1 between them).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from comap_async.facts import Facts, changes_f1, set_f1
+from comap_async.facts import Facts, NextState, changes_f1, set_f1
 
 _SPACES = re.compile(r"\s+")
 _TRAILING = re.compile(r"[\s.!?;:,\"'`]+$")
@@ -70,17 +71,30 @@ def world_state_gate(
 
 def world_state_gate_on_facts(prev: Facts | None, student: Facts | None, teacher: Facts | None,
                               threshold: float = 0.6) -> WorldStateGateResult:
-    """:func:`world_state_gate` on the changes from ``prev`` to each prediction, computed by
-    :func:`~comap_async.facts.changes_f1` (same scores, without building the change sets)."""
+    """:func:`world_state_gate` on the changes from the state ``prev`` to each predicted state,
+    computed by :func:`~comap_async.facts.changes_f1` (same scores, without building the change sets)."""
     if prev is None or student is None or teacher is None:
         return WorldStateGateResult(False, 0.0)
     score = changes_f1(prev, student, teacher)
     return WorldStateGateResult(score >= threshold, score)
 
 
+def future_context(tr: dict[str, Any], use_imagined: bool, canon: Callable[[str], str] = canonical_action) -> str:
+    """``s̄``, the future the reflection sample shows next to the draft (DESIGN.md section 5).
+
+    It always describes the **draft**, as ``ŝ = WM(s, a_draft)`` does at inference: on a step
+    that executed the draft, the student's prediction for it when the world-state gate trusts it,
+    else the real next state; on a revised step the real next state and the executed action's
+    predictions describe another action, so ``s̄`` is the student's prediction for the draft
+    (the text the policy reflected on)."""
+    if canon(tr["a_exec"]) != canon(tr["a_draft"]):
+        return tr["s_hat"]
+    return tr["s_hat_exec"] if use_imagined else tr["s_next"]
+
+
 def derive_policy_sample(
     tr: dict[str, Any],
-    parse_facts: Callable[[str], Facts | None],
+    next_state: NextState,
     tau_p: float = 0.5,
     tau_q: float = 0.6,
     tau_ws: float = 0.6,
@@ -89,27 +103,30 @@ def derive_policy_sample(
 ) -> dict[str, Any]:
     """The policy reflection sample ``(s, a_draft, s̄, target, y)`` for one stored transition.
 
-    ``s̄ = s_hat_exec`` when the world-state gate accepts the student's prediction, else the real
-    ``s_next``; ``target = a_exec`` and ``y = 1`` when the action gate executed the revision, else
-    ``a_draft`` and ``y = 0``. Gate inputs and scores are kept so an analysis can recompute them.
+    The world-state gate scores the executed action (student vs teacher): the agreement of the
+    changes each prediction makes to the state before the action (``tr["facts"]``, the actor's
+    fact state, DESIGN.md section 11). ``s̄`` is :func:`future_context`; ``target = a_exec`` and
+    ``y = 1`` when the action gate executed the revision, else ``a_draft`` and ``y = 0``. Gate
+    inputs and scores are kept so an analysis can recompute them.
 
-    ``readable(text)`` (``parse_facts(text) is not None``, cheaper) serves the common case of a
-    teacher that predicted the student's very text: the changes agree (score 1) as soon as the
-    previous observation and the prediction are readable, so no facts need building.
+    ``readable(text)`` (``next_state(state, text) is not None``, cheaper) serves the common case
+    of a teacher that predicted the student's very text: the same text changes the state the same
+    way (score 1) as soon as it is readable, so no facts need building.
     """
     student, teacher = tr["s_hat_exec"], tr["s_hat_teacher"]
     if readable is not None and student == teacher:
-        agree = readable(student) and readable(tr["o"])
+        agree = readable(student)
         ws = WorldStateGateResult(agree and 1.0 >= tau_ws, 1.0 if agree else 0.0)
     else:
-        ws = world_state_gate_on_facts(parse_facts(tr["o"]), parse_facts(student), parse_facts(teacher), tau_ws)
+        before = frozenset(tr["facts"])
+        ws = world_state_gate_on_facts(before, next_state(before, student), next_state(before, teacher), tau_ws)
     ag = action_gate(tr["p_revise"], tr["q_ref"], tr["a_ref"], tr["a_draft"], tau_p, tau_q, canon)
     return {
         "id": tr["id"],
         "game": tr["game"],
         "s": tr["s"],
         "a_draft": tr["a_draft"],
-        "s_bar": tr["s_hat_exec"] if ws.use_imagined else tr["s_next"],
+        "s_bar": future_context(tr, ws.use_imagined, canon),
         "target": tr["a_ref"] if ag.open else tr["a_draft"],
         "y": 1 if ag.open else 0,
         "ws_score": ws.score,

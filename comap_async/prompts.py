@@ -117,12 +117,21 @@ def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
+TEMPLATE_VARIABLES: dict[str, Any] = {"enable_thinking": False}
+"""Extra variables every chat template is rendered with (``apply_chat_template``'s keyword
+arguments). Qwen3 runs in non-thinking mode, as in the paper: its template then closes an empty
+``<think></think>`` block in the generation prompt, so drafts do not begin with ``<think>``.
+Templates that do not read a variable ignore it."""
+
+
 @dataclass
 class ChatTemplate:
     """A model's chat template rendered with jinja2 the way transformers does."""
 
     template: str
     special: dict[str, str] = field(default_factory=dict)
+    variables: dict[str, Any] = field(default_factory=lambda: dict(TEMPLATE_VARIABLES))
+    """Template variables beyond ``messages``/``add_generation_prompt`` (default: non-thinking mode)."""
 
     def __post_init__(self) -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
@@ -172,7 +181,8 @@ class ChatTemplate:
         return out
 
     def _full(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **{**self.variables, **self.special})
 
     def _make_skeleton(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> Any:
         sentinels = [f"\x00comap-content-{i}\x00" for i in range(len(messages))]

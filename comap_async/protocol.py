@@ -46,6 +46,9 @@ _S, _T = F("str"), F("str", TEXT_LEN)
 _I, _FL, _B = F("int"), F("float"), F("bool")
 _OPT_T = F("str", TEXT_LEN, nullable=True)
 _OPT_S = F("str", nullable=True)
+_FACTS = F("list_str", max_len=MAX_ITEMS)
+REFLECTION_LABELS = ("expert_better", "equal_draft", "not_better")
+"""Why a reflection-initialisation sample got its label: ``y = 1`` only for ``expert_better``."""
 
 SCHEMAS: dict[str, dict[str, F]] = {
     # actor -> broker: one environment step (DESIGN.md section 4). ``o`` is the raw observation at t
@@ -57,6 +60,11 @@ SCHEMAS: dict[str, dict[str, F]] = {
         "a_exec": _T, "s_hat_exec": _T, "s_hat_teacher": _T, "s_next": _T, "reward": _FL,
         "done": _B, "won": _B, "expert_action": _OPT_T, "policy_version": _I, "wm_version": _I,
         "ts": _FL,
+        # canonical facts of the *state* before the action (C(s_t), DESIGN.md section 11): the
+        # world-state gate applies each prediction to it
+        "facts": _FACTS,
+        # warm-up only: a non-expert action executed for the world model (no demonstration)
+        "explore": F("bool", required=False),
     },
     # actor -> broker: end of an episode
     "episode": {
@@ -68,16 +76,21 @@ SCHEMAS: dict[str, dict[str, F]] = {
     "reflection": {
         "seq": _I, "id": _S, "actor": _S, "game": _S, "s": _T, "a_draft": _T, "s_bar": _T,
         "target": _T, "y": F("int", choices=(0, 1)), "policy_version": _I, "wm_version": _I, "ts": _FL,
+        "label": F("str", choices=REFLECTION_LABELS),
     },
     # broker -> actor: stored (after commit) or refused
     # ``retry`` (on ok=False): true = temporary (storage refused; keep and resend later),
     # false = the message itself is bad (resending cannot help).
     "ack": {"seq": _I, "ok": _B, "error": _OPT_S, "registry": F("map"), "retry": F("bool", required=False)},
     # learner -> broker
-    "sample": {"req": _I, "store": F("str", choices=STORES), "n": _I, "seed": F("int", nullable=True, required=False)},
+    "sample": {"req": _I, "store": F("str", choices=STORES), "n": _I, "seed": F("int", nullable=True, required=False),
+               # only items whose ``phase`` is one of these (transitions, reflections); absent: any
+               "phases": F("list_str", max_len=len(PHASES), required=False)},
     "announce": {"req": _I, "phase": F("str", choices=PHASES), "versions": F("map"), "adapters": F("map"),
                  "step": _I, "metrics": F("map", required=False)},
     "get_registry": {"req": _I},
+    # evaluator -> broker: held-out results of one adapter version (kept in the replay's meta)
+    "eval_result": {"req": _I, "version": _I, "result": F("map")},
     "get_stats": {"req": _I},
     # broker -> learner
     "batch": {"req": _I, "store": F("str", choices=STORES), "items": F("list_map", max_len=MAX_ITEMS),
@@ -125,14 +138,18 @@ def _check_value(name: str, spec: F, value: Any) -> None:
         for k in value:
             if type(k) is not str:
                 raise ProtocolError(f"field '{name}' has a non-string key")
-    elif kind == "list_map":
+    elif kind in ("list_map", "list_str"):
         if type(value) is not list:
             raise ProtocolError(f"field '{name}' must be a list, got {type(value).__name__}")
         if len(value) > spec.max_len:
             raise ProtocolError(f"field '{name}' has {len(value)} items, limit {spec.max_len}")
+        maps = kind == "list_map"
         for item in value:
-            if type(item) is not dict:
-                raise ProtocolError(f"field '{name}' items must be maps")
+            if (type(item) is not dict) if maps else (type(item) is not str or len(item) > ID_LEN):
+                raise ProtocolError(f"field '{name}' items must be " +
+                                    ("maps" if maps else f"strings of at most {ID_LEN} characters"))
+        if not maps:
+            return
     else:  # pragma: no cover - schema typo
         raise AssertionError(f"unknown field kind {kind}")
     if spec.choices is not None and value not in spec.choices:

@@ -79,9 +79,12 @@ class BrokerClient:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    async def sample(self, store: str, n: int, seed: int | None = None) -> Batch:
-        """Up to ``n`` non-stale items, uniform over the store's newest window (seeded: reproducible)."""
-        rep = await self._request("sample", store=store, n=n, seed=seed)
+    async def sample(self, store: str, n: int, seed: int | None = None, phases: list[str] | None = None) -> Batch:
+        """Up to ``n`` non-stale items, uniform over the store's newest window (seeded: reproducible);
+        with ``phases``, only items produced in those phases (a reflection sample without a phase
+        counts as ``reflect_init``)."""
+        extra = {"phases": list(phases)} if phases is not None else {}
+        rep = await self._request("sample", store=store, n=n, seed=seed, **extra)
         return Batch(rep["store"], rep["items"], rep["stale_skipped"], rep["available"])
 
     async def announce(self, phase: str, versions: dict[str, int], adapters: dict[str, str], step: int,
@@ -91,6 +94,10 @@ class BrokerClient:
         extra = {"metrics": metrics} if metrics else {}
         return (await self._request("announce", phase=phase, versions=versions, adapters=adapters, step=step,
                                     **extra))["data"]
+
+    async def report_eval(self, version: int, result: dict[str, Any]) -> dict[str, Any]:
+        """Record the held-out result of an adapter version at the broker (``comap stats`` shows it)."""
+        return await self._request("eval_result", version=version, result=result)
 
     async def get_registry(self) -> dict[str, Any]:
         return (await self._request("get_registry"))["data"]

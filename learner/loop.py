@@ -2,13 +2,17 @@
 
 Act / learn / get-batch are kept apart: a :class:`Prefetcher` task keeps micro-batches queued
 from the broker while the learn step runs in a worker thread, so the model waits on the network
-only when there is no data (and says so). Everything needed to continue — adapters, optimizer,
+only when there is no data (and says so). Each micro-batch carries the phase it was fetched for;
+one left in the queue when the phase changes is dropped (``learner/phase_dropped``), never
+trained under the next phase. Everything needed to continue — adapters, optimizer,
 schedule, RNG, phase, adapter version — is in the checkpoint; a restarted learner resumes there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import random
 import signal
 import threading
 import time
@@ -24,6 +28,42 @@ PHASE_STORES = {
     "reflect_init": ("demos", "transitions", "reflections"),
     "coevolve": ("demos", "transitions", "reflections"),
 }
+# The store a micro-batch of a phase cannot do without: warm-up is SFT on demonstrations, and a
+# reflection-initialisation step without reflection samples trains nothing of the reflection mode.
+PHASE_REQUIRES = {"warmup": "demos", "reflect_init": "reflections"}
+# Which phases' items a store is sampled from, per phase (absent: any). Reflection-mode
+# initialisation trains on the suffix-labelled samples; co-evolution's world model on the policy's
+# own rollouts (the warm-up transitions come in only as ``learner.wm_anchor_share``).
+PHASE_FILTERS = {("reflect_init", "reflections"): ["reflect_init"], ("coevolve", "transitions"): ["coevolve"]}
+ANCHOR_PHASES = ["warmup"]
+
+
+def store_requests(phase: str, n: int, anchor_share: float, rng: random.Random) -> list[tuple[str, int, list[str] | None]]:
+    """The (store, n, phases) sample requests that make one micro-batch of ``phase``.
+
+    In ``coevolve`` each of the ``n`` world-model items is a warm-up anchor with probability
+    ``anchor_share`` (so a small share still shows up at small batch sizes), else a co-evolution
+    transition.
+    """
+    reqs: list[tuple[str, int, list[str] | None]] = []
+    for store in PHASE_STORES[phase]:
+        phases = PHASE_FILTERS.get((phase, store))
+        anchor = 0
+        if phase == "coevolve" and store == "transitions" and anchor_share > 0:
+            anchor = sum(rng.random() < anchor_share for _ in range(n))
+            if anchor:
+                reqs.append((store, anchor, ANCHOR_PHASES))
+        if n - anchor:
+            reqs.append((store, n - anchor, phases))
+    return reqs
+
+
+@dataclass
+class MicroBatch:
+    """Records per store, and the phase they were fetched for."""
+
+    phase: str
+    stores: dict[str, list]
 
 
 @dataclass
@@ -32,39 +72,52 @@ class LearnerState:
     version: int = 0
     phase_start: int = 0
     round_episodes: int = 0  # episodes written when the current round started (rounds schedule)
+    phase_budget: int | None = None  # the phase's step budget when sized by data (warmup_epochs)
+    phase_seconds: float = 0.0  # training time spent in the phase (warmup_max_minutes)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
 class Prefetcher:
-    """Keeps up to ``depth`` micro-batches ready; stores follow the current phase."""
+    """Keeps up to ``depth`` micro-batches ready, each tagged with the phase it was fetched for;
+    stores and phase filters follow the current phase (:func:`store_requests`)."""
 
-    def __init__(self, broker: Any, state: LearnerState, batch_size: int, depth: int, seed: int, log: Any) -> None:
+    def __init__(self, broker: Any, state: LearnerState, batch_size: int, depth: int, seed: int, log: Any,
+                 anchor_share: float = 0.0) -> None:
         self.broker, self.state, self.batch_size, self.log = broker, state, batch_size, log
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=depth)
         self.seed = seed
+        self.anchor_share = anchor_share
+        self.rng = random.Random(seed)
         self.draws = 0
         self.waited_s = 0.0
+
+    async def fetch(self, phase: str) -> dict[str, list]:
+        """One micro-batch's records for ``phase`` (stores without items are left out)."""
+        mb: dict[str, list] = {}
+        for store, n, phases in store_requests(phase, self.batch_size, self.anchor_share, self.rng):
+            self.draws += 1
+            batch = await self.broker.sample(store, n, seed=self.seed * 1_000_003 + self.draws, phases=phases)
+            if batch.items:
+                mb.setdefault(store, []).extend(batch.items)
+        return mb
 
     async def run(self) -> None:
         last_note = 0.0
         while True:
             phase = self.state.phase
-            mb: dict[str, list] = {}
-            for store in PHASE_STORES[phase]:
-                self.draws += 1
-                batch = await self.broker.sample(store, self.batch_size, seed=self.seed * 1_000_003 + self.draws)
-                if batch.items:
-                    mb[store] = batch.items
-            if not mb or (phase == "warmup" and "demos" not in mb):
+            mb = await self.fetch(phase)
+            required = PHASE_REQUIRES.get(phase)
+            if not mb or (required is not None and required not in mb):
                 if time.monotonic() - last_note > 10:
-                    self.log.info("learner.waiting_for_data", phase=phase, stores=list(PHASE_STORES[phase]))
+                    self.log.info("learner.waiting_for_data", phase=phase, stores=list(PHASE_STORES[phase]),
+                                  required=required)
                     last_note = time.monotonic()
                 await asyncio.sleep(0.5)
                 continue
             t0 = time.monotonic()
-            await self.queue.put(mb)
+            await self.queue.put(MicroBatch(phase, mb))
             self.waited_s += time.monotonic() - t0
 
 
@@ -88,12 +141,13 @@ class Learner:
                                  lc.gradient_checkpointing)
         self.trainer = Trainer(model, Encoder(tok, Prompts(ChatTemplate.from_model_dir(path)), lc.max_seq_len), lc, lc.device)
         self.state = LearnerState(phase="warmup" if lc.warmup_steps > 0 else "reflect_init")
+        self.trainer.scheduler.enter(self.state.phase, self.state.phase_start, self.state.phase_budget)
         self.run_dir = cfg.run.dir
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.adapter_root = cfg.adapter_root
         self.writer = None
         self.stop = asyncio.Event()
-        self.history: list[dict[str, float]] = []  # per-step metrics of this process (tests, eval)
+        self.history: list[dict[str, Any]] = []  # per-step metrics and ``phase`` of this process (tests, eval)
         self.step_thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ persistence
@@ -105,6 +159,7 @@ class Learner:
             return False
         extra = load_checkpoint(path, self.trainer)
         self.state = LearnerState(**extra["state"])
+        self.trainer.scheduler.enter(self.state.phase, self.state.phase_start, self.state.phase_budget)
         self.log.info("learner.resumed", checkpoint=str(path), step=self.trainer.step, **self.state.as_dict())
         return True
 
@@ -126,11 +181,19 @@ class Learner:
     def next_phase(self) -> str | None:
         """The phase to switch to after this step, or None to stay."""
         lc, s, step = self.cfg.learner, self.state, self.trainer.step
-        if s.phase == "warmup" and step - s.phase_start >= lc.warmup_steps:
+        out_of_time = lc.warmup_max_minutes is not None and s.phase_seconds >= 60 * lc.warmup_max_minutes
+        if s.phase == "warmup" and (step - s.phase_start >= (s.phase_budget or lc.warmup_steps) or out_of_time):
             return "reflect_init" if lc.reflect_init_steps > 0 else "coevolve"
         if s.phase == "reflect_init" and step - s.phase_start >= lc.reflect_init_steps:
             return "coevolve"
         return None
+
+    def _publish_every(self) -> int:
+        """Steps between publishes in the current phase (never in warm-up unless configured)."""
+        lc = self.cfg.learner
+        if self.state.phase == "warmup":
+            return lc.warmup_publish_every or 1 << 62
+        return lc.publish_every
 
     async def publish(self, inference: Any, broker: Any, metrics: dict[str, float] | None = None) -> dict[str, Any]:
         from learner.publish import publish_adapters
@@ -185,8 +248,20 @@ class Learner:
 
     async def wait_for_demos(self, broker: Any) -> None:
         """Warm-up starts once the broker holds ``warmup_min_demos`` demonstrations."""
-        await self.wait_for_store(broker, "demos", "count", self.cfg.learner.warmup_min_demos,
-                                  "learner.waiting_for_demos")
+        demos = await self.wait_for_store(broker, "demos", "count", self.cfg.learner.warmup_min_demos,
+                                          "learner.waiting_for_demos")
+        lc = self.cfg.learner
+        if demos is not None and lc.warmup_epochs is not None and self.state.phase_budget is None:
+            # sized by the data there is when training starts: later demonstrations only add variety
+            self.state.phase_budget = max(lc.warmup_steps, math.ceil(lc.warmup_epochs * demos / lc.batch_size))
+            self.trainer.scheduler.enter("warmup", self.state.phase_start, self.state.phase_budget)
+            self.log.info("learner.warmup_budget", demos=demos, epochs=lc.warmup_epochs, steps=self.state.phase_budget)
+
+    async def wait_for_reflections(self, broker: Any) -> int | None:
+        """``reflect_init`` trains once the broker holds ``reflect_init_min_samples`` reflection
+        samples: the actors start labelling them only when the phase is announced."""
+        return await self.wait_for_store(broker, "reflections", "count", self.cfg.learner.reflect_init_min_samples,
+                                         "learner.waiting_for_reflections")
 
     async def wait_for_round(self, broker: Any) -> None:
         """``rounds`` schedule: block until the actors finished ``rounds_episodes`` new episodes."""
@@ -222,7 +297,8 @@ class Learner:
                     await broker.announce(self.state.phase, registry.get("versions", {}), registry.get("adapters", {}), 0)
                 if self.state.phase == "warmup":
                     await self.wait_for_demos(broker)
-                prefetch = Prefetcher(broker, self.state, lc.batch_size, lc.prefetch, self.cfg.run.seed, self.log)
+                prefetch = Prefetcher(broker, self.state, lc.batch_size, lc.prefetch, self.cfg.run.seed, self.log,
+                                      lc.wm_anchor_share)
                 task = asyncio.create_task(prefetch.run())
                 try:
                     await self._train(prefetch, task, inference, broker, max_steps)
@@ -238,10 +314,15 @@ class Learner:
     async def _train(self, prefetch: Prefetcher, task: asyncio.Task, inference: Any, broker: Any, max_steps: int | None) -> None:
         lc = self.cfg.learner
         start = self.trainer.step
+        reflections_ready = False
         while not self.stop.is_set() and (max_steps is None or self.trainer.step - start < max_steps):
+            if self.state.phase == "reflect_init" and not reflections_ready:
+                reflections_ready = await self.wait_for_reflections(broker) is not None
+                continue  # re-checks stop
             if lc.schedule == "rounds" and self.state.phase == "coevolve" and (self.trainer.step - self.state.phase_start) % lc.publish_every == 0:
                 await self.wait_for_round(broker)
             micro = []
+            dropped = 0
             t_wait = time.monotonic()
             while len(micro) < lc.grad_accum and not self.stop.is_set():
                 getter = asyncio.ensure_future(prefetch.queue.get())
@@ -252,16 +333,23 @@ class Learner:
                     getter.cancel()
                     task.result()  # the prefetcher died: raise its error here instead of hanging
                 if getter in done:
-                    micro.append(getter.result())
+                    mb = getter.result()
+                    if mb.phase == self.state.phase:
+                        micro.append(mb.stores)
+                    else:  # fetched before the phase changed: its stores and filters are the old phase's
+                        dropped += 1
                 else:
                     getter.cancel()
             if len(micro) < lc.grad_accum:
                 break
             data_wait = time.monotonic() - t_wait
+            phase = self.state.phase
             metrics = await self._step_or_stop(micro)
             if metrics is None:  # SIGTERM during a step: checkpoint the last completed one, now
                 break
             metrics["learner/data_wait_s"] = data_wait
+            metrics["learner/phase_dropped"] = dropped
+            self.state.phase_seconds += metrics.get("learner/step_s", 0.0)
             step = self.trainer.step
             if self.stop.is_set():  # the step completed as SIGTERM came: keep it, skip the publish
                 break
@@ -269,14 +357,22 @@ class Learner:
             if nxt is not None:
                 self.log.info("learner.phase", old=self.state.phase, new=nxt, step=step)
                 self.state.phase, self.state.phase_start = nxt, step
+                self.state.phase_budget, self.state.phase_seconds = None, 0.0
+                self.trainer.scheduler.enter(nxt, step)
                 metrics.update(await self.publish(inference, broker, metrics))
-            elif self.state.phase != "warmup" and (step - self.state.phase_start) % lc.publish_every == 0:
+                published = True
+            elif (step - self.state.phase_start) % self._publish_every() == 0:
                 metrics.update(await self.publish(inference, broker, metrics))
-            if step % lc.checkpoint_every == 0:
+                published = True
+            else:
+                published = False
+            # every publish is also a checkpoint: a learner killed after announcing version N resumes
+            # with version N's weights, not behind the adapters the actors are already using
+            if published or step % lc.checkpoint_every == 0:
                 self.checkpoint()
             self.scalars(metrics)
-            self.history.append(metrics)
-            self.log.info("learner.step", step=step, phase=self.state.phase, version=self.state.version,
+            self.history.append({**metrics, "phase": phase})
+            self.log.info("learner.step", step=step, phase=phase, version=self.state.version,
                           **{k: float(f"{v:.4g}") for k, v in metrics.items() if "/" in k})
 
 
@@ -304,7 +400,8 @@ class Learner:
             try:
                 result = self.trainer.train_step(micro)
             except BaseException as exc:  # handed to the event loop, which raises it in _train
-                hand_back(lambda: done.done() or done.set_exception(exc))
+                # bound now: Python unbinds ``exc`` when the except block ends, before the loop runs this
+                hand_back(lambda err=exc: done.done() or done.set_exception(err))
             else:
                 hand_back(lambda: done.done() or done.set_result(result))
 

@@ -27,6 +27,15 @@ def masked_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(shift_logits[mask].float(), shift_labels[mask])
 
 
+def token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``logits`` [N, V] (the positions that predict a target token only) against
+    ``targets`` [N], averaged over the N tokens: :func:`masked_token_ce` without the positions
+    that carry no loss (the fast path projects only these)."""
+    if targets.numel() == 0:
+        return _zero(logits)
+    return F.cross_entropy(logits.float(), targets)
+
+
 def gather_positions(logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``logits[b, positions[b, j]]`` -> [B, L, V] (positions clipped into range by the caller)."""
     idx = positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])

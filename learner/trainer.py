@@ -4,10 +4,28 @@ A micro-batch is a dict of store name -> records as the broker serves them:
 ``transitions`` (world model: CE on ``s_next``, KL on the stored rollout ``s_hat_exec``),
 ``demos`` (policy draft CE on the expert action) and ``reflections`` (policy reflection CE + BCE).
 Whatever stores a micro-batch holds are trained; the phase decides what the loop fetches.
+
+The learning rate follows the phase (:class:`PhaseSchedule`): warm-up SFT, reflection-mode
+initialisation and co-evolution each get their own linear warm-up and cosine decay over their
+own step budget. Gradients are clipped per role, so a large world-model gradient never shrinks
+the policy's update (or the other way round).
+
+Two code paths compute the same losses (``learner.fast_path``; tests/unit/test_learner_fast_path.py
+compares them). The reference path runs the causal LM over left-padded batches, one pass per
+kind of row, and projects a window of final positions onto the whole vocabulary. The fast path
+(the default) runs the decoder over packed rows (:func:`learner.batches.pack`: a transition's CE
+target and its rollout share one pass over their prompt; attention per unit,
+:func:`learner.model.packed_attention`), projects only the positions that predict a target
+token, and goes through a micro-batch in chunks of ``learner.chunk_tokens`` whose backward runs
+right after their forward (each term is a sum over the chunk divided by the micro-batch's count,
+so loss and gradient are the whole micro-batch's). On CPU its LoRA dropout draws cheaper masks
+(:class:`learner.model.FastDropout`). ``learner.autocast`` adds bf16 matmuls on hardware that has
+them (:func:`resolve_autocast`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -18,13 +36,35 @@ import torch
 
 from comap_async.config import LearnerConfig
 from learner import losses
-from learner.batches import Encoder, collate, logits_window
+from learner.batches import Encoder, Packed, Seq, collate, logits_window, pack
 from learner.ema import ema_update, paired_lora_tensors
-from learner.model import TRAINED, activate, adapter_parameters
+from learner.model import (TRAINED, activate, adapter_parameters, cast_frozen_base, use_fast_dropout,
+                           use_packed_attention)
 
 
 class StepAborted(RuntimeError):
     """A step stopped before its update because the learner is shutting down."""
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (avx512_bf16 or AMX): there bf16 matmuls are
+    3-4x faster than fp32 ones; elsewhere bf16 is emulated and no faster."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(bool(check()) for check in checks if check is not None)
+
+
+def resolve_autocast(mode: str, device: str | torch.device) -> torch.dtype | None:
+    """``learner.autocast`` -> the autocast dtype of the learner's forward passes (None: fp32)."""
+    if mode == "off":
+        return None
+    if mode == "bf16":
+        return torch.bfloat16
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else None
+    if kind == "cpu":
+        return torch.bfloat16 if cpu_has_native_bf16() else None
+    return None
 
 
 def rng_state() -> dict[str, Any]:
@@ -44,6 +84,68 @@ def cosine_with_warmup(step: int, total: int, warmup_ratio: float, floor: float 
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+MAX_GRAD_NORM = 1.0  # per role (the paper's trainer clips at 1.0)
+PHASE_BUDGET = {"warmup": "warmup_steps", "reflect_init": "reflect_init_steps", "coevolve": "total_steps"}
+"""The ``LearnerConfig`` field holding each phase's step budget: the horizon of its LR schedule."""
+
+
+class PhaseSchedule:
+    """The learning rate of a step from its phase and the steps since that phase began.
+
+    One schedule over the global step let warm-up SFT end before the rate reached its peak (a
+    20-step phase inside a 10,000-step warm-up ratio); here each phase restarts the warm-up and
+    the cosine decay over its own budget (co-evolution: ``total_steps``, then flat at the floor).
+    The rate is a pure function of (phase, phase_start, step), so a trainer resumed from a
+    checkpoint at any step uses exactly the rate an uninterrupted one would.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: LearnerConfig, phase: str = "warmup",
+                 phase_start: int = 0) -> None:
+        self.optimizer, self.cfg = optimizer, cfg
+        self.enter(phase, phase_start)
+
+    def enter(self, phase: str, start: int, budget: int | None = None) -> None:
+        """Start ``phase`` at global step ``start`` (the number of steps completed before it);
+        ``budget`` replaces the configured step budget (warm-up sized by data)."""
+        if phase not in PHASE_BUDGET:
+            raise ValueError(f"unknown phase {phase!r}; expected one of {list(PHASE_BUDGET)}")
+        self.phase, self.phase_start, self.budget = phase, int(start), budget
+
+    def lr_at(self, step: int) -> float:
+        """The rate of the step that runs when ``step`` steps are complete."""
+        budget = max(1, self.budget or getattr(self.cfg, PHASE_BUDGET[self.phase]))
+        return self.cfg.lr * cosine_with_warmup(max(0, step - self.phase_start), budget, self.cfg.warmup_ratio)
+
+    def apply(self, step: int) -> float:
+        """Set the optimizer's rate for the step about to be taken; returns it."""
+        lr = self.lr_at(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"phase": self.phase, "phase_start": self.phase_start, "budget": self.budget}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the phase; a checkpoint from before per-phase schedules (a LambdaLR state) has
+        none, and the learner sets it from its saved phase instead."""
+        if "phase" in state:
+            self.enter(state["phase"], state["phase_start"], state.get("budget"))
+
+
+def clip_per_role(role_params: dict[str, list[torch.nn.Parameter]], max_norm: float) -> dict[str, float]:
+    """Clip each role's gradients to ``max_norm`` on its own; returns each role's norm before clipping.
+
+    Clipping over both adapters at once let a large world-model gradient (long ``s_next`` targets,
+    the KL of a fresh teacher) scale the policy's gradient down, and the other way round.
+    """
+    norms = {}
+    for role, params in role_params.items():
+        grads = [p for p in params if p.grad is not None]
+        norms[role] = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
+    return norms
+
+
 @dataclass
 class Trainer:
     model: Any
@@ -52,14 +154,13 @@ class Trainer:
     device: str = "cpu"
     step: int = 0
     _pairs: list = field(default_factory=list, init=False)
-    abort: bool = False  # set from another thread: the step in flight stops at its next micro-batch
+    abort: bool = False  # set from another thread: the step in flight stops at its next micro-batch (or chunk)
 
     def __post_init__(self) -> None:
-        params = [p for role in TRAINED for _, p in adapter_parameters(self.model, role)]
+        self.role_params = {role: [p for _, p in adapter_parameters(self.model, role)] for role in TRAINED}
+        params = [p for role in TRAINED for p in self.role_params[role]]
         self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: cosine_with_warmup(s, self.cfg.total_steps, self.cfg.warmup_ratio)
-        )
+        self.scheduler = PhaseSchedule(self.optimizer, self.cfg)
         self._pairs = paired_lora_tensors(self.model)
         # Held while the weights change (optimizer, EMA, step): a checkpoint taken from another thread
         # during a step sees the state after the previous one, with the RNG as that step left it.
@@ -68,34 +169,209 @@ class Trainer:
         self.pad_id = self.encoder.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.encoder.tokenizer.eos_token_id
+        self.fast = bool(self.cfg.fast_path)
+        self.amp_dtype = resolve_autocast(self.cfg.autocast, self.device)
+        if self.amp_dtype is not None:
+            cast_frozen_base(self.model, self.amp_dtype)
+        self.packed_attention = False
+        if self.fast:
+            if getattr(self.model.get_base_model().config, "final_logit_softcapping", None):
+                raise ValueError("learner.fast_path projects hidden states with the output embeddings only; "
+                                 "this model soft-caps its logits: set learner.fast_path: false")
+            self.packed_attention = use_packed_attention(self.model)
+            if torch.device(self.device).type == "cpu":
+                use_fast_dropout(self.model)
+
+    def _amp(self) -> contextlib.AbstractContextManager:
+        """The autocast context of every forward pass (a no-op in fp32)."""
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=torch.device(self.device).type, dtype=self.amp_dtype)
 
     # ------------------------------------------------------------------ forward passes
     def _logits(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Logits of the last ``keep`` positions only, and the batch's labels/starts shifted to match."""
         keep = logits_window(batch)
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                            position_ids=batch["position_ids"], logits_to_keep=keep).logits
+        with self._amp():
+            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                position_ids=batch["position_ids"], logits_to_keep=keep).logits
         offset = batch["input_ids"].shape[1] - keep
         win = {"labels": batch["labels"][:, offset:], "starts": batch["starts"] - offset, "lengths": batch["lengths"]}
         if "change_labels" in batch:
             win["change_labels"] = batch["change_labels"][:, offset:]
         return logits, win
 
+    def _target_logits(self, packed: Packed) -> torch.Tensor:
+        """The fast path's forward: the decoder's hidden states over the packed rows, then the
+        vocabulary projection (fp32) of the positions that predict a target token only: [N, V]."""
+        base = self.model.get_base_model()
+        layout = {"packed_layout": packed.layout} if self.packed_attention else {}
+        with self._amp():
+            hidden = base.get_decoder()(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
+                                        position_ids=packed.position_ids, use_cache=False, **layout).last_hidden_state
+        head = base.get_output_embeddings()
+        h = hidden[packed.rows, packed.cols]
+        return torch.nn.functional.linear(h.to(head.weight.dtype), head.weight, head.bias).float()
+
+    @staticmethod
+    def _per_sequence(flat: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, V] rows of consecutive sequences -> ([B, L, V] zero-padded, [B, L] validity mask):
+        the layout of :func:`losses.rollout_positions` and :func:`losses.self_distillation_kl`."""
+        lengths = torch.tensor(counts, device=flat.device)
+        width = max(counts) if counts else 0
+        mask = torch.arange(width, device=flat.device).unsqueeze(0) < lengths.unsqueeze(1)
+        out = flat.new_zeros((len(counts), width, flat.shape[-1]))
+        out[mask] = flat
+        return out, mask
+
+    # ------------------------------------------------------------------ the fast path's sums
+    # Each fast-path term is summed over a chunk of sequences (one forward), then divided by the
+    # micro-batch's count: chunks give the same loss and gradient as one pass, with the
+    # activations of one chunk alive at a time (learner.chunk_tokens).
+
+    def _wm_units(self, records: list[dict[str, Any]]) -> list[tuple[list[Seq], list[bool], Seq | None]]:
+        """Per transition, its unit(s): (sequences, which are CE rows, the teacher's rollout sequence)."""
+        enc = self.encoder
+        units: list[tuple[list[Seq], list[bool], Seq | None]] = []
+        for r in records:
+            ce_seq, pair = enc.world_model_ce(r), enc.world_model_rollout(r)
+            if pair is None:
+                units.append(([ce_seq], [True], None))
+            elif pair[0].ids[: pair[0].start] == ce_seq.ids[: ce_seq.start]:
+                units.append(([ce_seq, pair[0]], [True, False], pair[1]))  # one pass over the prompt for both
+            else:  # a prompt truncated differently for the two targets
+                units += [([ce_seq], [True], None), ([pair[0]], [False], pair[1])]
+        return units
+
+    def _wm_sums(self, units: list[tuple[list[Seq], list[bool], Seq | None]]) -> dict[str, Any]:
+        """The world-model terms summed over ``units`` (one teacher pass, one student pass)."""
+        teachers = [t for _, _, t in units if t is not None]
+        teacher_logits = self.teacher_logits(teachers) if teachers else None
+        activate(self.model, "wm", trainable=True)
+        packed = pack([seqs for seqs, _, _ in units], self.pad_id, self.device)
+        logits = self._target_logits(packed)
+        is_ce = [flag for _, flags, _ in units for flag in flags]
+        ce_rows = torch.tensor(is_ce, device=logits.device)[packed.owner]
+        n_ce = int(ce_rows.sum())
+        out = {"ce": losses.token_ce(logits[ce_rows], packed.targets[ce_rows]) * n_ce, "n_ce": n_ce,
+               "kl": losses._zero(logits), "n_kl": 0, "change": 0.0, "n_change": 0, "tokens": packed.tokens}
+        if packed.change is not None:
+            sel = ce_rows & packed.change
+            n = int(sel.sum())
+            if n:
+                with torch.no_grad():
+                    out["change"] = float(losses.token_ce(logits.detach()[sel], packed.targets[sel])) * n
+                    out["n_change"] = n
+        if teachers:
+            counts = [c for c, flag in zip(packed.counts, is_ce) if not flag]
+            student, mask = self._per_sequence(logits[~ce_rows], counts)
+            out["kl"] = losses.self_distillation_kl(student, teacher_logits, mask) * sum(counts)
+            out["n_kl"] = sum(counts)
+        return out
+
+    def _policy_sums(self, items: list[tuple[Seq, int | None]]) -> dict[str, Any]:
+        """The policy terms summed over ``items`` (a draft: ``(seq, None)``; a reflection: ``(seq, y)``)."""
+        activate(self.model, "policy", trainable=True)
+        packed = pack([[seq] for seq, _ in items], self.pad_id, self.device)
+        logits = self._target_logits(packed)
+        is_draft = torch.tensor([y is None for _, y in items], device=logits.device)[packed.owner]
+        n_draft = int(is_draft.sum())
+        n_reflect = len(packed.targets) - n_draft
+        refl = [i for i, (_, y) in enumerate(items) if y is not None]
+        # the decision position predicts the reflection's first target token (`` KEEP``/`` REVISE``)
+        decision_logits = logits[torch.tensor([packed.first[i] for i in refl], dtype=torch.long, device=logits.device)]
+        y = torch.tensor([items[i][1] for i in refl], device=logits.device)
+        bce = losses.revise_bce(decision_logits, self.encoder.keep_id, self.encoder.revise_id, y)
+        return {"draft": losses.token_ce(logits[is_draft], packed.targets[is_draft]) * n_draft, "n_draft": n_draft,
+                "reflect": losses.token_ce(logits[~is_draft], packed.targets[~is_draft]) * n_reflect,
+                "n_reflect": n_reflect, "bce": bce * len(refl), "n_bce": len(refl), "tokens": packed.tokens}
+
+    def _chunks(self, units: list, length: Any) -> list[list]:
+        """``units`` in groups of at most ``learner.chunk_tokens`` tokens (longest first, so a
+        chunk's rows are alike); one group when it is 0."""
+        budget = self.cfg.chunk_tokens
+        if budget <= 0:
+            return [units]
+        chunks: list[list] = []
+        size = 0
+        for unit in sorted(units, key=length, reverse=True):
+            n = length(unit)
+            if not chunks or size + n > budget:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(unit)
+            size += n
+        return chunks
+
+    def _check_abort(self) -> None:
+        if self.abort:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise StepAborted(f"step {self.step + 1} abandoned (shutdown)")
+
+    def _world_model_step(self, records: list[dict[str, Any]],
+                          scale: float) -> tuple[dict[str, float], int, float | None]:
+        """Forward and backward of the world-model loss of one micro-batch: (metrics, tokens, change NLL)."""
+        if not self.fast:
+            ce, kl, n, change_nll = self.world_model_losses(records)
+            loss = losses.world_model_loss(ce, kl, self.cfg.eta)
+            (loss * scale).backward()
+            metrics = {"wm/ce": float(ce.detach()), "wm/kl": float(kl.detach()), "wm/loss": float(loss.detach())}
+            return metrics, n, change_nll
+        units = self._wm_units(records)
+        n_ce = sum(seq.n_target for seqs, flags, _ in units for seq, flag in zip(seqs, flags) if flag)
+        n_kl = sum(seq.n_target for seqs, flags, _ in units for seq, flag in zip(seqs, flags) if not flag)
+        total = {"ce": 0.0, "kl": 0.0, "change": 0.0, "n_change": 0, "tokens": 0}
+        for chunk in self._chunks(units, lambda u: u[0][0].start + sum(seq.n_target for seq in u[0])):
+            self._check_abort()
+            part = self._wm_sums(chunk)
+            loss = losses.world_model_loss(part["ce"] / max(n_ce, 1), part["kl"] / max(n_kl, 1), self.cfg.eta)
+            (loss * scale).backward()
+            for k in total:
+                total[k] += float(part[k].detach()) if isinstance(part[k], torch.Tensor) else part[k]
+        ce, kl = total["ce"] / max(n_ce, 1), total["kl"] / max(n_kl, 1)
+        change_nll = total["change"] / total["n_change"] if total["n_change"] else None
+        return {"wm/ce": ce, "wm/kl": kl, "wm/loss": ce + self.cfg.eta * kl}, int(total["tokens"]), change_nll
+
+    def _policy_step(self, demos: list[dict[str, Any]], reflections: list[dict[str, Any]],
+                     scale: float) -> tuple[dict[str, float], int]:
+        """Forward and backward of the policy loss of one micro-batch: (metrics, tokens)."""
+        c = self.cfg
+        if not self.fast:
+            draft_ce, reflect_ce, bce, n = self.policy_losses(demos, reflections)
+            loss = losses.policy_loss(draft_ce, reflect_ce, bce, c.draft_weight, c.reflect_weight, c.bce_weight)
+            (loss * scale).backward()
+            return {"policy/draft_ce": float(draft_ce.detach()), "policy/reflect_ce": float(reflect_ce.detach()),
+                    "policy/bce": float(bce.detach()), "policy/loss": float(loss.detach())}, n
+        enc = self.encoder
+        items = [(enc.draft(r), None) for r in demos] + [(enc.reflection(r), int(r["y"])) for r in reflections]
+        n_draft = max(1, sum(seq.n_target for seq, y in items if y is None))
+        n_reflect = max(1, sum(seq.n_target for seq, y in items if y is not None))
+        n_bce = max(1, len(reflections))
+        total = {"draft": 0.0, "reflect": 0.0, "bce": 0.0, "tokens": 0}
+        for chunk in self._chunks(items, lambda item: len(item[0].ids)):
+            self._check_abort()
+            part = self._policy_sums(chunk)
+            loss = losses.policy_loss(part["draft"] / n_draft, part["reflect"] / n_reflect, part["bce"] / n_bce,
+                                      c.draft_weight, c.reflect_weight, c.bce_weight)
+            (loss * scale).backward()
+            for k in total:
+                total[k] += float(part[k].detach()) if isinstance(part[k], torch.Tensor) else part[k]
+        draft_ce, reflect_ce, bce = total["draft"] / n_draft, total["reflect"] / n_reflect, total["bce"] / n_bce
+        loss = c.draft_weight * draft_ce + c.reflect_weight * reflect_ce + c.bce_weight * bce
+        return {"policy/draft_ce": draft_ce, "policy/reflect_ce": reflect_ce, "policy/bce": bce,
+                "policy/loss": loss}, int(total["tokens"])
+
     def world_model_losses(self, records: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, int, float | None]:
         """(CE on real next states, KL(teacher || student) on rollout tokens, tokens processed,
         NLL on the change tokens of the real next states: a metric, None when there are none)."""
+        if self.fast:  # one pass (a training step goes through _world_model_step's chunks)
+            part = self._wm_sums(self._wm_units(records))
+            change_nll = part["change"] / part["n_change"] if part["n_change"] else None
+            return part["ce"] / max(part["n_ce"], 1), part["kl"] / max(part["n_kl"], 1), part["tokens"], change_nll
         enc = self.encoder
         ce_seqs = [enc.world_model_ce(r) for r in records]
         pairs = [p for p in (enc.world_model_rollout(r) for r in records) if p is not None]
-        teacher_logits = None
-        if pairs:
-            t_batch = collate([t for _, t in pairs], self.pad_id, self.device)
-            activate(self.model, "wm_teacher", trainable=False)
-            with torch.no_grad():
-                t_all, t_win = self._logits(t_batch)
-            pos, _ = losses.rollout_positions(t_win["starts"], t_win["lengths"], t_all.shape[1])
-            teacher_logits = losses.gather_positions(t_all, pos)
-            del t_all
+        teacher_logits = self.teacher_logits([t for _, t in pairs]) if pairs else None
         activate(self.model, "wm", trainable=True)
         batch = collate(ce_seqs, self.pad_id, self.device)
         logits, win = self._logits(batch)
@@ -115,9 +391,35 @@ class Trainer:
             tokens += int(s_batch["attention_mask"].sum())
         return ce, kl, tokens, change_nll
 
+    def teacher_logits(self, seqs: list) -> torch.Tensor:
+        """The EMA teacher's logits on its rollout tokens [B, L, V], without gradient or dropout.
+
+        The teacher is the distillation target, not a model being trained: in train mode LoRA
+        dropout would make the target itself noisy. The model's mode is restored afterwards.
+        """
+        activate(self.model, "wm_teacher", trainable=False)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                if self.fast:
+                    packed = pack([[s] for s in seqs], self.pad_id, self.device)
+                    return self._per_sequence(self._target_logits(packed), packed.counts)[0]
+                t_batch = collate(seqs, self.pad_id, self.device)
+                t_all, t_win = self._logits(t_batch)
+        finally:
+            self.model.train(was_training)
+        pos, _ = losses.rollout_positions(t_win["starts"], t_win["lengths"], t_all.shape[1])
+        return losses.gather_positions(t_all, pos)
+
     def policy_losses(self, demos: list[dict[str, Any]], reflections: list[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
         """(draft CE, reflection CE, revise BCE, tokens processed) with the policy adapter."""
         enc = self.encoder
+        if self.fast:  # one pass (a training step goes through _policy_step's chunks)
+            part = self._policy_sums([(enc.draft(r), None) for r in demos]
+                                     + [(enc.reflection(r), int(r["y"])) for r in reflections])
+            return (part["draft"] / max(part["n_draft"], 1), part["reflect"] / max(part["n_reflect"], 1),
+                    part["bce"] / max(part["n_bce"], 1), part["tokens"])
         seqs = [enc.draft(r) for r in demos] + [enc.reflection(r) for r in reflections]
         activate(self.model, "policy", trainable=True)
         batch = collate(seqs, self.pad_id, self.device)
@@ -140,40 +442,38 @@ class Trainer:
         tokens = 0
         scale = 1.0 / len(micro_batches)
 
-        def add(name: str, value: torch.Tensor) -> None:
-            sums[name] = sums.get(name, 0.0) + float(value.detach()) * scale
+        def add(name: str, value: float) -> None:
+            sums[name] = sums.get(name, 0.0) + value * scale
 
         change_nlls: list[float] = []  # a metric over the micro-batches that have change tokens
+        labels = [0, 0]  # reflection samples trained with y = 0, y = 1
 
         for mb in micro_batches:
-            if self.abort:
-                self.optimizer.zero_grad(set_to_none=True)
-                raise StepAborted(f"step {self.step + 1} abandoned (shutdown)")
+            self._check_abort()
             wm_records = mb.get("transitions") or []
             if wm_records:
-                ce, kl, n, change_nll = self.world_model_losses(wm_records)
-                loss = losses.world_model_loss(ce, kl, self.cfg.eta)
-                (loss * scale).backward()
-                add("wm/ce", ce), add("wm/kl", kl), add("wm/loss", loss)
+                metrics, n, change_nll = self._world_model_step(wm_records, scale)
+                for name, value in metrics.items():
+                    add(name, value)
                 if change_nll is not None:
                     change_nlls.append(change_nll)
                 tokens += n
             demos, refl = mb.get("demos") or [], mb.get("reflections") or []
             if demos or refl:
-                draft_ce, reflect_ce, bce, n = self.policy_losses(demos, refl)
-                c = self.cfg
-                loss = losses.policy_loss(draft_ce, reflect_ce, bce, c.draft_weight, c.reflect_weight, c.bce_weight)
-                (loss * scale).backward()
-                add("policy/draft_ce", draft_ce), add("policy/reflect_ce", reflect_ce)
-                add("policy/bce", bce), add("policy/loss", loss)
+                metrics, n = self._policy_step(demos, refl, scale)
+                for name, value in metrics.items():
+                    add(name, value)
                 tokens += n
+                for r in refl:
+                    labels[int(r["y"])] += 1
         if change_nlls:
             sums["wm/change_nll"] = sum(change_nlls) / len(change_nlls)
-        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0) if params else torch.tensor(0.0)
+        if sum(labels):  # the label mix the reflection mode actually saw this step
+            sums["policy/revise_label_share"] = labels[1] / sum(labels)
+        norms = clip_per_role(self.role_params, MAX_GRAD_NORM)
         with self.update_lock:
+            lr = self.scheduler.apply(self.step)
             self.optimizer.step()
-            self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             ema_update(self._pairs, self.cfg.ema_momentum)
             self.step += 1
@@ -181,6 +481,8 @@ class Trainer:
         self.model.eval()
         dt = time.perf_counter() - t0
         truncated, self.encoder.truncated = self.encoder.truncated, 0
-        return {**sums, "learner/truncated": truncated, "learner/grad_norm": float(grad_norm), "learner/lr": self.scheduler.get_last_lr()[0],
+        return {**sums, "learner/truncated": truncated, "learner/lr": lr,
+                "learner/grad_norm": math.sqrt(sum(v * v for v in norms.values())),
+                "learner/grad_norm_policy": norms["policy"], "learner/grad_norm_wm": norms["wm"],
                 "learner/tokens": tokens, "learner/tokens_per_s": tokens / dt if dt > 0 else 0.0,
                 "learner/step_s": dt}

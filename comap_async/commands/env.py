@@ -16,6 +16,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     chk.add_argument("--seed", type=int, default=0)
     chk.add_argument("--max-steps", type=int, default=50, help="step limit of the expert's own episodes")
     chk.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
+    chk.add_argument("--fact-baselines", action="store_true",
+                     help="instead of the check: mean Delta-F1 of three fixed predictors over every walkthrough "
+                          "transition (copy the previous observation, arrive at a random other receptacle, the real "
+                          "next observation), at the state level and at the old observation level")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,6 +33,8 @@ def run(args: argparse.Namespace) -> int:
     except AlfworldDataError as exc:
         print(f"comap env: error: {exc}", file=sys.stderr)
         return 2
+    if args.fact_baselines:
+        return _print_baselines(games, args)
     checks = []
     for check in tqdm(check_games(games, args.max_steps, args.workers), total=len(games), desc=args.split, file=sys.stderr):
         checks.append(check)
@@ -48,4 +54,26 @@ def run(args: argparse.Namespace) -> int:
     for text in unparseable[:5]:
         print(f"  unparseable: {text[:160]!r}")
     print(f"games={len(games)} walkthrough_wins={walk_wins} expert_wins={expert_wins}")
+    return 0
+
+
+def _print_baselines(games: list, args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from comap_async.envs.alfworld_check import BASELINES, baselines_of_games
+
+    state = {b: [] for b in BASELINES}
+    observation = {b: [] for b in BASELINES}
+    for res in tqdm(baselines_of_games(games, args.max_steps, args.workers, args.seed), total=len(games),
+                    desc=f"{args.split} fact baselines", file=sys.stderr):
+        for b in BASELINES:
+            state[b] += res.state[b]
+            observation[b] += res.observation[b]
+
+    def line(scores: dict[str, list[float]]) -> str:
+        return " ".join(f"{b}={sum(v) / len(v):.3f}" if v else f"{b}=n/a" for b, v in scores.items())
+
+    print(f"split={args.split} games={len(games)} transitions={len(state['real_next'])}")
+    print(f"observation_level {line(observation)}")
+    print(line(state))
     return 0

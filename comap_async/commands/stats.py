@@ -92,13 +92,71 @@ def summarize(stats: dict[str, Any], episodes: list[dict[str, Any]], reflections
                        "transitions_per_s": (stats.get("ingest") or {}).get("rate_per_s"),
                        "learner_tokens_per_s": learner.get("learner/tokens_per_s")},
         "staleness": {"skipped": stats.get("stale_skipped", {}), "versions_behind": staleness(reflections, current)},
+        "reflect_init_labels": stats.get("reflect_init_labels", {}),
+        "eval": stats.get("eval") or [],
         "learner": learner,
     }
 
 
 # the learner's latest scalars (sent with each publish), in the order `comap stats` shows them
 LEARNER_SCALARS = ("wm/ce", "wm/change_nll", "wm/kl", "policy/draft_ce", "policy/reflect_ce", "policy/bce",
-                   "learner/tokens_per_s")
+                   "policy/revise_label_share", "learner/tokens_per_s")
+
+
+EVAL_COLUMNS = (("wm_delta_f1", "wm_dF1"), ("wm_delta_f1_failures", "fail_dF1"), ("draft_accuracy", "draft_acc"),
+                ("admissible_rate", "admissible"), ("success_rate", "success"))
+
+
+def eval_table(results: list[dict[str, Any]]) -> list[str]:
+    """The evaluator's held-out figures, one row per evaluated version."""
+    if not results:
+        return ["  (no evaluated versions yet: is `comap evaluator` running?)"]
+    rows = [f"  {'ver':>4} {'phase':<12} {'step':>6} " + " ".join(f"{h:>10}" for _, h in EVAL_COLUMNS) + f" {'split':>12}"]
+    for r in results:
+        rows.append(f"  {r['version']:>4} {str(r.get('phase')):<12} {r.get('learner_step', 0):>6} "
+                    + " ".join(f"{_fmt(r.get(k)):>10}" for k, _ in EVAL_COLUMNS) + f" {str(r.get('split')):>12}")
+    return rows
+
+
+def plot_eval(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """``eval_wm_delta_f1.png``, ``eval_draft_accuracy.png``, ``eval_success_rate.png``: each
+    held-out figure against the adapter version and against wall time since the first evaluation."""
+    import matplotlib.pyplot as plt
+
+    t0 = min((r["ts"] for r in results if "ts" in r), default=0.0)
+    written = []
+    for key, title in (("wm_delta_f1", "World-model Delta-F1 (held-out probes)"),
+                       ("draft_accuracy", "Draft accuracy along held-out walkthroughs"),
+                       ("success_rate", "Success rate (held-out games, CoMap loop)")):
+        pts = [(r["version"], (r.get("ts", t0) - t0) / 60, r[key]) for r in results if r.get(key) is not None]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5), sharey=True)
+        for ax, i, xlabel in ((a1, 0, "adapter version (0 = base)"), (a2, 1, "wall time (minutes)")):
+            if pts:
+                ax.plot([p[i] for p in pts], [p[2] for p in pts], marker="o")
+            else:
+                ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes)
+            ax.set(xlabel=xlabel)
+            ax.grid(alpha=0.3)
+        a1.set(ylabel=key)
+        a1.xaxis.get_major_locator().set_params(integer=True)
+        fig.suptitle(title)
+        fig.tight_layout()
+        path = out_dir / f"eval_{key}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def label_line(labels: dict[str, int]) -> str:
+    """Reflection-initialisation labels: y=1 (the expert branch did strictly better), y=0 from
+    drafts equal to the expert action, y=0 from ties or worse."""
+    if not labels:
+        return "labels: (no reflection-initialisation samples yet)"
+    y1, eq, nb = (labels.get(k, 0) for k in ("expert_better", "equal_draft", "not_better"))
+    total = y1 + eq + nb
+    return (f"labels: y=1 {y1}  y=0 equal drafts {eq}  y=0 ties or worse {nb}  "
+            f"(share y=1 {y1 / total:.3f} of {total})")
 
 
 def _fmt(x: Any, spec: str = ".3f") -> str:
@@ -121,8 +179,10 @@ def render(s: dict[str, Any]) -> str:
             f"  {'ver':>4} {'samples':>8} {'ws_adoption':>12} {'revision_accepted':>18}"]
     out += [f"  {g['version']:>4} {g['samples']:>8} {g['ws_adoption']:>12.3f} {g['revision_accepted']:>18.3f}"
             for g in s["gates_by_version"]] or ["  (no gated samples yet)"]
+    out += ["", "reflect_init " + label_line(s.get("reflect_init_labels") or {})]
+    out += ["", "held-out eval by adapter version (comap evaluator)"] + eval_table(s.get("eval") or [])
     t = s["throughput"]
-    out += ["", f"throughput env_steps/s={_fmt(t['env_steps_per_s'], '.2f')} transitions/s={_fmt(t['transitions_per_s'], '.2f')} "
+    out += [f"throughput env_steps/s={_fmt(t['env_steps_per_s'], '.2f')} transitions/s={_fmt(t['transitions_per_s'], '.2f')} "
                 f"learner_tokens/s={_fmt(t['learner_tokens_per_s'], '.1f')}",
             f"staleness  versions_behind={s['staleness']['versions_behind']} skipped={s['staleness']['skipped']}"]
     learner = s.get("learner") or {}
@@ -171,7 +231,7 @@ def plot(s: dict[str, Any], out_dir: Path) -> list[Path]:
     fig.tight_layout()
     fig.savefig(out_dir / "staleness.png", dpi=100)
     plt.close(fig)
-    return [*written, out_dir / "staleness.png"]
+    return [*written, out_dir / "staleness.png", *plot_eval(s.get("eval") or [], out_dir)]
 
 
 # ----------------------------------------------------------------------------- command

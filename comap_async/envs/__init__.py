@@ -23,6 +23,7 @@ __all__ = [
     "env_pool_from_config",
     "games_from_config",
     "get_fact_parser",
+    "get_next_state",
 ]
 
 ENV_NAMES = ("alfworld",)
@@ -35,6 +36,16 @@ def get_fact_parser(env_name: str) -> Callable[[str], frozenset[str] | None]:
 
         return parse_facts
     raise ValueError(f"no fact parser for environment {env_name!r}; known: {', '.join(ENV_NAMES)}")
+
+
+def get_next_state(env_name: str) -> Callable[[frozenset[str], str], frozenset[str] | None]:
+    """The state update of an environment's canonical facts, ``next_state(state, text)``
+    (:mod:`comap_async.facts`): Delta-F1 and the world-state gate compare states, not observations."""
+    if env_name == "alfworld":
+        from comap_async.envs.alfworld_facts import next_state
+
+        return next_state
+    raise ValueError(f"no fact state for environment {env_name!r}; known: {', '.join(ENV_NAMES)}")
 
 
 def create_env(env_name: str, **kwargs: Any) -> TextEnv:

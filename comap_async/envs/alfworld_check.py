@@ -7,12 +7,15 @@ worker processes (each installs the TextWorld caches once and keeps them across 
 from __future__ import annotations
 
 import multiprocessing as mp
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from comap_async.envs.alfworld_facts import parse_facts
+import random
+import re
+
+from comap_async.envs.alfworld_facts import next_state, parse_facts
 from comap_async.envs.base import GameInfo
-from comap_async.facts import delta_f1
+from comap_async.facts import delta_f1, state_delta_f1
 
 
 @dataclass
@@ -81,18 +84,80 @@ def check_game(game: GameInfo, max_steps: int = 50, run_expert: bool = True) -> 
     return check
 
 
+BASELINES = ("copy_previous", "random_receptacle", "real_next")
+_RECEPTACLES = re.compile(r"Looking quickly around you, you see (.*?)\.\s*(?:\n|$)")
+_NAME = re.compile(r"[a-z]+ \d+")
+
+
+@dataclass
+class FactBaselines:
+    """Delta-F1 of fixed predictors over one game's walkthrough transitions, at the state level
+    (what the system uses) and at the observation level (the definition it replaced)."""
+
+    name: str
+    state: dict[str, list[float]]
+    observation: dict[str, list[float]]
+
+
+def _baseline_predictions(rng: random.Random, receptacles: list[str], prev_obs: str, real: str,
+                          location: str | None) -> dict[str, str]:
+    others = [r for r in receptacles if r != location] or receptacles
+    return {"copy_previous": prev_obs, "random_receptacle": f"You arrive at {rng.choice(others)}.", "real_next": real}
+
+
+def fact_baselines(game: GameInfo, max_steps: int = 50, seed: int = 0) -> FactBaselines:
+    """Replay the walkthrough and score three fixed predictors of each next observation: "copy the
+    previous observation", "arrive at a random other receptacle" (seeded by ``seed`` and the game)
+    and "the real next observation" (1.0 by construction, a check of the scorer)."""
+    env = _env(max_steps)
+    first = env.reset(game)
+    walk = env.walkthrough()
+    limit, env.max_steps = env.max_steps, max(env.max_steps, len(walk) + 1)
+    try:
+        observations = [first.observation] + [env.step(a).observation for a in walk]
+    finally:
+        env.max_steps = limit
+    m = _RECEPTACLES.search(first.observation)
+    receptacles = _NAME.findall(m.group(1)) if m else []
+    rng = random.Random(f"{seed}:{game.name}")
+    out = FactBaselines(game.name, {b: [] for b in BASELINES}, {b: [] for b in BASELINES})
+    state = next_state(frozenset(), observations[0]) or frozenset()
+    for prev_obs, real in zip(observations, observations[1:]):
+        location = next((f[3:-1] for f in state if f.startswith("at(")), None)
+        preds = _baseline_predictions(rng, receptacles, prev_obs, real, location) if receptacles else {}
+        prev_f, real_f = parse_facts(prev_obs), parse_facts(real)
+        for name, pred in preds.items():
+            score = state_delta_f1(next_state, state, pred, real)
+            if score is not None:
+                out.state[name].append(score)
+            if prev_f is not None and real_f is not None:
+                out.observation[name].append(delta_f1(prev_f, parse_facts(pred), real_f))
+        state = next_state(state, real) or state
+    return out
+
+
+def _map_games(fn: Callable, jobs: list[tuple], workers: int) -> Iterator:
+    if workers <= 1:
+        for job in jobs:
+            yield fn(*job)
+        return
+    with mp.get_context("spawn").Pool(workers) as pool:
+        yield from pool.imap_unordered(_star, [(fn, job) for job in jobs], chunksize=1)
+
+
+def _star(args: tuple[Callable, tuple]) -> object:
+    fn, job = args
+    return fn(*job)
+
+
+def baselines_of_games(games: Sequence[GameInfo], max_steps: int = 50, workers: int = 1,
+                       seed: int = 0) -> Iterator[FactBaselines]:
+    """:func:`fact_baselines` of each game in ``workers`` processes (any order)."""
+    return _map_games(fact_baselines, [(g, max_steps, seed) for g in games], workers)
+
+
 def check_games(
     games: Sequence[GameInfo], max_steps: int = 50, workers: int = 1, run_expert: bool = True
 ) -> Iterator[GameCheck]:
     """Check games in ``workers`` processes; yields results as they finish (any order)."""
-    if workers <= 1:
-        for game in games:
-            yield check_game(game, max_steps, run_expert)
-        return
-    with mp.get_context("spawn").Pool(workers) as pool:
-        yield from pool.imap_unordered(_check_star, [(g, max_steps, run_expert) for g in games], chunksize=1)
-
-
-def _check_star(args: tuple[GameInfo, int, bool]) -> GameCheck:
-    return check_game(*args)
-
+    return _map_games(check_game, [(g, max_steps, run_expert) for g in games], workers)

@@ -22,6 +22,7 @@ Text that is not entirely made of known sentences is unreadable: :func:`parse_fa
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 
@@ -33,6 +34,7 @@ _ITEM = rf"an? {_NAME}"
 _LIST = rf"nothing|{_ITEM}(?:,? (?:and )?{_ITEM})*"
 _NAMES = rf"{_NAME}(?:,? (?:and )?{_NAME})*"
 _NAME_RE = re.compile(_NAME)
+_LISTED = "listed("  # marker of a complete contents listing (see _contents)
 _ADJECTIVES = {"hot": "hot", "cool": "cool", "cold": "cool", "clean": "clean", "sliced": "sliced"}
 
 FactBuilder = Callable[[re.Match[str]], list[str]]
@@ -43,9 +45,12 @@ def _names(text: str) -> list[str]:
 
 
 def _contents(receptacle: str, listing: str) -> list[str]:
+    # a listing is the receptacle's whole content: the marker tells next_state to forget the
+    # contents it remembered there (parse_facts drops it: it is not a fact about the world)
+    listed = f"{_LISTED}{receptacle})"
     if listing == "nothing":
-        return [f"empty({receptacle})"]
-    return [f"in({o}, {receptacle})" for o in _names(listing)]
+        return [listed, f"empty({receptacle})"]
+    return [listed, *(f"in({o}, {receptacle})" for o in _names(listing))]
 
 
 def _adjectives(m: re.Match[str]) -> list[str]:
@@ -121,8 +126,11 @@ for _pattern, _build in _COMPILED:
 _SPACE = re.compile(r"\s+")
 
 
-def parse_facts(text: str) -> frozenset[str] | None:
-    """The canonical facts of one observation, or ``None`` when any part of it is unreadable."""
+@functools.lru_cache(maxsize=8192)
+def _sentence_facts(text: str) -> tuple[str, ...] | None:
+    """Facts of every sentence in order, with the listing markers; None when unreadable.
+    Cached: the same texts recur (a step's observation is the next step's previous one, the
+    student and the teacher often predict the same sentence, ``Nothing happens.`` is everywhere)."""
     if not text.strip():
         return None  # empty text says nothing
     facts: list[str] = []
@@ -143,7 +151,69 @@ def parse_facts(text: str) -> frozenset[str] | None:
             return None
     if NO_CHANGE in facts and len(facts) > 1:
         return None  # "Nothing happens." next to a state change contradicts itself
-    return frozenset(facts)
+    return tuple(facts)
+
+
+def parse_facts(text: str) -> frozenset[str] | None:
+    """The canonical facts of one observation, or ``None`` when any part of it is unreadable."""
+    facts = _sentence_facts(text)
+    if facts is None:
+        return None
+    return frozenset(f for f in facts if not f.startswith(_LISTED))
+
+
+def _arg(fact: str) -> str:
+    return fact[fact.index("(") + 1 : -1]
+
+
+_OPPOSITE = {"open": "closed", "closed": "open", "on": "off", "off": "on", "hot": "cool", "cool": "hot"}
+
+
+def next_state(state: frozenset[str], text: str) -> frozenset[str] | None:
+    """The state's canonical facts after the agent observes ``text`` (DESIGN.md section 11: ``C``
+    is over the state, not over one observation); ``None`` when ``text`` is unreadable.
+
+    What an observation does not mention stays as last seen: the contents and open/closed state
+    of receptacles the agent walked away from, object states, what it holds. What it does say
+    replaces what contradicts it: one location (leaving it also forgets the objects ``near`` it),
+    one place per object (taken: no longer in a receptacle; put somewhere: no longer held or
+    elsewhere), a complete listing of a receptacle's contents replaces the remembered contents,
+    open/closed, on/off and hot/cool exclude each other. Empty hands are the absence of
+    ``holding`` facts. A failed action (``Nothing happens.``) leaves the state as it was.
+    """
+    facts = _sentence_facts(text)
+    if facts is None:
+        return None
+    if not facts or NO_CHANGE in facts:
+        return state
+    s = set(state)
+    if any(f.startswith("at(") for f in facts):
+        s = {f for f in s if not f.startswith(("at(", "near("))}
+    listed = {_arg(f) for f in facts if f.startswith(_LISTED)}
+    if listed:
+        s = {f for f in s if not ((f.startswith("in(") and f[3:-1].split(", ")[1] in listed)
+                                  or (f.startswith("empty(") and _arg(f) in listed))}
+    holding = [f for f in facts if f.startswith("holding(")]
+    if holding:  # an inventory or a pick-up names everything held now
+        s = {f for f in s if not f.startswith("holding(")}
+        for f in holding:
+            obj = _arg(f)
+            if obj != "nothing":
+                s = {g for g in s if not g.startswith(f"in({obj}, ")}
+                s.add(f)
+    for f in facts:
+        if f.startswith((_LISTED, "holding(")):
+            continue
+        pred, arg = f[: f.index("(")], _arg(f)
+        if pred == "in":
+            obj, rec = arg.split(", ")
+            s = {g for g in s if not g.startswith(f"in({obj}, ")}
+            s.discard(f"holding({obj})")
+            s.discard(f"empty({rec})")
+        elif pred in _OPPOSITE:
+            s.discard(f"{_OPPOSITE[pred]}({arg})")
+        s.add(f)
+    return frozenset(s)
 
 
 # The same sentence grammar as one regular expression, for :func:`is_readable`: each sentence is
@@ -178,3 +248,4 @@ def is_readable(text: str) -> bool:
 
 
 parse_facts.is_readable = is_readable  # type: ignore[attr-defined]  # found by the broker's gate
+next_state.is_readable = is_readable  # type: ignore[attr-defined]

@@ -61,3 +61,28 @@ class TextEnv(Protocol):
 
     def close(self) -> None:
         ...
+
+
+def spread_sample(games: Sequence[GameInfo], n: int | None, seed: int) -> list[GameInfo]:
+    """``n`` games drawn with ``seed`` and spread over the task types: one of each type in turn (the
+    types in a seeded order, the games of a type shuffled), so a small evaluation is not one task
+    family from one scene. Sorted by name; all games when ``n`` is None or at least their number."""
+    import random
+
+    ordered = sorted(games, key=lambda g: g.name)
+    if n is None or n >= len(ordered):
+        return ordered
+    rng = random.Random(f"spread:{seed}")
+    by_type: dict[int, list[GameInfo]] = {}
+    for g in ordered:
+        by_type.setdefault(g.task_type, []).append(g)
+    queues = [by_type[t] for t in sorted(by_type)]
+    for q in queues:
+        rng.shuffle(q)
+    rng.shuffle(queues)
+    picked: list[GameInfo] = []
+    while len(picked) < n:
+        for q in queues:
+            if q and len(picked) < n:
+                picked.append(q.pop())
+    return sorted(picked, key=lambda g: g.name)

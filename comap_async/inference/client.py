@@ -141,7 +141,7 @@ class InferenceClient:
     def from_config(cls, cfg: Any, **kw: Any) -> "InferenceClient":
         inf = cfg.inference
         kw.setdefault("transport", inf.client_transport)
-        return cls(inf.endpoints, token=inf.admin_token, timeout_s=inf.request_timeout_s, retries=inf.retries, **kw)
+        return cls(inf.endpoints, **{"token": inf.admin_token, "timeout_s": inf.request_timeout_s, "retries": inf.retries, **kw})
 
     async def __aenter__(self) -> "InferenceClient":
         return self

@@ -11,7 +11,7 @@ import pytest
 from actors.episodes import EpisodeContext, play_coevolve
 from actors.llm import Reflected
 from comap_async.config import load_config
-from comap_async.envs.alfworld_facts import parse_facts
+from comap_async.envs.alfworld_facts import next_state
 from comap_async.envs.pool import AsyncEnvPool
 from comap_async.protocol import validate
 
@@ -34,6 +34,11 @@ class ScriptedLLM:
     async def teacher(self, state, action, real_next):
         return real_next
 
+    def last_version(self, role):
+        # as if the learner published between calls: the policy served v7, and every imagine call
+        # a newer world model (its index), so a transition must name the call behind each field
+        return {"policy": 7, "wm": len(self.imagined)}.get(role)
+
     async def reflect(self, state, a_draft, s_hat):
         t, self.t = self.t, self.t + 1
         target = self.plan[min(t, len(self.plan) - 1)]
@@ -54,7 +59,7 @@ async def test_gate_opens_and_closes_on_a_real_game(valid_seen, alfworld_data):
         env = pool.env()
         await env.reset(game)
         llm = ScriptedLLM(await env.walkthrough())
-        ctx = EpisodeContext("test", cfg, llm, emit, parse_facts, lambda: {"versions": {"policy": 3, "wm": 2}})
+        ctx = EpisodeContext("test", cfg, llm, emit, next_state, lambda: {"versions": {"policy": 3, "wm": 2}})
         stats = await play_coevolve(ctx, env, game, "test:e1")
     transitions = [m for m in sent if m["type"] == "transition"]
     assert transitions and sent[-1]["type"] == "episode"
@@ -64,7 +69,9 @@ async def test_gate_opens_and_closes_on_a_real_game(valid_seen, alfworld_data):
             assert tr["s_hat_exec"] == f"You imagine doing {tr['a_exec']}." != tr["s_hat"]
         else:  # low q_ref: the draft is executed and its imagined state reused
             assert tr["a_exec"] == "look" and tr["s_hat_exec"] == tr["s_hat"]
-        assert (tr["policy_version"], tr["wm_version"]) == (3, 2)
+        # stamped with the adapters that generated the fields, not the registry's (3, 2)
+        assert tr["policy_version"] == 7
+        assert llm.imagined[tr["wm_version"] - 1] == tr["a_exec"]  # the call that imagined s_hat_exec
         assert tr["s_hat_teacher"] == tr["s_next"]
     assert stats.revisions == len([t for t in transitions if t["t"] % 2 == 0])
     assert "delta_f1" in sent[-1]["metrics"]
@@ -78,6 +85,9 @@ class PlanFollower:
 
     def _next(self) -> str:
         return self.plan[min(self.t, len(self.plan) - 1)]
+
+    def last_version(self, role):
+        return None  # the registry's versions
 
     async def draft(self, state):
         return ("look" if self.revise_to_plan else self._next()), None
@@ -95,33 +105,36 @@ class PlanFollower:
         return Reflected("REVISE", "look", 0.9, 0.2, None)  # a bad revision the gate refuses
 
 
-async def test_reflection_metrics_judge_proposed_revisions_by_suffix_rollouts(valid_seen, alfworld_data):
-    """Horizon 1: only the winning last step separates the branches. Revising 'look' to the winning
-    action is an executed, useful revision; revising the winning action to 'look' is a harmful one
-    that the gate blocks; every other proposal is neutral."""
+async def test_reflection_metrics_judge_every_step_by_two_branches(valid_seen, alfworld_data):
+    """Every evaluated step gets ``(m, z_draft, z_ref)`` (DESIGN.md section 11). Revising a 'look'
+    draft to the walkthrough's action: executed (m = 1), and the branch it starts follows the
+    walkthrough to a win (z_ref = 1). Drafting the walkthrough's action and proposing 'look': the
+    gate blocks it (m = 0) and the draft's branch wins (z_draft = 1), so with no executed revision
+    URR = HRR = 0 and BRP = 0 (the paper's ε)."""
     from actors.evaluate import reflection_summary
 
     game = sorted(valid_seen, key=lambda g: g.name)[1]
-    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "actor.suffix_horizon=1"])
+    cfg = load_config(None, [f"env.data_dir={alfworld_data}"])
 
     async def emit(msg):
         return None
 
-    outcomes = []
     async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=50) as pool:
         env, branch = pool.env(), pool.env()
         await env.reset(game)
         plan = await env.walkthrough()
+        judged = {}
         for revise_to_plan in (True, False):
-            ctx = EpisodeContext("test", cfg, PlanFollower(plan, revise_to_plan), emit, parse_facts, lambda: {})
+            ctx = EpisodeContext("test", cfg, PlanFollower(plan, revise_to_plan), emit, next_state, lambda: {})
             stats = await play_coevolve(ctx, env, game, f"test:r{revise_to_plan}", eval_mode=True, branch=branch)
             assert stats.won and stats.steps == len(plan)
-            assert len(stats.revision_outcomes) == len(plan)  # every step proposed a different action
-            assert stats.revision_outcomes[-1] == (revise_to_plan, "better" if revise_to_plan else "worse")
-            assert {o for _, o in stats.revision_outcomes[:-1]} == {"same"}
-            outcomes += stats.revision_outcomes
-    summary = reflection_summary(outcomes, horizon=1)
-    n = len(plan)
-    assert summary["proposed"] == 2 * n and summary["executed"] == n
-    assert (summary["executed_better"], summary["executed_same"], summary["blocked_worse"], summary["blocked_same"]) == (1, n - 1, 1, n - 1)
-    assert summary["urr"] == pytest.approx(1 / n) and summary["hrr"] == 0.0 and summary["brp"] == 1.0
+            assert len(stats.judged_steps) == len(plan)  # every step, not only proposed revisions
+            judged[revise_to_plan] = stats.judged_steps
+    assert all(m == 1 and z_ref == 1 for m, _, z_ref in judged[True])
+    assert all(m == 0 and z_draft == 1 for m, z_draft, _ in judged[False])
+    blocked = reflection_summary(judged[False], 50)
+    assert blocked["sum_m"] == 0 and (blocked["urr"], blocked["hrr"], blocked["brp"]) == (0.0, 0.0, 0.0)
+    executed = reflection_summary(judged[True], 50)
+    n_win_drafts = sum(z for _, z, _ in judged[True])  # 'look' detours the expert may still recover from
+    assert executed["sum_z_draft"] == n_win_drafts and executed["hrr"] == 0.0
+    assert executed["brp"] == pytest.approx((len(plan) - n_win_drafts) / len(plan))

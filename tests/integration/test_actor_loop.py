@@ -5,16 +5,15 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import msgpack
 import pytest
 
 from actors.worker import ActorWorker
-from broker.store import ReplayStore
 from comap_async.config import load_config
 from comap_async.gates import action_gate
 from comap_async.logsetup import configure_logging
 from comap_async.protocol import SCHEMAS, validate
 from learner.broker_client import BrokerClient
+from tests.fixtures.broker import stored
 from tests.fixtures.system import system_overrides
 
 pytestmark = pytest.mark.alfworld
@@ -26,14 +25,6 @@ def actor_config(broker, server, data, tiny_model_dir, *extra):
         broker, server, tiny_model_dir, f"env.data_dir={data}", "env.split=valid_seen", *extra))
 
 
-def stored(broker, store: str) -> list[dict]:
-    rs = ReplayStore(broker.replay_dir, {store: 1}, readonly=True)
-    try:
-        return [msgpack.unpackb(v) for v in rs.iter_store(store)]
-    finally:
-        rs.close()
-
-
 async def announce(broker, phase: str) -> None:
     async with BrokerClient(broker.learner_endpoint) as bc:
         await bc.announce(phase, {"policy": 0, "wm": 0, "wm_teacher": 0}, {}, 0)
@@ -42,7 +33,8 @@ async def announce(broker, phase: str) -> None:
 def check_contiguous(transitions: list[dict], episodes: list[dict]) -> None:
     by_ep: dict[str, list[int]] = {}
     for tr in transitions:
-        by_ep.setdefault(tr["episode"], []).append(tr["t"])
+        if not tr.get("explore"):  # a warm-up exploratory transition shares its expert step's t
+            by_ep.setdefault(tr["episode"], []).append(tr["t"])
     for ep in episodes:
         ts = by_ep.get(ep["id"], [])
         assert sorted(ts) == list(range(ep["steps"])), (ep["id"], sorted(ts), ep["steps"])
@@ -62,7 +54,7 @@ async def test_coevolve_actor_stores_complete_gated_transitions(broker_factory, 
     assert len(episodes) == 4 and len(transitions) == sum(s.steps for _, s in results) >= 3
     for tr in transitions:
         validate(tr)  # every field present with its wire type
-        assert set(SCHEMAS["transition"]) <= set(tr)
+        assert {k for k, f in SCHEMAS["transition"].items() if f.required} <= set(tr)
         assert tr["phase"] == "coevolve" and tr["s_hat_teacher"] is not None and 0.0 <= tr["p_revise"] <= 1.0
         gate = action_gate(tr["p_revise"], tr["q_ref"], tr["a_ref"], tr["a_draft"], cfg.gates.tau_p, cfg.gates.tau_q)
         assert tr["a_exec"] == (tr["a_ref"] if gate.open else tr["a_draft"]), tr["id"]
@@ -82,6 +74,7 @@ async def test_warmup_expert_episodes_win_and_land_in_demos(broker_factory, room
     results = await asyncio.wait_for(worker.run(), timeout=300)
     assert [s.won for _, s in results] == [True, True, True]
     demos, transitions = stored(broker, "demos"), stored(broker, "transitions")
+    transitions = [t for t in transitions if not t.get("explore")]  # exploratory ones: test_warmup_explore.py
     assert len(demos) == len(transitions) == sum(s.steps for _, s in results)
     assert all(d["target"] == t["a_exec"] for d, t in zip(demos, transitions))
     assert all(t["expert_action"] for t in transitions), [(t["id"][-6:], t["a_exec"], t["expert_action"]) for t in transitions]  # the handcoded expert's label rides along
@@ -112,7 +105,7 @@ async def test_actor_survives_broker_outage_without_loss_or_duplicates(broker_fa
     assert len(results) == 6 and worker.metrics.failures == 0
     transitions, episodes = stored(broker, "transitions"), stored(broker, "episodes")
     assert len(episodes) == 6
-    assert len(transitions) == sum(s.steps for _, s in results)
+    assert len([t for t in transitions if not t.get("explore")]) == sum(s.steps for _, s in results)
     check_contiguous(transitions, episodes)
 
 

@@ -10,7 +10,7 @@ import zmq
 import zmq.asyncio
 
 from actors.outbox import Outbox
-from broker.ingest import load_fact_parser
+from broker.ingest import load_next_state
 from broker.store import ReplayStore
 from comap_async.gates import derive_policy_sample
 from learner.broker_client import BrokerClient, BrokerError
@@ -54,7 +54,7 @@ async def test_store_gates_registry_sampling_http(broker_factory):
         # warmup transitions (policy v0) derive no reflection sample; v3 samples are fresh
         by_id = {r["id"]: r for r in refl.items}
         assert set(by_id) == {revised["id"], lowconf["id"], "a0:ep0:12"}
-        parser = load_fact_parser("alfworld")
+        parser = load_next_state("alfworld")
         for tr in (revised, lowconf):
             want = derive_policy_sample(tr, parser, 0.5, 0.6, 0.6)
             got = by_id[tr["id"]]

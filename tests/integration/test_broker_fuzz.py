@@ -21,6 +21,7 @@ WRONG = {  # values of the wrong wire type for each schema field kind
     "int": ["7", 1.5, True, None, [1], b"\x07"],
     "float": ["0.5", True, None, {"x": 1}],
     "bool": [1, 0, "true", None, 1.0],
+    "list_str": ["at(a 1)", [1, 2], [None], {"a": 1}, 3, [["nested"]], ["x" * 300]],
 }
 MAX_BYTES = 256 * 1024
 

@@ -108,7 +108,7 @@ async def test_broker_gates_batches_itself_while_its_worker_is_busy(broker_facto
     every message is still stored exactly once, with the samples the worker would have made."""
     n = 640
     bp = broker_factory(["broker.gate_workers=1", "broker.group_commit=32", "broker.capacity_transitions=1000",
-                         "broker.capacity_reflections=1000"], args=["--fact-parser", "tests.fixtures.slow_parser:parse_facts"])
+                         "broker.capacity_reflections=1000"], args=["--state-facts", "tests.fixtures.slow_parser:next_state"])
     ob = await Outbox(bp.actor_endpoint, ack_timeout_s=5.0, max_pending=512).start()
     for i in range(n):  # new texts per message: the parser's cache cannot hide its cost
         pick = f"You pick up the apple {i + 1} from the countertop {i + 1}."

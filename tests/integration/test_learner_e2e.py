@@ -44,7 +44,8 @@ def dataset() -> list[dict]:
         msgs.append({"v": 1, "type": "reflection", "id": f"r{i}", "actor": "refl", "game": "g", "s": s,
                      "a_draft": "go to fridge 1" if i % 2 else TARGET,
                      "s_bar": "You arrive at fridge 1." if i % 2 else "You pick up the mug 1.",
-                     "target": TARGET, "y": i % 2, "policy_version": 0, "wm_version": 0, "ts": time.time()})
+                     "target": TARGET, "y": i % 2, "policy_version": 0, "wm_version": 0, "ts": time.time(),
+                     "label": "expert_better" if i % 2 else "equal_draft"})
     return msgs
 
 
@@ -65,7 +66,7 @@ def learner_config(broker, server, tiny_model_dir, *extra):
 async def test_learner_halves_losses_publishes_and_server_follows(broker_factory, roomy_server, tiny_model_dir):
     broker = broker_factory()
     await fill(broker, dataset())
-    cfg = learner_config(broker, roomy_server, tiny_model_dir)
+    cfg = learner_config(broker, roomy_server, tiny_model_dir, "learner.checkpoint_every=1000")
     prompt = Prompts(ChatTemplate.from_model_dir(tiny_model_dir)).draft(STATE.format(i=0))
     async with InferenceClient([roomy_server.url], token=roomy_server.token) as client:
         before = (await client.complete(prompt, model=roomy_server.base_name, max_tokens=8, temperature=0.0, seed=1)).text
@@ -79,6 +80,9 @@ async def test_learner_halves_losses_publishes_and_server_follows(broker_factory
         # v1 at the switch to coevolve (step 1), v2 publish_every=20 steps later (step 21)
         published = [i + 1 for i, m in enumerate(learner.history) if "learner/publish_s" in m]
         assert version == 2 and published == [1, 21]
+        # every publish is a checkpoint too (checkpoint_every is out of reach here), and so is the exit
+        steps = sorted(int(p.name.split("-")[1]) for p in (cfg.run.dir / "checkpoints").glob("step-*"))
+        assert steps == [1, 21, 40]
 
         async with BrokerClient(broker.learner_endpoint) as bc:
             registry = await bc.get_registry()

@@ -22,7 +22,7 @@ from tests.fixtures.core import free_port
 
 pytestmark = [pytest.mark.alfworld, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
-PROCESSES = ("broker", "inference", "learner", "actor")
+PROCESSES = ("broker", "inference", "learner", "actor", "evaluator")
 
 
 class System:
@@ -77,9 +77,33 @@ class System:
         assert "Traceback" not in stopping, f"a traceback while stopping:\n{stopping[-4000:]}"
 
     def kill_all(self) -> None:
+        """After a failure: honcho and every process below it (honcho starts its processes in
+        process groups of their own, which a signal to honcho's group does not reach)."""
         if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            for pid in [*_descendants(self.proc.pid), self.proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             self.proc.wait(10)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc), deepest first."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out: list[int] = []
+    stack = list(children.get(pid, []))
+    while stack:
+        p = stack.pop()
+        out.append(p)
+        stack.extend(children.get(p, []))
+    return out[::-1]
 
 
 def _coevolving_with_v2(system: System):
@@ -97,20 +121,26 @@ def test_honcho_system_runs_stops_cleanly_and_resumes(tmp_path, tiny_model_dir, 
         system.start("first")
         reg, tagged = system.wait("co-evolution with transitions from adapter v2", lambda: _coevolving_with_v2(system))
         assert system.get("/stats")["stores"]["demos"]["count"] >= 8  # warm-up collected demonstrations
+        # the evaluator measured the base model and reported it to the broker
+        held_out = system.wait("a held-out result", lambda: system.get("/stats")["eval"])
+        assert held_out[0]["version"] == 0 and held_out[0]["walkthrough_states"] > 0
 
         # comap stats against the running system: every section filled, PNGs written
         plots = tmp_path / "plots"
         out = subprocess.run([sys.executable, "-m", "comap_async", "stats", "--plot", str(plots)], env=system.env,
                              cwd=REPO, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
-        for section in ("registry", "episodes by adapter version", "gates by adapter version", "throughput", "staleness"):
+        for section in ("registry", "episodes by adapter version", "gates by adapter version", "throughput", "staleness",
+                        "held-out eval by adapter version"):
             assert section in out.stdout
         assert "(no episodes yet)" not in out.stdout and "(no gated samples yet)" not in out.stdout
-        assert "learner    wm/ce=" in out.stdout  # the learner's scalars, sent with its last publish
+        # the learner's scalars, sent with its last publish (the world model's only once co-evolution
+        # transitions exist: it trains on the policy's own rollouts)
+        assert re.search(r"^learner    (wm|policy)/\w+=", out.stdout, re.M), out.stdout
         import matplotlib.image
 
         pngs = sorted(plots.glob("*.png"))
-        assert len(pngs) == 5
+        assert len(pngs) == 8  # 5 of the replay, 3 of the evaluator (eval_*.png)
         for png in pngs:
             assert matplotlib.image.imread(png).shape[0] > 100
 

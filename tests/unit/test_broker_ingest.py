@@ -10,8 +10,8 @@ from comap_async.config import GateConfig
 from tests.fixtures.broker import make_episode, make_transition
 
 
-def toy_parser(text: str) -> frozenset[str] | None:
-    """Facts are the ';'-separated items after 'F:'; anything else is unreadable."""
+def toy_parser(state: frozenset[str], text: str) -> frozenset[str] | None:
+    """The state after ``text`` is the ';'-separated items after 'F:'; anything else is unreadable."""
     if text.startswith("BOOM"):
         raise RuntimeError("parser bug")
     if not text.startswith("F:"):
@@ -27,8 +27,8 @@ def prepare(tr: dict, ingest: Ingest | None = None):
     return item, recs, raw
 
 
-# o -> {at(a)}; the real next state adds holding(x) and drops at(a)
-BASE = dict(o="F: at(a)", s_next="F: at(b); holding(x)")
+# the state before is {at(a)}; the real next state adds holding(x) and drops at(a)
+BASE = dict(o="F: at(a)", facts=["at(a)"], s_next="F: at(b); holding(x)")
 
 
 def test_imagined_state_when_student_and_teacher_agree():
@@ -99,10 +99,12 @@ def test_warmup_without_expert_field_uses_the_executed_action():
 def test_reflection_and_episode_messages():
     ing = Ingest(toy_parser, GateConfig())
     refl = {"v": 1, "type": "reflection", "seq": 2, "id": "r1", "actor": "a0", "game": "g", "s": "s", "a_draft": "a",
-            "s_bar": "sb", "target": "t", "y": 1, "policy_version": 0, "wm_version": 0, "ts": 1.0}
+            "s_bar": "sb", "target": "t", "y": 1, "policy_version": 0, "wm_version": 0, "ts": 1.0,
+            "label": "expert_better"}
     item = ing.prepare(refl, b"")
     assert item.dedup_key == b"r:r1" and item.records[0][0] == "reflections"
     assert msgpack.unpackb(item.records[0][1])["source"] == "suffix"
+    assert item.counters == {"stored_reflection_msgs": 1, "reflect_label_expert_better": 1}  # shown by comap stats
     ep = {**make_episode(4), "seq": 3}
     item = ing.prepare(ep, b"")
     assert item.dedup_key == b"e:a0:ep4" and item.records[0][0] == "episodes"
@@ -118,31 +120,32 @@ def test_parser_exception_counts_and_reads_as_unparseable():
 
 def test_identical_predictions_shortcut_gives_the_full_gate_result():
     """When student and teacher predicted the same text the broker only checks readability
-    (``parse_facts.is_readable``); the sample must be the one the full gate gives."""
-    from comap_async.envs.alfworld_facts import parse_facts
+    (``next_state.is_readable``); the sample must be the one the full gate gives."""
+    from comap_async.envs.alfworld_facts import next_state
 
     pick = "You pick up the apple 1 from the countertop 1."
-    cases = [  # (o, student == teacher): readable both, unreadable o, unreadable prediction, no change
-        ("You arrive at countertop 1. On the countertop 1, you see a apple 1.", pick),
-        ("You arrive at the kitchen.", pick),
-        ("You arrive at countertop 1.", "You pick up the apple."),
-        ("You arrive at countertop 1.", "Nothing happens."),
+    at_counter = ["at(countertop 1)", "in(apple 1, countertop 1)"]
+    cases = [  # (state before, student == teacher): readable, empty state, unreadable prediction, no change
+        (at_counter, pick),
+        ([], pick),
+        (at_counter, "You pick up the apple."),
+        (at_counter, "Nothing happens."),
     ]
-    plain = Ingest(lambda text: parse_facts(text), GateConfig())  # no is_readable attribute: full gate
-    fast = Ingest(parse_facts, GateConfig())
+    plain = Ingest(lambda state, text: next_state(state, text), GateConfig())  # no is_readable: full gate
+    fast = Ingest(next_state, GateConfig())
     assert plain.parser.readable is None and fast.parser.readable is not None
-    for o, pred in cases:
-        tr = make_transition(1, o=o, s_hat_exec=pred, s_hat_teacher=pred, s_next=pick)
+    for facts, pred in cases:
+        tr = make_transition(1, facts=facts, s_hat_exec=pred, s_hat_teacher=pred, s_next=pick)
         _, slow_recs, _ = prepare(tr, plain)
         _, fast_recs, _ = prepare(tr, fast)
-        assert fast_recs["reflections"] == slow_recs["reflections"], o
-    assert [prepare(make_transition(1, o=o, s_hat_exec=p, s_hat_teacher=p), fast)[1]["reflections"]["ws_imagined"]
-            for o, p in cases] == [True, False, False, True]
+        assert fast_recs["reflections"] == slow_recs["reflections"], facts
+    assert [prepare(make_transition(1, facts=f, s_hat_exec=p, s_hat_teacher=p), fast)[1]["reflections"]["ws_imagined"]
+            for f, p in cases] == [True, True, False, True]
 
 
 def test_readable_check_exception_counts_and_reads_as_unparseable():
-    def parser(text):
-        return toy_parser(text)
+    def parser(state, text):
+        return toy_parser(state, text)
 
     def exploding(text):
         raise RuntimeError("readable bug")

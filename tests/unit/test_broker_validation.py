@@ -43,7 +43,7 @@ def _valid_examples() -> list[dict]:
              eval=False, steps=7, won=True, reward=1.0, policy_version=2, wm_version=2, wall_s=3.5, ts=1.0,
              metrics={"revision_rate": 0.25}),
         make("reflection", seq=2, id="r", actor="a", game="g", s="s", a_draft="x", s_bar="y", target="z", y=1,
-             policy_version=0, wm_version=0, ts=0.0),
+             policy_version=0, wm_version=0, ts=0.0, label="expert_better"),
         make("ack", seq=9, ok=True, error=None, registry=protocol.empty_registry(), retry=False),
         make("sample", req=1, store="demos", n=8, seed=None),
         make("batch", req=1, store="demos", items=[{"s": "x"}], stale_skipped=0, available=1),

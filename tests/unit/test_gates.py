@@ -97,30 +97,33 @@ _FACTS = {
 }
 
 
-def _parse(text: str):
-    return _FACTS.get(text)  # unknown text is unparseable
+def _parse(state: frozenset[str], text: str):
+    return _FACTS.get(text)  # the state after each text, whatever it was; unknown text is unparseable
 
 
 def test_derived_sample_imagined_state_and_accepted_revision():
-    tr = transition(1, o="O", s_hat_exec="PICKED", s_hat_teacher="PICKED", s_next="REAL NEXT",
-                    a_draft="go to fridge 1", a_ref="take apple 1 from countertop 1", decision="REVISE",
-                    p_revise=0.8, q_ref=0.7, a_exec="take apple 1 from countertop 1")
+    # the revised step: s_bar is the student's prediction for the *draft* (DESIGN.md section 5),
+    # while the gate still scores the executed action's predictions
+    tr = transition(1, o="O", s_hat="DRAFT IMAGINED", s_hat_exec="PICKED", s_hat_teacher="PICKED",
+                    s_next="REAL NEXT", a_draft="go to fridge 1", a_ref="take apple 1 from countertop 1",
+                    decision="REVISE", p_revise=0.8, q_ref=0.7, a_exec="take apple 1 from countertop 1",
+                    facts=sorted(PREV))
     d = derive_policy_sample(tr, _parse)
-    assert d["s_bar"] == "PICKED" and d["ws_imagined"] and d["ws_score"] == 1.0
+    assert d["s_bar"] == "DRAFT IMAGINED" and d["ws_imagined"] and d["ws_score"] == 1.0
     assert d["target"] == "take apple 1 from countertop 1" and d["y"] == 1
 
 
 def test_derived_sample_real_state_and_kept_draft():
     tr = transition(1, o="O", s_hat_exec="PICKED", s_hat_teacher="FRIDGE", s_next="REAL NEXT",
                     a_draft="go to fridge 1", a_ref="take apple 1 from countertop 1", decision="REVISE",
-                    p_revise=0.8, q_ref=0.5, a_exec="go to fridge 1")
+                    p_revise=0.8, q_ref=0.5, a_exec="go to fridge 1", facts=sorted(PREV))
     d = derive_policy_sample(tr, _parse)
     assert d["s_bar"] == "REAL NEXT" and not d["ws_imagined"]
     assert d["target"] == "go to fridge 1" and d["y"] == 0 and d["ag_reason"] == "low_confidence"
 
 
 def test_derived_sample_unparseable_student_uses_real_state():
-    tr = transition(1, o="O", s_hat_exec="gibberish", s_hat_teacher="PICKED", s_next="REAL NEXT")
+    tr = transition(1, o="O", s_hat_exec="gibberish", s_hat_teacher="PICKED", s_next="REAL NEXT", facts=sorted(PREV))
     d = derive_policy_sample(tr, _parse)
     assert d["s_bar"] == "REAL NEXT" and d["ws_score"] == 0.0
 

@@ -1,38 +1,64 @@
-"""Reflection metrics from judged revisions (pure): suffix comparison, URR / HRR / BRP and counts."""
+"""Reflection diagnostics (pure): branch comparison, reflection-init labels, URR / HRR / BRP exactly
+as the paper's appendix C.2 defines them (DESIGN.md section 11), on hand-built step lists."""
 
 from __future__ import annotations
 
 import pytest
 
-from actors.episodes import suffix_outcome
 from actors.evaluate import markdown, reflection_summary
+from comap_async.diagnostics import (EPS, BranchResult, branch_better, reflection_diagnostics,
+                                     reflection_label)
+
+WIN3, WIN5, LOSE = BranchResult(True, 3), BranchResult(True, 5), BranchResult(False, 50)
 
 
-def test_suffix_outcome_orders_by_win_then_return():
-    assert suffix_outcome((True, 1.0), (False, 0.0)) == "better"
-    assert suffix_outcome((False, 0.0), (True, 1.0)) == "worse"
-    assert suffix_outcome((False, 0.5), (False, 0.0)) == "better"
-    assert suffix_outcome((True, 0.0), (False, 3.0)) == "better"  # winning beats any return
-    assert suffix_outcome((False, 0.0), (False, 0.0)) == "same"
+def test_branch_better_wins_first_then_fewer_steps():
+    assert branch_better(WIN5, LOSE) and not branch_better(LOSE, WIN5)
+    assert branch_better(WIN3, WIN5) and not branch_better(WIN5, WIN3)
+    assert not branch_better(WIN3, WIN3)  # a tie is not better
+    assert not branch_better(LOSE, BranchResult(False, 10))  # two losses: neither is better
 
 
-def test_reflection_summary_worked_example():
-    # 4 executed: 2 better, 1 worse, 1 same; 3 blocked: 1 better, 2 same
-    outcomes = [(True, "better"), (True, "better"), (True, "worse"), (True, "same"),
-                (False, "better"), (False, "same"), (False, "same")]
-    r = reflection_summary(outcomes, horizon=5)
-    assert r["proposed"] == 7 and r["executed"] == 4
-    assert (r["executed_better"], r["executed_worse"], r["executed_same"]) == (2, 1, 1)
-    assert (r["blocked_better"], r["blocked_worse"], r["blocked_same"]) == (1, 0, 2)
-    assert r["urr"] == pytest.approx(0.5) and r["hrr"] == pytest.approx(0.25)
-    assert r["brp"] == pytest.approx(2 / 3) and r["suffix_horizon"] == 5
+def test_reflection_labels():
+    assert reflection_label(True, None, None) == (0, "equal_draft")  # kept, not skipped
+    assert reflection_label(False, WIN3, LOSE) == (1, "expert_better")
+    assert reflection_label(False, WIN3, WIN5) == (1, "expert_better")  # wins in fewer steps
+    assert reflection_label(False, WIN3, WIN3) == (0, "not_better")  # tie: the draft is kept
+    assert reflection_label(False, LOSE, LOSE) == (0, "not_better")
+    assert reflection_label(False, WIN5, WIN3) == (0, "not_better")
+    with pytest.raises(ValueError):
+        reflection_label(False, None, WIN3)
 
 
-def test_reflection_summary_without_revisions_has_no_rates():
-    r = reflection_summary([], horizon=3)
-    assert r["proposed"] == 0 and r["urr"] is None and r["hrr"] is None and r["brp"] is None
-    r = reflection_summary([(False, "worse")], horizon=3)
-    assert r["executed"] == 0 and r["urr"] is None and r["brp"] is None
+def test_urr_hrr_brp_worked_example():
+    steps = [  # (m, z_draft, z_ref)
+        (1, 1, 1),  # a winning draft revised, still wins: over-intervention, harmless
+        (1, 1, 0),  # a winning draft revised into a loss: harmful
+        (0, 1, 0),  # a winning draft kept
+        (0, 1, 1),
+        (1, 0, 1),  # a losing draft revised into a win: beneficial
+        (1, 0, 0),  # a losing draft revised, still loses
+        (0, 0, 1),  # a beneficial revision the gate blocked
+        (0, 0, 0),
+    ]
+    r = reflection_diagnostics(steps)
+    assert (r["steps"], r["sum_m"], r["sum_z_draft"]) == (8, 4, 4)
+    assert (r["sum_m_z_draft"], r["sum_m_z_draft_not_z_ref"], r["sum_m_not_z_draft_z_ref"]) == (2, 1, 1)
+    assert r["urr"] == pytest.approx(2 / 4) and r["hrr"] == pytest.approx(1 / 4) and r["brp"] == pytest.approx(1 / 4)
+    assert r["urr"] == 2 / (4 + EPS)  # the paper's ε in the denominator, exactly
+
+
+def test_degenerate_cases_give_zero_not_errors():
+    # no successful drafts: URR and HRR have an empty denominator
+    r = reflection_diagnostics([(1, 0, 1), (0, 0, 0)])
+    assert r["sum_z_draft"] == 0 and r["urr"] == 0.0 and r["hrr"] == 0.0 and r["brp"] == pytest.approx(1.0)
+    # no executed revisions: BRP has an empty denominator, URR is 0 by definition
+    r = reflection_diagnostics([(0, 1, 0), (0, 0, 1)])
+    assert r["sum_m"] == 0 and r["brp"] == 0.0 and r["urr"] == 0.0 and r["hrr"] == 0.0
+    r = reflection_diagnostics([])
+    assert r["steps"] == 0 and (r["urr"], r["hrr"], r["brp"]) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError):
+        reflection_diagnostics([(2, 0, 1)])
 
 
 def test_markdown_shows_the_reflection_table_only_when_measured():
@@ -40,6 +66,7 @@ def test_markdown_shows_the_reflection_table_only_when_measured():
               "delta_f1": None, "revision_rate": 0.5, "invalid_action_rate": 0.0,
               "episodes": [{"game": "g", "won": True, "steps": 3, "revisions": 1}]}
     assert "URR" not in markdown(report)
-    report["reflection"] = reflection_summary([(True, "better")], horizon=5)
+    report["reflection"] = reflection_summary([(1, 0, 1), (0, 1, 1)], max_steps=50)
+    assert report["reflection"]["sum_m_not_z_draft_z_ref"] == 1 and report["reflection"]["branch_max_steps"] == 50
     md = markdown(report)
-    assert "| proposed | executed | URR | HRR | BRP |" in md and "| 1 | 1 | 1.000 | 0.000 | 1.000 |" in md
+    assert "| 2 | 1 | 1 | 0.000 | 0.000 | 1.000 |" in md

@@ -20,3 +20,13 @@ def test_learner_scalars_are_shown_in_order():
 def test_no_publish_yet_says_so():
     text = render(summarize(_stats({}), [], []))
     assert "learner    (no publish yet" in text
+
+
+def test_reflect_init_label_distribution_is_shown():
+    stats = {**_stats({"policy/revise_label_share": 0.4}),
+             "reflect_init_labels": {"expert_better": 6, "equal_draft": 3, "not_better": 1}}
+    text = render(summarize(stats, [], []))
+    line = next(x for x in text.splitlines() if x.startswith("reflect_init "))
+    assert "y=1 6" in line and "equal drafts 3" in line and "ties or worse 1" in line and "share y=1 0.600 of 10" in line
+    assert "policy/revise_label_share=0.400" in text
+    assert "no reflection-initialisation samples yet" in render(summarize(_stats({}), [], []))

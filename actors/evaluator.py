@@ -1,0 +1,212 @@
+"""``comap evaluator``: held-out figures for every adapter version, while the system runs (issue 14).
+
+A process beside the actors (a ``Procfile`` line): it asks the broker for the registry, and for
+the base model once and then every ``eval.every_versions``-th published version (the newest
+when it falls behind) it runs the probes on ``eval.games`` games of ``eval.split`` and the full
+CoMap loop on ``eval.success_games`` of them. Each result goes to ``<run dir>/eval/v<N>.json``,
+to the broker (``comap stats`` shows it, ``--plot`` draws it) and to TensorBoard (``eval/...``).
+
+It loads each version's adapters under names of its own (``eval-policy-v<N>``...), so the learner
+retiring that version from the servers mid-evaluation changes nothing, and it stops on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from comap_async.cli import add_config_arguments
+
+ROLES = ("policy", "wm", "wm_teacher")
+SCALARS = ("wm_delta_f1", "wm_delta_f1_failures", "draft_accuracy", "admissible_rate", "success_rate")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+    p.add_argument("--once", action="store_true", help="evaluate the pending versions once and exit (tests, scripts)")
+
+
+def next_version(done: set[int], published: list[int], every: int, max_pending: int) -> int | None:
+    """The version to evaluate now: the base model (0) first, then the oldest published multiple
+    of ``every`` newer than anything evaluated; the newest instead when more than ``max_pending``
+    are waiting (the evaluator fell behind the learner: the ones between are skipped). None when
+    there is nothing to do."""
+    if 0 not in done:
+        return 0
+    newest_done = max(done)
+    pending = sorted(v for v in published if v > newest_done and v % every == 0)
+    if not pending:
+        return None
+    return pending[-1] if len(pending) > max_pending else pending[0]
+
+
+def published_versions(adapter_root: Path, current: int) -> list[int]:
+    """Versions up to ``current`` whose three adapters are on disk (the learner keeps the files)."""
+    return [v for v in range(1, current + 1) if all((adapter_root / f"{r}-v{v}").is_dir() for r in ROLES)]
+
+
+def done_versions(eval_dir: Path) -> set[int]:
+    """Versions already evaluated in this run directory (a restarted evaluator does not repeat them)."""
+    return {int(p.stem[1:]) for p in eval_dir.glob("v*.json") if p.stem[1:].isdigit()}
+
+
+class ScalarWriter:
+    """TensorBoard scalars without torch (the evaluator is an actor-side process: no torch import)."""
+
+    def __init__(self, logdir: Path) -> None:
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self.writer = EventFileWriter(str(logdir), filename_suffix=".evaluator")
+
+    def add(self, tag: str, value: float, step: int) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        self.writer.add_event(Event(wall_time=time.time(), step=step,
+                                    summary=Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])))
+
+    def close(self) -> None:
+        self.writer.flush()
+        self.writer.close()
+
+
+class Evaluator:
+    def __init__(self, cfg: Any, log: Any) -> None:
+        self.cfg, self.log = cfg, log
+        self.stop = asyncio.Event()
+        self.eval_dir = cfg.run.dir / "eval"
+        self.results: list[dict[str, Any]] = []
+
+    def games(self) -> tuple[list, list]:
+        """(probe games, success games): the same seeded, task-spread sample for every version."""
+        from comap_async.envs import games_from_config
+        from comap_async.envs.base import spread_sample
+
+        e = self.cfg.eval
+        cfg = self.cfg.model_copy(update={"env": self.cfg.env.model_copy(update={"max_games": None})})
+        games = spread_sample(games_from_config(cfg, e.split), e.games, self.cfg.run.seed)
+        if not games:
+            raise ValueError(f"no games in split {e.split!r}")
+        return games, spread_sample(games, e.success_games, self.cfg.run.seed) if e.success_games else []
+
+    async def evaluate(self, client: Any, version: int, registry: dict[str, Any]) -> dict[str, Any]:
+        from actors.eval_report import summarize
+        from actors.evaluate import play_games
+        from actors.probes import run_probes
+
+        names = {r: f"eval-{r}-v{version}" for r in ROLES} if version else {}
+        for role, name in names.items():
+            await client.load_adapter(name, str(self.cfg.adapter_root / f"{role}-v{version}"))
+        eval_registry = {"phase": "coevolve", "versions": dict.fromkeys(ROLES, version), "adapters": names, "step": 0}
+        t0 = time.time()
+        cfg = self.cfg.model_copy(update={"actor": self.cfg.actor.model_copy(update={"envs": self.cfg.eval.envs})})
+        probe_games, success_games = self.games()
+        try:
+            result: dict[str, Any] = {"version": version, "adapters": names, "phase": registry.get("phase"),
+                                      "learner_step": registry.get("step", 0), "split": self.cfg.eval.split,
+                                      **await run_probes(cfg, probe_games, eval_registry, self.log,
+                                                         failures_per_game=self.cfg.eval.failures_per_game)}
+            if success_games:
+                played, _ = await play_games(cfg, success_games, eval_registry, self.log, envs=self.cfg.eval.envs)
+                s = summarize(played, self.cfg.eval.split, version, 0.0)
+                result |= {"success_rate": s["success_rate"], "success_games": s["games"], "mean_steps": s["mean_steps"],
+                           "invalid_action_rate": s["invalid_action_rate"], "coevolve_delta_f1": s["delta_f1"]}
+        finally:
+            for name in names.values():
+                await client.unload_adapter(name, missing_ok=True)
+        result |= {"eval_s": round(time.time() - t0, 1), "ts": time.time()}
+        return result
+
+    def record(self, result: dict[str, Any], scalars: ScalarWriter | None) -> None:
+        self.eval_dir.mkdir(parents=True, exist_ok=True)
+        path = self.eval_dir / f"v{result['version']}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=2))
+        tmp.replace(path)
+        if scalars is not None:
+            for key in SCALARS:
+                if result.get(key) is not None:
+                    scalars.add(f"eval/{key}", result[key], result["version"])
+        self.results.append(result)
+        self.log.info("evaluator.result", **{k: v for k, v in result.items() if not isinstance(v, (dict, list))})
+
+    async def run(self, once: bool = False) -> int:
+        from comap_async.inference.client import InferenceClient
+        from comap_async.waiting import wait_until_answers
+        from learner.broker_client import BrokerClient
+
+        done = done_versions(self.eval_dir)
+        scalars = ScalarWriter(self.cfg.run.dir / "tensorboard")
+        async with BrokerClient.from_config(self.cfg) as broker, InferenceClient.from_config(self.cfg) as client:
+            try:
+                registry = await wait_until_answers("broker", broker.get_registry, self.log, self.stop,
+                                                    "evaluator.waiting")
+                if registry is None or await wait_until_answers("inference", client.models, self.log, self.stop,
+                                                                "evaluator.waiting") is None:
+                    return 0
+                while not self.stop.is_set():
+                    try:
+                        registry = await broker.get_registry()
+                    except Exception as exc:  # the broker restarting: ask again on the next round
+                        self.log.info("evaluator.waiting", target="broker", reason=str(exc)[:200])
+                        registry = None
+                    current = int(((registry or {}).get("versions") or {}).get("policy", 0))
+                    version = None if registry is None else next_version(
+                        done, published_versions(self.cfg.adapter_root, current), self.cfg.eval.every_versions,
+                        self.cfg.eval.max_pending)
+                    if version is None:
+                        if once:
+                            return 0
+                        await self._sleep(self.cfg.eval.poll_s)
+                        continue
+                    result = await self._until_stopped(self.evaluate(client, version, registry))
+                    if result is None:
+                        break
+                    self.record(result, scalars)
+                    await broker.report_eval(version, result)
+                    done.add(version)
+            finally:
+                scalars.close()
+        return 0
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self.stop.wait(), seconds)
+        except TimeoutError:
+            pass
+
+    async def _until_stopped(self, coro: Any) -> Any:
+        """The coroutine's result, or None when SIGTERM comes first (the evaluation is abandoned)."""
+        from comap_async.waiting import cancel_and_wait
+
+        task = asyncio.ensure_future(coro)
+        stopper = asyncio.ensure_future(self.stop.wait())
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if task.done():
+            return task.result()
+        await cancel_and_wait([task])
+        self.log.info("evaluator.abandoned")
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from comap_async.config import load_config
+    from comap_async.logsetup import configure_logging
+
+    cfg = load_config(args.config, args.overrides)
+    log = configure_logging("evaluator", run=cfg.run.name)
+    evaluator = Evaluator(cfg, log)
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, evaluator.stop.set)
+        return await evaluator.run(once=args.once)
+
+    return asyncio.run(main())

@@ -1,0 +1,101 @@
+"""What the evaluator costs the actors (issue 14, acceptance 4): actor env steps/s with and without
+an evaluation running, interleaved, on one machine.
+
+    python benchmarks/evaluator_cost.py [--config configs/local.yaml] [--window 180] [--rounds 2]
+
+A broker, the embedded server and one actor run the CoMap loop with the base model (the registry
+is set to ``coevolve`` with no adapters, so no learner is needed). Each round measures the stored
+transitions per second over ``--window`` seconds without the evaluator, then over the same window
+while ``comap evaluator`` evaluates the base model (its result file is removed before each round,
+so it has work). Last line: ``steps_per_s_without=X steps_per_s_with=Y evaluator_slowdown=Z``
+(1 - with/without, medians over the rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks._inference import stop_group  # noqa: E402 - the repo must be on sys.path first
+from tests.fixtures.ports import free_port  # noqa: E402
+
+
+def _written(http: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{http}/stats", timeout=10) as r:
+        return json.loads(r.read())["stores"]["transitions"]["written"]
+
+
+def _start(name: str, args: list[str], env: dict, log_dir: Path) -> subprocess.Popen:
+    log = open(log_dir / f"{name}.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "comap_async", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                            cwd=REPO, start_new_session=True)
+
+
+def _rate(http: int, seconds: float) -> float:
+    n0, t0 = _written(http), time.monotonic()
+    time.sleep(seconds)
+    return (_written(http) - n0) / (time.monotonic() - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/local.yaml")
+    ap.add_argument("--window", type=float, default=180.0, help="seconds measured per condition and round")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    args = ap.parse_args()
+
+    run_root = REPO / "runs"
+    name = f"evalcost-{time.strftime('%Y%m%d-%H%M%S')}"
+    http, port, lp = free_port(), free_port(), free_port()
+    sets = [f"run.root={run_root}", f"run.name={name}", f"broker.actor_port={free_port()}", f"broker.learner_port={lp}",
+            f"broker.http_port={http}", f"inference.port={port}", f"inference.endpoints=['http://127.0.0.1:{port}']",
+            "eval.success_games=0", *args.overrides]
+    common = ["--config", args.config, *sum((["--set", s] for s in sets), [])]
+    env = {**os.environ, "COMAP_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
+    log_dir = run_root / name
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs = [_start("broker", ["broker", *common], env, log_dir), _start("serve", ["serve", *common], env, log_dir)]
+    try:
+        from learner.broker_client import BrokerClient
+
+        async def to_coevolve() -> None:
+            async with BrokerClient(f"tcp://127.0.0.1:{lp}", timeout_s=10, retries=30) as bc:
+                await bc.announce("coevolve", {"policy": 0, "wm": 0, "wm_teacher": 0}, {}, 0)
+
+        asyncio.run(to_coevolve())
+        procs.append(_start("actor", ["actor", *common], env, log_dir))
+        while _written(http) < 20:  # the server has loaded the model and the actor plays
+            time.sleep(5)
+        without, with_eval = [], []
+        for r in range(args.rounds):
+            without.append(_rate(http, args.window))
+            (log_dir / "eval" / "v0.json").unlink(missing_ok=True)
+            evaluator = _start("evaluator", ["evaluator", "--once", *common], env, log_dir)
+            time.sleep(10)  # its start-up (no model) and first requests
+            with_eval.append(_rate(http, args.window))
+            busy = evaluator.poll() is None
+            stop_group(evaluator, 60)
+            print(f"round {r}: without={without[-1]:.3f}/s with={with_eval[-1]:.3f}/s "
+                  f"(evaluator {'still evaluating' if busy else 'finished within the window'})", file=sys.stderr)
+    finally:
+        for p in reversed(procs):
+            stop_group(p, 60)
+    a, b = statistics.median(without), statistics.median(with_eval)
+    print(f"steps_per_s_without={a:.3f} steps_per_s_with={b:.3f} evaluator_slowdown={1 - b / a if a else float('nan'):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

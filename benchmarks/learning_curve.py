@@ -1,0 +1,150 @@
+"""A held-out learning curve from an empty run directory: the system under honcho for a wall-clock
+budget, the evaluator measuring every adapter version on held-out games (issue 14, point 6).
+
+    python benchmarks/learning_curve.py [--minutes 90] [--split valid_seen] [--data DIR] [--games 10]
+                                        [--config configs/local.yaml] [--set learner.schedule=rounds] [--out DIR]
+
+It runs the ``Procfile`` (broker, inference, learner, actor, evaluator) with ``--config`` on free
+ports in a new run directory, stops it with SIGTERM after ``--minutes``, then prints one row per
+evaluated version (wall time, phase, probes, success rate), the run's env steps/s and learner
+tokens/s, writes ``comap stats --plot`` PNGs into ``--out``, and ends with the line
+``wm_delta_f1_gain=X draft_accuracy_gain=Y success_rate_gain=Z`` (latest version minus base).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks._inference import stop_group  # noqa: E402 - the repo must be on sys.path first
+from tests.fixtures.ports import free_port  # noqa: E402
+
+GAINS = ("wm_delta_f1", "draft_accuracy", "success_rate")
+
+
+def _get(port: int, path: str) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def gains(results: list[dict]) -> dict[str, float | None]:
+    """Latest evaluated version minus the base model, per figure (None where either is missing)."""
+    by_version = {r["version"]: r for r in results}
+    base, latest = by_version.get(0), by_version.get(max(by_version)) if by_version else None
+    out: dict[str, float | None] = {}
+    for key in GAINS:
+        a, b = (base or {}).get(key), (latest or {}).get(key)
+        out[key] = None if a is None or b is None else b - a
+    return out
+
+
+def table(results: list[dict], t0: float) -> list[str]:
+    head = f"{'ver':>4} {'wall_min':>8} {'phase':<12} {'step':>5} {'wm_dF1':>7} {'fail_dF1':>8} {'draft_acc':>9} " \
+           f"{'admiss':>7} {'success':>7}"
+    rows = [head]
+
+    def f(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    for r in sorted(results, key=lambda r: r["version"]):
+        rows.append(f"{r['version']:>4} {(r.get('ts', t0) - t0) / 60:>8.1f} {str(r.get('phase')):<12} "
+                    f"{r.get('learner_step', 0):>5} {f(r.get('wm_delta_f1')):>7} {f(r.get('wm_delta_f1_failures')):>8} "
+                    f"{f(r.get('draft_accuracy')):>9} {f(r.get('admissible_rate')):>7} {f(r.get('success_rate')):>7}")
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=90.0)
+    ap.add_argument("--config", default="configs/local.yaml")
+    ap.add_argument("--split", default="valid_seen")
+    ap.add_argument("--data", default=None, help="ALFWorld data root holding --split (default: the config's)")
+    ap.add_argument("--games", type=int, default=None, help="held-out probe games (default: eval.games)")
+    ap.add_argument("--success-games", type=int, default=None, help="held-out success-rate games (eval.success_games)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    ap.add_argument("--run-root", default=str(REPO / "runs"))
+    ap.add_argument("--out", default=None, help="where the log, PNGs and results go (default: the run directory)")
+    args = ap.parse_args()
+
+    name = f"curve-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(args.run_root) / name
+    out = Path(args.out or run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    http = free_port()
+    port = free_port()
+    overrides = [f"run.root={args.run_root}", f"run.name={name}", f"broker.actor_port={free_port()}",
+                 f"broker.learner_port={free_port()}", f"broker.http_port={http}", f"inference.port={port}",
+                 f"inference.endpoints=['http://127.0.0.1:{port}']", f"eval.split={args.split}"]
+    if args.data:
+        overrides.append(f"env.data_dir={args.data}")
+    if args.games:
+        overrides.append(f"eval.games={args.games}")
+    if args.success_games is not None:
+        overrides.append(f"eval.success_games={args.success_games}")
+    overrides += args.overrides
+    env = {**os.environ, "COMAP_CONFIG": args.config, "COMAP_OVERRIDES": shlex.join(overrides),
+           "COMAP_LOG_JSON": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    log_path = out / "honcho.log"
+    print(f"run {run_dir} for {args.minutes} min; log {log_path}", file=sys.stderr)
+    t0 = time.time()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "honcho", "start", "-f", str(REPO / "Procfile"), "-d", str(REPO)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+    stats: dict = {}
+    try:
+        deadline = t0 + args.minutes * 60
+        last = 0.0
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                print(f"honcho exited early with {proc.returncode}; see {log_path}", file=sys.stderr)
+                break
+            time.sleep(5)
+            if time.time() - last > 300:  # a progress line every 5 minutes
+                last = time.time()
+                try:
+                    s = _get(http, "/stats")
+                    print(f"[{(time.time() - t0) / 60:5.1f} min] phase={s['registry']['phase']} "
+                          f"versions={s['registry']['versions'].get('policy')} step={s['registry']['step']} "
+                          f"evaluated={[e['version'] for e in s.get('eval', [])]}", file=sys.stderr)
+                except OSError:
+                    pass
+        try:
+            stats = _get(http, "/stats")
+            subprocess.run([sys.executable, "-m", "comap_async", "stats", "--plot", str(out), "--config", args.config,
+                            *sum((["--set", o] for o in overrides), [])], env=env, cwd=REPO, capture_output=True,
+                           timeout=120)
+            summary = subprocess.run([sys.executable, "-m", "comap_async", "stats", "--json", "--config", args.config,
+                                      *sum((["--set", o] for o in overrides), [])], env=env, cwd=REPO,
+                                     capture_output=True, text=True, timeout=120)
+            if summary.returncode == 0:
+                (out / "stats.json").write_text(summary.stdout)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            print(f"could not read the broker at the end: {exc}", file=sys.stderr)
+    finally:
+        stop_group(proc, 120)
+    results = [json.loads(p.read_text()) for p in sorted((run_dir / "eval").glob("v*.json"))]
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    for row in table(results, t0):
+        print(row)
+    summary = json.loads((out / "stats.json").read_text()) if (out / "stats.json").exists() else {}
+    tp = summary.get("throughput", {})
+    learner = summary.get("learner", {})
+    print(f"env_steps_per_s={tp.get('env_steps_per_s')} learner_tokens_per_s={learner.get('learner/tokens_per_s')} "
+          f"learner_step={stats.get('registry', {}).get('step')} versions={stats.get('registry', {}).get('versions')}")
+    g = gains(results)
+    print(" ".join(f"{k}_gain={'n/a' if v is None else f'{v:.3f}'}" for k, v in g.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""The evaluator process against a real broker and the embedded server (issue 14, acceptance 1).
+
+Two versions are "published" the way the learner does it (adapter files in the adapter root, an
+announce to the broker); `comap evaluator --once` measures the base model and each version on
+held-out games, and `comap stats --json` then holds one result per version.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from learner.broker_client import BrokerClient
+from tests.fixtures.core import free_port
+from tests.fixtures.inference import ADMIN_TOKEN, AdapterFactory, start_server, stop_server
+
+pytestmark = pytest.mark.alfworld
+REPO = Path(__file__).resolve().parents[2]
+ROLES = ("policy", "wm", "wm_teacher")
+
+
+@pytest.fixture
+def server(tiny_model_dir, tmp_path):
+    """The embedded server with prompts as long as the probes' (the shared fixture allows 512 tokens)."""
+    root, port = tmp_path / "adapters", free_port()
+    root.mkdir()
+    proc = start_server(["--set", f"model.name_or_path={tiny_model_dir}", "--set", f"inference.port={port}",
+                         "--set", f"inference.adapter_root={root}", "--set", f"inference.admin_token={ADMIN_TOKEN}",
+                         "--set", "inference.max_new_tokens=64"], port, tmp_path / "serve.log", timeout_s=90)
+    yield f"http://127.0.0.1:{port}", root
+    stop_server(proc)
+
+
+async def test_evaluator_records_one_result_per_published_version(broker_factory, server, alfworld_data,
+                                                                    model_cache, tiny_model_dir, tmp_path):
+    from comap_async.inference.client import InferenceClient
+
+    url, adapter_root = server
+    broker = broker_factory()
+    factory = AdapterFactory(tiny_model_dir, adapter_root)
+    for v in (1, 2):
+        for i, role in enumerate(ROLES):
+            factory.random(f"{role}-v{v}", seed=10 * v + i)
+    async with BrokerClient(broker.learner_endpoint, timeout_s=10) as client:
+        await client.announce("coevolve", dict.fromkeys(ROLES, 2), {r: f"{r}-v2" for r in ROLES}, step=8)
+    sets = [f"model.cache_dir={model_cache}", f"model.name_or_path={tiny_model_dir}", f"env.data_dir={alfworld_data}",
+            f"run.root={broker.run_root}", "run.name=t", f"broker.learner_port={broker.learner_port}",
+            f"broker.actor_port={broker.actor_port}", f"broker.http_port={broker.http_port}",
+            f"inference.endpoints=['{url}']", f"inference.admin_token={ADMIN_TOKEN}",
+            f"inference.adapter_root={adapter_root}"]
+    args = ["--config", "configs/test.yaml", *sum((["--set", s] for s in sets), [])]
+    r = subprocess.run([sys.executable, "-m", "comap_async", "evaluator", "--once", *args], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    files = sorted((broker.run_root / "t" / "eval").glob("v*.json"))
+    assert [f.name for f in files] == ["v0.json", "v1.json", "v2.json"]
+    out = subprocess.run([sys.executable, "-m", "comap_async", "stats", "--json", *args], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    results = json.loads(out.stdout)["eval"]
+    assert [e["version"] for e in results] == [0, 1, 2]
+    for e in results:
+        assert e["split"] == "valid_seen" and e["games"] == 2 and e["walkthrough_states"] > 0
+        assert 0.0 <= e["wm_delta_f1"] <= 1.0 and 0.0 <= e["draft_accuracy"] <= 1.0
+        assert e["success_games"] == 1 and 0.0 <= e["success_rate"] <= 1.0 and e["failed_games"] == []
+    # each version was served under the evaluator's own names, loaded from that version's files
+    assert [e["adapters"].get("policy") for e in results] == [None, "eval-policy-v1", "eval-policy-v2"]
+    loaded = [json.loads(line) for line in (tmp_path / "serve.log").read_text().splitlines()
+              if '"adapter.loaded"' in line]
+    for v in (1, 2):
+        for role in ROLES:
+            assert any(e["name"] == f"eval-{role}-v{v}" and e["path"].endswith(f"/{role}-v{v}") for e in loaded)
+    async with InferenceClient([url], token=ADMIN_TOKEN) as c:
+        assert not [m for m in await c.models() if m.startswith("eval-")]  # unloaded again
+    assert list((broker.run_root / "t" / "tensorboard").glob("*.evaluator"))  # eval/ scalars for TensorBoard
+    # a second run finds nothing left to do
+    again = subprocess.run([sys.executable, "-m", "comap_async", "evaluator", "--once", *args], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "evaluator.result" not in again.stderr + again.stdout

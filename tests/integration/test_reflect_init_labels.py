@@ -1,0 +1,59 @@
+"""Reflection-mode initialisation labels on a real ALFWorld game (issue 13, point 3; DESIGN.md 11).
+
+The model is the only stand-in: a scripted policy drafts the walkthrough's action on even steps
+(keep samples) and ``look`` on odd ones. Both branches run under the game's expert until the
+episode ends, so the expert branch of a ``look`` detour wins in fewer steps: ``y = 1``. With the
+old 5-step horizon neither branch of an early state could reach the goal and the label was 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.episodes import EpisodeContext, play_reflect_init
+from comap_async.config import load_config
+from comap_async.envs.alfworld_facts import next_state
+from comap_async.envs.pool import AsyncEnvPool
+from comap_async.protocol import validate
+
+pytestmark = pytest.mark.alfworld
+
+
+class AlternatingDrafts:
+    def __init__(self, plan: list[str]) -> None:
+        self.plan, self.t = plan, 0
+
+    async def draft(self, state):
+        t, self.t = self.t, self.t + 1
+        return (self.plan[t] if t % 2 == 0 else "look"), None
+
+
+async def test_labels_follow_the_branches_to_the_episode_end(valid_seen, alfworld_data):
+    cfg = load_config(None, [f"env.data_dir={alfworld_data}"])
+    sent: list[dict] = []
+
+    async def emit(msg):
+        sent.append(validate({**msg, "v": 1, "seq": len(sent)}))
+
+    async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=50) as pool:
+        env, branch = pool.env(), pool.env()
+        for game in sorted(valid_seen, key=lambda g: g.name):
+            await env.reset(game)
+            plan = await env.walkthrough()
+            if len(plan) > 6:  # long enough that a 5-step horizon cannot see the win from the start
+                break
+        ctx = EpisodeContext("test", cfg, AlternatingDrafts(plan), emit, next_state, lambda: {})
+        stats = await play_reflect_init(ctx, env, branch, game, "test:ri")
+        # the observation after each walkthrough step, to check s_bar of the keep samples
+        observations = [(await env.reset(game)).observation] + [(await env.step(a)).observation for a in plan]
+    samples = [m for m in sent if m["type"] == "reflection"]
+    assert stats.won and len(samples) == len(plan)  # every demonstration state, equal drafts included
+    assert samples[0]["target"] == plan[0] != "look"  # the demonstration is the walkthrough: no leading look
+    for t, r in enumerate(samples):
+        if t % 2 == 0:  # the draft is the expert action: a keep sample, not skipped
+            assert (r["y"], r["label"], r["target"], r["a_draft"]) == (0, "equal_draft", plan[t], plan[t])
+            assert r["s_bar"] == observations[t + 1]
+        else:  # 'look' costs a step at best: the expert branch wins in fewer steps
+            assert (r["y"], r["label"], r["target"], r["a_draft"]) == (1, "expert_better", plan[t], "look")
+    assert stats.labels == {"equal_draft": (len(plan) + 1) // 2, "expert_better": len(plan) // 2}
+    assert sent[-1]["type"] == "episode"

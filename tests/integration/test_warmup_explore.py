@@ -1,0 +1,91 @@
+"""World-model warm-up on real transitions that include failures (issue 13 point 5), on real games:
+exploratory actions run on a second environment restored to the expert path; their transitions
+reach the world model's store, never the demonstrations."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+import pytest
+
+from actors.episodes import EpisodeContext, play_expert
+from comap_async.envs.alfworld_facts import next_state
+from actors.worker import ActorWorker
+from comap_async.config import load_config
+from comap_async.envs.pool import AsyncEnvPool
+from comap_async.logsetup import configure_logging
+from comap_async.protocol import validate
+from tests.fixtures.broker import stored
+from tests.fixtures.system import system_overrides
+
+pytestmark = pytest.mark.alfworld
+REPO = Path(__file__).resolve().parents[2]
+
+
+def check_explore(transitions: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(expert transitions, explore transitions), after checking each explore transition against
+    the expert step it branched from."""
+    expert = {tr["id"]: tr for tr in transitions if not tr.get("explore")}
+    explore = [tr for tr in transitions if tr.get("explore")]
+    for x in explore:
+        base = expert[x["id"].removesuffix(":x")]
+        assert x["id"] == f"{x['episode']}:{x['t']}:x" and x["phase"] == "warmup"
+        assert (x["s"], x["o"], x["t"], x["episode"]) == (base["s"], base["o"], base["t"], base["episode"])
+        assert x["a_draft"] == x["a_ref"] == x["a_exec"] != base["a_exec"]
+        assert x.get("facts") == base.get("facts")  # the state before the action, as step t's own
+    return list(expert.values()), explore
+
+
+async def test_play_expert_explores_on_the_branch_reproducibly(alfworld_data, valid_seen):
+    cfg = load_config(REPO / "configs" / "test.yaml", [f"env.data_dir={alfworld_data}", "env.max_steps=50",
+                                                       "actor.warmup_explore=0.5"])
+    game = sorted(valid_seen, key=lambda g: g.name)[1]
+
+    async def play(branch_too: bool) -> list[dict]:
+        sent: list[dict] = []
+
+        async def emit(msg):
+            sent.append(msg)
+
+        ctx = EpisodeContext("a", cfg, None, emit, next_state, lambda: {})
+        async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=50) as pool:
+            stats = await play_expert(ctx, pool.env(), game, "a:e1", branch=pool.env() if branch_too else None)
+        assert stats.won
+        return [m for m in sent if m["type"] == "transition"]
+
+    first, again, plain = await play(True), await play(True), await play(False)
+    key = [(m["id"], m["a_exec"], m["s_next"], m["done"]) for m in first]
+    assert key == [(m["id"], m["a_exec"], m["s_next"], m["done"]) for m in again]  # seeded by run seed + episode id
+    expert, explore = check_explore(first)
+    assert explore, "no exploratory step in a whole game at share 0.5"
+    # the expert path is the one played without exploration, step for step
+    assert [(m["id"], m["a_exec"], m["s_next"]) for m in expert] == [(m["id"], m["a_exec"], m["s_next"]) for m in plain]
+    assert not any(m.get("explore") for m in plain)
+
+
+async def test_warmup_stores_explore_transitions_outside_demos(broker_factory, roomy_server, alfworld_data,
+                                                              tiny_model_dir, valid_seen):
+    broker = broker_factory()  # a fresh broker is in the warmup phase
+    games = sorted(valid_seen, key=lambda g: g.name)[:4]
+    cfg = load_config(REPO / "configs" / "test.yaml", system_overrides(
+        broker, roomy_server, tiny_model_dir, f"env.data_dir={alfworld_data}", "env.split=valid_seen",
+        "env.max_steps=50", "actor.warmup_explore=1.0"))  # these games are short: explore at every step
+    worker = ActorWorker(cfg, configure_logging("actor-test"), envs=2, episodes=4, games=games)
+    results = await asyncio.wait_for(worker.run(), timeout=300)
+    assert [s.won for _, s in results] == [True] * 4 and worker.metrics.failures == 0
+
+    transitions, demos = stored(broker, "transitions"), stored(broker, "demos")
+    for tr in transitions:
+        validate({**tr, "seq": 0})
+    expert, explore = check_explore(transitions)
+    assert len(expert) == len(demos) == sum(s.steps for _, s in results)
+    assert len(explore) == len(expert) and broker.stats()["counters"]["stored_explore"] == len(explore)
+    # real failures the walkthrough never shows, recorded as the game answered them
+    assert any(x["s_next"] == "Nothing happens." for x in explore)
+    assert any(x["s_next"] != "Nothing happens." for x in explore)
+    assert not any(x["won"] for x in explore) or all(x["done"] for x in explore if x["won"])
+    # demonstrations stay the expert's actions: one per expert step, none from an exploratory one
+    explore_ids = {x["id"] for x in explore}
+    assert not explore_ids & {d["id"] for d in demos}
+    by_id = {tr["id"]: tr for tr in expert}
+    assert all(d["target"] == by_id[d["id"]]["a_exec"] for d in demos)

@@ -1,0 +1,47 @@
+"""Held-out probes on hand-made transitions (issue 14, point 1): pure scoring and summaries."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.probes import ProbeRow, draft_scores, probe_line, summarize_probes
+from comap_async.envs.alfworld_facts import next_state
+from comap_async.facts import state_delta_f1
+
+ADMISSIBLE = ("go to fridge 1", "take apple 1 from countertop 1", "look", "inventory")
+
+
+def test_draft_scores():
+    assert draft_scores("take apple 1 from countertop 1", "take apple 1 from countertop 1", ADMISSIBLE) == (True, True)
+    assert draft_scores("Take apple 1 from countertop 1.", "take apple 1 from countertop 1", ADMISSIBLE) == (True, True)
+    assert draft_scores("go to fridge 1", "take apple 1 from countertop 1", ADMISSIBLE) == (False, True)
+    assert draft_scores("fly to the moon", "look", ADMISSIBLE) == (False, False)
+    assert draft_scores(None, "look", ADMISSIBLE) == (False, False)
+
+
+def test_summary_of_hand_made_transitions():
+    before = next_state(frozenset(), "On the countertop 1, you see a apple 1, and a mug 1.")
+    real = "You arrive at cabinet 1. The cabinet 1 is closed."
+    rows = [
+        # right prediction, right draft
+        ProbeRow("g1", 0, "walkthrough", state_delta_f1(next_state, before, real, real), True, True),
+        # the wrong receptacle (1/3), an admissible but wrong draft
+        ProbeRow("g1", 1, "walkthrough", state_delta_f1(next_state, before, "You arrive at drawer 3. The drawer 3 is closed.",
+                                                      real), False, True),
+        # a failure transition predicted as a success (0)
+        ProbeRow("g1", 1, "failure", state_delta_f1(next_state, before, "You pick up the apple 1 from the countertop 1.",
+                                                  "Nothing happens.")),
+        # unreadable real observation: not scored; an inadmissible draft
+        ProbeRow("g2", 0, "walkthrough", None, False, False),
+    ]
+    s = summarize_probes(rows)
+    assert s["wm_delta_f1"] == pytest.approx((1 + 1 / 3 + 0) / 3)
+    assert s["wm_delta_f1_walkthrough"] == pytest.approx((1 + 1 / 3) / 2) and s["wm_delta_f1_failures"] == 0.0
+    assert s["draft_accuracy"] == pytest.approx(1 / 3) and s["admissible_rate"] == pytest.approx(2 / 3)
+    assert (s["walkthrough_states"], s["failure_transitions"], s["wm_scored"], s["games"]) == (3, 1, 3, 2)
+    assert probe_line(s) == "wm_delta_f1=0.4444 draft_accuracy=0.3333 admissible_rate=0.6667"
+
+
+def test_empty_probes_say_n_a():
+    s = summarize_probes([])
+    assert s["wm_delta_f1"] is None and probe_line(s) == "wm_delta_f1=n/a draft_accuracy=n/a admissible_rate=n/a"

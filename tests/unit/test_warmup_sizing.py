@@ -1,0 +1,49 @@
+"""Warm-up sized by data and time (issue 14, point 4): the phase ends after ``warmup_epochs`` passes
+over the demonstrations (at least ``warmup_steps``) or ``warmup_max_minutes`` of training, and the
+learning rate spans that budget."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from comap_async.config import load_config
+from learner.loop import Learner, LearnerState
+from learner.trainer import PhaseSchedule
+
+
+def _next(cfg, state: LearnerState, step: int):
+    return Learner.next_phase(SimpleNamespace(cfg=cfg, state=state, trainer=SimpleNamespace(step=step)))
+
+
+def test_warmup_ends_after_its_data_budget_or_its_time():
+    cfg = load_config(None, ["learner.warmup_steps=10", "learner.warmup_epochs=2", "learner.warmup_max_minutes=30"])
+    sized = LearnerState(phase="warmup", phase_budget=150)  # 2 epochs over 150 demos at batch 2
+    assert _next(cfg, sized, 149) is None and _next(cfg, sized, 150) == "reflect_init"
+    late = LearnerState(phase="warmup", phase_budget=150, phase_seconds=30 * 60)
+    assert _next(cfg, late, 20) == "reflect_init"  # out of time before the budget is spent
+    plain = LearnerState(phase="warmup")  # no data-sized budget: warmup_steps
+    assert _next(cfg, plain, 9) is None and _next(cfg, plain, 10) == "reflect_init"
+
+
+def test_the_learning_rate_spans_the_data_sized_budget():
+    cfg = load_config(None, ["learner.warmup_steps=10", "learner.warmup_ratio=0.1", "learner.lr=1.0"])
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = PhaseSchedule(opt, cfg.learner)
+    sched.enter("warmup", 0, budget=100)
+    assert sched.lr_at(9) == pytest.approx(1.0)  # warmed up over 10% of 100 steps, at the peak
+    assert sched.lr_at(55) > 0.4 and sched.lr_at(99) < 0.2  # decays over the 100, not over warmup_steps
+    restored = PhaseSchedule(opt, cfg.learner)
+    restored.load_state_dict(sched.state_dict())
+    assert restored.lr_at(55) == sched.lr_at(55)
+
+
+def test_warmup_publishes_only_when_configured():
+    def every(overrides, phase):
+        cfg = load_config(None, ["learner.publish_every=7", *overrides])
+        return Learner._publish_every(SimpleNamespace(cfg=cfg, state=LearnerState(phase=phase)))
+
+    assert every([], "coevolve") == 7 and every([], "warmup") > 10**9
+    assert every(["learner.warmup_publish_every=20"], "warmup") == 20
