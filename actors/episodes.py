@@ -144,7 +144,7 @@ async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str,
     plan = await env.walkthrough()
     while not ep.current.done:
         t = ep.stats.steps
-        action = plan[t] if t < len(plan) else ep.current.expert_action
+        action = expert_plan_action(ep, plan)
         if action is None:  # no plan left and the handcoded expert gave up: counted as unsolved
             ep.stats.parse_problems += 1
             break

@@ -15,13 +15,14 @@ def reflection_summary(judged: list[tuple[int, int, int]], max_steps: int) -> di
     return {**reflection_diagnostics(judged), "eps": EPS, "branch_max_steps": max_steps}
 
 
-def label_counts(reflections: Any) -> dict[str, int]:
-    """Reflection-initialisation samples per label (``expert_better`` is y = 1)."""
+def label_counts(results: list[tuple[Any, Any]]) -> dict[str, int]:
+    """Reflection-initialisation samples per label over the episodes (``expert_better`` is y = 1)."""
     from comap_async.protocol import REFLECTION_LABELS
 
     counts = dict.fromkeys(REFLECTION_LABELS, 0)
-    for r in reflections:
-        counts[r["label"]] += 1
+    for _, stats in results:
+        for label, n in stats.labels.items():
+            counts[label] += n
     return counts
 
 

@@ -73,13 +73,12 @@ def _free_port() -> int:
 
 
 class _Recorder:
-    """Evaluation keeps its messages locally instead of sending them through the broker's outbox."""
+    """Evaluation's outbox: it stores nothing, and counts finished games for the progress bar."""
 
     def __init__(self, registry: dict[str, Any], on_game: Callable[[], None] | None) -> None:
-        self.registry, self.on_registry, self.messages, self.on_game = registry, None, [], on_game
+        self.registry, self.on_registry, self.on_game = registry, None, on_game
 
     async def put(self, msg: dict[str, Any]) -> None:
-        self.messages.append(msg)
         if msg["type"] == "episode" and self.on_game is not None:
             self.on_game()
 
@@ -89,17 +88,15 @@ class _Recorder:
 
 async def play_games(cfg: Any, games: list, registry: dict[str, Any], log: Any, *, envs: int | None = None,
                      on_step: Callable[[], None] | None = None, on_game: Callable[[], None] | None = None,
-                     reflection_metrics: bool = False, phase: str = "coevolve") -> tuple[list, list[dict[str, Any]]]:
+                     reflection_metrics: bool = False, phase: str = "coevolve") -> list:
     """Play each game once with the adapters ``registry`` names (``phase``: the CoMap loop, or
     reflection-mode initialisation for its labels); nothing is stored. Returns the
-    ``(game, EpisodeStats)`` results and the messages the episodes produced."""
+    ``(game, EpisodeStats)`` results."""
     from actors.worker import ActorWorker
 
     worker = ActorWorker(cfg, log, envs=envs, episodes=len(games), eval_mode=True, games=games,
                          reflection_metrics=reflection_metrics, eval_phase=phase, on_step=on_step)
-    recorder = _Recorder(registry, on_game)
-    results = await worker.run(outbox=recorder)
-    return results, recorder.messages
+    return await worker.run(outbox=_Recorder(registry, on_game))
 
 
 class ServerStartError(RuntimeError):
@@ -117,26 +114,19 @@ async def wait_for_server(cfg: Any, proc: subprocess.Popen, timeout_s: float, lo
     wait for theirs (one ``eval.waiting`` line every 10 s); a server that exits or stays silent for
     ``timeout_s`` raises :class:`ServerStartError` with the reason."""
     from comap_async.inference.client import InferenceClient
+    from comap_async.waiting import WaitAbandoned, wait_until_answers
 
-    t0 = last = time.monotonic()
+    def exited() -> str | None:
+        return None if proc.poll() is None else f"exited with code {proc.returncode} before answering (its log is above)"
+
     async with InferenceClient.from_config(cfg, retries=0) as client:
-        while True:
-            if proc.poll() is not None:
-                raise ServerStartError(f"the inference server started for this evaluation exited with code "
-                                       f"{proc.returncode} before answering (its log is above)")
-            try:
-                await client.models()
-                log.info("eval.server_ready", waited_s=round(time.monotonic() - t0, 1))
-                return
-            except Exception as exc:  # not up yet: the reason is logged, not lost
-                waited = time.monotonic() - t0
-                if waited > timeout_s:
-                    raise ServerStartError(f"the inference server started for this evaluation did not answer within "
-                                           f"{timeout_s:.0f} s (--serve-timeout); last error: {str(exc)[:200]}") from None
-                if time.monotonic() - last >= 10:
-                    log.info("eval.waiting", target="inference", waited_s=round(waited), reason=str(exc)[:200])
-                    last = time.monotonic()
-            await asyncio.sleep(0.5)
+        try:
+            await wait_until_answers("inference", client.models, log, asyncio.Event(), "eval.waiting", poll_s=0.5,
+                                     timeout_s=timeout_s, gone=exited)
+        except WaitAbandoned as exc:
+            raise ServerStartError(f"the inference server started for this evaluation {exc} (--serve-timeout "
+                                   f"{timeout_s:.0f} s)") from None
+    log.info("eval.server_ready")
 
 
 async def _evaluate(cfg: Any, args: argparse.Namespace, log: Any, server: subprocess.Popen | None = None) -> dict[str, Any]:
@@ -184,14 +174,14 @@ async def _evaluate(cfg: Any, args: argparse.Namespace, log: Any, server: subpro
                 "wall_s": round(time.time() - t0, 2), "game_names": [g.name for g in games]}
 
     try:
-        results, messages = await play_games(cfg, games, registry, log, envs=args.envs, on_step=on_step,
+        results = await play_games(cfg, games, registry, log, envs=args.envs, on_step=on_step,
                                              on_game=lambda: bar.update(1), reflection_metrics=args.reflection_metrics,
                                              phase="reflect_init" if args.reflect_init_labels else "coevolve")
     finally:
         bar.close()
     report = summarize(results, args.split, version, time.time() - t0)
     if args.reflect_init_labels:
-        report["reflect_init_labels"] = label_counts(m for m in messages if m["type"] == "reflection")
+        report["reflect_init_labels"] = label_counts(results)
     if args.reflection_metrics:
         judged = [j for _, s in results for j in s.judged_steps]
         report["reflection"] = reflection_summary(judged, cfg.env.max_steps)

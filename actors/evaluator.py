@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
+from actors.evaluate import ROLES
 from comap_async.cli import add_config_arguments
 
-ROLES = ("policy", "wm", "wm_teacher")
 SCALARS = ("wm_delta_f1", "wm_delta_f1_failures", "draft_accuracy", "admissible_rate", "success_rate")
 
 
@@ -82,8 +83,10 @@ class Evaluator:
         self.eval_dir = cfg.run.dir / "eval"
         self.results: list[dict[str, Any]] = []
 
+    @functools.cached_property
     def games(self) -> tuple[list, list]:
-        """(probe games, success games): the same seeded, task-spread sample for every version."""
+        """(probe games, success games): the same seeded, task-spread sample for every version (the
+        split is read once)."""
         from comap_async.envs import games_from_config
         from comap_async.envs.base import spread_sample
 
@@ -105,14 +108,14 @@ class Evaluator:
         eval_registry = {"phase": "coevolve", "versions": dict.fromkeys(ROLES, version), "adapters": names, "step": 0}
         t0 = time.time()
         cfg = self.cfg.model_copy(update={"actor": self.cfg.actor.model_copy(update={"envs": self.cfg.eval.envs})})
-        probe_games, success_games = self.games()
+        probe_games, success_games = self.games
         try:
             result: dict[str, Any] = {"version": version, "adapters": names, "phase": registry.get("phase"),
                                       "learner_step": registry.get("step", 0), "split": self.cfg.eval.split,
                                       **await run_probes(cfg, probe_games, eval_registry, self.log,
                                                          failures_per_game=self.cfg.eval.failures_per_game)}
             if success_games:
-                played, _ = await play_games(cfg, success_games, eval_registry, self.log, envs=self.cfg.eval.envs)
+                played = await play_games(cfg, success_games, eval_registry, self.log, envs=self.cfg.eval.envs)
                 s = summarize(played, self.cfg.eval.split, version, 0.0)
                 result |= {"success_rate": s["success_rate"], "success_games": s["games"], "mean_steps": s["mean_steps"],
                            "invalid_action_rate": s["invalid_action_rate"], "coevolve_delta_f1": s["delta_f1"]}
@@ -137,7 +140,7 @@ class Evaluator:
 
     async def run(self, once: bool = False) -> int:
         from comap_async.inference.client import InferenceClient
-        from comap_async.waiting import wait_until_answers
+        from comap_async.waiting import until_stopped, wait_until_answers
         from learner.broker_client import BrokerClient
 
         done = done_versions(self.eval_dir)
@@ -164,8 +167,9 @@ class Evaluator:
                             return 0
                         await self._sleep(self.cfg.eval.poll_s)
                         continue
-                    result = await self._until_stopped(self.evaluate(client, version, registry))
-                    if result is None:
+                    finished, result = await until_stopped(self.evaluate(client, version, registry), self.stop)
+                    if not finished:
+                        self.log.info("evaluator.abandoned", version=version)
                         break
                     self.record(result, scalars)
                     await broker.report_eval(version, result)
@@ -179,20 +183,6 @@ class Evaluator:
             await asyncio.wait_for(self.stop.wait(), seconds)
         except TimeoutError:
             pass
-
-    async def _until_stopped(self, coro: Any) -> Any:
-        """The coroutine's result, or None when SIGTERM comes first (the evaluation is abandoned)."""
-        from comap_async.waiting import cancel_and_wait
-
-        task = asyncio.ensure_future(coro)
-        stopper = asyncio.ensure_future(self.stop.wait())
-        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        stopper.cancel()
-        if task.done():
-            return task.result()
-        await cancel_and_wait([task])
-        self.log.info("evaluator.abandoned")
-        return None
 
 
 def run(args: argparse.Namespace) -> int:

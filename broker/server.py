@@ -61,6 +61,8 @@ class Broker(ActorPath):
         self.gate_spec = gate_spec
         self.writable_error: str | None = None
         self.map_info: dict[str, Any] = self.store.info()
+        # the evaluator's held-out results by version (persisted in ``meta``; served with every /stats)
+        self.eval_results: dict[str, Any] = self.store.get_meta(EVAL_KEY, {})
         self.stopping = asyncio.Event()  # set by SIGTERM/SIGINT; shutdown() then drains and closes
         self.ingest_closed = False  # set by shutdown() after the drain: the actor task stops reading
         self.last_actor_rx = float("-inf")  # no actor traffic yet: nothing to drain
@@ -259,11 +261,11 @@ class Broker(ActorPath):
         """Keep the evaluator's held-out result of ``version`` (persisted; the newest results win)."""
         if version < 0:
             raise ValueError(f"eval_result: version must be non-negative, got {version}")
-        results = self.store.get_meta(EVAL_KEY, {})
-        results[str(version)] = result
+        results = {**self.eval_results, str(version): result}
         while len(results) > MAX_EVAL_RESULTS:
             results.pop(min(results, key=int))
-        self.store.put_meta(EVAL_KEY, results)
+        self.store.put_meta(EVAL_KEY, results)  # a refused write leaves the served results as they were
+        self.eval_results = results
         self.log.info("broker.eval_result", version=version)
         return {"version": version, "stored": len(results)}
 
@@ -296,8 +298,4 @@ class Broker(ActorPath):
                              "batches_gated_in_broker": self.gates.gated_here},
             "curve": self.server_keys is not None, "endpoints": self.endpoints,
             "time": time.time(), "learner": getattr(self, "learner_metrics", {}),
-            "eval": [self._eval_results[k] | {"version": int(k)} for k in sorted(self._eval_results, key=int)]})
-
-    @property
-    def _eval_results(self) -> dict[str, Any]:
-        return self.store.get_meta(EVAL_KEY, {})
+            "eval": [r | {"version": int(k)} for k, r in sorted(self.eval_results.items(), key=lambda kv: int(kv[0]))]})

@@ -8,17 +8,30 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 
+class WaitAbandoned(RuntimeError):
+    """:func:`wait_until_answers` gave up: the time limit passed, or the other process is gone."""
+
+
 async def wait_until_answers(what: str, probe: Callable[[], Awaitable[Any]], log: Any, stop: asyncio.Event,
-                             event: str, every_s: float = 10.0, poll_s: float = 1.0) -> Any:
+                             event: str, every_s: float = 10.0, poll_s: float = 1.0, timeout_s: float | None = None,
+                             gone: Callable[[], str | None] | None = None) -> Any:
     """Call ``probe()`` until it returns; log ``event`` (target, reason) once per ``every_s`` meanwhile.
 
-    Returns the probe's result, or None when ``stop`` is set first.
+    Returns the probe's result, or None when ``stop`` is set first. With ``timeout_s``, or a
+    ``gone()`` that returns a reason (e.g. the process being waited for exited), it raises
+    :class:`WaitAbandoned` with the reason instead of waiting on.
     """
+    t0 = time.monotonic()
     last = 0.0
     while not stop.is_set():
+        reason = gone() if gone is not None else None
+        if reason is not None:
+            raise WaitAbandoned(reason)
         try:
             return await probe()
         except Exception as exc:  # the other process is not up yet: the reason is logged, not lost
+            if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                raise WaitAbandoned(f"did not answer within {timeout_s:.0f} s; last error: {str(exc)[:200]}") from None
             if time.monotonic() - last > every_s:
                 log.info(event, target=what, reason=str(exc)[:200])
                 last = time.monotonic()
@@ -41,3 +54,16 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Future], retry_s: float = 0.2)
             t.cancel()
         _, pending = await asyncio.wait(pending, timeout=retry_s)
     return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_stopped(aw: Awaitable[Any], stop: asyncio.Event) -> tuple[bool, Any]:
+    """``(True, result)`` of ``aw``, or ``(False, None)`` when ``stop`` is set first: ``aw`` is then
+    cancelled and waited for (shutdown must not wait for long work such as a publish or an evaluation)."""
+    task = asyncio.ensure_future(aw)
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if task.done():
+        return True, task.result()
+    await cancel_and_wait([task])
+    return False, None

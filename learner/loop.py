@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from comap_async.config import CoMapConfig
-from comap_async.waiting import cancel_and_wait, wait_until_answers
+from comap_async.waiting import cancel_and_wait, until_stopped, wait_until_answers
 
 PHASE_STORES = {
     "warmup": ("demos", "transitions"),
@@ -199,21 +199,17 @@ class Learner:
         from learner.publish import publish_adapters
 
         self.state.version += 1
-        task = asyncio.ensure_future(publish_adapters(
+        finished, result = await until_stopped(publish_adapters(
             self.trainer.model, self.state.version, self.state.phase, self.trainer.step, root=self.adapter_root,
             inference=inference, endpoints=list(self.cfg.inference.endpoints), broker=broker, log=self.log,
             retries=self.cfg.inference.retries, metrics=metrics,
-        ))
-        stopper = asyncio.ensure_future(self.stop.wait())
-        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        stopper.cancel()
-        if not task.done():
+        ), self.stop)
+        if not finished:
             # shutting down (the servers may already be gone): an unannounced version is never used,
             # and the next start reloads whatever the registry names
-            await cancel_and_wait([task])
             self.log.info("learner.publish_abandoned", version=self.state.version)
             return {}
-        return {k: v for k, v in task.result().items() if k.startswith("learner/")}
+        return {k: v for k, v in result.items() if k.startswith("learner/")}
 
     async def reload_live_adapters(self, inference: Any, registry: dict[str, Any]) -> None:
         """Load the registry's adapters from the adapter root into every endpoint.

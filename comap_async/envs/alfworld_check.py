@@ -47,17 +47,22 @@ def _env(max_steps: int):  # one env per worker process, reused across its games
     return _ENV
 
 
-def check_game(game: GameInfo, max_steps: int = 50, run_expert: bool = True) -> GameCheck:
-    env = _env(max_steps)
+def replay_walkthrough(env, game: GameInfo) -> tuple[list[str], list]:
+    """(walkthrough, results of the reset and of every walkthrough step), replayed in full even
+    when the walkthrough is longer than the step limit."""
     results = [env.reset(game)]
     walk = env.walkthrough()
-    # the walkthrough may be longer than the step limit: replay it in full
     limit, env.max_steps = env.max_steps, max(env.max_steps, len(walk) + 1)
     try:
-        for action in walk:
-            results.append(env.step(action))
+        results += [env.step(action) for action in walk]
     finally:
         env.max_steps = limit
+    return walk, results
+
+
+def check_game(game: GameInfo, max_steps: int = 50, run_expert: bool = True) -> GameCheck:
+    env = _env(max_steps)
+    walk, results = replay_walkthrough(env, game)
     facts = [parse_facts(r.observation) for r in results]
     unparseable = [r.observation for r, f in zip(results, facts) if f is None]
     below = sum(
@@ -109,15 +114,9 @@ def fact_baselines(game: GameInfo, max_steps: int = 50, seed: int = 0) -> FactBa
     """Replay the walkthrough and score three fixed predictors of each next observation: "copy the
     previous observation", "arrive at a random other receptacle" (seeded by ``seed`` and the game)
     and "the real next observation" (1.0 by construction, a check of the scorer)."""
-    env = _env(max_steps)
-    first = env.reset(game)
-    walk = env.walkthrough()
-    limit, env.max_steps = env.max_steps, max(env.max_steps, len(walk) + 1)
-    try:
-        observations = [first.observation] + [env.step(a).observation for a in walk]
-    finally:
-        env.max_steps = limit
-    m = _RECEPTACLES.search(first.observation)
+    _, results = replay_walkthrough(_env(max_steps), game)
+    observations = [r.observation for r in results]
+    m = _RECEPTACLES.search(observations[0])
     receptacles = _NAME.findall(m.group(1)) if m else []
     rng = random.Random(f"{seed}:{game.name}")
     out = FactBaselines(game.name, {b: [] for b in BASELINES}, {b: [] for b in BASELINES})

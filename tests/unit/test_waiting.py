@@ -41,3 +41,31 @@ async def test_cancel_and_wait_returns_results_and_errors_of_finished_tasks():
     await asyncio.sleep(0.01)
     results = await cancel_and_wait([done, failed])
     assert results[0] == 7 and isinstance(results[1], ValueError)
+
+
+async def test_wait_until_answers_gives_up_on_its_time_limit_or_a_gone_process():
+    import pytest
+
+    from comap_async.waiting import WaitAbandoned, wait_until_answers
+
+    lines: list[tuple] = []
+    log = type("Log", (), {"info": lambda self, event, **kw: lines.append((event, kw))})()
+
+    async def refused():
+        raise ConnectionError("refused")
+
+    with pytest.raises(WaitAbandoned, match=r"did not answer within 0 s; last error: refused"):
+        await wait_until_answers("x", refused, log, asyncio.Event(), "t.waiting", poll_s=0.01, timeout_s=0.05)
+    assert lines and lines[0] == ("t.waiting", {"target": "x", "reason": "refused"})
+    with pytest.raises(WaitAbandoned, match="exited with code 3"):
+        await wait_until_answers("x", refused, log, asyncio.Event(), "t.waiting", poll_s=0.01,
+                                 gone=lambda: "exited with code 3")
+    answers = iter([ConnectionError("not yet"), "ok"])
+
+    async def later():
+        a = next(answers)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    assert await wait_until_answers("x", later, log, asyncio.Event(), "t.waiting", poll_s=0.01, timeout_s=5) == "ok"
