@@ -21,8 +21,12 @@ def run(args: argparse.Namespace) -> int:
     from comap_async.config import load_config
     from comap_async.logsetup import configure_logging
 
+    from comap_async.priority import lower_priority
+
     cfg = load_config(args.config, args.overrides)
     log = configure_logging("actor", run=cfg.run.name)
+    if cfg.actor.nice:
+        log.info("actor.priority", niceness=lower_priority(cfg.actor.nice))
     worker = ActorWorker(cfg, log, envs=args.envs, episodes=args.episodes)
 
     async def main() -> None:

@@ -189,8 +189,12 @@ def run(args: argparse.Namespace) -> int:
     from comap_async.config import load_config
     from comap_async.logsetup import configure_logging
 
+    from comap_async.priority import lower_priority
+
     cfg = load_config(args.config, args.overrides)
     log = configure_logging("evaluator", run=cfg.run.name)
+    if cfg.eval.nice:
+        log.info("evaluator.priority", niceness=lower_priority(cfg.eval.nice))
     evaluator = Evaluator(cfg, log)
 
     async def main() -> int:

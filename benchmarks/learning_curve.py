@@ -3,12 +3,19 @@ budget, the evaluator measuring every adapter version on held-out games (issue 1
 
     python benchmarks/learning_curve.py [--minutes 90] [--split valid_seen] [--data DIR] [--games 10]
                                         [--config configs/local.yaml] [--set learner.schedule=rounds] [--out DIR]
+                                        [--at MINUTES ...]
+    python benchmarks/learning_curve.py --report OUT_DIR [--at 45]
 
 It runs the ``Procfile`` (broker, inference, learner, actor, evaluator) with ``--config`` on free
 ports in a new run directory, stops it with SIGTERM after ``--minutes``, then prints one row per
 evaluated version (wall time, phase, probes, success rate), the run's env steps/s and learner
 tokens/s, writes ``comap stats --plot`` PNGs into ``--out``, and ends with the line
 ``wm_delta_f1_gain=X draft_accuracy_gain=Y success_rate_gain=Z`` (latest version minus base).
+
+A ``/stats`` snapshot a minute goes to ``progress.jsonl``; ``--at M`` prints a line with the figures
+as they stood M minutes in (throughput over those minutes, gains of the versions evaluated by
+then). The system never knows its budget, so the first 45 minutes of a 90-minute run are a
+45-minute run: one long async run and a short ``rounds`` run compare at equal wall time.
 """
 
 from __future__ import annotations
@@ -63,6 +70,54 @@ def table(results: list[dict], t0: float) -> list[str]:
     return rows
 
 
+def snapshot(stats: dict, t: float) -> dict:
+    """What the cut at an earlier wall time needs: stored counts, the learner's step and tokens."""
+    return {"t": t, "registry": stats.get("registry", {}),
+            "written": {k: v.get("written") for k, v in (stats.get("stores") or {}).items()},
+            "learner_tokens_total": (stats.get("learner") or {}).get("learner/tokens_total")}
+
+
+def cut(results: list[dict], progress: list[dict], t0: float, minutes: float) -> dict:
+    """The run's figures as they stood ``minutes`` after its start: what a run stopped then would
+    have shown (the system never knows its budget), for comparisons at equal wall time."""
+    end = t0 + minutes * 60
+    snaps = [p for p in progress if p["t"] <= end]
+    last = snaps[-1] if snaps else {}
+    span = (last.get("t", t0) - t0) or float("nan")
+    tokens = next((p["learner_tokens_total"] for p in reversed(snaps) if p.get("learner_tokens_total")), None)
+    out = {"at_minutes": minutes, "learner_step": last.get("registry", {}).get("step"),
+           "transitions_per_s": (last.get("written", {}).get("transitions") or 0) / span,
+           "learner_tokens_per_s": None if tokens is None else tokens / span}
+    return out | {f"{k}_gain": v for k, v in gains([r for r in results if r.get("ts", end) <= end]).items()}
+
+
+def _fmt(v: object) -> str:
+    return "n/a" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def report(out: Path, at: list[float]) -> None:
+    """Print the table, the throughput line and the gains line from a finished run's ``--out``."""
+    meta = json.loads((out / "run.json").read_text())
+    results = json.loads((out / "results.json").read_text())
+    progress = [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines() if line.strip()] \
+        if (out / "progress.jsonl").exists() else []
+    t0 = meta["t0"]
+    for row in table(results, t0):
+        print(row)
+    for minutes in at:
+        print(" ".join(f"{k}={_fmt(v)}" for k, v in cut(results, progress, t0, minutes).items()))
+    summary = json.loads((out / "stats.json").read_text()) if (out / "stats.json").exists() else {}
+    tp = summary.get("throughput", {})
+    learner = summary.get("learner", {})
+    whole = cut(results, progress, t0, meta["minutes"] + 1) if progress else {}  # + the last snapshot's lag
+    print(f"env_steps_per_s={tp.get('env_steps_per_s')} transitions_per_s={_fmt(whole.get('transitions_per_s'))} "
+          f"learner_tokens_per_s_wall={_fmt(whole.get('learner_tokens_per_s'))} "
+          f"learner_tokens_per_s_step={learner.get('learner/tokens_per_s')} "
+          f"learner_step={meta.get('registry', {}).get('step')} versions={meta.get('registry', {}).get('versions')}")
+    g = gains(results)
+    print(" ".join(f"{k}_gain={_fmt(v)}" for k, v in g.items()))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=90.0)
@@ -74,7 +129,14 @@ def main() -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--run-root", default=str(REPO / "runs"))
     ap.add_argument("--out", default=None, help="where the log, PNGs and results go (default: the run directory)")
+    ap.add_argument("--at", type=float, action="append", default=[], metavar="MINUTES",
+                    help="also print the figures as they stood this many minutes in (repeatable)")
+    ap.add_argument("--report", default=None, metavar="OUT_DIR",
+                    help="print the report of a finished run's --out directory (with --at) and run nothing")
     args = ap.parse_args()
+    if args.report:
+        report(Path(args.report), args.at)
+        return 0
 
     name = f"curve-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(args.run_root) / name
@@ -101,14 +163,22 @@ def main() -> int:
         proc = subprocess.Popen([sys.executable, "-m", "honcho", "start", "-f", str(REPO / "Procfile"), "-d", str(REPO)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
     stats: dict = {}
+    progress = open(out / "progress.jsonl", "a")
     try:
         deadline = t0 + args.minutes * 60
-        last = 0.0
+        last = last_snap = 0.0
         while time.time() < deadline:
             if proc.poll() is not None:
                 print(f"honcho exited early with {proc.returncode}; see {log_path}", file=sys.stderr)
                 break
             time.sleep(5)
+            if time.time() - last_snap > 60:  # a snapshot a minute: figures at any earlier wall time (--at)
+                last_snap = time.time()
+                try:
+                    progress.write(json.dumps(snapshot(_get(http, "/stats"), last_snap)) + "\n")
+                    progress.flush()
+                except OSError:
+                    pass
             if time.time() - last > 300:  # a progress line every 5 minutes
                 last = time.time()
                 try:
@@ -118,6 +188,7 @@ def main() -> int:
                           f"evaluated={[e['version'] for e in s.get('eval', [])]}", file=sys.stderr)
                 except OSError:
                     pass
+        t_end = time.time()
         try:
             stats = _get(http, "/stats")
             subprocess.run([sys.executable, "-m", "comap_async", "stats", "--plot", str(out), "--config", args.config,
@@ -130,19 +201,16 @@ def main() -> int:
                 (out / "stats.json").write_text(summary.stdout)
         except (OSError, subprocess.TimeoutExpired) as exc:
             print(f"could not read the broker at the end: {exc}", file=sys.stderr)
+        if stats:
+            progress.write(json.dumps(snapshot(stats, t_end)) + "\n")
     finally:
+        progress.close()
         stop_group(proc, 120)
     results = [json.loads(p.read_text()) for p in sorted((run_dir / "eval").glob("v*.json"))]
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    for row in table(results, t0):
-        print(row)
-    summary = json.loads((out / "stats.json").read_text()) if (out / "stats.json").exists() else {}
-    tp = summary.get("throughput", {})
-    learner = summary.get("learner", {})
-    print(f"env_steps_per_s={tp.get('env_steps_per_s')} learner_tokens_per_s={learner.get('learner/tokens_per_s')} "
-          f"learner_step={stats.get('registry', {}).get('step')} versions={stats.get('registry', {}).get('versions')}")
-    g = gains(results)
-    print(" ".join(f"{k}_gain={'n/a' if v is None else f'{v:.3f}'}" for k, v in g.items()))
+    (out / "run.json").write_text(json.dumps({"t0": t0, "minutes": args.minutes, "run_dir": str(run_dir),
+                                              "overrides": overrides, "registry": stats.get("registry", {})}))
+    report(out, args.at)
     return 0
 
 

@@ -213,6 +213,10 @@ class ActorConfig(_Section):
     the game answers ``Nothing happens.``); the rest are sampled admissible non-expert commands."""
     logprobs: int = Field(default=5, ge=1, le=20)
     """Top-k alternatives requested per token (for p_revise at the decision token)."""
+    nice: int = Field(default=0, ge=0, le=19)
+    """Niceness added to the actor process and its environment workers: under CPU contention the
+    learner (and the inference server) run first. The CPU default sets 5 so the actors, whose rate
+    is bounded by inference anyway, never starve the learner of its core."""
 
     @model_validator(mode="before")
     @classmethod
@@ -346,6 +350,9 @@ class EvalConfig(_Section):
     """Games the evaluator plays at once: it shares the inference servers with the actors."""
     poll_s: float = Field(default=5.0, gt=0)
     """How often the evaluator asks the broker for a new version."""
+    nice: int = Field(default=0, ge=0, le=19)
+    """Niceness added to the evaluator process and its environment workers: a measurement should
+    yield the CPU to the learner and the actors (the CPU default sets 10)."""
 
 
 class CoMapConfig(_Section):

@@ -74,6 +74,7 @@ class LearnerState:
     round_episodes: int = 0  # episodes written when the current round started (rounds schedule)
     phase_budget: int | None = None  # the phase's step budget when sized by data (warmup_epochs)
     phase_seconds: float = 0.0  # training time spent in the phase (warmup_max_minutes)
+    tokens_total: int = 0  # tokens trained since the run began: wall-clock throughput (async vs rounds)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -346,6 +347,8 @@ class Learner:
             metrics["learner/data_wait_s"] = data_wait
             metrics["learner/phase_dropped"] = dropped
             self.state.phase_seconds += metrics.get("learner/step_s", 0.0)
+            self.state.tokens_total += int(metrics.get("learner/tokens", 0))
+            metrics["learner/tokens_total"] = self.state.tokens_total
             step = self.trainer.step
             if self.stop.is_set():  # the step completed as SIGTERM came: keep it, skip the publish
                 break
