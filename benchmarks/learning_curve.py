@@ -87,8 +87,22 @@ def cut(results: list[dict], progress: list[dict], t0: float, minutes: float) ->
     tokens = next((p["learner_tokens_total"] for p in reversed(snaps) if p.get("learner_tokens_total")), None)
     out = {"at_minutes": minutes, "learner_step": last.get("registry", {}).get("step"),
            "transitions_per_s": (last.get("written", {}).get("transitions") or 0) / span,
-           "learner_tokens_per_s": None if tokens is None else tokens / span}
+           "learner_tokens_per_s": None if tokens is None else tokens / span} | phase_rates(snaps, "coevolve")
     return out | {f"{k}_gain": v for k, v in gains([r for r in results if r.get("ts", end) <= end]).items()}
+
+
+def phase_rates(snaps: list[dict], phase: str) -> dict:
+    """Throughput while the registry said ``phase``, from the first snapshot in it to the last one
+    given: where ``async`` and ``rounds`` differ (warm-up is the same in both schedules)."""
+    inside = [p for p in snaps if p.get("registry", {}).get("phase") == phase]
+    span = inside[-1]["t"] - inside[0]["t"] if len(inside) > 1 else 0.0
+    if span <= 0:
+        return {f"{phase}_minutes": 0.0, f"{phase}_transitions_per_s": None, f"{phase}_learner_tokens_per_s": None}
+    first, last = inside[0], inside[-1]
+    moved = (last["written"].get("transitions") or 0) - (first["written"].get("transitions") or 0)
+    t0, t1 = first.get("learner_tokens_total"), last.get("learner_tokens_total")
+    return {f"{phase}_minutes": span / 60, f"{phase}_transitions_per_s": moved / span,
+            f"{phase}_learner_tokens_per_s": None if t0 is None or t1 is None else (t1 - t0) / span}
 
 
 def _fmt(v: object) -> str:

@@ -43,3 +43,22 @@ def test_cut_before_any_learner_figure_reports_none():
 
 def test_gains_need_the_base_model():
     assert gains(RESULTS[1:])["wm_delta_f1"] is None
+
+
+def test_cut_reports_coevolve_throughput_apart_from_warmup():
+    def snap(minute: float, phase: str, transitions: int, tokens: int) -> dict:
+        return {"t": T0 + 60 * minute, "registry": {"phase": phase}, "written": {"transitions": transitions},
+                "learner_tokens_total": tokens}
+
+    progress = [snap(10, "warmup", 1000, 10_000), snap(20, "reflect_init", 1500, 20_000),
+                snap(30, "coevolve", 1600, 25_000), snap(40, "coevolve", 1720, 31_000),
+                snap(50, "coevolve", 1840, 37_000)]
+    at45 = cut([], progress, T0, 45)
+    assert math.isclose(at45["coevolve_minutes"], 10.0)
+    assert math.isclose(at45["coevolve_transitions_per_s"], 120 / 600)
+    assert math.isclose(at45["coevolve_learner_tokens_per_s"], 6_000 / 600)
+    whole = cut([], progress, T0, 50)
+    assert math.isclose(whole["coevolve_transitions_per_s"], 240 / 1200)
+    # one snapshot in the phase is no span: no rate rather than a division by zero
+    early = cut([], progress, T0, 35)
+    assert early["coevolve_minutes"] == 0.0 and early["coevolve_transitions_per_s"] is None
