@@ -13,8 +13,8 @@ tokens/s, writes ``comap stats --plot`` PNGs into ``--out``, and ends with the l
 ``wm_delta_f1_gain=X draft_accuracy_gain=Y success_rate_gain=Z`` (latest version minus base).
 
 A ``/stats`` snapshot a minute goes to ``progress.jsonl``; ``--at M`` prints a line with the figures
-as they stood M minutes in (throughput over those minutes, gains of the versions evaluated by
-then). The system never knows its budget, so the first 45 minutes of a 90-minute run are a
+as they stood M minutes in (throughput over those minutes and over the co-evolution phase within
+them, gains of the versions evaluated by then). The system never knows its budget, so the first 45 minutes of a 90-minute run are a
 45-minute run: one long async run and a short ``rounds`` run compare at equal wall time.
 """
 
