@@ -220,7 +220,7 @@ def main() -> int:
     finally:
         progress.close()
         stop_group(proc, 120)
-    results = [json.loads(p.read_text()) for p in sorted((run_dir / "eval").glob("v*.json"))]
+    results = sorted((json.loads(p.read_text()) for p in (run_dir / "eval").glob("v*.json")), key=lambda r: r["version"])
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "run.json").write_text(json.dumps({"t0": t0, "minutes": args.minutes, "run_dir": str(run_dir),
                                               "overrides": overrides, "registry": stats.get("registry", {})}))

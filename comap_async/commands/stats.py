@@ -118,26 +118,33 @@ def eval_table(results: list[dict[str, Any]]) -> list[str]:
     return rows
 
 
+def eval_points(results: list[dict[str, Any]], key: str) -> list[tuple[int, float, float]]:
+    """``(version, minutes since the first result, value)`` of one held-out figure, in version
+    order (results may come in any order, e.g. ``v10.json`` sorted before ``v2.json``)."""
+    t0 = min((r["ts"] for r in results if "ts" in r), default=0.0)
+    return sorted((int(r["version"]), (r.get("ts", t0) - t0) / 60, r[key]) for r in results if r.get(key) is not None)
+
+
 def plot_eval(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     """``eval_wm_delta_f1.png``, ``eval_draft_accuracy.png``, ``eval_success_rate.png``: each
     held-out figure against the adapter version and against wall time since the first evaluation."""
     import matplotlib.pyplot as plt
 
-    t0 = min((r["ts"] for r in results if "ts" in r), default=0.0)
     written = []
     for key, title in (("wm_delta_f1", "World-model Delta-F1 (held-out probes)"),
                        ("draft_accuracy", "Draft accuracy along held-out walkthroughs"),
                        ("success_rate", "Success rate (held-out games, CoMap loop)")):
-        pts = [(r["version"], (r.get("ts", t0) - t0) / 60, r[key]) for r in results if r.get(key) is not None]
+        pts = eval_points(results, key)
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5), sharey=True)
-        for ax, i, xlabel in ((a1, 0, "adapter version (0 = base)"), (a2, 1, "wall time (minutes)")):
+        for ax, i, xlabel in ((a1, 0, "adapter version (0 = base)"),
+                              (a2, 1, "wall time (minutes since the base model's result)")):
             if pts:
                 ax.plot([p[i] for p in pts], [p[2] for p in pts], marker="o")
             else:
                 ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes)
             ax.set(xlabel=xlabel)
             ax.grid(alpha=0.3)
-        a1.set(ylabel=key)
+        a1.set(ylabel=key, ylim=(-0.02, 1.02))  # all three are shares: one scale, a flat 0 stays at the bottom
         a1.xaxis.get_major_locator().set_params(integer=True)
         fig.suptitle(title)
         fig.tight_layout()
