@@ -14,8 +14,9 @@ tokens/s, writes ``comap stats --plot`` PNGs into ``--out``, and ends with the l
 
 A ``/stats`` snapshot a minute goes to ``progress.jsonl``; ``--at M`` prints a line with the figures
 as they stood M minutes in (throughput over those minutes and over the co-evolution phase within
-them, gains of the versions evaluated by then). The system never knows its budget, so the first 45 minutes of a 90-minute run are a
-45-minute run: one long async run and a short ``rounds`` run compare at equal wall time.
+them, gains of the versions evaluated by then). The system never knows its budget, so the first
+45 minutes of a 90-minute run are a 45-minute run: one long async run and a short ``rounds`` run
+compare at equal wall time.
 """
 
 from __future__ import annotations

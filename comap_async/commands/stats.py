@@ -137,7 +137,7 @@ def plot_eval(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         pts = eval_points(results, key)
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5), sharey=True)
         for ax, i, xlabel in ((a1, 0, "adapter version (0 = base)"),
-                              (a2, 1, "wall time (minutes since the base model's result)")):
+                              (a2, 1, "wall time (minutes since the first evaluation)")):
             if pts:
                 ax.plot([p[i] for p in pts], [p[2] for p in pts], marker="o")
             else:
