@@ -1,21 +1,27 @@
-"""Batching gain of the embedded inference server with the real default model (SmolLM2-135M-Instruct).
+"""Decode rate of the embedded server with the real default model (SmolLM2-135M-Instruct): the fused
+forward (``inference.forward=fused``, the default) against the reference (``transformers``), both
+served at once and measured in alternating rounds so the ratio is taken under the same machine load.
 
-A real ``comap serve`` (default config: torch_threads=1, max_batch_size=8) gets actor draft prompts
-(~140 tokens: the shared chat header and system prompt, then a state that differs per request) with
-64 generated tokens per request (``ignore_eos`` so every request does the same work) from 1 client,
-then from 8 concurrent clients, in alternating rounds so the ratio is taken under the same machine
-load. Aggregate tokens/s = generated tokens / wall time. A last
-measurement runs the 8 clients over 4 different adapters plus the base (one mixed batch).
+Each server is a real ``comap serve`` (torch_threads=1, max_batch_size=8). Requests are actor draft
+prompts (~140 tokens: the shared chat header and system prompt, then a state that differs per
+request) with 64 generated tokens each (``ignore_eos`` so every request does the same work), from 1
+client, then from 8 concurrent clients. Aggregate tokens/s = generated tokens / wall time (prefill
+included); the server's own counters give the decode-step time per step and the prefill time per
+prompt token. A last measurement runs the 8 clients over 4 adapters plus the base (one mixed batch).
+
+The bandwidth bound is the decode rate at batch 8 if a step cost only streaming the weights once:
+8 / (weight bytes / memory read rate), the read rate measured here (one thread summing 256 MiB).
 
     python benchmarks/serve_batching.py [--rounds 2] [--max-tokens 64]
 
-Last line: ``batching_speedup=X`` (8 concurrent / 1 concurrent aggregate tokens/s).
+Last line: ``decode_speedup_vs_reference=X`` (fused / reference aggregate tokens/s at 8 clients).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
 import tempfile
 import time
@@ -31,6 +37,7 @@ from comap_async.prompts import ChatTemplate, Prompts  # noqa: E402
 
 OBJECTS = ["apple", "bread", "knife", "mug", "egg", "lettuce", "potato", "tomato", "spoon", "cup"]
 PLACES = ["countertop", "cabinet", "drawer", "shelf", "fridge", "sinkbasin", "microwave", "desk"]
+PATHS = {"reference": ["inference.forward=transformers"], "fused": ["inference.forward=fused"]}
 
 
 def state(i: int) -> str:
@@ -59,37 +66,116 @@ async def rate(client: InferenceClient, prompts: Prompts, concurrency: int, per_
     return tokens / (time.perf_counter() - t0)
 
 
+async def counters(url: str) -> dict[str, float]:
+    """The engine's counters from ``/metrics``."""
+    import urllib.request
+
+    def get() -> str:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            return r.read().decode()
+
+    text = await asyncio.to_thread(get)
+    out = {}
+    for name in ("decode_steps", "decode_rows", "decode_seconds", "prefill_seconds", "prompt_tokens",
+                 "prefix_cache_hit_tokens"):
+        m = re.search(rf"^comap_inference_{name}_total (\S+)$", text, re.M)
+        out[name] = float(m.group(1)) if m else 0.0
+    return out
+
+
+def read_gb_per_s() -> float:
+    import torch
+
+    torch.set_num_threads(1)
+    a = torch.randn(64 << 20)
+    best = 0.0
+    for _ in range(4):
+        t0 = time.perf_counter()
+        a.sum()
+        best = max(best, a.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def weight_bytes(model_dir: str, dtype_bytes: int) -> int:
+    """Bytes of the weights a decode step streams: every Linear of the layers and the LM head."""
+    import json
+
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    d = c.get("head_dim") or h // c["num_attention_heads"]
+    qkvo = h * d * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
+    return dtype_bytes * (layers * (qkvo + 3 * h * inter) + h * c["vocab_size"])
+
+
+async def measure(args: argparse.Namespace, prompts: Prompts, urls: dict[str, str], names: list[str]) -> dict:
+    res: dict[str, dict[str, list[float]]] = {p: {"one": [], "eight": [], "step_ms": [], "rows": [],
+                                                  "prefill_ms": []} for p in urls}
+    clients = {path: InferenceClient([url], timeout_s=900) for path, url in urls.items()}
+    try:
+        for path, c in clients.items():
+            for name in names:
+                await c.load_adapter(name, str(args.adapter_root / name))
+            await rate(c, prompts, 2, 1, 8, [None], 0)  # warm-up
+        for r in range(args.rounds):
+            order = list(urls) if r % 2 == 0 else list(reversed(urls))
+            for path in order:
+                c = clients[path]
+                res[path]["one"].append(await rate(c, prompts, 1, 3, args.max_tokens, [None], 1000 + 100 * r))
+                before = await counters(urls[path])
+                res[path]["eight"].append(await rate(c, prompts, 8, 2, args.max_tokens, [None], 2000 + 100 * r))
+                after = await counters(urls[path])
+                d = {k: after[k] - before[k] for k in after}
+                res[path]["step_ms"].append(1000 * d["decode_seconds"] / max(1.0, d["decode_steps"]))
+                res[path]["rows"].append(d["decode_rows"] / max(1.0, d["decode_steps"]))
+                computed = max(1.0, d["prompt_tokens"] - d["prefix_cache_hit_tokens"])
+                res[path]["prefill_ms"].append(1000 * d["prefill_seconds"] / computed)
+                print(f"round {r} {path:9s}: 1 client {res[path]['one'][-1]:6.1f} tok/s, 8 clients "
+                      f"{res[path]['eight'][-1]:6.1f} tok/s, decode step {res[path]['step_ms'][-1]:6.1f} ms "
+                      f"({res[path]['rows'][-1]:.1f} rows), prefill {res[path]['prefill_ms'][-1]:.2f} ms/token",
+                      flush=True)
+        for path, c in clients.items():
+            res[path]["mixed"] = [await rate(c, prompts, 8, 2, args.max_tokens, [None, *names], 5000)]
+    finally:
+        for c in clients.values():
+            await c.close()
+    return res
+
+
 async def main(args: argparse.Namespace) -> None:
     cfg = load_config(args.config)
     model_dir = resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)
     prompts = Prompts(ChatTemplate.from_model_dir(model_dir))
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
+        root = args.adapter_root = Path(tmp)
         names = [f"policy-v{i}" for i in range(4)]
         write_random_adapters(model_dir, root, names)
-        overrides = [f"model.name_or_path={cfg.model.name_or_path}"] + (args.set or [])
-        with served(overrides, root, root / "serve.log") as url:
-            async with InferenceClient([url], timeout_s=600) as client:
-                for name in names:
-                    await client.load_adapter(name, str(root / name))
-                await rate(client, prompts, 2, 1, 8, [None], 0)  # warm-up
-                one, eight = [], []
-                for r in range(args.rounds):
-                    one.append(await rate(client, prompts, 1, 3, args.max_tokens, [None], 1000 + 100 * r))
-                    eight.append(await rate(client, prompts, 8, 2, args.max_tokens, [None], 2000 + 100 * r))
-                    print(f"round: 1 client {one[-1]:.1f} tok/s, 8 clients {eight[-1]:.1f} tok/s", flush=True)
-                mixed = await rate(client, prompts, 8, 2, args.max_tokens, [None, *names], 5000)
-    r1, r8 = sum(one) / len(one), sum(eight) / len(eight)
-    print(f"tokens_per_s_1={r1:.1f}")
-    print(f"tokens_per_s_8={r8:.1f}")
-    print(f"tokens_per_s_8_mixed_adapters={mixed:.1f} (base + 4 adapters in one batch; {mixed / r8:.2f}x of base-only)")
-    print(f"batching_speedup={r8 / r1:.2f}")
+        base = [f"model.name_or_path={cfg.model.name_or_path}"] + (args.set or [])
+        with served(base + PATHS["reference"], root, root / "reference.log") as ref_url, \
+                served(base + PATHS["fused"], root, root / "fused.log") as fused_url:
+            res = await measure(args, prompts, {"reference": ref_url, "fused": fused_url}, names)
+            fused_log = (root / "fused.log").read_text()
+    mean = {p: {k: sum(v) / len(v) for k, v in r.items()} for p, r in res.items()}
+    gbs = read_gb_per_s()
+    m = re.search(r'"dtype": "(\w+)"', fused_log)
+    fused_dtype = m.group(1) if m else "float32"
+    for path, dtype in (("reference", cfg.model.dtype), ("fused", fused_dtype)):
+        r = mean[path]
+        wb = weight_bytes(model_dir, 2 if dtype in ("bfloat16", "float16") else 4)
+        bound = 8 / (wb / (gbs * 1e9))
+        print(f"{path} ({dtype}): tokens_per_s_1={r['one']:.1f} tokens_per_s_8={r['eight']:.1f} "
+              f"tokens_per_s_8_mixed_adapters={r['mixed']:.1f} decode_step_ms_8={r['step_ms']:.1f} "
+              f"(mean rows {r['rows']:.1f}, engine decode {1000 * r['rows'] / r['step_ms']:.1f} tok/s) "
+              f"prefill_ms_per_token={r['prefill_ms']:.2f} bandwidth_bound_tokens_per_s_8={bound:.0f} "
+              f"({wb / 2**20:.0f} MiB of weights at {gbs:.1f} GB/s)")
+    print(f"batching_speedup={mean['fused']['eight'] / mean['fused']['one']:.2f} (fused, 8 clients / 1 client)")
+    print(f"decode_step_speedup_vs_reference={mean['reference']['step_ms'] / mean['fused']['step_ms']:.2f}")
+    print(f"decode_speedup_vs_reference={mean['fused']['eight'] / mean['reference']['eight']:.2f}")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="config file (default: built-in defaults, the real default model)")
-    p.add_argument("--set", action="append", help="extra --set overrides for the server")
+    p.add_argument("--set", action="append", help="extra --set overrides for both servers")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
     asyncio.run(main(p.parse_args()))

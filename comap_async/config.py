@@ -154,6 +154,16 @@ class InferenceConfig(_Section):
     """Embedded server: memory for the KV of shared prompt prefixes (0 turns the cache off)."""
     max_new_tokens: int = Field(default=256, ge=1)
     """Upper bound on ``max_tokens`` per request."""
+    forward: Literal["fused", "transformers"] = "fused"
+    """Embedded server: ``fused`` (a forward written for Llama-family decoders: fused and prepacked
+    weights in ``inference.dtype``, LoRA over the batch's adapters in two small GEMMs per projection,
+    about 3x the decode rate on CPU) or ``transformers`` (transformers' forward with peft's LoRA
+    layers in ``model.dtype``: the reference path). Models the fused forward does not know fall
+    back to ``transformers`` with a warning."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Embedded server, fused forward: weights and KV-cache dtype. ``auto``: bfloat16 where the
+    CPU multiplies bf16 in hardware (avx512_bf16/AMX), else float32. The residual stream, norms,
+    softmax, LoRA and logits stay float32 either way."""
     request_timeout_s: float = Field(default=120.0, gt=0)
     """Client timeout for one HTTP request."""
     retries: int = Field(default=5, ge=0)

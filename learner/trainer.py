@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from comap_async.config import LearnerConfig
+from comap_async.models import cpu_has_native_bf16
 from learner import losses
 from learner.batches import Encoder, Packed, Seq, collate, logits_window, pack
 from learner.ema import ema_update, paired_lora_tensors
@@ -44,13 +45,6 @@ from learner.model import (TRAINED, activate, adapter_parameters, cast_frozen_ba
 
 class StepAborted(RuntimeError):
     """A step stopped before its update because the learner is shutting down."""
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (avx512_bf16 or AMX): there bf16 matmuls are
-    3-4x faster than fp32 ones; elsewhere bf16 is emulated and no faster."""
-    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    return any(bool(check()) for check in checks if check is not None)
 
 
 def resolve_autocast(mode: str, device: str | torch.device) -> torch.dtype | None:

@@ -134,6 +134,9 @@ class SlotManager:
 
         self.stacks = LoraStacks(capacity=spares + 8)
         self.stacked = True  # False once an adapter needs peft's own forward (DoRA, LoRA bias, embeddings)
+        # With the fused forward on: ids of the base Linear modules it applies LoRA to. It reads the
+        # stacks only, so an adapter with any other target would be silently ignored: it is refused.
+        self.fused_targets: frozenset[int] | None = None
 
     # ------------------------------------------------------------ engine-thread operations
     @property
@@ -150,6 +153,19 @@ class SlotManager:
             self.generation[slot] = self._generations
 
     def _add(self, name: str, config: Any) -> None:
+        was_stacked = self.stacked
+        self._add_module(name, config)
+        if self.fused_targets is None:
+            return
+        outside = [key for key, m in self._modules_of(name).items() if id(m.base_layer) not in self.fused_targets]
+        if outside or not self.stacked:
+            self.stacked = was_stacked
+            self._drop(name)
+            what = f"targets {outside[0]}" if outside else "needs LoRA biases or a non-Linear target"
+            raise RequestError(f"this adapter {what}, which the fused forward does not apply: serve it with "
+                               "inference.forward=transformers", param="lora_path")
+
+    def _add_module(self, name: str, config: Any) -> None:
         if self.peft is None:
             from peft import get_peft_model
 

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from comap_async.inference.adapters import BASE, SlotManager
+from comap_async.inference.fused import FusedLlama
 from comap_async.inference.kvcache import BatchCache, with_capacity
 from comap_async.inference.prefix import PrefixCache
 from comap_async.inference.sampling import SamplingParams, StepOutput, sample_step
@@ -66,8 +67,11 @@ class EngineStats:
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, slots: SlotManager, *, max_batch_size: int = 8,
                  batch_wait_ms: float = 5.0, max_model_len: int = 4096, seed: int = 0, log: Any = None,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, fused: FusedLlama | None = None) -> None:
         self.model, self.tokenizer, self.slots = model, tokenizer, slots
+        # the fused forward keeps keys transposed in its KV cache; transformers' forward cannot read them
+        self.fused = fused
+        self.key_dim = 3 if fused is not None else 2
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_ms / 1000.0
         self.max_model_len = max_model_len
@@ -86,7 +90,7 @@ class Engine:
         self._waiting: deque[Sequence] = deque()
         self._ops: deque[tuple[Callable[[], Any], concurrent.futures.Future, bool]] = deque()
         self._running: list[Sequence] = []
-        self._cache = BatchCache(self.num_layers)
+        self._cache = self._new_cache()
         self._stop = False
         self.idle_delay_s = 1.0
         self._last_busy = time.monotonic()
@@ -188,8 +192,14 @@ class Engine:
         except BaseException as exc:  # handed to the caller through the future
             fut.set_exception(exc)
 
+    def _new_cache(self) -> BatchCache:
+        return BatchCache(self.num_layers, transposed=self.fused is not None)
+
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: BatchCache,
                  adapters: list[str], **kw: Any) -> torch.Tensor:
+        if self.fused is not None:
+            rows = self.slots.stacks.rows_for(adapters, BASE) if self.slots.peft is not None else None
+            return self.fused.forward(input_ids, positions, mask, cache, rows)
         self.slots.begin_step(adapters)
         try:
             out = self.slots.forward_model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
@@ -221,19 +231,20 @@ class Engine:
         t0 = time.perf_counter()
         self._last_busy = time.monotonic()
         prompt, n = seq.prompt_ids, len(seq.prompt_ids)
-        cache = BatchCache(self.num_layers)
+        cache = self._new_cache()
         gen = self.slots.generation.get(seq.slot, 0)
-        done, layers = self.prefix.lookup(seq.slot, gen, prompt) if self.prefix is not None else (0, None)
+        done, layers = self.prefix.lookup(seq.slot, gen, prompt, self.key_dim) if self.prefix is not None else (0, None)
         if layers is not None:
             for layer, (k, v) in zip(cache.layers, layers):
-                layer._set(*with_capacity(k, v, done), done)
+                layer._set(*with_capacity(k, v, done, cache.transposed), done)
         ids = torch.tensor([prompt[done:]], dtype=torch.long)
         mask = torch.ones(1, n, dtype=torch.long)
         positions = torch.arange(done, n).unsqueeze(0)
         logits = self._forward(ids, mask, positions, cache, [seq.slot], logits_to_keep=1)
         cache.mask = mask
         if self.prefix is not None:
-            self.prefix.store(seq.slot, gen, prompt, [(layer.keys, layer.values) for layer in cache.layers], done)
+            self.prefix.store(seq.slot, gen, prompt, [(layer.keys, layer.values) for layer in cache.layers], done,
+                              self.key_dim)
             self.prefix.hits += done
             self.prefix.misses += n - done
         self.stats.prefill_seconds += time.perf_counter() - t0
@@ -331,7 +342,7 @@ class Engine:
             with self._cond:
                 rows += list(self._waiting)
                 self._waiting.clear()
-        self._cache = BatchCache(self.num_layers)
+        self._cache = self._new_cache()
         for seq in rows:
             seq.error = exc
             self._finish(seq, "error")

@@ -45,12 +45,16 @@ class LoraStacks:
         self.layers: dict[int, _LayerStack] = {}
         self.lock = threading.Lock()
         self.step_rows: torch.Tensor | None = None
+        self.by_base: dict[int, _LayerStack] = {}  # id of the wrapped base Linear -> its stack (the fused forward)
+        self.version = 0  # bumped on every change, so copies of the stacks know when to rebuild
 
     # ------------------------------------------------------------ engine thread (structure)
     def attach(self, module: Any, fallback: Any, enabled: Any) -> None:
         """Route a peft ``lora.Linear`` through the stacks (``fallback`` = its own forward, used when disabled)."""
         with self.lock:
-            stack = self.layers[id(module)] = _LayerStack(module, self.capacity, self.rank)
+            stack = self.layers[id(module)] = self.by_base[id(module.base_layer)] = \
+                _LayerStack(module, self.capacity, self.rank)
+            self.version += 1
 
         def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             if not enabled():
@@ -76,6 +80,7 @@ class LoraStacks:
                 for s in self.layers.values():
                     s.resize(self.capacity, self.rank)
             row = self.rows[slot] = self._free.pop()
+            self.version += 1
             return row
 
     def release(self, slot: str) -> None:
@@ -87,6 +92,7 @@ class LoraStacks:
                 s.a[row].zero_()
                 s.b[row].zero_()
             self._free.append(row)
+            self.version += 1
 
     # ------------------------------------------------------------ any thread (weights of an unused slot)
     def sync(self, slot: str) -> None:
@@ -108,6 +114,7 @@ class LoraStacks:
                 r = m.lora_A[slot].weight.shape[0]
                 s.a[row, :, :r] = m.lora_A[slot].weight.t()
                 s.b[row, :r, :] = m.lora_B[slot].weight.t() * m.scaling[slot]
+            self.version += 1
 
     def rows_for(self, adapters: list[str], base: str) -> torch.Tensor | None:
         if all(a == base for a in adapters):

@@ -271,6 +271,26 @@ def build_app(state: ServerState) -> web.Application:
 
 
 # ------------------------------------------------------------------ process entry
+def build_fused(model: Any, slots: Any, inf: Any, log: Any = None) -> Any:
+    """The fused forward when ``inference.forward`` asks for it and the model allows it, else None."""
+    from comap_async.inference.fused import FusedLlama, fused_support
+    from comap_async.models import inference_dtype
+
+    if inf.forward != "fused":
+        return None
+    reason = fused_support(model)
+    if reason is not None:
+        if log:
+            log.warning("serve.fused_unsupported", reason=reason, using="transformers")
+        return None
+    fused = FusedLlama(model, slots.stacks, inference_dtype(inf.dtype), batch_hint=inf.max_batch_size)
+    slots.fused_targets = fused.lora_targets
+    if log:
+        log.info("serve.forward", forward="fused", dtype=str(fused.dtype).removeprefix("torch."),
+                 weight_mb=round(fused.weight_bytes / 2**20))
+    return fused
+
+
 def create_state(cfg: Any, log: Any = None) -> ServerState:
     """Load the model and start the engine (blocking, seconds)."""
     import torch
@@ -290,13 +310,15 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
     spare = LoraConfig(r=lr.lora_r, lora_alpha=lr.lora_alpha, lora_dropout=0.0, target_modules=lr.target_modules)
     inf = cfg.inference
     slots = SlotManager(model, spare, spares=inf.spare_adapter_slots)
+    fused = build_fused(model, slots, inf, log)
     max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30
     max_model_len = min(max_pos, inf.max_prompt_tokens + inf.max_new_tokens)
     from comap_async.inference.prefix import PrefixCache
 
     engine = Engine(model, tok, slots, max_batch_size=inf.max_batch_size, batch_wait_ms=inf.batch_wait_ms,
                     max_model_len=max_model_len, seed=cfg.run.seed, log=log,
-                    prefix_cache=PrefixCache(max_bytes=inf.prefix_cache_mb << 20) if inf.prefix_cache_mb else None)
+                    prefix_cache=PrefixCache(max_bytes=inf.prefix_cache_mb << 20) if inf.prefix_cache_mb else None,
+                    fused=fused)
     engine.start()
     engine.call(slots.fill_spares).result()
     executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="comap-io")

@@ -21,16 +21,29 @@ PROMPTS = ["You arrive at countertop 1. On the countertop", "go to", "look",
            "Your task is to: put a clean apple in fridge. You open the fridge 1. The fridge 1 is open."]
 
 
-@pytest.fixture
-def engine(tiny_model_dir):
+def make_engine(tiny_model_dir, forward: str, dtype: str = "float32", **kw) -> Engine:
+    """An engine on the tiny model with ``inference.forward`` = ``forward`` (the fused one in ``dtype``)."""
     from peft import LoraConfig
+
+    from comap_async.config import InferenceConfig
+    from comap_async.inference.server import build_fused
 
     model, tok = load_model_and_tokenizer(str(tiny_model_dir))
     prepare_for_inference(model)
     slots = SlotManager(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"), spares=1)
-    eng = Engine(model, tok, slots, max_batch_size=3, batch_wait_ms=0)
+    inf = InferenceConfig(forward=forward, dtype=dtype, max_batch_size=kw.get("max_batch_size", 3))
+    fused = build_fused(model, slots, inf)
+    assert (fused is not None) == (forward == "fused")
+    return Engine(model, tok, slots, **{"max_batch_size": 3, "batch_wait_ms": 0, **kw}, fused=fused)
+
+
+# Every behaviour below holds on both forwards; the fused one runs in fp32 here so results can be
+# compared with transformers token for token (its bf16 tolerance is tested on its own).
+@pytest.fixture(params=["transformers", "fused"])
+def engine(request, tiny_model_dir):
+    eng = make_engine(tiny_model_dir, request.param)
     eng.start()
-    eng.call(slots.fill_spares).result(30)
+    eng.call(eng.slots.fill_spares).result(30)
     yield eng
     eng.stop()
 
@@ -116,11 +129,19 @@ def _saved(tiny_model_dir, out, **lora):
 
 
 def test_lora_bias_adapter_falls_back_to_peft_forward(engine, tiny_model_dir, tmp_path):
-    """The stacked path has no B bias: such an adapter switches the engine to peft's mixed forward."""
+    """The stacked path has no B bias: such an adapter switches the engine to peft's mixed forward,
+    and the fused forward, which has no peft forward to fall back to, refuses it."""
     from peft import PeftModel
+
+    from comap_async.inference.sampling import RequestError
 
     path = _saved(tiny_model_dir, tmp_path / "biased", lora_bias=True)
     files = read_adapter(path)
+    if engine.fused is not None:
+        with pytest.raises(RequestError, match="inference.forward=transformers"):
+            engine.call(lambda: engine.slots.add_slow(files)).result(30)
+        assert engine.slots.stacked and len(engine.slots.peft.peft_config) == 1  # only the spare is left
+        return
     slot = engine.call(lambda: engine.slots.add_slow(files)).result(30)
     assert not engine.slots.stacked
     tok = engine.tokenizer
@@ -159,15 +180,12 @@ def test_stop_string_and_cancel(engine):
     assert gone.finish_reason == "abort" and len(gone.out_ids) <= 1
 
 
-def test_prefix_cache_reuses_prompt_starts_without_changing_results(tiny_model_dir):
-    from peft import LoraConfig
-
+@pytest.mark.parametrize("forward", ["transformers", "fused"])
+def test_prefix_cache_reuses_prompt_starts_without_changing_results(tiny_model_dir, forward):
     from comap_async.inference.prefix import PrefixCache
 
-    model, tok = load_model_and_tokenizer(str(tiny_model_dir))
-    prepare_for_inference(model)
-    slots = SlotManager(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"), spares=1)
-    eng = Engine(model, tok, slots, max_batch_size=4, batch_wait_ms=0, prefix_cache=PrefixCache(block=4))
+    eng = make_engine(tiny_model_dir, forward, max_batch_size=4, prefix_cache=PrefixCache(block=4))
+    slots, tok = eng.slots, eng.tokenizer
     eng.start()
     try:
         eng.call(slots.fill_spares).result(30)

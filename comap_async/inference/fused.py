@@ -1,0 +1,307 @@
+"""A fused forward pass for Llama-family decoders: the embedded server's fast path on CPU.
+
+A decode step of a 135M model spends little time in arithmetic and much in dispatch: transformers'
+forward plus peft's LoRA wrappers run ~100 small ops per layer, seven separate projections, and an
+attention kernel tuned for long prompts. This forward reads the same weights, fused and in the
+inference dtype (bf16 on CPUs with bf16 instructions, where a small-batch GEMM runs about twice as
+fast as in fp32), with
+
+* one GEMM for q, k and v and one for gate and up, weights stored ``[in, out]``;
+* the residual stream, norms, rotary embedding and softmax in fp32, so bf16 only rounds the GEMM
+  inputs and the KV cache;
+* LoRA as two small fp32 GEMMs per projection over the adapters present in the batch: a step's
+  rows gather their adapters once per batch composition (the "dense-active" matrices, cached until
+  a row joins or leaves or a slot's weights change) instead of one gather and ``bmm`` per layer;
+* attention written out for grouped queries (a 1-token query needs no flash kernel).
+
+It shares the engine's KV cache (:class:`BatchCache`) and the LoRA stacks that the slot manager
+keeps in sync with peft, so adapters load exactly as on the reference path. Architectures it does
+not know (biases, sliding windows, per-head norms) are refused by :func:`fused_support`, and the
+server then runs transformers' forward.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from comap_async.inference.lora_stack import LoraStacks
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# projections reading the same input, applied with one A and one B GEMM per layer
+GROUPS = (("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)), ("gu", ("gate_proj", "up_proj")),
+          ("down", ("down_proj",)))
+_FUSED_TYPES = {"llama"}
+
+
+def fused_support(model: torch.nn.Module) -> str | None:
+    """None when the fused forward reproduces this model; otherwise why not (for the log)."""
+    cfg = model.config.get_text_config()
+    kind = getattr(cfg, "model_type", None)
+    if kind not in _FUSED_TYPES:
+        return f"model_type {kind!r} (the fused forward knows {sorted(_FUSED_TYPES)})"
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        return "attention or MLP biases"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act!r}"
+    if getattr(cfg, "sliding_window", None):
+        return "sliding-window attention"
+    return None
+
+
+class Weight:
+    """A frozen ``[out, in]`` weight, prepacked for oneDNN where torch has it.
+
+    Streaming a decode step's weights is the bound here, and an unpacked GEMM reorders its weight on
+    every call: prepacked, a batch-8 GEMM reads weights at about twice the rate (12 vs 6.8 GB/s in
+    bf16 on this project's CPUs; ``benchmarks/serve_batching.py --breakdown`` measures it).
+    """
+
+    def __init__(self, w: torch.Tensor, dtype: torch.dtype, batch_hint: int) -> None:
+        self.dense = w.detach().to(dtype).contiguous()
+        self.nbytes = self.dense.numel() * self.dense.element_size()
+        self.packed = None
+        if torch.backends.mkldnn.is_available():
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.dense, batch_hint)
+            except (RuntimeError, AttributeError):  # a torch built without these ops: the plain GEMM
+                self.packed = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
+        return F.linear(x, self.dense)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, transformers' ``x * cos + rotate_half(x) * sin`` in three ops.
+
+    ``x`` ``[B, T, H, D]``; cos and ``sin_signed`` (sin with its first half negated) ``[B, T, 1, D]``.
+    """
+    half = x.shape[-1] // 2
+    return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), sin_signed)
+
+
+def attention_bias(mask: torch.Tensor, new_tokens: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Additive bias ``[B, 1, 1, T, N]``: padding columns (mask 0) and future tokens get the dtype's minimum.
+
+    Finite on purpose: a padding query sees no real key, and an all ``-inf`` row would make NaN keys
+    and values that a later ``0 * NaN`` spreads into real rows.
+    """
+    b, n = mask.shape
+    allowed = mask.bool()[:, None, :]  # [B, 1, N]
+    if new_tokens > 1:
+        j = torch.arange(n)
+        t = torch.arange(new_tokens).unsqueeze(1)
+        allowed = allowed & (j <= n - new_tokens + t)  # [B, T, N]
+    else:
+        allowed = allowed.expand(b, 1, n)
+    bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return bias[:, None, None]
+
+
+def attend(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention -> ``[B*T, Hq*D]``.
+
+    ``q`` ``[B, T, Hq, D]`` already scaled; ``keys_t`` ``[B, Hkv, D, N]`` (a transposed cache), ``values``
+    ``[B, Hkv, N, D]``; ``bias`` ``[B*Hkv, G*T, N]`` (:func:`attention_bias` expanded, in q's dtype).
+    Query head ``h`` reads key/value head ``h // G`` (G = Hq / Hkv), as in transformers. Scores
+    are rounded to q's dtype by the GEMM; the softmax accumulates in fp32 whatever its input.
+    """
+    b, t, hq, d = q.shape
+    hkv, n = keys_t.shape[1], keys_t.shape[-1]
+    g = hq // hkv
+    qh = q.reshape(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b * hkv, g * t, d)
+    scores = torch.baddbmm(bias, qh, keys_t.reshape(b * hkv, d, n))
+    out = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(b * hkv, n, d))
+    return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, hq * d)
+
+
+class _Layer:
+    def __init__(self, layer: Any, dtype: torch.dtype, batch_hint: int, q_scale: float) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        # peft may already have wrapped them: the stacks are keyed by the wrapped base Linear
+        self.linears = {name: getattr(getattr(attn if name in PROJECTIONS[:4] else mlp, name), "base_layer",
+                                      getattr(attn if name in PROJECTIONS[:4] else mlp, name)) for name in PROJECTIONS}
+        w = {name: lin.weight for name, lin in self.linears.items()}
+        self.widths = {name: lin.out_features for name, lin in self.linears.items()}
+        # scaling q here spares the attention a multiply per step (the LoRA q rows get it too)
+        self.wqkv = Weight(torch.cat([w["q_proj"] * q_scale, w["k_proj"], w["v_proj"]]), dtype, batch_hint)
+        self.wo = Weight(w["o_proj"], dtype, batch_hint)
+        self.wgu = Weight(torch.cat([w["gate_proj"], w["up_proj"]]), dtype, batch_hint)
+        self.wdown = Weight(w["down_proj"], dtype, batch_hint)
+        self.norm_in = layer.input_layernorm.weight.detach().float()
+        self.norm_post = layer.post_attention_layernorm.weight.detach().float()
+        self.eps_in = layer.input_layernorm.variance_epsilon
+        self.eps_post = layer.post_attention_layernorm.variance_epsilon
+
+
+class FusedLlama:
+    """Forward passes over copies of a Llama model's weights; call only from the engine thread."""
+
+    def __init__(self, model: torch.nn.Module, stacks: LoraStacks | None, dtype: torch.dtype,
+                 batch_hint: int = 8) -> None:
+        reason = fused_support(model)
+        if reason is not None:
+            raise ValueError(f"the fused forward does not support this model: {reason}")
+        cfg = model.config.get_text_config()
+        inner = model.model
+        self.dtype = dtype
+        self.stacks = stacks
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.inter = cfg.intermediate_size
+        self.scale = self.head_dim ** -0.5
+        self.embed = inner.embed_tokens.weight.detach()
+        self.rotary = inner.rotary_emb
+        self.layers = [_Layer(layer, dtype, batch_hint, self.scale) for layer in inner.layers]
+        self.norm = inner.norm.weight.detach().float()
+        self.norm_eps = inner.norm.variance_epsilon
+        self.lm_head = Weight(model.lm_head.weight, dtype, batch_hint)
+        self._dense: OrderedDict[tuple, list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]]] = OrderedDict()
+
+    @property
+    def lora_targets(self) -> frozenset[int]:
+        """Ids of the base Linear modules whose LoRA this forward applies (for ``SlotManager.fused_targets``)."""
+        return frozenset(id(lin) for layer in self.layers for lin in layer.linears.values())
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes one decode step streams from memory for the weights (layers and LM head)."""
+        ws = [w for lay in self.layers for w in (lay.wqkv, lay.wo, lay.wgu, lay.wdown)] + [self.lm_head]
+        return sum(w.nbytes for w in ws)
+
+    # ------------------------------------------------------------------ LoRA
+    def _lora(self, rows: torch.Tensor | None, tokens_per_row: int) -> "LoraBatch | None":
+        """The LoRA of this batch's adapters, or None when every row is on the base model."""
+        if rows is None or self.stacks is None:
+            return None
+        row_slots = rows.tolist()
+        active = sorted(set(row_slots) - {0})
+        if not active:
+            return None
+        stacks = self.stacks
+        with stacks.lock:
+            key = (tuple(active), stacks.version)
+            dense = self._dense.get(key)
+            if dense is None:
+                dense = self._dense[key] = self._build_dense(active, stacks.rank)
+                while len(self._dense) > 8:
+                    self._dense.popitem(last=False)
+            else:
+                self._dense.move_to_end(key)
+            r = stacks.rank
+        if len(active) == 1 and 0 not in row_slots:
+            return LoraBatch(dense, None)  # one adapter on every row: nothing to mask
+        col = {slot: i for i, slot in enumerate(active)}
+        onehot = torch.zeros(len(row_slots), len(active), r, dtype=torch.float32)
+        for i, slot in enumerate(row_slots):
+            if slot:
+                onehot[i, col[slot]] = 1.0
+        onehot = onehot.view(len(row_slots), -1)
+        if tokens_per_row > 1:
+            onehot = onehot.repeat_interleave(tokens_per_row, dim=0)
+        return LoraBatch(dense, onehot)
+
+    def _build_dense(self, active: list[int], r: int) -> list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]]:
+        """Per layer and group: (A ``[in, k*n*r]``, block-diagonal B ``[k*n*r, out]``, k) over the active slots.
+
+        Projections that read the same input share one A GEMM and one B GEMM; the zero blocks of B
+        cost less than the extra ops of one GEMM pair per projection.
+        """
+        idx = torch.tensor(active, dtype=torch.long)
+        nr = len(active) * r
+        out = []
+        for layer in self.layers:
+            groups = {}
+            for group, names in GROUPS:
+                widths = [layer.widths[name] for name in names]
+                stacks = [self.stacks.by_base.get(id(layer.linears[name])) for name in names]
+                present = [(i, st) for i, st in enumerate(stacks) if st is not None]
+                if not present:
+                    continue
+                a_cols, b = [], torch.zeros(len(present) * nr, sum(widths))
+                for j, (i, st) in enumerate(present):
+                    a = st.a.index_select(0, idx).float()  # [n, in, r]
+                    a_cols.append(a.permute(1, 0, 2).reshape(a.shape[1], nr))
+                    bi = st.b.index_select(0, idx).float().reshape(nr, widths[i])
+                    if names[i] == "q_proj":
+                        bi = bi * self.scale
+                    start = sum(widths[:i])
+                    b[j * nr:(j + 1) * nr, start:start + widths[i]] = bi
+                groups[group] = (torch.cat(a_cols, dim=1).contiguous(), b, len(present))
+            out.append(groups)
+        return out
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any,
+                rows: torch.Tensor | None, last_only: bool = True) -> torch.Tensor:
+        """Logits ``[B, vocab]`` (fp32) of each row's last token; keys/values are appended to ``cache``.
+
+        ``input_ids``/``positions`` ``[B, T]``; ``mask`` ``[B, N]`` covers the cached and new tokens;
+        ``rows``: each row's LoRA stack row (0 = base model) or None when every row is on the base.
+        """
+        if not getattr(cache, "transposed", False):
+            raise ValueError("the fused forward needs a BatchCache(transposed=True)")
+        b, t = input_ids.shape
+        wd = self.dtype
+        h = F.embedding(input_ids, self.embed).float().view(b * t, -1)
+        cos, sin = self.rotary(h.view(b, t, -1), positions)
+        half = self.head_dim // 2
+        cos = cos.to(wd).unsqueeze(2)
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).to(wd).unsqueeze(2)
+        hkv, g, n = self.kv_heads, self.heads // self.kv_heads, mask.shape[1]
+        bias = attention_bias(mask, t, wd).expand(b, hkv, g, t, n).reshape(b * hkv, g * t, n)
+        lora = self._lora(rows, t)
+        hidden, qs, kvs, d = h.shape[-1], self.q_size, self.kv_size, self.head_dim
+        for i, layer in enumerate(self.layers):
+            xf = F.rms_norm(h, (hidden,), layer.norm_in, layer.eps_in)
+            qkv = layer.wqkv(xf.to(wd))  # the q rows of the weight carry the 1/sqrt(head_dim) scale
+            if lora is not None:
+                lora.apply(qkv, xf, i, "qkv")
+            qk = rotate(qkv[:, :qs + kvs].view(b, t, -1, d), cos, sin)
+            v = qkv[:, qs + kvs:].view(b, t, self.kv_heads, d).transpose(1, 2)
+            keys_t, values = cache.layers[i].update(qk[:, :, self.heads:].transpose(1, 2), v)
+            a = attend(qk[:, :, :self.heads], keys_t, values, bias)
+            o = layer.wo(a)
+            if lora is not None:
+                lora.apply(o, a.float(), i, "o")
+            h.add_(o)
+            xf = F.rms_norm(h, (hidden,), layer.norm_post, layer.eps_post)
+            gu = layer.wgu(xf.to(wd))
+            if lora is not None:
+                lora.apply(gu, xf, i, "gu")
+            act = F.silu(gu[:, :self.inter]).mul_(gu[:, self.inter:])
+            down = layer.wdown(act)
+            if lora is not None:
+                lora.apply(down, act.float(), i, "down")
+            h.add_(down)
+        if last_only:
+            h = h.view(b, t, -1)[:, -1]
+        h = F.rms_norm(h, (h.shape[-1],), self.norm, self.norm_eps)
+        return self.lm_head(h.to(wd)).float()
+
+
+class LoraBatch:
+    """One forward's LoRA: the active adapters' dense matrices and which rows use which (``onehot``)."""
+
+    def __init__(self, dense: list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]],
+                 onehot: torch.Tensor | None) -> None:
+        self.dense = dense
+        self.masks = {} if onehot is None else {k: onehot.repeat(1, k) if k > 1 else onehot for k in (1, 2, 3)}
+
+    def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, group: str) -> None:
+        """``out += ((x @ A) * mask) @ B`` for this layer's group (x in fp32, out in any dtype)."""
+        mats = self.dense[layer].get(group)
+        if mats is None:
+            return
+        a, b, k = mats
+        xa = x @ a
+        if self.masks:
+            xa.mul_(self.masks[k])
+        out.add_(xa @ b)
