@@ -92,6 +92,7 @@ async def publish_adapters(
         phase=phase, versions={role: version for role in ROLES},
         adapters={role: adapter_name(role, version) for role in ROLES}, step=step, metrics=metrics,
     )
+    t_live = time.perf_counter()  # loaded on every server and named by the registry: actors switch at their next ack
     # keep the newest three versions live: actors learn of a new version only with their next ack
     for old in range(max(1, version - 6), version - 2):
         for role in ROLES:
@@ -101,6 +102,6 @@ async def publish_adapters(
             shutil.rmtree(old_dir, ignore_errors=True)
     (root / "latest.json").write_text(json.dumps({"version": version, "step": step, "phase": phase}))
     timings = {"learner/publish_s": time.perf_counter() - t0, "learner/save_s": t_saved - t0,
-               "learner/load_s": t_loaded - t_saved}
+               "learner/load_s": t_loaded - t_saved, "learner/publish_live_ms": 1000 * (t_live - t_saved)}
     log.info("publish.done", version=version, phase=phase, step=step, **{k.split("/")[1]: round(v, 3) for k, v in timings.items()})
     return {"registry": registry, **timings}

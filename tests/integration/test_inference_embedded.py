@@ -82,3 +82,44 @@ async def test_spare_slots_and_prefix_cache_follow_the_config(embedded_server, t
         assert m["comap_inference_adapter_spare_slots"] == 0 and "comap_inference_prefix_cache_blocks" not in m
     finally:
         stop_server(proc)
+
+
+async def test_publishes_under_load_all_take_the_fast_path(embedded_server):
+    """The learner's publish pattern (3 adapters per version, the version-3 ones unloaded) while
+    clients keep the engine busy: with the fused forward, spares are rebuilt beside the decoding, so
+    no load waits on the slow path (they used to, once the spares ran out under load)."""
+    import asyncio
+    import re
+
+    factory = AdapterFactory(embedded_server.model_dir, embedded_server.adapter_root)
+    roles = ("policy", "wm", "wm_teacher")
+    paths = {(r, v): factory.random(f"fast-{r}-v{v}", seed=10 * v + i) for v in range(1, 6) for i, r in enumerate(roles)}
+
+    async def slow_loads() -> float:
+        async with aiohttp.ClientSession() as s, s.get(embedded_server.url + "/metrics") as r:
+            m = re.search(r'^comap_inference_adapter_loads_total\{path="slow"\} (\S+)$', await r.text(), re.M)
+        return float(m.group(1)) if m else 0.0
+
+    before = await slow_loads()
+    busy = True
+    async with embedded_server.client() as c:
+        async def client_loop(w: int) -> None:
+            while busy:
+                await c.complete("You arrive at the countertop 1.", max_tokens=24, temperature=1.0, seed=w,
+                                 ignore_eos=True)
+
+        loops = [asyncio.create_task(client_loop(w)) for w in range(4)]
+        try:
+            for v in range(1, 6):
+                for r in roles:
+                    await c.load_adapter(f"fast-{r}-v{v}", str(paths[(r, v)]))
+                for r in roles if v > 3 else ():
+                    await c.unload_adapter(f"fast-{r}-v{v - 3}")
+                await asyncio.sleep(0.5)  # a publish every few minutes in a run; the engine stays busy
+        finally:
+            busy = False
+            await asyncio.gather(*loops)
+        for v in (3, 4, 5):
+            for r in roles:
+                await c.unload_adapter(f"fast-{r}-v{v}")
+    assert await slow_loads() == before

@@ -80,6 +80,10 @@ async def test_learner_halves_losses_publishes_and_server_follows(broker_factory
         # v1 at the switch to coevolve (step 1), v2 publish_every=20 steps later (step 21)
         published = [i + 1 for i, m in enumerate(learner.history) if "learner/publish_s" in m]
         assert version == 2 and published == [1, 21]
+        # the learner reports each publish's time to live (loaded everywhere and announced)
+        for i in published:
+            m = learner.history[i - 1]
+            assert 0 < m["learner/publish_live_ms"] <= 1000 * m["learner/publish_s"]
         # every publish is a checkpoint too (checkpoint_every is out of reach here), and so is the exit
         steps = sorted(int(p.name.split("-")[1]) for p in (cfg.run.dir / "checkpoints").glob("step-*"))
         assert steps == [1, 21, 40]

@@ -1,0 +1,151 @@
+"""Co-evolution env steps/s of one actor on the embedded server: the fused forward against the
+reference (``inference.forward=transformers``), in alternating rounds on one machine.
+
+    python benchmarks/coevolve_throughput.py [--config configs/local.yaml] [--steps 40] [--rounds 2]
+
+A broker runs throughout. Each round, for each forward in turn: a fresh ``comap serve`` with that
+forward loads three LoRA adapters (policy, world model, teacher: random, small, the learner's
+shape), the registry is set to ``coevolve`` on them (no learner), and one actor (``actor.envs``
+environments, ``env.split=valid_seen``) plays the CoMap loop. After 4 transitions of warm-up,
+the window is the time to store the next ``--steps`` transitions; model calls per step are the
+server's completion requests in the window over those transitions.
+
+Last line: ``coevolve_env_steps_per_s=X model_calls_per_step=Y`` (the fused forward, medians over
+rounds), after one line per forward and ``coevolve_speedup_vs_reference=Z``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks._inference import stop_group, write_random_adapters  # noqa: E402
+from tests.fixtures.ports import free_port  # noqa: E402
+
+ROLES = ("policy", "wm", "wm_teacher")
+FORWARDS = ("transformers", "fused")
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def _written(http: int) -> int:
+    return json.loads(_get(f"http://127.0.0.1:{http}/stats"))["stores"]["transitions"]["written"]
+
+
+def _completions(port: int) -> int:
+    text = _get(f"http://127.0.0.1:{port}/metrics")
+    return sum(int(float(n)) for n in
+               re.findall(r'^comap_inference_http_requests_total\{route="/v1/completions",status="200"\} (\S+)$',
+                          text, re.M))
+
+
+def _start(name: str, args: list[str], env: dict, log_dir: Path) -> subprocess.Popen:
+    log = open(log_dir / f"{name}.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "comap_async", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                            cwd=REPO, start_new_session=True)
+
+
+def _wait(pred, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} after {timeout_s:.0f} s")
+        time.sleep(1)
+
+
+def _healthy(port: int) -> bool:
+    try:
+        _get(f"http://127.0.0.1:{port}/health")
+        return True
+    except OSError:
+        return False
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/local.yaml")
+    ap.add_argument("--steps", type=int, default=40, help="transitions timed per window")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    args = ap.parse_args()
+
+    from comap_async.config import load_config
+    from comap_async.models import resolve_model
+
+    run_root = REPO / "runs"
+    name = f"coevolve-tp-{time.strftime('%Y%m%d-%H%M%S')}"
+    http, lp = free_port(), free_port()
+    sets = [f"run.root={run_root}", f"run.name={name}", f"broker.actor_port={free_port()}", f"broker.learner_port={lp}",
+            f"broker.http_port={http}", "env.split=valid_seen", *args.overrides]
+    cfg = load_config(args.config, sets)
+    log_dir = run_root / name
+    log_dir.mkdir(parents=True, exist_ok=True)
+    adapters = {r: f"{r}-v1" for r in ROLES}
+    write_random_adapters(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir), cfg.adapter_root,
+                          list(adapters.values()), r=cfg.learner.lora_r)
+    env = {**os.environ, "COMAP_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
+    broker = _start("broker", ["broker", "--config", args.config, *sum((["--set", s] for s in sets), [])], env, log_dir)
+    results: dict[str, list[tuple[float, float]]] = {f: [] for f in FORWARDS}
+    try:
+        from comap_async.inference.client import InferenceClient
+        from learner.broker_client import BrokerClient
+
+        for r in range(args.rounds):
+            for forward in (FORWARDS if r % 2 == 0 else FORWARDS[::-1]):
+                port = free_port()
+                run_sets = sets + [f"inference.port={port}", f"inference.endpoints=['http://127.0.0.1:{port}']",
+                                   f"inference.forward={forward}"]
+                common = ["--config", args.config, *sum((["--set", s] for s in run_sets), [])]
+                serve = _start(f"serve-{forward}", ["serve", *common], env, log_dir)
+                actor = None
+                try:
+                    _wait(lambda: _healthy(port), 300, "the server did not come up")
+
+                    async def publish() -> None:
+                        async with InferenceClient([f"http://127.0.0.1:{port}"], timeout_s=120) as c:
+                            for name_ in adapters.values():
+                                await c.load_adapter(name_, str(cfg.adapter_root / name_))
+                        async with BrokerClient(f"tcp://127.0.0.1:{lp}", timeout_s=10, retries=30) as bc:
+                            await bc.announce("coevolve", {r_: 1 for r_ in ROLES}, adapters, 0)
+
+                    asyncio.run(publish())
+                    start = _written(http)
+                    actor = _start(f"actor-{forward}", ["actor", *common], env, log_dir)
+                    _wait(lambda: _written(http) >= start + 4, 900, "the actor stored no transitions")
+                    n0, c0, t0 = _written(http), _completions(port), time.monotonic()
+                    _wait(lambda: _written(http) >= n0 + args.steps, 3600, "the window did not fill")
+                    n1, c1, t1 = _written(http), _completions(port), time.monotonic()
+                finally:
+                    if actor is not None:
+                        stop_group(actor, 60)
+                    stop_group(serve, 60)
+                rate, calls = (n1 - n0) / (t1 - t0), (c1 - c0) / (n1 - n0)
+                results[forward].append((rate, calls))
+                print(f"round {r} {forward:12s}: {rate:.3f} env steps/s, {calls:.2f} model calls per step", flush=True)
+    finally:
+        stop_group(broker, 60)
+    med = {f: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for f, v in results.items()}
+    for f in FORWARDS:
+        print(f"{f}: coevolve_env_steps_per_s={med[f][0]:.3f} model_calls_per_step={med[f][1]:.2f}")
+    print(f"coevolve_speedup_vs_reference={med['fused'][0] / med['transformers'][0]:.2f}")
+    print(f"coevolve_env_steps_per_s={med['fused'][0]:.3f} model_calls_per_step={med['fused'][1]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
