@@ -6,6 +6,7 @@ message to ``ctx.emit`` (the outbox, or nothing in evaluation), so the loops rea
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -251,6 +252,12 @@ async def judge_step(branch: Any, game: Any, prefix: list[str], a_draft: str, a_
     return int(d_result.won), int(r_result.won)
 
 
+async def _teach_and_emit(ctx: EpisodeContext, transition: dict[str, Any]) -> None:
+    """The teacher's prediction of the observed next state (``s_next``), then the step's transition."""
+    transition["s_hat_teacher"] = await ctx.llm.teacher(transition["s"], transition["a_exec"], transition["s_next"])
+    await ctx.emit(transition)
+
+
 async def play_coevolve(ctx: EpisodeContext, env: Any, game: Any, episode_id: str, eval_mode: bool = False,
                         branch: Any = None) -> EpisodeStats:
     """The CoMap step: draft -> imagine -> reflect -> action gate -> act -> teacher -> transition.
@@ -259,39 +266,61 @@ async def play_coevolve(ctx: EpisodeContext, env: Any, game: Any, episode_id: st
     :func:`judge_step` before it is taken: ``(m, z_draft, z_ref)`` for URR, HRR and BRP.
     """
     g, llm = ctx.cfg.gates, ctx.llm
+    overlap = ctx.cfg.actor.overlap_teacher and not eval_mode
     ep = Episode(ctx, game, episode_id, await env.reset(game))
     plan = await env.walkthrough() if branch is not None else []
-    while not ep.current.done:
-        o, s, t, expert = ep.current.observation, ep.state(), ep.stats.steps, ep.current.expert_action
-        admissible = ep.current.admissible
-        a_draft, problem = await llm.draft(s)
-        policy_v = llm.last_version("policy")  # the adapters that generated this step's fields
-        if a_draft is None:  # unparseable draft: fall back to a harmless command, as the paper's agents do
-            ep.stats.parse_problems += 1
-            a_draft = "look"
-        s_hat = await llm.imagine(s, a_draft)
-        wm_v = llm.last_version("wm")
-        refl = await llm.reflect(s, a_draft, s_hat)
-        ep.stats.parse_problems += refl.problem is not None
-        gate = action_gate(refl.p_revise, refl.q_ref, refl.a_ref, a_draft, g.tau_p, g.tau_q)
-        a_exec = refl.a_ref if gate.open else a_draft
-        if branch is not None:
-            z_draft, z_ref = await judge_step(branch, game, list(ep.actions), a_draft, refl.a_ref, plan)
-            ep.stats.judged_steps.append((int(gate.open), z_draft, z_ref))
-        ep.stats.revisions += gate.open
-        ep.stats.invalid += bool(admissible) and a_exec not in admissible
-        ep.advance(a_exec, await env.step(a_exec))
-        if gate.open:
-            s_hat_exec, wm_v = await llm.imagine(s, a_exec), llm.last_version("wm")
-        else:
-            s_hat_exec = s_hat
-        s_hat_teacher = "" if eval_mode else await llm.teacher(s, a_exec, ep.current.observation)
-        score = state_delta_f1(ctx.next_state, ep.facts_before, s_hat_exec, ep.current.observation)
-        if score is not None:
-            ep.stats.delta_f1.append(score)
-        if not eval_mode:
-            await ctx.emit(ep.transition(
+    previous: Any = None  # the last step's teacher request and transition, still to be sent
+    try:
+        while not ep.current.done:
+            o, s, t, expert = ep.current.observation, ep.state(), ep.stats.steps, ep.current.expert_action
+            admissible = ep.current.admissible
+            if previous is not None:  # its teacher call shares the server with this draft
+                (a_draft, problem), _ = await asyncio.gather(llm.draft(s), previous)
+                previous = None
+            else:
+                a_draft, problem = await llm.draft(s)
+            policy_v = llm.last_version("policy")  # the adapters that generated this step's fields
+            if a_draft is None:  # unparseable draft: fall back to a harmless command, as the paper's agents do
+                ep.stats.parse_problems += 1
+                a_draft = "look"
+            s_hat = await llm.imagine(s, a_draft)
+            wm_v = llm.last_version("wm")
+            refl = await llm.reflect(s, a_draft, s_hat)
+            ep.stats.parse_problems += refl.problem is not None
+            gate = action_gate(refl.p_revise, refl.q_ref, refl.a_ref, a_draft, g.tau_p, g.tau_q)
+            a_exec = refl.a_ref if gate.open else a_draft
+            if branch is not None:
+                z_draft, z_ref = await judge_step(branch, game, list(ep.actions), a_draft, refl.a_ref, plan)
+                ep.stats.judged_steps.append((int(gate.open), z_draft, z_ref))
+            ep.stats.revisions += gate.open
+            ep.stats.invalid += bool(admissible) and a_exec not in admissible
+            ep.advance(a_exec, await env.step(a_exec))
+            if gate.open:
+                s_hat_exec, wm_v = await llm.imagine(s, a_exec), llm.last_version("wm")
+            else:
+                s_hat_exec = s_hat
+            score = state_delta_f1(ctx.next_state, ep.facts_before, s_hat_exec, ep.current.observation)
+            if score is not None:
+                ep.stats.delta_f1.append(score)
+            if eval_mode:
+                continue
+            # the transition is taken now (it reads the episode's current step); the teacher fills s_hat_teacher
+            send = _teach_and_emit(ctx, ep.transition(
                 "coevolve", t, o, s, a_draft=a_draft, s_hat=s_hat, decision=refl.decision, a_ref=refl.a_ref,
-                p_revise=refl.p_revise, q_ref=refl.q_ref, a_exec=a_exec, s_hat_exec=s_hat_exec,
-                s_hat_teacher=s_hat_teacher, expert_action=expert, policy_version=policy_v, wm_version=wm_v))
+                p_revise=refl.p_revise, q_ref=refl.q_ref, a_exec=a_exec, s_hat_exec=s_hat_exec, s_hat_teacher="",
+                expert_action=expert, policy_version=policy_v, wm_version=wm_v))
+            if overlap:
+                previous = asyncio.ensure_future(send)
+            else:
+                await send
+    except asyncio.CancelledError:
+        if previous is not None:
+            previous.cancel()
+        raise
+    except Exception:
+        if previous is not None:  # the step before the failure is complete: its transition still goes out
+            await asyncio.gather(previous, return_exceptions=True)
+        raise
+    if previous is not None:
+        await previous
     return await ep.finish("coevolve", eval_mode)

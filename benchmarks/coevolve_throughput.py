@@ -1,17 +1,20 @@
-"""Co-evolution env steps/s of one actor on the embedded server: the fused forward against the
-reference (``inference.forward=transformers``), in alternating rounds on one machine.
+"""Co-evolution env steps/s of one actor on the embedded server, today's path against the fast one,
+in alternating rounds on one machine:
+
+* ``reference``: ``inference.forward=transformers``, ``actor.overlap_teacher=false`` (as before issue 15);
+* ``fused``: the fused forward, the teacher still requested after the step;
+* ``fast``: the fused forward and the teacher overlapped with the next draft (the defaults).
 
     python benchmarks/coevolve_throughput.py [--config configs/local.yaml] [--steps 40] [--rounds 2]
 
-A broker runs throughout. Each round, for each forward in turn: a fresh ``comap serve`` with that
-forward loads three LoRA adapters (policy, world model, teacher: random, small, the learner's
+A broker runs throughout. Each round, for each setting in turn: a fresh ``comap serve`` loads three LoRA adapters (policy, world model, teacher: random, small, the learner's
 shape), the registry is set to ``coevolve`` on them (no learner), and one actor (``actor.envs``
 environments, ``env.split=valid_seen``) plays the CoMap loop. After 4 transitions of warm-up,
 the window is the time to store the next ``--steps`` transitions; model calls per step are the
 server's completion requests in the window over those transitions.
 
-Last line: ``coevolve_env_steps_per_s=X model_calls_per_step=Y`` (the fused forward, medians over
-rounds), after one line per forward and ``coevolve_speedup_vs_reference=Z``.
+Last line: ``coevolve_env_steps_per_s=X model_calls_per_step=Y`` (``fast``, medians over rounds),
+after one line per setting and ``coevolve_speedup_vs_reference=Z`` (fast / reference).
 """
 
 from __future__ import annotations
@@ -35,7 +38,11 @@ from benchmarks._inference import stop_group, write_random_adapters  # noqa: E40
 from tests.fixtures.ports import free_port  # noqa: E402
 
 ROLES = ("policy", "wm", "wm_teacher")
-FORWARDS = ("transformers", "fused")
+SETTINGS = {
+    "reference": ["inference.forward=transformers", "actor.overlap_teacher=false"],
+    "fused": ["inference.forward=fused", "actor.overlap_teacher=false"],
+    "fast": ["inference.forward=fused", "actor.overlap_teacher=true"],
+}
 
 
 def _get(url: str) -> str:
@@ -100,16 +107,16 @@ def main() -> int:
                           list(adapters.values()), r=cfg.learner.lora_r)
     env = {**os.environ, "COMAP_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
     broker = _start("broker", ["broker", "--config", args.config, *sum((["--set", s] for s in sets), [])], env, log_dir)
-    results: dict[str, list[tuple[float, float]]] = {f: [] for f in FORWARDS}
+    results: dict[str, list[tuple[float, float]]] = {f: [] for f in SETTINGS}
     try:
         from comap_async.inference.client import InferenceClient
         from learner.broker_client import BrokerClient
 
         for r in range(args.rounds):
-            for forward in (FORWARDS if r % 2 == 0 else FORWARDS[::-1]):
+            for forward in (list(SETTINGS) if r % 2 == 0 else list(SETTINGS)[::-1]):
                 port = free_port()
                 run_sets = sets + [f"inference.port={port}", f"inference.endpoints=['http://127.0.0.1:{port}']",
-                                   f"inference.forward={forward}"]
+                                   *SETTINGS[forward]]
                 common = ["--config", args.config, *sum((["--set", s] for s in run_sets), [])]
                 serve = _start(f"serve-{forward}", ["serve", *common], env, log_dir)
                 actor = None
@@ -136,14 +143,14 @@ def main() -> int:
                     stop_group(serve, 60)
                 rate, calls = (n1 - n0) / (t1 - t0), (c1 - c0) / (n1 - n0)
                 results[forward].append((rate, calls))
-                print(f"round {r} {forward:12s}: {rate:.3f} env steps/s, {calls:.2f} model calls per step", flush=True)
+                print(f"round {r} {forward:9s}: {rate:.3f} env steps/s, {calls:.2f} model calls per step", flush=True)
     finally:
         stop_group(broker, 60)
     med = {f: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for f, v in results.items()}
-    for f in FORWARDS:
+    for f in SETTINGS:
         print(f"{f}: coevolve_env_steps_per_s={med[f][0]:.3f} model_calls_per_step={med[f][1]:.2f}")
-    print(f"coevolve_speedup_vs_reference={med['fused'][0] / med['transformers'][0]:.2f}")
-    print(f"coevolve_env_steps_per_s={med['fused'][0]:.3f} model_calls_per_step={med['fused'][1]:.2f}")
+    print(f"coevolve_speedup_vs_reference={med['fast'][0] / med['reference'][0]:.2f}")
+    print(f"coevolve_env_steps_per_s={med['fast'][0]:.3f} model_calls_per_step={med['fast'][1]:.2f}")
     return 0
 
 

@@ -223,6 +223,10 @@ class ActorConfig(_Section):
     the game answers ``Nothing happens.``); the rest are sampled admissible non-expert commands."""
     logprobs: int = Field(default=5, ge=1, le=20)
     """Top-k alternatives requested per token (for p_revise at the decision token)."""
+    overlap_teacher: bool = True
+    """Request the teacher's prediction of a step together with the next step's draft (both need only
+    the new observation) instead of before it: one model round trip less per step on the critical
+    path, and fuller batches at the server. The stored transitions are the same."""
     nice: int = Field(default=0, ge=0, le=19)
     """Niceness added to the actor process and its environment workers: under CPU contention the
     learner (and the inference server) run first. The CPU default sets 5 so the actors, whose rate

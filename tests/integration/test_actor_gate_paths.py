@@ -138,3 +138,52 @@ async def test_reflection_metrics_judge_every_step_by_two_branches(valid_seen, a
     n_win_drafts = sum(z for _, z, _ in judged[True])  # 'look' detours the expert may still recover from
     assert executed["sum_z_draft"] == n_win_drafts and executed["hrr"] == 0.0
     assert executed["brp"] == pytest.approx((len(plan) - n_win_drafts) / len(plan))
+
+
+class LoggingLLM(ScriptedLLM):
+    """ScriptedLLM whose teacher takes a while and which logs when each call starts and ends."""
+
+    def __init__(self, plan: list[str]) -> None:
+        super().__init__(plan)
+        self.log: list[str] = []
+
+    async def draft(self, state):
+        self.log.append("draft")
+        return await super().draft(state)
+
+    async def teacher(self, state, action, real_next):
+        import asyncio
+
+        self.log.append("teacher:start")
+        await asyncio.sleep(0.05)
+        self.log.append("teacher:end")
+        return real_next
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_overlapped_teacher_sends_the_same_transitions(valid_seen, alfworld_data, overlap):
+    """``actor.overlap_teacher``: the teacher call of step t runs beside the draft of step t+1, and the
+    transitions sent are the same as with the teacher called before the next step."""
+    game = sorted(valid_seen, key=lambda g: g.name)[0]
+    results = {}
+    for setting in (False, overlap):
+        cfg = load_config(None, [f"env.data_dir={alfworld_data}", "env.max_steps=6",
+                                 f"actor.overlap_teacher={str(setting).lower()}"])
+        sent: list[dict] = []
+
+        async def emit(msg, sent=sent):
+            sent.append(validate({**msg, "v": 1, "seq": len(sent)}))
+
+        async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=6) as pool:
+            env = pool.env()
+            await env.reset(game)
+            llm = LoggingLLM(await env.walkthrough())
+            ctx = EpisodeContext("test", cfg, llm, emit, next_state, lambda: {"versions": {"policy": 3, "wm": 2}})
+            await play_coevolve(ctx, env, game, "test:e1")
+        results[setting] = ([{k: v for k, v in m.items() if k not in ("ts", "wall_s")} for m in sent], llm.log)
+    (before, log_before), (after, log_after) = results[False], results[overlap]
+    assert after == before and len(before) == 7  # 6 transitions, then the episode
+    # sequential: every teacher call ends before the next draft; overlapped: the next draft starts first
+    drafts_inside_teacher = sum(1 for i, e in enumerate(log_after)
+                                if e == "draft" and log_after[:i].count("teacher:start") > log_after[:i].count("teacher:end"))
+    assert drafts_inside_teacher == (5 if overlap else 0)
