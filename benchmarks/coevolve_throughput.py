@@ -1,9 +1,11 @@
 """Co-evolution env steps/s of one actor on the embedded server, today's path against the fast one,
 in alternating rounds on one machine:
 
-* ``reference``: ``inference.forward=transformers``, ``actor.overlap_teacher=false`` (as before issue 15);
-* ``fused``: the fused forward, the teacher still requested after the step;
-* ``fast``: the fused forward and the teacher overlapped with the next draft (the defaults).
+* ``reference``: ``inference.forward=transformers``, ``inference.top_p_candidates=0`` (top-p sampling
+  sorts the vocabulary), ``actor.overlap_teacher=false``: the path before issue 15;
+* ``fused``: the fused forward alone (sampling and actor as the reference);
+* ``fast``: the defaults: fused forward, top-p from the top candidates, the teacher overlapped with
+  the next draft.
 
     python benchmarks/coevolve_throughput.py [--config configs/local.yaml] [--steps 40] [--rounds 2]
 
@@ -39,9 +41,9 @@ from tests.fixtures.ports import free_port  # noqa: E402
 
 ROLES = ("policy", "wm", "wm_teacher")
 SETTINGS = {
-    "reference": ["inference.forward=transformers", "actor.overlap_teacher=false"],
-    "fused": ["inference.forward=fused", "actor.overlap_teacher=false"],
-    "fast": ["inference.forward=fused", "actor.overlap_teacher=true"],
+    "reference": ["inference.forward=transformers", "inference.top_p_candidates=0", "actor.overlap_teacher=false"],
+    "fused": ["inference.forward=fused", "inference.top_p_candidates=0", "actor.overlap_teacher=false"],
+    "fast": ["inference.forward=fused", "inference.top_p_candidates=256", "actor.overlap_teacher=true"],
 }
 
 
@@ -54,11 +56,16 @@ def _written(http: int) -> int:
     return json.loads(_get(f"http://127.0.0.1:{http}/stats"))["stores"]["transitions"]["written"]
 
 
-def _completions(port: int) -> int:
+def _server(port: int) -> dict[str, float]:
+    """Completions answered and the engine's counters, from ``/metrics``."""
     text = _get(f"http://127.0.0.1:{port}/metrics")
-    return sum(int(float(n)) for n in
-               re.findall(r'^comap_inference_http_requests_total\{route="/v1/completions",status="200"\} (\S+)$',
-                          text, re.M))
+    out = {"completions": sum(float(n) for n in re.findall(
+        r'^comap_inference_http_requests_total\{route="/v1/completions",status="200"\} (\S+)$', text, re.M))}
+    for name in ("decode_steps", "decode_rows", "decode_seconds", "prefill_seconds", "prompt_tokens",
+                 "prefix_cache_hit_tokens", "generation_tokens"):
+        m = re.search(rf"^comap_inference_{name}_total (\S+)$", text, re.M)
+        out[name] = float(m.group(1)) if m else 0.0
+    return out
 
 
 def _start(name: str, args: list[str], env: dict, log_dir: Path) -> subprocess.Popen:
@@ -134,16 +141,25 @@ def main() -> int:
                     start = _written(http)
                     actor = _start(f"actor-{forward}", ["actor", *common], env, log_dir)
                     _wait(lambda: _written(http) >= start + 4, 900, "the actor stored no transitions")
-                    n0, c0, t0 = _written(http), _completions(port), time.monotonic()
+                    n0, c0, t0 = _written(http), _server(port), time.monotonic()
                     _wait(lambda: _written(http) >= n0 + args.steps, 3600, "the window did not fill")
-                    n1, c1, t1 = _written(http), _completions(port), time.monotonic()
+                    n1, c1, t1 = _written(http), _server(port), time.monotonic()
                 finally:
                     if actor is not None:
                         stop_group(actor, 60)
                     stop_group(serve, 60)
-                rate, calls = (n1 - n0) / (t1 - t0), (c1 - c0) / (n1 - n0)
+                d = {k: c1[k] - c0[k] for k in c1}
+                rate, calls = (n1 - n0) / (t1 - t0), d["completions"] / (n1 - n0)
                 results[forward].append((rate, calls))
-                print(f"round {r} {forward:9s}: {rate:.3f} env steps/s, {calls:.2f} model calls per step", flush=True)
+                steps = max(1.0, d["decode_steps"])
+                computed = max(1.0, d["prompt_tokens"] - d["prefix_cache_hit_tokens"])
+                print(f"round {r} {forward:9s}: {rate:.3f} env steps/s, {calls:.2f} model calls per step; server: "
+                      f"decode {d['decode_seconds'] / (t1 - t0):.0%} of the window ({1000 * d['decode_seconds'] / steps:.1f}"
+                      f" ms per step of {d['decode_rows'] / steps:.1f} rows), prefill {d['prefill_seconds'] / (t1 - t0):.0%} "
+                      f"({1000 * d['prefill_seconds'] / computed:.2f} ms per computed token, "
+                      f"{d['prompt_tokens'] / max(1.0, d['completions']):.0f} prompt tokens per call, "
+                      f"{d['prefix_cache_hit_tokens'] / max(1.0, d['prompt_tokens']):.0%} from the prefix cache), "
+                      f"{d['generation_tokens'] / max(1.0, d['completions']):.0f} tokens generated per call", flush=True)
     finally:
         stop_group(broker, 60)
     med = {f: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for f, v in results.items()}

@@ -67,11 +67,13 @@ class EngineStats:
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, slots: SlotManager, *, max_batch_size: int = 8,
                  batch_wait_ms: float = 5.0, max_model_len: int = 4096, seed: int = 0, log: Any = None,
-                 prefix_cache: PrefixCache | None = None, fused: FusedLlama | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, fused: FusedLlama | None = None,
+                 top_candidates: int = 256) -> None:
         self.model, self.tokenizer, self.slots = model, tokenizer, slots
         # the fused forward keeps keys transposed in its KV cache; transformers' forward cannot read them
         self.fused = fused
         self.key_dim = 3 if fused is not None else 2
+        self.top_candidates = top_candidates
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_ms / 1000.0
         self.max_model_len = max_model_len
@@ -249,7 +251,7 @@ class Engine:
             self.prefix.misses += n - done
         self.stats.prefill_seconds += time.perf_counter() - t0
         self.stats.prompt_tokens += n
-        step = sample_step(logits, [seq.params], [seq.generator], self._default_gen)[0]
+        step = sample_step(logits, [seq.params], [seq.generator], self._default_gen, self.top_candidates)[0]
         seq.t_first = time.monotonic()
         if not self._append(seq, step):
             self._cache.merge(cache)
@@ -264,7 +266,8 @@ class Engine:
         try:
             mask = self._cache.extend_mask()
             logits = self._forward(ids, mask, positions, self._cache, [s.slot for s in rows])
-            steps = sample_step(logits, [s.params for s in rows], [s.generator for s in rows], self._default_gen)
+            steps = sample_step(logits, [s.params for s in rows], [s.generator for s in rows], self._default_gen,
+                                self.top_candidates)
         except Exception as exc:  # a failed step poisons the shared cache: fail this batch, keep serving
             if self.log:
                 self.log.exception("engine.step_failed", batch=len(rows))

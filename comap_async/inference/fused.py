@@ -186,7 +186,7 @@ class FusedLlama:
             return None
         stacks = self.stacks
         with stacks.lock:
-            key = (tuple(active), stacks.version)
+            key = stacks.key(active)
             dense = self._dense.get(key)
             if dense is None:
                 dense = self._dense[key] = self._build_dense(active, stacks.rank)

@@ -46,7 +46,11 @@ class LoraStacks:
         self.lock = threading.Lock()
         self.step_rows: torch.Tensor | None = None
         self.by_base: dict[int, _LayerStack] = {}  # id of the wrapped base Linear -> its stack (the fused forward)
-        self.version = 0  # bumped on every change, so copies of the stacks know when to rebuild
+        # what copies of the stacks (the fused forward's dense matrices) check before reuse: ``layout``
+        # changes with the layers, capacity or rank; a row's version with that row's weights, so a spare
+        # built or filled beside the decoding does not invalidate the copies of the rows in use
+        self.layout = 0
+        self.row_version: dict[int, int] = {}
 
     # ------------------------------------------------------------ engine thread (structure)
     def attach(self, module: Any, fallback: Any, enabled: Any) -> None:
@@ -54,7 +58,7 @@ class LoraStacks:
         with self.lock:
             stack = self.layers[id(module)] = self.by_base[id(module.base_layer)] = \
                 _LayerStack(module, self.capacity, self.rank)
-            self.version += 1
+            self.layout += 1
 
         def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             if not enabled():
@@ -79,8 +83,9 @@ class LoraStacks:
                 self.capacity = grown
                 for s in self.layers.values():
                     s.resize(self.capacity, self.rank)
+                self.layout += 1
             row = self.rows[slot] = self._free.pop()
-            self.version += 1
+            self._touch(row)
             return row
 
     def release(self, slot: str) -> None:
@@ -92,7 +97,7 @@ class LoraStacks:
                 s.a[row].zero_()
                 s.b[row].zero_()
             self._free.append(row)
-            self.version += 1
+            self._touch(row)
 
     # ------------------------------------------------------------ any thread (weights of an unused slot)
     def sync(self, slot: str) -> None:
@@ -105,6 +110,7 @@ class LoraStacks:
                 self.rank = need
                 for s in self.layers.values():
                     s.resize(self.capacity, self.rank)
+                self.layout += 1
             for s in self.layers.values():
                 s.a[row].zero_()
                 s.b[row].zero_()
@@ -114,7 +120,14 @@ class LoraStacks:
                 r = m.lora_A[slot].weight.shape[0]
                 s.a[row, :, :r] = m.lora_A[slot].weight.t()
                 s.b[row, :r, :] = m.lora_B[slot].weight.t() * m.scaling[slot]
-            self.version += 1
+            self._touch(row)
+
+    def _touch(self, row: int) -> None:
+        self.row_version[row] = self.row_version.get(row, 0) + 1
+
+    def key(self, rows: list[int]) -> tuple:
+        """Identifies the current weights of these rows (call with ``lock`` held)."""
+        return (self.layout, self.rank, *((r, self.row_version.get(r, 0)) for r in rows))
 
     def rows_for(self, adapters: list[str], base: str) -> torch.Tensor | None:
         if all(a == base for a in adapters):

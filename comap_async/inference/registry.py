@@ -22,6 +22,7 @@ from comap_async.inference.engine import Engine
 from comap_async.inference.sampling import RequestError
 
 MAX_NAME = 256
+REFILL_DELAY_S = 2.0
 
 
 @dataclass
@@ -113,9 +114,7 @@ class AdapterRegistry:
             if old is not None:
                 self._retire(old.slot)
             if len(self.slots.spares) < self.slots.spare_target:
-                # transformers' forward: refill while no request is decoding (building a slot stalls the
-                # engine ~0.2 s); fused: at once, beside the decoding
-                self._structural(self.slots.fill_spares, idle=True).add_done_callback(self._log_failure)
+                self._refill()
             self.loads[how] += 1
             self.load_seconds += time.perf_counter() - t0
             if self.log:
@@ -146,6 +145,19 @@ class AdapterRegistry:
         if not self.slots.give_back(slot):
             fut = self._structural(lambda: self.slots.delete(slot))
             fut.add_done_callback(self._log_failure)
+
+    def _refill(self) -> None:
+        """Build spares again. transformers' forward: while no request is decoding (building a slot
+        stalls the engine ~0.2 s). Fused: beside the decoding, after ``REFILL_DELAY_S``: building
+        holds the GIL (~0.2 s a slot), and the first requests for a version just loaded (the rest of
+        a publish, then the actors) should not wait behind it."""
+        def submit() -> None:
+            self._structural(self.slots.fill_spares, idle=True).add_done_callback(self._log_failure)
+
+        if self.engine.fused is None:
+            submit()
+        else:
+            asyncio.get_running_loop().call_later(REFILL_DELAY_S, submit)
 
     def _structural(self, fn, idle: bool = False) -> concurrent.futures.Future:
         """Run a change of peft's modules (add, build a spare, delete) where no forward pass can see it.

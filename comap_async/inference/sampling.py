@@ -168,20 +168,28 @@ class StepOutput:
 
 
 def sample_step(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                default_generator: torch.Generator) -> list[StepOutput]:
-    """Pick one token per row of ``logits`` ``[batch, vocab]`` with each row's own sampling parameters."""
+                default_generator: torch.Generator, top_candidates: int = 256) -> list[StepOutput]:
+    """Pick one token per row of ``logits`` ``[batch, vocab]`` with each row's own sampling parameters.
+
+    ``top_candidates``: see :func:`sample_top`; 0 sorts the whole vocabulary of every top-p/top-k row.
+    """
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
-    tokens: list[int] = []
+    tokens: list[int] = [0] * len(params)
+    nucleus: list[int] = []
     for i, p in enumerate(params):
         if p.temperature == 0:
-            tokens.append(int(torch.argmax(logits[i])))
-            continue
-        row = logits[i] / p.temperature
-        if p.top_p < 1.0 or p.top_k > 0:
-            row = _filter_top(row, p.top_k, p.top_p)
-        g = generators[i] if generators[i] is not None else default_generator
-        tokens.append(_draw(torch.softmax(row, dim=-1), g))
+            tokens[i] = int(torch.argmax(logits[i]))
+        elif p.top_p < 1.0 or p.top_k > 0:
+            nucleus.append(i)
+        else:
+            g = generators[i] if generators[i] is not None else default_generator
+            tokens[i] = _draw(torch.softmax(logits[i] / p.temperature, dim=-1), g)
+    if nucleus:
+        gens = [generators[i] if generators[i] is not None else default_generator for i in nucleus]
+        picked = sample_top(logits[nucleus], [params[i] for i in nucleus], gens, top_candidates)
+        for i, tok in zip(nucleus, picked):
+            tokens[i] = tok
     kmax = max((p.logprobs or 0) for p in params)
     top_vals = top_ids = None
     if kmax > 0:
@@ -196,11 +204,52 @@ def sample_step(logits: torch.Tensor, params: list[SamplingParams], generators: 
     return out
 
 
-def _draw(probs: torch.Tensor, g: torch.Generator) -> int:
-    # Inverse-CDF sampling: one uniform number per row. torch.multinomial draws an exponential per
-    # vocabulary entry (49k for SmolLM2), ~1 ms per row, close to 10% of a batch-8 decode step.
+def sample_top(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+               candidates: int = 256) -> list[int]:
+    """Top-p / top-k sampling of each row from its ``candidates`` most likely tokens.
+
+    Sorting the whole vocabulary per row (49k entries for SmolLM2) cost ~4 ms a row, more than the
+    batch-8 decode step itself. The nucleus is a prefix of the tokens sorted by probability, so when
+    the top ``candidates`` already hold ``top_p`` of the mass (or ``top_k`` <= ``candidates``) it lies
+    among them; such rows are sampled from one batched ``topk``. The draw is :func:`_draw`'s over the
+    kept tokens in vocabulary order: one uniform number per row, the same distribution and the same
+    token for the same number as the full sort. Other rows (a flat distribution) take the full sort.
+    """
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    scaled = logits / temps
+    if candidates <= 0:
+        return [_draw(torch.softmax(_filter_top(scaled[i], p.top_k, p.top_p), dim=-1), g)
+                for i, (p, g) in enumerate(zip(params, generators))]
+    k = min(scaled.shape[1], max(candidates, max(p.top_k for p in params)))
+    vals, idx = torch.topk(scaled, k, dim=-1)  # descending
+    probs = torch.exp(vals - torch.logsumexp(scaled, dim=-1, keepdim=True))  # under the full softmax
+    cum_before = torch.cumsum(probs, dim=-1) - probs
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).unsqueeze(1)
+    keep = cum_before < top_p
+    keep[:, 0] = True  # the most likely token is always kept
+    rank = torch.arange(k).unsqueeze(0)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else k for p in params]).unsqueeze(1)
+    keep &= rank < top_k
+    covered = ((probs.sum(dim=-1, keepdim=True) >= top_p) | (top_k < k)).squeeze(1).tolist()
+    order = torch.argsort(idx, dim=-1)  # the kept tokens in vocabulary order, as _draw's CDF runs
+    ids = idx.gather(1, order)
+    cdf = torch.cumsum((probs * keep).gather(1, order), dim=-1)
+    u01 = torch.cat([torch.rand(1, generator=g, dtype=cdf.dtype) for g in generators])
+    pos = torch.searchsorted(cdf, (u01 * cdf[:, -1]).unsqueeze(1), right=True).clamp(max=k - 1)
+    picked = ids.gather(1, pos).squeeze(1).tolist()
+    for i, ok in enumerate(covered):
+        if not ok:  # the nucleus reaches past the candidates: sort the whole row (the draw above is unused)
+            p = params[i]
+            row = _filter_top(scaled[i], p.top_k, p.top_p)
+            picked[i] = _draw(torch.softmax(row, dim=-1), generators[i], u01=u01[i:i + 1])
+    return picked
+
+
+def _draw(probs: torch.Tensor, g: torch.Generator, u01: torch.Tensor | None = None) -> int:
+    # Inverse-CDF sampling: one uniform number per row (``u01`` when the caller drew it already).
+    # torch.multinomial draws an exponential per vocabulary entry (49k for SmolLM2), ~1 ms per row.
     cdf = torch.cumsum(probs, dim=0)
-    u = torch.rand(1, generator=g, dtype=cdf.dtype) * cdf[-1]
+    u = (torch.rand(1, generator=g, dtype=cdf.dtype) if u01 is None else u01) * cdf[-1]
     return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
 
 

@@ -318,7 +318,7 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
     engine = Engine(model, tok, slots, max_batch_size=inf.max_batch_size, batch_wait_ms=inf.batch_wait_ms,
                     max_model_len=max_model_len, seed=cfg.run.seed, log=log,
                     prefix_cache=PrefixCache(max_bytes=inf.prefix_cache_mb << 20) if inf.prefix_cache_mb else None,
-                    fused=fused)
+                    fused=fused, top_candidates=inf.top_p_candidates)
     engine.start()
     engine.call(slots.fill_spares).result()
     executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="comap-io")

@@ -91,6 +91,8 @@ async def test_publishes_under_load_all_take_the_fast_path(embedded_server):
     import asyncio
     import re
 
+    from comap_async.inference.registry import REFILL_DELAY_S
+
     factory = AdapterFactory(embedded_server.model_dir, embedded_server.adapter_root)
     roles = ("policy", "wm", "wm_teacher")
     paths = {(r, v): factory.random(f"fast-{r}-v{v}", seed=10 * v + i) for v in range(1, 6) for i, r in enumerate(roles)}
@@ -115,7 +117,9 @@ async def test_publishes_under_load_all_take_the_fast_path(embedded_server):
                     await c.load_adapter(f"fast-{r}-v{v}", str(paths[(r, v)]))
                 for r in roles if v > 3 else ():
                     await c.unload_adapter(f"fast-{r}-v{v - 3}")
-                await asyncio.sleep(0.5)  # a publish every few minutes in a run; the engine stays busy
+                # a publish every few minutes in a run; spares are rebuilt REFILL_DELAY_S after a load,
+                # beside the decoding: the engine stays busy all along
+                await asyncio.sleep(REFILL_DELAY_S + 2.0)
         finally:
             busy = False
             await asyncio.gather(*loops)

@@ -137,3 +137,21 @@ def test_draw_follows_the_distribution_and_never_picks_zero_mass():
     counts = torch.bincount(torch.tensor([_draw(p, g) for _ in range(20000)]), minlength=5) / 20000
     assert counts[1] == 0 and counts[4] == 0
     assert torch.allclose(counts, p, atol=0.015)
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.01])  # a peaked row (nucleus among the candidates), a flat one (full sort)
+def test_top_p_top_k_sampling_picks_what_the_full_sort_picks(scale):
+    """``sample_top`` samples from a batched ``topk`` instead of sorting every row: for the same
+    uniform number it must pick the token the full-vocabulary sort and inverse CDF would."""
+    from comap_async.inference.sampling import _draw, sample_top
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 5000) * scale
+    params = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=0.7, top_k=40), SamplingParams(temperature=1.3, top_p=0.95, top_k=300),
+              SamplingParams(temperature=0.7, top_p=0.99), SamplingParams(temperature=0.5, top_k=1)]
+    for seed in range(60):
+        got = sample_top(logits, params, [torch.Generator().manual_seed(seed + i) for i in range(6)])
+        expect = [_draw(torch.softmax(_filter_top(logits[i] / p.temperature, p.top_k, p.top_p), -1),
+                        torch.Generator().manual_seed(seed + i)) for i, p in enumerate(params)]
+        assert got == expect
