@@ -96,7 +96,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40, help="transitions timed per window")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
+                    help="which settings to measure (reference and fast are needed for the last lines)")
     args = ap.parse_args()
+    settings = {k: SETTINGS[k] for k in args.settings}
 
     from comap_async.config import load_config
     from comap_async.models import resolve_model
@@ -114,16 +117,16 @@ def main() -> int:
                           list(adapters.values()), r=cfg.learner.lora_r)
     env = {**os.environ, "COMAP_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
     broker = _start("broker", ["broker", "--config", args.config, *sum((["--set", s] for s in sets), [])], env, log_dir)
-    results: dict[str, list[tuple[float, float]]] = {f: [] for f in SETTINGS}
+    results: dict[str, list[tuple[float, float]]] = {f: [] for f in settings}
     try:
         from comap_async.inference.client import InferenceClient
         from learner.broker_client import BrokerClient
 
         for r in range(args.rounds):
-            for forward in (list(SETTINGS) if r % 2 == 0 else list(SETTINGS)[::-1]):
+            for forward in (list(settings) if r % 2 == 0 else list(settings)[::-1]):
                 port = free_port()
                 run_sets = sets + [f"inference.port={port}", f"inference.endpoints=['http://127.0.0.1:{port}']",
-                                   *SETTINGS[forward]]
+                                   *settings[forward]]
                 common = ["--config", args.config, *sum((["--set", s] for s in run_sets), [])]
                 serve = _start(f"serve-{forward}", ["serve", *common], env, log_dir)
                 actor = None
@@ -163,7 +166,7 @@ def main() -> int:
     finally:
         stop_group(broker, 60)
     med = {f: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for f, v in results.items()}
-    for f in SETTINGS:
+    for f in settings:
         print(f"{f}: coevolve_env_steps_per_s={med[f][0]:.3f} model_calls_per_step={med[f][1]:.2f}")
     print(f"coevolve_speedup_vs_reference={med['fast'][0] / med['reference'][0]:.2f}")
     print(f"coevolve_env_steps_per_s={med['fast'][0]:.3f} model_calls_per_step={med['fast'][1]:.2f}")

@@ -10,6 +10,9 @@ A batch of 8 rows with ``--context`` tokens of KV cache each; every figure is th
 * ``lora_1`` / ``lora_4``: what one adapter on every row / four adapters plus the base in one batch
   add to the step;
 * ``sampling``: ``sample_step`` for 8 rows at temperature 0.7 (top-p 1) with logprobs;
+  ``sampling_top_p``: the same at top-p 0.9 (the actors' setting), from the top 256 candidates on
+  the fused side and with the whole vocabulary sorted (``inference.top_p_candidates=0``) on the
+  reference side;
 * ``rest``: step - weights - attention (norms, rotary, casts, cache writes, Python dispatch).
 
     python benchmarks/decode_breakdown.py [--context 300] [--steps 15]
@@ -75,7 +78,7 @@ def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     cfg = load_config(args.config)
     model_dir = resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)
-    model, _ = load_model_and_tokenizer(model_dir, cfg.model.dtype)
+    model, tok = load_model_and_tokenizer(model_dir, cfg.model.dtype)
     prepare_for_inference(model)
     from peft import LoraConfig
 
@@ -127,11 +130,22 @@ def main(args: argparse.Namespace) -> None:
         mixed = [BASE, *slot_names, *slot_names[:3]]
         res["reference"]["lora_4"] = median_ms(lambda: rs.step(mixed), args.steps) - res["reference"]["step"]
 
-        logits = torch.randn(B, model.config.vocab_size) * 3
+        # the model's own next-token logits after 8 real prompts (a sampler's cost depends on their shape)
+        text = ["You are in the middle of a room. Looking quickly around you, you see a cabinet 1, a countertop 1, "
+                f"a drawer {i + 1}, and a fridge 1. Your task is to: put a clean mug in coffeemachine. > go to"
+                for i in range(B)]
+        ids = torch.tensor([tok(t).input_ids for t in text])
+        n = ids.shape[1]
+        logits = fused.forward(ids, torch.arange(n).expand(B, n), torch.ones(B, n, dtype=torch.long),
+                               BatchCache(n_layers, True), None).float()
         params = [SamplingParams(temperature=0.7, logprobs=5)] * B
         gen = torch.Generator().manual_seed(0)
         res["fused"]["sampling"] = res["reference"]["sampling"] = median_ms(
             lambda: sample_step(logits, params, [None] * B, gen), args.steps)
+        nucleus = [SamplingParams(temperature=0.7, top_p=0.9, logprobs=5)] * B
+        for path, candidates in (("fused", 256), ("reference", 0)):
+            res[path]["sampling_top_p"] = median_ms(
+                lambda: sample_step(logits, nucleus, [None] * B, gen, candidates), args.steps)
 
         prompt = torch.randint(100, 2000, (1, args.context))
         pos, pmask = torch.arange(args.context)[None], torch.ones(1, args.context, dtype=torch.long)
@@ -143,7 +157,7 @@ def main(args: argparse.Namespace) -> None:
     print(f"batch {B}, context {args.context} tokens, fused dtype {str(dtype).removeprefix('torch.')}, "
           f"reference dtype {cfg.model.dtype}; ms per decode step (prefill: ms per prompt token)")
     keys = ["step", "weights", "weights_gb_per_s", "attention", "rest", "lora_1", "lora_4", "sampling",
-            "prefill_per_token"]
+            "sampling_top_p", "prefill_per_token"]
     print(f"{'':10s}" + "".join(f"{k:>18s}" for k in keys))
     for path, r in res.items():
         print(f"{path:10s}" + "".join(f"{r[k]:18.2f}" if k in r else f"{'-':>18s}" for k in keys))

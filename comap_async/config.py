@@ -145,11 +145,13 @@ class InferenceConfig(_Section):
     """How long the batcher waits for more requests before starting a batch."""
     max_prompt_tokens: int = Field(default=2048, ge=16)
     """Longer prompts are rejected with 400."""
-    spare_adapter_slots: int = Field(default=4, ge=0, le=64)
+    spare_adapter_slots: int = Field(default=7, ge=0, le=64)
     """Embedded server: LoRA slots built ahead with the learner's adapter shape, so loading a
-    published adapter only copies tensors (~10 ms); each costs one adapter's memory. The default
-    is one per role (policy, wm, wm_teacher) plus one: a whole publish takes the fast path, and
-    the versions it replaces return to the pool when the learner unloads them."""
+    published adapter only copies tensors (~10-50 ms); each costs one adapter's memory (~20 MB for
+    SmolLM2 r=8). The default covers a publish (policy, wm, wm_teacher) and the evaluator's copies
+    of the same version, which it loads a few seconds later, plus one: with 4, the evaluator's third
+    load took the slow path (2.3 s) while the spares were being rebuilt. The versions a publish
+    replaces return to the pool when the learner unloads them."""
     prefix_cache_mb: int = Field(default=256, ge=0)
     """Embedded server: memory for the KV of shared prompt prefixes (0 turns the cache off)."""
     max_new_tokens: int = Field(default=256, ge=1)
