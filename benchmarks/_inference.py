@@ -71,6 +71,21 @@ def write_random_adapters(model_dir: str, root: Path, names: list[str], r: int =
     return out
 
 
+def start_comap(name: str, args: list[str], env: dict, log_dir: Path) -> subprocess.Popen:
+    """``python -m comap_async ARGS`` in its own session, output appended to ``log_dir/NAME.log``."""
+    log = open(log_dir / f"{name}.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "comap_async", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                            cwd=REPO, start_new_session=True)
+
+
+def stored_transitions(http_port: int) -> int:
+    """Transitions the broker has written (its ``/stats``)."""
+    import json
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/stats", timeout=10) as r:
+        return json.loads(r.read())["stores"]["transitions"]["written"]
+
+
 def stop_group(proc: subprocess.Popen, timeout_s: float = 120) -> None:
     """SIGTERM a process started with ``start_new_session=True`` and its children; SIGKILL after ``timeout_s``."""
     if proc.poll() is None:

@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -36,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._inference import stop_group, write_random_adapters  # noqa: E402
+from benchmarks._inference import start_comap, stop_group, stored_transitions, write_random_adapters  # noqa: E402
 from tests.fixtures.ports import free_port  # noqa: E402
 
 ROLES = ("policy", "wm", "wm_teacher")
@@ -52,8 +50,6 @@ def _get(url: str) -> str:
         return r.read().decode()
 
 
-def _written(http: int) -> int:
-    return json.loads(_get(f"http://127.0.0.1:{http}/stats"))["stores"]["transitions"]["written"]
 
 
 def _server(port: int) -> dict[str, float]:
@@ -68,10 +64,6 @@ def _server(port: int) -> dict[str, float]:
     return out
 
 
-def _start(name: str, args: list[str], env: dict, log_dir: Path) -> subprocess.Popen:
-    log = open(log_dir / f"{name}.log", "ab")
-    return subprocess.Popen([sys.executable, "-m", "comap_async", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
-                            cwd=REPO, start_new_session=True)
 
 
 def _wait(pred, timeout_s: float, what: str) -> None:
@@ -116,7 +108,7 @@ def main() -> int:
     write_random_adapters(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir), cfg.adapter_root,
                           list(adapters.values()), r=cfg.learner.lora_r)
     env = {**os.environ, "COMAP_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
-    broker = _start("broker", ["broker", "--config", args.config, *sum((["--set", s] for s in sets), [])], env, log_dir)
+    broker = start_comap("broker", ["broker", "--config", args.config, *sum((["--set", s] for s in sets), [])], env, log_dir)
     results: dict[str, list[tuple[float, float]]] = {f: [] for f in settings}
     try:
         from comap_async.inference.client import InferenceClient
@@ -128,7 +120,7 @@ def main() -> int:
                 run_sets = sets + [f"inference.port={port}", f"inference.endpoints=['http://127.0.0.1:{port}']",
                                    *settings[forward]]
                 common = ["--config", args.config, *sum((["--set", s] for s in run_sets), [])]
-                serve = _start(f"serve-{forward}", ["serve", *common], env, log_dir)
+                serve = start_comap(f"serve-{forward}", ["serve", *common], env, log_dir)
                 actor = None
                 try:
                     _wait(lambda: _healthy(port), 300, "the server did not come up")
@@ -141,12 +133,12 @@ def main() -> int:
                             await bc.announce("coevolve", {r_: 1 for r_ in ROLES}, adapters, 0)
 
                     asyncio.run(publish())
-                    start = _written(http)
-                    actor = _start(f"actor-{forward}", ["actor", *common], env, log_dir)
-                    _wait(lambda: _written(http) >= start + 4, 900, "the actor stored no transitions")
-                    n0, c0, t0 = _written(http), _server(port), time.monotonic()
-                    _wait(lambda: _written(http) >= n0 + args.steps, 3600, "the window did not fill")
-                    n1, c1, t1 = _written(http), _server(port), time.monotonic()
+                    start = stored_transitions(http)
+                    actor = start_comap(f"actor-{forward}", ["actor", *common], env, log_dir)
+                    _wait(lambda: stored_transitions(http) >= start + 4, 900, "the actor stored no transitions")
+                    n0, c0, t0 = stored_transitions(http), _server(port), time.monotonic()
+                    _wait(lambda: stored_transitions(http) >= n0 + args.steps, 3600, "the window did not fill")
+                    n1, c1, t1 = stored_transitions(http), _server(port), time.monotonic()
                 finally:
                     if actor is not None:
                         stop_group(actor, 60)

@@ -15,37 +15,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._inference import stop_group  # noqa: E402 - the repo must be on sys.path first
+from benchmarks._inference import start_comap, stop_group, stored_transitions  # noqa: E402 - the repo must be on sys.path first
 from tests.fixtures.ports import free_port  # noqa: E402
 
 
-def _written(http: int) -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{http}/stats", timeout=10) as r:
-        return json.loads(r.read())["stores"]["transitions"]["written"]
 
 
-def _start(name: str, args: list[str], env: dict, log_dir: Path) -> subprocess.Popen:
-    log = open(log_dir / f"{name}.log", "ab")
-    return subprocess.Popen([sys.executable, "-m", "comap_async", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
-                            cwd=REPO, start_new_session=True)
 
 
 def _rate(http: int, seconds: float) -> float:
-    n0, t0 = _written(http), time.monotonic()
+    n0, t0 = stored_transitions(http), time.monotonic()
     time.sleep(seconds)
-    return (_written(http) - n0) / (time.monotonic() - t0)
+    return (stored_transitions(http) - n0) / (time.monotonic() - t0)
 
 
 def main() -> int:
@@ -66,7 +56,7 @@ def main() -> int:
     env = {**os.environ, "COMAP_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
     log_dir = run_root / name
     log_dir.mkdir(parents=True, exist_ok=True)
-    procs = [_start("broker", ["broker", *common], env, log_dir), _start("serve", ["serve", *common], env, log_dir)]
+    procs = [start_comap("broker", ["broker", *common], env, log_dir), start_comap("serve", ["serve", *common], env, log_dir)]
     try:
         from learner.broker_client import BrokerClient
 
@@ -75,14 +65,14 @@ def main() -> int:
                 await bc.announce("coevolve", {"policy": 0, "wm": 0, "wm_teacher": 0}, {}, 0)
 
         asyncio.run(to_coevolve())
-        procs.append(_start("actor", ["actor", *common], env, log_dir))
-        while _written(http) < 20:  # the server has loaded the model and the actor plays
+        procs.append(start_comap("actor", ["actor", *common], env, log_dir))
+        while stored_transitions(http) < 20:  # the server has loaded the model and the actor plays
             time.sleep(5)
         without, with_eval = [], []
         for r in range(args.rounds):
             without.append(_rate(http, args.window))
             (log_dir / "eval" / "v0.json").unlink(missing_ok=True)
-            evaluator = _start("evaluator", ["evaluator", "--once", *common], env, log_dir)
+            evaluator = start_comap("evaluator", ["evaluator", "--once", *common], env, log_dir)
             time.sleep(10)  # its start-up (no model) and first requests
             with_eval.append(_rate(http, args.window))
             busy = evaluator.poll() is None

@@ -122,10 +122,11 @@ def attend(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, bias: to
 
 class _Layer:
     def __init__(self, layer: Any, dtype: torch.dtype, batch_hint: int, q_scale: float) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
-        # peft may already have wrapped them: the stacks are keyed by the wrapped base Linear
-        self.linears = {name: getattr(getattr(attn if name in PROJECTIONS[:4] else mlp, name), "base_layer",
-                                      getattr(attn if name in PROJECTIONS[:4] else mlp, name)) for name in PROJECTIONS}
+        self.linears = {}
+        for name in PROJECTIONS:
+            module = getattr(layer.self_attn if name in PROJECTIONS[:4] else layer.mlp, name)
+            # peft may already have wrapped it: the stacks are keyed by the wrapped base Linear
+            self.linears[name] = getattr(module, "base_layer", module)
         w = {name: lin.weight for name, lin in self.linears.items()}
         self.widths = {name: lin.out_features for name, lin in self.linears.items()}
         # scaling q here spares the attention a multiply per step (the LoRA q rows get it too)
