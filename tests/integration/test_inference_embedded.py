@@ -62,8 +62,10 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 async def test_spare_slots_and_prefix_cache_follow_the_config(embedded_server, tiny_model_dir, tmp_path):
+    from comap_async.config import InferenceConfig
+
     default = _metrics(embedded_server.url)
-    assert default["comap_inference_adapter_spare_slots"] == 4 and "comap_inference_prefix_cache_blocks" in default
+    assert default["comap_inference_adapter_spare_slots"] == InferenceConfig().spare_adapter_slots and "comap_inference_prefix_cache_blocks" in default
     root = tmp_path / "adapters"
     AdapterFactory(tiny_model_dir, root).random("policy-v1", seed=5)
     port = free_port()
