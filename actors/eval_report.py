@@ -17,7 +17,7 @@ def reflection_summary(judged: list[tuple[int, int, int]], max_steps: int) -> di
 
 def label_counts(results: list[tuple[Any, Any]]) -> dict[str, int]:
     """Reflection-initialisation samples per label over the episodes (``expert_better`` is y = 1)."""
-    from comap_async.protocol import REFLECTION_LABELS
+    from comap_async.wire.protocol import REFLECTION_LABELS
 
     counts = dict.fromkeys(REFLECTION_LABELS, 0)
     for _, stats in results:

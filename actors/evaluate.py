@@ -113,7 +113,7 @@ async def wait_for_server(cfg: Any, proc: subprocess.Popen, timeout_s: float, lo
     """Wait until the server this evaluation started answers ``/v1/models``, as the other processes
     wait for theirs (one ``eval.waiting`` line every 10 s); a server that exits or stays silent for
     ``timeout_s`` raises :class:`ServerStartError` with the reason."""
-    from comap_async.inference.client import InferenceClient
+    from comap_async.wire.inference_client import InferenceClient
     from comap_async.waiting import WaitAbandoned, wait_until_answers
 
     def exited() -> str | None:
@@ -134,7 +134,7 @@ async def _evaluate(cfg: Any, args: argparse.Namespace, log: Any, server: subpro
 
     from comap_async.envs import games_from_config
     from comap_async.envs.base import spread_sample
-    from comap_async.inference.client import InferenceClient
+    from comap_async.wire.inference_client import InferenceClient
 
     games = games_from_config(cfg.model_copy(update={"env": cfg.env.model_copy(update={"max_games": None})}), args.split)
     games = spread_sample(games, args.games, cfg.run.seed)
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     log = configure_logging("eval", run=cfg.run.name)
     server = None
     if args.serve != "never":
-        from comap_async.inference.client import InferenceClient
+        from comap_async.wire.inference_client import InferenceClient
 
         reachable = args.serve == "auto" and asyncio.run(_probe(InferenceClient.from_config(cfg, retries=0)))
         if not reachable:

@@ -139,9 +139,9 @@ class Evaluator:
         self.log.info("evaluator.result", **{k: v for k, v in result.items() if not isinstance(v, (dict, list))})
 
     async def run(self, once: bool = False) -> int:
-        from comap_async.inference.client import InferenceClient
+        from comap_async.wire.inference_client import InferenceClient
         from comap_async.waiting import until_stopped, wait_until_answers
-        from learner.broker_client import BrokerClient
+        from comap_async.wire.broker_client import BrokerClient
 
         done = done_versions(self.eval_dir)
         scalars = ScalarWriter(self.cfg.run.dir / "tensorboard")

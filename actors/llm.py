@@ -107,7 +107,7 @@ class AgentLLM:
 
     async def _complete(self, role: str, prompt: str, max_tokens: int, stop: list[str], temperature: float,
                         logprobs: int | None = None) -> dict[str, Any]:
-        from comap_async.inference.client import InferenceError
+        from comap_async.wire.inference_client import InferenceError
 
         for attempt in (0, 1):
             model = self.model_for(role)

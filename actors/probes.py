@@ -117,7 +117,7 @@ async def run_probes(cfg: Any, games: Sequence[Any], registry: dict[str, Any], l
     from actors.episodes import EpisodeContext
     from actors.llm import AgentLLM
     from comap_async.envs import env_pool_from_config, get_next_state
-    from comap_async.inference.client import InferenceClient
+    from comap_async.wire.inference_client import InferenceClient
     from comap_async.models import resolve_model
     from comap_async.prompts import ChatTemplate, Prompts
 

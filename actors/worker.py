@@ -145,11 +145,11 @@ class ActorWorker:
 
     async def run(self, outbox: Any = None) -> list[tuple[Any, EpisodeStats]]:
         from comap_async.envs import env_pool_from_config, games_from_config, get_next_state
-        from comap_async.inference.client import InferenceClient
+        from comap_async.wire.inference_client import InferenceClient
         from comap_async.models import resolve_model
         from comap_async.prompts import ChatTemplate, Prompts
         from actors.llm import AgentLLM
-        from actors.outbox import Outbox
+        from comap_async.wire.outbox import Outbox
 
         cfg = self.cfg
         games = self.games or games_from_config(cfg, self.split)
@@ -162,7 +162,7 @@ class ActorWorker:
         outbox = outbox or Outbox.from_config(cfg, log=self.log)
         refresher = None
         if own_outbox:
-            from learner.broker_client import BrokerClient
+            from comap_async.wire.broker_client import BrokerClient
 
             refresher = BrokerClient.from_config(cfg, timeout_s=5.0, retries=2)
         llm = AgentLLM(client, prompts, cfg.actor, base_model="",

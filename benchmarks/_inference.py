@@ -9,12 +9,13 @@ import sys
 import time
 import urllib.request
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.fixtures.ports import free_port  # noqa: E402 - the repo must be on sys.path first
+from comap_async.ports import free_port  # noqa: E402 - the repo must be on sys.path first
 
 
 @contextmanager
@@ -49,6 +50,42 @@ def served(overrides: list[str], adapter_root: Path, log_path: Path, timeout_s: 
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+@dataclass
+class BrokerPorts:
+    actor: int
+    learner: int
+    http: int
+    run_root: Path
+
+    def overrides(self) -> list[str]:
+        """The config overrides a client of this broker needs."""
+        return [f"run.root={self.run_root}", "run.name=t", f"broker.actor_port={self.actor}",
+                f"broker.learner_port={self.learner}", f"broker.http_port={self.http}"]
+
+
+@contextmanager
+def broker_running(run_root: Path, overrides: list[str], log_dir: Path, timeout_s: float = 30):
+    """A ``comap broker`` on free ports (run name ``t`` under ``run_root``), healthy; yields its ports."""
+    ports = BrokerPorts(free_port(), free_port(), free_port(), run_root)
+    sets = sum((["--set", o] for o in [*ports.overrides(), *overrides]), [])
+    proc = start_comap("broker", ["broker", *sets], {**os.environ, "COMAP_LOG_JSON": "1"}, log_dir)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"broker exited ({proc.returncode}); log: {log_dir / 'broker.log'}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{ports.http}/healthz", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"broker not healthy after {timeout_s} s; log: {log_dir / 'broker.log'}") from None
+                time.sleep(0.1)
+        yield ports
+    finally:
+        stop_group(proc, 30)
 
 
 def write_random_adapters(model_dir: str, root: Path, names: list[str], r: int = 8, scale: float = 0.02) -> list[Path]:

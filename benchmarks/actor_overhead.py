@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 async def measure(cfg, episodes: int, envs: int) -> tuple[float, int]:
     from actors.worker import ActorWorker
     from comap_async.logsetup import configure_logging
-    from learner.broker_client import BrokerClient
+    from comap_async.wire.broker_client import BrokerClient
 
     async with BrokerClient(f"tcp://127.0.0.1:{cfg.broker.learner_port}") as bc:
         await bc.announce("coevolve", {"policy": 0, "wm": 0, "wm_teacher": 0}, {}, 0)
@@ -59,36 +59,25 @@ def main() -> None:
                     help="event loop of the actor process (comap actor uses uvloop when installed)")
     args = ap.parse_args()
 
+    from benchmarks._inference import broker_running, served
     from comap_async.config import load_config
     from comap_async.models import build_tiny_model
-    from tests.fixtures.broker import BrokerProc
-    from tests.fixtures.core import free_port
-    from tests.fixtures.inference import start_server, stop_server
 
     tmp = Path(tempfile.mkdtemp(prefix="actor-bench-"))
     model = build_tiny_model(tmp / "tiny")
-    broker = BrokerProc(tmp / "runs", ["broker.max_staleness=100"], log_dir=tmp)
-    broker.run_root.mkdir(parents=True)
-    broker.start()
-    port = free_port()
-    server = start_server(["--set", f"model.name_or_path={model}", "--set", f"inference.port={port}",
-                           "--set", "inference.max_prompt_tokens=2048"], port, tmp / "serve.log", timeout_s=120)
-    try:
+    (tmp / "runs").mkdir()
+    with broker_running(tmp / "runs", ["broker.max_staleness=100"], tmp) as broker, \
+            served([f"model.name_or_path={model}", "inference.max_prompt_tokens=2048"], tmp, tmp / "serve.log",
+                   timeout_s=120) as url:
         cfg = load_config(REPO / "configs" / "test.yaml", [
-            f"run.root={broker.run_root}", "run.name=t", f"model.name_or_path={model}",
-            f"broker.actor_port={broker.actor_port}", f"broker.learner_port={broker.learner_port}",
-            f"broker.http_port={broker.http_port}", f"inference.port={port}",
-            f"inference.endpoints=['http://127.0.0.1:{port}']", f"env.data_dir={Path(args.data).expanduser()}",
-            "env.split=valid_seen", "env.max_steps=10"])
+            *broker.overrides(), f"model.name_or_path={model}", f"inference.endpoints=['{url}']",
+            f"env.data_dir={Path(args.data).expanduser()}", "env.split=valid_seen", "env.max_steps=10"])
         if args.loop == "uvloop":
             import uvloop
 
             ms, steps = uvloop.run(measure(cfg, args.episodes, args.envs))
         else:
             ms, steps = asyncio.run(measure(cfg, args.episodes, args.envs))
-    finally:
-        stop_server(server)
-        broker.terminate()
     print(f"loop={args.loop} steps_measured={steps} envs={args.envs} calls_per_step=4-5 (draft, imagine, reflect, teacher[, imagine])")
     print(f"actor_cpu_ms_per_step={ms:.2f}")
 

@@ -37,7 +37,7 @@ import zmq
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.fixtures.ports import free_port  # noqa: E402 - the repo must be on sys.path first
+from comap_async.ports import free_port  # noqa: E402 - the repo must be on sys.path first
 
 OBS = ("You arrive at countertop {k}. On the countertop {k}, you see a apple {a}, a bread {b}, a butterknife {c}, "
        "a cellphone {d}, a egg {e}, a knife {f}, a lettuce {g}, a mug {h}, a peppershaker {i}, a plate {j}, "

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks._inference import start_comap, stop_group, stored_transitions, write_random_adapters  # noqa: E402
-from tests.fixtures.ports import free_port  # noqa: E402
+from comap_async.ports import free_port  # noqa: E402
 
 ROLES = ("policy", "wm", "wm_teacher")
 SETTINGS = {
@@ -111,8 +111,8 @@ def main() -> int:
     broker = start_comap("broker", ["broker", "--config", args.config, *sum((["--set", s] for s in sets), [])], env, log_dir)
     results: dict[str, list[tuple[float, float]]] = {f: [] for f in settings}
     try:
-        from comap_async.inference.client import InferenceClient
-        from learner.broker_client import BrokerClient
+        from comap_async.wire.inference_client import InferenceClient
+        from comap_async.wire.broker_client import BrokerClient
 
         for r in range(args.rounds):
             for forward in (list(settings) if r % 2 == 0 else list(settings)[::-1]):

@@ -39,7 +39,7 @@ from comap_async.inference.adapters import BASE, SlotManager, read_adapter  # no
 from comap_async.inference.fused import FusedLlama, attend, attention_bias  # noqa: E402
 from comap_async.inference.kvcache import BatchCache  # noqa: E402
 from comap_async.inference.layout import prepare_for_inference  # noqa: E402
-from comap_async.inference.sampling import SamplingParams, sample_step  # noqa: E402
+from comap_async.inference.token_sampling import SamplingParams, sample_step  # noqa: E402
 from comap_async.models import inference_dtype, load_model_and_tokenizer, resolve_model  # noqa: E402
 
 B = 8

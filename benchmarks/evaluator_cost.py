@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks._inference import start_comap, stop_group, stored_transitions  # noqa: E402 - the repo must be on sys.path first
-from tests.fixtures.ports import free_port  # noqa: E402
+from comap_async.ports import free_port  # noqa: E402
 
 
 
@@ -58,7 +58,7 @@ def main() -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = [start_comap("broker", ["broker", *common], env, log_dir), start_comap("serve", ["serve", *common], env, log_dir)]
     try:
-        from learner.broker_client import BrokerClient
+        from comap_async.wire.broker_client import BrokerClient
 
         async def to_coevolve() -> None:
             async with BrokerClient(f"tcp://127.0.0.1:{lp}", timeout_s=10, retries=30) as bc:

@@ -92,7 +92,7 @@ def child(args: argparse.Namespace) -> None:
     from comap_async.models import load_model_and_tokenizer, resolve_model
     from comap_async.prompts import ChatTemplate, Prompts
     from learner.batches import Encoder
-    from learner.model import build_peft_model
+    from learner.peft_model import build_peft_model
     from learner.trainer import Trainer
 
     overrides, threads, _ = VARIANTS[args.child]

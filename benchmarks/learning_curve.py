@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks._inference import stop_group  # noqa: E402 - the repo must be on sys.path first
-from tests.fixtures.ports import free_port  # noqa: E402
+from comap_async.ports import free_port  # noqa: E402
 
 GAINS = ("wm_delta_f1", "draft_accuracy", "success_rate")
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _inference import served, write_random_adapters  # noqa: E402
 
 from comap_async.config import load_config  # noqa: E402
-from comap_async.inference.client import InferenceClient  # noqa: E402
+from comap_async.wire.inference_client import InferenceClient  # noqa: E402
 from comap_async.models import resolve_model  # noqa: E402
 from comap_async.prompts import ChatTemplate, Prompts  # noqa: E402
 

@@ -30,10 +30,10 @@ import zmq
 
 import zmq.asyncio
 
-from comap_async.protocol import ID_LEN, SCHEMA_VERSION
+from comap_async.wire.protocol import ID_LEN, SCHEMA_VERSION
 
 from broker.gate_worker import ITEM, REJECT, to_write_item
-from broker.stats import stored_total
+from broker.counters import stored_total
 from broker.store import StoreRefused, WriteItem
 
 Pending = tuple[bytes, list[bytes], bytes]  # ident, delimiter, raw frame

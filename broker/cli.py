@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
 
     from broker.gate_worker import pool_spec
     from broker.ingest import load_next_state
-    from broker.keys import KeysError, load_server_keys
+    from comap_async.wire.curve import KeysError, load_server_keys
     from broker.server import Broker
 
     from comap_async.config import ConfigError

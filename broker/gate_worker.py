@@ -33,10 +33,10 @@ import zmq
 
 from comap_async.config import GateConfig
 from comap_async.gctune import tune_gc_for_throughput
-from comap_async.protocol import ProtocolError, decode, error_reason
+from comap_async.wire.protocol import ProtocolError, decode, error_reason
 
 from broker.ingest import ACTOR_TYPES, Ingest, best_effort_int, load_next_state
-from broker.stats import reject_category
+from broker.counters import reject_category
 from broker.store import WriteItem
 
 # One result per frame, in order. ITEM: (ITEM, seq, actor, dedup_key, values, shape): ``shape``

@@ -70,12 +70,12 @@ def make_app(broker: "Broker") -> web.Application:
     async def stats(request: web.Request) -> web.Response:
         if not _authorised(request, token):
             return web.json_response({"error": "missing or wrong bearer token"}, status=401)
-        return web.Response(text=json.dumps(broker.stats()), content_type="application/json")
+        return web.Response(text=json.dumps(broker.counters()), content_type="application/json")
 
     async def metrics(request: web.Request) -> web.Response:
         if not _authorised(request, token):
             return web.Response(text="missing or wrong bearer token\n", status=401)
-        return web.Response(text=prometheus_text(broker.stats()), content_type="text/plain", charset="utf-8",
+        return web.Response(text=prometheus_text(broker.counters()), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
     async def records(request: web.Request) -> web.Response:

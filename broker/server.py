@@ -17,15 +17,15 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from comap_async.config import CoMapConfig
-from comap_async.protocol import ID_LEN, MAX_ITEMS, SCHEMA_VERSION, ProtocolError, decode, error_reason
+from comap_async.wire.protocol import ID_LEN, MAX_ITEMS, SCHEMA_VERSION, ProtocolError, decode, error_reason
 from comap_async.waiting import cancel_and_wait
 
-from broker import sampling
+from broker import replay_sampling
 from broker.actor_path import ActorPath, Pending
 from broker.gate_worker import GatePool
 from broker.ingest import Ingest, NextState, best_effort_int, checked_registry
-from broker.keys import ServerKeys
-from broker.stats import LiveStats, build_snapshot, reject_category, stored_total
+from comap_async.wire.curve import ServerKeys
+from broker.counters import LiveStats, build_snapshot, reject_category, stored_total
 from broker.store import ReplayStore, StoreRefused
 
 ZAP_DOMAIN = "comap"

@@ -30,7 +30,7 @@ from typing import Any
 import lmdb
 import msgpack
 
-from comap_async.protocol import STORES, empty_registry
+from comap_async.wire.protocol import STORES, empty_registry
 
 _KEY = struct.Struct(">Q")
 MB = 1 << 20

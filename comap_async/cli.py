@@ -1,8 +1,8 @@
 """The ``comap`` console command.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
-modules are imported only when their command runs, so ``comap --help`` is instant and the core
-never imports a process package at import time. Only working commands are listed here.
+a module is imported only when its command runs (``build_parser`` adds the arguments of the one
+command named), so ``comap --help`` is instant and the core never imports a process package. Only working commands are listed here.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import sys
 # name -> (module, one-line help). Process packages own their entry modules.
 COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("comap_async.commands.model", "provision models: `comap model prepare` (default SmolLM2, offline)"),
-    "config": ("comap_async.commands.config", "print the validated configuration (with --set overrides)"),
-    "serve": ("comap_async.commands.serve", "OpenAI-compatible LLM server with LoRA hot-swap (embedded CPU, or --backend vllm)"),
+    "config": ("comap_async.commands.show_config", "print the validated configuration (with --set overrides)"),
+    "serve": ("comap_async.inference.cli", "OpenAI-compatible LLM server with LoRA hot-swap (embedded CPU, or --backend vllm)"),
     "data": ("comap_async.commands.data", "extract offline datasets: `comap data alfworld --archive PATH... --to DIR`"),
     "env": ("comap_async.commands.env", "check environments: `comap env check --split NAME --data DIR`"),
     "broker": ("broker.cli", "run the replay broker (ZeroMQ ingest, gates, LMDB stores, stats HTTP)"),
-    "keys": ("broker.keys", "create ZeroMQ CURVE key pairs for the broker and its clients"),
+    "keys": ("comap_async.commands.keys", "create ZeroMQ CURVE key pairs for the broker and its clients"),
     "learner": ("learner.cli", "train the policy and world-model LoRA adapters continuously; publish them"),
     "actor": ("actors.cli", "run environment workers playing the CoMap loop (phases from the broker)"),
     "eval": ("actors.evaluate", "evaluate adapters on a split; writes eval.json and eval.md"),
@@ -39,22 +39,33 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override one config field (repeatable; $COMAP_OVERRIDES holds more, whitespace-separated)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``comap`` parser; only ``command``'s module is imported (for its arguments), so no
+    process package is loaded unless its own subcommand runs."""
     parser = argparse.ArgumentParser(prog="comap", description="comap-async: co-evolving LLM agent policies and world models")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, add_help=name == command)
         p.set_defaults(_module=module)
-        # argument definitions are cheap; the module import happens here only for its parser
-        importlib.import_module(module).add_arguments(p)
+        if name == command:
+            importlib.import_module(module).add_arguments(p)
     return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand named in ``argv`` (its first word that is not an option), if any."""
+    for word in argv:
+        if not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     from comap_async.config import ConfigError
     from comap_async.models import ModelError
 
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command_of(argv))
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()

@@ -167,7 +167,7 @@ class Packed:
     counts: list[int]
     change: torch.Tensor | None  # [N] bool: is target token k a change token (None: no sequence has flags)
     tokens: int  # the sequences' own tokens (sum of their lengths, as the reference path counts them)
-    layout: list[list[Unit]]  # per row, its units: what ``attention_mask`` says, for learner.model.packed_attention
+    layout: list[list[Unit]]  # per row, its units: what ``attention_mask`` says, for learner.peft_model.packed_attention
 
 
 @dataclass

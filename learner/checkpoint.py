@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from learner.model import ROLES, adapter_state, load_adapter_state
+from learner.peft_model import ROLES, adapter_state, load_adapter_state
 
 _FILE = "state.pt"
 

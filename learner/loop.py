@@ -129,7 +129,7 @@ class Learner:
         from comap_async.models import load_model_and_tokenizer, resolve_model
         from comap_async.prompts import ChatTemplate, Prompts
         from learner.batches import Encoder
-        from learner.model import build_peft_model
+        from learner.peft_model import build_peft_model
         from learner.trainer import Trainer
 
         self.cfg, self.log = cfg, log
@@ -268,8 +268,8 @@ class Learner:
             self.state.round_episodes = written
 
     async def run(self, max_steps: int | None = None) -> int:
-        from comap_async.inference.client import InferenceClient
-        from learner.broker_client import BrokerClient
+        from comap_async.wire.inference_client import InferenceClient
+        from comap_async.wire.broker_client import BrokerClient
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

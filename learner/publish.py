@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from learner.model import ROLES
+from learner.peft_model import ROLES
 
 
 class PublishError(RuntimeError):

@@ -15,11 +15,11 @@ compares them). The reference path runs the causal LM over left-padded batches, 
 kind of row, and projects a window of final positions onto the whole vocabulary. The fast path
 (the default) runs the decoder over packed rows (:func:`learner.batches.pack`: a transition's CE
 target and its rollout share one pass over their prompt; attention per unit,
-:func:`learner.model.packed_attention`), projects only the positions that predict a target
+:func:`learner.peft_model.packed_attention`), projects only the positions that predict a target
 token, and goes through a micro-batch in chunks of ``learner.chunk_tokens`` whose backward runs
 right after their forward (each term is a sum over the chunk divided by the micro-batch's count,
 so loss and gradient are the whole micro-batch's). On CPU its LoRA dropout draws cheaper masks
-(:class:`learner.model.FastDropout`). ``learner.autocast`` adds bf16 matmuls on hardware that has
+(:class:`learner.peft_model.FastDropout`). ``learner.autocast`` adds bf16 matmuls on hardware that has
 them (:func:`resolve_autocast`).
 """
 
@@ -39,7 +39,7 @@ from comap_async.models import cpu_has_native_bf16
 from learner import losses
 from learner.batches import Encoder, Packed, Seq, collate, logits_window, pack
 from learner.ema import ema_update, paired_lora_tensors
-from learner.model import (TRAINED, activate, adapter_parameters, cast_frozen_base, use_fast_dropout,
+from learner.peft_model import (TRAINED, activate, adapter_parameters, cast_frozen_base, use_fast_dropout,
                            use_packed_attention)
 
 

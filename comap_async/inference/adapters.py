@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from comap_async.inference.sampling import RequestError
+from comap_async.inference.token_sampling import RequestError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

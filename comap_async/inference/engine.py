@@ -26,7 +26,7 @@ from comap_async.inference.adapters import BASE, SlotManager
 from comap_async.inference.fused import FusedLlama
 from comap_async.inference.kvcache import BatchCache, with_capacity
 from comap_async.inference.prefix import PrefixCache
-from comap_async.inference.sampling import SamplingParams, StepOutput, sample_step
+from comap_async.inference.token_sampling import SamplingParams, StepOutput, sample_step
 
 
 @dataclass(eq=False)

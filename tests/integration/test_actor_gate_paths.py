@@ -13,7 +13,7 @@ from actors.llm import Reflected
 from comap_async.config import load_config
 from comap_async.envs.alfworld_facts import next_state
 from comap_async.envs.pool import AsyncEnvPool
-from comap_async.protocol import validate
+from comap_async.wire.protocol import validate
 
 pytestmark = pytest.mark.alfworld
 

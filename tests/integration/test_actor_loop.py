@@ -11,8 +11,8 @@ from actors.worker import ActorWorker
 from comap_async.config import load_config
 from comap_async.gates import action_gate
 from comap_async.logsetup import configure_logging
-from comap_async.protocol import SCHEMAS, validate
-from learner.broker_client import BrokerClient
+from comap_async.wire.protocol import SCHEMAS, validate
+from comap_async.wire.broker_client import BrokerClient
 from tests.fixtures.broker import stored
 from tests.fixtures.system import system_overrides
 
@@ -93,7 +93,7 @@ async def test_actor_survives_broker_outage_without_loss_or_duplicates(broker_fa
     run = asyncio.create_task(worker.run())
 
     async def stored_count() -> int:
-        return (await asyncio.to_thread(broker.stats))["stores"]["transitions"]["count"]
+        return (await asyncio.to_thread(broker.counters))["stores"]["transitions"]["count"]
 
     while await stored_count() < 5:
         await asyncio.sleep(0.05)
@@ -117,7 +117,7 @@ async def test_actor_idles_after_its_warmup_share_until_the_phase_moves_on(broke
                        "actor.max_warmup_episodes=1")
     worker = ActorWorker(cfg, configure_logging("actor-test"), envs=1, episodes=3, games=games)
     run = asyncio.create_task(worker.run())
-    while not broker.stats()["stores"]["episodes"]["count"]:
+    while not broker.counters()["stores"]["episodes"]["count"]:
         await asyncio.sleep(0.2)
     await asyncio.sleep(3)  # idle: no second warm-up episode
     assert len(stored(broker, "episodes")) == 1 and not run.done()

@@ -11,9 +11,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from actors.outbox import Outbox
-from broker.keys import ClientKeys, load_client_keys
-from learner.broker_client import BrokerClient, BrokerError
+from comap_async.wire.outbox import Outbox
+from comap_async.wire.curve import ClientKeys, load_client_keys
+from comap_async.wire.broker_client import BrokerClient, BrokerError
 from tests.fixtures.broker import REPO, make_transition
 
 

@@ -9,11 +9,11 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from actors.outbox import Outbox
+from comap_async.wire.outbox import Outbox
 from broker.ingest import load_next_state
 from broker.store import ReplayStore
 from comap_async.gates import derive_policy_sample
-from learner.broker_client import BrokerClient, BrokerError
+from comap_async.wire.broker_client import BrokerClient, BrokerError
 from tests.fixtures.broker import make_episode, make_transition
 
 TOKEN = "s3cret-token"

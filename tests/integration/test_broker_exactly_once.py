@@ -8,7 +8,7 @@ import collections
 
 import msgpack
 
-from actors.outbox import Outbox
+from comap_async.wire.outbox import Outbox
 from broker.store import ReplayStore
 from tests.fixtures.broker import make_transition
 

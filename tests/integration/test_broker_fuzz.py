@@ -10,9 +10,9 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from actors.outbox import Outbox
-from learner.broker_client import BrokerClient
-from comap_async.protocol import SCHEMAS
+from comap_async.wire.outbox import Outbox
+from comap_async.wire.broker_client import BrokerClient
+from comap_async.wire.protocol import SCHEMAS
 from tests.fixtures.broker import make_transition
 
 N_FRAMES = 10_000

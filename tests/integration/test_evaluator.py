@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from learner.broker_client import BrokerClient
+from comap_async.wire.broker_client import BrokerClient
 from tests.fixtures.core import free_port
 from tests.fixtures.inference import ADMIN_TOKEN, AdapterFactory, start_server, stop_server
 
@@ -37,7 +37,7 @@ def server(tiny_model_dir, tmp_path):
 
 async def test_evaluator_records_one_result_per_published_version(broker_factory, server, alfworld_data,
                                                                     model_cache, tiny_model_dir, tmp_path):
-    from comap_async.inference.client import InferenceClient
+    from comap_async.wire.inference_client import InferenceClient
 
     url, adapter_root = server
     broker = broker_factory()

@@ -12,8 +12,8 @@ import uvloop
 from aiohttp import web
 
 from comap_async.config import CoMapConfig
-from comap_async.inference.client import InferenceClient, InferenceError
-from comap_async.inference.http1 import Http1Pool, HttpProtocolError
+from comap_async.wire.inference_client import InferenceClient, InferenceError
+from comap_async.wire.http1 import Http1Pool, HttpProtocolError
 from tests.fixtures.core import free_port
 
 pytestmark = pytest.mark.timeout(60)

@@ -8,7 +8,7 @@ import time
 import pytest
 from aiohttp import web
 
-from comap_async.inference.client import InferenceClient, InferenceError
+from comap_async.wire.inference_client import InferenceClient, InferenceError
 from tests.fixtures.core import free_port
 
 pytestmark = pytest.mark.timeout(60)

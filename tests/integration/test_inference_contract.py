@@ -13,7 +13,7 @@ import math
 import aiohttp
 import pytest
 
-from comap_async.inference.client import InferenceError
+from comap_async.wire.inference_client import InferenceError
 from comap_async.prompts import ChatTemplate, Prompts, revise_probability
 
 pytestmark = pytest.mark.timeout(300)

@@ -74,7 +74,7 @@ async def test_spare_slots_and_prefix_cache_follow_the_config(embedded_server, t
                          "--set", "inference.prefix_cache_mb=0"], port, tmp_path / "serve.log", timeout_s=90)
     try:
         url = f"http://127.0.0.1:{port}"
-        from comap_async.inference.client import InferenceClient
+        from comap_async.wire.inference_client import InferenceClient
 
         async with InferenceClient([url]) as c:
             await c.load_adapter("policy-v1", str(root / "policy-v1"))  # no spare: the slow path still works
@@ -93,7 +93,7 @@ async def test_publishes_under_load_all_take_the_fast_path(embedded_server):
     import asyncio
     import re
 
-    from comap_async.inference.registry import REFILL_DELAY_S
+    from comap_async.inference.slot_registry import REFILL_DELAY_S
 
     factory = AdapterFactory(embedded_server.model_dir, embedded_server.adapter_root)
     roles = ("policy", "wm", "wm_teacher")

@@ -11,7 +11,7 @@ import torch
 from comap_async.inference.adapters import SlotManager, read_adapter
 from comap_async.inference.engine import Engine, Sequence
 from comap_async.inference.layout import prepare_for_inference
-from comap_async.inference.sampling import SamplingParams
+from comap_async.inference.token_sampling import SamplingParams
 from comap_async.models import load_model_and_tokenizer
 from tests.fixtures.inference import AdapterFactory
 
@@ -26,7 +26,7 @@ def make_engine(tiny_model_dir, forward: str, dtype: str = "float32", **kw) -> E
     from peft import LoraConfig
 
     from comap_async.config import InferenceConfig
-    from comap_async.inference.server import build_fused
+    from comap_async.inference.openai_api import build_fused
 
     model, tok = load_model_and_tokenizer(str(tiny_model_dir))
     prepare_for_inference(model)
@@ -76,7 +76,7 @@ def test_staggered_batching_equals_generate(engine, tiny_model_dir):
 def test_seeded_sampling_is_reproducible_across_batch_company(engine, tiny_model_dir):
     tok = engine.tokenizer
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True)
-    from comap_async.inference.sampling import make_generator
+    from comap_async.inference.token_sampling import make_generator
 
     alone = Sequence(tok(PROMPTS[0]).input_ids, params, generator=make_generator(5))
     run(engine, [alone])
@@ -133,7 +133,7 @@ def test_lora_bias_adapter_falls_back_to_peft_forward(engine, tiny_model_dir, tm
     and the fused forward, which has no peft forward to fall back to, refuses it."""
     from peft import PeftModel
 
-    from comap_async.inference.sampling import RequestError
+    from comap_async.inference.token_sampling import RequestError
 
     path = _saved(tiny_model_dir, tmp_path / "biased", lora_bias=True)
     files = read_adapter(path)
@@ -158,7 +158,7 @@ def test_lora_bias_adapter_falls_back_to_peft_forward(engine, tiny_model_dir, tm
 
 
 def test_dora_adapters_are_refused(engine, tiny_model_dir, tmp_path):
-    from comap_async.inference.sampling import RequestError
+    from comap_async.inference.token_sampling import RequestError
 
     files = read_adapter(_saved(tiny_model_dir, tmp_path / "dora", use_dora=True))
     with pytest.raises(RequestError, match="DoRA"):

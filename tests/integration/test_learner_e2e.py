@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.outbox import Outbox
+from comap_async.wire.outbox import Outbox
 from comap_async.config import load_config
-from comap_async.inference.client import InferenceClient
+from comap_async.wire.inference_client import InferenceClient
 from comap_async.logsetup import configure_logging
 from comap_async.models import load_model_and_tokenizer
 from comap_async.prompts import ChatTemplate, Prompts
-from learner.broker_client import BrokerClient
+from comap_async.wire.broker_client import BrokerClient
 from learner.loop import Learner
 from tests.fixtures.broker import make_transition
 from tests.fixtures.system import system_overrides

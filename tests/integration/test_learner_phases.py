@@ -12,7 +12,7 @@ import pytest
 
 from comap_async.config import load_config
 from comap_async.logsetup import configure_logging
-from learner.broker_client import BrokerClient, BrokerError
+from comap_async.wire.broker_client import BrokerClient, BrokerError
 from learner.loop import Learner
 from tests.fixtures.broker import make_transition
 from tests.fixtures.system import system_overrides

@@ -11,8 +11,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from actors.outbox import Outbox
-from comap_async.protocol import ProtocolError, empty_registry
+from comap_async.wire.outbox import Outbox
+from comap_async.wire.protocol import ProtocolError, empty_registry
 from tests.fixtures.broker import make_transition
 from tests.fixtures.core import free_port
 

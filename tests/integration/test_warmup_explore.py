@@ -14,7 +14,7 @@ from actors.worker import ActorWorker
 from comap_async.config import load_config
 from comap_async.envs.pool import AsyncEnvPool
 from comap_async.logsetup import configure_logging
-from comap_async.protocol import validate
+from comap_async.wire.protocol import validate
 from tests.fixtures.broker import stored
 from tests.fixtures.system import system_overrides
 
@@ -79,7 +79,7 @@ async def test_warmup_stores_explore_transitions_outside_demos(broker_factory, r
         validate({**tr, "seq": 0})
     expert, explore = check_explore(transitions)
     assert len(expert) == len(demos) == sum(s.steps for _, s in results)
-    assert len(explore) == len(expert) and broker.stats()["counters"]["stored_explore"] == len(explore)
+    assert len(explore) == len(expert) and broker.counters()["counters"]["stored_explore"] == len(explore)
     # real failures the walkthrough never shows, recorded as the game answered them
     assert any(x["s_next"] == "Nothing happens." for x in explore)
     assert any(x["s_next"] != "Nothing happens." for x in explore)

@@ -6,7 +6,7 @@ import random
 
 import msgpack
 
-from broker.sampling import lazy_permutation, sample
+from broker.replay_sampling import lazy_permutation, sample
 from broker.store import ReplayStore, WriteItem
 
 CAPS = {"transitions": 1000, "reflections": 1000, "demos": 1000, "episodes": 10}

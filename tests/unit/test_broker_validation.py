@@ -12,8 +12,8 @@ import random
 
 import pytest
 
-from comap_async import protocol
-from comap_async.protocol import SCHEMAS, ProtocolError, make, validate
+from comap_async.wire import protocol
+from comap_async.wire.protocol import SCHEMAS, ProtocolError, make, validate
 from tests.fixtures.messages import transition
 
 BAD_VALUES = (None, 1.5, -0.0, "x", "", 7, -(1 << 62) - 1, 1 << 62, [1], [{"a": 1}], {"k": 1}, {1: 2}, True,

@@ -14,7 +14,7 @@ import pytest
 from actors.episodes import Episode
 from actors.llm import AgentLLM, adapter_version
 from comap_async.config import ActorConfig, ConfigError, load_config
-from comap_async.inference.client import InferenceError
+from comap_async.wire.inference_client import InferenceError
 from comap_async.prompts import ChatTemplate, Prompts
 
 REPO = Path(__file__).resolve().parents[2]

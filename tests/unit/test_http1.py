@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from comap_async.inference.http1 import MAX_HEAD, HttpProtocolError, ResponseParser
+from comap_async.wire.http1 import MAX_HEAD, HttpProtocolError, ResponseParser
 
 
 def feed_split(raw: bytes, cuts: list[int], **kw) -> ResponseParser:

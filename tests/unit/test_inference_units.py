@@ -9,7 +9,7 @@ from comap_async.config import load_config
 from comap_async.inference import vllm
 from comap_async.inference.adapters import resolve_adapter_dir
 from comap_async.inference.kvcache import BatchCache
-from comap_async.inference.sampling import (
+from comap_async.inference.token_sampling import (
     RequestError, SamplingParams, _filter_top, parse_completion_request, sample_step,
 )
 
@@ -130,7 +130,7 @@ def test_vllm_command_from_config(monkeypatch):
 
 
 def test_draw_follows_the_distribution_and_never_picks_zero_mass():
-    from comap_async.inference.sampling import _draw
+    from comap_async.inference.token_sampling import _draw
 
     p = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
     g = torch.Generator().manual_seed(0)
@@ -143,7 +143,7 @@ def test_draw_follows_the_distribution_and_never_picks_zero_mass():
 def test_top_p_top_k_sampling_picks_what_the_full_sort_picks(scale):
     """``sample_top`` samples from a batched ``topk`` instead of sorting every row: for the same
     uniform number it must pick the token the full-vocabulary sort and inverse CDF would."""
-    from comap_async.inference.sampling import _draw, sample_top
+    from comap_async.inference.token_sampling import _draw, sample_top
 
     torch.manual_seed(0)
     logits = torch.randn(6, 5000) * scale

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from learner.batches import Seq, pack
-from learner.model import ROLES, adapter_parameters, adapter_state, load_adapter_state
+from learner.peft_model import ROLES, adapter_parameters, adapter_state, load_adapter_state
 from tests.fixtures.learner import demo_record, make_trainer, reflection_record, wm_record
 
 LOSSES = ("wm/ce", "wm/kl", "wm/change_nll", "policy/draft_ce", "policy/reflect_ce", "policy/bce", "wm/loss",
@@ -111,8 +111,8 @@ def test_the_comparison_catches_a_loss_taken_one_position_off(tiny_model_dir, mo
 def test_packed_attention_follows_the_layout_and_equals_the_dense_mask(tiny_model_dir, monkeypatch):
     """The fast path's attention (per-unit causal kernels) gives the hidden states the dense
     [W, W] mask gives, at every non-padding position; and it is what the trainer really runs."""
-    import learner.model as model_mod
-    from learner.model import activate
+    import learner.peft_model as model_mod
+    from learner.peft_model import activate
 
     trainer = make_trainer(tiny_model_dir, fast_path=True)
     assert trainer.packed_attention
@@ -146,7 +146,7 @@ def test_packed_attention_follows_the_layout_and_equals_the_dense_mask(tiny_mode
 
 
 def test_fast_dropout_drops_at_rate_p_rescales_and_is_reproducible():
-    from learner.model import FastDropout
+    from learner.peft_model import FastDropout
 
     drop = FastDropout(0.05)
     x = torch.ones(400, 1000)

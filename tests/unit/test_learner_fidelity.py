@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import torch
 
-from broker.sampling import sample
+from broker.replay_sampling import sample
 from broker.store import ReplayStore, WriteItem
 from comap_async.config import LearnerConfig
 from learner.checkpoint import latest, load_checkpoint, save_checkpoint
@@ -77,7 +77,7 @@ def test_a_resumed_trainer_gets_the_same_rate_as_an_uninterrupted_one(tiny_model
 # ---------------------------------------------------------------- point 7: clipping per role
 
 def _policy_grads_at_update(trainer, micro):
-    from learner.model import adapter_parameters
+    from learner.peft_model import adapter_parameters
 
     seen = {}
     step = trainer.optimizer.step
@@ -116,7 +116,7 @@ def test_teacher_logits_inside_a_train_step_are_an_eval_mode_forward(tiny_model_
     forward of the teacher adapter; in train mode they were a noisy sample."""
     from learner import losses
     from learner.batches import collate
-    from learner.model import activate, adapter_parameters
+    from learner.peft_model import activate, adapter_parameters
 
     trainer = make_trainer(tiny_model_dir, lora_dropout=0.5)
     torch.manual_seed(1)
@@ -220,7 +220,7 @@ class FakeBroker:
         self.stores, self.calls = stores, []
 
     async def sample(self, store, n, seed=None, phases=None):
-        from learner.broker_client import Batch
+        from comap_async.wire.broker_client import Batch
 
         self.calls.append((store, n, phases))
         default = {"reflections": "reflect_init"}.get(store)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from learner import losses
 from learner.ema import ema_update, paired_lora_tensors
-from learner.model import adapter_parameters
+from learner.peft_model import adapter_parameters
 from tests.fixtures.learner import demo_record, reflection_record, wm_record
 
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from comap_async import protocol
-from comap_async.protocol import ProtocolError, decode, encode, make
+from comap_async.wire import protocol
+from comap_async.wire.protocol import ProtocolError, decode, encode, make
 from tests.fixtures.messages import transition
 
 N_FUZZ = 12_000

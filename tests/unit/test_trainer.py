@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from learner.checkpoint import latest, load_checkpoint, save_checkpoint
-from learner.model import ROLES, adapter_state
+from learner.peft_model import ROLES, adapter_state
 from tests.fixtures.learner import demo_record, make_trainer, reflection_record, wm_record
 
 LOSSES = ("wm/ce", "wm/kl", "policy/draft_ce", "policy/reflect_ce", "policy/bce")
@@ -88,7 +88,7 @@ def test_padded_batch_losses_equal_per_sequence_losses(tiny_model_dir):
     seqs = [enc.draft(demo_record(0)), enc.draft({"s": "Task: short.", "target": "look"}),
             enc.reflection(reflection_record(1))]
     assert len({len(s.ids) for s in seqs}) == 3
-    from learner.model import activate
+    from learner.peft_model import activate
 
     activate(model, "policy", trainable=False)
     with torch.no_grad():
@@ -164,7 +164,7 @@ def test_change_token_nll_counts_only_tokens_new_to_the_previous_observation(tin
     before the action did not contain (end of text excluded), computed from the same logits."""
     from learner import losses
     from learner.batches import change_token_flags, collate
-    from learner.model import activate
+    from learner.peft_model import activate
 
     assert change_token_flags([5, 6, 7, 5], [5, 9]) == [False, True, True, False]
     trainer = make_trainer(tiny_model_dir)

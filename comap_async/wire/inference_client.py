@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from comap_async.inference.http1 import Http1Pool
+from comap_async.wire.http1 import Http1Pool
 
 
 class InferenceError(RuntimeError):

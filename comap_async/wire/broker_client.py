@@ -15,7 +15,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from comap_async.protocol import DEFAULT_MAX_MESSAGE_BYTES, SCHEMA_VERSION, ProtocolError, decode, encode
+from comap_async.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, SCHEMA_VERSION, ProtocolError, decode, encode
 from comap_async.waiting import cancel_and_wait
 
 
@@ -55,7 +55,7 @@ class BrokerClient:
 
     @classmethod
     def from_config(cls, cfg: Any, **kw: Any) -> "BrokerClient":
-        from broker.keys import client_connection
+        from comap_async.wire.curve import client_connection
 
         endpoint, keys = client_connection(cfg, cfg.broker.learner_port, kw.pop("client_keys", None))
         return cls(endpoint, client_keys=keys,

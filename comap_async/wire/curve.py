@@ -1,4 +1,4 @@
-"""ZeroMQ CURVE keys: ``comap keys --out DIR`` writes them, broker and clients load them.
+"""ZeroMQ CURVE keys: ``comap keys --out DIR`` writes them (:func:`generate_keys`), broker and clients load them.
 
 Layout of a keys directory::
 
@@ -12,7 +12,6 @@ authorised by having its public ``.key`` in ``authorized_clients/``; remove it t
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 from dataclasses import dataclass
@@ -101,32 +100,9 @@ def load_client_keys(keys_dir: str | Path, name: str = "client") -> ClientKeys:
     return ClientKeys(public, secret, server_public)  # type: ignore[arg-type]
 
 
-# ---- `comap keys` --------------------------------------------------------------------------
-
 def client_connection(cfg: Any, port: int, keys: Any = None) -> tuple[str, Any]:
     """(endpoint, CURVE client keys or None) for a client of the broker's ``port`` under ``cfg``."""
     if keys is None and cfg.broker.curve:
         keys = load_client_keys(cfg.broker.keys_dir)
     host = "127.0.0.1" if cfg.broker.host in ("localhost", "0.0.0.0") else cfg.broker.host
     return f"tcp://{host}:{port}", keys
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from comap_async.cli import add_config_arguments
-
-    add_config_arguments(p)
-    p.add_argument("--out", default=None, help="keys directory (default: broker.keys_dir of the config)")
-    p.add_argument("--client", action="append", default=None, metavar="NAME",
-                   help="client identity to create and authorise (repeatable; default: client)")
-    p.add_argument("--force", action="store_true", help="replace existing key pairs")
-
-
-def run(args: argparse.Namespace) -> int:
-    from comap_async.config import load_config
-
-    out = args.out
-    if out is None:
-        out = load_config(args.config, args.overrides).broker.keys_dir
-    path = generate_keys(out, args.client, args.force)
-    print(path)
-    return 0

@@ -19,7 +19,7 @@ from typing import Any
 
 from comap_async.inference.adapters import BASE, SlotManager, read_adapter, resolve_adapter_dir
 from comap_async.inference.engine import Engine
-from comap_async.inference.sampling import RequestError
+from comap_async.inference.token_sampling import RequestError
 
 MAX_NAME = 256
 REFILL_DELAY_S = 2.0

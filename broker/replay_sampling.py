@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from comap_async.protocol import PHASES
+from comap_async.wire.protocol import PHASES
 
 from broker.ingest import record_from_store
 from broker.store import ReplayStore

@@ -12,7 +12,7 @@ import time
 from collections import OrderedDict, deque
 from typing import Any
 
-from comap_async.protocol import ProtocolError
+from comap_async.wire.protocol import ProtocolError
 
 # Prefixes of the counters owned by the event loop (restored from the persisted state at start).
 LIVE_PREFIXES = ("reject_", "stale_skipped_", "phase_skipped_", "refused", "internal_errors", "peer_", "learner_requests")

@@ -21,8 +21,8 @@ from aiohttp import web
 
 from comap_async.httpcommon import bearer_matches
 from comap_async.inference.engine import Engine, Sequence
-from comap_async.inference.registry import AdapterRegistry
-from comap_async.inference.sampling import CompletionRequest, RequestError, make_generator, parse_completion_request
+from comap_async.inference.slot_registry import AdapterRegistry
+from comap_async.inference.token_sampling import CompletionRequest, RequestError, make_generator, parse_completion_request
 
 MAX_WAITING = 1024  # queued sequences beyond this get 503 (clients retry elsewhere / later)
 MAX_BODY = 8 << 20
@@ -297,7 +297,7 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
 
     from comap_async.inference.adapters import SlotManager
     from comap_async.inference.layout import prepare_for_inference
-    from comap_async.inference.registry import AdapterRegistry
+    from comap_async.inference.slot_registry import AdapterRegistry
     from comap_async.models import load_model_and_tokenizer, resolve_model
 
     torch.set_num_threads(cfg.model.torch_threads)

@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from comap_async.protocol import DEFAULT_MAX_MESSAGE_BYTES, SCHEMA_VERSION, ProtocolError, decode, encode
+from comap_async.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, SCHEMA_VERSION, ProtocolError, decode, encode
 from comap_async.waiting import cancel_and_wait
 
 
@@ -84,7 +84,7 @@ class Outbox:
     @classmethod
     def from_config(cls, cfg: Any, **kw: Any) -> "Outbox":
         """An outbox for ``cfg`` (a CoMapConfig): endpoint, bounds, timeout, spill dir, CURVE keys."""
-        from broker.keys import client_connection
+        from comap_async.wire.curve import client_connection
 
         endpoint, keys = client_connection(cfg, cfg.broker.actor_port, kw.pop("client_keys", None))
         return cls(endpoint, max_pending=cfg.actor.outbox_max,

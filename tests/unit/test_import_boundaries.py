@@ -1,0 +1,118 @@
+"""Processes meet only through the wire: an import walk over every module of the repository.
+
+Process packages are ``actors``, ``broker``, ``learner`` and the embedded inference server
+(``comap_async.inference``); everything else under ``comap_async`` is the core. A process may
+import the core and itself, never another process; the core imports no process; ``actors`` and
+``broker`` never import torch (they run on CPU nodes without it); benchmarks do not import tests.
+Imports inside functions count: a lazy import still couples two processes.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PROCESSES = ("actors", "broker", "learner", "comap_async.inference")
+NO_TORCH = ("actors", "broker")
+HEAVY = ("torch", "transformers", "peft")
+
+
+def owner(module: str) -> str:
+    """The process package a dotted module name belongs to, ``core``, or ``other`` (third party)."""
+    for p in PROCESSES:
+        if module == p or module.startswith(p + "."):
+            return p
+    return "core" if module == "comap_async" or module.startswith("comap_async.") else "other"
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, module: str) -> list[tuple[int, str]]:
+    """(line, absolute dotted name) of every import in ``path``, relative ones resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # ``from comap_async import inference`` imports a process: judge each name it brings in
+            found += [(node.lineno, f"{base}.{a.name}" if base else a.name) for a in node.names]
+    return found
+
+
+def violations(root: Path) -> list[str]:
+    """Every forbidden import under ``root`` (a repository checkout), as ``path:line: reason``."""
+    out = []
+    for top in ("comap_async", "actors", "broker", "learner", "benchmarks"):
+        for path in sorted((root / top).rglob("*.py")):
+            module = module_name(path, root)
+            me = owner(module)
+            for line, name in imports_of(path, module):
+                where = f"{path.relative_to(root)}:{line}"
+                them = owner(name)
+                if top == "benchmarks":
+                    if name == "tests" or name.startswith("tests."):
+                        out.append(f"{where}: a benchmark imports {name} (tests are not a library)")
+                    continue
+                if them not in ("core", "other") and them != me:
+                    out.append(f"{where}: {me} imports {name} ({them} is another process; meet through comap_async.wire)"
+                               if me != "core" else f"{where}: the core imports {name} (a process package)")
+                if me in NO_TORCH and name.split(".")[0] in HEAVY:
+                    out.append(f"{where}: {me} imports {name} (no torch on actor/broker nodes)")
+    return out
+
+
+def test_the_repository_keeps_its_import_boundaries():
+    assert violations(REPO) == []
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for top in ("comap_async", "actors", "broker", "learner", "benchmarks"):
+        (tmp_path / top).mkdir(parents=True, exist_ok=True)
+        (tmp_path / top / "__init__.py").write_text("")
+    (tmp_path / "comap_async" / "inference").mkdir(exist_ok=True)
+    for rel, text in files.items():
+        (tmp_path / rel).write_text(text)
+    return tmp_path
+
+
+@pytest.mark.parametrize("rel,text,reason", [
+    ("actors/worker.py", "def f():\n    from learner.loop import Learner\n", "actors imports learner.loop"),
+    ("learner/loop.py", "from broker import store\n", "learner imports broker.store"),
+    ("broker/server.py", "from . import x\nfrom actors import episodes\n", "broker imports actors.episodes"),
+    ("actors/llm.py", "from comap_async.inference.engine import Engine\n", "actors imports comap_async.inference.engine"),
+    ("comap_async/gates.py", "import broker.store\n", "the core imports broker.store"),
+    ("comap_async/wire/x.py", "from learner import losses\n", "the core imports learner.losses"),
+    ("broker/ingest.py", "import torch\n", "broker imports torch"),
+    ("actors/episodes.py", "from transformers import AutoTokenizer\n", "actors imports transformers"),
+    ("benchmarks/b.py", "from tests.fixtures.broker import BrokerProc\n", "a benchmark imports tests.fixtures.broker"),
+])
+def test_an_added_cross_process_import_is_caught(tmp_path, rel, text, reason):
+    (tmp_path / "comap_async" / "wire").mkdir(parents=True)
+    root = _tree(tmp_path, {rel: text})
+    found = violations(root)
+    assert len(found) == 1 and reason in found[0], found
+
+
+def test_allowed_imports_pass(tmp_path):
+    (tmp_path / "comap_async" / "wire").mkdir(parents=True)
+    root = _tree(tmp_path, {
+        "actors/worker.py": "from comap_async.wire.broker_client import BrokerClient\nfrom actors import llm\n",
+        "learner/loop.py": "import torch\nfrom comap_async.wire.inference_client import InferenceClient\n",
+        "comap_async/inference/engine.py": "import torch\nfrom comap_async.config import Config\n",
+        "broker/server.py": "from .store import ReplayStore\nfrom comap_async import gates\n",
+    })
+    assert violations(root) == []
