@@ -18,8 +18,10 @@ from comap_async.diagnostics import branch_outcome, reflection_label
 from comap_async.facts import Facts, NextState, state_delta_f1
 from comap_async.gates import action_gate, canonical_action
 from comap_async.prompts import render_state
+from comap_async.wire.messages import COEVOLVE, KEEP, POLICY, REFLECT_INIT, WARMUP, WM, ActorMessage, Reflection, Registry, Transition
+from comap_async.wire.messages import Episode as EpisodeMessage
 
-Emit = Callable[[dict[str, Any]], Awaitable[Any]]
+Emit = Callable[[ActorMessage], Awaitable[Any]]
 
 
 @dataclass
@@ -30,7 +32,8 @@ class EpisodeContext:
     emit: Emit
     next_state: NextState
     """The environment's fact-state update (``comap_async.envs.get_next_state``)."""
-    registry: Callable[[], dict[str, Any]]
+    registry: Callable[[], Registry]
+    """The current registry (the actor's :class:`~actors.registry_view.RegistryView`)."""
     on_step: Callable[[], None] | None = None
     """Called after every real environment step (evaluation's progress bar)."""
 
@@ -62,9 +65,8 @@ class EpisodeStats:
         return out
 
 
-def _versions(registry: dict[str, Any]) -> tuple[int, int]:
-    v = registry.get("versions") or {}
-    return int(v.get("policy", 0)), int(v.get("wm", 0))
+def _versions(registry: Registry) -> tuple[int, int]:
+    return registry.versions.get(POLICY, 0), registry.versions.get(WM, 0)
 
 
 class Episode:
@@ -105,28 +107,27 @@ class Episode:
         self.stats.won, self.stats.reward = nxt.won, self.stats.reward + nxt.reward
 
     def transition(self, phase: str, t: int, o: str, s: str, policy_version: int | None = None,
-                   wm_version: int | None = None, **fields: Any) -> dict[str, Any]:
+                   wm_version: int | None = None, **fields: Any) -> Transition:
         """``policy_version``/``wm_version``: the adapters that generated the step's fields (the draft
         call's, the call that produced ``s_hat_exec``: ``AgentLLM.last_version``); None = the registry's."""
         policy_v, wm_v = _versions(self.ctx.registry())
         policy_v = policy_v if policy_version is None else policy_version
         wm_v = wm_v if wm_version is None else wm_version
         nxt = self.current
-        return {"type": "transition", "id": f"{self.id}:{t}", "actor": self.ctx.actor, "env": self.ctx.cfg.env.name,
-                "game": self.game.name, "split": self.game.split, "episode": self.id, "t": t, "o": o, "phase": phase,
-                "goal": self.task, "s": s, "s_next": nxt.observation, "reward": float(nxt.reward), "done": bool(nxt.done),
-                "won": bool(nxt.won), "policy_version": policy_v, "wm_version": wm_v, "ts": time.time(),
-                "facts": sorted(self.facts_before), **fields}
+        step = dict(id=f"{self.id}:{t}", s_next=nxt.observation, reward=float(nxt.reward), done=bool(nxt.done),
+                    won=bool(nxt.won), policy_version=policy_v, wm_version=wm_v)
+        step.update(fields)  # e.g. an explored action's own outcome
+        return Transition(seq=0, actor=self.ctx.actor, env=self.ctx.cfg.env.name, game=self.game.name,
+                          split=self.game.split, episode=self.id, t=t, o=o, phase=phase, goal=self.task, s=s,
+                          ts=time.time(), facts=sorted(self.facts_before), **step)
 
     async def finish(self, phase: str, eval_mode: bool) -> EpisodeStats:
         policy_v, wm_v = _versions(self.ctx.registry())
-        await self.ctx.emit({
-            "type": "episode", "id": self.id, "actor": self.ctx.actor, "env": self.ctx.cfg.env.name,
-            "game": self.game.name, "split": self.game.split, "phase": phase, "eval": eval_mode,
-            "steps": self.stats.steps, "won": self.stats.won, "reward": self.stats.reward,
-            "policy_version": policy_v, "wm_version": wm_v, "wall_s": time.time() - self.t0, "ts": time.time(),
-            "metrics": self.stats.metrics(),
-        })
+        await self.ctx.emit(EpisodeMessage(
+            seq=0, id=self.id, actor=self.ctx.actor, env=self.ctx.cfg.env.name, game=self.game.name,
+            split=self.game.split, phase=phase, eval=eval_mode, steps=self.stats.steps, won=self.stats.won,
+            reward=float(self.stats.reward), policy_version=policy_v, wm_version=wm_v, wall_s=time.time() - self.t0,
+            ts=time.time(), metrics=self.stats.metrics()))
         return self.stats
 
 
@@ -158,15 +159,15 @@ async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str,
                 explored = x_action, await branch.step(x_action)
         ep.advance(action, await env.step(action))
         await ctx.emit(ep.transition(
-            "warmup", t, o, s, a_draft=action, s_hat="", decision="KEEP", a_ref=action, p_revise=0.0, q_ref=1.0,
+            WARMUP, t, o, s, a_draft=action, s_hat="", decision=KEEP, a_ref=action, p_revise=0.0, q_ref=1.0,
             a_exec=action, s_hat_exec="", s_hat_teacher="", expert_action=label))
         if explored is not None:  # emitted like step t's own transition, so it gets the same fields (facts)
             x_action, x = explored
             await ctx.emit(ep.transition(
-                "warmup", t, o, s, id=f"{ep.id}:{t}:x", explore=True, a_draft=x_action, s_hat="", decision="KEEP",
+                WARMUP, t, o, s, id=f"{ep.id}:{t}:x", explore=True, a_draft=x_action, s_hat="", decision=KEEP,
                 a_ref=x_action, p_revise=0.0, q_ref=1.0, a_exec=x_action, s_hat_exec="", s_hat_teacher="",
                 expert_action=label, s_next=x.observation, reward=float(x.reward), done=bool(x.done), won=bool(x.won)))
-    return await ep.finish("warmup", False)
+    return await ep.finish(WARMUP, False)
 
 
 async def play_branch(env: Any, game: Any, prefix: list[str], first: str, plan: list[str]) -> tuple[Any, str]:
@@ -232,13 +233,12 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
         if equal:
             y, label, s_bar = *reflection_label(True, None, None), ep.current.observation
         policy_v, wm_v = _versions(ctx.registry())
-        await ctx.emit({"type": "reflection", "id": f"{episode_id}:{t}:r", "actor": ctx.actor,
-                        "game": game.name, "s": s, "a_draft": draft, "s_bar": s_bar,
-                        "target": expert if y else draft, "y": y, "label": label,
-                        "policy_version": policy_v, "wm_version": wm_v, "ts": time.time()})
+        await ctx.emit(Reflection(seq=0, id=f"{episode_id}:{t}:r", actor=ctx.actor, game=game.name, s=s, a_draft=draft,
+                                  s_bar=s_bar, target=expert if y else draft, y=y, label=label,
+                                  policy_version=policy_v, wm_version=wm_v, ts=time.time()))
         ep.stats.reflections += 1
         ep.stats.labels[label] = ep.stats.labels.get(label, 0) + 1
-    return await ep.finish("reflect_init", False)
+    return await ep.finish(REFLECT_INIT, False)
 
 
 async def judge_step(branch: Any, game: Any, prefix: list[str], a_draft: str, a_ref: str,
@@ -252,9 +252,9 @@ async def judge_step(branch: Any, game: Any, prefix: list[str], a_draft: str, a_
     return int(d_result.won), int(r_result.won)
 
 
-async def _teach_and_emit(ctx: EpisodeContext, transition: dict[str, Any]) -> None:
+async def _teach_and_emit(ctx: EpisodeContext, transition: Transition) -> None:
     """The teacher's prediction of the observed next state (``s_next``), then the step's transition."""
-    transition["s_hat_teacher"] = await ctx.llm.teacher(transition["s"], transition["a_exec"], transition["s_next"])
+    transition.s_hat_teacher = await ctx.llm.teacher(transition.s, transition.a_exec, transition.s_next)
     await ctx.emit(transition)
 
 
@@ -306,7 +306,7 @@ async def play_coevolve(ctx: EpisodeContext, env: Any, game: Any, episode_id: st
                 continue
             # the transition is taken now (it reads the episode's current step); the teacher fills s_hat_teacher
             send = _teach_and_emit(ctx, ep.transition(
-                "coevolve", t, o, s, a_draft=a_draft, s_hat=s_hat, decision=refl.decision, a_ref=refl.a_ref,
+                COEVOLVE, t, o, s, a_draft=a_draft, s_hat=s_hat, decision=refl.decision, a_ref=refl.a_ref,
                 p_revise=refl.p_revise, q_ref=refl.q_ref, a_exec=a_exec, s_hat_exec=s_hat_exec, s_hat_teacher="",
                 expert_action=expert, policy_version=policy_v, wm_version=wm_v))
             if overlap:
@@ -323,4 +323,4 @@ async def play_coevolve(ctx: EpisodeContext, env: Any, game: Any, episode_id: st
         raise
     if previous is not None:
         await previous
-    return await ep.finish("coevolve", eval_mode)
+    return await ep.finish(COEVOLVE, eval_mode)

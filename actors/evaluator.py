@@ -21,8 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.evaluate import ROLES
 from comap_async.cli import add_config_arguments
+from comap_async.wire.messages import ROLES, Registry, adapter_name
+
+EVAL_PREFIX = "eval-"  # the evaluator serves its own copies of a version's adapters: a publish may retire the learner's
 
 SCALARS = ("wm_delta_f1", "wm_delta_f1_failures", "draft_accuracy", "admissible_rate", "success_rate")
 
@@ -48,7 +50,7 @@ def next_version(done: set[int], published: list[int], every: int, max_pending: 
 
 def published_versions(adapter_root: Path, current: int) -> list[int]:
     """Versions up to ``current`` whose three adapters are on disk (the learner keeps the files)."""
-    return [v for v in range(1, current + 1) if all((adapter_root / f"{r}-v{v}").is_dir() for r in ROLES)]
+    return [v for v in range(1, current + 1) if all((adapter_root / adapter_name(r, v)).is_dir() for r in ROLES)]
 
 
 def done_versions(eval_dir: Path) -> set[int]:
@@ -99,13 +101,13 @@ class Evaluator:
 
     async def evaluate(self, client: Any, version: int, registry: dict[str, Any]) -> dict[str, Any]:
         from actors.eval_report import summarize
-        from actors.evaluate import play_games
+        from actors.eval_runner import play_games
         from actors.probes import run_probes
 
-        names = {r: f"eval-{r}-v{version}" for r in ROLES} if version else {}
+        eval_registry = Registry.serving(version, prefix=EVAL_PREFIX)
+        names = dict(eval_registry.adapters)
         for role, name in names.items():
-            await client.load_adapter(name, str(self.cfg.adapter_root / f"{role}-v{version}"))
-        eval_registry = {"phase": "coevolve", "versions": dict.fromkeys(ROLES, version), "adapters": names, "step": 0}
+            await client.load_adapter(name, str(self.cfg.adapter_root / adapter_name(role, version)))
         t0 = time.time()
         cfg = self.cfg.model_copy(update={"actor": self.cfg.actor.model_copy(update={"envs": self.cfg.eval.envs})})
         probe_games, success_games = self.games

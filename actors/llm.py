@@ -14,13 +14,13 @@ read its version there.)
 
 from __future__ import annotations
 
-import re
-from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
+from actors.registry_view import RegistryView
 from comap_async.config import ActorConfig
+from comap_async.wire.messages import POLICY, WM, WM_TEACHER, adapter_version
 from comap_async.prompts import FINAL_PREFIX, Prompts, parse_action, parse_reflection, revise_probability, sequence_confidence
 
 STOP_ACTION = ["\n", "<|im_end|>"]
@@ -28,16 +28,9 @@ STOP_STATE = ["<|im_end|>", "\n\n"]
 TEACHER_TEMPERATURE = 0.0
 """The EMA teacher predicts greedily: its prediction is the world-state gate's reference."""
 
-_ADAPTER_VERSION = re.compile(r"-v(\d+)$")
 # role -> the model name this task's most recent call for that role used (copied on write, so a
 # task never changes a mapping another task sees)
 _LAST_MODEL: ContextVar[dict[str, str]] = ContextVar("comap_last_model", default={})
-
-
-def adapter_version(model: str) -> int:
-    """The adapter version a served model name denotes: ``f"{role}-v{n}"`` -> n; the base model -> 0."""
-    m = _ADAPTER_VERSION.search(model or "")
-    return int(m.group(1)) if m else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,17 +72,13 @@ def action_token_logprobs(text: str, tokens: list[str], token_logprobs: list[flo
 
 class AgentLLM:
     def __init__(self, client: Any, prompts: Prompts, cfg: ActorConfig, base_model: str,
-                 refresh_registry: Callable[[], Awaitable[dict[str, Any] | None]] | None = None) -> None:
+                 registry: RegistryView | None = None) -> None:
         self.client, self.prompts, self.cfg, self.base_model = client, prompts, cfg, base_model
-        self.adapters: dict[str, str] = {}
-        self.refresh_registry = refresh_registry
+        self.registry = registry if registry is not None else RegistryView()
         self.stale_adapter_retries = 0
 
-    def use_registry(self, registry: dict[str, Any] | None) -> None:
-        self.adapters = dict((registry or {}).get("adapters") or {})
-
     def model_for(self, role: str) -> str:
-        return self.adapters.get(role) or self.base_model
+        return self.registry.adapter(role) or self.base_model
 
     @staticmethod
     def last_model(role: str) -> str | None:
@@ -121,15 +110,15 @@ class AgentLLM:
             except InferenceError as exc:
                 # The learner retires old adapter versions; an actor whose last ack predates two publishes
                 # asks for one that is gone (404). Fetch the current registry and retry once.
-                if exc.status != 404 or attempt or self.refresh_registry is None or role not in self.adapters:
+                if exc.status != 404 or attempt or not self.registry.can_refresh or self.registry.adapter(role) is None:
                     raise
                 self.stale_adapter_retries += 1
-                self.use_registry(await self.refresh_registry())
+                await self.registry.refresh()
         raise AssertionError("unreachable")
 
     async def draft(self, state: str) -> tuple[str | None, str | None]:
         """(action, problem); action None when the output had no usable line."""
-        c = await self._complete("policy", self.prompts.draft(state), self.cfg.max_draft_tokens, STOP_ACTION,
+        c = await self._complete(POLICY, self.prompts.draft(state), self.cfg.max_draft_tokens, STOP_ACTION,
                                  self.cfg.temperature)
         parsed = parse_action(c["text"])
         return parsed.value, parsed.problem
@@ -137,18 +126,18 @@ class AgentLLM:
     async def imagine(self, state: str, action: str) -> str:
         """The world model's (student's) predicted observation, sampled at ``actor.wm_temperature``:
         it is the rollout self-distillation trains on (``s_hat_exec``), as in the paper."""
-        c = await self._complete("wm", self.prompts.world_model(state, action), self.cfg.max_wm_tokens, STOP_STATE,
+        c = await self._complete(WM, self.prompts.world_model(state, action), self.cfg.max_wm_tokens, STOP_STATE,
                                  self.cfg.wm_temperature)
         return c["text"].strip()
 
     async def teacher(self, state: str, action: str, real_next: str) -> str:
         """The EMA teacher's prediction given the real next state (greedy: the gate's reference)."""
-        c = await self._complete("wm_teacher", self.prompts.teacher(state, action, real_next),
+        c = await self._complete(WM_TEACHER, self.prompts.teacher(state, action, real_next),
                                  self.cfg.max_wm_tokens, STOP_STATE, TEACHER_TEMPERATURE)
         return c["text"].strip()
 
     async def reflect(self, state: str, a_draft: str, s_hat: str) -> Reflected:
-        c = await self._complete("policy", self.prompts.reflect(state, a_draft, s_hat),
+        c = await self._complete(POLICY, self.prompts.reflect(state, a_draft, s_hat),
                                  self.cfg.max_reflection_tokens, ["<|im_end|>"], self.cfg.temperature, self.cfg.logprobs)
         text = c["text"]
         lp = c.get("logprobs") or {}

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from comap_async.gates import canonical_action
+from comap_async.wire.messages import Registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,12 +111,13 @@ async def probe_game(ctx: Any, env: Any, branch: Any, game: Any, failures: int, 
     return rows
 
 
-async def run_probes(cfg: Any, games: Sequence[Any], registry: dict[str, Any], log: Any,
+async def run_probes(cfg: Any, games: Sequence[Any], registry: Registry, log: Any,
                      on_game: Callable[[], None] | None = None, on_step: Callable[[], None] | None = None,
                      failures_per_game: int = 2) -> dict[str, Any]:
     """Probe ``games`` with the adapters ``registry`` names (greedy, ``actor.envs`` games at a time)."""
     from actors.episodes import EpisodeContext
     from actors.llm import AgentLLM
+    from actors.registry_view import RegistryView
     from comap_async.envs import env_pool_from_config, get_next_state
     from comap_async.wire.inference_client import InferenceClient
     from comap_async.models import resolve_model
@@ -125,10 +127,9 @@ async def run_probes(cfg: Any, games: Sequence[Any], registry: dict[str, Any], l
     greedy = cfg.actor.model_copy(update={"temperature": 0.0, "wm_temperature": 0.0})
     async with InferenceClient.from_config(cfg) as client:
         models = await client.models()
-        llm = AgentLLM(client, prompts, greedy, base_model=models[0] if models else "")
-        llm.use_registry(registry)
+        llm = AgentLLM(client, prompts, greedy, base_model=models[0] if models else "", registry=RegistryView(registry))
 
-        async def emit(msg: dict[str, Any]) -> None:
+        async def emit(msg: Any) -> None:
             return None
 
         ctx = EpisodeContext("probe", cfg, llm, emit, get_next_state(cfg.env.name), lambda: registry, on_step)

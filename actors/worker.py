@@ -17,7 +17,9 @@ from collections import defaultdict
 from typing import Any
 
 from actors.episodes import EpisodeContext, EpisodeStats, play_coevolve, play_expert, play_reflect_init
+from actors.registry_view import RegistryView
 from comap_async.waiting import cancel_and_wait, wait_until_answers
+from comap_async.wire.messages import COEVOLVE, POLICY, REFLECT_INIT, WARMUP, Registry
 
 
 class ActorMetrics:
@@ -51,7 +53,7 @@ class ActorMetrics:
 class ActorWorker:
     def __init__(self, cfg: Any, log: Any, envs: int | None = None, episodes: int | None = None,
                  eval_mode: bool = False, split: str | None = None, games: list | None = None,
-                 reflection_metrics: bool = False, eval_phase: str = "coevolve",
+                 reflection_metrics: bool = False, eval_phase: str = COEVOLVE,
                  on_step: Any = None) -> None:
         self.cfg, self.log = cfg, log
         self.n_envs = envs or cfg.actor.envs
@@ -69,7 +71,7 @@ class ActorWorker:
         self._started = 0
         self._counter = 0
         self._warmup_played = 0
-        self.refresh_registry: Any = None  # set in run(): fetches the registry from the broker
+        self.registry = RegistryView()  # replaced in run(): the one view of the broker's registry
 
     def _claim_episode(self) -> str | None:
         if self.stop.is_set() or (self.episode_budget is not None and self._started >= self.episode_budget):
@@ -83,30 +85,28 @@ class ActorWorker:
         while (episode_id := self._claim_episode()) is not None:
             game = games[index % len(games)] if self.eval_mode or self.games else rng.choice(games)
             index += self.n_envs
-            registry = ctx.registry()
-            phase = registry.get("phase", "warmup") if registry else "warmup"
-            if phase == "warmup" and not self.eval_mode and self._warmup_played >= self.cfg.actor.max_warmup_episodes:
+            phase, version = self.registry.phase(), self.registry.version(POLICY)
+            if phase == WARMUP and not self.eval_mode and self._warmup_played >= self.cfg.actor.max_warmup_episodes:
                 # enough demonstrations from this process: wait for the learner instead of burning a core
                 self._started -= 1
                 self._counter -= 1
                 await self._idle_until_phase_changes()
                 continue
-            if phase == "warmup" and not self.eval_mode:
+            if phase == WARMUP and not self.eval_mode:
                 self._warmup_played += 1
-            version = int((registry.get("versions") or {}).get("policy", 0)) if registry else 0
             try:
-                if self.eval_mode and self.eval_phase == "reflect_init":  # labels only, nothing trained
+                if self.eval_mode and self.eval_phase == REFLECT_INIT:  # labels only, nothing trained
                     branch = branch or pool.env()
                     stats = await play_reflect_init(ctx, env, branch, game, episode_id)
                 elif self.eval_mode:
                     if self.reflection_metrics:
                         branch = branch or pool.env()
                     stats = await play_coevolve(ctx, env, game, episode_id, eval_mode=True, branch=branch)
-                elif phase == "warmup":
+                elif phase == WARMUP:
                     if self.cfg.actor.warmup_explore > 0:  # exploratory actions run on a second environment
                         branch = branch or pool.env()
                     stats = await play_expert(ctx, env, game, episode_id, branch=branch)
-                elif phase == "reflect_init":
+                elif phase == REFLECT_INIT:
                     branch = branch or pool.env()
                     stats = await play_reflect_init(ctx, env, branch, game, episode_id)
                 else:
@@ -124,18 +124,14 @@ class ActorWorker:
                           won=stats.won, steps=stats.steps, version=version, **stats.metrics())
 
     async def _idle_until_phase_changes(self) -> None:
-        if self.refresh_registry is None:  # no broker to ask (evaluation): nothing to wait for
+        if not self.registry.can_refresh:  # no broker to ask (evaluation): nothing to wait for
             self.stop.set()
             return
         try:
-            registry = await self.refresh_registry()
+            if (await self.registry.refresh()).phase != WARMUP:
+                return
         except Exception as exc:  # broker briefly away: ask again on the next round
             self.log.info("actor.waiting", target="broker", reason=str(exc)[:200])
-            registry = None
-        if registry and registry.get("phase") != "warmup":
-            self._outbox.registry = registry
-            self._llm.use_registry(registry)
-            return
         await asyncio.sleep(5.0)
 
     async def _report(self) -> None:
@@ -143,7 +139,9 @@ class ActorWorker:
             await asyncio.sleep(30)
             self.log.info("actor.metrics", **self.metrics.summary())
 
-    async def run(self, outbox: Any = None) -> list[tuple[Any, EpisodeStats]]:
+    async def run(self, outbox: Any = None, registry: Registry | None = None) -> list[tuple[Any, EpisodeStats]]:
+        """Play until stopped or out of episodes. ``outbox``: where messages go (default: the
+        broker's); ``registry``: fixed adapters (evaluation; default: the broker's, on its acks)."""
         from comap_async.envs import env_pool_from_config, games_from_config, get_next_state
         from comap_async.wire.inference_client import InferenceClient
         from comap_async.models import resolve_model
@@ -165,25 +163,22 @@ class ActorWorker:
             from comap_async.wire.broker_client import BrokerClient
 
             refresher = BrokerClient.from_config(cfg, timeout_s=5.0, retries=2)
-        llm = AgentLLM(client, prompts, cfg.actor, base_model="",
-                       refresh_registry=refresher.get_registry if refresher else None)
-        self.refresh_registry = refresher.get_registry if refresher else None
-        self._outbox, self._llm = outbox, llm
-        outbox.on_registry = llm.use_registry
+        self.registry = RegistryView(fetch=refresher.get_registry if refresher else None)
+        self.registry.update(registry)
+        llm = AgentLLM(client, prompts, cfg.actor, base_model="", registry=self.registry)
+        outbox.on_registry = self.registry.update
         if own_outbox:
             await outbox.start()
-            if outbox.registry is None:  # the phase before the first ack, from the broker
-                outbox.registry = await wait_until_answers("broker", refresher.get_registry, self.log, self.stop,
-                                                           "actor.waiting")
-        if outbox.registry:
-            llm.use_registry(outbox.registry)
+            if not self.registry.known:  # the phase before the first ack, from the broker
+                self.registry.update(await wait_until_answers("broker", refresher.get_registry, self.log, self.stop,
+                                                              "actor.waiting"))
         pool = env_pool_from_config(cfg, workers=cfg.actor.env_workers)
         reporter = asyncio.create_task(self._report())
         try:
             llm.base_model = await self._base_model(client)
             await pool.start()
             ctx = EpisodeContext(self.actor_id, cfg, llm, outbox.put, get_next_state(cfg.env.name),
-                                 lambda: outbox.registry or {}, self.on_step)
+                                 self.registry.get, self.on_step)
             rng = random.Random(f"{cfg.run.seed}-{self.actor_id}")
             loops = [asyncio.create_task(self._episode_loop(ctx, pool, games, rng, i)) for i in range(self.n_envs)]
             stopper = asyncio.create_task(self.stop.wait())

@@ -1,5 +1,10 @@
 """The broker's actor path: receive, validate, gate, store in one durable transaction, then ack.
 
+:class:`ActorPath` is owned by :class:`broker.server.Broker`, which builds what it needs (the
+actor ROUTER, the replay store, the gate pool, the live counters) and hands them to it; the
+broker then starts it, reads its state for ``/stats`` and ``/healthz`` (``queued``,
+``writable_error``, ``map_info``) and stops it at shutdown.
+
 One task does it all: drain the actor ROUTER and queue the frames; hand batches of up to
 ``broker.group_commit`` frames to the gate pool (:mod:`broker.gate_worker`: decoding, validation
 and both gates, in worker processes by default); take the oldest gated batch, answer its rejects,
@@ -16,13 +21,14 @@ storage thread would fight the loop for the GIL on every put (see ``_store_and_a
 Everything here runs once per message at tens of thousands of messages a second, so it avoids
 pyzmq's multipart helpers (a Python loop with an option lookup per frame: measured 4-7 us per
 message against 1-2 us for the plain calls used here) and per-message bookkeeping that can be
-done once per batch.
+done once per batch (the positive ack's body, with the registry, is packed once per batch).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -30,14 +36,16 @@ import zmq
 
 import zmq.asyncio
 
-from comap_async.wire.protocol import ID_LEN, SCHEMA_VERSION
+from comap_async.wire.messages import ID_LEN, Ack
+from comap_async.wire.protocol import encode
 
-from broker.gate_worker import ITEM, REJECT, to_write_item
-from broker.counters import stored_total
-from broker.store import StoreRefused, WriteItem
+from broker.gate_worker import GatePool, Gated, Rejected, to_write_item
+from broker.counters import LiveStats, stored_total
+from broker.store import ReplayStore, StoreRefused, WriteItem
 
 Pending = tuple[bytes, list[bytes], bytes]  # ident, delimiter, raw frame
 _SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
+_SEQ_MARK = (1 << 62) - 1  # the seq a cached positive ack is encoded with (packed as a uint64)
 
 
 def _pack_seq(seq: int) -> bytes:
@@ -46,26 +54,77 @@ def _pack_seq(seq: int) -> bytes:
 
 
 class ActorPath:
-    """Mixin of :class:`broker.server.Broker` (which sets the attributes used here)."""
+    """Receives, gates, stores and acks what actors send on ``sock`` (see the module docstring).
 
-    def _ok_ack(self, seq: int) -> bytes:
-        """A positive ack, packed from a cached body (the registry changes rarely, acks are per message)."""
-        reg = self.store.registry
+    ``registry`` returns the registry that acks carry; ``group_commit`` is the most frames gated
+    and stored together, ``max_pending`` how many may be queued or in the gate pool before the
+    socket is no longer read; ``drain_s`` and ``drain_quiet_s`` bound the drain at :meth:`stop`.
+    The caller owns ``sock``, ``store`` and ``gates`` and closes them after :meth:`stop`."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, store: ReplayStore, gates: GatePool, live: LiveStats, log: Any, *,
+                 registry: Callable[[], dict[str, Any]], group_commit: int, max_pending: int, drain_s: float,
+                 drain_quiet_s: float) -> None:
+        self.sock, self.store, self.gates, self.live, self.log = sock, store, gates, live, log
+        self.registry = registry
+        self.group_commit, self.max_pending = group_commit, max_pending
+        self.drain_s, self.drain_quiet_s = drain_s, drain_quiet_s
+        self.pending: list[Pending] = []  # frames received, not yet handed to the gate pool
+        self.in_gates = 0  # frames handed to the gate pool, not yet stored and acked
+        self.writable_error: str | None = None  # why the store refuses writes now (None: it takes them)
+        self.map_info: dict[str, Any] = store.info()  # the LMDB map after the last commit
+        self.ingest_closed = False  # set by stop() after the drain: the task stops reading
+        self.last_rx = float("-inf")  # no actor traffic yet: nothing to drain
+        self._ack_cache: tuple[Any, tuple[bytes, bytes]] = (None, (b"", b""))
+        self._sync: zmq.Socket | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def queued(self) -> int:
+        """Frames received and not yet stored and acked."""
+        return len(self.pending) + self.in_gates
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run :meth:`run` as the ``actor`` task."""
+        self._task = asyncio.create_task(self.run(), name="actor")
+
+    async def drain(self) -> None:
+        """Keep storing and acking until actors have been quiet a moment (at most ``drain_s``).
+
+        ``honcho`` sends SIGTERM to every process at once; the actors then flush their outboxes,
+        and a broker that stopped reading at once would leave them waiting for acks until SIGKILL.
+        """
+        deadline = time.monotonic() + self.drain_s
+        while (now := time.monotonic()) < deadline and now - self.last_rx < self.drain_quiet_s:
+            await asyncio.sleep(min(0.05, deadline - now))
+
+    async def stop(self) -> None:
+        """Drain actors, stop reading, commit and ack what is queued; returns when the task has."""
+        if not self._task.done():
+            await self.drain()
+        self.ingest_closed = True
+        try:  # the task stops reading, commits and acks what it holds, then returns
+            await asyncio.wait_for(self._task, timeout=30)
+        except Exception as exc:  # noqa: BLE001 - shutdown must finish
+            self.log.error("broker.shutdown_flush_failed", error=repr(exc))
+
+    # ---- acks --------------------------------------------------------------------------------
+
+    def _ok_parts(self) -> tuple[bytes, bytes]:
+        """A positive ack packed around its seq value: (before, after). The registry changes
+        rarely and acks are per message, so the ack is encoded once per registry with a marker seq
+        (a fixed-width uint64) and only the seq's 8 bytes change per message."""
+        reg = self.registry()
         if self._ack_cache[0] is not reg:
-            body = {"v": SCHEMA_VERSION, "type": "ack", "ok": True, "error": None, "registry": reg}
-            # a msgpack map is a header plus key/value pairs: the same map with "seq" appended
-            self._ack_cache = (reg, b"\x86" + msgpack.packb(body, use_bin_type=True)[1:] + b"\xa3seq")
-        return self._ack_cache[1] + _pack_seq(seq)
+            data = encode(Ack(seq=_SEQ_MARK, ok=True, error=None, registry=reg), check=False)
+            before, marker, after = data.partition(_pack_seq(_SEQ_MARK))
+            assert marker, "the ack's seq is packed as a uint64"
+            self._ack_cache = (reg, (before, after))
+        return self._ack_cache[1]
 
-    def _send_ack(self, ident: bytes, delim: list[bytes], seq: int, ok: bool, error: str | None = None,
-                  retry: bool = False) -> None:
-        if ok:
-            data = self._ok_ack(seq)
-        else:
-            data = msgpack.packb({"v": SCHEMA_VERSION, "type": "ack", "seq": seq, "ok": False,
-                                  "error": error[:ID_LEN] if error else None, "registry": self.store.registry,
-                                  "retry": retry}, use_bin_type=True)
-        send = self._actor_sync.send
+    def _send(self, ident: bytes, delim: list[bytes], data: bytes) -> None:
+        send = self._sync.send
         try:
             # the ROUTER is not router_mandatory: a full or vanished peer drops the message instead
             # of raising, so a multipart message is never left half sent
@@ -78,12 +137,18 @@ class ActorPath:
             if self.live.should_log("ack_drop"):
                 self.log.warning("broker.ack_dropped", error=str(exc))
 
+    def _send_nack(self, ident: bytes, delim: list[bytes], seq: int, error: str | None, retry: bool) -> None:
+        self._send(ident, delim, encode(Ack(seq=seq, ok=False, error=error[:ID_LEN] if error else None,
+                                            registry=self.registry(), retry=retry), check=False))
+
     def _reject(self, ident: bytes, delim: list[bytes], category: str, reason: str, seq: int) -> None:
         self.live.reject(category)
         if self.live.should_log("reject:" + category):
             self.log.warning("broker.reject", category=category, reason=reason, peer=ident.hex()[:16],
                              total=self.live.rejects_total)
-        self._send_ack(ident, delim, seq, False, reason, retry=False)
+        self._send_nack(ident, delim, seq, reason, retry=False)
+
+    # ---- the task ----------------------------------------------------------------------------
 
     def _on_actor_frames(self, frames: list[bytes]) -> None:
         ident, body = frames[0], frames[1:]
@@ -95,17 +160,18 @@ class ActorPath:
             return
         self.pending.append((ident, delim, body[0]))  # decoded and gated by the gate pool
 
-    async def _actor_loop(self) -> None:
+    async def run(self) -> None:
         """Receive, gate, store and ack in one task: drain the socket, hand batches to the gate
-        pool, commit the oldest gated batch and ack it, repeat; sleep in poll.
+        pool, commit the oldest gated batch and ack it, repeat; sleep in poll. Returns after
+        :meth:`stop` once everything read has been committed and acked.
 
-        The sockets are read and written through synchronous views (an asyncio NOBLOCK call costs
+        The socket is read and written through a synchronous view (an asyncio NOBLOCK call costs
         a future each, measured ~3x slower per ack). That is safe because only this task touches
-        them, never while its own poll is pending, and the asyncio poll checks ZMQ_EVENTS before
+        it, never while its own poll is pending, and the asyncio poll checks ZMQ_EVENTS before
         it sleeps, so an edge consumed by a synchronous call is not a missed wake-up."""
-        self._actor_sync = zmq.Socket.shadow(self.actor_sock.underlying)
-        recv, more = self._actor_sync.recv, self._actor_sync.get
-        gates, group = self.gates, self.b.group_commit
+        self._sync = zmq.Socket.shadow(self.sock.underlying)
+        recv, more = self._sync.recv, self._sync.get
+        gates, group = self.gates, self.group_commit
         pollers: dict[bool, zmq.asyncio.Poller] = {}
         generation, next_check = -1, 0.0
         while True:
@@ -127,7 +193,7 @@ class ActorPath:
                     self.live.bump("internal_errors")
                     self.log.exception("broker.actor_frame_error", error=repr(exc))
             if received:  # once per drained batch: the drain at shutdown waits for a quiet socket
-                self.last_actor_rx = time.monotonic()
+                self.last_rx = time.monotonic()
             # full batches go out as long as the pool takes them; a partial one only to an idle
             # pool (for latency): one commit and one worker round trip per few frames would
             # cost more than waiting for the batch in flight
@@ -155,7 +221,7 @@ class ActorPath:
             reading = self._reading()
             if reading not in pollers:
                 pollers[reading] = poller = zmq.asyncio.Poller()
-                for sock in ([self.actor_sock] if reading else []) + gates.sockets:
+                for sock in ([self.sock] if reading else []) + gates.sockets:
                     poller.register(sock, zmq.POLLIN)
             await pollers[reading].poll(timeout=100)
             if gates.inflight_batches and (now := time.monotonic()) >= next_check:
@@ -168,7 +234,7 @@ class ActorPath:
 
     def _hand_out_batch(self, here: bool) -> None:
         """The oldest ``group_commit`` queued frames to the gate pool (``here``: gated in this process now)."""
-        group = self.b.group_commit
+        group = self.group_commit
         batch = self.pending[:group]
         del self.pending[:group]
         self.in_gates += len(batch)
@@ -186,17 +252,17 @@ class ActorPath:
         per_actor: dict[str, int] = {}
         shapes = meta["shapes"]
         for (ident, delim, raw), res in zip(batch, results):
-            kind = res[0]
-            if kind == ITEM:
+            kind = type(res)
+            if kind is Gated:
                 items.append(to_write_item(res, raw, shapes))
-                stored.append((ident, delim, res[1]))
-                per_actor[res[2]] = per_actor.get(res[2], 0) + 1
-            elif kind == REJECT:
-                self._reject(ident, delim, res[2], res[3], res[1])
-            else:  # FAILED: a bug while preparing this message; refused, never half stored
+                stored.append((ident, delim, res.seq))
+                per_actor[res.actor] = per_actor.get(res.actor, 0) + 1
+            elif kind is Rejected:
+                self._reject(ident, delim, res.category, res.reason, res.seq)
+            else:  # Failed: a bug while preparing this message; refused, never half stored
                 self.live.bump("internal_errors")
-                self.log.error("broker.prepare_failed", seq=res[1], actor=res[2], error=res[3])
-                self._send_ack(ident, delim, res[1], False, res[3], retry=False)
+                self.log.error("broker.prepare_failed", seq=res.seq, actor=res.actor, error=res.reason)
+                self._send_nack(ident, delim, res.seq, res.reason, retry=False)
         for actor, n in per_actor.items():  # once per batch: last_seen is a clock read and a reorder
             self.live.seen_actor(actor, n)
         if meta["parser_errors"]:  # counted and logged; the transition is kept, its text read as unparseable
@@ -217,9 +283,9 @@ class ActorPath:
             self.log.exception("broker.store_failed", error=repr(exc))
             self._refuse(stored, f"internal storage error: {type(exc).__name__}: {str(exc)[:200]}")
             return
-        send_ack = self._send_ack
+        send, (before, after) = self._send, self._ok_parts()  # the registry is read once per batch
         for ident, delim, seq in stored:  # STORED or DUPLICATE: either way it is in the store now
-            send_ack(ident, delim, seq, True)
+            send(ident, delim, before + _pack_seq(seq) + after)
         self.live.note_stored_total(stored_total(self.store.state["counters"]))
 
     def _refuse(self, stored: list[tuple[bytes, list[bytes], int]], reason: str) -> None:
@@ -228,4 +294,4 @@ class ActorPath:
         if self.live.should_log("refused"):
             self.log.error("broker.refusing_writes", reason=reason, refused_total=self.live.counters["refused"])
         for ident, delim, seq in stored:  # the actor keeps them and resends later
-            self._send_ack(ident, delim, seq, False, f"broker cannot store: {reason}", retry=True)
+            self._send_nack(ident, delim, seq, f"broker cannot store: {reason}", retry=True)

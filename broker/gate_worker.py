@@ -26,73 +26,100 @@ import signal
 import tempfile
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Union
 
 import msgpack
+import msgspec
 import zmq
 
 from comap_async.config import GateConfig
 from comap_async.gctune import tune_gc_for_throughput
-from comap_async.wire.protocol import ProtocolError, decode, error_reason
+from comap_async.wire.messages import ACTOR_TYPES
+from comap_async.wire.protocol import ProtocolError, decode, error_reason, message_type
 
-from broker.ingest import ACTOR_TYPES, Ingest, best_effort_int, load_next_state
+from broker.ingest import Ingest, best_effort_int, load_next_state
 from broker.counters import reject_category
 from broker.store import WriteItem
 
-# One result per frame, in order. ITEM: (ITEM, seq, actor, dedup_key, values, shape): ``shape``
-# indexes the batch's shapes (``meta["shapes"]``), each ``[[store, is_frame]..., counters]``, and
-# ``values`` holds the records that are not the frame itself (the raw transition is stored as
-# received), in the shape's order. A batch has a handful of shapes, so each message travels as
-# a few small fields instead of its own store names and counter map (measured: ~4 us less per
-# message for packing, unpacking and counting).
-# REJECT: (REJECT, seq, category, reason); FAILED: (FAILED, seq, actor, reason) for a valid message
-# whose preparation raised (a bug: the message is refused, never half stored).
-ITEM, REJECT, FAILED = 0, 1, 2
+class Gated(msgspec.Struct, array_like=True, tag=0):
+    """A frame to store. ``shape`` indexes the batch's shapes (``meta["shapes"]``), each
+    ``[[store, is_frame]..., counters]``, and ``values`` holds the records that are not the frame
+    itself (the raw transition is stored as received), in the shape's order. A batch has a handful
+    of shapes, so each message travels as a few small fields instead of its own store names and
+    counter map (measured: ~4 us less per message for packing, unpacking and counting)."""
+
+    seq: int
+    actor: str
+    dedup_key: bytes
+    values: list[bytes]
+    shape: int
+
+
+class Rejected(msgspec.Struct, array_like=True, tag=1):
+    """A frame that is not a valid actor message."""
+
+    seq: int
+    category: str
+    reason: str
+
+
+class Failed(msgspec.Struct, array_like=True, tag=2):
+    """A valid message whose preparation raised (a bug: the message is refused, never half stored)."""
+
+    seq: int
+    actor: str
+    reason: str
+
+
+GateResult = Union[Gated, Rejected, Failed]
+"""One result per frame, in order; they travel between processes as small msgpack arrays."""
+_encode_results = msgspec.msgpack.Encoder().encode
+decode_results = msgspec.msgpack.Decoder(list[GateResult]).decode
 STOP = b"stop"
 MAX_RESTARTS = 5
 _POLL_MS = 1000
 
 
 def prepare_frames(raws: list[bytes], ingest: Ingest, max_bytes: int, learner_port: int,
-                   shapes: dict[tuple, int]) -> list[tuple]:
+                   shapes: dict[tuple, int]) -> list[GateResult]:
     """Decode, validate and gate each frame (pure apart from the parser's error counter); the
     shapes of the items are added to ``shapes`` (shape -> index).
 
-    Never raises: whatever a frame does to the code, it gets a REJECT or FAILED result, so one
+    Never raises: whatever a frame does to the code, it gets a Rejected or Failed result, so one
     frame can neither kill a worker nor stall its batch."""
-    out: list[tuple] = []
+    out: list[GateResult] = []
     for raw in raws:
         try:
             out.append(_prepare_one(raw, ingest, max_bytes, learner_port, shapes))
         except Exception as exc:  # noqa: BLE001 - a bug for one frame: refused and counted, not fatal
-            out.append((FAILED, best_effort_int(raw, "seq"), "?", f"internal error: {type(exc).__name__}: "
-                        f"{str(exc)[:200]}"))
+            out.append(Failed(best_effort_int(raw, "seq"), "?", f"internal error: {type(exc).__name__}: "
+                              f"{str(exc)[:200]}"))
     return out
 
 
-def _prepare_one(raw: bytes, ingest: Ingest, max_bytes: int, learner_port: int, shapes: dict[tuple, int]) -> tuple:
+def _prepare_one(raw: bytes, ingest: Ingest, max_bytes: int, learner_port: int,
+                 shapes: dict[tuple, int]) -> GateResult:
     try:
         msg = decode(raw, max_bytes)
     except ProtocolError as exc:
-        return (REJECT, best_effort_int(raw, "seq"), reject_category(exc), error_reason(exc))
-    if msg["type"] not in ACTOR_TYPES:  # a learner request (it carries "req", not "seq")
-        return (REJECT, best_effort_int(raw, "seq"), "wrong_socket",
-                f"'{msg['type']}' is not an actor message (learners use the learner port {learner_port})")
+        return Rejected(best_effort_int(raw, "seq"), reject_category(exc), error_reason(exc))
+    if type(msg) not in ACTOR_TYPES:  # a learner request (it carries "req", not "seq")
+        return Rejected(best_effort_int(raw, "seq"), "wrong_socket",
+                        f"'{message_type(msg)}' is not an actor message (learners use the learner port {learner_port})")
     try:
         item = ingest.prepare(msg, raw)
     except Exception as exc:  # noqa: BLE001 - refused with its seq, so the actor hears of it
-        return (FAILED, msg["seq"], msg["actor"], f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
+        return Failed(msg.seq, msg.actor, f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
     layout = tuple((store, value is raw) for store, value in item.records)
     shape = (layout, tuple(item.counters.items()))
     index = shapes.get(shape)
     if index is None:
         index = shapes[shape] = len(shapes)
-    return (ITEM, msg["seq"], msg["actor"], item.dedup_key,
-            [value for store, value in item.records if value is not raw], index)
+    return Gated(msg.seq, msg.actor, item.dedup_key, [value for store, value in item.records if value is not raw], index)
 
 
 def gate_batch(raws: list[bytes], ingest: Ingest, max_bytes: int,
-               learner_port: int) -> tuple[list[tuple], dict[str, Any]]:
+               learner_port: int) -> tuple[list[GateResult], dict[str, Any]]:
     """:func:`prepare_frames` plus the batch's item shapes and fact-state errors (taken off
     ``ingest``'s counter)."""
     shapes: dict[tuple, int] = {}
@@ -103,12 +130,13 @@ def gate_batch(raws: list[bytes], ingest: Ingest, max_bytes: int,
     return results, meta
 
 
-def to_write_item(result: tuple, raw: bytes, shapes: list[list]) -> WriteItem:
-    """The :class:`WriteItem` of an ITEM result. Items of one shape share one counters map
+def to_write_item(result: Gated, raw: bytes, shapes: list[list]) -> WriteItem:
+    """The :class:`WriteItem` of a :class:`Gated` result. Items of one shape share one counters map
     (``ReplayStore.write`` adds each map once per batch, times its items)."""
-    layout, counters = shapes[result[5]]
-    values = iter(result[4])
-    return WriteItem(result[3], [(store, raw if is_frame else next(values)) for store, is_frame in layout], counters)
+    layout, counters = shapes[result.shape]
+    values = iter(result.values)
+    return WriteItem(result.dedup_key, [(store, raw if is_frame else next(values)) for store, is_frame in layout],
+                     counters)
 
 
 # ---- the worker process ----------------------------------------------------------------------
@@ -146,7 +174,7 @@ def worker_main(endpoint: str, env_name: str, parser_override: str | None, gates
                 return
             batch_id, payload = frame[:8], memoryview(frame)[8:]  # an 8-byte batch id, then the frames
             results, meta = gate_batch(msgpack.unpackb(payload, raw=False), ingest, max_bytes, learner_port)
-            sock.send_multipart([batch_id, pack(results), pack(meta)], copy=True)
+            sock.send_multipart([batch_id, _encode_results(results), pack(meta)], copy=True)
     finally:
         sock.close(0)
         ctx.term()
@@ -210,7 +238,7 @@ class GatePool:
         self.ctx = ctx  # the broker's zmq.asyncio context
         self.generation = 0  # bumped when the set of worker sockets changes (the poller re-registers)
         self.batches: dict[int, list[tuple]] = {}  # id -> (ident, delim, frame)s, until its results are taken
-        self.done: dict[int, tuple[list[tuple], dict[str, Any]]] = {}
+        self.done: dict[int, tuple[list[GateResult], dict[str, Any]]] = {}
         self.order: deque[int] = deque()
         self.next_id = 0
         self.restarts = 0
@@ -264,7 +292,7 @@ class GatePool:
                 if bid not in self.batches or bid in self.done:
                     continue  # a batch already gated here after a restart
                 worker.inflight.remove(bid)
-                self.done[bid] = (msgpack.unpackb(payload, raw=False), msgpack.unpackb(meta_raw, raw=False))
+                self.done[bid] = (decode_results(payload), msgpack.unpackb(meta_raw, raw=False))
 
     def check_workers(self) -> None:
         """Gate a dead worker's batches here and start a new worker in its place. After
@@ -289,7 +317,7 @@ class GatePool:
             w if w not in dead else _Worker(self.ctx, self.spec, i) for i, w in enumerate(self.workers)]
         self.generation += 1
 
-    def ready(self) -> tuple[list[tuple], list[tuple], dict[str, Any]] | None:
+    def ready(self) -> tuple[list[tuple], list[GateResult], dict[str, Any]] | None:
         """The oldest submitted batch's frames, results and parser-error meta (:func:`gate_batch`),
         if they are in (results stay in submission order)."""
         self.collect()

@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from comap_async.httpcommon import append_metric, bearer_matches
+from prometheus_client.metrics_core import Metric
+
+from comap_async.httpcommon import bearer_matches, exposition, family, scrape_registry
 
 from broker.ingest import record_from_store
 
@@ -21,12 +23,12 @@ def _authorised(request: web.Request, token: str | None) -> bool:
     return not token or bearer_matches(request.headers.get("Authorization", ""), token)
 
 
-def prometheus_text(stats: dict[str, Any]) -> str:
-    """Render the stats snapshot as Prometheus exposition text (counters end in _total)."""
-    out: list[str] = []
+def broker_families(stats: dict[str, Any]) -> list[Metric]:
+    """The stats snapshot as Prometheus metric families (counters end in _total)."""
+    out: list[Metric] = []
 
     def metric(name: str, kind: str, help_text: str, samples: list[tuple[dict[str, Any], float]]) -> None:
-        append_metric(out, f"comap_broker_{name}", kind, help_text, samples)
+        out.append(family(kind, f"comap_broker_{name}", help_text, samples))
 
     stores = stats["stores"]
     metric("store_items", "gauge", "Items held per replay store.", [({"store": s}, v["count"]) for s, v in stores.items()])
@@ -56,11 +58,17 @@ def prometheus_text(stats: dict[str, Any]) -> str:
     metric("writable", "gauge", "1 when the broker can store, 0 while it refuses writes.", [({}, 1 if stats["writable"] else 0)])
     metric("map_bytes", "gauge", "LMDB map size and used bytes.",
            [({"kind": "size"}, stats["map"]["map_size"]), ({"kind": "used"}, stats["map"]["map_used"])])
-    return "\n".join(out) + "\n"
+    return out
+
+
+def prometheus_text(stats: dict[str, Any]) -> str:
+    """Render a stats snapshot as Prometheus exposition text (what ``/metrics`` serves)."""
+    return exposition(scrape_registry(lambda: broker_families(stats)))[0].decode()
 
 
 def make_app(broker: "Broker") -> web.Application:
     token = broker.b.http_token
+    registry = scrape_registry(lambda: broker_families(broker.stats()))  # this broker's own; read per scrape
 
     async def healthz(request: web.Request) -> web.Response:
         ok = broker.writable_error is None
@@ -70,13 +78,13 @@ def make_app(broker: "Broker") -> web.Application:
     async def stats(request: web.Request) -> web.Response:
         if not _authorised(request, token):
             return web.json_response({"error": "missing or wrong bearer token"}, status=401)
-        return web.Response(text=json.dumps(broker.counters()), content_type="application/json")
+        return web.Response(text=json.dumps(broker.stats()), content_type="application/json")
 
     async def metrics(request: web.Request) -> web.Response:
         if not _authorised(request, token):
             return web.Response(text="missing or wrong bearer token\n", status=401)
-        return web.Response(text=prometheus_text(broker.counters()), content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Options": "nosniff"})
+        body, content_type = exposition(registry)
+        return web.Response(body=body, headers={"Content-Type": content_type, "X-Content-Type-Options": "nosniff"})
 
     async def records(request: web.Request) -> web.Response:
         """The newest ``limit`` records of a store (for `comap stats` and analysis), oldest first."""

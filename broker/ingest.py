@@ -23,16 +23,17 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+import msgspec
 
 from comap_async.config import GateConfig
 from comap_async.facts import Facts
 from comap_async.gates import derive_policy_sample
+from comap_async.wire.messages import WARMUP, Demo, Episode, Message, Reflection, Registry, Transition
 
 from broker.store import WriteItem
 
 NextState = Callable[["Facts", str], "Facts | None"]
 ENVELOPE = ("v", "type", "seq")
-ACTOR_TYPES = ("transition", "episode", "reflection")
 
 
 def load_next_state(env_name: str, override: str | None = None) -> NextState:
@@ -87,8 +88,12 @@ class SafeStateFacts:
         self.last_error = f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
-def strip_envelope(msg: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in msg.items() if k not in ENVELOPE}
+def strip_envelope(msg: Message) -> dict[str, Any]:
+    """A message's fields as a record (no ``v``, ``type`` or ``seq``)."""
+    rec = msgspec.structs.asdict(msg)
+    for k in ENVELOPE:
+        rec.pop(k, None)
+    return rec
 
 
 class Ingest:
@@ -97,45 +102,39 @@ class Ingest:
     def __init__(self, next_state: NextState, gates: GateConfig) -> None:
         self.parser = SafeStateFacts(next_state)
         self.gates = gates
-        # packb builds a Packer per call; one reused Packer saves that on every record. A Packer
-        # is not thread-safe, and an Ingest is used by one thread (the broker's event loop).
-        self._pack = msgpack.Packer(use_bin_type=True).pack
+        self._pack = msgspec.msgpack.Encoder().encode
 
-    def prepare(self, msg: dict[str, Any], raw: bytes) -> WriteItem:
-        mtype = msg["type"]
-        if mtype == "transition":
+    def prepare(self, msg: Message, raw: bytes) -> WriteItem:
+        if type(msg) is Transition:
             return self._transition(msg, raw)
-        if mtype == "reflection":
+        if type(msg) is Reflection:
             rec = strip_envelope(msg)
             rec["source"] = "suffix"
-            counters = {"stored_reflection_msgs": 1, f"reflect_label_{msg['label']}": 1}
-            return WriteItem(b"r:" + msg["id"].encode(), [("reflections", self._pack(rec))], counters)
-        if mtype == "episode":
-            return WriteItem(b"e:" + msg["id"].encode(), [("episodes", self._pack(strip_envelope(msg)))],
+            counters = {"stored_reflection_msgs": 1, f"reflect_label_{msg.label}": 1}
+            return WriteItem(b"r:" + msg.id.encode(), [("reflections", self._pack(rec))], counters)
+        if type(msg) is Episode:
+            return WriteItem(b"e:" + msg.id.encode(), [("episodes", self._pack(strip_envelope(msg)))],
                              {"stored_episodes": 1})
-        raise ValueError(f"not an actor message type: {mtype!r}")
+        raise ValueError(f"not an actor message: {type(msg).__name__}")
 
-    def _transition(self, tr: dict[str, Any], raw: bytes) -> WriteItem:
-        key = b"t:" + tr["id"].encode()
-        if tr["phase"] == "warmup":
-            if tr.get("explore"):
+    def _transition(self, tr: Transition, raw: bytes) -> WriteItem:
+        key = b"t:" + tr.id.encode()
+        if tr.phase == WARMUP:
+            if tr.explore:
                 # a non-expert action executed for the world model (it sees failures): no demonstration
                 return WriteItem(key, [("transitions", raw)], {"stored_transitions": 1, "stored_explore": 1})
             # warm-up executes the demonstration (a walkthrough or the expert), so a_exec is the target;
             # ``expert_action`` stays in the raw transition as the handcoded expert's own label
-            target = tr["a_exec"]
-            demo = {"id": tr["id"], "game": tr["game"], "goal": tr["goal"], "s": tr["s"], "target": target,
-                    "policy_version": tr["policy_version"], "wm_version": tr["wm_version"], "source": "expert",
-                    "ts": tr["ts"]}
+            demo = Demo(id=tr.id, game=tr.game, goal=tr.goal, s=tr.s, target=tr.a_exec,
+                        policy_version=tr.policy_version, wm_version=tr.wm_version, ts=tr.ts)
             return WriteItem(key, [("transitions", raw), ("demos", self._pack(demo))],
                              {"stored_transitions": 1, "stored_demos": 1})
         g = self.gates
         sample = derive_policy_sample(tr, self.parser, g.tau_p, g.tau_q, g.tau_ws, readable=self.parser.readable)
-        sample["phase"] = tr["phase"]
         counters = {
             "stored_transitions": 1, "stored_derived": 1,
-            "gate_ws_total": 1, "gate_ws_imagined": int(sample["ws_imagined"]),
-            "gate_ag_total": 1, "gate_ag_open": sample["y"], f"gate_ag_{sample['ag_reason']}": 1,
+            "gate_ws_total": 1, "gate_ws_imagined": int(sample.ws_imagined),
+            "gate_ag_total": 1, "gate_ag_open": sample.y, f"gate_ag_{sample.ag_reason}": 1,
         }
         return WriteItem(key, [("transitions", raw), ("reflections", self._pack(sample))], counters)
 
@@ -159,13 +158,11 @@ def best_effort_int(raw: Any, field: str) -> int:
         return -1
 
 
-def checked_registry(msg: dict[str, Any]) -> dict[str, Any]:
-    """The registry an ``announce`` sets, after checks the schema cannot express (ValueError)."""
-    versions, adapters = msg["versions"], msg["adapters"]
-    for role, v in versions.items():
-        if type(v) is not int or v < 0:
-            raise ValueError(f"announce: versions.{role} must be a non-negative integer, got {v!r}")
-    for role, name in adapters.items():
-        if type(name) is not str or not name or len(name) > 256:
-            raise ValueError(f"announce: adapters.{role} must be a non-empty adapter name, got {name!r}")
-    return {"phase": msg["phase"], "versions": dict(versions), "adapters": dict(adapters), "step": msg["step"]}
+def checked_registry(msg: Any) -> dict[str, Any]:
+    """The registry (its map) an ``announce`` sets, after the checks of :class:`Registry` (ValueError)."""
+    try:
+        reg = msgspec.convert({"phase": msg.phase, "versions": msg.versions, "adapters": msg.adapters,
+                               "step": msg.step}, Registry)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"announce: {exc}") from None
+    return msgspec.to_builtins(reg)

@@ -25,12 +25,13 @@ from comap_async.wire.protocol import PHASES
 
 from broker.ingest import record_from_store
 from broker.store import ReplayStore
+from comap_async.wire.messages import REFLECT_INIT, WARMUP
 
 STALENESS_STORES = ("transitions", "reflections")
 # The phase of a record that has no ``phase`` field: suffix-labelled reflection samples
 # (``source: suffix``) are written during reflection-mode initialisation; demonstrations are the
 # warm-up's expert steps.
-DEFAULT_PHASE = {"reflections": "reflect_init", "demos": "warmup"}
+DEFAULT_PHASE = {"reflections": REFLECT_INIT, "demos": WARMUP}
 
 
 @dataclass(slots=True)

@@ -1,7 +1,8 @@
 """The broker process: two ZeroMQ ROUTERs, group-committed LMDB storage, the stats HTTP server.
 
-The actor path (receive, validate, gate, store, ack) is :mod:`broker.actor_path`; this module
-sets the broker up, serves learners and monitors peers.
+The actor path (receive, validate, gate, store, ack) is :class:`broker.actor_path.ActorPath`,
+which the :class:`Broker` builds in ``start`` from the actor socket, store and gate pool it owns; this
+module sets the broker up, serves learners, monitors peers and shuts everything down.
 """
 
 from __future__ import annotations
@@ -11,17 +12,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from comap_async.config import CoMapConfig
-from comap_async.wire.protocol import ID_LEN, MAX_ITEMS, SCHEMA_VERSION, ProtocolError, decode, error_reason
+from comap_async.wire.messages import (
+    PHASES, Announce, Batch, EvalResult, GetRegistry, GetStats, LearnerRequest, Reply, Sample,
+)
+from comap_async.wire.protocol import ID_LEN, MAX_ITEMS, ProtocolError, decode, encode, error_reason, message_type
 from comap_async.waiting import cancel_and_wait
 
 from broker import replay_sampling
-from broker.actor_path import ActorPath, Pending
+from broker.actor_path import ActorPath
 from broker.gate_worker import GatePool
 from broker.ingest import Ingest, NextState, best_effort_int, checked_registry
 from comap_async.wire.curve import ServerKeys
@@ -29,7 +32,7 @@ from broker.counters import LiveStats, build_snapshot, reject_category, stored_t
 from broker.store import ReplayStore, StoreRefused
 
 ZAP_DOMAIN = "comap"
-LEARNER_TYPES = ("sample", "announce", "get_registry", "get_stats", "eval_result")
+LEARNER_TYPES = LearnerRequest.__args__
 EVAL_KEY = b"eval_results"
 MAX_EVAL_RESULTS = 2000  # held-out results kept (one per evaluated version)
 _MONITOR_EVENTS = {
@@ -41,7 +44,13 @@ _MONITOR_EVENTS = {
 }
 
 
-class Broker(ActorPath):
+def refusal(reason: str, req: int) -> Reply:
+    """A learner request refused, with its reason cut to the schema's limit (a longer one would
+    make the reply itself invalid)."""
+    return Reply(req=req, ok=False, error=reason[:ID_LEN], data={})
+
+
+class Broker:
     def __init__(self, cfg: CoMapConfig, next_state: NextState, log: Any, server_keys: ServerKeys | None = None,
                  replay_dir: str | Path | None = None, gate_spec: dict[str, Any] | None = None) -> None:
         """``gate_spec`` (:func:`broker.gate_worker.pool_spec`) says how a worker process loads the
@@ -55,21 +64,12 @@ class Broker(ActorPath):
         self.ingest = Ingest(next_state, cfg.gates)
         self.live = LiveStats(self.store.state["counters"])
         self.live.note_stored_total(stored_total(self.store.state["counters"]))
-        self.pending: list[Pending] = []  # frames received, not yet handed to the gate pool
-        self.in_gates = 0  # frames handed to the gate pool, not yet stored and acked
-        self.max_pending = 4 * b.group_commit
         self.gate_spec = gate_spec
-        self.writable_error: str | None = None
-        self.map_info: dict[str, Any] = self.store.info()
         # the evaluator's held-out results by version (persisted in ``meta``; served with every /stats)
         self.eval_results: dict[str, Any] = self.store.get_meta(EVAL_KEY, {})
         self.stopping = asyncio.Event()  # set by SIGTERM/SIGINT; shutdown() then drains and closes
-        self.ingest_closed = False  # set by shutdown() after the drain: the actor task stops reading
-        self.last_actor_rx = float("-inf")  # no actor traffic yet: nothing to drain
         self._tasks: list[asyncio.Task] = []
         self._monitors: list[zmq.asyncio.Socket] = []
-        self._ack_cache: tuple[Any, bytes] = (None, b"")
-        self._actor_sync: zmq.Socket | None = None
         self.ctx = zmq.asyncio.Context()
         self.auth = None
         self.endpoints: dict[str, str] = {}
@@ -114,7 +114,12 @@ class Broker(ActorPath):
                               self.gate_spec or {}, self.log, self.ctx)
         self.actor_sock = self._router(self.b.actor_port, "actor")
         self.learner_sock = self._router(self.b.learner_port, "learner")
-        self._actor_task = asyncio.create_task(self._actor_loop(), name="actor")
+        store = self.store
+        self.actor_path = ActorPath(self.actor_sock, store, self.gates, self.live, self.log,
+                                    registry=lambda: store.registry, group_commit=self.b.group_commit,
+                                    max_pending=4 * self.b.group_commit, drain_s=self.b.drain_s,
+                                    drain_quiet_s=self.b.drain_quiet_s)
+        self.actor_path.start()
         self._tasks.append(asyncio.create_task(self._learner_loop(), name="learner-recv"))
         from broker.http import start_http
 
@@ -129,26 +134,10 @@ class Broker(ActorPath):
         await self.stopping.wait()
         await self.shutdown()
 
-    async def drain_actors(self) -> None:
-        """Keep storing and acking until actors have been quiet a moment (at most ``broker.drain_s``).
-
-        ``honcho`` sends SIGTERM to every process at once; the actors then flush their outboxes,
-        and a broker that stopped reading at once would leave them waiting for acks until SIGKILL.
-        """
-        deadline = time.monotonic() + self.b.drain_s
-        while (now := time.monotonic()) < deadline and now - self.last_actor_rx < self.b.drain_quiet_s:
-            await asyncio.sleep(min(0.05, deadline - now))
-
     async def shutdown(self) -> None:
         """Drain actors, stop reading, commit and ack what is queued, then close everything."""
         self.stopping.set()
-        if not self._actor_task.done():
-            await self.drain_actors()
-        self.ingest_closed = True
-        try:  # the actor task stops reading, commits and acks what it holds, then returns
-            await asyncio.wait_for(self._actor_task, timeout=30)
-        except Exception as exc:  # noqa: BLE001 - shutdown must finish
-            self.log.error("broker.shutdown_flush_failed", error=repr(exc))
+        await self.actor_path.stop()
         self.gates.close()
         await cancel_and_wait(self._tasks)
         await self.http_runner.cleanup()
@@ -180,13 +169,11 @@ class Broker(ActorPath):
             self.live.bump("internal_errors")
             self.log.error("broker.learner_task_failed", error=repr(t.exception()))
 
-    async def _reply(self, ident: bytes, delim: list[bytes], msg: dict[str, Any]) -> None:
-        if msg.get("error"):
-            msg["error"] = msg["error"][:ID_LEN]  # the schema's limit: a longer reason would be rejected
-        data = msgpack.packb(msg, use_bin_type=True)
-        if len(data) > self.b.max_message_bytes and msg.get("type") == "batch" and len(msg["items"]) > 1:
+    async def _reply(self, ident: bytes, delim: list[bytes], msg: Reply | Batch) -> None:
+        data = encode(msg, check=False)  # built here from checked parts: a read-back would cost a decode
+        if len(data) > self.b.max_message_bytes and isinstance(msg, Batch) and len(msg.items) > 1:
             # keep the reply under the frame limit the learner enforces: serve fewer items
-            msg["items"] = msg["items"][: len(msg["items"]) // 2]
+            msg.items = msg.items[: len(msg.items) // 2]
             await self._reply(ident, delim, msg)
             return
         await self.learner_sock.send_multipart([ident, *delim, data])
@@ -197,11 +184,11 @@ class Broker(ActorPath):
         if len(body) == 2 and body[0] == b"":
             delim, body = [b""], body[1:]
 
-        def fail(category: str, reason: str, req: int) -> dict[str, Any]:
+        def fail(category: str, reason: str, req: int) -> Reply:
             self.live.reject(category)
             if self.live.should_log("reject:" + category):
                 self.log.warning("broker.learner_reject", category=category, reason=reason)
-            return {"v": SCHEMA_VERSION, "type": "reply", "req": req, "ok": False, "error": reason, "data": {}}
+            return refusal(reason, req)
 
         if len(body) != 1:
             await self._reply(ident, delim, fail("bad_frames", f"expected one message frame, got {len(body)}", -1))
@@ -212,50 +199,47 @@ class Broker(ActorPath):
         except ProtocolError as exc:
             await self._reply(ident, delim, fail(reject_category(exc), error_reason(exc), best_effort_int(raw, "req")))
             return
-        if msg["type"] not in LEARNER_TYPES:
-            await self._reply(ident, delim, fail("wrong_socket", f"'{msg['type']}' is not a learner request", -1))
+        if not isinstance(msg, LEARNER_TYPES):
+            await self._reply(ident, delim, fail("wrong_socket", f"'{message_type(msg)}' is not a learner request", -1))
             return
         self.live.bump("learner_requests")
         try:
             reply = await self._handle_learner(msg)
         except StoreRefused as exc:
-            reply = {"ok": False, "error": f"broker cannot store: {exc}", "data": {}}
+            reply = refusal(f"broker cannot store: {exc}", msg.req)
         except ValueError as exc:
-            reply = fail("bad_field", str(exc), msg["req"])
-        reply = {"v": SCHEMA_VERSION, "type": reply.pop("type", "reply"), "req": msg["req"], **reply}
+            reply = fail("bad_field", str(exc), msg.req)
         await self._reply(ident, delim, reply)
 
-    async def _handle_learner(self, msg: dict[str, Any]) -> dict[str, Any]:
-        mtype = msg["type"]
-        if mtype == "get_registry":
-            return {"ok": True, "error": None, "data": self.store.registry}
-        if mtype == "get_stats":
-            return {"ok": True, "error": None, "data": self.stats()}
-        if mtype == "eval_result":
-            return {"ok": True, "error": None, "data": self._record_eval(msg["version"], msg["result"])}
-        if mtype == "announce":
+    async def _handle_learner(self, msg: LearnerRequest) -> Reply | Batch:
+        if isinstance(msg, GetRegistry):
+            return Reply(req=msg.req, ok=True, error=None, data=self.store.registry)
+        if isinstance(msg, GetStats):
+            return Reply(req=msg.req, ok=True, error=None, data=self.stats())
+        if isinstance(msg, EvalResult):
+            return Reply(req=msg.req, ok=True, error=None, data=self._record_eval(msg.version, msg.result))
+        if isinstance(msg, Announce):
             registry = checked_registry(msg)
             old = self.store.registry
             self.store.set_registry(registry)
             if registry["versions"].get("policy", 0) < old["versions"].get("policy", 0):
                 self.log.warning("broker.policy_version_decreased", old=old["versions"], new=registry["versions"])
-            self.learner_metrics = {k: v for k, v in (msg.get("metrics") or {}).items()
-                                    if type(v) in (int, float)}
+            self.learner_metrics = {k: v for k, v in msg.metrics.items() if type(v) in (int, float)}
             self.log.info("broker.registry", **registry)
-            return {"ok": True, "error": None, "data": registry}
-        # sample
-        n = msg["n"]
-        if not 1 <= n <= MAX_ITEMS:
-            raise ValueError(f"sample: n must be in [1, {MAX_ITEMS}], got {n}")
+            return Reply(req=msg.req, ok=True, error=None, data=registry)
+        assert isinstance(msg, Sample)
+        if not 1 <= msg.n <= MAX_ITEMS:
+            raise ValueError(f"sample: n must be in [1, {MAX_ITEMS}], got {msg.n}")
         current = int(self.store.registry["versions"].get("policy", 0))
-        res = sampling.sample(self.store, msg["store"], n, window=self.b.window, current_policy=current,
-                              max_staleness=self.b.max_staleness, seed=msg.get("seed"), phases=msg.get("phases"))
+        phases = None if set(msg.phases) >= set(PHASES) else msg.phases  # every phase: no filter to apply
+        res = replay_sampling.sample(self.store, msg.store, msg.n, window=self.b.window, current_policy=current,
+                                     max_staleness=self.b.max_staleness, seed=msg.seed, phases=phases)
         if res.stale_skipped:
-            self.live.bump("stale_skipped_" + msg["store"], res.stale_skipped)
+            self.live.bump("stale_skipped_" + msg.store, res.stale_skipped)
         if res.phase_skipped:  # in /stats ``counters``: how much of the window a phase filter passes over
-            self.live.bump("phase_skipped_" + msg["store"], res.phase_skipped)
-        return {"type": "batch", "store": msg["store"], "items": res.items, "stale_skipped": res.stale_skipped,
-                "available": res.available}
+            self.live.bump("phase_skipped_" + msg.store, res.phase_skipped)
+        return Batch(req=msg.req, store=msg.store, items=res.items, stale_skipped=res.stale_skipped,
+                     available=res.available)
 
     def _record_eval(self, version: int, result: dict[str, Any]) -> dict[str, Any]:
         """Keep the evaluator's held-out result of ``version`` (persisted; the newest results win)."""
@@ -290,10 +274,16 @@ class Broker(ActorPath):
                 self.live.bump("internal_errors")
                 self.log.error("broker.monitor_error", error=repr(exc))
 
+    @property
+    def writable_error(self) -> str | None:
+        """Why the store refuses actors' writes now (None while it takes them)."""
+        return self.actor_path.writable_error
+
     def stats(self) -> dict[str, Any]:
+        path = self.actor_path
         return build_snapshot(self.store.state, self.capacities, self.live, self.store.registry, {
-            "writable": self.writable_error is None, "last_error": self.writable_error, "map": self.map_info,
-            "pending": len(self.pending) + self.in_gates,
+            "writable": path.writable_error is None, "last_error": path.writable_error, "map": path.map_info,
+            "pending": path.queued,
             "gate_workers": {"pids": [w.proc.pid for w in self.gates.workers], "restarts": self.gates.restarts,
                              "batches_gated_in_broker": self.gates.gated_here},
             "curve": self.server_keys is not None, "endpoints": self.endpoints,

@@ -80,6 +80,28 @@ class GateConfig(_Section):
     """World-state gate: the imagined state is used when student/teacher change-F1 >= tau_ws."""
 
 
+class RetryConfig(_Section):
+    """One retry policy (``comap_async/retry.py``): how often a client call is tried and how long it
+    waits in between. A caller that wraps a client which retries itself passes that client a policy
+    of one attempt, so attempts never multiply."""
+
+    attempts: int = Field(default=6, ge=1)
+    """Tries in all, the first one included (1 = no retry); then the last error is raised."""
+    backoff_s: float = Field(default=0.25, ge=0.0)
+    """Wait before the second try; it doubles before each later try (exponential backoff)."""
+    backoff_max_s: float = Field(default=8.0, ge=0.0)
+    """Upper bound of one wait."""
+    jitter: Literal["full", "none"] = "full"
+    """``full``: each wait is drawn uniformly from [0, the exponential wait], so many clients that
+    failed together do not retry in lockstep; ``none``: exactly the exponential wait."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "RetryConfig":
+        if self.backoff_max_s < self.backoff_s:
+            raise ValueError(f"backoff_max_s ({self.backoff_max_s}) must be at least backoff_s ({self.backoff_s})")
+        return self
+
+
 class BrokerConfig(_Section):
     host: str = "127.0.0.1"
     """Address the broker binds to (and actors/learners connect to). Non-loopback needs CURVE."""
@@ -124,6 +146,9 @@ class BrokerConfig(_Section):
     """Samples whose policy version is more than this behind the current one are not served."""
     window: int = Field(default=20_000, ge=1)
     """Sampling is uniform over the newest ``window`` items of a store."""
+    client_retry: RetryConfig = Field(default_factory=lambda: RetryConfig(attempts=3, backoff_s=0.0, backoff_max_s=0.0))
+    """Retry policy of the learner-side broker client (``BrokerClient``): a request without a reply
+    within its timeout is sent again, up to ``attempts`` tries in all (every request is idempotent)."""
 
 
 class InferenceConfig(_Section):
@@ -173,8 +198,10 @@ class InferenceConfig(_Section):
     softmax, LoRA and logits stay float32 either way."""
     request_timeout_s: float = Field(default=120.0, gt=0)
     """Client timeout for one HTTP request."""
-    retries: int = Field(default=5, ge=0)
-    """Client retries on connection errors and 5xx before a clear error."""
+    retry: RetryConfig = Field(default_factory=RetryConfig)
+    """Retry policy of the inference client on connection errors, timeouts, 429 and 5xx (on another
+    endpoint when there is one), before a clear error. ``inference.retries: N`` (the former field,
+    still accepted) means ``retry.attempts: N + 1``."""
     vllm_cpu_kv_cache_gb: int = Field(default=2, ge=1)
     """vLLM on a CPU only (``VLLM_CPU_KVCACHE_SPACE``, ignored by its GPU backend): GiB of KV cache.
     Without it vLLM's CPU backend takes ~92% of the host's memory (measured: 22 GB of 24)."""
@@ -182,6 +209,31 @@ class InferenceConfig(_Section):
     """HTTP client for ``http://`` endpoints: ``keepalive`` (a lean HTTP/1.1 keep-alive client, measured
     ~3x less CPU per request than aiohttp's, which actors feel at 4-5 requests per step) or ``aiohttp``
     (aiohttp's ClientSession). ``https://`` endpoints always use aiohttp."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_retries(cls, data: Any) -> Any:
+        """``inference.retries`` (retries after the first try) keeps working as ``retry.attempts - 1``."""
+        if not isinstance(data, dict) or "retries" not in data:
+            return data
+        data = dict(data)
+        retries = data.pop("retries")
+        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+            raise ValueError(f"inference.retries must be an integer >= 0 (got {retries!r}); "
+                             "it is the former name of inference.retry.attempts - 1")
+        retry = data.get("retry")
+        retry = dict(retry) if isinstance(retry, dict) else ({} if retry is None else retry)
+        if isinstance(retry, dict):
+            if "attempts" in retry:
+                raise ValueError("inference.retries is the former name of inference.retry.attempts - 1: set only one")
+            retry["attempts"] = retries + 1
+        data["retry"] = retry
+        return data
+
+    @property
+    def retries(self) -> int:
+        """Retries after the first try (``retry.attempts - 1``), for readers of the former field."""
+        return self.retry.attempts - 1
 
 
 class ActorConfig(_Section):

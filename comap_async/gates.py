@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from comap_async.facts import Facts, NextState, changes_f1, set_f1
+from comap_async.wire.messages import PolicySample, Transition
 
 _SPACES = re.compile(r"\s+")
 _TRAILING = re.compile(r"[\s.!?;:,\"'`]+$")
@@ -79,7 +80,7 @@ def world_state_gate_on_facts(prev: Facts | None, student: Facts | None, teacher
     return WorldStateGateResult(score >= threshold, score)
 
 
-def future_context(tr: dict[str, Any], use_imagined: bool, canon: Callable[[str], str] = canonical_action) -> str:
+def future_context(tr: Transition, use_imagined: bool, canon: Callable[[str], str] = canonical_action) -> str:
     """``s̄``, the future the reflection sample shows next to the draft (DESIGN.md section 5).
 
     It always describes the **draft**, as ``ŝ = WM(s, a_draft)`` does at inference: on a step
@@ -87,24 +88,24 @@ def future_context(tr: dict[str, Any], use_imagined: bool, canon: Callable[[str]
     else the real next state; on a revised step the real next state and the executed action's
     predictions describe another action, so ``s̄`` is the student's prediction for the draft
     (the text the policy reflected on)."""
-    if canon(tr["a_exec"]) != canon(tr["a_draft"]):
-        return tr["s_hat"]
-    return tr["s_hat_exec"] if use_imagined else tr["s_next"]
+    if canon(tr.a_exec) != canon(tr.a_draft):
+        return tr.s_hat
+    return tr.s_hat_exec if use_imagined else tr.s_next
 
 
 def derive_policy_sample(
-    tr: dict[str, Any],
+    tr: Transition,
     next_state: NextState,
     tau_p: float = 0.5,
     tau_q: float = 0.6,
     tau_ws: float = 0.6,
     canon: Callable[[str], str] = canonical_action,
     readable: Callable[[str], bool] | None = None,
-) -> dict[str, Any]:
+) -> PolicySample:
     """The policy reflection sample ``(s, a_draft, s̄, target, y)`` for one stored transition.
 
     The world-state gate scores the executed action (student vs teacher): the agreement of the
-    changes each prediction makes to the state before the action (``tr["facts"]``, the actor's
+    changes each prediction makes to the state before the action (``tr.facts``, the actor's
     fact state, DESIGN.md section 11). ``s̄`` is :func:`future_context`; ``target = a_exec`` and
     ``y = 1`` when the action gate executed the revision, else ``a_draft`` and ``y = 0``. Gate
     inputs and scores are kept so an analysis can recompute them.
@@ -113,26 +114,16 @@ def derive_policy_sample(
     of a teacher that predicted the student's very text: the same text changes the state the same
     way (score 1) as soon as it is readable, so no facts need building.
     """
-    student, teacher = tr["s_hat_exec"], tr["s_hat_teacher"]
+    student, teacher = tr.s_hat_exec, tr.s_hat_teacher
     if readable is not None and student == teacher:
         agree = readable(student)
         ws = WorldStateGateResult(agree and 1.0 >= tau_ws, 1.0 if agree else 0.0)
     else:
-        before = frozenset(tr["facts"])
+        before = frozenset(tr.facts)
         ws = world_state_gate_on_facts(before, next_state(before, student), next_state(before, teacher), tau_ws)
-    ag = action_gate(tr["p_revise"], tr["q_ref"], tr["a_ref"], tr["a_draft"], tau_p, tau_q, canon)
-    return {
-        "id": tr["id"],
-        "game": tr["game"],
-        "s": tr["s"],
-        "a_draft": tr["a_draft"],
-        "s_bar": future_context(tr, ws.use_imagined, canon),
-        "target": tr["a_ref"] if ag.open else tr["a_draft"],
-        "y": 1 if ag.open else 0,
-        "ws_score": ws.score,
-        "ws_imagined": ws.use_imagined,
-        "ag_reason": ag.reason,
-        "policy_version": tr["policy_version"],
-        "wm_version": tr["wm_version"],
-        "source": "gate",
-    }
+    ag = action_gate(tr.p_revise, tr.q_ref, tr.a_ref, tr.a_draft, tau_p, tau_q, canon)
+    return PolicySample(
+        id=tr.id, game=tr.game, s=tr.s, a_draft=tr.a_draft, s_bar=future_context(tr, ws.use_imagined, canon),
+        target=tr.a_ref if ag.open else tr.a_draft, y=1 if ag.open else 0, ws_score=ws.score,
+        ws_imagined=ws.use_imagined, ag_reason=ag.reason, policy_version=tr.policy_version,
+        wm_version=tr.wm_version, phase=tr.phase)

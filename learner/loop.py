@@ -22,20 +22,21 @@ from typing import Any
 
 from comap_async.config import CoMapConfig
 from comap_async.waiting import cancel_and_wait, until_stopped, wait_until_answers
+from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
 
 PHASE_STORES = {
-    "warmup": ("demos", "transitions"),
-    "reflect_init": ("demos", "transitions", "reflections"),
-    "coevolve": ("demos", "transitions", "reflections"),
+    WARMUP: ("demos", "transitions"),
+    REFLECT_INIT: ("demos", "transitions", "reflections"),
+    COEVOLVE: ("demos", "transitions", "reflections"),
 }
 # The store a micro-batch of a phase cannot do without: warm-up is SFT on demonstrations, and a
 # reflection-initialisation step without reflection samples trains nothing of the reflection mode.
-PHASE_REQUIRES = {"warmup": "demos", "reflect_init": "reflections"}
+PHASE_REQUIRES = {WARMUP: "demos", REFLECT_INIT: "reflections"}
 # Which phases' items a store is sampled from, per phase (absent: any). Reflection-mode
 # initialisation trains on the suffix-labelled samples; co-evolution's world model on the policy's
 # own rollouts (the warm-up transitions come in only as ``learner.wm_anchor_share``).
-PHASE_FILTERS = {("reflect_init", "reflections"): ["reflect_init"], ("coevolve", "transitions"): ["coevolve"]}
-ANCHOR_PHASES = ["warmup"]
+PHASE_FILTERS = {(REFLECT_INIT, "reflections"): [REFLECT_INIT], (COEVOLVE, "transitions"): [COEVOLVE]}
+ANCHOR_PHASES = [WARMUP]
 
 
 def store_requests(phase: str, n: int, anchor_share: float, rng: random.Random) -> list[tuple[str, int, list[str] | None]]:
@@ -49,7 +50,7 @@ def store_requests(phase: str, n: int, anchor_share: float, rng: random.Random) 
     for store in PHASE_STORES[phase]:
         phases = PHASE_FILTERS.get((phase, store))
         anchor = 0
-        if phase == "coevolve" and store == "transitions" and anchor_share > 0:
+        if phase == COEVOLVE and store == "transitions" and anchor_share > 0:
             anchor = sum(rng.random() < anchor_share for _ in range(n))
             if anchor:
                 reqs.append((store, anchor, ANCHOR_PHASES))
@@ -68,7 +69,7 @@ class MicroBatch:
 
 @dataclass
 class LearnerState:
-    phase: str = "warmup"
+    phase: str = WARMUP
     version: int = 0
     phase_start: int = 0
     round_episodes: int = 0  # episodes written when the current round started (rounds schedule)
@@ -141,7 +142,7 @@ class Learner:
         model = build_peft_model(base, lc.lora_r, lc.lora_alpha, lc.lora_dropout, lc.target_modules,
                                  lc.gradient_checkpointing)
         self.trainer = Trainer(model, Encoder(tok, Prompts(ChatTemplate.from_model_dir(path)), lc.max_seq_len), lc, lc.device)
-        self.state = LearnerState(phase="warmup" if lc.warmup_steps > 0 else "reflect_init")
+        self.state = LearnerState(phase=WARMUP if lc.warmup_steps > 0 else REFLECT_INIT)
         self.trainer.scheduler.enter(self.state.phase, self.state.phase_start, self.state.phase_budget)
         self.run_dir = cfg.run.dir
         self.ckpt_dir = self.run_dir / "checkpoints"
@@ -183,16 +184,16 @@ class Learner:
         """The phase to switch to after this step, or None to stay."""
         lc, s, step = self.cfg.learner, self.state, self.trainer.step
         out_of_time = lc.warmup_max_minutes is not None and s.phase_seconds >= 60 * lc.warmup_max_minutes
-        if s.phase == "warmup" and (step - s.phase_start >= (s.phase_budget or lc.warmup_steps) or out_of_time):
-            return "reflect_init" if lc.reflect_init_steps > 0 else "coevolve"
-        if s.phase == "reflect_init" and step - s.phase_start >= lc.reflect_init_steps:
-            return "coevolve"
+        if s.phase == WARMUP and (step - s.phase_start >= (s.phase_budget or lc.warmup_steps) or out_of_time):
+            return REFLECT_INIT if lc.reflect_init_steps > 0 else COEVOLVE
+        if s.phase == REFLECT_INIT and step - s.phase_start >= lc.reflect_init_steps:
+            return COEVOLVE
         return None
 
     def _publish_every(self) -> int:
         """Steps between publishes in the current phase (never in warm-up unless configured)."""
         lc = self.cfg.learner
-        if self.state.phase == "warmup":
+        if self.state.phase == WARMUP:
             return lc.warmup_publish_every or 1 << 62
         return lc.publish_every
 
@@ -251,7 +252,7 @@ class Learner:
         if demos is not None and lc.warmup_epochs is not None and self.state.phase_budget is None:
             # sized by the data there is when training starts: later demonstrations only add variety
             self.state.phase_budget = max(lc.warmup_steps, math.ceil(lc.warmup_epochs * demos / lc.batch_size))
-            self.trainer.scheduler.enter("warmup", self.state.phase_start, self.state.phase_budget)
+            self.trainer.scheduler.enter(WARMUP, self.state.phase_start, self.state.phase_budget)
             self.log.info("learner.warmup_budget", demos=demos, epochs=lc.warmup_epochs, steps=self.state.phase_budget)
 
     async def wait_for_reflections(self, broker: Any) -> int | None:
@@ -292,7 +293,7 @@ class Learner:
                 self.state.version = max(self.state.version, live)
                 if not resumed and registry.get("phase") != self.state.phase:
                     await broker.announce(self.state.phase, registry.get("versions", {}), registry.get("adapters", {}), 0)
-                if self.state.phase == "warmup":
+                if self.state.phase == WARMUP:
                     await self.wait_for_demos(broker)
                 prefetch = Prefetcher(broker, self.state, lc.batch_size, lc.prefetch, self.cfg.run.seed, self.log,
                                       lc.wm_anchor_share)
@@ -313,10 +314,10 @@ class Learner:
         start = self.trainer.step
         reflections_ready = False
         while not self.stop.is_set() and (max_steps is None or self.trainer.step - start < max_steps):
-            if self.state.phase == "reflect_init" and not reflections_ready:
+            if self.state.phase == REFLECT_INIT and not reflections_ready:
                 reflections_ready = await self.wait_for_reflections(broker) is not None
                 continue  # re-checks stop
-            if lc.schedule == "rounds" and self.state.phase == "coevolve" and (self.trainer.step - self.state.phase_start) % lc.publish_every == 0:
+            if lc.schedule == "rounds" and self.state.phase == COEVOLVE and (self.trainer.step - self.state.phase_start) % lc.publish_every == 0:
                 await self.wait_for_round(broker)
             micro = []
             dropped = 0

@@ -6,8 +6,9 @@ from typing import Any
 
 import torch
 
-ROLES = ("policy", "wm", "wm_teacher")
-TRAINED = ("policy", "wm")
+from comap_async.wire.messages import POLICY, ROLES, WM  # noqa: F401 - ROLES re-exported for the learner
+
+TRAINED = (POLICY, WM)
 
 
 def build_peft_model(base: Any, r: int = 8, alpha: int = 16, dropout: float = 0.05, target_modules: Any = "all-linear",

@@ -17,15 +17,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from learner.peft_model import ROLES
+from comap_async import retry as retry_policy
+from comap_async.config import RetryConfig
+from comap_async.wire.messages import ROLES, adapter_name, adapter_version
+
+PUBLISH_BACKOFF = {"backoff_s": 0.5, "backoff_max_s": 5.0, "jitter": "none"}
+"""Waits between an endpoint's load attempts when the policy is given as a number of retries."""
+
+
+def publish_policy(retries: int | RetryConfig) -> RetryConfig:
+    """The retry policy of one endpoint's adapter load: a :class:`RetryConfig` as is, or ``retries``
+    (retries after the first attempt, e.g. ``inference.retries``) with :data:`PUBLISH_BACKOFF`."""
+    if isinstance(retries, RetryConfig):
+        return retries
+    return retry_policy.policy(None, attempts=int(retries) + 1, **PUBLISH_BACKOFF)
 
 
 class PublishError(RuntimeError):
     """An endpoint could not load a new adapter version after all retries."""
-
-
-def adapter_name(role: str, version: int) -> str:
-    return f"{role}-v{version}"
 
 
 def save_adapter(model: Any, role: str, out: Path) -> Path:
@@ -52,20 +61,35 @@ def save_versioned_adapters(model: Any, root: Path, version: int) -> dict[str, P
     return {role: save_adapter(model, role, root / adapter_name(role, version)) for role in ROLES}
 
 
-async def load_everywhere(client: Any, endpoints: list[str], name: str, path: Path, retries: int, log: Any) -> None:
-    """Load one adapter into every endpoint; each failure is retried and logged, never skipped."""
+def _version_dirs(root: Path, role: str) -> list[Path]:
+    """``role``'s saved versions under ``root``, oldest first."""
+    dirs = [p for p in root.iterdir() if p.is_dir() and p.name == adapter_name(role, adapter_version(p.name))]
+    return sorted(dirs, key=lambda p: adapter_version(p.name))
+
+
+async def load_everywhere(client: Any, endpoints: list[str], name: str, path: Path, retries: int | RetryConfig,
+                          log: Any) -> None:
+    """Load one adapter into every endpoint; each failure is retried and logged, never skipped.
+
+    The retries are this function's alone (:func:`publish_policy` of ``retries``): the client is
+    called with ``retry=NO_RETRY``, so an endpoint sees at most ``attempts`` loads, not that many
+    times the client's own retries."""
+    policy = publish_policy(retries)
     for endpoint in endpoints:
-        for attempt in range(retries + 1):
+        async def attempt(n: int, endpoint: str = endpoint) -> None:
             try:
                 # in place: a resumed learner re-publishes its current version, which an endpoint that
                 # kept running still holds; for a new name this is an ordinary load
-                await client.load_adapter(name, str(path), load_inplace=True, endpoint=endpoint)
-                break
+                await client.load_adapter(name, str(path), load_inplace=True, endpoint=endpoint,
+                                          retry=retry_policy.NO_RETRY)
             except Exception as exc:  # any failure of this endpoint: retry, then fail the publish loudly
-                log.warning("publish.load_failed", endpoint=endpoint, adapter=name, attempt=attempt + 1, error=str(exc))
-                if attempt == retries:
-                    raise PublishError(f"{endpoint} could not load {name} after {retries + 1} attempts: {exc}") from exc
-                await asyncio.sleep(min(5.0, 0.5 * 2**attempt))
+                log.warning("publish.load_failed", endpoint=endpoint, adapter=name, attempt=n, error=str(exc))
+                raise
+
+        try:
+            await retry_policy.call(policy, attempt, retry_on=Exception)
+        except Exception as exc:
+            raise PublishError(f"{endpoint} could not load {name} after {policy.attempts} attempts: {exc}") from exc
 
 
 async def unload_everywhere(client: Any, endpoints: list[str], name: str, log: Any) -> None:
@@ -78,7 +102,7 @@ async def unload_everywhere(client: Any, endpoints: list[str], name: str, log: A
 
 async def publish_adapters(
     model: Any, version: int, phase: str, step: int, *, root: Path, inference: Any, endpoints: list[str],
-    broker: Any, log: Any, retries: int = 3, keep_dirs: int = 5, metrics: dict[str, float] | None = None,
+    broker: Any, log: Any, retries: int | RetryConfig = 3, keep_dirs: int = 5, metrics: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Save, load everywhere, announce, unload old; returns the new registry and timings."""
     t0 = time.perf_counter()
@@ -98,7 +122,7 @@ async def publish_adapters(
         for role in ROLES:
             await unload_everywhere(inference, endpoints, adapter_name(role, old), log)
     for role in ROLES:
-        for old_dir in sorted(root.glob(f"{role}-v*"), key=lambda p: int(p.name.rsplit("-v", 1)[1]))[:-keep_dirs]:
+        for old_dir in _version_dirs(root, role)[:-keep_dirs]:
             shutil.rmtree(old_dir, ignore_errors=True)
     (root / "latest.json").write_text(json.dumps({"version": version, "step": step, "phase": phase}))
     timings = {"learner/publish_s": time.perf_counter() - t0, "learner/save_s": t_saved - t0,

@@ -36,11 +36,12 @@ import torch
 
 from comap_async.config import LearnerConfig
 from comap_async.models import cpu_has_native_bf16
+from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
 from learner import losses
 from learner.batches import Encoder, Packed, Seq, collate, logits_window, pack
 from learner.ema import ema_update, paired_lora_tensors
 from learner.peft_model import (TRAINED, activate, adapter_parameters, cast_frozen_base, use_fast_dropout,
-                           use_packed_attention)
+                                use_packed_attention)
 
 
 class StepAborted(RuntimeError):
@@ -79,7 +80,7 @@ def cosine_with_warmup(step: int, total: int, warmup_ratio: float, floor: float 
 
 
 MAX_GRAD_NORM = 1.0  # per role (the paper's trainer clips at 1.0)
-PHASE_BUDGET = {"warmup": "warmup_steps", "reflect_init": "reflect_init_steps", "coevolve": "total_steps"}
+PHASE_BUDGET = {WARMUP: "warmup_steps", REFLECT_INIT: "reflect_init_steps", COEVOLVE: "total_steps"}
 """The ``LearnerConfig`` field holding each phase's step budget: the horizon of its LR schedule."""
 
 
@@ -93,7 +94,7 @@ class PhaseSchedule:
     checkpoint at any step uses exactly the rate an uninterrupted one would.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: LearnerConfig, phase: str = "warmup",
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: LearnerConfig, phase: str = WARMUP,
                  phase_start: int = 0) -> None:
         self.optimizer, self.cfg = optimizer, cfg
         self.enter(phase, phase_start)

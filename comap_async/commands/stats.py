@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from comap_async.cli import add_config_arguments
+from comap_async.wire.messages import COEVOLVE
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -208,7 +209,7 @@ def plot(s: dict[str, Any], out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     # the policy's curves: co-evolution episodes only (warm-up episodes replay demonstrations)
-    eps = [r for r in s["episodes_by_version"] if r["phase"] == "coevolve"]
+    eps = [r for r in s["episodes_by_version"] if r["phase"] == COEVOLVE]
     gates = s["gates_by_version"]
     charts = [
         ("success_rate.png", "Success rate by adapter version", eps, "success_rate"),

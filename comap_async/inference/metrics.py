@@ -1,23 +1,29 @@
-"""Prometheus text exposition (format 0.0.4) of the embedded server's counters; no client library needed."""
+"""Prometheus metrics of the embedded server: its plain in-memory counters (``ServerState.requests``,
+``engine.stats``, the adapter registry) turned into ``prometheus_client`` families at scrape time, in a
+registry of the server's own (:func:`make_registry`)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from comap_async.httpcommon import append_metric
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
+
+from comap_async.httpcommon import exposition, family, scrape_registry
 
 _P = "comap_inference_"
 
 
-def _line(out: list[str], name: str, kind: str, help_: str, samples: list[tuple[dict[str, Any], float]]) -> None:
-    append_metric(out, _P + name, kind, help_, samples)
+def _line(out: list[Metric], name: str, kind: str, help_: str, samples: list[tuple[dict[str, Any], float]]) -> None:
+    out.append(family(kind, _P + name, help_, samples))
 
 
-def render(state: Any) -> str:
+def families(state: Any) -> list[Metric]:
+    """The server's counters and gauges as metric families, read now."""
     st = state.engine.stats
     reg = state.registry
-    out: list[str] = []
+    out: list[Metric] = []
     _line(out, "http_requests_total", "counter", "HTTP requests by route and status.",
           [({"route": r, "status": s}, n) for (r, s), n in sorted(state.requests.items())])
     _line(out, "http_request_seconds_total", "counter", "Time spent handling HTTP requests.", [({}, state.request_seconds)])
@@ -50,4 +56,14 @@ def render(state: Any) -> str:
     _line(out, "idle_fraction", "gauge", "Share of the uptime with no prefill or decode running (1 - busy/uptime).",
           [({}, round(max(0.0, 1.0 - busy / uptime), 6))])
     _line(out, "engine_alive", "gauge", "1 while the engine thread runs.", [({}, 1 if state.engine.alive else 0)])
-    return "\n".join(out) + "\n"
+    return out
+
+
+def make_registry(state: Any) -> CollectorRegistry:
+    """A registry of this server instance's own (never the global default) that reads ``state`` per scrape."""
+    return scrape_registry(lambda: families(state))
+
+
+def render(state: Any, registry: CollectorRegistry | None = None) -> tuple[bytes, str]:
+    """The ``/metrics`` body and content type, from ``registry`` (a fresh one for ``state`` if not given)."""
+    return exposition(registry if registry is not None else make_registry(state))

@@ -48,6 +48,7 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
+METRICS = web.AppKey("metrics", object)  # the server's own prometheus_client CollectorRegistry
 
 
 def _error(status: int, message: str, err_type: str = "BadRequestError", param: str | None = None) -> web.Response:
@@ -246,10 +247,11 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text from this server's own registry (see comap_async.inference.metrics)."""
     from comap_async.inference.metrics import render
 
-    return web.Response(text=render(request.app[STATE]), content_type="text/plain", charset="utf-8",
-                        headers={"X-Prometheus-Format": "0.0.4"})
+    body, content_type = render(request.app[STATE], request.app[METRICS])
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 _ROUTES = {
@@ -265,6 +267,9 @@ _ROUTES = {
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY)
     app[STATE] = state
+    from comap_async.inference.metrics import make_registry
+
+    app[METRICS] = make_registry(state)
     for path, (method, handler) in _ROUTES.items():
         app.router.add_route(method, path, handler)
     return app

@@ -2,10 +2,12 @@
 
 * Completions go to the endpoint with the fewest requests in flight (ties broken at random), so
   several servers share the load and a slow one gets less.
-* Connection errors, timeouts, 429 and 5xx are retried with exponential backoff and full jitter
-  (so many actors do not retry in lockstep), on another endpoint when there is one; an endpoint
+* Connection errors, timeouts, 429 and 5xx are retried under the client's retry policy
+  (:mod:`comap_async.retry`, ``inference.retry``: exponential backoff with full jitter by default,
+  so many actors do not retry in lockstep), on another endpoint when there is one; an endpoint
   that just failed is avoided for a moment. Other 4xx are the caller's mistake and raise at once.
-* After the retry budget an :class:`InferenceError` says which endpoints failed and how.
+* After the policy's attempts an :class:`InferenceError` says which endpoints failed and how.
+  A caller that retries around the client (the learner's publish) passes ``retry=NO_RETRY``.
 * Adapter load/unload go to *every* endpoint: an adapter is only usable once all servers have it.
 * Plain ``http://`` endpoints go through :mod:`.http1` (a lean keep-alive client: ~3x less CPU per
   request than aiohttp's, which actors feel at 4-5 requests per step) unless ``transport="aiohttp"``;
@@ -25,6 +27,8 @@ from typing import Any
 
 import aiohttp
 
+from comap_async import retry as retry_policy
+from comap_async.config import RetryConfig
 from comap_async.wire.http1 import Http1Pool
 
 
@@ -115,8 +119,11 @@ def _message(status: int, text: str) -> str:
 
 class InferenceClient:
     def __init__(self, endpoints: list[str] | str, *, token: str | None = None, timeout_s: float = 120.0,
-                 retries: int = 5, backoff_s: float = 0.25, backoff_max_s: float = 8.0, connect_timeout_s: float = 5.0,
+                 retry: RetryConfig | None = None, retries: int | None = None, backoff_s: float | None = None,
+                 backoff_max_s: float | None = None, connect_timeout_s: float = 5.0,
                  avoid_s: float = 2.0, seed: int | None = None, transport: str = "keepalive") -> None:
+        """``retry``: the retry policy (default: ``RetryConfig()``, 6 attempts); ``retries`` (attempts
+        after the first), ``backoff_s`` and ``backoff_max_s`` override single fields of it."""
         if transport not in ("keepalive", "aiohttp"):
             raise ValueError(f"transport must be 'keepalive' or 'aiohttp', not {transport!r}")
         eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
@@ -127,7 +134,9 @@ class InferenceClient:
         self.transport = transport
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
-        self.retries, self.backoff_s, self.backoff_max_s, self.avoid_s = retries, backoff_s, backoff_max_s, avoid_s
+        self.retry = retry_policy.policy(retry, attempts=None if retries is None else retries + 1, backoff_s=backoff_s,
+                                         backoff_max_s=backoff_max_s)
+        self.avoid_s = avoid_s
         self.outstanding = {e: 0 for e in self.endpoints}
         self._avoid_until = {e: 0.0 for e in self.endpoints}
         self._rng = random.Random(seed)
@@ -141,7 +150,7 @@ class InferenceClient:
     def from_config(cls, cfg: Any, **kw: Any) -> "InferenceClient":
         inf = cfg.inference
         kw.setdefault("transport", inf.client_transport)
-        return cls(inf.endpoints, **{"token": inf.admin_token, "timeout_s": inf.request_timeout_s, "retries": inf.retries, **kw})
+        return cls(inf.endpoints, **{"token": inf.admin_token, "timeout_s": inf.request_timeout_s, "retry": inf.retry, **kw})
 
     async def __aenter__(self) -> "InferenceClient":
         return self
@@ -174,8 +183,10 @@ class InferenceClient:
         least = min(self.outstanding[e] for e in pool)
         return self._rng.choice([e for e in pool if self.outstanding[e] == least])
 
-    def _backoff(self, attempt: int) -> float:
-        return self._rng.uniform(0, min(self.backoff_max_s, self.backoff_s * (2 ** attempt)))
+    @property
+    def retries(self) -> int:
+        """Retries after the first attempt (``retry.attempts - 1``)."""
+        return self.retry.attempts - 1
 
     def _headers(self) -> dict[str, str]:
         if self.token != self._auth_token:  # built once per token value, not per request
@@ -227,26 +238,33 @@ class InferenceClient:
         except asyncio.TimeoutError:
             raise _Retryable(f"timed out after {self.timeout.total:g} s") from None
 
-    async def _request(self, method: str, path: str, body: Any = None, endpoint: str | None = None) -> tuple[int, str, str]:
-        """(status, text, endpoint) of the first non-retryable answer; ``endpoint`` pins the server."""
+    async def _request(self, method: str, path: str, body: Any = None, endpoint: str | None = None,
+                       retry: RetryConfig | None = None) -> tuple[int, str, str]:
+        """(status, text, endpoint) of the first non-retryable answer; ``endpoint`` pins the server;
+        ``retry`` replaces the client's policy for this call."""
+        policy = retry or self.retry
         errors: list[str] = []
-        last_status = None
         endpoint = endpoint.rstrip("/") if endpoint else None
-        ep = endpoint
-        for attempt in range(self.retries + 1):
-            ep = endpoint or self.pick(exclude=ep if attempt and len(self.endpoints) > 1 else None)
+        last: list[Any] = [endpoint, None]  # endpoint and status of the latest attempt
+
+        async def attempt(n: int) -> tuple[int, str, str]:
+            ep = endpoint or self.pick(exclude=last[0] if n > 1 and len(self.endpoints) > 1 else None)
+            last[0] = ep
             try:
                 status, text = await self._once(ep, method, path, body)
-                return status, text, ep
             except _Retryable as exc:
-                last_status = exc.status
+                last[1] = exc.status
                 errors.append(f"{ep}: {exc}")
                 self._avoid_until[ep] = time.monotonic() + self.avoid_s
-                if attempt < self.retries:
-                    await asyncio.sleep(self._backoff(attempt))
-        detail = "; ".join(errors[-3:])
-        raise InferenceError(f"{method} {path} failed after {self.retries + 1} attempts: {detail}",
-                             status=last_status, endpoint=ep, attempts=self.retries + 1)
+                raise
+            return status, text, ep
+
+        try:
+            return await retry_policy.call(policy, attempt, retry_on=_Retryable, rng=self._rng)
+        except _Retryable:
+            detail = "; ".join(errors[-3:])
+            raise InferenceError(f"{method} {path} failed after {len(errors)} attempts: {detail}",
+                                 status=last[1], endpoint=last[0], attempts=len(errors)) from None
 
     async def _checked(self, method: str, path: str, body: Any = None, endpoint: str | None = None) -> tuple[str, str]:
         status, text, ep = await self._request(method, path, body, endpoint)
@@ -271,9 +289,9 @@ class InferenceClient:
         return Completion.from_json(orjson.loads(text), ep)
 
     async def _on_all(self, path: str, body: dict[str, Any], ok_404: bool = False,
-                      endpoints: list[str] | None = None) -> None:
+                      endpoints: list[str] | None = None, retry: RetryConfig | None = None) -> None:
         targets = [e.rstrip("/") for e in endpoints] if endpoints else self.endpoints
-        results = await asyncio.gather(*(self._request("POST", path, body, endpoint=e) for e in targets),
+        results = await asyncio.gather(*(self._request("POST", path, body, endpoint=e, retry=retry) for e in targets),
                                        return_exceptions=True)
         failures = []
         for ep, res in zip(targets, results):
@@ -286,15 +304,18 @@ class InferenceClient:
             raise InferenceError(f"POST {path} failed on {len(failures)}/{len(targets)} endpoints: {detail}",
                                  status=failures[0][1], endpoint=failures[0][0])
 
-    async def load_adapter(self, name: str, path: str, *, load_inplace: bool = False, endpoint: str | None = None) -> None:
-        """Load a peft adapter directory under ``name`` on every endpoint (or only on ``endpoint``)."""
+    async def load_adapter(self, name: str, path: str, *, load_inplace: bool = False, endpoint: str | None = None,
+                           retry: RetryConfig | None = None) -> None:
+        """Load a peft adapter directory under ``name`` on every endpoint (or only on ``endpoint``);
+        ``retry`` replaces the client's policy (``NO_RETRY`` when the caller retries itself)."""
         body = {"lora_name": name, "lora_path": str(path), "load_inplace": load_inplace}
-        await self._on_all("/v1/load_lora_adapter", body, endpoints=[endpoint] if endpoint else None)
+        await self._on_all("/v1/load_lora_adapter", body, endpoints=[endpoint] if endpoint else None, retry=retry)
 
-    async def unload_adapter(self, name: str, *, missing_ok: bool = False, endpoint: str | None = None) -> None:
+    async def unload_adapter(self, name: str, *, missing_ok: bool = False, endpoint: str | None = None,
+                             retry: RetryConfig | None = None) -> None:
         """Unload ``name`` everywhere (or on ``endpoint``); ``missing_ok``: a server without it (restarted) is fine."""
         await self._on_all("/v1/unload_lora_adapter", {"lora_name": name}, ok_404=missing_ok,
-                           endpoints=[endpoint] if endpoint else None)
+                           endpoints=[endpoint] if endpoint else None, retry=retry)
 
     async def model_cards(self, endpoint: str | None = None) -> list[dict[str, Any]]:
         """``GET /v1/models`` data: the base model first, then the adapters."""

@@ -9,8 +9,8 @@ is also a file there, so an actor restarted after a crash resends what was never
 Messages go out in the order they were put: while older ones wait for a connection, new ones
 queue behind them; after a lost connection everything unacked is resent, in order.
 
-The broker's registry (adapter names/versions, phase) rides on every ack; :attr:`Outbox.registry`
-holds the latest and ``on_registry`` is called when it changes.
+The broker's registry (adapter names/versions, phase) rides on every ack; each ack's is handed to
+``on_registry`` (the actor's :class:`~actors.registry_view.RegistryView`, which keeps the one copy).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from comap_async.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, SCHEMA_VERSION, ProtocolError, decode, encode
+from comap_async.wire.messages import Ack, ActorMessage, Registry
+from comap_async.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, ProtocolError, decode, encode, message_type, validate
 from comap_async.waiting import cancel_and_wait
 
 
@@ -51,7 +51,7 @@ class Outbox:
         ack_timeout_s: float = 2.0,
         client_keys: Any = None,
         spill_dir: str | Path | None = None,
-        on_registry: Callable[[dict[str, Any]], Any] | None = None,
+        on_registry: Callable[[Registry], Any] | None = None,
         on_reject: Callable[[str, str], Any] | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         ctx: zmq.asyncio.Context | None = None,
@@ -67,7 +67,6 @@ class Outbox:
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.asyncio.Context()
         self.log = log
-        self.registry: dict[str, Any] | None = None
         self.stats = {"sent": 0, "resent": 0, "acked": 0, "rejected": 0, "refused": 0, "bad_acks": 0}
         self._pending: dict[int, _Entry] = {}
         self._seq = 0
@@ -145,19 +144,20 @@ class Outbox:
     def pending(self) -> int:
         return len(self._pending)
 
-    async def put(self, msg: dict[str, Any]) -> int:
-        """Queue ``msg`` (a message dict without ``seq``); waits while the outbox is full."""
+    async def put(self, msg: ActorMessage | dict[str, Any]) -> int:
+        """Queue ``msg`` (a message, or its wire map; ``seq`` is set here); waits while the outbox is full."""
+        if isinstance(msg, dict):
+            msg = validate({**msg, "seq": 0})
         while len(self._pending) >= self.max_pending:
             self._changed.clear()
             await self._changed.wait()
         self._seq += 1
-        seq = self._seq
-        full = {**msg, "v": SCHEMA_VERSION, "seq": seq}
-        data = encode(full)  # a bad message is the actor's bug: fail loudly here, not at the broker
+        seq = msg.seq = self._seq
+        data = encode(msg)  # a bad message is the actor's bug: fail loudly here, not at the broker
         if len(data) > self.max_message_bytes:
-            raise ProtocolError(f"{msg.get('type')} {msg.get('id')!r} is {len(data)} bytes, broker limit "
+            raise ProtocolError(f"{message_type(msg)} {msg.id!r} is {len(data)} bytes, broker limit "
                                 f"{self.max_message_bytes}")
-        entry = _Entry(data, str(msg.get("id", "")))
+        entry = _Entry(data, msg.id)
         if self.spill_dir is not None:
             entry.spill_path = self._spill(seq, data)
         self._pending[seq] = entry
@@ -230,39 +230,36 @@ class Outbox:
             frames = await self.sock.recv_multipart()
             try:
                 ack = decode(frames[-1], max(self.max_message_bytes, 1 << 20) * 2)
-                if ack["type"] != "ack":
-                    raise ProtocolError(f"expected an ack, got {ack['type']!r}")
+                if type(ack) is not Ack:
+                    raise ProtocolError(f"expected an ack, got {message_type(ack)!r}")
             except ProtocolError as exc:
                 self.stats["bad_acks"] += 1
                 self._log("error", "outbox.bad_ack", error=str(exc))
                 continue
             self._on_ack(ack)
 
-    def _on_ack(self, ack: dict[str, Any]) -> None:
-        registry = ack["registry"]
-        if registry and registry != self.registry:
-            self.registry = registry
-            if self.on_registry is not None:
-                res = self.on_registry(registry)
-                if inspect.isawaitable(res):
-                    asyncio.ensure_future(res)
-        entry = self._pending.get(ack["seq"])
+    def _on_ack(self, ack: Ack) -> None:
+        if self.on_registry is not None:
+            res = self.on_registry(ack.registry)
+            if inspect.isawaitable(res):
+                asyncio.ensure_future(res)
+        entry = self._pending.get(ack.seq)
         if entry is None:
-            if not ack["ok"]:  # an error for a frame we cannot match: still worth a loud line
-                self._log("error", "outbox.unmatched_error", seq=ack["seq"], error=ack.get("error"))
+            if not ack.ok:  # an error for a frame we cannot match: still worth a loud line
+                self._log("error", "outbox.unmatched_error", seq=ack.seq, error=ack.error)
             return  # a duplicate ack of a resend
-        if ack["ok"]:
+        if ack.ok:
             self.stats["acked"] += 1
-            self._forget(ack["seq"], entry)
-        elif ack.get("retry", True):
+            self._forget(ack.seq, entry)
+        elif ack.retry:
             self.stats["refused"] += 1  # broker storage refused: keep it, resend after the timeout
-            self._log("warning", "outbox.refused", id=entry.msg_id, error=ack.get("error"))
+            self._log("warning", "outbox.refused", id=entry.msg_id, error=ack.error)
         else:
             self.stats["rejected"] += 1  # the message itself is bad: resending cannot help
-            self._log("error", "outbox.rejected", id=entry.msg_id, error=ack.get("error"))
-            self._forget(ack["seq"], entry)
+            self._log("error", "outbox.rejected", id=entry.msg_id, error=ack.error)
+            self._forget(ack.seq, entry)
             if self.on_reject is not None:
-                self.on_reject(entry.msg_id, ack.get("error") or "")
+                self.on_reject(entry.msg_id, ack.error or "")
 
     def _forget(self, seq: int, entry: _Entry) -> None:
         del self._pending[seq]
@@ -286,15 +283,15 @@ class Outbox:
         loaded = 0
         for path in sorted(self.spill_dir.glob("*.msg")):
             try:
-                msg = msgpack.unpackb(path.read_bytes(), raw=False)
+                msg = decode(path.read_bytes(), 1 << 30)
                 self._seq += 1
-                msg["seq"] = self._seq
+                msg.seq = self._seq
                 data = encode(msg)
             except Exception as exc:  # noqa: BLE001 - a damaged spill file is reported and kept aside
                 self._log("error", "outbox.bad_spill_file", path=str(path), error=str(exc))
                 path.rename(path.with_suffix(".bad"))
                 continue
-            self._pending[self._seq] = _Entry(data, str(msg.get("id", "")), spill_path=path)
+            self._pending[self._seq] = _Entry(data, msg.id, spill_path=path)
             loaded += 1
         if loaded:
             self._log("info", "outbox.spill_loaded", messages=loaded)

@@ -13,7 +13,8 @@ from actors.llm import Reflected
 from comap_async.config import load_config
 from comap_async.envs.alfworld_facts import next_state
 from comap_async.envs.pool import AsyncEnvPool
-from comap_async.wire.protocol import validate
+from comap_async.wire.protocol import as_map, validate
+from comap_async.wire.messages import Registry
 
 pytestmark = pytest.mark.alfworld
 
@@ -53,13 +54,14 @@ async def test_gate_opens_and_closes_on_a_real_game(valid_seen, alfworld_data):
     sent: list[dict] = []
 
     async def emit(msg):
-        sent.append(validate({**msg, "v": 1, "seq": len(sent)}))
+        msg.seq = len(sent)
+        sent.append(as_map(validate(msg)))  # what the outbox would send
 
     async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=6) as pool:
         env = pool.env()
         await env.reset(game)
         llm = ScriptedLLM(await env.walkthrough())
-        ctx = EpisodeContext("test", cfg, llm, emit, next_state, lambda: {"versions": {"policy": 3, "wm": 2}})
+        ctx = EpisodeContext("test", cfg, llm, emit, next_state, lambda: Registry(versions={"policy": 3, "wm": 2}))
         stats = await play_coevolve(ctx, env, game, "test:e1")
     transitions = [m for m in sent if m["type"] == "transition"]
     assert transitions and sent[-1]["type"] == "episode"
@@ -111,7 +113,7 @@ async def test_reflection_metrics_judge_every_step_by_two_branches(valid_seen, a
     walkthrough to a win (z_ref = 1). Drafting the walkthrough's action and proposing 'look': the
     gate blocks it (m = 0) and the draft's branch wins (z_draft = 1), so with no executed revision
     URR = HRR = 0 and BRP = 0 (the paper's ε)."""
-    from actors.evaluate import reflection_summary
+    from actors.eval_report import reflection_summary
 
     game = sorted(valid_seen, key=lambda g: g.name)[1]
     cfg = load_config(None, [f"env.data_dir={alfworld_data}"])
@@ -125,7 +127,7 @@ async def test_reflection_metrics_judge_every_step_by_two_branches(valid_seen, a
         plan = await env.walkthrough()
         judged = {}
         for revise_to_plan in (True, False):
-            ctx = EpisodeContext("test", cfg, PlanFollower(plan, revise_to_plan), emit, next_state, lambda: {})
+            ctx = EpisodeContext("test", cfg, PlanFollower(plan, revise_to_plan), emit, next_state, Registry)
             stats = await play_coevolve(ctx, env, game, f"test:r{revise_to_plan}", eval_mode=True, branch=branch)
             assert stats.won and stats.steps == len(plan)
             assert len(stats.judged_steps) == len(plan)  # every step, not only proposed revisions
@@ -172,13 +174,14 @@ async def test_overlapped_teacher_sends_the_same_transitions(valid_seen, alfworl
         sent: list[dict] = []
 
         async def emit(msg, sent=sent):
-            sent.append(validate({**msg, "v": 1, "seq": len(sent)}))
+            msg.seq = len(sent)
+            sent.append(as_map(validate(msg)))  # what the outbox would send
 
         async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=6) as pool:
             env = pool.env()
             await env.reset(game)
             llm = LoggingLLM(await env.walkthrough())
-            ctx = EpisodeContext("test", cfg, llm, emit, next_state, lambda: {"versions": {"policy": 3, "wm": 2}})
+            ctx = EpisodeContext("test", cfg, llm, emit, next_state, lambda: Registry(versions={"policy": 3, "wm": 2}))
             await play_coevolve(ctx, env, game, "test:e1")
         results[setting] = ([{k: v for k, v in m.items() if k not in ("ts", "wall_s")} for m in sent], llm.log)
     (before, log_before), (after, log_after) = results[False], results[overlap]

@@ -11,7 +11,8 @@ from actors.worker import ActorWorker
 from comap_async.config import load_config
 from comap_async.gates import action_gate
 from comap_async.logsetup import configure_logging
-from comap_async.wire.protocol import SCHEMAS, validate
+from comap_async.wire.messages import Transition
+from comap_async.wire.protocol import validate
 from comap_async.wire.broker_client import BrokerClient
 from tests.fixtures.broker import stored
 from tests.fixtures.system import system_overrides
@@ -54,7 +55,7 @@ async def test_coevolve_actor_stores_complete_gated_transitions(broker_factory, 
     assert len(episodes) == 4 and len(transitions) == sum(s.steps for _, s in results) >= 3
     for tr in transitions:
         validate(tr)  # every field present with its wire type
-        assert {k for k, f in SCHEMAS["transition"].items() if f.required} <= set(tr)
+        assert set(Transition.__struct_fields__) <= set(tr)  # the stored frame spells every field
         assert tr["phase"] == "coevolve" and tr["s_hat_teacher"] is not None and 0.0 <= tr["p_revise"] <= 1.0
         gate = action_gate(tr["p_revise"], tr["q_ref"], tr["a_ref"], tr["a_draft"], cfg.gates.tau_p, cfg.gates.tau_q)
         assert tr["a_exec"] == (tr["a_ref"] if gate.open else tr["a_draft"]), tr["id"]
@@ -93,7 +94,7 @@ async def test_actor_survives_broker_outage_without_loss_or_duplicates(broker_fa
     run = asyncio.create_task(worker.run())
 
     async def stored_count() -> int:
-        return (await asyncio.to_thread(broker.counters))["stores"]["transitions"]["count"]
+        return (await asyncio.to_thread(broker.stats))["stores"]["transitions"]["count"]
 
     while await stored_count() < 5:
         await asyncio.sleep(0.05)
@@ -117,7 +118,7 @@ async def test_actor_idles_after_its_warmup_share_until_the_phase_moves_on(broke
                        "actor.max_warmup_episodes=1")
     worker = ActorWorker(cfg, configure_logging("actor-test"), envs=1, episodes=3, games=games)
     run = asyncio.create_task(worker.run())
-    while not broker.counters()["stores"]["episodes"]["count"]:
+    while not broker.stats()["stores"]["episodes"]["count"]:
         await asyncio.sleep(0.2)
     await asyncio.sleep(3)  # idle: no second warm-up episode
     assert len(stored(broker, "episodes")) == 1 and not run.done()

@@ -12,7 +12,9 @@ import zmq.asyncio
 from comap_async.wire.outbox import Outbox
 from broker.ingest import load_next_state
 from broker.store import ReplayStore
+from actors.registry_view import RegistryView
 from comap_async.gates import derive_policy_sample
+from comap_async.wire.protocol import validate
 from comap_async.wire.broker_client import BrokerClient, BrokerError
 from tests.fixtures.broker import make_episode, make_transition
 
@@ -21,7 +23,7 @@ TOKEN = "s3cret-token"
 
 async def test_store_gates_registry_sampling_http(broker_factory):
     bp = broker_factory([f"broker.http_token={TOKEN}", "broker.max_staleness=1"])
-    registries: list[dict] = []
+    view = RegistryView()
     # warmup (expert executed), coevolve with an accepted revision, coevolve with a low-confidence one
     warm = [make_transition(i, phase="warmup", policy_version=0) for i in range(3)]
     revised = make_transition(10, decision="REVISE", p_revise=0.9, q_ref=0.8, a_ref="open fridge 1",
@@ -32,19 +34,18 @@ async def test_store_gates_registry_sampling_http(broker_factory):
     lowconf = make_transition(11, decision="REVISE", p_revise=0.9, q_ref=0.3, a_ref="open fridge 1",
                               s_hat_teacher="Nothing happens.", policy_version=3)
     async with BrokerClient(bp.learner_endpoint, timeout_s=5) as client:
-        out = await Outbox(bp.actor_endpoint, ack_timeout_s=1.0, on_registry=registries.append).start()
+        out = await Outbox(bp.actor_endpoint, ack_timeout_s=1.0, on_registry=view.update).start()
         for m in [*warm, revised, lowconf, make_episode(0)]:
             await out.put(m)
         await out.flush(10)
-        assert out.registry["phase"] == "warmup" and registries
+        assert view.known and view.phase() == "warmup"
         reg = await client.announce("coevolve", {"policy": 3, "wm": 2, "wm_teacher": 2},
                                     {"policy": "policy-v3", "wm": "wm-v2"}, step=60)
         assert reg["versions"]["policy"] == 3
         await out.put(make_transition(12, policy_version=3))
         await out.flush(10)
         # the registry rides on the next ack
-        assert out.registry["adapters"]["policy"] == "policy-v3" and out.registry["phase"] == "coevolve"
-        assert registries[-1] == out.registry
+        assert view.adapter("policy") == "policy-v3" and view.phase() == "coevolve" and view.changes == 2
         await out.close()
 
         demos = await client.sample("demos", 10, seed=1)
@@ -56,10 +57,10 @@ async def test_store_gates_registry_sampling_http(broker_factory):
         assert set(by_id) == {revised["id"], lowconf["id"], "a0:ep0:12"}
         parser = load_next_state("alfworld")
         for tr in (revised, lowconf):
-            want = derive_policy_sample(tr, parser, 0.5, 0.6, 0.6)
+            want = derive_policy_sample(validate({**tr, "seq": 0}), parser, 0.5, 0.6, 0.6)
             got = by_id[tr["id"]]
             for k in ("s_bar", "target", "y", "ws_score", "ws_imagined", "ag_reason"):
-                assert got[k] == want[k], k
+                assert got[k] == getattr(want, k), k
         assert by_id[revised["id"]]["target"] == "open fridge 1" and by_id[revised["id"]]["y"] == 1
         assert by_id[lowconf["id"]]["target"] == lowconf["a_draft"] and by_id[lowconf["id"]]["y"] == 0
         trs = await client.sample("transitions", 10, seed=2)

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from actors import evaluate
+from actors import eval_runner, evaluate
 from tests.fixtures.inference import AdapterFactory
 
 pytestmark = pytest.mark.alfworld
@@ -30,10 +30,10 @@ def _args(tmp_path, alfworld_data, model_cache, extra: list[str]) -> argparse.Na
 
 def _delayed(delay_s: float | None):
     """A ``server_command`` replacement: sleep, then exec the real server (never, when None)."""
-    real = evaluate.server_command
+    real = eval_runner.server_command
 
-    def command(args, overrides, port):
-        argv = real(args, overrides, port)
+    def command(config, overrides, port):
+        argv = real(config, overrides, port)
         if delay_s is None:
             return [sys.executable, "-c", "import time; time.sleep(3600)"]
         code = f"import os, sys, time; time.sleep({delay_s}); os.execv(sys.executable, {argv!r})"
@@ -47,7 +47,7 @@ def test_eval_waits_for_a_slow_server(tmp_path, alfworld_data, model_cache, tiny
     factory = AdapterFactory(tiny_model_dir, root)
     for i, role in enumerate(("policy", "wm", "wm_teacher")):
         factory.random(f"{role}-v1", seed=i)
-    monkeypatch.setattr(evaluate, "server_command", _delayed(15))
+    monkeypatch.setattr(eval_runner, "server_command", _delayed(15))
     code = evaluate.run(_args(tmp_path, alfworld_data, model_cache, ["--adapters", "1", "--serve-timeout", "300"]))
     err = capsys.readouterr().err
     assert code == 0, err[-3000:]
@@ -59,7 +59,7 @@ def test_eval_waits_for_a_slow_server(tmp_path, alfworld_data, model_cache, tiny
 
 def test_eval_with_a_server_that_never_answers_ends_with_one_error_line(tmp_path, alfworld_data, model_cache,
                                                                          monkeypatch, capsys):
-    monkeypatch.setattr(evaluate, "server_command", _delayed(None))
+    monkeypatch.setattr(eval_runner, "server_command", _delayed(None))
     code = evaluate.run(_args(tmp_path, alfworld_data, model_cache, ["--adapters", "base", "--serve-timeout", "4"]))
     err = capsys.readouterr().err
     assert code == 2

@@ -12,6 +12,8 @@ import zmq
 import zmq.asyncio
 
 from comap_async.wire.outbox import Outbox
+from actors.registry_view import RegistryView
+from comap_async.wire.messages import Registry
 from comap_async.wire.protocol import ProtocolError, empty_registry
 from tests.fixtures.broker import make_transition
 from tests.fixtures.core import free_port
@@ -53,8 +55,8 @@ async def test_permanent_reject_is_dropped_and_temporary_refusal_is_resent():
     router = ctx.socket(zmq.ROUTER)
     router.bind(f"tcp://127.0.0.1:{port}")
     rejected: list[tuple[str, str]] = []
-    registries: list[dict] = []
-    out = await Outbox(f"tcp://127.0.0.1:{port}", ack_timeout_s=0.3, on_registry=registries.append,
+    view = RegistryView()
+    out = await Outbox(f"tcp://127.0.0.1:{port}", ack_timeout_s=0.3, on_registry=view.update,
                        on_reject=lambda i, e: rejected.append((i, e))).start()
     await out.put(make_transition(0, actor="r"))
     reg = {**empty_registry(), "phase": "coevolve"}
@@ -71,7 +73,7 @@ async def test_permanent_reject_is_dropped_and_temporary_refusal_is_resent():
     assert await reply(False, False) == first  # the resend; now a permanent reject
     await out.flush(5)
     assert out.stats["refused"] == 1 and out.stats["rejected"] == 1 and out.stats["resent"] >= 1
-    assert rejected == [("r:ep0:0", "nope")] and registries == [reg] and out.registry == reg
+    assert rejected == [("r:ep0:0", "nope")] and view.changes == 1 and view.get() == Registry(phase="coevolve")
     await out.close()
     router.close(0)
     ctx.destroy()

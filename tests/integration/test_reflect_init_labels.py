@@ -14,7 +14,8 @@ from actors.episodes import EpisodeContext, play_reflect_init
 from comap_async.config import load_config
 from comap_async.envs.alfworld_facts import next_state
 from comap_async.envs.pool import AsyncEnvPool
-from comap_async.wire.protocol import validate
+from comap_async.wire.protocol import as_map, validate
+from comap_async.wire.messages import Registry
 
 pytestmark = pytest.mark.alfworld
 
@@ -33,7 +34,8 @@ async def test_labels_follow_the_branches_to_the_episode_end(valid_seen, alfworl
     sent: list[dict] = []
 
     async def emit(msg):
-        sent.append(validate({**msg, "v": 1, "seq": len(sent)}))
+        msg.seq = len(sent)
+        sent.append(as_map(validate(msg)))  # what the outbox would send
 
     async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=50) as pool:
         env, branch = pool.env(), pool.env()
@@ -42,7 +44,7 @@ async def test_labels_follow_the_branches_to_the_episode_end(valid_seen, alfworl
             plan = await env.walkthrough()
             if len(plan) > 6:  # long enough that a 5-step horizon cannot see the win from the start
                 break
-        ctx = EpisodeContext("test", cfg, AlternatingDrafts(plan), emit, next_state, lambda: {})
+        ctx = EpisodeContext("test", cfg, AlternatingDrafts(plan), emit, next_state, Registry)
         stats = await play_reflect_init(ctx, env, branch, game, "test:ri")
         # the observation after each walkthrough step, to check s_bar of the keep samples
         observations = [(await env.reset(game)).observation] + [(await env.step(a)).observation for a in plan]

@@ -14,7 +14,8 @@ from actors.worker import ActorWorker
 from comap_async.config import load_config
 from comap_async.envs.pool import AsyncEnvPool
 from comap_async.logsetup import configure_logging
-from comap_async.wire.protocol import validate
+from comap_async.wire.protocol import as_map, validate
+from comap_async.wire.messages import Registry
 from tests.fixtures.broker import stored
 from tests.fixtures.system import system_overrides
 
@@ -45,9 +46,9 @@ async def test_play_expert_explores_on_the_branch_reproducibly(alfworld_data, va
         sent: list[dict] = []
 
         async def emit(msg):
-            sent.append(msg)
+            sent.append(as_map(validate(msg)))  # what the outbox would send
 
-        ctx = EpisodeContext("a", cfg, None, emit, next_state, lambda: {})
+        ctx = EpisodeContext("a", cfg, None, emit, next_state, Registry)
         async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=50) as pool:
             stats = await play_expert(ctx, pool.env(), game, "a:e1", branch=pool.env() if branch_too else None)
         assert stats.won
@@ -79,7 +80,7 @@ async def test_warmup_stores_explore_transitions_outside_demos(broker_factory, r
         validate({**tr, "seq": 0})
     expert, explore = check_explore(transitions)
     assert len(expert) == len(demos) == sum(s.steps for _, s in results)
-    assert len(explore) == len(expert) and broker.counters()["counters"]["stored_explore"] == len(explore)
+    assert len(explore) == len(expert) and broker.stats()["counters"]["stored_explore"] == len(explore)
     # real failures the walkthrough never shows, recorded as the game answered them
     assert any(x["s_next"] == "Nothing happens." for x in explore)
     assert any(x["s_next"] != "Nothing happens." for x in explore)

@@ -7,6 +7,7 @@ import pytest
 
 from broker.ingest import Ingest, record_from_store
 from comap_async.config import GateConfig
+from comap_async.wire.protocol import decode, validate
 from tests.fixtures.broker import make_episode, make_transition
 
 
@@ -22,7 +23,7 @@ def toy_parser(state: frozenset[str], text: str) -> frozenset[str] | None:
 def prepare(tr: dict, ingest: Ingest | None = None):
     ingest = ingest or Ingest(toy_parser, GateConfig())
     raw = msgpack.packb({**tr, "seq": 1})
-    item = ingest.prepare({**tr, "seq": 1}, raw)
+    item = ingest.prepare(decode(raw), raw)
     recs = {store: msgpack.unpackb(v) for store, v in item.records}
     return item, recs, raw
 
@@ -101,12 +102,12 @@ def test_reflection_and_episode_messages():
     refl = {"v": 1, "type": "reflection", "seq": 2, "id": "r1", "actor": "a0", "game": "g", "s": "s", "a_draft": "a",
             "s_bar": "sb", "target": "t", "y": 1, "policy_version": 0, "wm_version": 0, "ts": 1.0,
             "label": "expert_better"}
-    item = ing.prepare(refl, b"")
+    item = ing.prepare(validate(refl), b"")
     assert item.dedup_key == b"r:r1" and item.records[0][0] == "reflections"
     assert msgpack.unpackb(item.records[0][1])["source"] == "suffix"
     assert item.counters == {"stored_reflection_msgs": 1, "reflect_label_expert_better": 1}  # shown by comap stats
     ep = {**make_episode(4), "seq": 3}
-    item = ing.prepare(ep, b"")
+    item = ing.prepare(validate(ep), b"")
     assert item.dedup_key == b"e:a0:ep4" and item.records[0][0] == "episodes"
 
 

@@ -1,8 +1,8 @@
-"""The broker validates every frame through the compiled per-schema check of ``protocol.validate``.
+"""The broker validates every frame by decoding it into the typed messages (msgspec, one pass).
 
-That check is only a fast "yes"; the field-by-field walk still words every reject. These tests
-pin the one property that makes this safe: the fast check never accepts a message the walk
-would reject, and it does accept ordinary valid messages (so the broker really takes it).
+The frozen version-1 validator (``tests/fixtures/protocol_v1.py``) is the specification: the
+typed decoder must never accept a message it refused (so an older peer reads every frame this
+side accepts and sends), and it must accept ordinary valid messages.
 """
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ from __future__ import annotations
 import math
 import random
 
+import msgpack
 import pytest
 
 from comap_async.wire import protocol
-from comap_async.wire.protocol import SCHEMAS, ProtocolError, make, validate
+from comap_async.wire.protocol import ProtocolError, as_map, decode, make, validate
+from tests.fixtures import protocol_v1
 from tests.fixtures.messages import transition
 
 BAD_VALUES = (None, 1.5, -0.0, "x", "", 7, -(1 << 62) - 1, 1 << 62, [1], [{"a": 1}], {"k": 1}, {1: 2}, True,
@@ -21,22 +23,8 @@ BAD_VALUES = (None, 1.5, -0.0, "x", "", 7, -(1 << 62) - 1, 1 << 62, [1], [{"a": 
               float("inf"), "KEEP", "REVISE", "warmup", "demos", 0, 1, 2)
 
 
-def _walk_accepts(msg: dict) -> bool:
-    """The slow definition of valid, field by field (what validate did before the fast path)."""
-    schema = SCHEMAS[msg["type"]]
-    try:
-        for name, spec in schema.items():
-            if name in msg:
-                protocol._check_value(name, spec, msg[name])
-            elif spec.required:
-                return False
-    except ProtocolError:
-        return False
-    return all(k in schema or k in ("v", "type") for k in msg)
-
-
 def _valid_examples() -> list[dict]:
-    return [
+    return [as_map(m) if not isinstance(m, dict) else m for m in [
         transition(3),
         transition(4, expert_action=None, decision="REVISE", phase="warmup", reward=1, p_revise=0),
         make("episode", seq=1, id="a:e", actor="a", env="alfworld", game="g", split="train", phase="coevolve",
@@ -44,42 +32,59 @@ def _valid_examples() -> list[dict]:
              metrics={"revision_rate": 0.25}),
         make("reflection", seq=2, id="r", actor="a", game="g", s="s", a_draft="x", s_bar="y", target="z", y=1,
              policy_version=0, wm_version=0, ts=0.0, label="expert_better"),
-        make("ack", seq=9, ok=True, error=None, registry=protocol.empty_registry(), retry=False),
+        make("ack", seq=9, ok=True, error=None, registry=as_map(protocol.empty_registry()), retry=False),
         make("sample", req=1, store="demos", n=8, seed=None),
         make("batch", req=1, store="demos", items=[{"s": "x"}], stale_skipped=0, available=1),
         make("announce", req=2, phase="coevolve", versions={"policy": 3}, adapters={"policy": "p"}, step=10),
         make("reply", req=2, ok=False, error="nope", data={}),
-    ]
+    ]]
+
+
+def _typed_accepts(msg: dict) -> bool:
+    try:
+        decode(msgpack.packb(msg, use_bin_type=True))
+    except ProtocolError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize("msg", _valid_examples(), ids=lambda m: m["type"])
-def test_fast_check_accepts_valid_messages(msg):
-    assert protocol._FAST_CHECKS[msg["type"]](msg)
-    assert validate(msg) is msg
+def test_valid_messages_pass_both_validators(msg):
+    assert protocol_v1.accepts(msg)
+    assert as_map(validate(msg)) == msg
+    assert _typed_accepts(msg)
 
 
-def test_fast_check_never_accepts_what_the_walk_rejects():
+def test_the_typed_decoder_never_accepts_what_version_1_refused():
     rng = random.Random(7)
-    cases = 0
+    cases = refused = 0
     for base in _valid_examples():
         fields = [k for k in base if k not in ("v", "type")]
         for name in fields:
             for bad in BAD_VALUES:
                 cases += 1
                 m = {**base, name: bad}
-                assert protocol._FAST_CHECKS[m["type"]](m) <= _walk_accepts(m), (name, bad)
+                if not protocol_v1.accepts(m):
+                    refused += 1
+                    assert not _typed_accepts(m), (base["type"], name, bad)
             m = dict(base)
             del m[name]
-            assert protocol._FAST_CHECKS[m["type"]](m) <= _walk_accepts(m), ("missing", name)
+            assert _typed_accepts(m) <= protocol_v1.accepts(m), ("missing", name)
         for extra in ("extra", "V", "types"):
-            assert not protocol._FAST_CHECKS[base["type"]]({**base, extra: 1})
+            assert not _typed_accepts({**base, extra: 1})
         for _ in range(200):  # several fields wrong at once
             m = dict(base)
             for name in rng.sample(fields, rng.randint(1, min(4, len(fields)))):
                 m[name] = rng.choice(BAD_VALUES)
             cases += 1
-            assert protocol._FAST_CHECKS[m["type"]](m) <= _walk_accepts(m), m
-    assert cases > 2000
+            assert _typed_accepts(m) <= protocol_v1.accepts(m), m
+    assert cases > 2000 and refused > 1000
+
+
+def test_what_the_typed_messages_send_version_1_reads():
+    """Every message built with defaults (optional fields filled in) is a valid version-1 map."""
+    for m in _valid_examples():
+        assert protocol_v1.accepts(msgpack.unpackb(protocol.encode(m), raw=False))
 
 
 def test_rejects_keep_their_reasons():

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from comap_async.facts import NO_CHANGE, changes_f1, delta_f1, fact_changes, set_f1
 from comap_async.gates import (action_gate, canonical_action, derive_policy_sample, world_state_gate,
                                world_state_gate_on_facts)
+from comap_async.wire.protocol import validate
 from tests.fixtures.messages import transition
 
 PREV = frozenset({"at(countertop 1)", "in(apple 1, countertop 1)"})
@@ -108,24 +109,24 @@ def test_derived_sample_imagined_state_and_accepted_revision():
                     s_next="REAL NEXT", a_draft="go to fridge 1", a_ref="take apple 1 from countertop 1",
                     decision="REVISE", p_revise=0.8, q_ref=0.7, a_exec="take apple 1 from countertop 1",
                     facts=sorted(PREV))
-    d = derive_policy_sample(tr, _parse)
-    assert d["s_bar"] == "DRAFT IMAGINED" and d["ws_imagined"] and d["ws_score"] == 1.0
-    assert d["target"] == "take apple 1 from countertop 1" and d["y"] == 1
+    d = derive_policy_sample(validate(tr), _parse)
+    assert d.s_bar == "DRAFT IMAGINED" and d.ws_imagined and d.ws_score == 1.0
+    assert d.target == "take apple 1 from countertop 1" and d.y == 1
 
 
 def test_derived_sample_real_state_and_kept_draft():
     tr = transition(1, o="O", s_hat_exec="PICKED", s_hat_teacher="FRIDGE", s_next="REAL NEXT",
                     a_draft="go to fridge 1", a_ref="take apple 1 from countertop 1", decision="REVISE",
                     p_revise=0.8, q_ref=0.5, a_exec="go to fridge 1", facts=sorted(PREV))
-    d = derive_policy_sample(tr, _parse)
-    assert d["s_bar"] == "REAL NEXT" and not d["ws_imagined"]
-    assert d["target"] == "go to fridge 1" and d["y"] == 0 and d["ag_reason"] == "low_confidence"
+    d = derive_policy_sample(validate(tr), _parse)
+    assert d.s_bar == "REAL NEXT" and not d.ws_imagined
+    assert d.target == "go to fridge 1" and d.y == 0 and d.ag_reason == "low_confidence"
 
 
 def test_derived_sample_unparseable_student_uses_real_state():
     tr = transition(1, o="O", s_hat_exec="gibberish", s_hat_teacher="PICKED", s_next="REAL NEXT", facts=sorted(PREV))
-    d = derive_policy_sample(tr, _parse)
-    assert d["s_bar"] == "REAL NEXT" and d["ws_score"] == 0.0
+    d = derive_policy_sample(validate(tr), _parse)
+    assert d.s_bar == "REAL NEXT" and d.ws_score == 0.0
 
 
 _FACT_POOL = ["at(a 1)", "at(b 1)", "holding(x 1)", "holding(nothing)", "in(x 1, b 1)", "in(y 1, b 1)",

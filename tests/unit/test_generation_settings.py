@@ -12,7 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from actors.episodes import Episode
-from actors.llm import AgentLLM, adapter_version
+from actors.llm import AgentLLM
+from actors.registry_view import RegistryView
+from comap_async.wire.messages import Registry, adapter_version
 from comap_async.config import ActorConfig, ConfigError, load_config
 from comap_async.wire.inference_client import InferenceError
 from comap_async.prompts import ChatTemplate, Prompts
@@ -148,10 +150,10 @@ async def test_last_version_is_the_adapter_each_call_used():
     assert llm.last_version("policy") is None and llm.last_version("wm") is None  # no call yet
     await llm.draft("s")
     assert llm.last_version("policy") == 0 and llm.last_model("policy") == "base"  # base model = version 0
-    llm.use_registry({"adapters": {"policy": "policy-v3", "wm": "wm-v2"}})
+    llm.registry.update({"adapters": {"policy": "policy-v3", "wm": "wm-v2"}})
     await llm.draft("s")
     # a publish lands between the draft and the prediction: each field keeps the version that made it
-    llm.use_registry({"adapters": {"policy": "policy-v4", "wm": "wm-v5"}})
+    llm.registry.update({"adapters": {"policy": "policy-v4", "wm": "wm-v5"}})
     await llm.imagine("s", "go to desk 1")
     assert (llm.last_version("policy"), llm.last_version("wm")) == (3, 5)
     assert [c["model"] for c in client.calls] == ["base", "policy-v3", "wm-v5"]
@@ -163,8 +165,8 @@ async def test_last_version_after_a_stale_adapter_retry():
     async def refresh():
         return {"adapters": {"policy": "policy-v2", "wm": "wm-v2"}}
 
-    llm = AgentLLM(client, make_llm(client).prompts, ActorConfig(), "base", refresh_registry=refresh)
-    llm.use_registry({"adapters": {"policy": "policy-v1", "wm": "wm-v1"}})
+    llm = AgentLLM(client, make_llm(client).prompts, ActorConfig(), "base", registry=RegistryView(fetch=refresh))
+    llm.registry.update({"adapters": {"policy": "policy-v1", "wm": "wm-v1"}})
     await llm.imagine("s", "look")
     assert llm.last_version("wm") == 2 and llm.stale_adapter_retries == 1
 
@@ -176,7 +178,7 @@ async def test_last_version_is_per_task():
     gate = asyncio.Event()
 
     async def episode(adapter: str, wait: bool) -> int | None:
-        llm.use_registry({"adapters": {"policy": adapter}})
+        llm.registry.update({"adapters": {"policy": adapter}})
         await llm.draft("s")
         if wait:
             await gate.wait()  # the other episode drafts with another adapter meanwhile
@@ -190,19 +192,23 @@ async def test_last_version_is_per_task():
     assert await asyncio.gather(first, second) == [1, 7]
 
 
+STEP = dict(a_draft="look", s_hat="", decision="KEEP", a_ref="look", p_revise=0.0, q_ref=1.0, a_exec="look",
+            s_hat_exec="", s_hat_teacher="", expert_action=None)
+
+
 def test_transition_stamps_given_versions_over_the_registry():
-    registry = {"versions": {"policy": 9, "wm": 9}}
+    registry = Registry(versions={"policy": 9, "wm": 9})
     ctx = SimpleNamespace(actor="a", cfg=load_config(None), llm=None, emit=None, registry=lambda: registry,
                           next_state=lambda facts, text: frozenset(), parse_facts=lambda text: frozenset())
     first = SimpleNamespace(observation="You are in a room.", info={"task": "t"}, admissible=(), reward=0.0,
                             done=False, won=False, expert_action=None)
     ep = Episode(ctx, SimpleNamespace(name="g", split="valid_seen"), "a:e1", first)
-    tr = ep.transition("coevolve", 0, "o", "s", policy_version=3, wm_version=5, a_exec="look")
-    assert (tr["policy_version"], tr["wm_version"]) == (3, 5)
-    tr = ep.transition("coevolve", 0, "o", "s", policy_version=0, a_exec="look")
-    assert (tr["policy_version"], tr["wm_version"]) == (0, 9)  # 0 is a version (the base model), None = registry
-    tr = ep.transition("coevolve", 0, "o", "s", a_exec="look")
-    assert (tr["policy_version"], tr["wm_version"]) == (9, 9)
+    tr = ep.transition("coevolve", 0, "o", "s", policy_version=3, wm_version=5, **STEP)
+    assert (tr.policy_version, tr.wm_version) == (3, 5)
+    tr = ep.transition("coevolve", 0, "o", "s", policy_version=0, **STEP)
+    assert (tr.policy_version, tr.wm_version) == (0, 9)  # 0 is a version (the base model), None = registry
+    tr = ep.transition("coevolve", 0, "o", "s", **STEP)
+    assert (tr.policy_version, tr.wm_version) == (9, 9)
     # what AgentLLM.last_version gives before a task's first call of a role: the registry's
-    tr = ep.transition("coevolve", 0, "o", "s", policy_version=None, wm_version=None, a_exec="look")
-    assert (tr["policy_version"], tr["wm_version"]) == (9, 9)
+    tr = ep.transition("coevolve", 0, "o", "s", policy_version=None, wm_version=None, **STEP)
+    assert (tr.policy_version, tr.wm_version) == (9, 9)

@@ -220,12 +220,12 @@ class FakeBroker:
         self.stores, self.calls = stores, []
 
     async def sample(self, store, n, seed=None, phases=None):
-        from comap_async.wire.broker_client import Batch
+        from comap_async.wire.messages import Batch
 
         self.calls.append((store, n, phases))
         default = {"reflections": "reflect_init"}.get(store)
         items = [r for r in self.stores.get(store, []) if phases is None or (r.get("phase") or default) in phases]
-        return Batch(store, items[:n], 0, len(items))
+        return Batch(req=0, store=store, items=items[:n], stale_skipped=0, available=len(items))
 
 
 async def test_the_prefetcher_tags_micro_batches_and_reflect_init_needs_reflections():

@@ -15,10 +15,10 @@ class RecordingEndpoint:
     def __init__(self):
         self.loads = []
 
-    async def load_adapter(self, name, path, load_inplace=False, endpoint=None):
+    async def load_adapter(self, name, path, load_inplace=False, endpoint=None, retry=None):
         self.loads.append((name, path, load_inplace))
 
-    async def unload_adapter(self, name, missing_ok=False, endpoint=None):
+    async def unload_adapter(self, name, missing_ok=False, endpoint=None, retry=None):
         pass
 
     async def announce(self, **kw):

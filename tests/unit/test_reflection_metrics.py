@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.evaluate import markdown, reflection_summary
+from actors.eval_report import markdown, reflection_summary
 from comap_async.diagnostics import (EPS, BranchResult, branch_better, reflection_diagnostics,
                                      reflection_label)
 

@@ -10,6 +10,7 @@ from comap_async.envs import get_next_state
 from comap_async.envs.alfworld_facts import next_state, parse_facts
 from comap_async.facts import delta_f1, fact_changes, state_delta_f1
 from comap_async.gates import derive_policy_sample, future_context
+from comap_async.wire.protocol import validate
 from tests.fixtures.messages import transition
 
 COUNTER = "On the countertop 1, you see a apple 1, and a mug 1."
@@ -98,18 +99,18 @@ def test_revised_step_reflects_on_the_drafts_imagined_state():
     for teacher in (PICK, "Nothing happens."):  # gate open (agreement), gate closed
         tr = _step(decision="REVISE", a_ref="take apple 1 from countertop 1", p_revise=0.9, q_ref=0.9,
                    a_exec="take apple 1 from countertop 1", s_hat_exec=PICK, s_hat_teacher=teacher, s_next=PICK)
-        d = derive_policy_sample(tr, next_state)
-        assert d["s_bar"] == DRAFT_IMAGINED and d["y"] == 1 and d["target"] == "take apple 1 from countertop 1"
-        assert d["ws_imagined"] == (teacher == PICK)  # the gate's score is still on the executed action
+        d = derive_policy_sample(validate(tr), next_state)
+        assert d.s_bar == DRAFT_IMAGINED and d.y == 1 and d.target == "take apple 1 from countertop 1"
+        assert d.ws_imagined == (teacher == PICK)  # the gate's score is still on the executed action
 
 
 def test_kept_step_uses_the_gate():
     kept = dict(decision="KEEP", a_ref="go to drawer 3", p_revise=0.1, q_ref=0.9, a_exec="go to drawer 3",
                 s_hat_exec=DRAFT_IMAGINED, s_next="You arrive at drawer 3. The drawer 3 is open. In it, you see nothing.")
-    agree = derive_policy_sample(_step(**kept, s_hat_teacher=DRAFT_IMAGINED), next_state)
-    assert agree["ws_imagined"] and agree["s_bar"] == DRAFT_IMAGINED
-    disagree = derive_policy_sample(_step(**kept, s_hat_teacher="Nothing happens."), next_state)
-    assert not disagree["ws_imagined"] and disagree["s_bar"] == kept["s_next"]
+    agree = derive_policy_sample(validate(_step(**kept, s_hat_teacher=DRAFT_IMAGINED)), next_state)
+    assert agree.ws_imagined and agree.s_bar == DRAFT_IMAGINED
+    disagree = derive_policy_sample(validate(_step(**kept, s_hat_teacher="Nothing happens.")), next_state)
+    assert not disagree.ws_imagined and disagree.s_bar == kept["s_next"]
     # a refined action that is the draft in other spelling was not a revision
     same = _step(**{**kept, "a_exec": "Go to drawer 3."}, s_hat_teacher=DRAFT_IMAGINED)
-    assert future_context(same, True) == DRAFT_IMAGINED
+    assert future_context(validate(same), True) == DRAFT_IMAGINED

@@ -11,6 +11,7 @@ from actors.explore import entities, explore_action, inadmissible_candidates
 from broker.ingest import Ingest
 from comap_async.config import ActorConfig, GateConfig
 from comap_async.gates import canonical_action
+from comap_async.wire.protocol import validate
 from tests.fixtures.broker import make_transition
 
 # admissible commands of a real ALFWorld state (at desk 1, the alarm clock in hand)
@@ -52,10 +53,10 @@ def test_broker_stores_an_explore_transition_for_the_world_model_only():
     tr = make_transition(3, phase="warmup", id="a0:ep0:3:x", explore=True, a_draft="open apple 1",
                          a_ref="open apple 1", a_exec="open apple 1", s_next="Nothing happens.")
     raw = msgpack.packb({**tr, "seq": 1})
-    item = ingest.prepare({**tr, "seq": 1}, raw)
+    item = ingest.prepare(validate({**tr, "seq": 1}), raw)
     assert [store for store, _ in item.records] == ["transitions"] and dict(item.records)["transitions"] == raw
     assert item.counters == {"stored_transitions": 1, "stored_explore": 1} and item.dedup_key == b"t:a0:ep0:3:x"
     # the expert's own step still makes a demonstration
     expert = make_transition(3, phase="warmup", explore=False)
-    item = ingest.prepare({**expert, "seq": 2}, msgpack.packb({**expert, "seq": 2}))
+    item = ingest.prepare(validate({**expert, "seq": 2}), msgpack.packb({**expert, "seq": 2}))
     assert sorted(store for store, _ in item.records) == ["demos", "transitions"]

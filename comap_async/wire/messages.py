@@ -1,0 +1,301 @@
+"""Every message and stored record, declared once (DESIGN.md section 4), with the names they use.
+
+Messages are msgspec ``Struct``s tagged by ``type``; on the wire each is a flat msgpack map
+``{"type": <tag>, "v": SCHEMA_VERSION, ...fields}`` (the same maps as schema version 1's hand-written
+validator accepted, so older peers still read them). The annotations are the validation: string
+and list limits, integer range, finite numbers, allowed values. Decoding and validating happen in
+one C pass (:mod:`comap_async.wire.protocol`); a process reads fields by name (``tr.s_hat``).
+
+Also here: the roles, phases and decisions every process names, and the adapter-name format.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any, Literal, Union, get_args
+
+import msgspec
+from msgspec import Meta, Struct
+
+SCHEMA_VERSION = 1
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+
+ID_LEN = 256  # ids, names, game paths
+TEXT_LEN = 64 * 1024  # observations, predictions, prompts
+MAX_ITEMS = 4096  # list/map entries in one message
+
+# ---- names -------------------------------------------------------------------------------------
+
+Phase = Literal["warmup", "reflect_init", "coevolve"]
+"""The learner's phases (DESIGN.md section 6): world-model warm-up on expert play, reflection-mode
+initialisation, then co-evolution."""
+PHASES: tuple[str, ...] = get_args(Phase)
+WARMUP, REFLECT_INIT, COEVOLVE = PHASES
+
+Decision = Literal["KEEP", "REVISE"]
+DECISIONS: tuple[str, ...] = get_args(Decision)
+KEEP, REVISE = DECISIONS
+
+Store = Literal["transitions", "reflections", "demos", "episodes"]
+STORES: tuple[str, ...] = get_args(Store)
+
+ReflectionLabel = Literal["expert_better", "equal_draft", "not_better"]
+"""Why a reflection-initialisation sample got its label: ``y = 1`` only for ``expert_better``."""
+REFLECTION_LABELS: tuple[str, ...] = get_args(ReflectionLabel)
+
+Role = Literal["policy", "wm", "wm_teacher"]
+"""The three adapters: the policy, the world model (student) and its EMA teacher."""
+ROLES: tuple[str, ...] = get_args(Role)
+POLICY, WM, WM_TEACHER = ROLES
+
+
+def adapter_name(role: str, version: int, prefix: str = "") -> str:
+    """The served (and on-disk) name of ``role``'s adapter ``version``: ``policy-v3``."""
+    return f"{prefix}{role}-v{version}"
+
+
+def adapter_version(name: str | None) -> int:
+    """The version an adapter name denotes (``adapter_name``'s inverse); 0 for the base model or
+    a name that is not an adapter's."""
+    if not name:
+        return 0
+    _, sep, tail = name.rpartition("-v")
+    return int(tail) if sep and tail.isdigit() else 0
+
+
+# ---- field types -------------------------------------------------------------------------------
+
+_MAX_FLOAT = sys.float_info.max
+Id = Annotated[str, Meta(max_length=ID_LEN)]
+Text = Annotated[str, Meta(max_length=TEXT_LEN)]
+Int = Annotated[int, Meta(ge=-(1 << 62), le=1 << 62)]
+Num = Annotated[float, Meta(ge=-_MAX_FLOAT, le=_MAX_FLOAT)]  # finite: NaN and infinities fail the bounds
+Map = Annotated[dict[str, Any], Meta(max_length=MAX_ITEMS)]
+Facts = Annotated[list[Id], Meta(max_length=MAX_ITEMS)]
+
+
+class Message(Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
+    """A wire message: its tag is ``type``; ``v`` is the schema version (another version is refused)."""
+
+    v: Literal[SCHEMA_VERSION] = SCHEMA_VERSION  # type: ignore[valid-type]
+
+
+class Registry(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Which adapters are live and the phase: every ack carries it, the learner's announce sets it."""
+
+    phase: Phase = WARMUP
+    versions: dict[Role, Annotated[int, Meta(ge=0, le=1 << 62)]] = msgspec.field(
+        default_factory=lambda: dict.fromkeys(ROLES, 0))
+    adapters: dict[Role, Annotated[str, Meta(min_length=1, max_length=ID_LEN)]] = msgspec.field(default_factory=dict)
+    step: Int = 0
+
+    @classmethod
+    def serving(cls, version: int, prefix: str = "") -> Registry:
+        """Every role on its adapter ``version`` (``prefix``: served under other names, e.g. the
+        evaluator's copies), or on the base model for version 0; the CoMap loop's phase."""
+        return cls(phase=COEVOLVE, versions=dict.fromkeys(ROLES, version),
+                   adapters={r: adapter_name(r, version, prefix) for r in ROLES} if version else {})
+
+
+# ---- actor -> broker ---------------------------------------------------------------------------
+
+class Transition(Message, tag="transition", kw_only=True):
+    """One environment step ``(s, a_draft, ŝ, a_exec, s')`` with the reflection and the gate inputs."""
+
+    seq: Int
+    """The actor's outbox sequence number (acks name it)."""
+    id: Id
+    actor: Id
+    env: Id
+    game: Id
+    split: Id
+    episode: Id
+    t: Int
+    o: Text
+    """The raw observation at t (``s`` is the rendered state with history)."""
+    phase: Phase
+    goal: Text
+    s: Text
+    a_draft: Text
+    s_hat: Text
+    """The world model's prediction for the draft, ``ŝ = WM(s, a_draft)``."""
+    decision: Decision
+    a_ref: Text
+    p_revise: Num
+    q_ref: Num
+    a_exec: Text
+    s_hat_exec: Text
+    """The student's prediction for the executed action (the draft's ``ŝ`` when not revised)."""
+    s_hat_teacher: Text
+    """The EMA teacher's prediction for the executed action."""
+    s_next: Text
+    reward: Num
+    done: bool
+    won: bool
+    expert_action: Text | None
+    policy_version: Int
+    wm_version: Int
+    ts: Num
+    facts: Facts
+    """Canonical facts of the state before the action, ``C(s_t)`` (DESIGN.md section 11): the
+    world-state gate applies each prediction to it."""
+    explore: bool = False
+    """Warm-up only: a non-expert action executed for the world model (no demonstration)."""
+
+
+class Episode(Message, tag="episode", kw_only=True):
+    """The end of an episode."""
+
+    seq: Int
+    id: Id
+    actor: Id
+    env: Id
+    game: Id
+    split: Id
+    phase: Phase
+    eval: bool
+    steps: Int
+    won: bool
+    reward: Num
+    policy_version: Int
+    wm_version: Int
+    wall_s: Num
+    ts: Num
+    metrics: Map = msgspec.field(default_factory=dict)
+
+
+class Reflection(Message, tag="reflection", kw_only=True):
+    """A reflection sample labelled by suffix rollouts (reflection-mode initialisation)."""
+
+    seq: Int
+    id: Id
+    actor: Id
+    game: Id
+    s: Text
+    a_draft: Text
+    s_bar: Text
+    target: Text
+    y: Literal[0, 1]
+    policy_version: Int
+    wm_version: Int
+    ts: Num
+    label: ReflectionLabel
+
+
+ActorMessage = Union[Transition, Episode, Reflection]
+
+
+# ---- broker -> actor ---------------------------------------------------------------------------
+
+class Ack(Message, tag="ack", kw_only=True):
+    """Stored (after commit) or refused. ``retry`` (when not ok): True = temporary (storage refused;
+    keep and resend later), False = the message itself is bad (resending cannot help)."""
+
+    seq: Int
+    ok: bool
+    error: Id | None
+    registry: Registry
+    retry: bool = False
+
+
+# ---- learner / evaluator <-> broker ------------------------------------------------------------
+
+class Sample(Message, tag="sample", kw_only=True):
+    """Up to ``n`` items of a store; ``phases``: only items produced in these phases (default: all,
+    i.e. any item; a reflection sample without a phase counts as ``reflect_init``)."""
+
+    req: Int
+    store: Store
+    n: Int
+    seed: Int | None = None
+    phases: Annotated[list[Phase], Meta(max_length=len(PHASES))] = msgspec.field(default_factory=lambda: list(PHASES))
+
+
+class Announce(Message, tag="announce", kw_only=True):
+    """Replace the broker's registry (adapters live everywhere); ``metrics``: the learner's scalars."""
+
+    req: Int
+    phase: Phase
+    versions: Map
+    adapters: Map
+    step: Int
+    metrics: Map = msgspec.field(default_factory=dict)
+
+
+class GetRegistry(Message, tag="get_registry", kw_only=True):
+    req: Int
+
+
+class EvalResult(Message, tag="eval_result", kw_only=True):
+    """Held-out results of one adapter version (kept in the replay's meta)."""
+
+    req: Int
+    version: Int
+    result: Map
+
+
+class GetStats(Message, tag="get_stats", kw_only=True):
+    req: Int
+
+
+class Batch(Message, tag="batch", kw_only=True):
+    """Sampled items (stored records, maps) for a learner."""
+
+    req: Int
+    store: Store
+    items: Annotated[list[dict[str, Any]], Meta(max_length=MAX_ITEMS)]
+    stale_skipped: Int
+    available: Int
+
+
+class Reply(Message, tag="reply", kw_only=True):
+    req: Int
+    ok: bool
+    error: Id | None
+    data: Map
+
+
+LearnerRequest = Union[Sample, Announce, GetRegistry, EvalResult, GetStats]
+AnyMessage = Union[Transition, Episode, Reflection, Ack, Sample, Announce, GetRegistry, EvalResult, GetStats, Batch,
+                   Reply]
+ACTOR_TYPES = (Transition, Episode, Reflection)
+
+
+# ---- stored records (broker -> LMDB -> learner) ------------------------------------------------
+
+class Record(Struct, kw_only=True):
+    """A record the broker derives and stores (packed as a plain map; learners read it by name)."""
+
+
+class Demo(Record, kw_only=True):
+    """``(s, expert action)`` from a warm-up step, the policy's draft anchor."""
+
+    id: str
+    game: str
+    goal: str
+    s: str
+    target: str
+    policy_version: int
+    wm_version: int
+    source: Literal["expert"] = "expert"
+    ts: float
+
+
+class PolicySample(Record, kw_only=True):
+    """The policy's reflection sample ``(s, a_draft, s̄, target, y)`` the two gates derive from a
+    transition (:func:`comap_async.gates.derive_policy_sample`); gate scores kept for analysis."""
+
+    id: str
+    game: str
+    s: str
+    a_draft: str
+    s_bar: str
+    target: str
+    y: int
+    ws_score: float
+    ws_imagined: bool
+    ag_reason: str
+    policy_version: int
+    wm_version: int
+    source: Literal["gate"] = "gate"
+    phase: str = ""
