@@ -28,9 +28,10 @@ async def measure(cfg, episodes: int, envs: int) -> tuple[float, int]:
     from actors.worker import ActorWorker
     from comap_async.logsetup import configure_logging
     from comap_async.wire.broker_client import BrokerClient
+    from comap_async.wire.messages import COEVOLVE, ROLES
 
     async with BrokerClient(f"tcp://127.0.0.1:{cfg.broker.learner_port}") as bc:
-        await bc.announce("coevolve", {"policy": 0, "wm": 0, "wm_teacher": 0}, {}, 0)
+        await bc.announce(COEVOLVE, dict.fromkeys(ROLES, 0), {}, 0)
     worker = ActorWorker(cfg, configure_logging("actor-bench", level="WARNING"), envs=envs, episodes=episodes)
     samples: list[tuple[float, int]] = []
 

@@ -28,6 +28,7 @@ from _inference import served, write_random_adapters  # noqa: E402
 from comap_async.config import load_config  # noqa: E402
 from comap_async.wire.inference_client import InferenceClient  # noqa: E402
 from comap_async.models import resolve_model  # noqa: E402
+from comap_async.wire.messages import POLICY, adapter_name  # noqa: E402
 
 PROBE = "Decision:"
 
@@ -35,17 +36,17 @@ PROBE = "Decision:"
 async def publish_series(client: InferenceClient, root: Path, start: int, count: int) -> list[float]:
     out = []
     for v in range(start, start + count):
-        name = f"policy-v{v}"
+        name = adapter_name(POLICY, v)
         t0 = time.perf_counter()
         await client.load_adapter(name, str(root / f"a{v % 4}"))
         r = await client.complete(PROBE, model=name, max_tokens=1, temperature=0.0)
         out.append((time.perf_counter() - t0) * 1000)
         assert r.model == name
         if v - 2 >= start:
-            await client.unload_adapter(f"policy-v{v - 2}")
+            await client.unload_adapter(adapter_name(POLICY, v - 2))
         await asyncio.sleep(0.2)
     for v in range(max(start, start + count - 2), start + count):
-        await client.unload_adapter(f"policy-v{v}")
+        await client.unload_adapter(adapter_name(POLICY, v))
     return out
 
 

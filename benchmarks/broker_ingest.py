@@ -32,12 +32,15 @@ import urllib.request
 from pathlib import Path
 
 import msgpack
+import msgspec
 import zmq
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from comap_async.ports import free_port  # noqa: E402 - the repo must be on sys.path first
+from comap_async.wire.messages import COEVOLVE, KEEP, REVISE, Transition  # noqa: E402
+from comap_async.wire.protocol import encode  # noqa: E402
 
 OBS = ("You arrive at countertop {k}. On the countertop {k}, you see a apple {a}, a bread {b}, a butterknife {c}, "
        "a cellphone {d}, a egg {e}, a knife {f}, a lettuce {g}, a mug {h}, a peppershaker {i}, a plate {j}, "
@@ -66,20 +69,19 @@ def make_messages(n: int, text_bytes: int) -> list[bytes]:
         # steps showed elsewhere (~30 facts, a mid-episode state)
         facts = sorted(OBS_FACTS(o) | {f"in(cd {i % 7 + j}, drawer {j})" for j in range(1, 15)}
                        | {f"closed(cabinet {j})" for j in range(1, 5)})
-        msg = {"v": 1, "type": "transition", "seq": i, "id": f"bench:ep{i // 50}:{i % 50}-{i}", "actor": "bench",
-               "env": "alfworld", "game": "train/pick_clean_then_place/trial_1", "split": "train",
-               "episode": f"bench:ep{i // 50}", "t": i % 50, "o": o, "phase": "coevolve",
-               "goal": "put a clean apple in fridge.", "s": s, "a_draft": f"take apple {f['a']} from countertop {f['k']}",
-               "s_hat": pick, "decision": "REVISE" if i % 3 == 0 else "KEEP",
-               "a_ref": f"take bread {f['b']} from countertop {f['k']}", "p_revise": (i % 10) / 10,
-               "q_ref": ((i * 7) % 10) / 10, "a_exec": f"take apple {f['a']} from countertop {f['k']}",
-               "s_hat_exec": pick, "s_hat_teacher": pick if i % 4 else "Nothing happens.", "s_next": pick,
-               "reward": 0.0, "done": False, "won": False, "expert_action": None, "policy_version": 1,
-               "wm_version": 1, "ts": time.time(), "facts": facts}
-        text = sum(len(v) for v in msg.values() if isinstance(v, str))
+        msg = Transition(
+            seq=i, id=f"bench:ep{i // 50}:{i % 50}-{i}", actor="bench", env="alfworld",
+            game="train/pick_clean_then_place/trial_1", split="train", episode=f"bench:ep{i // 50}", t=i % 50, o=o,
+            phase=COEVOLVE, goal="put a clean apple in fridge.", s=s,
+            a_draft=f"take apple {f['a']} from countertop {f['k']}", s_hat=pick,
+            decision=REVISE if i % 3 == 0 else KEEP, a_ref=f"take bread {f['b']} from countertop {f['k']}",
+            p_revise=(i % 10) / 10, q_ref=((i * 7) % 10) / 10, a_exec=f"take apple {f['a']} from countertop {f['k']}",
+            s_hat_exec=pick, s_hat_teacher=pick if i % 4 else "Nothing happens.", s_next=pick, reward=0.0,
+            done=False, won=False, expert_action=None, policy_version=1, wm_version=1, ts=time.time(), facts=facts)
+        text = sum(len(v) for v in msgspec.structs.asdict(msg).values() if isinstance(v, str))
         if text < text_bytes:  # pad the rendered state up to the target text size
-            msg["s"] += "\n" + "You see nothing special. " * ((text_bytes - text) // 25)
-        out.append(msgpack.packb(msg, use_bin_type=True))
+            msg.s += "\n" + "You see nothing special. " * ((text_bytes - text) // 25)
+        out.append(encode(msg))
     return out
 
 

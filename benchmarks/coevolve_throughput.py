@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks._inference import start_comap, stop_group, stored_transitions, write_random_adapters  # noqa: E402
 from comap_async.ports import free_port  # noqa: E402
 
-ROLES = ("policy", "wm", "wm_teacher")
+from comap_async.wire.messages import COEVOLVE, ROLES, adapter_name  # noqa: E402
 SETTINGS = {
     "reference": ["inference.forward=transformers", "inference.top_p_candidates=0", "actor.overlap_teacher=false"],
     "fused": ["inference.forward=fused", "inference.top_p_candidates=0", "actor.overlap_teacher=false"],
@@ -104,7 +104,7 @@ def main() -> int:
     cfg = load_config(args.config, sets)
     log_dir = run_root / name
     log_dir.mkdir(parents=True, exist_ok=True)
-    adapters = {r: f"{r}-v1" for r in ROLES}
+    adapters = {r: adapter_name(r, 1) for r in ROLES}
     write_random_adapters(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir), cfg.adapter_root,
                           list(adapters.values()), r=cfg.learner.lora_r)
     env = {**os.environ, "COMAP_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
@@ -130,7 +130,7 @@ def main() -> int:
                             for name_ in adapters.values():
                                 await c.load_adapter(name_, str(cfg.adapter_root / name_))
                         async with BrokerClient(f"tcp://127.0.0.1:{lp}", timeout_s=10, retries=30) as bc:
-                            await bc.announce("coevolve", {r_: 1 for r_ in ROLES}, adapters, 0)
+                            await bc.announce(COEVOLVE, {r_: 1 for r_ in ROLES}, adapters, 0)
 
                     asyncio.run(publish())
                     start = stored_transitions(http)

@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._inference import start_comap, stop_group, stored_transitions  # noqa: E402 - the repo must be on sys.path first
 from comap_async.ports import free_port  # noqa: E402
+from comap_async.wire.messages import COEVOLVE, ROLES  # noqa: E402
 
 
 
@@ -62,7 +63,7 @@ def main() -> int:
 
         async def to_coevolve() -> None:
             async with BrokerClient(f"tcp://127.0.0.1:{lp}", timeout_s=10, retries=30) as bc:
-                await bc.announce("coevolve", {"policy": 0, "wm": 0, "wm_teacher": 0}, {}, 0)
+                await bc.announce(COEVOLVE, dict.fromkeys(ROLES, 0), {}, 0)
 
         asyncio.run(to_coevolve())
         procs.append(start_comap("actor", ["actor", *common], env, log_dir))

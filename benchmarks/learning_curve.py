@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._inference import stop_group  # noqa: E402 - the repo must be on sys.path first
 from comap_async.ports import free_port  # noqa: E402
+from comap_async.wire.messages import COEVOLVE  # noqa: E402
 
 GAINS = ("wm_delta_f1", "draft_accuracy", "success_rate")
 
@@ -88,7 +89,7 @@ def cut(results: list[dict], progress: list[dict], t0: float, minutes: float) ->
     tokens = next((p["learner_tokens_total"] for p in reversed(snaps) if p.get("learner_tokens_total")), None)
     out = {"at_minutes": minutes, "learner_step": last.get("registry", {}).get("step"),
            "transitions_per_s": (last.get("written", {}).get("transitions") or 0) / span,
-           "learner_tokens_per_s": None if tokens is None else tokens / span} | phase_rates(snaps, "coevolve")
+           "learner_tokens_per_s": None if tokens is None else tokens / span} | phase_rates(snaps, COEVOLVE)
     return out | {f"{k}_gain": v for k, v in gains([r for r in results if r.get("ts", end) <= end]).items()}
 
 

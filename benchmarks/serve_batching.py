@@ -34,6 +34,7 @@ from comap_async.config import load_config  # noqa: E402
 from comap_async.wire.inference_client import InferenceClient  # noqa: E402
 from comap_async.models import resolve_model  # noqa: E402
 from comap_async.prompts import ChatTemplate, Prompts  # noqa: E402
+from comap_async.wire.messages import POLICY, adapter_name  # noqa: E402
 
 OBJECTS = ["apple", "bread", "knife", "mug", "egg", "lettuce", "potato", "tomato", "spoon", "cup"]
 PLACES = ["countertop", "cabinet", "drawer", "shelf", "fridge", "sinkbasin", "microwave", "desk"]
@@ -147,7 +148,7 @@ async def main(args: argparse.Namespace) -> None:
     prompts = Prompts(ChatTemplate.from_model_dir(model_dir))
     with tempfile.TemporaryDirectory() as tmp:
         root = args.adapter_root = Path(tmp)
-        names = [f"policy-v{i}" for i in range(4)]
+        names = [adapter_name(POLICY, i) for i in range(4)]
         write_random_adapters(model_dir, root, names)
         base = [f"model.name_or_path={cfg.model.name_or_path}"] + (args.set or [])
         with served(base + PATHS["reference"], root, root / "reference.log") as ref_url, \

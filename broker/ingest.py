@@ -17,7 +17,6 @@ scores, so an analysis can recompute both gates with other thresholds later.
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable
 from typing import Any

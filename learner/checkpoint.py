@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from learner.peft_model import ROLES, adapter_state, load_adapter_state
+from comap_async.wire.messages import ROLES
+from learner.peft_model import adapter_state, load_adapter_state
 
 _FILE = "state.pt"
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from comap_async.wire.messages import POLICY, ROLES, WM  # noqa: F401 - ROLES re-exported for the learner
+from comap_async.wire.messages import POLICY, WM
 
 TRAINED = (POLICY, WM)
 

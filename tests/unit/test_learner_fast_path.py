@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from learner.batches import Seq, pack
-from learner.peft_model import ROLES, adapter_parameters, adapter_state, load_adapter_state
+from comap_async.wire.messages import ROLES
+from learner.peft_model import adapter_parameters, adapter_state, load_adapter_state
 from tests.fixtures.learner import demo_record, make_trainer, reflection_record, wm_record
 
 LOSSES = ("wm/ce", "wm/kl", "wm/change_nll", "policy/draft_ce", "policy/reflect_ce", "policy/bce", "wm/loss",

@@ -22,7 +22,7 @@ FIELDS = set(Transition.__struct_fields__) - {"v", "id", "t", "s", "o", "seq"}  
 
 
 def code_files() -> list[Path]:
-    return [p for top in ("comap_async", "actors", "broker", "learner") for p in sorted((REPO / top).rglob("*.py"))]
+    return [p for top in ("comap_async", "actors", "broker", "learner", "benchmarks") for p in sorted((REPO / top).rglob("*.py"))]
 
 
 def _docstring_ids(tree: ast.AST) -> set[int]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from learner.checkpoint import latest, load_checkpoint, save_checkpoint
-from learner.peft_model import ROLES, adapter_state
+from comap_async.wire.messages import ROLES
+from learner.peft_model import adapter_state
 from tests.fixtures.learner import demo_record, make_trainer, reflection_record, wm_record
 
 LOSSES = ("wm/ce", "wm/kl", "policy/draft_ce", "policy/reflect_ce", "policy/bce")
