@@ -52,7 +52,8 @@ def markdown(report: dict[str, Any]) -> str:
         return "n/a" if x is None else f"{x:.3f}"
 
     rows = [
-        f"# Evaluation: {report['split']} (adapters v{report['adapter_version']})", "",
+        f"# Evaluation: {report['split']} (adapters v{report['adapter_version']}, method {report.get('method', 'comap')})",
+        "",
         "| games | success rate | mean steps | world-model Delta-F1 | revision rate | invalid-action rate |",
         "| ---: | ---: | ---: | ---: | ---: | ---: |",
         f"| {report['games']} | {report['success_rate']:.3f} | {report['mean_steps']:.1f} | {f1} | "

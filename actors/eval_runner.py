@@ -34,6 +34,16 @@ class EvalSpec:
     reflection_metrics: bool = False  # judge every step by two branches: URR, HRR, BRP
     reflect_init_labels: bool = False  # play reflection-mode initialisation and count its labels instead
     probes: bool = False  # the held-out probes along each game's walkthrough instead of the CoMap loop
+    method: str = "comap"  # how the agent acts: the CoMap loop or a baseline (comap_async.config.EvalMethod)
+
+    def __post_init__(self) -> None:
+        from comap_async.config import EVAL_METHODS
+
+        if self.method not in EVAL_METHODS:
+            raise ValueError(f"unknown evaluation method {self.method!r}; choose one of {', '.join(EVAL_METHODS)}")
+        if self.method != "comap" and (self.reflection_metrics or self.reflect_init_labels or self.probes):
+            raise ValueError(f"--reflection-metrics, --reflect-init-labels and --probes measure the CoMap loop; "
+                             f"they do not apply to --method {self.method}")
 
 
 def resolve_version(spec: str, adapter_root: Path) -> int:
@@ -67,18 +77,23 @@ class _Recorder:
 
 async def play_games(cfg: Any, games: list, registry: Registry, log: Any, *, envs: int | None = None,
                      on_step: Callable[[], None] | None = None, on_game: Callable[[], None] | None = None,
-                     reflection_metrics: bool = False, phase: str = COEVOLVE) -> list:
+                     reflection_metrics: bool = False, phase: str = COEVOLVE, method: str = "comap") -> list:
     """Play each game once with the adapters ``registry`` names (``phase``: the CoMap loop, or
-    reflection-mode initialisation for its labels); nothing is stored. Returns the
+    reflection-mode initialisation for its labels; ``method``: the CoMap loop or a baseline of
+    :mod:`actors.eval_methods`); nothing is stored. Returns the
     ``(game, EpisodeStats)`` results."""
     from actors.worker import ActorWorker
 
     worker = ActorWorker(cfg, log, envs=envs, episodes=len(games), eval_mode=True, games=games,
-                         reflection_metrics=reflection_metrics, eval_phase=phase, on_step=on_step)
+                         reflection_metrics=reflection_metrics, eval_phase=phase, on_step=on_step, eval_method=method)
     return await worker.run(outbox=_Recorder(on_game), registry=registry)
 
 
 # ---- the embedded server an evaluation starts for itself ---------------------------------------
+
+class EvalIncomplete(RuntimeError):
+    """Some evaluation episodes failed, so the report would cover fewer games than asked for."""
+
 
 class ServerStartError(RuntimeError):
     """The inference server started for this evaluation never answered (or exited)."""
@@ -197,10 +212,13 @@ async def evaluate(cfg: Any, spec: EvalSpec, log: Any, server: subprocess.Popen 
     try:
         results = await play_games(cfg, games, registry, log, envs=spec.envs, on_step=on_step,
                                    on_game=lambda: bar.update(1), reflection_metrics=spec.reflection_metrics,
-                                   phase=REFLECT_INIT if spec.reflect_init_labels else COEVOLVE)
+                                   phase=REFLECT_INIT if spec.reflect_init_labels else COEVOLVE, method=spec.method)
     finally:
         bar.close()
-    report = summarize(results, spec.split, version, time.time() - t0)
+    if len(results) < len(games):  # a failed episode is logged (actor.episode_failed); its game is not played
+        raise EvalIncomplete(f"{len(games) - len(results)} of {len(games)} episodes failed (see the "
+                             "actor.episode_failed lines); a success rate over the rest would not be comparable")
+    report = {"method": spec.method} | summarize(results, spec.split, version, time.time() - t0)
     if spec.reflect_init_labels:
         report["reflect_init_labels"] = label_counts(results)
     if spec.reflection_metrics:

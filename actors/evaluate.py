@@ -37,6 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead of the CoMap loop, the held-out probes along each game's walkthrough (greedy): "
                         "world-model Delta-F1 on the expert's and on seeded failure transitions, draft accuracy and "
                         "admissible rate; last line wm_delta_f1=X draft_accuracy=Y admissible_rate=Z")
+    from comap_async.config import EVAL_METHODS
+
+    p.add_argument("--method", default=None, choices=EVAL_METHODS,
+                   help="how the agent acts (default: eval.method, comap): the CoMap loop (draft, imagine, reflect, "
+                        "action gate), react (a thought then an action, no world model, no reflection), "
+                        "imagine_and_act (the draft's imagined consequence, then a chosen final action, no action "
+                        "gate) or draft_only (the policy's draft executed as is)")
     p.add_argument("--serve", choices=("auto", "never", "always"), default="auto",
                    help="start an embedded inference server for this run: when none answers (auto), never, always")
     p.add_argument("--serve-timeout", type=float, default=600.0, metavar="S",
@@ -46,20 +53,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from actors.eval_report import markdown
-    from actors.eval_runner import EvalSpec, ServerStartError, run_eval
+    from actors.eval_runner import EvalIncomplete, EvalSpec, ServerStartError, run_eval
     from comap_async.config import load_config
     from comap_async.logsetup import configure_logging
 
     overrides = list(args.overrides) + ([f"env.data_dir={args.data}"] if args.data else [])
     cfg = load_config(args.config, overrides)
     log = configure_logging("eval", run=cfg.run.name)
-    spec = EvalSpec(split=args.split, games=args.games, adapters=args.adapters, envs=args.envs,
-                    reflection_metrics=args.reflection_metrics, reflect_init_labels=args.reflect_init_labels,
-                    probes=args.probes)
+    try:
+        spec = EvalSpec(split=args.split, games=args.games, adapters=args.adapters, envs=args.envs,
+                        reflection_metrics=args.reflection_metrics, reflect_init_labels=args.reflect_init_labels,
+                        probes=args.probes, method=args.method or cfg.eval.method)
+    except ValueError as exc:
+        print(f"comap eval: error: {exc}", file=sys.stderr)
+        return 2
     try:
         report = run_eval(cfg, spec, log, config=args.config, overrides=overrides, serve=args.serve,
                           serve_timeout=args.serve_timeout)
-    except (ValueError, ServerStartError) as exc:  # bad split, unknown version, no server: one clear line
+    except (ValueError, ServerStartError, EvalIncomplete) as exc:  # bad split, unknown version, no server: one clear line
         print(f"comap eval: error: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)

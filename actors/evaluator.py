@@ -117,9 +117,10 @@ class Evaluator:
                                       **await run_probes(cfg, probe_games, eval_registry, self.log,
                                                          failures_per_game=self.cfg.eval.failures_per_game)}
             if success_games:
-                played = await play_games(cfg, success_games, eval_registry, self.log, envs=self.cfg.eval.envs)
+                played = await play_games(cfg, success_games, eval_registry, self.log, envs=self.cfg.eval.envs,
+                                          method=self.cfg.eval.method)
                 s = summarize(played, self.cfg.eval.split, version, 0.0)
-                result |= {"success_rate": s["success_rate"], "success_games": s["games"], "mean_steps": s["mean_steps"],
+                result |= {"method": self.cfg.eval.method, "success_rate": s["success_rate"], "success_games": s["games"], "mean_steps": s["mean_steps"],
                            "invalid_action_rate": s["invalid_action_rate"], "coevolve_delta_f1": s["delta_f1"]}
         finally:
             for name in names.values():

@@ -21,7 +21,9 @@ from typing import Any
 from actors.registry_view import RegistryView
 from comap_async.config import ActorConfig
 from comap_async.wire.messages import POLICY, WM, WM_TEACHER, adapter_version
-from comap_async.prompts import FINAL_PREFIX, Prompts, parse_action, parse_reflection, revise_probability, sequence_confidence
+from comap_async.prompts import (
+    FINAL_PREFIX, Prompts, parse_action, parse_react, parse_reflection, revise_probability, sequence_confidence,
+)
 
 STOP_ACTION = ["\n", "<|im_end|>"]
 STOP_STATE = ["<|im_end|>", "\n\n"]
@@ -120,6 +122,20 @@ class AgentLLM:
         """(action, problem); action None when the output had no usable line."""
         c = await self._complete(POLICY, self.prompts.draft(state), self.cfg.max_draft_tokens, STOP_ACTION,
                                  self.cfg.temperature)
+        parsed = parse_action(c["text"])
+        return parsed.value, parsed.problem
+
+    async def react(self, state: str, max_tokens: int) -> tuple[str | None, str | None]:
+        """ReAct's (action, problem): a thought, then the action, from the state alone (policy adapter)."""
+        c = await self._complete(POLICY, self.prompts.react(state), max_tokens, ["<|im_end|>", "\n\n"],
+                                 self.cfg.temperature)
+        parsed = parse_react(c["text"])
+        return parsed.value, parsed.problem
+
+    async def choose(self, state: str, a_draft: str, s_hat: str) -> tuple[str | None, str | None]:
+        """Imagine-and-Act's final (action, problem) after the candidate's imagined consequence."""
+        c = await self._complete(POLICY, self.prompts.choose(state, a_draft, s_hat), self.cfg.max_draft_tokens,
+                                 STOP_ACTION, self.cfg.temperature)
         parsed = parse_action(c["text"])
         return parsed.value, parsed.problem
 

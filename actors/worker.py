@@ -17,6 +17,7 @@ from collections import defaultdict
 from typing import Any
 
 from actors.episodes import EpisodeContext, EpisodeStats, play_coevolve, play_expert, play_reflect_init
+from actors.eval_methods import play_method
 from actors.registry_view import RegistryView
 from comap_async.waiting import cancel_and_wait, wait_until_answers
 from comap_async.wire.messages import COEVOLVE, POLICY, REFLECT_INIT, WARMUP, Registry
@@ -54,13 +55,14 @@ class ActorWorker:
     def __init__(self, cfg: Any, log: Any, envs: int | None = None, episodes: int | None = None,
                  eval_mode: bool = False, split: str | None = None, games: list | None = None,
                  reflection_metrics: bool = False, eval_phase: str = COEVOLVE,
-                 on_step: Any = None) -> None:
+                 on_step: Any = None, eval_method: str = "comap") -> None:
         self.cfg, self.log = cfg, log
         self.n_envs = envs or cfg.actor.envs
         self.episode_budget = episodes
         self.eval_mode = eval_mode
         self.reflection_metrics = reflection_metrics  # evaluation: judge every step by two branches
         self.eval_phase = eval_phase  # evaluation plays the CoMap loop, or reflection-mode initialisation
+        self.eval_method = eval_method  # evaluation: the CoMap loop or a baseline (actors/eval_methods.py)
         self.on_step = on_step  # called after every environment step (evaluation's progress bar)
         self.split = split
         self.games = games
@@ -98,6 +100,8 @@ class ActorWorker:
                 if self.eval_mode and self.eval_phase == REFLECT_INIT:  # labels only, nothing trained
                     branch = branch or pool.env()
                     stats = await play_reflect_init(ctx, env, branch, game, episode_id)
+                elif self.eval_mode and self.eval_method != "comap":
+                    stats = await play_method(ctx, env, game, episode_id, self.eval_method)
                 elif self.eval_mode:
                     if self.reflection_metrics:
                         branch = branch or pool.env()

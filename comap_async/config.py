@@ -403,9 +403,22 @@ class LearnerConfig(_Section):
     """Batches fetched ahead of the model."""
 
 
+EvalMethod = Literal["comap", "react", "imagine_and_act", "draft_only"]
+"""How an evaluated agent acts (``actors/eval_methods.py``): ``comap`` (draft, imagine, reflect,
+action gate), ``react`` (a thought then an action from the state alone: no world model, no
+reflection), ``imagine_and_act`` (the draft's imagined consequence, then a final action chosen
+from it: no action gate), ``draft_only`` (the policy's draft executed as is)."""
+EVAL_METHODS: tuple[str, ...] = EvalMethod.__args__
+
+
 class EvalConfig(_Section):
     split: Literal["train", "valid_seen", "valid_unseen", "valid_train"] = "valid_seen"
     """Held-out split the evaluator measures every adapter version on (``env.data_dir`` holds it)."""
+    method: EvalMethod = "comap"
+    """How the evaluated agent acts in the success games (and ``comap eval``'s default): the CoMap
+    loop, or a baseline of the paper's main table (:data:`EvalMethod`)."""
+    react_max_tokens: int = Field(default=96, ge=8)
+    """Tokens of a ReAct answer (a one-sentence thought and the action line)."""
     games: int = Field(default=10, ge=1)
     """Games of the probes (world-model Delta-F1, draft accuracy along walkthroughs), drawn with the
     run seed and spread over the task types; the same games for every version."""
@@ -476,6 +489,13 @@ class CoMapConfig(_Section):
             raise ValueError(f"inference.host={self.inference.host} is not loopback: set inference.admin_token")
         if not self.inference.endpoints:
             raise ValueError("inference.endpoints must name at least one server")
+        budgets = {"actor.max_draft_tokens": self.actor.max_draft_tokens,
+                   "actor.max_reflection_tokens": self.actor.max_reflection_tokens,
+                   "actor.max_wm_tokens": self.actor.max_wm_tokens, "eval.react_max_tokens": self.eval.react_max_tokens}
+        for name, tokens in budgets.items():  # a server refuses a request over its bound: every call would fail
+            if tokens > self.inference.max_new_tokens:
+                raise ValueError(f"{name} ({tokens}) must be at most inference.max_new_tokens "
+                                 f"({self.inference.max_new_tokens}), the bound on one request's new tokens")
         return self
 
     @property

@@ -35,6 +35,8 @@ SYSTEM_WORLD = (
 )
 DECISION_PREFIX = "Decision:"
 FINAL_PREFIX = "Final Action:"
+THOUGHT_PREFIX = "Thought:"
+REACT_ACTION_PREFIX = "Action:"
 
 
 # ---------------------------------------------------------------- textual state s_t
@@ -76,6 +78,31 @@ def reflect_messages(state: str, a_draft: str, s_hat: str) -> list[dict[str, str
                 f"Imagined result of the draft: {s_hat.strip()}\n\n"
                 "Does the draft move you towards the task? Answer exactly in this form:\n"
                 f"{DECISION_PREFIX} KEEP or REVISE\n{FINAL_PREFIX} <one command>"
+            ),
+        },
+    ]
+
+
+def react_messages(state: str) -> list[dict[str, str]]:
+    """ReAct (the paper's prompting baseline): a short thought, then the action, from the state alone."""
+    return [
+        {"role": "system", "content": SYSTEM_AGENT},
+        {"role": "user", "content": (f"{state}\n\nThink briefly about what to do next, then act. Answer exactly in "
+                                     f"this form:\n{THOUGHT_PREFIX} <one sentence>\n{REACT_ACTION_PREFIX} <one command>")},
+    ]
+
+
+def choose_messages(state: str, a_draft: str, s_hat: str) -> list[dict[str, str]]:
+    """Imagine-and-Act (the paper's prompting baseline): pick the final action after seeing the
+    imagined consequence of a candidate; no KEEP/REVISE decision, so no action gate."""
+    return [
+        {"role": "system", "content": SYSTEM_AGENT},
+        {
+            "role": "user",
+            "content": (
+                f"{state}\n\nCandidate action: {a_draft.strip()}\n"
+                f"Imagined result of the candidate: {s_hat.strip()}\n\n"
+                "Choose your final action: the candidate, or a better command. Answer with one command only."
             ),
         },
     ]
@@ -213,6 +240,13 @@ class Prompts:
     def world_model(self, state: str, action: str) -> str:
         return self.chat.render(world_model_messages(state, action))
 
+    def react(self, state: str) -> str:
+        # the thought comes first: the generation starts after its prefix
+        return self.chat.render(react_messages(state)) + THOUGHT_PREFIX
+
+    def choose(self, state: str, a_draft: str, s_hat: str) -> str:
+        return self.chat.render(choose_messages(state, a_draft, s_hat)) + FINAL_PREFIX
+
     def teacher(self, state: str, action: str, real_next: str) -> str:
         return self.chat.render(teacher_messages(state, action, real_next))
 
@@ -236,6 +270,17 @@ def parse_action(text: str) -> Parsed:
         if line:
             return Parsed(line, None if line == text.strip() else "extra_text")
     return Parsed(None, "empty")
+
+
+_REACT_ACTION = re.compile(r"^\s*action\s*:\s*(.+)$", re.IGNORECASE | re.MULTILINE)
+
+
+def parse_react(completion: str) -> Parsed:
+    """The command on the last ``Action:`` line of a ReAct answer (generated after ``Thought:``)."""
+    found = _REACT_ACTION.findall(completion)
+    if not found:
+        return Parsed(None, "no_action")
+    return parse_action(found[-1])
 
 
 @dataclass(frozen=True, slots=True)

@@ -101,3 +101,24 @@ def test_template_that_transforms_content_falls_back_to_full_render():
     assert only_if.render([{"role": "user", "content": "xyz"}]) == "X[xyz]"  # caught by verification
     for _ in range(5):
         assert only_if.render([{"role": "user", "content": "xy"}]) == "X[xy]"
+
+
+@pytest.mark.parametrize("completion, value, problem", [
+    (" The apple is here.\nAction: take apple 1 from countertop 1", "take apple 1 from countertop 1", None),
+    (" First look.\nAction: go to desk 1\nAction: open drawer 2", "open drawer 2", None),  # the last action line
+    (" I will go to the desk.", None, "no_action"),
+])
+def test_parse_react(completion, value, problem):
+    from comap_async.prompts import parse_react
+
+    assert parse_react(completion) == prompts.Parsed(value, problem)
+
+
+def test_baseline_prompts_end_where_generation_starts():
+    p = Prompts(ChatTemplate("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[assistant]"))
+    react = p.react("Task: x")
+    assert react.endswith("[assistant]" + prompts.THOUGHT_PREFIX) and "Action: <one command>" in react
+    choose = p.choose("Task: x", "open drawer 1", "The drawer 1 is open.")
+    assert choose.endswith("[assistant]" + prompts.FINAL_PREFIX)
+    assert "Candidate action: open drawer 1" in choose and "The drawer 1 is open." in choose
+    assert prompts.DECISION_PREFIX not in choose  # no KEEP/REVISE decision: nothing for an action gate to read

@@ -1,0 +1,67 @@
+"""Evaluation methods other than the CoMap loop: the baselines of the paper's main table, played on
+the same games with the same adapters (or the base model) and the same budget of steps.
+
+* ``react``: a short thought, then the action, from the state alone (policy; no world model, no
+  reflection) - one model call per step.
+* ``imagine_and_act``: the policy's draft, the world model's imagined consequence of it, then a
+  final action chosen by the policy from that (no KEEP/REVISE decision, so no action gate) -
+  three calls per step.
+* ``draft_only``: the policy's draft executed as is - one call per step.
+
+``comap`` itself is :func:`actors.episodes.play_coevolve` in evaluation mode. Nothing is stored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actors.episodes import Episode, EpisodeContext, EpisodeStats
+from comap_async.facts import state_delta_f1
+from comap_async.wire.messages import COEVOLVE
+
+FALLBACK_ACTION = "look"
+"""What an unparseable answer executes (counted as a parse problem), as in the CoMap loop."""
+
+
+async def _act(ctx: EpisodeContext, ep: Episode, method: str, s: str) -> tuple[str | None, str | None]:
+    """``(action, s_hat)`` of one step (action None: unparseable); ``s_hat`` is the imagined state of the executed
+    action when the method imagined it (Imagine-and-Act keeping its candidate), else None."""
+    llm = ctx.llm
+    if method == "react":
+        action, _ = await llm.react(s, ctx.cfg.eval.react_max_tokens)
+        return action, None
+    draft, _ = await llm.draft(s)
+    if method == "draft_only":
+        return draft, None
+    if method != "imagine_and_act":
+        raise ValueError(f"unknown evaluation method {method!r} (comap runs in actors.episodes.play_coevolve)")
+    if draft is None:
+        ep.stats.parse_problems += 1
+        draft = FALLBACK_ACTION
+    s_hat = await llm.imagine(s, draft)
+    final, _ = await llm.choose(s, draft, s_hat)
+    if final is None:  # no usable answer: the candidate stands
+        ep.stats.parse_problems += 1
+        return draft, s_hat
+    if final != draft:
+        ep.stats.revisions += 1
+        return final, None
+    return final, s_hat
+
+
+async def play_method(ctx: EpisodeContext, env: Any, game: Any, episode_id: str, method: str) -> EpisodeStats:
+    """One evaluation episode of ``method`` (``react``, ``imagine_and_act`` or ``draft_only``)."""
+    ep = Episode(ctx, game, episode_id, await env.reset(game))
+    while not ep.current.done:
+        s, admissible = ep.state(), ep.current.admissible
+        action, s_hat = await _act(ctx, ep, method, s)
+        if action is None:
+            ep.stats.parse_problems += 1
+            action = FALLBACK_ACTION
+        ep.stats.invalid += bool(admissible) and action not in admissible
+        ep.advance(action, await env.step(action))
+        if s_hat is not None:  # the world model's Delta-F1 where its prediction was of the executed action
+            score = state_delta_f1(ctx.next_state, ep.facts_before, s_hat, ep.current.observation)
+            if score is not None:
+                ep.stats.delta_f1.append(score)
+    return await ep.finish(COEVOLVE, eval_mode=True)

@@ -1,0 +1,130 @@
+"""Evaluation methods (issue 17, acceptance 1): each method, played on 2 real valid_seen games with
+the tiny model on a real embedded server, makes exactly the model calls it should, read from the
+calls the inference client recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from actors.eval_runner import play_games
+from comap_async.config import load_config
+from comap_async.envs import games_from_config
+from comap_async.envs.base import spread_sample
+from comap_async.logsetup import configure_logging
+from comap_async.prompts import DECISION_PREFIX, FINAL_PREFIX, SYSTEM_WORLD, THOUGHT_PREFIX
+from comap_async.wire.inference_client import InferenceClient
+from comap_async.wire.messages import Registry
+
+pytestmark = pytest.mark.alfworld
+REPO = Path(__file__).resolve().parents[2]
+MAX_STEPS = 4
+
+
+def call_kind(prompt: str) -> str:
+    """Which call a prompt is, from the prompt builders' own markers."""
+    if SYSTEM_WORLD in prompt:
+        return "teacher" if "Hindsight" in prompt else "imagine"
+    if prompt.endswith(THOUGHT_PREFIX):
+        return "react"
+    if prompt.endswith(DECISION_PREFIX):
+        return "reflect"
+    if prompt.endswith(FINAL_PREFIX):
+        return "choose"
+    return "draft"
+
+
+@pytest.fixture
+def recorded_calls(monkeypatch) -> list[dict]:
+    calls: list[dict] = []
+    complete = InferenceClient.complete
+
+    async def recording(self, prompt, **kw):
+        out = await complete(self, prompt, **kw)
+        calls.append({"kind": call_kind(prompt), "logprobs": kw.get("logprobs"), "text": out.text})
+        return out
+
+    monkeypatch.setattr(InferenceClient, "complete", recording)
+    return calls
+
+
+def play(method: str, roomy_server, alfworld_data, tiny_model_dir, tmp_path):
+    cfg = load_config(REPO / "configs" / "test.yaml", [
+        f"run.root={tmp_path}", f"model.name_or_path={tiny_model_dir}", f"inference.endpoints=['{roomy_server.url}']",
+        f"env.data_dir={alfworld_data}", "env.split=valid_seen", f"env.max_steps={MAX_STEPS}"])
+    games = spread_sample(games_from_config(cfg, "valid_seen"), 2, cfg.run.seed)
+    results = asyncio.run(asyncio.wait_for(
+        play_games(cfg, games, Registry.serving(0), configure_logging("eval-test"), envs=1, method=method), 300))
+    assert len(results) == 2
+    return [s for _, s in results]
+
+
+def steps_of(calls: list[dict], first: str) -> list[list[str]]:
+    """The recorded call kinds cut into steps, each starting with a ``first`` call (one episode at a time)."""
+    steps: list[list[str]] = []
+    for c in calls:
+        if c["kind"] == first or not steps:
+            steps.append([])
+        steps[-1].append(c["kind"])
+    return steps
+
+
+def test_react_acts_from_the_state_alone(recorded_calls, roomy_server, alfworld_data, tiny_model_dir, tmp_path):
+    stats = play("react", roomy_server, alfworld_data, tiny_model_dir, tmp_path)
+    n = sum(s.steps for s in stats)
+    assert n >= 2 and [c["kind"] for c in recorded_calls] == ["react"] * n  # no world model, no reflection
+    assert all(c["logprobs"] is None for c in recorded_calls)
+    assert all(s.revisions == 0 and not s.delta_f1 for s in stats)
+
+
+def test_draft_only_executes_the_draft(recorded_calls, roomy_server, alfworld_data, tiny_model_dir, tmp_path):
+    stats = play("draft_only", roomy_server, alfworld_data, tiny_model_dir, tmp_path)
+    n = sum(s.steps for s in stats)
+    assert n >= 2 and [c["kind"] for c in recorded_calls] == ["draft"] * n
+    assert all(s.revisions == 0 for s in stats)
+
+
+def test_imagine_and_act_makes_no_action_gate_decision(recorded_calls, roomy_server, alfworld_data, tiny_model_dir,
+                                                       tmp_path):
+    stats = play("imagine_and_act", roomy_server, alfworld_data, tiny_model_dir, tmp_path)
+    n = sum(s.steps for s in stats)
+    # per step: the draft, its imagined consequence, the chosen final action; no Decision prompt and no
+    # logprobs (the action gate's inputs), no teacher
+    assert steps_of(recorded_calls, "draft") == [["draft", "imagine", "choose"]] * n
+    assert all(c["logprobs"] is None for c in recorded_calls)
+    assert sum(s.revisions for s in stats) <= n
+
+
+def test_comap_drafts_imagines_reflects_and_gates(recorded_calls, roomy_server, alfworld_data, tiny_model_dir,
+                                                  tmp_path):
+    stats = play("comap", roomy_server, alfworld_data, tiny_model_dir, tmp_path)
+    n = sum(s.steps for s in stats)
+    steps = steps_of(recorded_calls, "draft")
+    assert len(steps) == n
+    revised = 0
+    for step in steps:  # the executed action is imagined again only when the gate revised the draft
+        assert step in (["draft", "imagine", "reflect"], ["draft", "imagine", "reflect", "imagine"]), step
+        revised += len(step) == 4
+    assert revised == sum(s.revisions for s in stats)
+    assert all(c["logprobs"] for c in recorded_calls if c["kind"] == "reflect")  # p_revise from the decision token
+
+
+def test_eval_cli_records_the_method(tmp_path, alfworld_data, model_cache):
+    out = tmp_path / "out"
+    base = [sys.executable, "-m", "comap_async", "eval", "--config", "configs/test.yaml", "--split", "valid_seen",
+            "--data", str(alfworld_data), "--set", f"model.cache_dir={model_cache}",
+            "--set", f"run.root={tmp_path / 'runs'}", "--set", "env.max_steps=2"]
+    r = subprocess.run(base + ["--games", "1", "--method", "react", "--out", str(out)], cwd=REPO, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((out / "eval.json").read_text())
+    assert report["method"] == "react" and report["games"] == 1
+    assert "method react" in (out / "eval.md").read_text()
+    bad = subprocess.run(base + ["--games", "1", "--method", "react", "--probes", "--out", str(tmp_path / "o2"),
+                                 "--serve", "never"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "do not apply to --method react" in bad.stderr and "Traceback" not in bad.stderr
