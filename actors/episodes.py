@@ -16,7 +16,7 @@ from typing import Any
 from actors.explore import explore_action
 from comap_async.diagnostics import branch_outcome, reflection_label
 from comap_async.facts import Facts, NextState, state_delta_f1
-from comap_async.gates import action_gate, canonical_action
+from comap_async.gates import action_gate, canonical_action, ungated_action
 from comap_async.prompts import render_state
 from comap_async.wire.messages import COEVOLVE, KEEP, POLICY, REFLECT_INIT, WARMUP, WM, ActorMessage, Reflection, Registry, Transition
 from comap_async.wire.messages import Episode as EpisodeMessage
@@ -287,7 +287,10 @@ async def play_coevolve(ctx: EpisodeContext, env: Any, game: Any, episode_id: st
             wm_v = llm.last_version("wm")
             refl = await llm.reflect(s, a_draft, s_hat)
             ep.stats.parse_problems += refl.problem is not None
-            gate = action_gate(refl.p_revise, refl.q_ref, refl.a_ref, a_draft, g.tau_p, g.tau_q)
+            if ctx.cfg.ablation.no_action_gate:  # the ablation: the reflected action is always executed
+                gate = ungated_action(refl.a_ref, a_draft)
+            else:
+                gate = action_gate(refl.p_revise, refl.q_ref, refl.a_ref, a_draft, g.tau_p, g.tau_q)
             a_exec = refl.a_ref if gate.open else a_draft
             if branch is not None:
                 z_draft, z_ref = await judge_step(branch, game, list(ep.actions), a_draft, refl.a_ref, plan)

@@ -152,11 +152,11 @@ def _die_with_parent() -> None:
 
 
 def worker_main(endpoint: str, env_name: str, parser_override: str | None, gates: dict[str, Any], max_bytes: int,
-                learner_port: int, parent_pid: int) -> None:
+                learner_port: int, parent_pid: int, future_state: str = "gate", action_gated: bool = True) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
-    ingest = Ingest(load_next_state(env_name, parser_override), GateConfig(**gates))
+    ingest = Ingest(load_next_state(env_name, parser_override), GateConfig(**gates), future_state, action_gated)
     pack = msgpack.Packer(use_bin_type=True).pack
     ctx = zmq.Context(1)
     sock = ctx.socket(zmq.PAIR)
@@ -338,5 +338,6 @@ class GatePool:
 def pool_spec(cfg: Any, env_name: str, parser_override: str | None) -> dict[str, Any]:
     """What a worker needs to rebuild the broker's :class:`Ingest` (picklable; :class:`GatePool`
     adds the frame limit and the learner port it is given)."""
-    return {"env_name": env_name, "parser_override": parser_override, "gates": cfg.gates.model_dump()}
+    return {"env_name": env_name, "parser_override": parser_override, "gates": cfg.gates.model_dump(),
+            "future_state": cfg.ablation.future_state, "action_gated": not cfg.ablation.no_action_gate}
 

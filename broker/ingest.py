@@ -98,9 +98,13 @@ def strip_envelope(msg: Message) -> dict[str, Any]:
 class Ingest:
     """Turns validated actor messages into :class:`WriteItem`s (pure apart from counters)."""
 
-    def __init__(self, next_state: NextState, gates: GateConfig) -> None:
+    def __init__(self, next_state: NextState, gates: GateConfig, future_state: str = "gate",
+                 action_gated: bool = True) -> None:
+        """``future_state``: how ``s̄`` is chosen (``AblationConfig.future_state``; ``gate`` for CoMap);
+        ``action_gated``: False under ``ablation.no_action_gate``."""
         self.parser = SafeStateFacts(next_state)
         self.gates = gates
+        self.future_state, self.action_gated = future_state, action_gated
         self._pack = msgspec.msgpack.Encoder().encode
 
     def prepare(self, msg: Message, raw: bytes) -> WriteItem:
@@ -129,7 +133,8 @@ class Ingest:
             return WriteItem(key, [("transitions", raw), ("demos", self._pack(demo))],
                              {"stored_transitions": 1, "stored_demos": 1})
         g = self.gates
-        sample = derive_policy_sample(tr, self.parser, g.tau_p, g.tau_q, g.tau_ws, readable=self.parser.readable)
+        sample = derive_policy_sample(tr, self.parser, g.tau_p, g.tau_q, g.tau_ws, readable=self.parser.readable,
+                                      future_state=self.future_state, action_gated=self.action_gated)
         counters = {
             "stored_transitions": 1, "stored_derived": 1,
             "gate_ws_total": 1, "gate_ws_imagined": int(sample.ws_imagined),

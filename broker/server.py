@@ -61,7 +61,7 @@ class Broker:
                            "demos": b.capacity_demos, "episodes": b.capacity_episodes}
         self.store = ReplayStore(replay_dir or cfg.run.dir / "replay", self.capacities,
                                  map_size_mb=b.map_size_mb, max_map_size_mb=b.max_map_size_mb)
-        self.ingest = Ingest(next_state, cfg.gates)
+        self.ingest = Ingest(next_state, cfg.gates, cfg.ablation.future_state, not cfg.ablation.no_action_gate)
         self.live = LiveStats(self.store.state["counters"])
         self.live.note_stored_total(stored_total(self.store.state["counters"]))
         self.gate_spec = gate_spec

@@ -403,6 +403,55 @@ class LearnerConfig(_Section):
     """Batches fetched ahead of the model."""
 
 
+class AblationConfig(_Section):
+    """The paper's ablation study: each switch turns off exactly one mechanism of CoMap (all off:
+    the method itself). Every process reads the same section; the learner records it in the run
+    directory (``ablation.json``) and with every published adapter version."""
+
+    frozen_wm: bool = False
+    """The world model is not trained after warm-up, and its EMA teacher is frozen with it."""
+    no_wmsd: bool = False
+    """No world-model self-distillation: the KL term is dropped, the real-state CE kept."""
+    no_real_ce: bool = False
+    """Self-distillation only: the world model's CE on real next states is dropped."""
+    no_ws_gate_real: bool = False
+    """No world-state gate, ``s̄`` always the real next state."""
+    no_ws_gate_imagined: bool = False
+    """No world-state gate, ``s̄`` always the world model's imagined state."""
+    no_action_gate: bool = False
+    """No action gate: the reflected action is executed whenever it differs from the draft (in the
+    actors, and in the broker's reading of what was executed for the policy's samples)."""
+    no_future_state: bool = False
+    """The reflection prompt without the imagined state, in training and at inference (the world
+    model still predicts and trains; the policy no longer sees its prediction)."""
+    no_reflect_init: bool = False
+    """Warm-up goes straight to co-evolution (no reflection-mode initialisation)."""
+    no_expert_sft: bool = False
+    """No draft anchor: after warm-up the policy is not trained on expert demonstrations."""
+    no_wm_warmup: bool = False
+    """The world model is not trained during warm-up (the policy's warm-up SFT is kept)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AblationConfig":
+        if self.no_wmsd and self.no_real_ce:
+            raise ValueError("ablation.no_wmsd and ablation.no_real_ce together leave the world model no loss; "
+                             "use ablation.frozen_wm for an untrained world model")
+        if self.no_ws_gate_real and self.no_ws_gate_imagined:
+            raise ValueError("ablation.no_ws_gate_real and ablation.no_ws_gate_imagined contradict each other: "
+                             "s̄ is either always the real or always the imagined state")
+        return self
+
+    @property
+    def active(self) -> list[str]:
+        """The switched-on ablations, by name ([] for CoMap itself)."""
+        return [name for name, on in self.model_dump().items() if on]
+
+    @property
+    def future_state(self) -> Literal["gate", "real", "imagined"]:
+        """How ``s̄`` is chosen: by the world-state gate, or always real / always imagined."""
+        return "real" if self.no_ws_gate_real else "imagined" if self.no_ws_gate_imagined else "gate"
+
+
 EvalMethod = Literal["comap", "react", "imagine_and_act", "draft_only"]
 """How an evaluated agent acts (``actors/eval_methods.py``): ``comap`` (draft, imagine, reflect,
 action gate), ``react`` (a thought then an action from the state alone: no world model, no
@@ -460,6 +509,8 @@ class CoMapConfig(_Section):
     """Training."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """The evaluator process (held-out probes and success rate per adapter version)."""
+    ablation: AblationConfig = Field(default_factory=AblationConfig)
+    """Ablations of the paper's study (one mechanism off each; default: none, CoMap itself)."""
 
     @model_validator(mode="after")
     def check_invariants(self) -> "CoMapConfig":
@@ -489,13 +540,6 @@ class CoMapConfig(_Section):
             raise ValueError(f"inference.host={self.inference.host} is not loopback: set inference.admin_token")
         if not self.inference.endpoints:
             raise ValueError("inference.endpoints must name at least one server")
-        budgets = {"actor.max_draft_tokens": self.actor.max_draft_tokens,
-                   "actor.max_reflection_tokens": self.actor.max_reflection_tokens,
-                   "actor.max_wm_tokens": self.actor.max_wm_tokens, "eval.react_max_tokens": self.eval.react_max_tokens}
-        for name, tokens in budgets.items():  # a server refuses a request over its bound: every call would fail
-            if tokens > self.inference.max_new_tokens:
-                raise ValueError(f"{name} ({tokens}) must be at most inference.max_new_tokens "
-                                 f"({self.inference.max_new_tokens}), the bound on one request's new tokens")
         return self
 
     @property

@@ -53,6 +53,14 @@ def action_gate(
     return ActionGateResult(True, "revised")
 
 
+def ungated_action(a_ref: str, a_draft: str, canon: Callable[[str], str] = canonical_action) -> ActionGateResult:
+    """The ablation ``no_action_gate``: the reflected action is executed whenever it is a real,
+    different action, whatever ``p_revise`` and ``q_ref`` say."""
+    if not a_ref.strip() or canon(a_ref) == canon(a_draft):
+        return ActionGateResult(False, "same_action")
+    return ActionGateResult(True, "revised")
+
+
 class WorldStateGateResult(NamedTuple):
     use_imagined: bool
     """True: the reflection sample shows the student's imagined state."""
@@ -101,6 +109,8 @@ def derive_policy_sample(
     tau_ws: float = 0.6,
     canon: Callable[[str], str] = canonical_action,
     readable: Callable[[str], bool] | None = None,
+    future_state: str = "gate",
+    action_gated: bool = True,
 ) -> PolicySample:
     """The policy reflection sample ``(s, a_draft, s̄, target, y)`` for one stored transition.
 
@@ -113,7 +123,13 @@ def derive_policy_sample(
     ``readable(text)`` (``next_state(state, text) is not None``, cheaper) serves the common case
     of a teacher that predicted the student's very text: the same text changes the state the same
     way (score 1) as soon as it is readable, so no facts need building.
+
+    ``future_state`` (the ablations ``no_ws_gate_real`` / ``no_ws_gate_imagined``): ``real`` or
+    ``imagined`` replace the gate's choice of ``s̄`` (its score is still computed and kept);
+    ``action_gated=False`` (``no_action_gate``) reads the executed choice as :func:`ungated_action`.
     """
+    if future_state not in ("gate", "real", "imagined"):
+        raise ValueError(f"future_state must be 'gate', 'real' or 'imagined', got {future_state!r}")
     student, teacher = tr.s_hat_exec, tr.s_hat_teacher
     if readable is not None and student == teacher:
         agree = readable(student)
@@ -121,9 +137,13 @@ def derive_policy_sample(
     else:
         before = frozenset(tr.facts)
         ws = world_state_gate_on_facts(before, next_state(before, student), next_state(before, teacher), tau_ws)
-    ag = action_gate(tr.p_revise, tr.q_ref, tr.a_ref, tr.a_draft, tau_p, tau_q, canon)
+    if action_gated:
+        ag = action_gate(tr.p_revise, tr.q_ref, tr.a_ref, tr.a_draft, tau_p, tau_q, canon)
+    else:
+        ag = ungated_action(tr.a_ref, tr.a_draft, canon)
+    use_imagined = ws.use_imagined if future_state == "gate" else future_state == "imagined"
     return PolicySample(
-        id=tr.id, game=tr.game, s=tr.s, a_draft=tr.a_draft, s_bar=future_context(tr, ws.use_imagined, canon),
+        id=tr.id, game=tr.game, s=tr.s, a_draft=tr.a_draft, s_bar=future_context(tr, use_imagined, canon),
         target=tr.a_ref if ag.open else tr.a_draft, y=1 if ag.open else 0, ws_score=ws.score,
         ws_imagined=ws.use_imagined, ag_reason=ag.reason, policy_version=tr.policy_version,
         wm_version=tr.wm_version, phase=tr.phase)

@@ -68,14 +68,15 @@ def draft_messages(state: str) -> list[dict[str, str]]:
     ]
 
 
-def reflect_messages(state: str, a_draft: str, s_hat: str) -> list[dict[str, str]]:
+def reflect_messages(state: str, a_draft: str, s_hat: str | None) -> list[dict[str, str]]:
+    """``s_hat`` None: the reflection without the imagined state (ablation ``no_future_state``)."""
+    imagined = "" if s_hat is None else f"Imagined result of the draft: {s_hat.strip()}\n"
     return [
         {"role": "system", "content": SYSTEM_AGENT},
         {
             "role": "user",
             "content": (
-                f"{state}\n\nYour draft action: {a_draft.strip()}\n"
-                f"Imagined result of the draft: {s_hat.strip()}\n\n"
+                f"{state}\n\nYour draft action: {a_draft.strip()}\n{imagined}\n"
                 "Does the draft move you towards the task? Answer exactly in this form:\n"
                 f"{DECISION_PREFIX} KEEP or REVISE\n{FINAL_PREFIX} <one command>"
             ),
@@ -229,13 +230,17 @@ class Prompts:
     """Prompt strings per role for one model; the generation starts right after each string."""
 
     chat: ChatTemplate
+    future_state: bool = True
+    """False (ablation ``no_future_state``): the reflection prompt leaves out the imagined state,
+    in the actors' calls and the learner's samples alike."""
 
     def draft(self, state: str) -> str:
         return self.chat.render(draft_messages(state))
 
     def reflect(self, state: str, a_draft: str, s_hat: str) -> str:
         # The decision word is the first generated token, so its logprobs give p_revise.
-        return self.chat.render(reflect_messages(state, a_draft, s_hat)) + DECISION_PREFIX
+        shown = s_hat if self.future_state else None
+        return self.chat.render(reflect_messages(state, a_draft, shown)) + DECISION_PREFIX
 
     def world_model(self, state: str, action: str) -> str:
         return self.chat.render(world_model_messages(state, action))

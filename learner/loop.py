@@ -11,6 +11,7 @@ schedule, RNG, phase, adapter version — is in the checkpoint; a restarted lear
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import signal
@@ -39,7 +40,23 @@ PHASE_FILTERS = {(REFLECT_INIT, "reflections"): [REFLECT_INIT], (COEVOLVE, "tran
 ANCHOR_PHASES = [WARMUP]
 
 
-def store_requests(phase: str, n: int, anchor_share: float, rng: random.Random) -> list[tuple[str, int, list[str] | None]]:
+def phase_stores(phase: str, ablation: Any = None) -> tuple[str, ...]:
+    """The stores a micro-batch of ``phase`` samples, under ``ablation`` (an ``AblationConfig``):
+    ``no_wm_warmup`` and ``frozen_wm`` leave out the world model's transitions in warm-up and after
+    it respectively, ``no_expert_sft`` the demonstrations (the draft anchor) after warm-up."""
+    stores = PHASE_STORES[phase]
+    if ablation is None:
+        return stores
+    drop = set()
+    if (ablation.no_wm_warmup and phase == WARMUP) or (ablation.frozen_wm and phase != WARMUP):
+        drop.add("transitions")
+    if ablation.no_expert_sft and phase != WARMUP:
+        drop.add("demos")
+    return tuple(s for s in stores if s not in drop)
+
+
+def store_requests(phase: str, n: int, anchor_share: float, rng: random.Random,
+                   ablation: Any = None) -> list[tuple[str, int, list[str] | None]]:
     """The (store, n, phases) sample requests that make one micro-batch of ``phase``.
 
     In ``coevolve`` each of the ``n`` world-model items is a warm-up anchor with probability
@@ -47,7 +64,7 @@ def store_requests(phase: str, n: int, anchor_share: float, rng: random.Random) 
     transition.
     """
     reqs: list[tuple[str, int, list[str] | None]] = []
-    for store in PHASE_STORES[phase]:
+    for store in phase_stores(phase, ablation):
         phases = PHASE_FILTERS.get((phase, store))
         anchor = 0
         if phase == COEVOLVE and store == "transitions" and anchor_share > 0:
@@ -86,8 +103,9 @@ class Prefetcher:
     stores and phase filters follow the current phase (:func:`store_requests`)."""
 
     def __init__(self, broker: Any, state: LearnerState, batch_size: int, depth: int, seed: int, log: Any,
-                 anchor_share: float = 0.0) -> None:
+                 anchor_share: float = 0.0, ablation: Any = None) -> None:
         self.broker, self.state, self.batch_size, self.log = broker, state, batch_size, log
+        self.ablation = ablation
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=depth)
         self.seed = seed
         self.anchor_share = anchor_share
@@ -98,7 +116,7 @@ class Prefetcher:
     async def fetch(self, phase: str) -> dict[str, list]:
         """One micro-batch's records for ``phase`` (stores without items are left out)."""
         mb: dict[str, list] = {}
-        for store, n, phases in store_requests(phase, self.batch_size, self.anchor_share, self.rng):
+        for store, n, phases in store_requests(phase, self.batch_size, self.anchor_share, self.rng, self.ablation):
             self.draws += 1
             batch = await self.broker.sample(store, n, seed=self.seed * 1_000_003 + self.draws, phases=phases)
             if batch.items:
@@ -113,7 +131,7 @@ class Prefetcher:
             required = PHASE_REQUIRES.get(phase)
             if not mb or (required is not None and required not in mb):
                 if time.monotonic() - last_note > 10:
-                    self.log.info("learner.waiting_for_data", phase=phase, stores=list(PHASE_STORES[phase]),
+                    self.log.info("learner.waiting_for_data", phase=phase, stores=list(phase_stores(phase, self.ablation)),
                                   required=required)
                     last_note = time.monotonic()
                 await asyncio.sleep(0.5)
@@ -141,8 +159,11 @@ class Learner:
         base, tok = load_model_and_tokenizer(path, cfg.model.dtype, lc.device)
         model = build_peft_model(base, lc.lora_r, lc.lora_alpha, lc.lora_dropout, lc.target_modules,
                                  lc.gradient_checkpointing)
-        self.trainer = Trainer(model, Encoder(tok, Prompts(ChatTemplate.from_model_dir(path)), lc.max_seq_len), lc, lc.device)
-        self.state = LearnerState(phase=WARMUP if lc.warmup_steps > 0 else REFLECT_INIT)
+        prompts = Prompts(ChatTemplate.from_model_dir(path), future_state=not cfg.ablation.no_future_state)
+        self.trainer = Trainer(model, Encoder(tok, prompts, lc.max_seq_len), lc, lc.device)
+        self.trainer.ablation = cfg.ablation
+        first = WARMUP if lc.warmup_steps > 0 else COEVOLVE if cfg.ablation.no_reflect_init else REFLECT_INIT
+        self.state = LearnerState(phase=first)
         self.trainer.scheduler.enter(self.state.phase, self.state.phase_start, self.state.phase_budget)
         self.run_dir = cfg.run.dir
         self.ckpt_dir = self.run_dir / "checkpoints"
@@ -185,7 +206,7 @@ class Learner:
         lc, s, step = self.cfg.learner, self.state, self.trainer.step
         out_of_time = lc.warmup_max_minutes is not None and s.phase_seconds >= 60 * lc.warmup_max_minutes
         if s.phase == WARMUP and (step - s.phase_start >= (s.phase_budget or lc.warmup_steps) or out_of_time):
-            return REFLECT_INIT if lc.reflect_init_steps > 0 else COEVOLVE
+            return REFLECT_INIT if lc.reflect_init_steps > 0 and not self.cfg.ablation.no_reflect_init else COEVOLVE
         if s.phase == REFLECT_INIT and step - s.phase_start >= lc.reflect_init_steps:
             return COEVOLVE
         return None
@@ -204,7 +225,7 @@ class Learner:
         finished, result = await until_stopped(publish_adapters(
             self.trainer.model, self.state.version, self.state.phase, self.trainer.step, root=self.adapter_root,
             inference=inference, endpoints=list(self.cfg.inference.endpoints), broker=broker, log=self.log,
-            retries=self.cfg.inference.retries, metrics=metrics,
+            retries=self.cfg.inference.retries, metrics=metrics, ablation=self.cfg.ablation.active,
         ), self.stop)
         if not finished:
             # shutting down (the servers may already be gone): an unannounced version is never used,
@@ -277,6 +298,10 @@ class Learner:
             loop.add_signal_handler(sig, self.stop.set)
         resumed = self.resume()
         lc = self.cfg.learner
+        # what this run is: CoMap itself ([]) or the ablations switched on (comap compare reads it)
+        (self.run_dir / "ablation.json").write_text(json.dumps({"ablation": self.cfg.ablation.active}) + "\n")
+        if self.cfg.ablation.active:
+            self.log.info("learner.ablation", active=self.cfg.ablation.active)
         async with BrokerClient.from_config(self.cfg) as broker:
             inference = InferenceClient.from_config(self.cfg)
             try:
@@ -296,7 +321,7 @@ class Learner:
                 if self.state.phase == WARMUP:
                     await self.wait_for_demos(broker)
                 prefetch = Prefetcher(broker, self.state, lc.batch_size, lc.prefetch, self.cfg.run.seed, self.log,
-                                      lc.wm_anchor_share)
+                                      lc.wm_anchor_share, self.cfg.ablation)
                 task = asyncio.create_task(prefetch.run())
                 try:
                     await self._train(prefetch, task, inference, broker, max_steps)
@@ -342,6 +367,7 @@ class Learner:
                 break
             data_wait = time.monotonic() - t_wait
             phase = self.state.phase
+            self.trainer.freeze_wm = self.cfg.ablation.frozen_wm and phase != WARMUP
             metrics = await self._step_or_stop(micro)
             if metrics is None:  # SIGTERM during a step: checkpoint the last completed one, now
                 break

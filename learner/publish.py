@@ -33,6 +33,10 @@ def publish_policy(retries: int | RetryConfig) -> RetryConfig:
     return retry_policy.policy(None, attempts=int(retries) + 1, **PUBLISH_BACKOFF)
 
 
+VERSION_META = "comap.json"
+"""What produced a saved adapter version (beside peft's files, which loaders ignore it next to)."""
+
+
 class PublishError(RuntimeError):
     """An endpoint could not load a new adapter version after all retries."""
 
@@ -103,11 +107,18 @@ async def unload_everywhere(client: Any, endpoints: list[str], name: str, log: A
 async def publish_adapters(
     model: Any, version: int, phase: str, step: int, *, root: Path, inference: Any, endpoints: list[str],
     broker: Any, log: Any, retries: int | RetryConfig = 3, keep_dirs: int = 5, metrics: dict[str, float] | None = None,
+    ablation: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Save, load everywhere, announce, unload old; returns the new registry and timings."""
+    """Save, load everywhere, announce, unload old; returns the new registry and timings.
+
+    Each saved adapter directory gets ``comap.json`` (version, phase, step and the run's
+    ``ablation`` list), so a version says what produced it wherever it is copied."""
     t0 = time.perf_counter()
     # absolute: a server resolves a relative lora_path inside its own adapter root
     paths = await asyncio.to_thread(save_versioned_adapters, model, root.resolve(), version)
+    meta = {"version": version, "phase": phase, "step": step, "ablation": list(ablation or [])}
+    for path in paths.values():
+        (path / VERSION_META).write_text(json.dumps(meta) + "\n")
     t_saved = time.perf_counter()
     for role, path in paths.items():
         await load_everywhere(inference, endpoints, adapter_name(role, version), path, retries, log)
@@ -124,7 +135,7 @@ async def publish_adapters(
     for role in ROLES:
         for old_dir in _version_dirs(root, role)[:-keep_dirs]:
             shutil.rmtree(old_dir, ignore_errors=True)
-    (root / "latest.json").write_text(json.dumps({"version": version, "step": step, "phase": phase}))
+    (root / "latest.json").write_text(json.dumps(meta))
     timings = {"learner/publish_s": time.perf_counter() - t0, "learner/save_s": t_saved - t0,
                "learner/load_s": t_loaded - t_saved, "learner/publish_live_ms": 1000 * (t_live - t_saved)}
     log.info("publish.done", version=version, phase=phase, step=step, **{k.split("/")[1]: round(v, 3) for k, v in timings.items()})

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from comap_async.config import LearnerConfig
+from comap_async.config import AblationConfig, LearnerConfig
 from comap_async.models import cpu_has_native_bf16
 from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
 from learner import losses
@@ -150,6 +150,11 @@ class Trainer:
     step: int = 0
     _pairs: list = field(default_factory=list, init=False)
     abort: bool = False  # set from another thread: the step in flight stops at its next micro-batch (or chunk)
+    ablation: AblationConfig = field(default_factory=AblationConfig)
+    """``no_wmsd`` / ``no_real_ce`` drop a world-model loss term (it is then neither computed nor logged)."""
+    freeze_wm: bool = False
+    """Set per step by the learner (``ablation.frozen_wm`` after warm-up): the world model is not
+    trained (its records are ignored) and the EMA teacher is not updated."""
 
     def __post_init__(self) -> None:
         self.role_params = {role: [p for _, p in adapter_parameters(self.model, role)] for role in TRAINED}
@@ -226,11 +231,15 @@ class Trainer:
 
     def _wm_units(self, records: list[dict[str, Any]]) -> list[tuple[list[Seq], list[bool], Seq | None]]:
         """Per transition, its unit(s): (sequences, which are CE rows, the teacher's rollout sequence)."""
-        enc = self.encoder
+        enc, ab = self.encoder, self.ablation
         units: list[tuple[list[Seq], list[bool], Seq | None]] = []
         for r in records:
-            ce_seq, pair = enc.world_model_ce(r), enc.world_model_rollout(r)
-            if pair is None:
+            ce_seq = None if ab.no_real_ce else enc.world_model_ce(r)
+            pair = None if ab.no_wmsd else enc.world_model_rollout(r)
+            if ce_seq is None:
+                if pair is not None:
+                    units.append(([pair[0]], [False], pair[1]))
+            elif pair is None:
                 units.append(([ce_seq], [True], None))
             elif pair[0].ids[: pair[0].start] == ce_seq.ids[: ce_seq.start]:
                 units.append(([ce_seq, pair[0]], [True, False], pair[1]))  # one pass over the prompt for both
@@ -309,10 +318,12 @@ class Trainer:
         if not self.fast:
             ce, kl, n, change_nll = self.world_model_losses(records)
             loss = losses.world_model_loss(ce, kl, self.cfg.eta)
-            (loss * scale).backward()
-            metrics = {"wm/ce": float(ce.detach()), "wm/kl": float(kl.detach()), "wm/loss": float(loss.detach())}
-            return metrics, n, change_nll
+            if loss.requires_grad:  # else no term had anything to train on
+                (loss * scale).backward()
+            return self._wm_metrics(float(ce.detach()), float(kl.detach())), n, change_nll
         units = self._wm_units(records)
+        if not units:  # nothing left to train on (self-distillation only, and no rollouts in these records)
+            return {}, 0, None
         n_ce = sum(seq.n_target for seqs, flags, _ in units for seq, flag in zip(seqs, flags) if flag)
         n_kl = sum(seq.n_target for seqs, flags, _ in units for seq, flag in zip(seqs, flags) if not flag)
         total = {"ce": 0.0, "kl": 0.0, "change": 0.0, "n_change": 0, "tokens": 0}
@@ -325,7 +336,14 @@ class Trainer:
                 total[k] += float(part[k].detach()) if isinstance(part[k], torch.Tensor) else part[k]
         ce, kl = total["ce"] / max(n_ce, 1), total["kl"] / max(n_kl, 1)
         change_nll = total["change"] / total["n_change"] if total["n_change"] else None
-        return {"wm/ce": ce, "wm/kl": kl, "wm/loss": ce + self.cfg.eta * kl}, int(total["tokens"]), change_nll
+        return self._wm_metrics(ce, kl), int(total["tokens"]), change_nll
+
+    def _wm_metrics(self, ce: float, kl: float) -> dict[str, float]:
+        """The world-model scalars; a term an ablation drops is not logged (it is not in the loss)."""
+        out = {} if self.ablation.no_real_ce else {"wm/ce": ce}
+        if not self.ablation.no_wmsd:
+            out["wm/kl"] = kl
+        return out | {"wm/loss": ce + self.cfg.eta * kl}
 
     def _policy_step(self, demos: list[dict[str, Any]], reflections: list[dict[str, Any]],
                      scale: float) -> tuple[dict[str, float], int]:
@@ -360,23 +378,28 @@ class Trainer:
         """(CE on real next states, KL(teacher || student) on rollout tokens, tokens processed,
         NLL on the change tokens of the real next states: a metric, None when there are none)."""
         if self.fast:  # one pass (a training step goes through _world_model_step's chunks)
-            part = self._wm_sums(self._wm_units(records))
+            units = self._wm_units(records)
+            if not units:
+                zero = torch.zeros((), device=self.device)
+                return zero, zero, 0, None
+            part = self._wm_sums(units)
             change_nll = part["change"] / part["n_change"] if part["n_change"] else None
             return part["ce"] / max(part["n_ce"], 1), part["kl"] / max(part["n_kl"], 1), part["tokens"], change_nll
-        enc = self.encoder
-        ce_seqs = [enc.world_model_ce(r) for r in records]
-        pairs = [p for p in (enc.world_model_rollout(r) for r in records) if p is not None]
+        enc, ab = self.encoder, self.ablation
+        ce_seqs = [] if ab.no_real_ce else [enc.world_model_ce(r) for r in records]
+        pairs = [] if ab.no_wmsd else [p for p in (enc.world_model_rollout(r) for r in records) if p is not None]
         teacher_logits = self.teacher_logits([t for _, t in pairs]) if pairs else None
         activate(self.model, "wm", trainable=True)
-        batch = collate(ce_seqs, self.pad_id, self.device)
-        logits, win = self._logits(batch)
-        ce = losses.masked_token_ce(logits, win["labels"])
-        change_nll = None
-        if "change_labels" in win and bool((win["change_labels"] != losses.IGNORE).any()):
-            with torch.no_grad():
-                change_nll = float(losses.masked_token_ce(logits.detach(), win["change_labels"]))
-        tokens = int(batch["attention_mask"].sum())
-        kl = losses._zero(logits)
+        ce = kl = torch.zeros((), device=self.device)  # a dropped term (no gradient)
+        change_nll, tokens = None, 0
+        if ce_seqs:
+            batch = collate(ce_seqs, self.pad_id, self.device)
+            logits, win = self._logits(batch)
+            ce = losses.masked_token_ce(logits, win["labels"])
+            if "change_labels" in win and bool((win["change_labels"] != losses.IGNORE).any()):
+                with torch.no_grad():
+                    change_nll = float(losses.masked_token_ce(logits.detach(), win["change_labels"]))
+            tokens = int(batch["attention_mask"].sum())
         if pairs:
             # the student's rollout rows go in their own forward: their windows differ from the CE rows'
             s_batch = collate([s for s, _ in pairs], self.pad_id, self.device)
@@ -445,7 +468,7 @@ class Trainer:
 
         for mb in micro_batches:
             self._check_abort()
-            wm_records = mb.get("transitions") or []
+            wm_records = [] if self.freeze_wm else mb.get("transitions") or []
             if wm_records:
                 metrics, n, change_nll = self._world_model_step(wm_records, scale)
                 for name, value in metrics.items():
@@ -470,7 +493,8 @@ class Trainer:
             lr = self.scheduler.apply(self.step)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            ema_update(self._pairs, self.cfg.ema_momentum)
+            if not self.freeze_wm:
+                ema_update(self._pairs, self.cfg.ema_momentum)
             self.step += 1
             self.rng_at_step_start = rng_state()
         self.model.eval()

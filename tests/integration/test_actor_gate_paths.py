@@ -190,3 +190,28 @@ async def test_overlapped_teacher_sends_the_same_transitions(valid_seen, alfworl
     drafts_inside_teacher = sum(1 for i, e in enumerate(log_after)
                                 if e == "draft" and log_after[:i].count("teacher:start") > log_after[:i].count("teacher:end"))
     assert drafts_inside_teacher == (5 if overlap else 0)
+
+
+async def test_no_action_gate_executes_every_revision(valid_seen, alfworld_data):
+    """``ablation.no_action_gate`` (issue 17): the refused revisions of the test above (confident
+    decision, unsure action) are executed too; only the gate changes."""
+    game = sorted(valid_seen, key=lambda g: g.name)[0]
+    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "env.max_steps=6", "ablation.no_action_gate=true"])
+    sent: list[dict] = []
+
+    async def emit(msg):
+        msg.seq = len(sent)
+        sent.append(as_map(validate(msg)))
+
+    async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=6) as pool:
+        env = pool.env()
+        await env.reset(game)
+        llm = ScriptedLLM(await env.walkthrough())
+        ctx = EpisodeContext("test", cfg, llm, emit, next_state, lambda: Registry(versions={"policy": 3, "wm": 2}))
+        stats = await play_coevolve(ctx, env, game, "test:e1")
+    transitions = [m for m in sent if m["type"] == "transition"]
+    assert len(transitions) >= 2 and any(tr["q_ref"] < cfg.gates.tau_q for tr in transitions)
+    for tr in transitions:  # every step: a_ref differs from the draft 'look', so it is executed
+        assert tr["a_exec"] == tr["a_ref"] != "look"
+        assert tr["s_hat_exec"] == f"You imagine doing {tr['a_exec']}."
+    assert stats.revisions == len(transitions)

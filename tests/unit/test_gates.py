@@ -149,3 +149,39 @@ def test_world_state_gate_on_facts_matches_the_gate_on_changes():
     assert world_state_gate_on_facts(prev, student, teacher, 0.6) == ref
     assert world_state_gate_on_facts(None, student, teacher).use_imagined is False
     assert world_state_gate_on_facts(prev, student, None) == (False, 0.0)
+
+
+# ------------------------------------------------------------------ ablations of the world-state gate
+def _kept_step(teacher: str):
+    return validate(transition(1, o="O", s_hat_exec="PICKED", s_hat_teacher=teacher, s_next="REAL NEXT",
+                               a_draft="take apple 1 from countertop 1", a_exec="take apple 1 from countertop 1",
+                               facts=sorted(PREV)))
+
+
+@pytest.mark.parametrize("teacher, gate_picks", [("PICKED", "PICKED"), ("FRIDGE", "REAL NEXT")])
+def test_ws_gate_ablations_fix_the_future_state(teacher, gate_picks):
+    """``no_ws_gate_real`` / ``no_ws_gate_imagined`` (issue 17): s̄ is the real / the imagined next
+    state whatever the gate says; the gate's own score is still computed and kept."""
+    tr = _kept_step(teacher)
+    gated = derive_policy_sample(tr, _parse)
+    assert gated.s_bar == gate_picks
+    for future_state, s_bar in (("real", "REAL NEXT"), ("imagined", "PICKED")):
+        d = derive_policy_sample(tr, _parse, future_state=future_state)
+        assert d.s_bar == s_bar, future_state
+        assert (d.ws_score, d.ws_imagined, d.target, d.y) == (gated.ws_score, gated.ws_imagined, gated.target, gated.y)
+    with pytest.raises(ValueError, match="future_state"):
+        derive_policy_sample(tr, _parse, future_state="teacher")
+
+
+def test_no_action_gate_reads_every_real_revision_as_executed():
+    """``ablation.no_action_gate`` at the broker: the policy sample's target is the executed
+    reflected action even where the gate would have refused it (low q_ref here)."""
+    tr = validate(transition(1, o="O", s_hat_exec="PICKED", s_hat_teacher="PICKED", s_next="REAL NEXT",
+                             a_draft="go to fridge 1", a_ref="take apple 1 from countertop 1", decision="REVISE",
+                             p_revise=0.3, q_ref=0.1, a_exec="take apple 1 from countertop 1", facts=sorted(PREV)))
+    gated = derive_policy_sample(tr, _parse)
+    assert (gated.y, gated.ag_reason) == (0, "keep")
+    d = derive_policy_sample(tr, _parse, action_gated=False)
+    assert (d.target, d.y, d.ag_reason) == ("take apple 1 from countertop 1", 1, "revised")
+    same = validate(transition(1, a_ref="Go to fridge 1.", a_draft="go to fridge 1", a_exec="go to fridge 1"))
+    assert derive_policy_sample(same, _parse, action_gated=False).y == 0  # the same action is no revision

@@ -43,3 +43,20 @@ async def test_relative_run_dir_publishes_absolute_paths(tiny_model_dir, tmp_pat
     assert [n for n, _, _ in rec.loads] == ["policy-v1", "wm-v1", "wm_teacher-v1"]
     for _, path, inplace in rec.loads:
         assert os.path.isabs(path) and os.path.isfile(os.path.join(path, "adapter_model.safetensors")) and inplace
+
+
+async def test_every_published_version_records_its_ablation(tiny_model_dir, tmp_path):
+    """Issue 17: a saved version says what produced it (``comap.json`` beside peft's files)."""
+    import json
+
+    from learner.publish import VERSION_META
+
+    trainer = make_trainer(tiny_model_dir)
+    rec = RecordingEndpoint()
+    for version, ablation in ((1, None), (2, ["frozen_wm"])):
+        await publish_adapters(trainer.model, version, "coevolve", 5 * version, root=tmp_path, inference=rec,
+                               endpoints=["http://e"], broker=rec, log=Log(), ablation=ablation)
+        for role in ("policy", "wm", "wm_teacher"):
+            meta = json.loads((tmp_path / f"{role}-v{version}" / VERSION_META).read_text())
+            assert meta == {"version": version, "phase": "coevolve", "step": 5 * version, "ablation": ablation or []}
+    assert json.loads((tmp_path / "latest.json").read_text())["ablation"] == ["frozen_wm"]

@@ -1,0 +1,128 @@
+"""Training ablations (issue 17, acceptance 2): each switch changes exactly the one mechanism it
+names, shown on the config, the learner's store requests and phases, and the tiny model's
+training step. (The world-state gate ablations: tests/unit/test_gates.py.)"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from comap_async.config import AblationConfig, ConfigError, load_config
+from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, ROLES, WARMUP
+from learner.loop import PHASE_STORES, Learner, LearnerState, phase_stores, store_requests
+from learner.peft_model import adapter_state
+from tests.fixtures.learner import demo_record, make_trainer, reflection_record, wm_record
+
+ROLLOUT = "You arrive at fridge 1. The fridge 1 is open."
+
+
+def batch():
+    return {"transitions": [wm_record(i, rollout=ROLLOUT) for i in range(2)],
+            "demos": [demo_record(i) for i in range(2)],
+            "reflections": [reflection_record(1), reflection_record(0)]}
+
+
+# ------------------------------------------------------------------ config
+def test_ablation_config_names_what_is_on_and_refuses_contradictions():
+    assert load_config(None).ablation.active == []
+    cfg = load_config(None, ["ablation.frozen_wm=true", "ablation.no_ws_gate_real=true"])
+    assert cfg.ablation.active == ["frozen_wm", "no_ws_gate_real"] and cfg.ablation.future_state == "real"
+    assert AblationConfig(no_ws_gate_imagined=True).future_state == "imagined"
+    with pytest.raises(ConfigError, match="leave the world model no loss"):
+        load_config(None, ["ablation.no_wmsd=true", "ablation.no_real_ce=true"])
+    with pytest.raises(ConfigError, match="contradict"):
+        load_config(None, ["ablation.no_ws_gate_real=true", "ablation.no_ws_gate_imagined=true"])
+    with pytest.raises(ConfigError, match="did you mean 'no_wmsd'"):
+        load_config(None, ["ablation.no_wmsdd=true"])
+
+
+# ------------------------------------------------------------------ what the learner samples
+@pytest.mark.parametrize("name, phase, dropped", [
+    ("frozen_wm", WARMUP, set()), ("frozen_wm", REFLECT_INIT, {"transitions"}), ("frozen_wm", COEVOLVE, {"transitions"}),
+    ("no_wm_warmup", WARMUP, {"transitions"}), ("no_wm_warmup", COEVOLVE, set()),
+    ("no_expert_sft", WARMUP, set()), ("no_expert_sft", REFLECT_INIT, {"demos"}), ("no_expert_sft", COEVOLVE, {"demos"}),
+    ("no_wmsd", COEVOLVE, set()), ("no_reflect_init", COEVOLVE, set()),
+])
+def test_phase_stores_drop_only_the_ablated_data(name, phase, dropped):
+    ablation = AblationConfig(**{name: True})
+    assert set(PHASE_STORES[phase]) - set(phase_stores(phase, ablation)) == dropped
+    assert phase_stores(phase, AblationConfig()) == phase_stores(phase, None) == PHASE_STORES[phase]
+    requested = {store for store, _, _ in store_requests(phase, 8, 0.5, random.Random(0), ablation)}
+    assert requested == set(phase_stores(phase, ablation))  # warm-up anchors of frozen_wm's world model too
+
+
+def _next_phase(ablation: AblationConfig, phase: str, step: int) -> str | None:
+    cfg = load_config(None, ["learner.warmup_steps=2", "learner.reflect_init_steps=3"])
+    cfg = cfg.model_copy(update={"ablation": ablation})
+    learner = SimpleNamespace(cfg=cfg, state=LearnerState(phase=phase), trainer=SimpleNamespace(step=step))
+    return Learner.next_phase(learner)
+
+
+def test_no_reflect_init_goes_from_warmup_to_coevolution():
+    assert _next_phase(AblationConfig(), WARMUP, 2) == REFLECT_INIT
+    assert _next_phase(AblationConfig(no_reflect_init=True), WARMUP, 2) == COEVOLVE
+    assert _next_phase(AblationConfig(no_reflect_init=True), WARMUP, 1) is None
+
+
+# ------------------------------------------------------------------ the training step
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_no_wmsd_drops_the_kl_term(tiny_model_dir, monkeypatch, fast_path):
+    full = make_trainer(tiny_model_dir, fast_path=fast_path).train_step([batch()])
+    trainer = make_trainer(tiny_model_dir, fast_path=fast_path)
+    trainer.ablation = AblationConfig(no_wmsd=True)
+    monkeypatch.setattr(trainer, "teacher_logits", lambda seqs: pytest.fail("the teacher ran under no_wmsd"))
+    m = trainer.train_step([batch()])
+    assert "wm/kl" not in m and "wm/kl" in full and full["wm/kl"] > 0
+    # same model, same seed, same records: the CE is unchanged and is the whole loss
+    assert m["wm/ce"] == pytest.approx(full["wm/ce"], rel=1e-5) and m["wm/loss"] == pytest.approx(m["wm/ce"], rel=1e-6)
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_no_real_ce_keeps_only_self_distillation(tiny_model_dir, fast_path):
+    full = make_trainer(tiny_model_dir, fast_path=fast_path).train_step([batch()])
+    trainer = make_trainer(tiny_model_dir, fast_path=fast_path)
+    trainer.ablation = AblationConfig(no_real_ce=True)
+    m = trainer.train_step([batch()])
+    assert "wm/ce" not in m and "wm/change_nll" not in m
+    assert m["wm/kl"] == pytest.approx(full["wm/kl"], rel=1e-5)
+    assert m["wm/loss"] == pytest.approx(trainer.cfg.eta * m["wm/kl"], rel=1e-6)
+    assert trainer.train_step([{"transitions": [wm_record(0, rollout="")]}])["learner/tokens"] == 0  # nothing to distil
+
+
+def test_frozen_wm_keeps_world_model_and_teacher_identical(tiny_model_dir):
+    trainer = make_trainer(tiny_model_dir)
+    trainer.train_step([batch()])  # warm-up: the world model trains and the teacher follows it
+    before = {role: adapter_state(trainer.model, role) for role in ROLES}
+    trainer.freeze_wm = True  # co-evolution under ablation.frozen_wm (the learner sets it per step)
+    for _ in range(3):
+        m = trainer.train_step([batch()])
+    after = {role: adapter_state(trainer.model, role) for role in ROLES}
+    for role in ("wm", "wm_teacher"):
+        for k in before[role]:
+            assert torch.equal(before[role][k], after[role][k]), (role, k)
+    assert any(not torch.equal(before["policy"][k], after["policy"][k]) for k in before["policy"])  # policy trains
+    assert not any(k.startswith("wm/") for k in m) and m["learner/grad_norm_wm"] == 0.0
+
+
+def test_no_future_state_leaves_the_imagined_state_out_of_every_reflection_prompt(tiny_model_dir):
+    """In the actors' reflection call and in the learner's reflection samples alike; the other
+    prompts are unchanged."""
+    from comap_async.prompts import ChatTemplate, Prompts
+    from learner.batches import Encoder
+
+    chat = ChatTemplate.from_model_dir(tiny_model_dir)
+    full, ablated = Prompts(chat), Prompts(chat, future_state=False)
+    imagined = "You arrive at fridge 1. The fridge 1 is closed."
+    assert imagined in full.reflect("Task: cool a mug.", "go to fridge 1", imagined)
+    prompt = ablated.reflect("Task: cool a mug.", "go to fridge 1", imagined)
+    assert imagined not in prompt and "Imagined result" not in prompt and "Your draft action: go to fridge 1" in prompt
+    assert ablated.world_model("s", "a") == full.world_model("s", "a") and ablated.draft("s") == full.draft("s")
+    trainer = make_trainer(tiny_model_dir)
+    record = reflection_record(1)
+    for prompts, shown in ((full, True), (ablated, False)):
+        enc = Encoder(trainer.encoder.tokenizer, prompts, trainer.encoder.max_seq_len)
+        text = trainer.encoder.tokenizer.decode(enc.reflection(record).ids)
+        assert (record["s_bar"] in text) is shown and record["target"] in text
