@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "learner": ("learner.cli", "train the policy and world-model LoRA adapters continuously; publish them"),
     "actor": ("actors.cli", "run environment workers playing the CoMap loop (phases from the broker)"),
     "eval": ("actors.evaluate", "evaluate adapters on a split; writes eval.json and eval.md"),
+    "compare": ("actors.compare", "the newest version of each run and the prompting baselines on the same games: "
+                "one table and one bar chart"),
     "evaluator": ("actors.evaluator", "held-out probes and success rate of every new adapter version, while the system runs"),
     "stats": ("comap_async.commands.stats", "live summary of a running system from the broker (--plot DIR for PNGs)"),
 }

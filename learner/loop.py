@@ -11,7 +11,6 @@ schedule, RNG, phase, adapter version — is in the checkpoint; a restarted lear
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import random
 import signal
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from comap_async.config import CoMapConfig
+from comap_async.run_files import write_run_ablation
 from comap_async.waiting import cancel_and_wait, until_stopped, wait_until_answers
 from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
 
@@ -299,7 +299,7 @@ class Learner:
         resumed = self.resume()
         lc = self.cfg.learner
         # what this run is: CoMap itself ([]) or the ablations switched on (comap compare reads it)
-        (self.run_dir / "ablation.json").write_text(json.dumps({"ablation": self.cfg.ablation.active}) + "\n")
+        write_run_ablation(self.run_dir, self.cfg.ablation.active)
         if self.cfg.ablation.active:
             self.log.info("learner.ablation", active=self.cfg.ablation.active)
         async with BrokerClient.from_config(self.cfg) as broker:

@@ -19,6 +19,7 @@ from typing import Any
 
 from comap_async import retry as retry_policy
 from comap_async.config import RetryConfig
+from comap_async.run_files import VERSION_META
 from comap_async.wire.messages import ROLES, adapter_name, adapter_version
 
 PUBLISH_BACKOFF = {"backoff_s": 0.5, "backoff_max_s": 5.0, "jitter": "none"}
@@ -31,10 +32,6 @@ def publish_policy(retries: int | RetryConfig) -> RetryConfig:
     if isinstance(retries, RetryConfig):
         return retries
     return retry_policy.policy(None, attempts=int(retries) + 1, **PUBLISH_BACKOFF)
-
-
-VERSION_META = "comap.json"
-"""What produced a saved adapter version (beside peft's files, which loaders ignore it next to)."""
 
 
 class PublishError(RuntimeError):

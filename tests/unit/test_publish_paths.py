@@ -49,7 +49,7 @@ async def test_every_published_version_records_its_ablation(tiny_model_dir, tmp_
     """Issue 17: a saved version says what produced it (``comap.json`` beside peft's files)."""
     import json
 
-    from learner.publish import VERSION_META
+    from comap_async.run_files import VERSION_META
 
     trainer = make_trainer(tiny_model_dir)
     rec = RecordingEndpoint()

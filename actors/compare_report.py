@@ -1,0 +1,68 @@
+"""What ``comap compare`` writes: one row per method or run, as the paper's main table (success
+rate and world-model Delta-F1) and its ablation figure (bars), from pure functions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+METHOD_LABELS = {"react": "ReAct", "imagine_and_act": "Imagine-and-Act", "draft_only": "Draft only",
+                 "comap": "CoMap"}
+
+
+def run_label(ablation: list[str], name: str) -> str:
+    """``CoMap (run)`` for the method itself, ``ablation frozen_wm (run)`` for an ablated run
+    (``name``: its run directory's name)."""
+    return f"CoMap ({name})" if not ablation else f"ablation {'+'.join(ablation)} ({name})"
+
+
+def row(label: str, kind: str, method: str, report: dict[str, Any], run: str | None = None,
+        ablation: list[str] | None = None) -> dict[str, Any]:
+    """One line of the comparison from an evaluation report (:func:`actors.eval_report.summarize`)."""
+    return {"label": label, "kind": kind, "method": method, "run": run, "ablation": list(ablation or []),
+            "adapter_version": report["adapter_version"], "games": report["games"],
+            "success_rate": report["success_rate"], "delta_f1": report["delta_f1"],
+            "delta_f1_transitions": report["delta_f1_transitions"], "mean_steps": report["mean_steps"],
+            "revision_rate": report["revision_rate"], "invalid_action_rate": report["invalid_action_rate"]}
+
+
+def markdown(rows: list[dict[str, Any]], split: str, games: int) -> str:
+    def num(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.3f}"
+
+    lines = [f"# Comparison on {split} ({games} games, the same for every row)", "",
+             "| method / run | adapters | success rate | world-model Delta-F1 | mean steps | revision rate | invalid-action rate |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        adapters = "base" if r["adapter_version"] == 0 else f"v{r['adapter_version']}"
+        lines.append(f"| {r['label']} | {adapters} | {num(r['success_rate'])} | {num(r['delta_f1'])} | "
+                     f"{r['mean_steps']:.1f} | {num(r['revision_rate'])} | {num(r['invalid_action_rate'])} |")
+    lines += ["", "Delta-F1 is n/a where a method never imagines the executed action (ReAct, Draft only)."]
+    return "\n".join(lines) + "\n"
+
+
+def bar_chart(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
+    """Two panels of horizontal bars (success rate, Delta-F1), one bar per row, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r["label"] for r in rows]
+    colours = ["#4c72b0" if r["kind"] == "run" else "#999999" for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.55 * len(rows) + 1.6), sharey=True)
+    for ax, key, name in ((axes[0], "success_rate", "success rate"), (axes[1], "delta_f1", "world-model Delta-F1")):
+        values = [r[key] if r[key] is not None else 0.0 for r in rows]
+        ax.barh(range(len(rows)), values, color=colours)
+        for i, r in enumerate(rows):
+            ax.text(values[i], i, " n/a" if r[key] is None else f" {r[key]:.2f}", va="center", fontsize=8)
+        ax.set_xlim(0, 1.05)
+        ax.set_xlabel(name)
+    axes[0].set_yticks(range(len(rows)), labels)
+    axes[0].invert_yaxis()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

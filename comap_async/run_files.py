@@ -1,0 +1,35 @@
+"""Files a run directory holds that other processes and commands read: the run's ablation (written
+by the learner at start, read by ``comap compare``) and each published version's metadata."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RUN_ABLATION = "ablation.json"
+"""``<run dir>/ablation.json``: ``{"ablation": [names switched on]}`` ([] is CoMap itself)."""
+VERSION_META = "comap.json"
+"""``<adapter dir>/comap.json`` beside peft's files: version, phase, step and the run's ablation."""
+
+
+def write_run_ablation(run_dir: Path, active: list[str]) -> Path:
+    path = Path(run_dir) / RUN_ABLATION
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"ablation": list(active)}) + "\n")
+    return path
+
+
+def read_run_ablation(run_dir: Path) -> list[str]:
+    """The ablations a run trained under; ValueError naming the file when it is missing or unreadable."""
+    path = Path(run_dir) / RUN_ABLATION
+    try:
+        data = json.loads(path.read_text())
+        active = data["ablation"]
+    except FileNotFoundError:
+        raise ValueError(f"{run_dir} is not a run directory of this version: no {RUN_ABLATION} "
+                         "(the learner writes it when it starts)") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path} is not readable: {exc}") from None
+    if not isinstance(active, list) or not all(isinstance(a, str) for a in active):
+        raise ValueError(f"{path}: 'ablation' must be a list of names, got {active!r}")
+    return active

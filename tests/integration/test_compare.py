@@ -1,0 +1,87 @@
+"""``comap compare`` (issue 17, acceptance 3): two tiny-model runs (CoMap and ``frozen_wm``), written
+by the learner's own publish and run-file functions, against the prompting baselines on the same
+real games; one table and one PNG that opens as an image."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from comap_async.run_files import write_run_ablation
+from learner.publish import publish_adapters
+from tests.fixtures.learner import demo_record, make_trainer, reflection_record, wm_record
+
+pytestmark = pytest.mark.alfworld
+REPO = Path(__file__).resolve().parents[2]
+
+
+class NoServer:
+    """Publishing's endpoints and broker: this run directory is read offline."""
+
+    async def load_adapter(self, *a, **kw):
+        pass
+
+    async def unload_adapter(self, *a, **kw):
+        pass
+
+    async def announce(self, **kw):
+        return kw
+
+
+class Log:
+    def info(self, *a, **kw):
+        pass
+
+    warning = info
+
+
+async def make_run(run_dir: Path, tiny_model_dir: Path, ablation: list[str]) -> None:
+    """Three training steps (the world model frozen after the first under ``frozen_wm``), published as v2."""
+    trainer = make_trainer(tiny_model_dir)
+    batch = {"transitions": [wm_record(0)], "demos": [demo_record(0)], "reflections": [reflection_record(1)]}
+    for step in range(3):
+        trainer.freeze_wm = "frozen_wm" in ablation and step > 0
+        trainer.train_step([batch])
+    write_run_ablation(run_dir, ablation)
+    for version in (1, 2):
+        await publish_adapters(trainer.model, version, "coevolve", 3, root=run_dir / "adapters", inference=NoServer(),
+                               endpoints=["http://unused"], broker=NoServer(), log=Log(), ablation=ablation)
+
+
+async def test_compare_writes_one_table_and_a_png(tmp_path, tiny_model_dir, model_cache, alfworld_data):
+    runs = {"comap": [], "frozen": ["frozen_wm"]}
+    for name, ablation in runs.items():
+        await make_run(tmp_path / name, tiny_model_dir, ablation)
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "comap_async", "compare", str(tmp_path / "comap"), str(tmp_path / "frozen"),
+           "--config", "configs/test.yaml", "--split", "valid_seen", "--games", "2", "--data", str(alfworld_data),
+           "--methods", "react,imagine_and_act", "--out", str(out), "--set", f"model.cache_dir={model_cache}",
+           "--set", f"run.root={tmp_path / 'runs'}", "--set", "env.max_steps=3"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((out / "compare.json").read_text())
+    assert report["games"] == 2
+    assert [(row["kind"], row["method"], row["ablation"]) for row in report["rows"]] == [
+        ("method", "react", []), ("method", "imagine_and_act", []), ("run", "comap", []), ("run", "comap", ["frozen_wm"])]
+    assert all(row["games"] == 2 and 0.0 <= row["success_rate"] <= 1.0 for row in report["rows"])
+    assert [row["adapter_version"] for row in report["rows"]] == [0, 0, 2, 2]
+    assert report["rows"][0]["delta_f1"] is None and report["rows"][2]["delta_f1"] is not None
+    table = (out / "compare.md").read_text()
+    assert "| method / run | adapters | success rate | world-model Delta-F1 |" in table
+    assert "ablation frozen_wm (frozen)" in table and "CoMap (comap)" in table and "ReAct (base model)" in table
+    from PIL import Image
+
+    with Image.open(out / "compare.png") as img:
+        img.verify()
+        assert img.format == "PNG" and img.size[0] > 400
+
+
+def test_compare_refuses_a_directory_that_is_not_a_run(tmp_path, model_cache):
+    cmd = [sys.executable, "-m", "comap_async", "compare", str(tmp_path), "--config", "configs/test.yaml",
+           "--split", "valid_seen", "--out", str(tmp_path / "o"), "--set", f"model.cache_dir={model_cache}"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "is not a run directory" in r.stderr and "Traceback" not in r.stderr
