@@ -51,13 +51,23 @@ class ModelConfig(_Section):
     """torch intra-op threads per process; 1 is fastest when several processes share few cores."""
 
 
+ALFWORLD_SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")
+SCIENCEWORLD_SPLITS = ("train", "dev", "test")
+
+
 class EnvConfig(_Section):
-    name: Literal["alfworld"] = "alfworld"
+    name: Literal["alfworld", "scienceworld"] = "alfworld"
     """Which text environment the actors play."""
     data_dir: str | None = None
-    """ALFWorld data root (the ``alfworld-download`` layout); ``None`` uses ``$ALFWORLD_DATA``."""
-    split: Literal["train", "valid_seen", "valid_unseen", "valid_train"] = "train"
-    """Split the actors train on."""
+    """ALFWorld data root (the ``alfworld-download`` layout); ``None`` uses ``$ALFWORLD_DATA``.
+    (ScienceWorld needs none: its games ship inside the ``scienceworld`` package.)"""
+    split: Literal["train", "valid_seen", "valid_unseen", "valid_train", "dev", "test"] = "train"
+    """Split the actors train on (ALFWorld: train, valid_seen, valid_unseen, valid_train;
+    ScienceWorld: train, dev, test)."""
+    tasks: list[str] | None = None
+    """ScienceWorld: the task names to play (None: all 30)."""
+    per_task: int | None = Field(default=None, ge=1)
+    """ScienceWorld: variations per task, drawn with the run seed (None: every variation of the split)."""
     task_types: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
     """ALFWorld task types to play (1 pick_and_place, 2 look_at_obj_in_light, 3 pick_clean_then_place,
     4 pick_heat_then_place, 5 pick_cool_then_place, 6 pick_two_obj)."""
@@ -68,7 +78,15 @@ class EnvConfig(_Section):
     history_k: int = Field(default=3, ge=0)
     """How many past (action, observation) pairs the textual state ``s_t`` shows."""
     show_admissible: bool = True
-    """Whether ``s_t`` lists the admissible commands."""
+    """Whether ``s_t`` lists the admissible commands (ScienceWorld has hundreds to thousands per
+    state: its configs turn this off)."""
+
+    @model_validator(mode="after")
+    def _split_of_env(self) -> "EnvConfig":
+        splits = SCIENCEWORLD_SPLITS if self.name == "scienceworld" else ALFWORLD_SPLITS
+        if self.split not in splits:
+            raise ValueError(f"env.split={self.split!r} is not a split of {self.name} ({', '.join(splits)})")
+        return self
 
 
 class GateConfig(_Section):

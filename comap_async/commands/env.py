@@ -10,7 +10,14 @@ import sys
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     chk = sub.add_parser("check", help="count games, walkthrough wins and handcoded-expert wins of a split")
-    chk.add_argument("--split", default="valid_seen", choices=["train", "valid_seen", "valid_unseen", "valid_train"])
+    chk.add_argument("--env", default="alfworld", choices=["alfworld", "scienceworld"],
+                     help="which environment (scienceworld: its games ship in the package, no --data)")
+    chk.add_argument("--split", default=None,
+                     help="alfworld: train, valid_seen (default), valid_unseen, valid_train; scienceworld: train, dev "
+                          "(default), test")
+    chk.add_argument("--per-task", type=int, default=None, metavar="N",
+                     help="scienceworld: N variations of each task, drawn with --seed (a split holds thousands)")
+    chk.add_argument("--tasks", default=None, help="scienceworld: comma-separated task names (default: all 30)")
     chk.add_argument("--data", default=None, metavar="DIR", help="ALFWorld data root (default: $ALFWORLD_DATA)")
     chk.add_argument("--games", type=int, default=None, metavar="N", help="check only N games (sampled with --seed)")
     chk.add_argument("--seed", type=int, default=0)
@@ -24,6 +31,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
+
+    if args.env == "scienceworld":
+        return _check_scienceworld(args)
+    args.split = args.split or "valid_seen"
+    if args.split not in ("train", "valid_seen", "valid_unseen", "valid_train"):
+        print(f"comap env: error: {args.split!r} is not an ALFWorld split (train, valid_seen, valid_unseen, "
+              "valid_train)", file=sys.stderr)
+        return 2
 
     from comap_async.envs.alfworld_check import check_games
     from comap_async.envs.alfworld_games import AlfworldDataError, discover_games, resolve_data_root
@@ -77,3 +92,39 @@ def _print_baselines(games: list, args: argparse.Namespace) -> int:
     print(f"observation_level {line(observation)}")
     print(line(state))
     return 0
+
+
+def _check_scienceworld(args: argparse.Namespace) -> int:
+    """Gold-sequence replay of ScienceWorld variations; last line ``games=N walkthrough_wins=M``."""
+    import statistics
+    import time
+
+    from tqdm import tqdm
+
+    from comap_async.envs.scienceworld_check import check_games
+    from comap_async.envs.scienceworld_games import ScienceWorldError, discover_games
+
+    split = args.split or "dev"
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+    t0 = time.perf_counter()
+    try:
+        games = discover_games(split, tasks=tasks, per_task=args.per_task, max_games=args.games, seed=args.seed)
+    except ScienceWorldError as exc:
+        print(f"comap env: error: {exc}", file=sys.stderr)
+        return 2
+    checks = []
+    for check in tqdm(check_games(games, args.workers), total=len(games), desc=f"scienceworld {split}", file=sys.stderr):
+        checks.append(check)
+    wall = time.perf_counter() - t0
+    wins = sum(c.won for c in checks)
+    steps = [s for c in checks for s in c.step_s]
+    resets = [c.reset_s for c in checks if not c.error]
+    for c in sorted(checks, key=lambda c: c.name):
+        if not c.won:
+            print(f"  not won: {c.name} score={c.score} gold_steps={c.gold_steps} {c.error or ''}".rstrip())
+    print(f"split={split} games={len(games)} gold steps={len(steps)} wall={wall:.1f}s workers={args.workers}")
+    if steps and resets:
+        print(f"latency: reset (load + gold path) median {1000 * statistics.median(resets):.0f} ms, step median "
+              f"{1000 * statistics.median(steps):.1f} ms (p90 {1000 * sorted(steps)[int(0.9 * len(steps))]:.1f} ms)")
+    print(f"games={len(games)} walkthrough_wins={wins}")
+    return 0 if wins == len(games) else 1

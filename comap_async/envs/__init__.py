@@ -1,6 +1,6 @@
-"""Text environments behind one protocol (DESIGN.md section 8); ALFWorld first.
+"""Text environments behind one protocol (DESIGN.md section 8): ALFWorld and ScienceWorld.
 
-Light to import: the engines (alfworld, textworld) load only when an environment is created,
+Light to import: the engines (alfworld, textworld, scienceworld) load only when an environment is created,
 and :func:`get_fact_parser` returns pure parsers, so the broker can use it without them.
 """
 
@@ -26,7 +26,7 @@ __all__ = [
     "get_next_state",
 ]
 
-ENV_NAMES = ("alfworld",)
+ENV_NAMES = ("alfworld", "scienceworld")
 
 
 def get_fact_parser(env_name: str) -> Callable[[str], frozenset[str] | None]:
@@ -45,6 +45,9 @@ def get_next_state(env_name: str) -> Callable[[frozenset[str], str], frozenset[s
         from comap_async.envs.alfworld_facts import next_state
 
         return next_state
+    if env_name == "scienceworld":
+        raise ValueError("ScienceWorld's canonical facts are not implemented yet (issue 18): Delta-F1 and the "
+                         "world-state gate need them, so the actors and the broker cannot run it")
     raise ValueError(f"no fact state for environment {env_name!r}; known: {', '.join(ENV_NAMES)}")
 
 
@@ -54,11 +57,22 @@ def create_env(env_name: str, **kwargs: Any) -> TextEnv:
         from comap_async.envs.alfworld_env import AlfworldEnv
 
         return AlfworldEnv(**kwargs)
+    if env_name == "scienceworld":
+        from comap_async.envs.scienceworld_env import ScienceWorldTextEnv
+
+        return ScienceWorldTextEnv(**kwargs)
     raise ValueError(f"unknown environment {env_name!r}; known: {', '.join(ENV_NAMES)}")
 
 
 def games_from_config(cfg: "CoMapConfig", split: str | None = None) -> list[GameInfo]:
-    """The configured games: ``env.split`` (or ``split``), task types and ``max_games`` with the run seed."""
+    """The configured games: ``env.split`` (or ``split``), task types (ScienceWorld: tasks and
+    variations per task) and ``max_games`` with the run seed."""
+    if cfg.env.name == "scienceworld":
+        from comap_async.envs import scienceworld_games
+
+        return scienceworld_games.discover_games(split or cfg.env.split, tasks=cfg.env.tasks,
+                                                 per_task=cfg.env.per_task, max_games=cfg.env.max_games,
+                                                 seed=cfg.run.seed)
     from comap_async.envs.alfworld_games import discover_games, resolve_data_root
 
     return discover_games(

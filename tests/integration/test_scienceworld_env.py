@@ -1,0 +1,104 @@
+"""ScienceWorld behind the TextEnv protocol (issue 18, first part): the real simulator (a JVM from
+the scienceworld wheel), its split discovery, gold sequences as the expert, restore by replay, the
+step limit, and `comap env check --env scienceworld`."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from comap_async.config import ConfigError, load_config
+from comap_async.envs import get_next_state
+from comap_async.envs.pool import AsyncEnvPool
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(shutil.which("java") is None,
+                                reason="ScienceWorld needs Java 17 on PATH (bash .ci/install installs it)")
+SHORT = ["lifespan-longest-lived", "find-plant"]  # gold sequences of a few to a dozen steps
+
+
+@pytest.fixture(scope="module")
+def dev_games():
+    from comap_async.envs.scienceworld_games import discover_games
+
+    return discover_games("dev", per_task=1, seed=0)
+
+
+def test_discovery_one_seeded_variation_per_task(dev_games):
+    from comap_async.envs.scienceworld_games import discover_games, task_variations
+
+    table = task_variations()
+    assert len(table) == 30 and len(dev_games) == 30 and len({g.task_type for g in dev_games}) == 30
+    for g in dev_games:
+        task, var = g.path.rsplit(":", 1)
+        assert int(var) in table[task]["dev"] and g.name == f"dev/{task}/var{var}" and g.split == "dev"
+    assert [g.name for g in discover_games("dev", per_task=1, seed=0)] == [g.name for g in dev_games]
+    other = discover_games("dev", per_task=1, seed=1)
+    assert [g.name for g in other] != [g.name for g in dev_games]  # another seed, other variations
+    assert len(discover_games("test", tasks=["boil"])) == len(table["boil"]["test"]) == 9
+    assert not set(table["boil"]["dev"]) & set(table["boil"]["test"])
+
+
+async def test_gold_sequences_win_and_restore_replays(dev_games):
+    games = [g for g in dev_games if g.path.split(":")[0] in SHORT]
+    async with AsyncEnvPool(workers=1, env_name="scienceworld", max_steps=60) as pool:
+        env = pool.env()
+        for game in games:
+            first = await env.reset(game)
+            gold = await env.walkthrough()
+            assert first.info["task"].startswith("Your task is to") and first.admissible and not first.done
+            assert first.expert_action == gold[0]
+            result, rewards = first, []
+            for action in gold:
+                assert result.expert_action == action  # the expert is the gold sequence while on it
+                result = await env.step(action)
+                rewards.append(result.reward)
+                if result.done:
+                    break
+            assert result.won and result.done and result.info["score"] == 100
+            assert sum(rewards) == pytest.approx((100 - first.info["score"]) / 100)
+            # restore by replay in a fresh simulator gives the same state
+            other = pool.env()
+            prefix = gold[: max(1, len(gold) // 2)]
+            a, b = await env.restore(game, prefix), await other.restore(game, prefix)
+            assert (a.observation, a.admissible) == (b.observation, b.admissible)
+            await other.close()
+        # off the gold path the expert has nothing to offer; the step limit ends the episode
+        await env.reset(games[0])
+        off = await env.step("look around")
+        assert off.expert_action is None
+
+
+async def test_step_limit_truncates(dev_games):
+    game = next(g for g in dev_games if g.path.startswith("find-plant:"))
+    async with AsyncEnvPool(workers=1, env_name="scienceworld", max_steps=2) as pool:
+        env = pool.env()
+        await env.reset(game)
+        await env.step("look around")
+        last = await env.step("look around")
+        assert last.done and not last.won and last.info["truncated"]
+
+
+def test_config_and_facts_refuse_what_does_not_exist_yet():
+    assert load_config(None, ["env.name=scienceworld", "env.split=dev"]).env.split == "dev"
+    with pytest.raises(ConfigError, match="not a split of scienceworld"):
+        load_config(None, ["env.name=scienceworld", "env.split=valid_seen"])
+    with pytest.raises(ConfigError, match="not a split of alfworld"):
+        load_config(None, ["env.split=dev"])
+    with pytest.raises(ValueError, match="canonical facts are not implemented yet"):
+        get_next_state("scienceworld")
+
+
+def test_env_check_replays_gold_sequences():
+    cmd = [sys.executable, "-m", "comap_async", "env", "check", "--env", "scienceworld", "--split", "dev",
+           "--per-task", "1", "--tasks", ",".join(SHORT), "--workers", "1"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines[-1] == "games=2 walkthrough_wins=2" and "step median" in lines[-2]
+    bad = subprocess.run(cmd[:-4] + ["--tasks", "boiling"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown ScienceWorld task(s) boiling" in bad.stderr
