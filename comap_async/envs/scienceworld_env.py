@@ -1,8 +1,12 @@
 """ScienceWorld behind the :class:`~comap_async.envs.base.TextEnv` protocol.
 
-One simulator (a JVM) per environment object, started at its first ``reset`` and reused for every
-later game: loading another task or variation costs ~0.1-0.3 s, a step ~36 ms (median, with the
-valid actions). Success is the task's score reaching 100; the reward is the score's change / 100,
+One simulator (a JVM, heap capped at 1 GB) per environment object, started at its first ``reset``
+and reused for every later game: loading another task or variation costs ~0.1-0.3 s, a step
+~36-45 ms (median, with the valid actions); gold sequences come from one more simulator per
+process (:func:`~comap_async.envs.scienceworld_games.gold_sequence`, cached per game).
+Replaying a prefix is not exact for about half the tasks in scienceworld 1.2.3 (object order in
+listings, a thermometer's reading, plant traits differ between runs), so ``restore`` rebuilds a
+close state, not always the same one. Success is the task's score reaching 100; the reward is the score's change / 100,
 so an episode's rewards add up to its final score / 100. The gold action sequence is the expert
 (walkthrough): its next action is offered while the episode has followed it exactly.
 """
@@ -13,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from comap_async.envs.base import GameInfo, StepResult
-from comap_async.envs.scienceworld_games import SIMPLIFICATION, parse_game_path, start_simulator
+from comap_async.envs.scienceworld_games import SIMPLIFICATION, gold_sequence, parse_game_path, start_simulator
 
 
 class ScienceWorldTextEnv:
@@ -35,9 +39,8 @@ class ScienceWorldTextEnv:
         if self._env is None:
             self._env = start_simulator()
         if self._loaded != path:
-            # the gold path is generated at load (up to ~5 s for the genetics tasks), once per game
-            self._env.load(task, variation, self.simplification, generateGoldPath=True)
-            self._gold = list(self._env.get_gold_action_sequence())
+            self._env.load(task, variation, self.simplification)
+            self._gold = gold_sequence(task, variation, self.simplification)
             self._loaded = path
         observation, info = self._env.reset()
         self.task = self._env.get_task_description().strip()
