@@ -66,7 +66,7 @@ async def compare(cfg: Any, runs: list[Path], methods: list[str], split: str, n_
     """Play every method (base model) and every staged run on the same games; the rows and the game count."""
     from actors.compare_report import METHOD_LABELS, row, run_label
     from actors.eval_report import summarize
-    from actors.eval_runner import EvalIncomplete, play_games, wait_for_server
+    from actors.eval_runner import check_complete, play_games, wait_for_server
     from comap_async.config import AblationConfig
     from comap_async.envs import games_from_config
     from comap_async.envs.base import spread_sample
@@ -82,9 +82,7 @@ async def compare(cfg: Any, runs: list[Path], methods: list[str], split: str, n_
     async def play(run_cfg: Any, registry: Registry, method: str, what: str) -> dict[str, Any]:
         t0 = time.time()
         results = await play_games(run_cfg, games, registry, log, envs=envs, method=method)
-        if len(results) < len(games):
-            raise EvalIncomplete(f"{what}: {len(games) - len(results)} of {len(games)} episodes failed "
-                                 "(see the actor.episode_failed lines)")
+        check_complete(results, games, what)
         report = summarize(results, split, registry.versions.get("policy", 0), time.time() - t0)
         log.info("compare.row", what=what, success_rate=report["success_rate"], delta_f1=report["delta_f1"])
         return report

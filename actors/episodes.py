@@ -22,6 +22,8 @@ from comap_async.wire.messages import COEVOLVE, KEEP, POLICY, REFLECT_INIT, WARM
 from comap_async.wire.messages import Episode as EpisodeMessage
 
 Emit = Callable[[ActorMessage], Awaitable[Any]]
+FALLBACK_ACTION = "look"
+"""What an unparseable answer executes (counted as a parse problem)."""
 
 
 @dataclass
@@ -282,7 +284,7 @@ async def play_coevolve(ctx: EpisodeContext, env: Any, game: Any, episode_id: st
             policy_v = llm.last_version("policy")  # the adapters that generated this step's fields
             if a_draft is None:  # unparseable draft: fall back to a harmless command, as the paper's agents do
                 ep.stats.parse_problems += 1
-                a_draft = "look"
+                a_draft = FALLBACK_ACTION
             s_hat = await llm.imagine(s, a_draft)
             wm_v = llm.last_version("wm")
             refl = await llm.reflect(s, a_draft, s_hat)

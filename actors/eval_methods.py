@@ -15,12 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.episodes import Episode, EpisodeContext, EpisodeStats
+from actors.episodes import FALLBACK_ACTION, Episode, EpisodeContext, EpisodeStats
 from comap_async.facts import state_delta_f1
 from comap_async.wire.messages import COEVOLVE
-
-FALLBACK_ACTION = "look"
-"""What an unparseable answer executes (counted as a parse problem), as in the CoMap loop."""
 
 
 async def _act(ctx: EpisodeContext, ep: Episode, method: str, s: str) -> tuple[str | None, str | None]:

@@ -95,6 +95,15 @@ class EvalIncomplete(RuntimeError):
     """Some evaluation episodes failed, so the report would cover fewer games than asked for."""
 
 
+def check_complete(results: list, games: list, what: str = "") -> None:
+    """Raise :class:`EvalIncomplete` when episodes failed (each is logged as ``actor.episode_failed``;
+    its game has no result), since a success rate over the rest would not be comparable."""
+    if len(results) < len(games):
+        raise EvalIncomplete(f"{what + ': ' if what else ''}{len(games) - len(results)} of {len(games)} episodes "
+                             "failed (see the actor.episode_failed lines); a success rate over the rest would not "
+                             "be comparable")
+
+
 class ServerStartError(RuntimeError):
     """The inference server started for this evaluation never answered (or exited)."""
 
@@ -215,9 +224,7 @@ async def evaluate(cfg: Any, spec: EvalSpec, log: Any, server: subprocess.Popen 
                                    phase=REFLECT_INIT if spec.reflect_init_labels else COEVOLVE, method=spec.method)
     finally:
         bar.close()
-    if len(results) < len(games):  # a failed episode is logged (actor.episode_failed); its game is not played
-        raise EvalIncomplete(f"{len(games) - len(results)} of {len(games)} episodes failed (see the "
-                             "actor.episode_failed lines); a success rate over the rest would not be comparable")
+    check_complete(results, games)
     report = {"method": spec.method} | summarize(results, spec.split, version, time.time() - t0)
     if spec.reflect_init_labels:
         report["reflect_init_labels"] = label_counts(results)

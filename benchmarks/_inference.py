@@ -11,11 +11,29 @@ import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from comap_async.ports import free_port  # noqa: E402 - the repo must be on sys.path first
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, poll_s: float, exited: Any,
+                 timed_out: str) -> None:
+    """Poll ``url`` until it answers; RuntimeError(``exited()``) if ``proc`` ends first, TimeoutError
+    (``timed_out``) after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(exited())
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(timed_out) from None
+            time.sleep(poll_s)
 
 
 @contextmanager
@@ -31,17 +49,9 @@ def served(overrides: list[str], adapter_root: Path, log_path: Path, timeout_s: 
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited ({proc.returncode}):\n{log_path.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{url} did not come up; log: {log_path}") from None
-                time.sleep(0.3)
+        wait_healthy(proc, url + "/health", timeout_s, 0.3,
+                     lambda: f"server exited ({proc.returncode}):\n{log_path.read_text()[-2000:]}",
+                     f"{url} did not come up; log: {log_path}")
         yield url
     finally:
         if proc.poll() is None:
@@ -72,17 +82,9 @@ def broker_running(run_root: Path, overrides: list[str], log_dir: Path, timeout_
     sets = sum((["--set", o] for o in [*ports.overrides(), *overrides]), [])
     proc = start_comap("broker", ["broker", *sets], {**os.environ, "COMAP_LOG_JSON": "1"}, log_dir)
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"broker exited ({proc.returncode}); log: {log_dir / 'broker.log'}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{ports.http}/healthz", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"broker not healthy after {timeout_s} s; log: {log_dir / 'broker.log'}") from None
-                time.sleep(0.1)
+        wait_healthy(proc, f"http://127.0.0.1:{ports.http}/healthz", timeout_s, 0.1,
+                     lambda: f"broker exited ({proc.returncode}); log: {log_dir / 'broker.log'}",
+                     f"broker not healthy after {timeout_s} s; log: {log_dir / 'broker.log'}")
         yield ports
     finally:
         stop_group(proc, 30)

@@ -34,10 +34,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.env == "scienceworld":
         return _check_scienceworld(args)
+    from comap_async.config import ALFWORLD_SPLITS
+
     args.split = args.split or "valid_seen"
-    if args.split not in ("train", "valid_seen", "valid_unseen", "valid_train"):
-        print(f"comap env: error: {args.split!r} is not an ALFWorld split (train, valid_seen, valid_unseen, "
-              "valid_train)", file=sys.stderr)
+    if args.split not in ALFWORLD_SPLITS:
+        print(f"comap env: error: {args.split!r} is not an ALFWorld split ({', '.join(ALFWORLD_SPLITS)})",
+              file=sys.stderr)
         return 2
 
     from comap_async.envs.alfworld_check import check_games

@@ -20,7 +20,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from comap_async.envs.base import GameInfo, StepResult
+from comap_async.envs.base import GameInfo, StepResult, replay
 
 TASK_PREFIX = "Your task is to: "
 
@@ -106,15 +106,7 @@ class AlfworldEnv:
 
     def restore(self, game: GameInfo | str, actions: Sequence[str]) -> StepResult:
         """Reset and replay ``actions`` (the step limit does not cut a replay short)."""
-        result = self.reset(game)
-        limit, self.max_steps = self.max_steps, max(self.max_steps, len(actions) + 1)
-        try:
-            for action in actions:
-                result = self.step(action)
-        finally:
-            self.max_steps = limit
-        self.done = result.won or self.steps >= self.max_steps
-        return result
+        return replay(self, game, actions)
 
     def restore_verified(self, game: GameInfo | str, actions: Sequence[str], expected: StepResult) -> StepResult:
         """:meth:`restore`, raising :class:`RestoreMismatch` unless observation and commands match."""

@@ -63,6 +63,21 @@ class TextEnv(Protocol):
         ...
 
 
+def replay(env: Any, game: GameInfo | str, actions: Sequence[str]) -> StepResult:
+    """``env.restore`` for an environment with ``reset``/``step``, a ``max_steps`` limit and a
+    ``steps``/``done`` episode state: reset and replay ``actions``; the step limit does not cut a
+    replay short, and afterwards it applies again."""
+    result = env.reset(game)
+    limit, env.max_steps = env.max_steps, max(env.max_steps, len(actions) + 1)
+    try:
+        for action in actions:
+            result = env.step(action)
+    finally:
+        env.max_steps = limit
+    env.done = result.won or env.steps >= env.max_steps
+    return result
+
+
 def spread_sample(games: Sequence[GameInfo], n: int | None, seed: int) -> list[GameInfo]:
     """``n`` games drawn with ``seed`` and spread over the task types: one of each type in turn (the
     types in a seeded order, the games of a type shuffled), so a small evaluation is not one task

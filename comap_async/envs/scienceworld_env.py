@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from comap_async.envs.base import GameInfo, StepResult
+from comap_async.envs.base import GameInfo, StepResult, replay
 from comap_async.envs.scienceworld_games import SIMPLIFICATION, gold_sequence, parse_game_path, start_simulator
 
 
@@ -64,15 +64,7 @@ class ScienceWorldTextEnv:
 
     def restore(self, game: GameInfo | str, actions: Sequence[str]) -> StepResult:
         """Reset and replay ``actions`` (the step limit does not cut a replay short)."""
-        result = self.reset(game)
-        limit, self.max_steps = self.max_steps, max(self.max_steps, len(actions) + 1)
-        try:
-            for action in actions:
-                result = self.step(action)
-        finally:
-            self.max_steps = limit
-        self.done = result.won or self.steps >= self.max_steps
-        return result
+        return replay(self, game, actions)
 
     def walkthrough(self) -> list[str]:
         """The current game's gold action sequence."""

@@ -12,9 +12,9 @@ import random
 import shutil
 from functools import lru_cache
 
+from comap_async.config import SCIENCEWORLD_SPLITS as SPLITS
 from comap_async.envs.base import GameInfo
 
-SPLITS = ("train", "dev", "test")
 SIMPLIFICATION = "easy"
 """The simplifications most agent papers play with (``noElectricalAction, openDoors,
 selfWateringFlowerPots, teleportAction``); every task's gold sequence wins under it."""

@@ -48,9 +48,11 @@ class ScriptedLLM:
         return Reflected("REVISE", target, 0.9, 0.2, None)  # confident decision, unsure action: refused
 
 
-async def test_gate_opens_and_closes_on_a_real_game(valid_seen, alfworld_data):
+async def play_scripted(valid_seen, alfworld_data, *overrides: str):
+    """One CoMap episode of the first valid_seen game with :class:`ScriptedLLM`: (what the outbox
+    would send, the episode's stats, the config, the model)."""
     game = sorted(valid_seen, key=lambda g: g.name)[0]
-    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "env.max_steps=6"])
+    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "env.max_steps=6", *overrides])
     sent: list[dict] = []
 
     async def emit(msg):
@@ -63,6 +65,11 @@ async def test_gate_opens_and_closes_on_a_real_game(valid_seen, alfworld_data):
         llm = ScriptedLLM(await env.walkthrough())
         ctx = EpisodeContext("test", cfg, llm, emit, next_state, lambda: Registry(versions={"policy": 3, "wm": 2}))
         stats = await play_coevolve(ctx, env, game, "test:e1")
+    return sent, stats, cfg, llm
+
+
+async def test_gate_opens_and_closes_on_a_real_game(valid_seen, alfworld_data):
+    sent, stats, _, llm = await play_scripted(valid_seen, alfworld_data)
     transitions = [m for m in sent if m["type"] == "transition"]
     assert transitions and sent[-1]["type"] == "episode"
     for tr in transitions:
@@ -195,20 +202,7 @@ async def test_overlapped_teacher_sends_the_same_transitions(valid_seen, alfworl
 async def test_no_action_gate_executes_every_revision(valid_seen, alfworld_data):
     """``ablation.no_action_gate`` (issue 17): the refused revisions of the test above (confident
     decision, unsure action) are executed too; only the gate changes."""
-    game = sorted(valid_seen, key=lambda g: g.name)[0]
-    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "env.max_steps=6", "ablation.no_action_gate=true"])
-    sent: list[dict] = []
-
-    async def emit(msg):
-        msg.seq = len(sent)
-        sent.append(as_map(validate(msg)))
-
-    async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=6) as pool:
-        env = pool.env()
-        await env.reset(game)
-        llm = ScriptedLLM(await env.walkthrough())
-        ctx = EpisodeContext("test", cfg, llm, emit, next_state, lambda: Registry(versions={"policy": 3, "wm": 2}))
-        stats = await play_coevolve(ctx, env, game, "test:e1")
+    sent, stats, cfg, _ = await play_scripted(valid_seen, alfworld_data, "ablation.no_action_gate=true")
     transitions = [m for m in sent if m["type"] == "transition"]
     assert len(transitions) >= 2 and any(tr["q_ref"] < cfg.gates.tau_q for tr in transitions)
     for tr in transitions:  # every step: a_ref differs from the draft 'look', so it is executed

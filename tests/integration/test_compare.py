@@ -13,30 +13,10 @@ import pytest
 
 from comap_async.run_files import write_run_ablation
 from learner.publish import publish_adapters
-from tests.fixtures.learner import demo_record, make_trainer, reflection_record, wm_record
+from tests.fixtures.learner import QuietLog, RecordingEndpoint, demo_record, make_trainer, reflection_record, wm_record
 
 pytestmark = pytest.mark.alfworld
 REPO = Path(__file__).resolve().parents[2]
-
-
-class NoServer:
-    """Publishing's endpoints and broker: this run directory is read offline."""
-
-    async def load_adapter(self, *a, **kw):
-        pass
-
-    async def unload_adapter(self, *a, **kw):
-        pass
-
-    async def announce(self, **kw):
-        return kw
-
-
-class Log:
-    def info(self, *a, **kw):
-        pass
-
-    warning = info
 
 
 async def make_run(run_dir: Path, tiny_model_dir: Path, ablation: list[str]) -> None:
@@ -48,8 +28,8 @@ async def make_run(run_dir: Path, tiny_model_dir: Path, ablation: list[str]) -> 
         trainer.train_step([batch])
     write_run_ablation(run_dir, ablation)
     for version in (1, 2):
-        await publish_adapters(trainer.model, version, "coevolve", 3, root=run_dir / "adapters", inference=NoServer(),
-                               endpoints=["http://unused"], broker=NoServer(), log=Log(), ablation=ablation)
+        await publish_adapters(trainer.model, version, "coevolve", 3, root=run_dir / "adapters", inference=RecordingEndpoint(),
+                               endpoints=["http://unused"], broker=RecordingEndpoint(), log=QuietLog(), ablation=ablation)
 
 
 async def test_compare_writes_one_table_and_a_png(tmp_path, tiny_model_dir, model_cache, alfworld_data):

@@ -6,30 +6,7 @@ import os
 
 from comap_async.config import load_config
 from learner.publish import publish_adapters
-from tests.fixtures.learner import make_trainer
-
-
-class RecordingEndpoint:
-    """Records the admin calls; stands in for the HTTP server in this path-only check."""
-
-    def __init__(self):
-        self.loads = []
-
-    async def load_adapter(self, name, path, load_inplace=False, endpoint=None, retry=None):
-        self.loads.append((name, path, load_inplace))
-
-    async def unload_adapter(self, name, missing_ok=False, endpoint=None, retry=None):
-        pass
-
-    async def announce(self, **kw):
-        return kw
-
-
-class Log:
-    def info(self, *a, **k):
-        pass
-
-    warning = info
+from tests.fixtures.learner import QuietLog, RecordingEndpoint, make_trainer
 
 
 async def test_relative_run_dir_publishes_absolute_paths(tiny_model_dir, tmp_path, monkeypatch):
@@ -39,7 +16,7 @@ async def test_relative_run_dir_publishes_absolute_paths(tiny_model_dir, tmp_pat
     trainer = make_trainer(tiny_model_dir)
     rec = RecordingEndpoint()
     await publish_adapters(trainer.model, 1, "coevolve", 5, root=cfg.adapter_root, inference=rec,
-                           endpoints=["http://e"], broker=rec, log=Log())
+                           endpoints=["http://e"], broker=rec, log=QuietLog())
     assert [n for n, _, _ in rec.loads] == ["policy-v1", "wm-v1", "wm_teacher-v1"]
     for _, path, inplace in rec.loads:
         assert os.path.isabs(path) and os.path.isfile(os.path.join(path, "adapter_model.safetensors")) and inplace
@@ -55,7 +32,7 @@ async def test_every_published_version_records_its_ablation(tiny_model_dir, tmp_
     rec = RecordingEndpoint()
     for version, ablation in ((1, None), (2, ["frozen_wm"])):
         await publish_adapters(trainer.model, version, "coevolve", 5 * version, root=tmp_path, inference=rec,
-                               endpoints=["http://e"], broker=rec, log=Log(), ablation=ablation)
+                               endpoints=["http://e"], broker=rec, log=QuietLog(), ablation=ablation)
         for role in ("policy", "wm", "wm_teacher"):
             meta = json.loads((tmp_path / f"{role}-v{version}" / VERSION_META).read_text())
             assert meta == {"version": version, "phase": "coevolve", "step": 5 * version, "ablation": ablation or []}
