@@ -123,8 +123,8 @@ async def run_probes(cfg: Any, games: Sequence[Any], registry: Registry, log: An
     from comap_async.models import resolve_model
     from comap_async.prompts import ChatTemplate, Prompts
 
-    prompts = Prompts(ChatTemplate.from_model_dir(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)),
-                      future_state=not cfg.ablation.no_future_state)
+    prompts = Prompts.from_config(ChatTemplate.from_model_dir(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)),
+                                  cfg)
     greedy = cfg.actor.model_copy(update={"temperature": 0.0, "wm_temperature": 0.0})
     async with InferenceClient.from_config(cfg) as client:
         models = await client.models()

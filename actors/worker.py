@@ -158,8 +158,8 @@ class ActorWorker:
         if not games:
             raise ValueError(f"no games found for split {self.split or cfg.env.split!r}")
         # Tokenizer files only (chat template): actors never load model weights.
-        prompts = Prompts(ChatTemplate.from_model_dir(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)),
-                          future_state=not cfg.ablation.no_future_state)
+        prompts = Prompts.from_config(
+            ChatTemplate.from_model_dir(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)), cfg)
         client = InferenceClient.from_config(cfg)
         own_outbox = outbox is None
         outbox = outbox or Outbox.from_config(cfg, log=self.log)

@@ -479,8 +479,9 @@ EVAL_METHODS: tuple[str, ...] = EvalMethod.__args__
 
 
 class EvalConfig(_Section):
-    split: Literal["train", "valid_seen", "valid_unseen", "valid_train"] = "valid_seen"
-    """Held-out split the evaluator measures every adapter version on (``env.data_dir`` holds it)."""
+    split: Literal["train", "valid_seen", "valid_unseen", "valid_train", "dev", "test"] = "valid_seen"
+    """Held-out split the evaluator measures every adapter version on (ALFWorld: ``env.data_dir``
+    holds it). Unset, it is the environment's held-out split: valid_seen, or dev for ScienceWorld."""
     method: EvalMethod = "comap"
     """How the evaluated agent acts in the success games (and ``comap eval``'s default): the CoMap
     loop, or a baseline of the paper's main table (:data:`EvalMethod`)."""
@@ -533,6 +534,11 @@ class CoMapConfig(_Section):
     @model_validator(mode="after")
     def check_invariants(self) -> "CoMapConfig":
         b, lr = self.broker, self.learner
+        if self.env.name == "scienceworld" and "split" not in self.eval.model_fields_set:
+            self.eval.split = "dev"
+        env_splits = SCIENCEWORLD_SPLITS if self.env.name == "scienceworld" else ALFWORLD_SPLITS
+        if self.eval.split not in env_splits:
+            raise ValueError(f"eval.split={self.eval.split!r} is not a split of {self.env.name} ({', '.join(env_splits)})")
         for store in ("transitions", "reflections", "demos"):
             cap = getattr(b, f"capacity_{store}")
             if cap <= lr.batch_size:

@@ -33,6 +33,39 @@ SYSTEM_WORLD = (
     "You are a world model of a text-based household environment. "
     "Given the current state and an action, you write the exact observation the environment returns."
 )
+
+
+@dataclass(frozen=True)
+class Wording:
+    """What differs between environments in the prompts: the two system messages (what kind of
+    world, and a few of its commands, which a small model needs to see once). Everything else
+    (task, recent history, observation, admissible commands, the answer formats) is shared."""
+
+    agent: str
+    world: str
+
+
+WORDING = {
+    "alfworld": Wording(agent=SYSTEM_AGENT, world=SYSTEM_WORLD),
+    "scienceworld": Wording(
+        agent=("You are an agent in a text-based science environment. "
+               "You act with short commands such as 'look around', 'open door to kitchen', 'go to kitchen', "
+               "'pick up thermometer', 'move metal pot to stove', 'activate stove', 'use thermometer on water', "
+               "'focus on water', 'wait1'."),
+        world=("You are a world model of a text-based science environment. "
+               "Given the current state and an action, you write the exact observation the environment returns."),
+    ),
+}
+ALFWORLD = WORDING["alfworld"]
+
+
+def wording_for(env_name: str) -> Wording:
+    try:
+        return WORDING[env_name]
+    except KeyError:
+        raise ValueError(f"no prompt wording for environment {env_name!r}; known: {', '.join(WORDING)}") from None
+
+
 DECISION_PREFIX = "Decision:"
 FINAL_PREFIX = "Final Action:"
 THOUGHT_PREFIX = "Thought:"
@@ -61,18 +94,18 @@ def render_state(
 
 
 # ---------------------------------------------------------------- messages per role
-def draft_messages(state: str) -> list[dict[str, str]]:
+def draft_messages(state: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
     return [
-        {"role": "system", "content": SYSTEM_AGENT},
+        {"role": "system", "content": wording.agent},
         {"role": "user", "content": f"{state}\n\nWhat is your next action? Answer with one command only."},
     ]
 
 
-def reflect_messages(state: str, a_draft: str, s_hat: str | None) -> list[dict[str, str]]:
+def reflect_messages(state: str, a_draft: str, s_hat: str | None, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
     """``s_hat`` None: the reflection without the imagined state (ablation ``no_future_state``)."""
     imagined = "" if s_hat is None else f"Imagined result of the draft: {s_hat.strip()}\n"
     return [
-        {"role": "system", "content": SYSTEM_AGENT},
+        {"role": "system", "content": wording.agent},
         {
             "role": "user",
             "content": (
@@ -84,20 +117,20 @@ def reflect_messages(state: str, a_draft: str, s_hat: str | None) -> list[dict[s
     ]
 
 
-def react_messages(state: str) -> list[dict[str, str]]:
+def react_messages(state: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
     """ReAct (the paper's prompting baseline): a short thought, then the action, from the state alone."""
     return [
-        {"role": "system", "content": SYSTEM_AGENT},
+        {"role": "system", "content": wording.agent},
         {"role": "user", "content": (f"{state}\n\nThink briefly about what to do next, then act. Answer exactly in "
                                      f"this form:\n{THOUGHT_PREFIX} <one sentence>\n{REACT_ACTION_PREFIX} <one command>")},
     ]
 
 
-def choose_messages(state: str, a_draft: str, s_hat: str) -> list[dict[str, str]]:
+def choose_messages(state: str, a_draft: str, s_hat: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
     """Imagine-and-Act (the paper's prompting baseline): pick the final action after seeing the
     imagined consequence of a candidate; no KEEP/REVISE decision, so no action gate."""
     return [
-        {"role": "system", "content": SYSTEM_AGENT},
+        {"role": "system", "content": wording.agent},
         {
             "role": "user",
             "content": (
@@ -109,17 +142,17 @@ def choose_messages(state: str, a_draft: str, s_hat: str) -> list[dict[str, str]
     ]
 
 
-def world_model_messages(state: str, action: str) -> list[dict[str, str]]:
+def world_model_messages(state: str, action: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
     return [
-        {"role": "system", "content": SYSTEM_WORLD},
+        {"role": "system", "content": wording.world},
         {"role": "user", "content": f"{state}\n\nAction: {action.strip()}\nWhat does the environment answer?"},
     ]
 
 
-def teacher_messages(state: str, action: str, real_next: str) -> list[dict[str, str]]:
+def teacher_messages(state: str, action: str, real_next: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
     """The EMA teacher's context: the world-model prompt plus the real next observation (hindsight)."""
     return [
-        {"role": "system", "content": SYSTEM_WORLD},
+        {"role": "system", "content": wording.world},
         {
             "role": "user",
             "content": (
@@ -233,27 +266,34 @@ class Prompts:
     future_state: bool = True
     """False (ablation ``no_future_state``): the reflection prompt leaves out the imagined state,
     in the actors' calls and the learner's samples alike."""
+    wording: Wording = ALFWORLD
+    """The environment's system messages (:data:`WORDING`); actors and the learner pick the same."""
+
+    @classmethod
+    def from_config(cls, chat: ChatTemplate, cfg: Any) -> "Prompts":
+        """The prompts a run uses: its environment's wording, its ablation's reflection prompt."""
+        return cls(chat, future_state=not cfg.ablation.no_future_state, wording=wording_for(cfg.env.name))
 
     def draft(self, state: str) -> str:
-        return self.chat.render(draft_messages(state))
+        return self.chat.render(draft_messages(state, self.wording))
 
     def reflect(self, state: str, a_draft: str, s_hat: str) -> str:
         # The decision word is the first generated token, so its logprobs give p_revise.
         shown = s_hat if self.future_state else None
-        return self.chat.render(reflect_messages(state, a_draft, shown)) + DECISION_PREFIX
+        return self.chat.render(reflect_messages(state, a_draft, shown, self.wording)) + DECISION_PREFIX
 
     def world_model(self, state: str, action: str) -> str:
-        return self.chat.render(world_model_messages(state, action))
+        return self.chat.render(world_model_messages(state, action, self.wording))
 
     def react(self, state: str) -> str:
         # the thought comes first: the generation starts after its prefix
-        return self.chat.render(react_messages(state)) + THOUGHT_PREFIX
+        return self.chat.render(react_messages(state, self.wording)) + THOUGHT_PREFIX
 
     def choose(self, state: str, a_draft: str, s_hat: str) -> str:
-        return self.chat.render(choose_messages(state, a_draft, s_hat)) + FINAL_PREFIX
+        return self.chat.render(choose_messages(state, a_draft, s_hat, self.wording)) + FINAL_PREFIX
 
     def teacher(self, state: str, action: str, real_next: str) -> str:
-        return self.chat.render(teacher_messages(state, action, real_next))
+        return self.chat.render(teacher_messages(state, action, real_next, self.wording))
 
 
 # ---------------------------------------------------------------- parsing

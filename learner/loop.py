@@ -159,7 +159,7 @@ class Learner:
         base, tok = load_model_and_tokenizer(path, cfg.model.dtype, lc.device)
         model = build_peft_model(base, lc.lora_r, lc.lora_alpha, lc.lora_dropout, lc.target_modules,
                                  lc.gradient_checkpointing)
-        prompts = Prompts(ChatTemplate.from_model_dir(path), future_state=not cfg.ablation.no_future_state)
+        prompts = Prompts.from_config(ChatTemplate.from_model_dir(path), cfg)
         self.trainer = Trainer(model, Encoder(tok, prompts, lc.max_seq_len), lc, lc.device)
         self.trainer.ablation = cfg.ablation
         first = WARMUP if lc.warmup_steps > 0 else COEVOLVE if cfg.ablation.no_reflect_init else REFLECT_INIT

@@ -35,6 +35,10 @@ def get_fact_parser(env_name: str) -> Callable[[str], frozenset[str] | None]:
         from comap_async.envs.alfworld_facts import parse_facts
 
         return parse_facts
+    if env_name == "scienceworld":
+        from comap_async.envs.scienceworld_facts import parse_facts as parse_scienceworld
+
+        return parse_scienceworld
     raise ValueError(f"no fact parser for environment {env_name!r}; known: {', '.join(ENV_NAMES)}")
 
 
@@ -46,8 +50,9 @@ def get_next_state(env_name: str) -> Callable[[frozenset[str], str], frozenset[s
 
         return next_state
     if env_name == "scienceworld":
-        raise ValueError("ScienceWorld's canonical facts are not implemented yet (issue 18): Delta-F1 and the "
-                         "world-state gate need them, so the actors and the broker cannot run it")
+        from comap_async.envs.scienceworld_facts import next_state as scienceworld_next_state
+
+        return scienceworld_next_state
     raise ValueError(f"no fact state for environment {env_name!r}; known: {', '.join(ENV_NAMES)}")
 
 

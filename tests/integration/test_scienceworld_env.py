@@ -83,14 +83,16 @@ async def test_step_limit_truncates(dev_games):
         assert last.done and not last.won and last.info["truncated"]
 
 
-def test_config_and_facts_refuse_what_does_not_exist_yet():
+def test_config_splits_per_environment_and_facts():
     assert load_config(None, ["env.name=scienceworld", "env.split=dev"]).env.split == "dev"
     with pytest.raises(ConfigError, match="not a split of scienceworld"):
         load_config(None, ["env.name=scienceworld", "env.split=valid_seen"])
     with pytest.raises(ConfigError, match="not a split of alfworld"):
         load_config(None, ["env.split=dev"])
-    with pytest.raises(ValueError, match="canonical facts are not implemented yet"):
-        get_next_state("scienceworld")
+    assert get_next_state("scienceworld").__module__ == "comap_async.envs.scienceworld_facts"
+    assert load_config(None, ["env.name=scienceworld"]).eval.split == "dev"  # the env's held-out split
+    with pytest.raises(ConfigError, match="eval.split='valid_seen' is not a split of scienceworld"):
+        load_config(None, ["env.name=scienceworld", "eval.split=valid_seen"])
 
 
 def test_env_check_replays_gold_sequences():
