@@ -103,6 +103,11 @@ class _Worker:
         self._more = select.poll()
         self._more.register(self.conn.fileno(), select.POLLIN)
         loop.add_reader(self.conn.fileno(), self._on_readable)
+        # uvloop (the actors' loop) makes a watched descriptor non-blocking; a reply bigger than
+        # the socket buffer (a ScienceWorld state lists up to ~2,900 valid actions) then arrives in
+        # parts and recv() would fail mid-message. Blocking, recv() waits for the rest of a reply
+        # the worker is already writing.
+        os.set_blocking(self.conn.fileno(), True)
 
     def _on_readable(self) -> None:
         try:

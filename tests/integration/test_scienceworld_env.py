@@ -104,3 +104,22 @@ def test_env_check_replays_gold_sequences():
     assert lines[-1] == "games=2 walkthrough_wins=2" and "step median" in lines[-2]
     bad = subprocess.run(cmd[:-4] + ["--tasks", "boiling"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "unknown ScienceWorld task(s) boiling" in bad.stderr
+
+
+def test_pool_replies_bigger_than_a_socket_buffer_under_uvloop():
+    """The actors run on uvloop, which makes the pool's pipe non-blocking: a reply listing hundreds
+    of valid actions used to arrive in parts and kill the worker connection (every episode failed)."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def play() -> list[int]:
+        sizes = []
+        async with AsyncEnvPool(workers=1, env_name="scienceworld") as pool:
+            env = pool.env()
+            for game in ("chemistry-mix-paint-secondary-color:11", "chemistry-mix:10"):
+                sizes.append(len((await env.reset(game)).admissible))
+                for action in (await env.walkthrough())[:3]:
+                    sizes.append(len((await env.step(action)).admissible))
+        return sizes
+
+    sizes = uvloop.run(play())
+    assert max(sizes) > 500, sizes  # a kitchen: ~1,000 valid actions in one reply
