@@ -121,6 +121,8 @@ def _containing(p: _Parser, name: str, m: re.Match[str]) -> None:
 
 def _surface(p: _Parser, name: str, m: re.Match[str]) -> None:
     holder = canonical(m.group(1))
+    if name.startswith(holder):  # "a pea plant in the adult stage. On the pea plant you see: ..."
+        holder = name
     if p.match(_LINE_AHEAD):  # the multi-line form ("On the table is: \n\tnothing")
         p.lines(holder)
     else:
@@ -141,7 +143,7 @@ def _connections(p: _Parser, name: str, m: re.Match[str]) -> None:
 
 
 def _connected(a: str, b: str) -> str:
-    x, y = sorted((" ".join(a.split()), " ".join(b.split())))
+    x, y = sorted((canonical(a), canonical(b)))
     return f"connected({x}, {y})"
 
 
