@@ -35,12 +35,16 @@ def summarize(results: list[tuple[Any, Any]], split: str, version: int, wall_s: 
         "split": split, "adapter_version": version, "games": n,
         "success_rate": sum(s.won for _, s in results) / n if n else 0.0,
         "mean_steps": sum(steps) / n if n else 0.0,
+        # 100 x an episode's return: ScienceWorld's task score (0-100; rewards are score changes / 100),
+        # ALFWorld's 100 for a win
+        "mean_score": 100.0 * sum(s.reward for _, s in results) / n if n else 0.0,
         "delta_f1": sum(f1) / len(f1) if f1 else None,
         "delta_f1_transitions": len(f1),
         "revision_rate": sum(s.revisions for _, s in results) / total_steps,
         "invalid_action_rate": sum(s.invalid for _, s in results) / total_steps,
         "wall_s": round(wall_s, 2),
         "episodes": [{"game": g.name, "task_type": g.task_type, "won": s.won, "steps": s.steps,
+                      "score": round(100.0 * s.reward, 2),
                       "revisions": s.revisions, "invalid": s.invalid} for g, s in results],
     }
 
@@ -54,13 +58,15 @@ def markdown(report: dict[str, Any]) -> str:
     rows = [
         f"# Evaluation: {report['split']} (adapters v{report['adapter_version']}, method {report.get('method', 'comap')})",
         "",
-        "| games | success rate | mean steps | world-model Delta-F1 | revision rate | invalid-action rate |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
-        f"| {report['games']} | {report['success_rate']:.3f} | {report['mean_steps']:.1f} | {f1} | "
+        "| games | success rate | mean score | mean steps | world-model Delta-F1 | revision rate | invalid-action rate |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| {report['games']} | {report['success_rate']:.3f} | {report.get('mean_score', 0.0):.1f} | "
+        f"{report['mean_steps']:.1f} | {f1} | "
         f"{report['revision_rate']:.3f} | {report['invalid_action_rate']:.3f} |", "",
-        "| game | won | steps | revisions |", "| --- | :---: | ---: | ---: |",
+        "| game | won | score | steps | revisions |", "| --- | :---: | ---: | ---: | ---: |",
     ]
-    rows += [f"| {e['game']} | {'yes' if e['won'] else 'no'} | {e['steps']} | {e['revisions']} |" for e in report["episodes"]]
+    rows += [f"| {e['game']} | {'yes' if e['won'] else 'no'} | {e.get('score', 0.0):g} | {e['steps']} | {e['revisions']} |"
+             for e in report["episodes"]]
     r = report.get("reflection")
     if r is not None:
         rows += ["", "Reflection diagnostics (every step judged by a draft branch and a reflected-action branch, "

@@ -18,7 +18,10 @@ from comap_async.cli import add_config_arguments
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
-    p.add_argument("--split", required=True, help="train, valid_seen, valid_unseen or valid_train")
+    p.add_argument("--split", required=True,
+                   help="ALFWorld: train, valid_seen, valid_unseen or valid_train; ScienceWorld: train, dev or test")
+    p.add_argument("--per-task", type=int, default=None, metavar="N",
+                   help="ScienceWorld: N variations of each task, drawn with the run seed (sets env.per_task)")
     p.add_argument("--games", type=int, default=None,
                    help="evaluate N games drawn with run.seed, spread over the task types (default: all)")
     p.add_argument("--data", default=None, help="ALFWorld data root (default: env.data_dir or $ALFWORLD_DATA)")
@@ -58,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
     from comap_async.logsetup import configure_logging
 
     overrides = list(args.overrides) + ([f"env.data_dir={args.data}"] if args.data else [])
+    if args.per_task is not None:
+        overrides.append(f"env.per_task={args.per_task}")
     cfg = load_config(args.config, overrides)
     log = configure_logging("eval", run=cfg.run.name)
     try:

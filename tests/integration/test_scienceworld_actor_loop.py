@@ -76,3 +76,24 @@ async def test_coevolve_episodes_store_complete_scored_transitions(broker_factor
             assert any(f.startswith("at(") for f in tr["facts"]) and any(f.startswith("in(") for f in tr["facts"])
     check_contiguous(transitions, episodes)
     assert len(stored(broker, "reflections")) == len(transitions)  # the broker gated and derived each one
+
+
+def test_comap_eval_reports_success_rate_and_mean_score(roomy_server, tiny_model_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "comap_async", "eval", "--config", "configs/test.yaml", "--split", "dev",
+           "--per-task", "1", "--games", "2", "--method", "draft_only", "--out", str(tmp_path / "out"),
+           "--serve", "never", "--adapters", "base"]
+    for o in [*ENV, f"env.tasks={SHORT}", "env.max_steps=3", f"model.name_or_path={tiny_model_dir}",
+              f"inference.endpoints=['{roomy_server.url}']", f"run.root={tmp_path / 'runs'}"]:
+        cmd += ["--set", o]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert report["split"] == "dev" and report["games"] == 2 and report["method"] == "draft_only"
+    assert {e["game"].split("/")[1] for e in report["episodes"]} <= set(SHORT)
+    assert all(0.0 <= e["score"] <= 100.0 or e["score"] == -100.0 for e in report["episodes"])
+    assert report["mean_score"] == sum(e["score"] for e in report["episodes"]) / 2
+    assert "mean score" in r.stdout and "success rate" in r.stdout
