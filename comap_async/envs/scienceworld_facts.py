@@ -136,9 +136,10 @@ def _state(p: _Parser, name: str, m: re.Match[str]) -> None:
 
 
 def _connections(p: _Parser, name: str, m: re.Match[str]) -> None:
-    terminal = f"{m.group(1)} on {name}" if m.group(1) else name
-    if m.group(2) != "nothing":
-        for other in m.group(2).split(", "):
+    """``its anode is connected to: ...`` (a part of ``name``) or ``it is connected to: ...`` (a terminal)."""
+    terminal, others = (f"{m.group(1)} on {name}", m.group(2)) if m.lastindex == 2 else (name, m.group(1))
+    if others != "nothing":
+        for other in others.split(", "):
             p.facts.append(_connected(terminal, other))
 
 
@@ -168,8 +169,7 @@ _CLAUSES = [
     (re.compile(r"\.? ?The time reads (\d+) ticks\. ?"), lambda p, n, m: p.facts.append(f"reading({n}, {m.group(1)} ticks)")),
     (re.compile(r", with: "), lambda p, n, m: p.listing(n)),
     (re.compile(r"\.? ?its ((?:terminal \d+|anode|cathode)) is connected to: (nothing|[^.]+)\. ?"), _connections),
-    (re.compile(r"\.? ?it is connected to: (nothing|[^.]+)\. ?"),
-     lambda p, n, m: [p.facts.append(_connected(n, o)) for o in m.group(1).split(", ") if m.group(1) != "nothing"]),
+    (re.compile(r"\.? ?it is connected to: (nothing|[^.]+)\. ?"), _connections),
     (re.compile(r"\.? ?The artist is listed as [A-Za-z]+\. ?"), lambda p, n, m: None),
 ]
 _DISCONNECTING = re.compile(r"^\((?:disconnecting [^()\n]*(?:\([^()]*\))?)\)\n?")

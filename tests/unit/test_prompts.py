@@ -122,3 +122,24 @@ def test_baseline_prompts_end_where_generation_starts():
     assert choose.endswith("[assistant]" + prompts.FINAL_PREFIX)
     assert "Candidate action: open drawer 1" in choose and "The drawer 1 is open." in choose
     assert prompts.DECISION_PREFIX not in choose  # no KEEP/REVISE decision: nothing for an action gate to read
+
+
+def test_environments_share_prompts_and_differ_only_in_the_system_messages():
+    from comap_async.config import load_config
+
+    chat = ChatTemplate("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[assistant]")
+    alf = Prompts.from_config(chat, load_config(None, []))
+    sw = Prompts.from_config(chat, load_config(None, ["env.name=scienceworld", "env.split=dev"]))
+    # ALFWorld's prompts are what they were before there was a second environment
+    assert alf.draft("Task: x") == Prompts(chat).draft("Task: x")
+    assert f"[system]{prompts.SYSTEM_AGENT}[user]" in alf.draft("Task: x")
+    for role, args in [("draft", ("Task: x",)), ("reflect", ("Task: x", "look around", "You see.")),
+                       ("react", ("Task: x",)), ("choose", ("Task: x", "look around", "You see.")),
+                       ("world_model", ("Task: x", "look around")), ("teacher", ("Task: x", "look around", "ok"))]:
+        a, s = getattr(alf, role)(*args), getattr(sw, role)(*args)
+        system = prompts.WORDING["scienceworld"].world if role in ("world_model", "teacher") else \
+            prompts.WORDING["scienceworld"].agent
+        assert s.startswith(f"[system]{system}[user]") and "household" not in s
+        assert a.split("[user]", 1)[1] == s.split("[user]", 1)[1]  # the rest is shared word for word
+    with pytest.raises(ValueError, match="no prompt wording for environment 'webshop'"):
+        prompts.wording_for("webshop")
