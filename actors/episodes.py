@@ -15,6 +15,7 @@ from typing import Any
 
 from actors.explore import explore_action
 from comap_async.diagnostics import branch_outcome, reflection_label
+from comap_async.envs.base import RestoreDiverged
 from comap_async.facts import Facts, NextState, state_delta_f1
 from comap_async.gates import action_gate, canonical_action, ungated_action
 from comap_async.prompts import render_state
@@ -52,6 +53,9 @@ class EpisodeStats:
     reflections: int = 0
     labels: dict[str, int] = field(default_factory=dict)
     """Reflection initialisation: samples per label (``expert_better``, ``equal_draft``, ``not_better``)."""
+    restore_diverged: int = 0
+    """Branches skipped because replaying the episode's prefix did not rebuild its state
+    (:class:`~comap_async.envs.base.RestoreDiverged`: ScienceWorld is not always deterministic)."""
     unreadable_real: int = 0
     """Real observations the fact parser could not read (the fact state then stays as it was)."""
     judged_steps: list[tuple[int, int, int]] = field(default_factory=list)
@@ -64,6 +68,8 @@ class EpisodeStats:
             out["delta_f1"] = sum(self.delta_f1) / len(self.delta_f1)
         if self.reflections:
             out["reflections"] = float(self.reflections)
+        if self.restore_diverged:
+            out["restore_diverged"] = float(self.restore_diverged)
         return out
 
 
@@ -157,8 +163,11 @@ async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str,
         if branch is not None and a.warmup_explore > 0 and rng.random() < a.warmup_explore:
             x_action = explore_action(rng, ep.current.admissible, action, a.warmup_explore_invalid)
             if x_action is not None:
-                await branch.restore(game, [taken for taken, _ in ep.history])
-                explored = x_action, await branch.step(x_action)
+                try:
+                    await branch.restore(game, [taken for taken, _ in ep.history])
+                    explored = x_action, await branch.step(x_action)
+                except RestoreDiverged:  # no faithful state to explore from: this step explores nothing
+                    ep.stats.restore_diverged += 1
         ep.advance(action, await env.step(action))
         await ctx.emit(ep.transition(
             WARMUP, t, o, s, a_draft=action, s_hat="", decision=KEEP, a_ref=action, p_revise=0.0, q_ref=1.0,
@@ -226,9 +235,13 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
         equal = draft is not None and canonical_action(draft) == canonical_action(expert)
         s_bar = None
         if draft is not None and not equal:
-            d_result, s_bar = await play_branch(branch, game, prefix, draft, plan)
-            e_result, _ = await play_branch(branch, game, prefix, expert, plan)
-            y, label = reflection_label(False, e_result, d_result)
+            try:
+                d_result, s_bar = await play_branch(branch, game, prefix, draft, plan)
+                e_result, _ = await play_branch(branch, game, prefix, expert, plan)
+                y, label = reflection_label(False, e_result, d_result)
+            except RestoreDiverged:  # the branches would not start from this state: no sample here
+                ep.stats.restore_diverged += 1
+                draft = None
         ep.advance(expert, await env.step(expert))
         if draft is None:
             continue

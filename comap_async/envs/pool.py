@@ -26,13 +26,18 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from comap_async.envs.base import GameInfo, StepResult
+from comap_async.envs.base import GameInfo, RestoreDiverged, StepResult
 
 _START_TIMEOUT_S = 120.0
 
 
 class EnvWorkerError(RuntimeError):
-    """An environment call failed in its worker process (the message carries the remote traceback)."""
+    """An environment call failed in its worker process (the message carries the remote traceback;
+    ``kind`` names the remote exception's class)."""
+
+    def __init__(self, message: str, kind: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def _worker_main(conn: Connection, env_name: str, env_kwargs: dict[str, Any]) -> None:
@@ -66,7 +71,7 @@ def _worker_main(conn: Connection, env_name: str, env_kwargs: dict[str, Any]) ->
                 result = getattr(env, method)(*args)
             reply = (req_id, True, result)
         except Exception as exc:  # noqa: BLE001 - sent to the caller, who raises it
-            reply = (req_id, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            reply = (req_id, False, (type(exc).__name__, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         try:
             conn.send(reply)
         except OSError:  # the owner is gone (killed): nobody to answer
@@ -118,7 +123,7 @@ class _Worker:
                     if ok:
                         fut.set_result(payload)
                     else:
-                        fut.set_exception(EnvWorkerError(payload))
+                        fut.set_exception(EnvWorkerError(payload[1], kind=payload[0]))
                 if not self._more.poll(0):
                     return
         except (EOFError, OSError) as exc:
@@ -172,7 +177,12 @@ class AsyncTextEnv:
 
     async def _call(self, method: str, *args: Any) -> Any:
         async with self._lock:
-            return await self._worker.call(next(self._pool._req_ids), self.env_id, method, args)
+            try:
+                return await self._worker.call(next(self._pool._req_ids), self.env_id, method, args)
+            except EnvWorkerError as exc:
+                if exc.kind == RestoreDiverged.__name__:  # the same type as in-process: callers catch one
+                    raise RestoreDiverged(str(exc).split("\n", 1)[0]) from None
+                raise
 
     async def reset(self, game: GameInfo | str) -> StepResult:
         return await self._call("reset", game)

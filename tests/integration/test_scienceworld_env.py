@@ -123,3 +123,32 @@ def test_pool_replies_bigger_than_a_socket_buffer_under_uvloop():
 
     sizes = uvloop.run(play())
     assert max(sizes) > 500, sizes  # a kitchen: ~1,000 valid actions in one reply
+
+
+def test_a_replay_that_ends_early_is_a_typed_error_across_the_pool():
+    """Restoring a prefix that wins before its end (a gold sequence's trailing steps, or a replay the
+    simulator does not repeat) cannot rebuild the state: RestoreDiverged, in process and from a worker."""
+    from comap_async.envs.base import RestoreDiverged
+    from comap_async.envs.scienceworld_env import ScienceWorldTextEnv
+
+    game = "lifespan-longest-lived:62"
+    env = ScienceWorldTextEnv(max_steps=20)
+    try:
+        env.reset(game)
+        gold = env.walkthrough()
+        with pytest.raises(RestoreDiverged, match="episode ended after"):
+            env.restore(game, [*gold, "look around"])
+        assert env.restore(game, gold[:1]).done is False  # still usable
+    finally:
+        env.close()
+
+    async def through_pool() -> None:
+        async with AsyncEnvPool(workers=1, env_name="scienceworld") as pool:
+            penv = pool.env()
+            with pytest.raises(RestoreDiverged):
+                await penv.restore(game, [*gold, "look around"])
+            assert (await penv.reset(game)).done is False
+
+    import asyncio
+
+    asyncio.run(through_pool())
