@@ -205,6 +205,7 @@ _SENTENCES: list[tuple[re.Pattern[str], object]] = [(re.compile(p + r"\s*$", re.
     (rf"The ({_N}) was delicious\.", lambda m: [f"{_GONE}{canonical(m.group(1))})"]),
     (rf"The ({_N}) appears broken, and can't be activated or deactivated\.",
      lambda m: [f"broken({canonical(m.group(1))})"]),
+    (rf"You hit the ({_N}) with the {_N}, causing it to break\.", lambda m: [f"broken({canonical(m.group(1))})"]),
     (rf"You dig a hole in the ground, and place the soil nearby\.", lambda m: ["dug(ground)"]),
     # time passes or information only: the state is what it was (time's effects show when observed)
     (r"You decide to wait for \d+ iterations?\.", lambda m: []),

@@ -90,6 +90,7 @@ REAL = [
      {"in(yellow paint, wood cup)"}),
     ("The stove appears broken, and can't be activated or deactivated.", {"broken(stove)"}),
     ("The drawer catches fire.", {"burning(drawer)"}),
+    ("You hit the shovel with the axe, causing it to break.", {"broken(shovel)"}),
     ("You decide to wait for 10 iterations.", set()),
     ("Task description:\nYour task is to boil water. For compounds without a boiling point, combusting the substance "
      "is also acceptable. First, focus on the substance. Then, take actions that will cause it to change its state "
