@@ -33,6 +33,7 @@ _GONE = "gone("  # an object no longer exists (eaten)
 _UNFOCUS = "unfocus()"
 _MOVED = "moved("  # an object was moved: it left whatever held it (a listing names things, and two
 # rooms' air or water share a name, so only a move says an object left its other holder)
+_MARKERS = (_LISTED, _POURED, _GONE, _UNFOCUS, _MOVED)  # instructions to next_state, not facts
 
 _WORD = r"[A-Za-z0-9%'-]+"
 _HEAD = re.compile(
@@ -293,9 +294,6 @@ def parse_facts(text: str) -> frozenset[str] | None:
     if facts is None:
         return None
     return frozenset(f for f in facts if not f.startswith(_MARKERS))
-
-
-_MARKERS = (_LISTED, _POURED, _GONE, _UNFOCUS, _MOVED)
 
 
 def _arg(fact: str) -> str:
