@@ -64,7 +64,7 @@ class TextEnv(Protocol):
 
 
 class RestoreDiverged(RuntimeError):
-    """A replayed prefix ended the episode before its last action: the environment did not do
+    """A replayed prefix ended the episode (a win, a loss) within it: the environment did not do
     what it did the first time (ScienceWorld 1.2.3 is not deterministic for about half its tasks),
     so the state to restore cannot be rebuilt. Callers skip what needed it."""
 
@@ -73,15 +73,20 @@ def replay(env: Any, game: GameInfo | str, actions: Sequence[str]) -> StepResult
     """``env.restore`` for an environment with ``reset``/``step``, a ``max_steps`` limit and a
     ``steps``/``done`` episode state: reset and replay ``actions``; the step limit does not cut a
     replay short, and afterwards it applies again. :class:`RestoreDiverged` when the replay ends
-    the episode early."""
+    the episode (early, or with its last action): the caller restores a state to act in."""
     result = env.reset(game)
     limit, env.max_steps = env.max_steps, max(env.max_steps, len(actions) + 1)
     try:
         for i, action in enumerate(actions):
             if result.done:
-                raise RestoreDiverged(f"replaying {len(actions)} actions on {getattr(game, 'name', game)}: the "
-                                      f"episode ended after {i} (won={result.won}); it did not the first time")
+                break
             result = env.step(action)
+        else:
+            i = len(actions)
+        # a prefix is restored to act after it: an episode over within it went otherwise the first time
+        if result.done:
+            raise RestoreDiverged(f"replaying {len(actions)} actions on {getattr(game, 'name', game)}: the "
+                                  f"episode ended after {i} (won={result.won}); it did not the first time")
     finally:
         env.max_steps = limit
     env.done = result.won or env.steps >= env.max_steps

@@ -45,6 +45,9 @@ def test_replay_raises_when_the_episode_ends_before_the_prefix_does():
     assert replay(ScriptedEnv(wins_at=4), "g", PLAN[:3]).observation == "obs 3"
     with pytest.raises(RestoreDiverged, match="replaying 4 actions on g: the episode ended after 2"):
         replay(ScriptedEnv(wins_at=2), "g", PLAN)
+    # the replay's last action ends the episode: no state to act in either (seen on power-component)
+    with pytest.raises(RestoreDiverged, match="replaying 3 actions on g: the episode ended after 3"):
+        replay(ScriptedEnv(wins_at=3), "g", PLAN[:3])
 
 
 class AsyncScripted:
