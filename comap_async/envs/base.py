@@ -77,19 +77,17 @@ def replay(env: Any, game: GameInfo | str, actions: Sequence[str]) -> StepResult
     result = env.reset(game)
     limit, env.max_steps = env.max_steps, max(env.max_steps, len(actions) + 1)
     try:
-        for i, action in enumerate(actions):
+        for action in actions:
             if result.done:
                 break
             result = env.step(action)
-        else:
-            i = len(actions)
         # a prefix is restored to act after it: an episode over within it went otherwise the first time
         if result.done:
             raise RestoreDiverged(f"replaying {len(actions)} actions on {getattr(game, 'name', game)}: the "
-                                  f"episode ended after {i} (won={result.won}); it did not the first time")
+                                  f"episode ended after {env.steps} (won={result.won}); it did not the first time")
     finally:
         env.max_steps = limit
-    env.done = result.won or env.steps >= env.max_steps
+    env.done = env.steps >= env.max_steps  # not won: that raised above
     return result
 
 

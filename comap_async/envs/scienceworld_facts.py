@@ -132,8 +132,9 @@ def _surface(p: _Parser, name: str, m: re.Match[str]) -> None:
 
 
 def _state(p: _Parser, name: str, m: re.Match[str]) -> None:
-    target = name if m.lastindex is None or m.lastindex < 2 else canonical(m.group(1))
-    p.facts.append(f"{_STATE_WORDS[m.group(m.lastindex or 1)]}({target})")
+    # one group: the state of the described object; two: of the object the clause names
+    target = name if m.lastindex == 1 else canonical(m.group(1))
+    p.facts.append(f"{_STATE_WORDS[m.group(m.lastindex)]}({target})")
 
 
 def _connections(p: _Parser, name: str, m: re.Match[str]) -> None:
