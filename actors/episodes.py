@@ -17,7 +17,7 @@ from actors.explore import explore_action
 from comap_async.diagnostics import branch_outcome, reflection_label
 from comap_async.envs.base import RestoreDiverged
 from comap_async.facts import Facts, NextState, state_delta_f1
-from comap_async.gates import action_gate, canonical_action, ungated_action
+from comap_async.gates import ActionGateResult, action_gate, canonical_action, ungated_action
 from comap_async.prompts import render_state
 from comap_async.wire.messages import COEVOLVE, KEEP, POLICY, REFLECT_INIT, WARMUP, WM, ActorMessage, Reflection, Registry, Transition
 from comap_async.wire.messages import Episode as EpisodeMessage
@@ -58,6 +58,12 @@ class EpisodeStats:
     (:class:`~comap_async.envs.base.RestoreDiverged`: ScienceWorld is not always deterministic)."""
     unreadable_real: int = 0
     """Real observations the fact parser could not read (the fact state then stays as it was)."""
+    reflection_problems: int = 0
+    """Reflections whose own text could not be read as written (no decision word, no ``Final Action:``)."""
+    unreadable_reflections: int = 0
+    """Reflections that yielded no decision probability or no action even after the continuation."""
+    gate_reasons: dict[str, int] = field(default_factory=dict)
+    """Per step of the CoMap loop: why the action gate opened or stayed shut (``revised``, ``keep``...)."""
     judged_steps: list[tuple[int, int, int]] = field(default_factory=list)
     """Evaluation with reflection metrics: per step, ``(m, z_draft, z_ref)`` (DESIGN.md section 11)."""
 
@@ -70,6 +76,10 @@ class EpisodeStats:
             out["reflections"] = float(self.reflections)
         if self.restore_diverged:
             out["restore_diverged"] = float(self.restore_diverged)
+        if self.gate_reasons:
+            out["reflection_problem_rate"] = self.reflection_problems / n
+            out["unreadable_reflection_rate"] = self.unreadable_reflections / n
+            out["gate_open_rate"] = self.gate_reasons.get("revised", 0) / n
         return out
 
 
@@ -267,6 +277,16 @@ async def judge_step(branch: Any, game: Any, prefix: list[str], a_draft: str, a_
     return int(d_result.won), int(r_result.won)
 
 
+def gate_reflection(cfg: Any, refl: Any, a_draft: str) -> ActionGateResult:
+    """The action gate on one reflection (:class:`actors.llm.Reflected`): closed when it could not be
+    read; under the ablation ``no_action_gate`` open for any different action; else CoMap's gate."""
+    if not refl.readable:
+        return ActionGateResult(False, "unreadable")
+    if cfg.ablation.no_action_gate:
+        return ungated_action(refl.a_ref, a_draft)
+    return action_gate(refl.p_revise, refl.q_ref, refl.a_ref, a_draft, cfg.gates.tau_p, cfg.gates.tau_q)
+
+
 async def _teach_and_emit(ctx: EpisodeContext, transition: Transition) -> None:
     """The teacher's prediction of the observed next state (``s_next``), then the step's transition."""
     transition.s_hat_teacher = await ctx.llm.teacher(transition.s, transition.a_exec, transition.s_next)
@@ -280,7 +300,7 @@ async def play_coevolve(ctx: EpisodeContext, env: Any, game: Any, episode_id: st
     With a ``branch`` environment (evaluation with reflection metrics), every step is judged by
     :func:`judge_step` before it is taken: ``(m, z_draft, z_ref)`` for URR, HRR and BRP.
     """
-    g, llm = ctx.cfg.gates, ctx.llm
+    llm = ctx.llm
     overlap = ctx.cfg.actor.overlap_teacher and not eval_mode
     ep = Episode(ctx, game, episode_id, await env.reset(game))
     plan = await env.walkthrough() if branch is not None else []
@@ -302,10 +322,10 @@ async def play_coevolve(ctx: EpisodeContext, env: Any, game: Any, episode_id: st
             wm_v = llm.last_version("wm")
             refl = await llm.reflect(s, a_draft, s_hat)
             ep.stats.parse_problems += refl.problem is not None
-            if ctx.cfg.ablation.no_action_gate:  # the ablation: the reflected action is always executed
-                gate = ungated_action(refl.a_ref, a_draft)
-            else:
-                gate = action_gate(refl.p_revise, refl.q_ref, refl.a_ref, a_draft, g.tau_p, g.tau_q)
+            ep.stats.reflection_problems += refl.problem is not None
+            ep.stats.unreadable_reflections += not refl.readable
+            gate = gate_reflection(ctx.cfg, refl, a_draft)
+            ep.stats.gate_reasons[gate.reason] = ep.stats.gate_reasons.get(gate.reason, 0) + 1
             a_exec = refl.a_ref if gate.open else a_draft
             if branch is not None:
                 z_draft, z_ref = await judge_step(branch, game, list(ep.actions), a_draft, refl.a_ref, plan)
@@ -326,7 +346,7 @@ async def play_coevolve(ctx: EpisodeContext, env: Any, game: Any, episode_id: st
             send = _teach_and_emit(ctx, ep.transition(
                 COEVOLVE, t, o, s, a_draft=a_draft, s_hat=s_hat, decision=refl.decision, a_ref=refl.a_ref,
                 p_revise=refl.p_revise, q_ref=refl.q_ref, a_exec=a_exec, s_hat_exec=s_hat_exec, s_hat_teacher="",
-                expert_action=expert, policy_version=policy_v, wm_version=wm_v))
+                expert_action=expert, policy_version=policy_v, wm_version=wm_v, reflection_readable=refl.readable))
             if overlap:
                 previous = asyncio.ensure_future(send)
             else:

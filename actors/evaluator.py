@@ -26,7 +26,8 @@ from comap_async.wire.messages import ROLES, Registry, adapter_name
 
 EVAL_PREFIX = "eval-"  # the evaluator serves its own copies of a version's adapters: a publish may retire the learner's
 
-SCALARS = ("wm_delta_f1", "wm_delta_f1_failures", "draft_accuracy", "admissible_rate", "success_rate")
+SCALARS = ("wm_delta_f1", "wm_delta_f1_failures", "draft_accuracy", "admissible_rate", "success_rate",
+           "reflection_problem_rate", "unreadable_rate", "gate_open_rate", "p_discrimination")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

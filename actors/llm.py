@@ -22,7 +22,8 @@ from actors.registry_view import RegistryView
 from comap_async.config import ActorConfig
 from comap_async.wire.messages import POLICY, WM, WM_TEACHER, adapter_version
 from comap_async.prompts import (
-    FINAL_PREFIX, Prompts, parse_action, parse_react, parse_reflection, revise_probability, sequence_confidence,
+    FINAL_PREFIX, Prompts, parse_action, parse_react, parse_reflection, reflection_head, revise_probability,
+    sequence_confidence,
 )
 
 STOP_ACTION = ["\n", "<|im_end|>"]
@@ -42,6 +43,10 @@ class Reflected:
     p_revise: float
     q_ref: float
     problem: str | None
+    """What the model's own text lacked (``no_final_action``...), None when it was read as written."""
+    readable: bool = True
+    """False: no decision probability or no final action even after the continuation; the draft is
+    executed and the step trains no reflection sample."""
 
 
 def _choice(resp: dict[str, Any]) -> dict[str, Any]:
@@ -153,12 +158,25 @@ class AgentLLM:
         return c["text"].strip()
 
     async def reflect(self, state: str, a_draft: str, s_hat: str) -> Reflected:
-        c = await self._complete(POLICY, self.prompts.reflect(state, a_draft, s_hat),
-                                 self.cfg.max_reflection_tokens, ["<|im_end|>"], self.cfg.temperature, self.cfg.logprobs)
+        """Decision, refined action, ``p`` and ``q`` of one reflection; always an action when ``p`` can be read.
+
+        ``p`` is read at the first generated token (the decision position). When the model's text has
+        no ``Final Action:`` line, the reflection is continued from ``Decision: <X>\\nFinal Action:``
+        (X its decision word, or the likelier one by ``p``) and only the action is generated: the
+        decision stays the model's, the action comes from the same policy, ``q`` from its tokens."""
+        decision_tokens = self.prompts.decision
+        if decision_tokens is None:
+            raise ValueError("Prompts.decision is not set: build the prompts with Prompts.for_model(model_dir, cfg)")
+        prompt = self.prompts.reflect(state, a_draft, s_hat)
+        c = await self._complete(POLICY, prompt, self.cfg.max_reflection_tokens, ["<|im_end|>"], self.cfg.temperature,
+                                 self.cfg.logprobs)
         text = c["text"]
         lp = c.get("logprobs") or {}
         tops = lp.get("top_logprobs") or []
         tokens, token_lps = lp.get("tokens") or [], lp.get("token_logprobs") or []
+        p_revise = revise_probability(tops[0] if tops else None, decision_tokens)
+        if p_revise is None:
+            return Reflected("KEEP", a_draft, 0.0, 0.0, "no_decision_logprob", readable=False)
         # the final action's own budget (the paper: 16 new tokens): a longer one is cut to its first tokens
         spans = action_token_spans(text, tokens[:len(token_lps)])
         budget = self.cfg.max_final_action_tokens
@@ -167,10 +185,20 @@ class AgentLLM:
             cut = spans[budget - 1][1]
             text, tokens, token_lps = text[:cut], tokens[:spans[budget - 1][0] + 1], token_lps[:spans[budget - 1][0] + 1]
         r = parse_reflection(text)
-        p_revise = revise_probability(tops[0] if tops else None)
         problem = r.problem or ("final_action_truncated" if truncated else None)
-        if p_revise is None:
-            p_revise, problem = 0.0, problem or "no_decision_logprob"
-        a_ref = r.final_action or a_draft
-        q_ref = sequence_confidence(action_token_logprobs(text, tokens, token_lps))
-        return Reflected(r.decision or "KEEP", a_ref, p_revise, q_ref, problem)
+        decision = r.decision or ("REVISE" if p_revise > 0.5 else "KEEP")
+        if r.final_action is not None:
+            q_ref = sequence_confidence(action_token_logprobs(text, tokens, token_lps))
+            return Reflected(decision, r.final_action, p_revise, q_ref, problem)
+        head = reflection_head(decision)
+        c = await self._complete(POLICY, prompt + head, budget, STOP_ACTION, self.cfg.temperature, 1)
+        lp = c.get("logprobs") or {}
+        full = head + c["text"]  # the continuation's tokens are the action's, as after a Final Action: line
+        action = parse_action(c["text"]).value
+        if action is None:
+            return Reflected(decision, a_draft, p_revise, 0.0, problem, readable=False)
+        tokens, token_lps = lp.get("tokens") or [], lp.get("token_logprobs") or []
+        # the head as one pseudo-token before the generated ones: spans index the generated tokens from 1
+        spans = action_token_spans(full, [head] + tokens[:len(token_lps)])
+        q_ref = sequence_confidence([lp_ for i, _ in spans if i > 0 and (lp_ := token_lps[i - 1]) is not None])
+        return Reflected(decision, action, p_revise, q_ref, problem)

@@ -8,9 +8,14 @@ the models greedily:
   of a fixed, seeded set of non-expert actions (failures: ``Nothing happens.``, a wrong receptacle),
   scored at the state level (:func:`comap_async.facts.state_delta_f1`) against the real one;
 * **draft accuracy**: the share of states where the policy's draft is canonically the expert's
-  action, and the share where it is admissible at all.
+  action, and the share where it is admissible at all;
+* **reflection**: the policy reflects on its draft with the world model's prediction for it, as in
+  the CoMap loop: how often its text cannot be read as written, how often the action gate would
+  open and why it stays shut, and whether ``p`` discriminates (``p_discrimination``: mean ``p``
+  on wrong drafts minus mean ``p`` on right ones; above 0 when it tends to revise the wrong ones).
 
-Two model calls per walkthrough state and one per failure transition; no reflection, no teacher.
+Three or four model calls per walkthrough state (draft, the expert action's prediction, the draft's
+prediction when it differs, the reflection) and one per failure transition; no teacher.
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ class ProbeRow:
     """Walkthrough rows: the greedy draft is canonically the expert action."""
     draft_admissible: bool | None = None
     """Walkthrough rows: the greedy draft is one of the admissible commands."""
+    p_revise: float | None = None
+    """Walkthrough rows: ``p`` of the reflection on the draft (None: no draft, or unreadable)."""
+    reflection_problem: bool | None = None
+    """Walkthrough rows: the reflection's text could not be read as written."""
+    gate_reason: str | None = None
+    """Walkthrough rows: the action gate's reason (``revised`` when it opens, ``unreadable``...)."""
 
 
 def draft_scores(draft: str | None, expert: str, admissible: Sequence[str]) -> tuple[bool, bool]:
@@ -65,6 +76,25 @@ def summarize_probes(rows: Sequence[ProbeRow]) -> dict[str, Any]:
         "admissible_rate": _mean([float(bool(r.draft_admissible)) for r in walk]),
         "walkthrough_states": len(walk), "failure_transitions": len(rows) - len(walk),
         "wm_scored": len(wm), "games": len({r.game for r in rows}),
+        **summarize_reflections(walk),
+    }
+
+
+def summarize_reflections(walk: Sequence[ProbeRow]) -> dict[str, Any]:
+    """The reflection figures of the walkthrough rows (those with a draft to reflect on)."""
+    reflected = [r for r in walk if r.gate_reason is not None]
+    reasons: dict[str, int] = {}
+    for r in reflected:
+        reasons[r.gate_reason] = reasons.get(r.gate_reason, 0) + 1
+    p_wrong = _mean([r.p_revise for r in reflected if r.p_revise is not None and not r.draft_match])
+    p_right = _mean([r.p_revise for r in reflected if r.p_revise is not None and r.draft_match])
+    return {
+        "reflections": len(reflected),
+        "reflection_problem_rate": _mean([float(bool(r.reflection_problem)) for r in reflected]),
+        "unreadable_rate": _mean([float(r.gate_reason == "unreadable") for r in reflected]),
+        "gate_open_rate": _mean([float(r.gate_reason == "revised") for r in reflected]),
+        "gate_reasons": reasons, "p_wrong_draft": p_wrong, "p_right_draft": p_right,
+        "p_discrimination": None if p_wrong is None or p_right is None else p_wrong - p_right,
     }
 
 
@@ -74,13 +104,15 @@ def probe_line(probes: dict[str, Any]) -> str:
         return "n/a" if x is None else f"{x:.4f}"
 
     return f"wm_delta_f1={f(probes['wm_delta_f1'])} draft_accuracy={f(probes['draft_accuracy'])} " \
-           f"admissible_rate={f(probes['admissible_rate'])}"
+           f"admissible_rate={f(probes['admissible_rate'])} " \
+           f"reflection_problem_rate={f(probes.get('reflection_problem_rate'))} " \
+           f"gate_open_rate={f(probes.get('gate_open_rate'))} p_discrimination={f(probes.get('p_discrimination'))}"
 
 
 async def probe_game(ctx: Any, env: Any, branch: Any, game: Any, failures: int, seed: int) -> list[ProbeRow]:
     """The probes of one game: every walkthrough state, plus ``failures`` seeded failure transitions
     (executed on ``branch``, restored to the walkthrough state by replay)."""
-    from actors.episodes import Episode
+    from actors.episodes import Episode, gate_reflection
     from actors.explore import explore_action
     from comap_async.facts import state_delta_f1
 
@@ -97,9 +129,16 @@ async def probe_game(ctx: Any, env: Any, branch: Any, game: Any, failures: int, 
         draft, _ = await llm.draft(s)
         match, ok = draft_scores(draft, expert, admissible)
         s_hat = await llm.imagine(s, expert)
+        reflected: dict[str, Any] = {}
+        if draft is not None:  # the CoMap step on this state: imagine the draft, reflect, gate
+            refl = await llm.reflect(s, draft, s_hat if match else await llm.imagine(s, draft))
+            gate = gate_reflection(ctx.cfg, refl, draft)
+            reflected = {"p_revise": refl.p_revise if refl.readable else None,
+                         "reflection_problem": refl.problem is not None, "gate_reason": gate.reason}
         ep.advance(expert, await env.step(expert))
         rows.append(ProbeRow(game.name, t, "walkthrough", state_delta_f1(ctx.next_state, before, s_hat,
-                                                                         ep.current.observation), match, ok))
+                                                                         ep.current.observation), match, ok,
+                             **reflected))
         if t in failure_at:
             action = explore_action(rng, admissible, expert, invalid_share=0.5)
             if action is not None:
@@ -121,10 +160,9 @@ async def run_probes(cfg: Any, games: Sequence[Any], registry: Registry, log: An
     from comap_async.envs import env_pool_from_config, get_next_state
     from comap_async.wire.inference_client import InferenceClient
     from comap_async.models import resolve_model
-    from comap_async.prompts import ChatTemplate, Prompts
+    from comap_async.prompts import Prompts
 
-    prompts = Prompts.from_config(ChatTemplate.from_model_dir(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)),
-                                  cfg)
+    prompts = Prompts.for_model(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir), cfg)
     greedy = cfg.actor.model_copy(update={"temperature": 0.0, "wm_temperature": 0.0})
     async with InferenceClient.from_config(cfg) as client:
         models = await client.models()

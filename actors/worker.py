@@ -149,7 +149,7 @@ class ActorWorker:
         from comap_async.envs import env_pool_from_config, games_from_config, get_next_state
         from comap_async.wire.inference_client import InferenceClient
         from comap_async.models import resolve_model
-        from comap_async.prompts import ChatTemplate, Prompts
+        from comap_async.prompts import Prompts
         from actors.llm import AgentLLM
         from comap_async.wire.outbox import Outbox
 
@@ -157,9 +157,8 @@ class ActorWorker:
         games = self.games or games_from_config(cfg, self.split)
         if not games:
             raise ValueError(f"no games found for split {self.split or cfg.env.split!r}")
-        # Tokenizer files only (chat template): actors never load model weights.
-        prompts = Prompts.from_config(
-            ChatTemplate.from_model_dir(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)), cfg)
+        # Tokenizer files only (chat template, decision tokens): actors never load model weights.
+        prompts = Prompts.for_model(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir), cfg)
         client = InferenceClient.from_config(cfg)
         own_outbox = outbox is None
         outbox = outbox or Outbox.from_config(cfg, log=self.log)

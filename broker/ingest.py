@@ -7,7 +7,8 @@ Per message type:
   real transitions) and ``(s, expert action)`` to ``demos``; an ``explore`` transition (a
   non-expert action, for the world model to see failures) goes to ``transitions`` only.
 * ``transition`` in ``reflect_init``/``coevolve``: the raw transition goes to ``transitions`` and
-  the gated policy sample of :func:`comap_async.gates.derive_policy_sample` to ``reflections``.
+  the gated policy sample of :func:`comap_async.gates.derive_policy_sample` to ``reflections``;
+  a transition whose reflection was unreadable (``reflection_readable`` false) derives no sample.
 * ``reflection`` (suffix-labelled in ``reflect_init``): to ``reflections`` as sent.
 * ``episode``: to ``episodes``.
 
@@ -132,6 +133,10 @@ class Ingest:
                         policy_version=tr.policy_version, wm_version=tr.wm_version, ts=tr.ts)
             return WriteItem(key, [("transitions", raw), ("demos", self._pack(demo))],
                              {"stored_transitions": 1, "stored_demos": 1})
+        if not tr.reflection_readable:
+            # the policy's reflection could not be read: nothing it said may train it (the draft ran)
+            return WriteItem(key, [("transitions", raw)], {"stored_transitions": 1, "gate_ag_total": 1,
+                                                           "gate_ag_unreadable": 1})
         g = self.gates
         sample = derive_policy_sample(tr, self.parser, g.tau_p, g.tau_q, g.tau_ws, readable=self.parser.readable,
                                       future_state=self.future_state, action_gated=self.action_gated)

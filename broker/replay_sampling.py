@@ -2,7 +2,7 @@
 
 An item is stale when its ``policy_version`` is more than ``max_staleness`` behind the current
 policy version: it stays stored (metrics, analysis) but is not served for training. Expert
-demonstrations and episodes do not depend on the policy and are never stale.
+demonstrations, episodes and suffix-labelled reflection samples (labelled by outcome) are never stale.
 
 With a seed, the same store contents give the same batch: indices come from a seeded, lazily
 evaluated Fisher-Yates permutation of the window, so drawing ``n`` items costs O(n) rather than
@@ -55,6 +55,10 @@ def lazy_permutation(rng: random.Random, lo: int, hi: int) -> Iterator[int]:
 
 
 def is_stale(item: dict[str, Any], current_policy: int, max_staleness: int) -> bool:
+    """Too far behind the current policy to train on. Suffix-labelled reflection samples never are:
+    their label comes from the rollouts' outcome, not from the policy version that drafted."""
+    if item.get("source") == "suffix":
+        return False
     version = item.get("policy_version")
     return isinstance(version, int) and current_policy - version > max_staleness
 

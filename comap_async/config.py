@@ -298,8 +298,9 @@ class ActorConfig(_Section):
     """Of those exploratory actions, the share that are inadmissible commands built from the entities
     in the admissible list (a take from the wrong receptacle, ``open`` an object, ``go to`` an object:
     the game answers ``Nothing happens.``); the rest are sampled admissible non-expert commands."""
-    logprobs: int = Field(default=5, ge=1, le=20)
-    """Top-k alternatives requested per token (for p_revise at the decision token)."""
+    logprobs: int = Field(default=20, ge=1, le=20)
+    """Top-k alternatives requested per token: ``p`` is read from the decision position's two tokens,
+    which must be among them (vLLM's default cap is 20)."""
     overlap_teacher: bool = True
     """Request the teacher's prediction of a step together with the next step's draft (both need only
     the new observation) instead of before it: one model round trip less per step on the critical
@@ -407,6 +408,18 @@ class LearnerConfig(_Section):
     """Reflection samples the broker must hold before ``reflect_init`` training starts: the actors
     only begin labelling them when the phase begins, and a step without any trains nothing of
     the reflection mode."""
+    reflect_init_epochs: float | None = Field(default=None, gt=0)
+    """Size reflection-mode initialisation by data: this many passes over the reflection samples the
+    broker holds when its training starts (``ceil(epochs * samples / batch_size)`` steps, at least
+    ``reflect_init_steps``; the paper: 3 epochs). ``None``: ``reflect_init_steps`` alone."""
+    reflect_init_max_minutes: float | None = Field(default=None, gt=0)
+    """...and by time: reflection-mode initialisation ends after this many minutes of training.
+    ``None``: no time limit."""
+    reflect_init_share: float = Field(default=0.5, ge=0.0, le=1.0)
+    """``coevolve``: expected share of each reflection batch drawn from the suffix-labelled samples of
+    reflection-mode initialisation (labelled by outcome, not by a policy version: never stale); the
+    rest are the gate's samples of the policy's own steps. Without them a gate that stays shut
+    trains only keep samples and keeps itself shut."""
     wm_anchor_share: float = Field(default=0.0, ge=0.0, le=1.0)
     """``coevolve``: expected share of each world-model batch drawn from warm-up transitions (an
     anchor on real expert-path data); the rest are co-evolution transitions, the policy's own

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,9 +164,50 @@ def teacher_messages(state: str, action: str, real_next: str, wording: Wording =
     ]
 
 
+def reflection_head(decision: str) -> str:
+    """What follows ``Decision:`` up to the final action: the decision word and the ``Final Action:``
+    prefix. The actor continues a reflection from here when the model left the line out."""
+    return f" {decision}\n{FINAL_PREFIX}"
+
+
 def reflection_target(decision: str, action: str) -> str:
     """The assistant text after the ``Decision:`` prefix, as trained and as generated."""
-    return f" {decision}\n{FINAL_PREFIX} {action.strip()}"
+    return f"{reflection_head(decision)} {action.strip()}"
+
+
+@dataclass(frozen=True)
+class DecisionTokens:
+    """The two outcomes of the decision position (the first token after ``Decision:``): the first
+    token of `` KEEP`` and of `` REVISE`` in one model's tokenizer, as text (what a server's logprobs
+    name) and as ids (what the learner's logits index).
+
+    ``p`` (:func:`revise_probability`) is read from these two tokens only, by the actor (the server's
+    logprobs), the learner (its logits), the probes and the metrics alike (DESIGN.md section 6)."""
+
+    keep: str
+    revise: str
+    keep_id: int
+    revise_id: int
+
+    @classmethod
+    def from_tokenizer(cls, encode: Callable[[str], list[int]], decode: Callable[[int], str]) -> "DecisionTokens":
+        """From a tokenizer's ``encode(text) -> ids`` (no special tokens) and ``decode(id) -> text``."""
+        keep, revise = encode(" KEEP"), encode(" REVISE")
+        if not keep or not revise or keep[0] == revise[0]:
+            raise ValueError("the tokenizer does not separate ' KEEP' and ' REVISE' at their first token")
+        return cls(decode(keep[0]), decode(revise[0]), keep[0], revise[0])
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> "DecisionTokens":
+        """From the model directory's ``tokenizer.json`` (the ``tokenizers`` library: no torch)."""
+        from tokenizers import Tokenizer
+
+        file = Path(path) / "tokenizer.json"
+        if not file.is_file():
+            raise ValueError(f"{path}: no tokenizer.json (needed to read the decision tokens)")
+        tok = Tokenizer.from_file(str(file))
+        return cls.from_tokenizer(lambda text: tok.encode(text, add_special_tokens=False).ids,
+                                  lambda i: tok.decode([i], skip_special_tokens=False))
 
 
 # ---------------------------------------------------------------- chat template
@@ -268,11 +309,19 @@ class Prompts:
     in the actors' calls and the learner's samples alike."""
     wording: Wording = ALFWORLD
     """The environment's system messages (:data:`WORDING`); actors and the learner pick the same."""
+    decision: DecisionTokens | None = None
+    """The decision position's two tokens (needed to read ``p`` from a reflection)."""
 
     @classmethod
-    def from_config(cls, chat: ChatTemplate, cfg: Any) -> "Prompts":
+    def from_config(cls, chat: ChatTemplate, cfg: Any, decision: DecisionTokens | None = None) -> "Prompts":
         """The prompts a run uses: its environment's wording, its ablation's reflection prompt."""
-        return cls(chat, future_state=not cfg.ablation.no_future_state, wording=wording_for(cfg.env.name))
+        return cls(chat, future_state=not cfg.ablation.no_future_state, wording=wording_for(cfg.env.name),
+                   decision=decision)
+
+    @classmethod
+    def for_model(cls, model_dir: str | Path, cfg: Any) -> "Prompts":
+        """:meth:`from_config` with the chat template and decision tokens of ``model_dir``."""
+        return cls.from_config(ChatTemplate.from_model_dir(model_dir), cfg, DecisionTokens.from_model_dir(model_dir))
 
     def draft(self, state: str) -> str:
         return self.chat.render(draft_messages(state, self.wording))
@@ -353,25 +402,20 @@ def parse_reflection(completion: str) -> Reflection:
     return Reflection(decision, final, problem)
 
 
-def revise_probability(top_logprobs: dict[str, float] | None) -> float | None:
-    """P(REVISE) / (P(REVISE) + P(KEEP)) from the decision token's top-k alternatives.
-
-    Tokenizers split the two words differently, so a candidate counts for a word when it is a
-    non-empty prefix of it (``" RE"`` for REVISE). None when neither word is among the top-k.
-    """
-    if not top_logprobs:
+def revise_probability(logprobs: Mapping[str, float] | None, decision: DecisionTokens) -> float | None:
+    """``p`` = P(REVISE) / (P(REVISE) + P(KEEP)) at the decision position: a softmax over the two
+    decision tokens' log-probabilities (``logprobs``: token text -> logprob, e.g. a server's top-k
+    alternatives; the learner's ``learner.losses.revise_probability`` is the same function of its
+    logits). A token missing from a top-k list has less probability than every listed one and counts
+    as 0; None when neither is listed (the reflection cannot be read)."""
+    if not logprobs:
         return None
-    p_rev = p_keep = 0.0
-    for token, lp in top_logprobs.items():
-        t = token.strip().upper()
-        if not t:
-            continue
-        if "REVISE".startswith(t):
-            p_rev += math.exp(lp)
-        elif "KEEP".startswith(t):
-            p_keep += math.exp(lp)
-    total = p_rev + p_keep
-    return p_rev / total if total > 0 else None
+    keep, revise = logprobs.get(decision.keep), logprobs.get(decision.revise)
+    if keep is None and revise is None:
+        return None
+    if keep is None or revise is None:
+        return 1.0 if keep is None else 0.0
+    return 1.0 / (1.0 + math.exp(min(keep - revise, 700.0)))
 
 
 def sequence_confidence(token_logprobs: Sequence[float]) -> float:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from comap_async.prompts import Prompts, reflection_target
+from comap_async.prompts import DecisionTokens, Prompts, reflection_target
 from learner.losses import IGNORE
 
 KEEP_HEAD = 128  # kept from a truncated prompt's start: header + system prompt + task are 49-83 SmolLM2 tokens
@@ -52,11 +52,12 @@ class Encoder:
     def __post_init__(self) -> None:
         self.truncated = 0  # prompts cut to fit max_seq_len since the trainer last read it
         self.eos = self.tokenizer.eos_token or ""
-        keep = self._ids(" KEEP")
-        revise = self._ids(" REVISE")
-        if not keep or not revise or keep[0] == revise[0]:
-            raise ValueError("the tokenizer does not separate ' KEEP' and ' REVISE' at their first token")
-        self.keep_id, self.revise_id = keep[0], revise[0]
+        self.decision = DecisionTokens.from_tokenizer(
+            self._ids, lambda i: self.tokenizer.decode([i], skip_special_tokens=False))
+        if self.prompts.decision is not None and self.prompts.decision != self.decision:
+            raise ValueError(f"the actors' decision tokens {self.prompts.decision} differ from the learner's "
+                             f"{self.decision}: both must come from the same tokenizer")
+        self.keep_id, self.revise_id = self.decision.keep_id, self.decision.revise_id
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -36,8 +36,12 @@ PHASE_REQUIRES = {WARMUP: "demos", REFLECT_INIT: "reflections"}
 # Which phases' items a store is sampled from, per phase (absent: any). Reflection-mode
 # initialisation trains on the suffix-labelled samples; co-evolution's world model on the policy's
 # own rollouts (the warm-up transitions come in only as ``learner.wm_anchor_share``).
-PHASE_FILTERS = {(REFLECT_INIT, "reflections"): [REFLECT_INIT], (COEVOLVE, "transitions"): [COEVOLVE]}
-ANCHOR_PHASES = [WARMUP]
+PHASE_FILTERS = {(REFLECT_INIT, "reflections"): [REFLECT_INIT], (COEVOLVE, "transitions"): [COEVOLVE],
+                 (COEVOLVE, "reflections"): [COEVOLVE]}
+# ``coevolve`` mixes in items of an earlier phase, each with a configured probability: warm-up
+# transitions as the world model's anchor (``learner.wm_anchor_share``) and the suffix-labelled
+# reflection samples (``learner.reflect_init_share``).
+MIXED_IN = {"transitions": [WARMUP], "reflections": [REFLECT_INIT]}
 
 
 def phase_stores(phase: str, ablation: Any = None) -> tuple[str, ...]:
@@ -55,24 +59,25 @@ def phase_stores(phase: str, ablation: Any = None) -> tuple[str, ...]:
     return tuple(s for s in stores if s not in drop)
 
 
-def store_requests(phase: str, n: int, anchor_share: float, rng: random.Random,
+def store_requests(phase: str, n: int, shares: dict[str, float], rng: random.Random,
                    ablation: Any = None) -> list[tuple[str, int, list[str] | None]]:
     """The (store, n, phases) sample requests that make one micro-batch of ``phase``.
 
-    In ``coevolve`` each of the ``n`` world-model items is a warm-up anchor with probability
-    ``anchor_share`` (so a small share still shows up at small batch sizes), else a co-evolution
-    transition.
+    In ``coevolve`` each of a store's ``n`` items comes from the earlier phase :data:`MIXED_IN`
+    names with probability ``shares[store]`` (so a small share still shows up at small batch
+    sizes), else from co-evolution itself.
     """
     reqs: list[tuple[str, int, list[str] | None]] = []
     for store in phase_stores(phase, ablation):
         phases = PHASE_FILTERS.get((phase, store))
-        anchor = 0
-        if phase == COEVOLVE and store == "transitions" and anchor_share > 0:
-            anchor = sum(rng.random() < anchor_share for _ in range(n))
-            if anchor:
-                reqs.append((store, anchor, ANCHOR_PHASES))
-        if n - anchor:
-            reqs.append((store, n - anchor, phases))
+        mixed = 0
+        share = shares.get(store, 0.0) if phase == COEVOLVE else 0.0
+        if share > 0:
+            mixed = sum(rng.random() < share for _ in range(n))
+            if mixed:
+                reqs.append((store, mixed, MIXED_IN[store]))
+        if n - mixed:
+            reqs.append((store, n - mixed, phases))
     return reqs
 
 
@@ -103,12 +108,12 @@ class Prefetcher:
     stores and phase filters follow the current phase (:func:`store_requests`)."""
 
     def __init__(self, broker: Any, state: LearnerState, batch_size: int, depth: int, seed: int, log: Any,
-                 anchor_share: float = 0.0, ablation: Any = None) -> None:
+                 shares: dict[str, float] | None = None, ablation: Any = None) -> None:
         self.broker, self.state, self.batch_size, self.log = broker, state, batch_size, log
         self.ablation = ablation
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=depth)
         self.seed = seed
-        self.anchor_share = anchor_share
+        self.shares = shares or {}
         self.rng = random.Random(seed)
         self.draws = 0
         self.waited_s = 0.0
@@ -116,7 +121,7 @@ class Prefetcher:
     async def fetch(self, phase: str) -> dict[str, list]:
         """One micro-batch's records for ``phase`` (stores without items are left out)."""
         mb: dict[str, list] = {}
-        for store, n, phases in store_requests(phase, self.batch_size, self.anchor_share, self.rng, self.ablation):
+        for store, n, phases in store_requests(phase, self.batch_size, self.shares, self.rng, self.ablation):
             self.draws += 1
             batch = await self.broker.sample(store, n, seed=self.seed * 1_000_003 + self.draws, phases=phases)
             if batch.items:
@@ -146,7 +151,7 @@ class Learner:
         import torch
 
         from comap_async.models import load_model_and_tokenizer, resolve_model
-        from comap_async.prompts import ChatTemplate, Prompts
+        from comap_async.prompts import Prompts
         from learner.batches import Encoder
         from learner.peft_model import build_peft_model
         from learner.trainer import Trainer
@@ -159,7 +164,7 @@ class Learner:
         base, tok = load_model_and_tokenizer(path, cfg.model.dtype, lc.device)
         model = build_peft_model(base, lc.lora_r, lc.lora_alpha, lc.lora_dropout, lc.target_modules,
                                  lc.gradient_checkpointing)
-        prompts = Prompts.from_config(ChatTemplate.from_model_dir(path), cfg)
+        prompts = Prompts.for_model(path, cfg)
         self.trainer = Trainer(model, Encoder(tok, prompts, lc.max_seq_len), lc, lc.device)
         self.trainer.ablation = cfg.ablation
         first = WARMUP if lc.warmup_steps > 0 else COEVOLVE if cfg.ablation.no_reflect_init else REFLECT_INIT
@@ -204,10 +209,12 @@ class Learner:
     def next_phase(self) -> str | None:
         """The phase to switch to after this step, or None to stay."""
         lc, s, step = self.cfg.learner, self.state, self.trainer.step
-        out_of_time = lc.warmup_max_minutes is not None and s.phase_seconds >= 60 * lc.warmup_max_minutes
+        limit = {WARMUP: lc.warmup_max_minutes, REFLECT_INIT: lc.reflect_init_max_minutes}.get(s.phase)
+        out_of_time = limit is not None and s.phase_seconds >= 60 * limit
         if s.phase == WARMUP and (step - s.phase_start >= (s.phase_budget or lc.warmup_steps) or out_of_time):
             return REFLECT_INIT if lc.reflect_init_steps > 0 and not self.cfg.ablation.no_reflect_init else COEVOLVE
-        if s.phase == REFLECT_INIT and step - s.phase_start >= lc.reflect_init_steps:
+        if s.phase == REFLECT_INIT and (step - s.phase_start >= (s.phase_budget or lc.reflect_init_steps)
+                                        or out_of_time):
             return COEVOLVE
         return None
 
@@ -278,9 +285,17 @@ class Learner:
 
     async def wait_for_reflections(self, broker: Any) -> int | None:
         """``reflect_init`` trains once the broker holds ``reflect_init_min_samples`` reflection
-        samples: the actors start labelling them only when the phase is announced."""
-        return await self.wait_for_store(broker, "reflections", "count", self.cfg.learner.reflect_init_min_samples,
+        samples: the actors start labelling them only when the phase is announced. With
+        ``reflect_init_epochs`` the phase's budget is then sized by the samples held."""
+        lc = self.cfg.learner
+        have = await self.wait_for_store(broker, "reflections", "count", lc.reflect_init_min_samples,
                                          "learner.waiting_for_reflections")
+        if have is not None and lc.reflect_init_epochs is not None and self.state.phase_budget is None:
+            self.state.phase_budget = max(lc.reflect_init_steps, math.ceil(lc.reflect_init_epochs * have / lc.batch_size))
+            self.trainer.scheduler.enter(REFLECT_INIT, self.state.phase_start, self.state.phase_budget)
+            self.log.info("learner.reflect_init_budget", samples=have, epochs=lc.reflect_init_epochs,
+                          steps=self.state.phase_budget)
+        return have
 
     async def wait_for_round(self, broker: Any) -> None:
         """``rounds`` schedule: block until the actors finished ``rounds_episodes`` new episodes."""
@@ -320,8 +335,9 @@ class Learner:
                     await broker.announce(self.state.phase, registry.get("versions", {}), registry.get("adapters", {}), 0)
                 if self.state.phase == WARMUP:
                     await self.wait_for_demos(broker)
+                shares = {"transitions": lc.wm_anchor_share, "reflections": lc.reflect_init_share}
                 prefetch = Prefetcher(broker, self.state, lc.batch_size, lc.prefetch, self.cfg.run.seed, self.log,
-                                      lc.wm_anchor_share, self.cfg.ablation)
+                                      shares, self.cfg.ablation)
                 task = asyncio.create_task(prefetch.run())
                 try:
                     await self._train(prefetch, task, inference, broker, max_steps)
@@ -385,6 +401,8 @@ class Learner:
                 self.state.phase, self.state.phase_start = nxt, step
                 self.state.phase_budget, self.state.phase_seconds = None, 0.0
                 self.trainer.scheduler.enter(nxt, step)
+                if nxt == COEVOLVE:  # the world model's teacher begins here (the paper: after warm-up)
+                    self.trainer.start_teacher()
                 metrics.update(await self.publish(inference, broker, metrics))
                 published = True
             elif (step - self.state.phase_start) % self._publish_every() == 0:

@@ -69,10 +69,9 @@ def self_distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Ten
 
 
 def revise_probability(decision_logits: torch.Tensor, keep_id: int, revise_id: int) -> torch.Tensor:
-    """P(REVISE) / (P(REVISE) + P(KEEP)) at the decision position: a softmax over the two tokens.
-
-    This is the same normalised quantity the actor reads from the server's top-k logprobs.
-    """
+    """``p`` = P(REVISE) / (P(REVISE) + P(KEEP)) at the decision position: a softmax over the two
+    decision tokens (:class:`comap_async.prompts.DecisionTokens`). The same function as
+    :func:`comap_async.prompts.revise_probability`, which the actor applies to the server's logprobs."""
     two = torch.stack([decision_logits[:, keep_id], decision_logits[:, revise_id]], dim=-1).float()
     return torch.softmax(two, dim=-1)[:, 1]
 
@@ -86,6 +85,21 @@ def revise_bce(decision_logits: torch.Tensor, keep_id: int, revise_id: int, y: t
     logp = torch.log_softmax(two, dim=-1)
     y = y.float()
     return -(y * logp[:, 1] + (1 - y) * logp[:, 0]).mean()
+
+
+def decision_format_nll(decision_logits: torch.Tensor, keep_id: int, revise_id: int) -> torch.Tensor:
+    """``-log(P(KEEP) + P(REVISE))`` at the decision position, per sample [B]: that a decision word
+    comes at all, whichever. Its gradient reaches the two words' logits only through their mean (the
+    half-difference is held fixed), so it pushes both alike and never moves ``p``: the choice between
+    them is trained by :func:`revise_bce` only (DESIGN.md section 6), while the text stays readable."""
+    logits = decision_logits.float()
+    keep, revise = logits[:, keep_id], logits[:, revise_id]
+    mid, half = (keep + revise) / 2, ((revise - keep) / 2).detach()
+    pair = torch.stack([mid - half, mid + half], dim=-1)  # the two logits' values, moved only together
+    mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    mask[[keep_id, revise_id]] = True
+    others = logits.masked_fill(mask, float("-inf"))
+    return torch.logsumexp(torch.cat([others, pair], dim=-1), dim=-1) - torch.logsumexp(pair, dim=-1)
 
 
 def world_model_loss(ce: torch.Tensor, kl: torch.Tensor, eta: float) -> torch.Tensor:

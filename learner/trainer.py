@@ -39,7 +39,7 @@ from comap_async.models import cpu_has_native_bf16
 from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
 from learner import losses
 from learner.batches import Encoder, Packed, Seq, collate, logits_window, pack
-from learner.ema import ema_update, paired_lora_tensors
+from learner.ema import copy_student_to_teacher, ema_update, paired_lora_tensors
 from learner.peft_model import (TRAINED, activate, adapter_parameters, cast_frozen_base, use_fast_dropout,
                                 use_packed_attention)
 
@@ -182,6 +182,13 @@ class Trainer:
             if torch.device(self.device).type == "cpu":
                 use_fast_dropout(self.model)
 
+    def start_teacher(self) -> None:
+        """Make the EMA teacher a copy of the student. Co-evolution calls it when it begins: the paper
+        instantiates the teacher after warm-up, so the world-state gate does not compare the warmed-up
+        student with a teacher that lags it by the EMA's ~100 steps."""
+        with self.update_lock:
+            copy_student_to_teacher(self._pairs)
+
     def _amp(self) -> contextlib.AbstractContextManager:
         """The autocast context of every forward pass (a no-op in fp32)."""
         if self.amp_dtype is None:
@@ -282,13 +289,21 @@ class Trainer:
         n_draft = int(is_draft.sum())
         n_reflect = len(packed.targets) - n_draft
         refl = [i for i, (_, y) in enumerate(items) if y is not None]
-        # the decision position predicts the reflection's first target token (`` KEEP``/`` REVISE``)
-        decision_logits = logits[torch.tensor([packed.first[i] for i in refl], dtype=torch.long, device=logits.device)]
+        # the decision position predicts the reflection's first target token (`` KEEP``/`` REVISE``):
+        # the BCE trains the choice there, the reflection's text term only that a decision word comes
+        at = torch.tensor([packed.first[i] for i in refl], dtype=torch.long, device=logits.device)
+        decision_logits = logits[at]
         y = torch.tensor([items[i][1] for i in refl], device=logits.device)
-        bce = losses.revise_bce(decision_logits, self.encoder.keep_id, self.encoder.revise_id, y)
+        keep_id, revise_id = self.encoder.keep_id, self.encoder.revise_id
+        bce = losses.revise_bce(decision_logits, keep_id, revise_id, y)
+        text = ~is_draft
+        text[at] = False
+        n_text = int(text.sum())
+        reflect = (losses.token_ce(logits[text], packed.targets[text]) * n_text
+                   + losses.decision_format_nll(decision_logits, keep_id, revise_id).sum())
         return {"draft": losses.token_ce(logits[is_draft], packed.targets[is_draft]) * n_draft, "n_draft": n_draft,
-                "reflect": losses.token_ce(logits[~is_draft], packed.targets[~is_draft]) * n_reflect,
-                "n_reflect": n_reflect, "bce": bce * len(refl), "n_bce": len(refl), "tokens": packed.tokens}
+                "reflect": reflect, "n_reflect": n_reflect, "bce": bce * len(refl), "n_bce": len(refl),
+                "tokens": packed.tokens}
 
     def _chunks(self, units: list, length: Any) -> list[list]:
         """``units`` in groups of at most ``learner.chunk_tokens`` tokens (longest first, so a
@@ -444,9 +459,17 @@ class Trainer:
         logits, win = self._logits(batch)
         nd = len(demos)
         draft_ce = losses.masked_token_ce(logits[:nd], win["labels"][:nd])
-        reflect_ce = losses.masked_token_ce(logits[nd:], win["labels"][nd:])
+        rows = torch.arange(len(reflections), device=logits.device)
         decision_pos = win["starts"][nd:] - 1
-        decision_logits = logits[nd:][torch.arange(len(reflections)), decision_pos]
+        decision_logits = logits[nd:][rows, decision_pos]
+        # the decision word's own token: the format term instead of its cross-entropy (see _policy_sums)
+        text_labels = win["labels"][nd:].clone()
+        text_labels[rows, win["starts"][nd:]] = losses.IGNORE
+        n_text = int((text_labels[:, 1:] != losses.IGNORE).sum())
+        text_ce = losses.masked_token_ce(logits[nd:], text_labels)
+        fmt = losses.decision_format_nll(decision_logits, enc.keep_id, enc.revise_id).sum()
+        n_reflect = n_text + len(reflections)
+        reflect_ce = (text_ce * n_text + fmt) / n_reflect if n_reflect else losses._zero(logits)
         y = torch.tensor([int(r["y"]) for r in reflections], device=logits.device)
         bce = losses.revise_bce(decision_logits, enc.keep_id, enc.revise_id, y)
         return draft_ce, reflect_ce, bce, int(batch["attention_mask"].sum())

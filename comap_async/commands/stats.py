@@ -105,7 +105,8 @@ LEARNER_SCALARS = ("wm/ce", "wm/change_nll", "wm/kl", "policy/draft_ce", "policy
 
 
 EVAL_COLUMNS = (("wm_delta_f1", "wm_dF1"), ("wm_delta_f1_failures", "fail_dF1"), ("draft_accuracy", "draft_acc"),
-                ("admissible_rate", "admissible"), ("success_rate", "success"))
+                ("admissible_rate", "admissible"), ("reflection_problem_rate", "refl_prob"),
+                ("gate_open_rate", "gate_open"), ("p_discrimination", "p_discr"), ("success_rate", "success"))
 
 
 def eval_table(results: list[dict[str, Any]]) -> list[str]:

@@ -43,6 +43,8 @@ class ScriptedLLM:
     async def reflect(self, state, a_draft, s_hat):
         t, self.t = self.t, self.t + 1
         target = self.plan[min(t, len(self.plan) - 1)]
+        if t == 5:  # nothing readable even after the continuation: the draft runs, nothing is learned
+            return Reflected("KEEP", a_draft, 0.0, 0.0, "no_decision_logprob", readable=False)
         if t % 2 == 0:
             return Reflected("REVISE", target, 0.9, 0.95, None)
         return Reflected("REVISE", target, 0.9, 0.2, None)  # confident decision, unsure action: refused
@@ -76,14 +78,17 @@ async def test_gate_opens_and_closes_on_a_real_game(valid_seen, alfworld_data):
         if tr["t"] % 2 == 0:  # revision executed; the world model imagined the executed action too
             assert tr["a_exec"] == tr["a_ref"] != "look"
             assert tr["s_hat_exec"] == f"You imagine doing {tr['a_exec']}." != tr["s_hat"]
-        else:  # low q_ref: the draft is executed and its imagined state reused
+        else:  # low q_ref or unreadable: the draft is executed and its imagined state reused
             assert tr["a_exec"] == "look" and tr["s_hat_exec"] == tr["s_hat"]
+        assert tr["reflection_readable"] == (tr["t"] != 5)
         # stamped with the adapters that generated the fields, not the registry's (3, 2)
         assert tr["policy_version"] == 7
         assert llm.imagined[tr["wm_version"] - 1] == tr["a_exec"]  # the call that imagined s_hat_exec
         assert tr["s_hat_teacher"] == tr["s_next"]
     assert stats.revisions == len([t for t in transitions if t["t"] % 2 == 0])
     assert "delta_f1" in sent[-1]["metrics"]
+    assert len(transitions) == 6 and stats.gate_reasons == {"revised": 3, "low_confidence": 2, "unreadable": 1}
+    assert stats.unreadable_reflections == 1 and sent[-1]["metrics"]["unreadable_reflection_rate"] == pytest.approx(1 / 6)
 
 
 class PlanFollower:

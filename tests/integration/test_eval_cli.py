@@ -60,3 +60,8 @@ def test_eval_probes_end_with_the_probe_line(tmp_path, alfworld_data, model_cach
     assert p["games"] == 3 and p["walkthrough_states"] > 0 and p["failure_transitions"] > 0
     assert p["wm_scored"] == p["walkthrough_states"] + p["failure_transitions"]
     assert len({n.split("/")[1].split("-")[0] for n in report["game_names"]}) == 3  # three task types
+    # the CoMap step on each walkthrough state: the reflection on the greedy draft, gated as the actors gate it
+    assert " reflection_problem_rate=" in last and " gate_open_rate=" in last and " p_discrimination=" in last
+    assert 0 < p["reflections"] <= p["walkthrough_states"]
+    assert sum(p["gate_reasons"].values()) == p["reflections"]
+    assert 0.0 <= p["reflection_problem_rate"] <= 1.0 and 0.0 <= p["unreadable_rate"] <= 1.0

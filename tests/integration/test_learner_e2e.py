@@ -181,6 +181,12 @@ async def test_rounds_schedule_trains_only_after_each_round_of_episodes(broker_f
     try:
         await settles_at(1)  # one reflect_init step, the switch to coevolve publishes v1, then the round wait
         assert learner.state.version == 1
+        # the teacher begins with co-evolution: v1, published at the switch, has the student's weights
+        from safetensors.torch import load_file
+
+        root = roomy_server.adapter_root
+        student, teacher = (load_file(str(root / f"{role}-v1" / "adapter_model.safetensors")) for role in ("wm", "wm_teacher"))
+        assert student.keys() == teacher.keys() and all(torch.equal(student[k], teacher[k]) for k in student)
         await fill(broker, [make_episode(i, actor="r1") for i in range(3)])
         await settles_at(3)  # a round: publish_every=2 steps, then v2
         assert learner.state.version == 2

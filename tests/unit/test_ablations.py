@@ -50,7 +50,8 @@ def test_phase_stores_drop_only_the_ablated_data(name, phase, dropped):
     ablation = AblationConfig(**{name: True})
     assert set(PHASE_STORES[phase]) - set(phase_stores(phase, ablation)) == dropped
     assert phase_stores(phase, AblationConfig()) == phase_stores(phase, None) == PHASE_STORES[phase]
-    requested = {store for store, _, _ in store_requests(phase, 8, 0.5, random.Random(0), ablation)}
+    shares = {"transitions": 0.5, "reflections": 0.5}
+    requested = {store for store, _, _ in store_requests(phase, 8, shares, random.Random(0), ablation)}
     assert requested == set(phase_stores(phase, ablation))  # warm-up anchors of frozen_wm's world model too
 
 

@@ -17,7 +17,7 @@ from actors.registry_view import RegistryView
 from comap_async.wire.messages import Registry, adapter_version
 from comap_async.config import ActorConfig, ConfigError, load_config
 from comap_async.wire.inference_client import InferenceError
-from comap_async.prompts import ChatTemplate, Prompts
+from comap_async.prompts import ChatTemplate, DecisionTokens, Prompts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -107,7 +107,8 @@ class FakeClient:
 
 def make_llm(client, **actor) -> AgentLLM:
     cfg = ActorConfig(**actor)
-    return AgentLLM(client, Prompts(ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}")), cfg, "base")
+    return AgentLLM(client, Prompts(ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}"),
+                                    decision=DecisionTokens(" KE", " RE", 0, 1)), cfg, "base")
 
 
 async def test_each_role_samples_with_its_own_settings():

@@ -195,22 +195,75 @@ def test_a_phases_filter_draws_in_proportion_to_n_when_half_match(tmp_path):
 
 # ---------------------------------------------------------------- points 3 and 9: what the learner fetches
 
-def test_store_requests_filter_by_phase_and_draw_the_anchor_share():
+def test_store_requests_filter_by_phase_and_draw_the_mixed_in_shares():
     from learner.loop import store_requests
 
     rng = random.Random(0)
-    assert store_requests("warmup", 4, 0.5, rng) == [("demos", 4, None), ("transitions", 4, None)]
-    assert store_requests("reflect_init", 4, 0.5, rng) == [
+    shares = {"transitions": 0.5, "reflections": 0.5}
+    assert store_requests("warmup", 4, shares, rng) == [("demos", 4, None), ("transitions", 4, None)]
+    assert store_requests("reflect_init", 4, shares, rng) == [
         ("demos", 4, None), ("transitions", 4, None), ("reflections", 4, ["reflect_init"])]
-    assert store_requests("coevolve", 4, 0.0, rng) == [
-        ("demos", 4, None), ("transitions", 4, ["coevolve"]), ("reflections", 4, None)]
-    anchors = total = 0
+    assert store_requests("coevolve", 4, {}, rng) == [
+        ("demos", 4, None), ("transitions", 4, ["coevolve"]), ("reflections", 4, ["coevolve"])]
+    mixed = {"transitions": 0, "reflections": 0}
+    total = dict(mixed)
+    earlier = {"transitions": ["warmup"], "reflections": ["reflect_init"]}
     for _ in range(500):
-        for store, n, phases in store_requests("coevolve", 4, 0.25, rng):
-            if store == "transitions":
-                total += n
-                anchors += n if phases == ["warmup"] else 0
-    assert total == 2000 and 0.2 < anchors / total < 0.3
+        for store, n, phases in store_requests("coevolve", 4, {"transitions": 0.25, "reflections": 0.5}, rng):
+            if store in total:
+                total[store] += n
+                mixed[store] += n if phases == earlier[store] else 0
+    assert total == {"transitions": 2000, "reflections": 2000}
+    assert 0.2 < mixed["transitions"] / 2000 < 0.3 and 0.45 < mixed["reflections"] / 2000 < 0.55
+
+
+def test_suffix_labelled_reflection_samples_are_never_stale():
+    from broker.replay_sampling import is_stale
+
+    old = {"policy_version": 1, "y": 1}
+    assert is_stale(old, current_policy=9, max_staleness=4)
+    assert not is_stale({**old, "source": "suffix"}, current_policy=9, max_staleness=4)
+    assert not is_stale({**old, "source": "gate"}, current_policy=5, max_staleness=4)
+
+
+def test_reflection_mode_initialisation_is_sized_by_its_samples_and_capped_in_time():
+    from types import SimpleNamespace
+
+    from comap_async.config import load_config
+    from learner.loop import Learner, LearnerState
+
+    cfg = load_config(None, ["learner.reflect_init_steps=3", "learner.reflect_init_max_minutes=1"])
+    state = LearnerState(phase="reflect_init", phase_start=10, phase_budget=40)
+    learner = SimpleNamespace(cfg=cfg, state=state, trainer=SimpleNamespace(step=30))
+    assert Learner.next_phase(learner) is None  # 20 of 40 steps: the data's budget, not reflect_init_steps
+    learner.trainer.step = 50
+    assert Learner.next_phase(learner) == "coevolve"
+    learner.trainer.step, state.phase_seconds = 20, 61.0
+    assert Learner.next_phase(learner) == "coevolve"  # out of time
+
+
+async def test_wait_for_reflections_sizes_the_phase_by_epochs_over_the_samples_held():
+    from types import SimpleNamespace
+
+    from comap_async.config import load_config
+    from learner.loop import Learner, LearnerState
+
+    class Broker:
+        async def get_stats(self):
+            return {"stores": {"reflections": {"count": 90}}}
+
+    class Scheduler:
+        def enter(self, *args):
+            self.entered = args
+
+    cfg = load_config(None, ["learner.reflect_init_min_samples=64", "learner.reflect_init_epochs=1.5",
+                             "learner.batch_size=4", "learner.reflect_init_steps=10"])
+    learner = SimpleNamespace(cfg=cfg, state=LearnerState(phase="reflect_init", phase_start=7), stop=asyncio.Event(),
+                              trainer=SimpleNamespace(scheduler=Scheduler()), log=SimpleNamespace(info=lambda *a, **k: None))
+    learner.wait_for_store = lambda *a: Learner.wait_for_store(learner, *a)
+    assert await Learner.wait_for_reflections(learner, Broker()) == 90
+    assert learner.state.phase_budget == 34  # ceil(1.5 * 90 / 4)
+    assert learner.trainer.scheduler.entered == ("reflect_init", 7, 34)
 
 
 class FakeBroker:

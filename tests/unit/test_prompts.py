@@ -7,7 +7,9 @@ import math
 import pytest
 
 from comap_async import prompts
-from comap_async.prompts import ChatTemplate, Prompts, parse_action, parse_reflection, render_state, revise_probability
+from comap_async.prompts import (
+    ChatTemplate, DecisionTokens, Prompts, parse_action, parse_reflection, render_state, revise_probability,
+)
 
 
 def test_render_state_keeps_last_k_and_admissible():
@@ -52,12 +54,17 @@ def test_parse_reflection_tolerates_junk(completion, decision, action):
     assert (r.problem is None) == (decision is not None and action is not None)
 
 
-def test_revise_probability_from_top_logprobs():
+def test_revise_probability_reads_exactly_the_two_decision_tokens():
     # SmolLM2 splits " REVISE" into " RE"+"V"+"ISE" and " KEEP" into " KE"+"EP"
+    d = DecisionTokens(" KE", " RE", 7, 9)
     top = {" RE": math.log(0.3), " KE": math.log(0.1), " the": math.log(0.5)}
-    assert revise_probability(top) == pytest.approx(0.75)
-    assert revise_probability({" the": -0.1}) is None
-    assert revise_probability(None) is None
+    assert revise_probability(top, d) == pytest.approx(0.75)
+    # spelling variants are other tokens: the learner's softmax over the two ids does not see them either
+    assert revise_probability({**top, " keep": math.log(0.05), " Keep": math.log(0.04)}, d) == pytest.approx(0.75)
+    assert revise_probability({" RE": -1.0, " the": -0.1}, d) == 1.0  # KEEP below every listed token
+    assert revise_probability({" KE": -1.0, " the": -0.1}, d) == 0.0
+    assert revise_probability({" the": -0.1}, d) is None
+    assert revise_probability(None, d) is None
 
 
 def test_sequence_confidence_is_geometric_mean():

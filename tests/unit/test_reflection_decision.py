@@ -1,0 +1,150 @@
+"""The reflection loop's decision (issue 25): always an action, one p, no cross-entropy on the decision,
+nothing unreadable stored, the teacher starting from the student when co-evolution begins."""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+import pytest
+import torch
+
+from actors.llm import AgentLLM
+from broker.ingest import Ingest
+from comap_async.config import ActorConfig, GateConfig
+from comap_async.prompts import ChatTemplate, DecisionTokens, Prompts, reflection_target
+from comap_async.wire.protocol import decode
+from learner import losses
+from tests.fixtures.broker import make_transition
+from tests.fixtures.learner import make_trainer, reflection_record
+
+DECISION = DecisionTokens(" KE", " RE", 0, 1)
+
+
+class ScriptedClient:
+    """Answers each completion with the next scripted (text, tokens, token logprobs, first top-k)."""
+
+    def __init__(self, *answers):
+        self.answers, self.calls = list(answers), []
+
+    async def complete(self, **kw):
+        self.calls.append(kw)
+        text, tokens, lps, top = self.answers.pop(0)
+        return {"choices": [{"text": text, "logprobs": {"tokens": tokens, "token_logprobs": lps,
+                                                        "top_logprobs": [top] + [{}] * (len(tokens) - 1)}}]}
+
+
+def make_llm(client) -> AgentLLM:
+    prompts = Prompts(ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}"), decision=DECISION)
+    return AgentLLM(client, prompts, ActorConfig(max_final_action_tokens=16), "base")
+
+
+async def test_a_reflection_without_a_final_action_line_is_continued_into_an_action():
+    # the model writes the decision word and stops: what the issue saw on 8 of 8 probes
+    first = (" REVISE", [" RE", "VISE"], [math.log(0.7), -0.01], {" RE": math.log(0.7), " KE": math.log(0.2)})
+    cont = (" open fridge 1", [" open", " fridge", " 1"], [math.log(0.9), math.log(0.8), math.log(0.7)], {})
+    client = ScriptedClient(first, cont)
+    r = await make_llm(client).reflect("state", "go to desk 1", "You arrive at desk 1.")
+    assert r.readable and r.a_ref == "open fridge 1" and r.decision == "REVISE"
+    assert r.problem == "no_final_action"  # counted: the text alone was not readable
+    assert r.p_revise == pytest.approx(0.7 / 0.9)
+    assert r.q_ref == pytest.approx((0.9 * 0.8 * 0.7) ** (1 / 3))  # over the continuation's action tokens
+    # the second call continues the same prompt from the decision and the Final Action prefix
+    assert client.calls[1]["prompt"] == client.calls[0]["prompt"] + " REVISE\nFinal Action:"
+    assert client.calls[1]["max_tokens"] == 16 and "\n" in client.calls[1]["stop"]
+
+
+async def test_an_undecided_reflection_continues_from_the_likelier_decision():
+    first = ("\n", ["\n"], [-0.1], {"\n": -0.1, " KE": math.log(0.05), " RE": math.log(0.15)})
+    cont = (" look", [" look"], [math.log(0.5)], {})
+    client = ScriptedClient(first, cont)
+    r = await make_llm(client).reflect("state", "go to desk 1", "s")
+    assert r.readable and r.decision == "REVISE" and r.a_ref == "look" and r.problem == "no_decision"
+    assert client.calls[1]["prompt"].endswith("Decision: REVISE\nFinal Action:")
+
+
+async def test_a_readable_reflection_needs_one_call():
+    text = " KEEP\nFinal Action: go to desk 1"
+    toks = [" KE", "EP", "\n", "Final", " Action", ":", " go", " to", " desk", " 1"]
+    client = ScriptedClient((text, toks, [math.log(0.8)] + [math.log(0.9)] * 9, {" KE": math.log(0.8), " RE": math.log(0.1)}))
+    r = await make_llm(client).reflect("state", "go to desk 1", "s")
+    assert len(client.calls) == 1 and r.problem is None and r.readable and r.a_ref == "go to desk 1"
+    assert r.q_ref == pytest.approx(0.9)
+
+
+async def test_unreadable_reflections():
+    # no decision token among the top-k: no p, the draft is executed, nothing to learn from
+    client = ScriptedClient(("maybe", ["maybe"], [-0.1], {"maybe": -0.1}))
+    r = await make_llm(client).reflect("state", "look", "s")
+    assert not r.readable and r.a_ref == "look" and len(client.calls) == 1
+    # a decision, but the continuation writes no action either
+    client = ScriptedClient((" KEEP", [" KE", "EP"], [-0.1, -0.1], {" KE": -0.1}), ("", [], [], {}))
+    r = await make_llm(client).reflect("state", "look", "s")
+    assert not r.readable and r.a_ref == "look"
+
+
+def test_an_unreadable_reflection_is_never_stored_as_a_training_sample():
+    ingest = Ingest(lambda state, text: frozenset(), GateConfig())
+    for readable, stores in ((True, ["transitions", "reflections"]), (False, ["transitions"])):
+        tr = make_transition(1, reflection_readable=readable)
+        raw = msgpack.packb({**tr, "seq": 1})
+        item = ingest.prepare(decode(raw), raw)
+        assert [store for store, _ in item.records] == stores
+    assert item.counters["gate_ag_unreadable"] == 1
+
+
+def test_the_decision_format_term_is_blind_to_which_word():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 11, requires_grad=True)
+    losses.decision_format_nll(logits, 2, 5).sum().backward()
+    # no gradient along the decision (logit REVISE - logit KEEP): the two tokens get the same push
+    assert torch.allclose(logits.grad[:, 2], logits.grad[:, 5])
+    shifted = logits.detach().clone()
+    shifted[:, 5] += 1.3
+    shifted[:, 2] -= 0.4
+    lse = torch.logsumexp(shifted, -1)
+    expected = -torch.log(torch.exp(shifted[:, 2] - lse) + torch.exp(shifted[:, 5] - lse))
+    assert torch.allclose(losses.decision_format_nll(shifted, 2, 5), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_the_decision_token_carries_no_cross_entropy(tiny_model_dir, fast_path):
+    """The reflection CE over a sample is the CE of its tokens after the decision word's first token,
+    plus the decision-neutral format term there; the BCE is the only loss on the choice."""
+    t = make_trainer(tiny_model_dir, fast_path=fast_path, chunk_tokens=0)
+    t.model.eval()
+    record = reflection_record(1)
+    _, reflect_ce, bce, _ = t.policy_losses([], [record])
+    enc = t.encoder
+    seq = enc.reflection(record)
+    target = enc._ids(reflection_target("REVISE", record["target"]) + enc.eos)
+    assert seq.ids[seq.start:] == target and target[0] == enc.revise_id
+    from learner.peft_model import activate
+
+    activate(t.model, "policy", trainable=False)
+    with torch.no_grad():
+        logits = t.model(input_ids=torch.tensor([seq.ids])).logits[0].float()
+    at = torch.arange(seq.start - 1, seq.start - 1 + seq.n_target)  # positions predicting the target tokens
+    ce = torch.nn.functional.cross_entropy(logits[at[1:]], torch.tensor(seq.ids[seq.start + 1:]), reduction="sum")
+    fmt = losses.decision_format_nll(logits[at[:1]], enc.keep_id, enc.revise_id).sum()
+    assert float(reflect_ce) == pytest.approx(float((ce + fmt) / seq.n_target), rel=1e-4)
+    p = losses.revise_probability(logits[at[:1]], enc.keep_id, enc.revise_id)
+    assert float(bce) == pytest.approx(float(-torch.log(p)), rel=1e-4)
+
+
+def test_the_learner_reads_the_actors_decision_tokens(tiny_model_dir):
+    t = make_trainer(tiny_model_dir)
+    assert t.encoder.decision == DecisionTokens.from_model_dir(tiny_model_dir)
+
+
+def test_start_teacher_makes_the_teacher_the_student(tiny_model_dir):
+    from learner.ema import paired_lora_tensors
+    from tests.fixtures.learner import wm_record
+
+    t = make_trainer(tiny_model_dir)
+    for _ in range(2):
+        t.train_step([{"transitions": [wm_record()]}])
+    pairs = paired_lora_tensors(t.model)
+    assert any(not torch.equal(teacher, student) for teacher, student in pairs)
+    t.start_teacher()
+    assert all(torch.equal(teacher, student) for teacher, student in pairs)
