@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.explore import explore_action
-from comap_async.diagnostics import branch_outcome, reflection_label
+from comap_async.diagnostics import branch_outcome, loop_steps, reflection_label
 from comap_async.envs.base import RestoreDiverged
 from comap_async.facts import Facts, NextState, state_delta_f1
 from comap_async.gates import ActionGateResult, action_gate, canonical_action, ungated_action
@@ -64,12 +64,20 @@ class EpisodeStats:
     """Reflections that yielded no decision probability or no action even after the continuation."""
     gate_reasons: dict[str, int] = field(default_factory=dict)
     """Per step of the CoMap loop: why the action gate opened or stayed shut (``revised``, ``keep``...)."""
+    state_actions: list[tuple[Facts, str]] = field(default_factory=list)
+    """Per step: the state's canonical facts and the canonical action taken there (the loop rate)."""
     judged_steps: list[tuple[int, int, int]] = field(default_factory=list)
     """Evaluation with reflection metrics: per step, ``(m, z_draft, z_ref)`` (DESIGN.md section 11)."""
 
+    @property
+    def loops(self) -> int:
+        """Steps that repeated an action already taken from the same state (:func:`loop_steps`)."""
+        return loop_steps(self.state_actions)
+
     def metrics(self) -> dict[str, float]:
         n = max(1, self.steps)
-        out = {"revision_rate": self.revisions / n, "invalid_rate": self.invalid / n, "parse_problem_rate": self.parse_problems / n}
+        out = {"revision_rate": self.revisions / n, "invalid_rate": self.invalid / n,
+               "parse_problem_rate": self.parse_problems / n, "loop_rate": self.loops / n}
         if self.delta_f1:
             out["delta_f1"] = sum(self.delta_f1) / len(self.delta_f1)
         if self.reflections:
@@ -115,6 +123,7 @@ class Episode:
                             e.history_k, e.show_admissible)
 
     def advance(self, action: str, nxt: Any) -> None:
+        self.stats.state_actions.append((self.facts, canonical_action(action)))
         self.history.append((action, nxt.observation))
         self.actions.append(action)
         self.facts_before, self.facts = self.facts, self._observe(self.facts, nxt.observation)

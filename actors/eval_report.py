@@ -42,10 +42,11 @@ def summarize(results: list[tuple[Any, Any]], split: str, version: int, wall_s: 
         "delta_f1_transitions": len(f1),
         "revision_rate": sum(s.revisions for _, s in results) / total_steps,
         "invalid_action_rate": sum(s.invalid for _, s in results) / total_steps,
+        "loop_rate": sum(s.loops for _, s in results) / total_steps,
         "wall_s": round(wall_s, 2),
         "episodes": [{"game": g.name, "task_type": g.task_type, "won": s.won, "steps": s.steps,
                       "score": round(100.0 * s.reward, 2),
-                      "revisions": s.revisions, "invalid": s.invalid} for g, s in results],
+                      "revisions": s.revisions, "invalid": s.invalid, "loops": s.loops} for g, s in results],
     }
 
 
@@ -58,11 +59,12 @@ def markdown(report: dict[str, Any]) -> str:
     rows = [
         f"# Evaluation: {report['split']} (adapters v{report['adapter_version']}, method {report.get('method', 'comap')})",
         "",
-        "| games | success rate | mean score | mean steps | world-model Delta-F1 | revision rate | invalid-action rate |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| games | success rate | mean score | mean steps | world-model Delta-F1 | revision rate | invalid-action rate "
+        "| loop rate |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         f"| {report['games']} | {report['success_rate']:.3f} | {report.get('mean_score', 0.0):.1f} | "
         f"{report['mean_steps']:.1f} | {f1} | "
-        f"{report['revision_rate']:.3f} | {report['invalid_action_rate']:.3f} |", "",
+        f"{report['revision_rate']:.3f} | {report['invalid_action_rate']:.3f} | {num(report.get('loop_rate'))} |", "",
         "| game | won | score | steps | revisions |", "| --- | :---: | ---: | ---: | ---: |",
     ]
     rows += [f"| {e['game']} | {'yes' if e['won'] else 'no'} | {e.get('score', 0.0):g} | {e['steps']} | {e['revisions']} |"

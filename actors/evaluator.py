@@ -27,7 +27,7 @@ from comap_async.wire.messages import ROLES, Registry, adapter_name
 EVAL_PREFIX = "eval-"  # the evaluator serves its own copies of a version's adapters: a publish may retire the learner's
 
 SCALARS = ("wm_delta_f1", "wm_delta_f1_failures", "draft_accuracy", "admissible_rate", "success_rate",
-           "reflection_problem_rate", "unreadable_rate", "gate_open_rate", "p_discrimination")
+           "reflection_problem_rate", "unreadable_rate", "gate_open_rate", "p_discrimination", "loop_rate")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,7 +102,7 @@ class Evaluator:
 
     async def evaluate(self, client: Any, version: int, registry: dict[str, Any]) -> dict[str, Any]:
         from actors.eval_report import summarize
-        from actors.eval_runner import play_games
+        from actors.eval_runner import EvalIncomplete, check_complete, play_games
         from actors.probes import run_probes
 
         eval_registry = Registry.serving(version, prefix=EVAL_PREFIX)
@@ -120,9 +120,17 @@ class Evaluator:
             if success_games:
                 played = await play_games(cfg, success_games, eval_registry, self.log, envs=self.cfg.eval.envs,
                                           method=self.cfg.eval.method)
+                try:  # a game that crashed is not a lost game: a rate over the rest would read as a lower one
+                    check_complete(played, success_games, f"version {version}'s success games")
+                except EvalIncomplete as exc:
+                    self.log.error("evaluator.incomplete", version=version, error=str(exc))
+                    result["success_error"] = str(exc)  # no success_rate for this version
+                    played = None
+            if success_games and played is not None:
                 s = summarize(played, self.cfg.eval.split, version, 0.0)
-                result |= {"method": self.cfg.eval.method, "success_rate": s["success_rate"], "success_games": s["games"], "mean_steps": s["mean_steps"],
-                           "invalid_action_rate": s["invalid_action_rate"], "coevolve_delta_f1": s["delta_f1"]}
+                result |= {"method": self.cfg.eval.method, "success_rate": s["success_rate"], "success_games": s["games"],
+                           "mean_steps": s["mean_steps"], "invalid_action_rate": s["invalid_action_rate"],
+                           "loop_rate": s["loop_rate"], "coevolve_delta_f1": s["delta_f1"]}
         finally:
             for name in names.values():
                 await client.unload_adapter(name, missing_ok=True)

@@ -79,3 +79,17 @@ def reflection_diagnostics(steps: Iterable[tuple[int, int, int]], eps: float = E
         "sum_m_z_draft_not_z_ref": m_zd_not_zr, "sum_m_not_z_draft_z_ref": m_not_zd_zr,
         "urr": m_zd / (sum_zd + eps), "hrr": m_zd_not_zr / (sum_zd + eps), "brp": m_not_zd_zr / (sum_m + eps),
     }
+
+
+def loop_steps(state_actions: Iterable[tuple[Any, str]]) -> int:
+    """How many steps repeat an action already taken from the same state: ``(state, action)``
+    pairs in episode order (the state as canonical facts, the action canonical). A cycle counts from
+    its second turn on (each of its steps then comes back to a state where it took that action), as
+    does an action repeated where it changes nothing. Admissible actions can loop: the
+    invalid-action rate does not see this."""
+    seen: set[tuple[Any, str]] = set()
+    repeats = 0
+    for pair in state_actions:
+        repeats += pair in seen
+        seen.add(pair)
+    return repeats

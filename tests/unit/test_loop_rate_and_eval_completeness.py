@@ -1,0 +1,70 @@
+"""The loop rate on hand-made step lists, and an evaluator version whose success games crashed (issue 26)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from actors.episodes import EpisodeStats
+from actors.eval_report import summarize
+from comap_async.diagnostics import loop_steps
+
+AT_DESK = frozenset({"at(desk 1)"})
+HOLDING = frozenset({"at(desk 1)", "holding(bowl 1)"})
+
+
+def test_no_repeat_no_loop():
+    assert loop_steps([(frozenset(), "go to desk 1"), (AT_DESK, "take bowl 1 from desk 1"), (HOLDING, "go to shelf 1")]) == 0
+
+
+def test_a_take_move_cycle_counts_from_its_second_turn():
+    cycle = [(AT_DESK, "take bowl 1 from desk 1"), (HOLDING, "move bowl 1 to desk 1")]
+    assert loop_steps(cycle) == 0
+    assert loop_steps(cycle * 3) == 4  # turns 2 and 3: every step comes back to a (state, action) seen
+
+
+def test_an_action_repeated_where_it_changes_nothing_loops_and_another_action_does_not():
+    assert loop_steps([(AT_DESK, "look")] * 49) == 48
+    assert loop_steps([(AT_DESK, "look"), (AT_DESK, "inventory"), (AT_DESK, "examine desk 1")]) == 0
+    # the same action from another state is not a repeat
+    assert loop_steps([(AT_DESK, "go to shelf 1"), (HOLDING, "go to shelf 1")]) == 0
+
+
+def test_the_episode_and_report_carry_the_loop_rate():
+    stats = EpisodeStats(steps=6, state_actions=[(AT_DESK, "look")] * 4 + [(HOLDING, "look"), (AT_DESK, "go")])
+    assert stats.loops == 3 and stats.metrics()["loop_rate"] == pytest.approx(0.5)
+    game = SimpleNamespace(name="g", task_type="t")
+    report = summarize([(game, stats), (game, EpisodeStats(steps=4, state_actions=[(AT_DESK, "a")] * 4))], "s", 1, 0.0)
+    assert report["loop_rate"] == pytest.approx((3 + 3) / 10) and [e["loops"] for e in report["episodes"]] == [3, 3]
+
+
+async def test_an_evaluated_version_whose_success_game_crashed_has_no_success_rate(monkeypatch, tmp_path):
+    import actors.eval_runner
+    import actors.probes
+    from actors.evaluator import Evaluator
+    from comap_async.config import load_config
+
+    async def probes(*args, **kwargs):
+        return {"wm_delta_f1": 0.5}
+
+    async def games_played(cfg, games, *args, **kwargs):
+        return []  # the one game's episode failed (logged as actor.episode_failed): no result for it
+
+    monkeypatch.setattr(actors.probes, "run_probes", probes)
+    monkeypatch.setattr(actors.eval_runner, "play_games", games_played)
+
+    class Client:
+        async def load_adapter(self, *a, **k):
+            pass
+
+        async def unload_adapter(self, *a, **k):
+            pass
+
+    errors = []
+    log = SimpleNamespace(error=lambda event, **kw: errors.append((event, kw)), info=lambda *a, **k: None)
+    ev = Evaluator(load_config(None, [f"run.root={tmp_path}", "eval.success_games=1"]), log)
+    ev.__dict__["games"] = ([SimpleNamespace(name="g")], [SimpleNamespace(name="g")])
+    result = await ev.evaluate(Client(), 3, {"phase": "coevolve"})
+    assert "success_rate" not in result and "1 of 1 episodes failed" in result["success_error"]
+    assert result["wm_delta_f1"] == 0.5 and errors[0][0] == "evaluator.incomplete"
