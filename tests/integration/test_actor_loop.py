@@ -58,12 +58,14 @@ async def test_coevolve_actor_stores_complete_gated_transitions(broker_factory, 
         assert set(Transition.__struct_fields__) <= set(tr)  # the stored frame spells every field
         assert tr["phase"] == "coevolve" and tr["s_hat_teacher"] is not None and 0.0 <= tr["p_revise"] <= 1.0
         gate = action_gate(tr["p_revise"], tr["q_ref"], tr["a_ref"], tr["a_draft"], cfg.gates.tau_p, cfg.gates.tau_q)
-        assert tr["a_exec"] == (tr["a_ref"] if gate.open else tr["a_draft"]), tr["id"]
-        if not gate.open:
+        opened = gate.open and tr["reflection_readable"]  # an unreadable reflection executes the draft
+        assert tr["a_exec"] == (tr["a_ref"] if opened else tr["a_draft"]), tr["id"]
+        if not opened:
             assert tr["s_hat_exec"] == tr["s_hat"]
     check_contiguous(transitions, episodes)
-    # the broker derived one reflection sample per transition
-    assert len(stored(broker, "reflections")) == len(transitions)
+    # the broker derived one reflection sample per transition whose reflection could be read, none from the rest
+    readable = {tr["id"] for tr in transitions if tr["reflection_readable"]}
+    assert {r["id"] for r in stored(broker, "reflections")} == readable
 
 
 async def test_warmup_expert_episodes_win_and_land_in_demos(broker_factory, roomy_server, alfworld_data,

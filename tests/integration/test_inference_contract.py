@@ -84,7 +84,7 @@ async def test_decision_logprobs_give_p_revise(inference_server, adapters, refer
     # one p: the learner's function of the same logits (its BCE's probability) gives the actor's value
     from learner.losses import revise_probability as learner_p
 
-    assert p == pytest.approx(float(learner_p(ref[-1:], keep, revise)[0]), abs=inference_server.logprob_tol)
+    assert p == pytest.approx(float(learner_p(ref.unsqueeze(0), keep, revise)[0]), abs=inference_server.logprob_tol)
 
 
 async def test_adapter_changes_output_and_unload_restores_base(inference_server, adapters):
