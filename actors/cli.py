@@ -16,6 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import signal
+    import sys
 
     from actors.worker import ActorWorker
     from comap_async.config import load_config
@@ -35,10 +36,18 @@ def run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, worker.stop.set)
         await worker.run()
 
+    from comap_async.envs.pool import EnvPoolExhausted
+
     try:  # uvloop: 1.6 against 2.65 ms of actor CPU per step on asyncio (benchmarks/actor_overhead.py)
         import uvloop
     except ImportError:
-        asyncio.run(main())
+        run_loop = asyncio.run
     else:
-        uvloop.run(main())
+        run_loop = uvloop.run
+    try:
+        run_loop(main())
+    except EnvPoolExhausted as exc:  # one line, non-zero: honcho then stops the system instead of it spinning
+        log.error("actor.env_pool_exhausted", error=str(exc))
+        print(f"comap actor: error: {exc}", file=sys.stderr)
+        return 1
     return 0

@@ -19,6 +19,7 @@ from typing import Any
 from actors.episodes import EpisodeContext, EpisodeStats, play_coevolve, play_expert, play_reflect_init
 from actors.eval_methods import play_method
 from actors.registry_view import RegistryView
+from comap_async.envs.pool import EnvPoolExhausted
 from comap_async.waiting import cancel_and_wait, wait_until_answers
 from comap_async.wire.messages import COEVOLVE, POLICY, REFLECT_INIT, WARMUP, Registry
 
@@ -33,6 +34,7 @@ class ActorMetrics:
         self.by_version: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # version -> [won, played]
         self.revisions = self.invalid = 0
         self.failures = 0
+        self.env_restarts = lambda: 0  # the pool's count of replaced environment workers, once it exists
 
     def add(self, stats: EpisodeStats, version: int) -> None:
         self.steps += stats.steps
@@ -45,7 +47,7 @@ class ActorMetrics:
     def summary(self) -> dict[str, Any]:
         dt = max(1e-9, time.monotonic() - self.t0)
         n = max(1, self.steps)
-        return {"actor/steps_per_s": round(self.steps / dt, 3), "actor/episodes": self.episodes,
+        return {"actor/env_restarts": self.env_restarts(), "actor/steps_per_s": round(self.steps / dt, 3), "actor/episodes": self.episodes,
                 "actor/revision_rate": round(self.revisions / n, 4), "actor/invalid_rate": round(self.invalid / n, 4),
                 "actor/success_by_version": {str(v): round(w / p, 3) for v, (w, p) in sorted(self.by_version.items())},
                 "actor/episode_failures": self.failures}
@@ -117,6 +119,9 @@ class ActorWorker:
                     stats = await play_coevolve(ctx, env, game, episode_id)
             except asyncio.CancelledError:
                 raise
+            except EnvPoolExhausted:  # the environments keep dying: stop the actor, do not spin
+                self.metrics.failures += 1
+                raise
             except Exception as exc:  # one broken episode must not end the loop; counted and logged
                 self.metrics.failures += 1
                 self.log.warning("actor.episode_failed", episode=episode_id, game=game.name, error=repr(exc)[:300])
@@ -177,6 +182,7 @@ class ActorWorker:
                 self.registry.update(await wait_until_answers("broker", refresher.get_registry, self.log, self.stop,
                                                               "actor.waiting"))
         pool = env_pool_from_config(cfg, workers=cfg.actor.env_workers)
+        self.metrics.env_restarts = lambda: pool.restarts
         reporter = asyncio.create_task(self._report())
         try:
             llm.base_model = await self._base_model(client)

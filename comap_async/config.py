@@ -262,6 +262,9 @@ class ActorConfig(_Section):
     until the learner moves on, leaving the CPU to the learner."""
     env_workers: int = Field(default=1, ge=1)
     """Worker processes hosting this actor's environments (several environments each)."""
+    env_restarts: int = Field(default=5, ge=0)
+    """Environment worker processes that may die and be replaced (with a backoff) in one actor's life;
+    past that the actor stops with an error instead of failing episodes for ever."""
     outbox_max: int = Field(default=1024, ge=1)
     """Unacknowledged messages kept before the episode loops pause (backpressure)."""
     ack_timeout_s: float = Field(default=2.0, gt=0)

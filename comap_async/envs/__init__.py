@@ -93,4 +93,5 @@ def env_pool_from_config(cfg: "CoMapConfig", workers: int = 1) -> "AsyncEnvPool"
     """An (unstarted) :class:`~comap_async.envs.pool.AsyncEnvPool` for ``cfg.env``."""
     from comap_async.envs.pool import AsyncEnvPool
 
-    return AsyncEnvPool(workers=workers, env_name=cfg.env.name, max_steps=cfg.env.max_steps, seed=cfg.run.seed)
+    return AsyncEnvPool(workers=workers, env_name=cfg.env.name, max_restarts=cfg.actor.env_restarts,
+                        max_steps=cfg.env.max_steps, seed=cfg.run.seed)

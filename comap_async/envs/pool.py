@@ -5,7 +5,10 @@ rewrites ``sys.argv`` and swaps ``sys.stdout``, and the speed-up caches patch mo
 worker holds many environments (one per :class:`AsyncTextEnv`) and serves requests in order;
 an env's requests therefore never overlap, while envs on different workers step in parallel.
 Replies come back through the event loop's reader callback on the worker's pipe, so waiting
-costs the loop nothing. A worker that dies fails its pending calls with :class:`EnvWorkerError`.
+costs the loop nothing. A worker that dies fails its pending calls with :class:`EnvWorkerError`
+(the episode it was serving fails once); the next call of any of its environments starts a
+replacement worker, after a backoff, up to ``max_restarts`` times in the pool's life, after which
+calls raise :class:`EnvPoolExhausted` (the owner should stop rather than fail episodes for ever).
 
     async with AsyncEnvPool(workers=2, max_steps=50) as pool:
         env = pool.env()
@@ -38,6 +41,10 @@ class EnvWorkerError(RuntimeError):
     def __init__(self, message: str, kind: str = "") -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class EnvPoolExhausted(EnvWorkerError):
+    """Environment workers kept dying: the pool's restart budget is spent."""
 
 
 def _worker_main(conn: Connection, env_name: str, env_kwargs: dict[str, Any]) -> None:
@@ -177,6 +184,8 @@ class AsyncTextEnv:
 
     async def _call(self, method: str, *args: Any) -> Any:
         async with self._lock:
+            if self._worker.dead:  # its environments went with it: this one starts afresh elsewhere
+                self._worker = await self._pool._replacement(self._worker)
             try:
                 return await self._worker.call(next(self._pool._req_ids), self.env_id, method, args)
             except EnvWorkerError as exc:
@@ -205,10 +214,15 @@ class AsyncTextEnv:
 class AsyncEnvPool:
     """Worker processes hosting environments; :meth:`env` hands them out round-robin."""
 
-    def __init__(self, workers: int = 1, env_name: str = "alfworld", start_method: str = "spawn", **env_kwargs: Any) -> None:
+    def __init__(self, workers: int = 1, env_name: str = "alfworld", start_method: str = "spawn",
+                 max_restarts: int = 5, **env_kwargs: Any) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.num_workers = workers
+        self.max_restarts = max_restarts
+        self.restarts = 0  # dead workers replaced so far
+        self._replaced: dict[int, _Worker] = {}  # id of a dead worker -> the worker that took its place
+        self._restart_lock = asyncio.Lock()
         self.env_name = env_name
         self.env_kwargs = env_kwargs
         self._ctx = mp.get_context(start_method)
@@ -220,6 +234,26 @@ class AsyncEnvPool:
         self._workers = [_Worker(self._ctx, self.env_name, self.env_kwargs) for _ in range(self.num_workers)]
         await asyncio.gather(*(w.wait_ready() for w in self._workers))
         return self
+
+    async def _replacement(self, dead: _Worker) -> _Worker:
+        """The worker that takes ``dead``'s place (started once, however many of its envs ask)."""
+        async with self._restart_lock:
+            if id(dead) in self._replaced:
+                return self._replaced[id(dead)]
+            if dead not in self._workers:
+                raise EnvWorkerError("environment pool closed")
+            if self.restarts >= self.max_restarts:
+                raise EnvPoolExhausted(f"{self.env_name} environment workers died {self.restarts + 1} times "
+                                       f"(restart budget {self.max_restarts}); last: {dead.dead}")
+            await asyncio.sleep(min(0.5 * 2 ** self.restarts, 8.0))  # a crash loop must not spin
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, dead.stop, 1.0)  # reap it (no zombie)
+            fresh = _Worker(self._ctx, self.env_name, self.env_kwargs)
+            await fresh.wait_ready()
+            self._workers[self._workers.index(dead)] = fresh
+            self._replaced[id(dead)] = fresh
+            self.restarts += 1
+            return fresh
 
     def env(self) -> AsyncTextEnv:
         if not self._workers:

@@ -137,3 +137,32 @@ async def test_workers_outlive_a_group_sigterm_and_close_kills_a_busy_one(valid_
     assert time.monotonic() - t0 < 1.0 and not proc.is_alive()
     with pytest.raises(EnvWorkerError, match="pool closed"):
         await asyncio.wait_for(busy, 1)  # its caller hears of it instead of hanging
+
+
+async def test_a_killed_worker_is_replaced_and_past_the_budget_the_pool_gives_up(valid_seen):
+    """kill -9 of an env worker: the call it was serving fails once, the next call of each of its
+    environments gets one replacement worker (the dead one reaped), and past ``max_restarts`` calls
+    raise :class:`EnvPoolExhausted` instead of failing for ever."""
+    import os
+    import signal
+
+    from comap_async.envs.pool import EnvPoolExhausted
+
+    async with AsyncEnvPool(workers=1, max_steps=10, max_restarts=1) as pool:
+        env, branch = pool.env(), pool.env()
+        await env.reset(valid_seen[0])
+        await branch.reset(valid_seen[1])
+        first = pool._workers[0].process
+        busy = asyncio.ensure_future(env.reset(valid_seen[2]))  # in flight when the worker dies
+        await asyncio.sleep(0.01)
+        os.kill(first.pid, signal.SIGKILL)
+        with pytest.raises(EnvWorkerError, match="died"):
+            await asyncio.wait_for(busy, 10)
+        assert (await env.reset(valid_seen[0])).observation  # a fresh worker serves it
+        assert (await branch.reset(valid_seen[1])).observation  # the same replacement, not a second one
+        assert pool.restarts == 1 and pool._workers[0].process is not first
+        assert first.exitcode == -signal.SIGKILL  # reaped: no zombie left behind
+        os.kill(pool._workers[0].process.pid, signal.SIGKILL)
+        await asyncio.sleep(0.3)
+        with pytest.raises(EnvPoolExhausted, match="restart budget 1"):
+            await env.step("look")
