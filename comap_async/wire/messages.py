@@ -11,6 +11,7 @@ Also here: the roles, phases and decisions every process names, and the adapter-
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Annotated, Any, Literal, Union, get_args
 
@@ -72,6 +73,29 @@ Int = Annotated[int, Meta(ge=-(1 << 62), le=1 << 62)]
 Num = Annotated[float, Meta(ge=-_MAX_FLOAT, le=_MAX_FLOAT)]  # finite: NaN and infinities fail the bounds
 Map = Annotated[dict[str, Any], Meta(max_length=MAX_ITEMS)]
 Facts = Annotated[list[Id], Meta(max_length=MAX_ITEMS)]
+
+
+def _finite(value: Any, where: str, depth: int = 0) -> None:
+    """Refuse a non-finite number anywhere in a free-form map (NaN and infinities are not JSON: the
+    broker's ``/stats`` and ``/records`` would emit them); ``Num`` fields already refuse them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where}: non-finite number {value!r}")
+    if depth < 16 and isinstance(value, dict):
+        for k, v in value.items():
+            _finite(v, f"{where}.{k}", depth + 1)
+    elif depth < 16 and isinstance(value, list):
+        for i, v in enumerate(value):
+            _finite(v, f"{where}[{i}]", depth + 1)
+
+
+class _FiniteMaps:
+    """Checks the struct's :data:`Map` fields (``_maps``) with :func:`_finite` on every decode."""
+
+    _maps: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in self._maps:
+            _finite(getattr(self, name), name)
 
 
 class Message(Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
@@ -146,9 +170,10 @@ class Transition(Message, tag="transition", kw_only=True):
     executed); the broker stores the transition for the world model and derives no reflection sample."""
 
 
-class Episode(Message, tag="episode", kw_only=True):
+class Episode(_FiniteMaps, Message, tag="episode", kw_only=True):
     """The end of an episode."""
 
+    _maps = ("metrics",)
     seq: Int
     id: Id
     actor: Id
@@ -214,9 +239,10 @@ class Sample(Message, tag="sample", kw_only=True):
     phases: Annotated[list[Phase], Meta(max_length=len(PHASES))] = msgspec.field(default_factory=lambda: list(PHASES))
 
 
-class Announce(Message, tag="announce", kw_only=True):
+class Announce(_FiniteMaps, Message, tag="announce", kw_only=True):
     """Replace the broker's registry (adapters live everywhere); ``metrics``: the learner's scalars."""
 
+    _maps = ("versions", "adapters", "metrics")
     req: Int
     phase: Phase
     versions: Map
@@ -229,9 +255,10 @@ class GetRegistry(Message, tag="get_registry", kw_only=True):
     req: Int
 
 
-class EvalResult(Message, tag="eval_result", kw_only=True):
+class EvalResult(_FiniteMaps, Message, tag="eval_result", kw_only=True):
     """Held-out results of one adapter version (kept in the replay's meta)."""
 
+    _maps = ("result",)
     req: Int
     version: Int
     result: Map

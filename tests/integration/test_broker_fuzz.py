@@ -7,6 +7,7 @@ import json
 import random
 
 import msgpack
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -140,3 +141,37 @@ async def test_fuzz_frames_are_rejected_counted_and_broker_survives(broker_facto
         s.close(0)
     ctx.term()
     assert bp.terminate() == 0
+
+
+async def test_non_finite_numbers_in_free_form_maps_are_refused_and_http_stays_strict_json(broker_factory):
+    """An episode's ``metrics``, an ``eval_result``'s ``result`` and an ``announce``'s ``metrics`` with
+    NaN or an infinity are refused (they used to be acked and then break /stats and /records)."""
+    from tests.fixtures.broker import make_episode
+
+    bp = broker_factory()
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(bp.actor_endpoint)
+    for i, bad in enumerate([float("nan"), float("inf"), {"deep": [1.0, float("-inf")]}]):
+        await sock.send(msgpack.packb({**make_episode(i, metrics={"delta_f1": bad}), "seq": i}))
+        ack = msgpack.unpackb(await asyncio.wait_for(sock.recv(), 10))
+        assert not ack["ok"] and ack["retry"] is False and "non-finite" in ack["error"], ack
+    lsock = ctx.socket(zmq.DEALER)
+    lsock.connect(bp.learner_endpoint)
+    for req, msg in enumerate([{"type": "eval_result", "version": 1, "result": {"success_rate": float("nan")}},
+                               {"type": "announce", "phase": "warmup", "versions": {}, "adapters": {}, "step": 0,
+                                "metrics": {"wm/ce": float("inf")}}]):
+        await lsock.send(msgpack.packb({"v": 1, "req": req, **msg}))
+        reply = msgpack.unpackb(await asyncio.wait_for(lsock.recv(), 10))
+        assert not reply["ok"] and "non-finite" in reply["error"], reply
+    async with Outbox(bp.actor_endpoint, ack_timeout_s=1.0) as out:  # a finite episode still lands
+        await out.put(make_episode(9, metrics={"delta_f1": 0.5}))
+        await out.flush(10)
+    for path in ("/stats", "/records?store=episodes"):
+        status, body = bp.http(path)
+        assert status == 200
+        json.loads(body, parse_constant=lambda c: pytest.fail(f"{path} emitted {c}"))  # strict JSON
+    assert bp.stats()["stores"]["episodes"]["count"] == 1
+    for s in (sock, lsock):
+        s.close(0)
+    ctx.term()
