@@ -150,6 +150,9 @@ async def completions(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse_completion_request(await _json(request), state.max_new_tokens)
     name = req.model or state.base_name
+    if len(req.prompts) * req.n > MAX_WAITING:  # could never be queued: not a busy server, a request to split
+        raise RequestError(f"this request asks for {len(req.prompts) * req.n} sequences (prompts x n); the server "
+                           f"queues at most {MAX_WAITING}: send it in parts", param="prompt")
     state.registry.resolve(req.model)  # 404 before any work
     loop = asyncio.get_running_loop()
     ids = await loop.run_in_executor(state.executor, _tokenize, state.tokenizer, req.prompts)

@@ -207,6 +207,16 @@ async def test_malformed_completions_are_4xx_and_server_lives(inference_server, 
         assert await c.health(endpoint=inference_server.url) is True
 
 
+async def test_a_request_that_can_never_be_queued_is_400_not_a_retryable_503(inference_server):
+    if inference_server.kind == "vllm":
+        pytest.skip("vLLM queues any number of prompts")
+    import json as _json
+
+    status, text = await post(inference_server, "/v1/completions",
+                              _json.dumps({"prompt": ["look"] * 2000, "max_tokens": 1}))
+    assert status == 400 and "2000 sequences" in text and "at most 1024" in text, (status, text)
+
+
 @pytest.mark.parametrize("path,body", [
     ("/v1/load_lora_adapter", "{oops"), ("/v1/load_lora_adapter", '{"lora_name": "x"}'),
     ("/v1/load_lora_adapter", '{"lora_name": "x", "lora_path": "does-not-exist"}'),
