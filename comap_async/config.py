@@ -195,6 +195,9 @@ class InferenceConfig(_Section):
     of the same version, which it loads a few seconds later, plus one: with 4, the evaluator's third
     load took the slow path (2.3 s) while the spares were being rebuilt. The versions a publish
     replaces return to the pool when the learner unloads them."""
+    max_loaded_adapters: int = Field(default=32, ge=1)
+    """Embedded server: adapter names loaded at once (a publish keeps 3 roles x 3 versions, the
+    evaluator 3 more); a load beyond it is refused with 400 until one is unloaded."""
     prefix_cache_mb: int = Field(default=256, ge=0)
     """Embedded server: memory for the KV of shared prompt prefixes (0 turns the cache off)."""
     max_new_tokens: int = Field(default=256, ge=1)

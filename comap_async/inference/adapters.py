@@ -106,6 +106,9 @@ def read_adapter(path: Path) -> AdapterFiles:
                            param="lora_path") from None
     if not tensors:
         raise RequestError(f"{path.name}/{WEIGHTS_FILE} holds no tensors", param="lora_path")
+    bad = next((k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+    if bad is not None:  # it would load, and every output it touches would be NaN
+        raise RequestError(f"{path.name}: tensor {bad} holds non-finite values", param="lora_path")
     return AdapterFiles(path, config, tensors)
 
 
@@ -256,14 +259,22 @@ class SlotManager:
         except Exception as exc:  # peft raises ValueError/KeyError/... when targets do not exist in this model
             self._drop(name)
             raise RequestError(f"{files.path.name} does not fit the base model: {exc}", param="lora_path") from None
-        result = set_peft_model_state_dict(self.peft, files.tensors, adapter_name=name)
+        try:
+            result = set_peft_model_state_dict(self.peft, files.tensors, adapter_name=name)
+        except Exception as exc:  # e.g. size mismatch: the slot must not stay behind
+            self._drop(name)
+            raise RequestError(f"{files.path.name} does not fit the base model: {str(exc)[:500]}",
+                               param="lora_path") from None
+        unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+        missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k and f".{name}." in k]
+        if unexpected or missing:
+            self._drop(name)
+            what = (f"has weights for modules the base model lacks, e.g. {unexpected[0]}" if unexpected else
+                    f"has no weights for {len(missing)} of the modules its config targets, e.g. {missing[0]} "
+                    "(it would act as the base model there)")
+            raise RequestError(f"{files.path.name} {what}", param="lora_path")
         self.stacks.sync(name)
         self._bump(name)
-        unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
-        if unexpected:
-            self._drop(name)
-            raise RequestError(f"{files.path.name} has weights for modules the base model lacks, e.g. {unexpected[0]}",
-                               param="lora_path")
         return name
 
     def _drop(self, name: str) -> None:

@@ -43,6 +43,9 @@ def families(state: Any) -> list[Metric]:
     _line(out, "adapter_load_seconds_total", "counter", "Time spent loading adapters.", [({}, reg.load_seconds)])
     _line(out, "adapters_loaded", "gauge", "Adapter names being served.", [({}, len(reg.bindings))])
     _line(out, "adapter_slots_retired", "gauge", "Old adapter versions still finishing requests.", [({}, len(reg.retired))])
+    peft = reg.slots.peft
+    _line(out, "adapter_slots", "gauge", "LoRA slots in the model (served, retired and spare).",
+          [({}, len(peft.peft_config) if peft is not None else 0)])
     _line(out, "adapter_spare_slots", "gauge", "Prebuilt adapter slots ready for a fast load.",
           [({}, len(reg.slots.spares))])
     pc = state.engine.prefix

@@ -332,7 +332,8 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
     executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="comap-io")
     root = cfg.adapter_root
     root.mkdir(parents=True, exist_ok=True)
-    registry = AdapterRegistry(engine, slots, root, cfg.model.name_or_path, executor, log)
+    registry = AdapterRegistry(engine, slots, root, cfg.model.name_or_path, executor, log,
+                               max_loaded=inf.max_loaded_adapters)
     return ServerState(engine=engine, registry=registry, tokenizer=tok, base_name=cfg.model.name_or_path,
                        model_path=str(path), max_prompt_tokens=inf.max_prompt_tokens,
                        max_new_tokens=inf.max_new_tokens, max_model_len=max_model_len, executor=executor,

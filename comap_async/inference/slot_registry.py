@@ -35,8 +35,9 @@ class Binding:
 
 class AdapterRegistry:
     def __init__(self, engine: Engine, slots: SlotManager, root: Path, base_name: str, executor: Executor,
-                 log: Any = None) -> None:
+                 log: Any = None, max_loaded: int = 32) -> None:
         self.engine, self.slots, self.root, self.base_name = engine, slots, root, base_name
+        self.max_loaded = max_loaded  # adapter names served at once (each holds an adapter's memory)
         self.executor, self.log = executor, log
         self.bindings: dict[str, Binding] = {}
         self.refs: Counter[str] = Counter()
@@ -90,6 +91,9 @@ class AdapterRegistry:
             if name in self.bindings and not load_inplace:
                 raise RequestError(f"The lora adapter '{name}' has already been loaded. If you want to load the "
                                    "adapter in place, set 'load_inplace' to True.", param="lora_name")
+            if name not in self.bindings and len(self.bindings) >= self.max_loaded:
+                raise RequestError(f"{len(self.bindings)} adapters are loaded, the most this server holds "
+                                   f"(inference.max_loaded_adapters): unload one first", param="lora_name")
             t0 = time.perf_counter()
             loop = asyncio.get_running_loop()
             # path checks and file reads hit the disk: both off the event loop

@@ -207,6 +207,84 @@ async def test_malformed_completions_are_4xx_and_server_lives(inference_server, 
         assert await c.health(endpoint=inference_server.url) is True
 
 
+def _slots(server) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("comap_inference_adapter_slots ")))
+
+
+async def test_bad_adapters_are_400_and_leave_nothing_loaded(inference_server, adapters):
+    """Wrong tensor shapes (a slow-path size mismatch), non-finite values, and tensors that match none
+    of the modules its config targets: each load answers 400 with the reason and no slot stays behind."""
+    if inference_server.kind == "vllm":
+        pytest.skip("the embedded server's adapter checks")
+    import json as _json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    good = adapters.random("badsrc-v1", seed=5, r=4)
+    root = inference_server.adapter_root
+
+    def variant(name, edit_tensors=None, edit_config=None):
+        out = root / name
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(good, out)
+        if edit_tensors:
+            t = load_file(str(out / "adapter_model.safetensors"))
+            save_file(edit_tensors(t), str(out / "adapter_model.safetensors"))
+        if edit_config:
+            cfg = _json.loads((out / "adapter_config.json").read_text())
+            (out / "adapter_config.json").write_text(_json.dumps(edit_config(cfg)))
+        return out
+
+    def nan(t):
+        k = next(iter(t))
+        return {**t, k: torch.full_like(t[k], float("nan"))}
+
+    cases = {
+        "shape-v1": (variant("shape-v1", edit_config=lambda c: {**c, "r": 16, "lora_alpha": 32}), "does not fit"),
+        "nan-v1": (variant("nan-v1", edit_tensors=nan), "non-finite"),
+        "nomatch-v1": (variant("nomatch-v1", edit_tensors=lambda t: {f"unrelated.{i}.weight": v
+                                                                     for i, v in enumerate(t.values())}),
+                       "no weights for"),
+    }
+    async with inference_server.client() as c:
+        before = _slots(inference_server)
+        for name, (path, reason) in cases.items():
+            for _ in range(3):  # repeated failures leave nothing behind either
+                with pytest.raises(InferenceError) as err:
+                    await c.load_adapter(name, str(path))
+                assert err.value.status == 400 and reason in str(err.value), (name, err.value)
+            assert name not in await c.models()
+        assert _slots(inference_server) == before
+        await c.load_adapter("badsrc-v1", str(good))  # a good one still loads
+        assert "badsrc-v1" in await c.models()
+        await c.unload_adapter("badsrc-v1")
+
+
+async def test_loaded_adapter_names_are_capped(inference_server, adapters):
+    if inference_server.kind == "vllm":
+        pytest.skip("vLLM caps with --max-loras/--max-cpu-loras")
+    path = adapters.random("cap-v1", seed=6)
+    async with inference_server.client() as c:
+        loaded = [m for m in await c.models() if m != inference_server.base_name]
+        names = [f"cap-{i}" for i in range(32 - len(loaded))]
+        try:
+            for n in names:
+                await c.load_adapter(n, str(path))
+            with pytest.raises(InferenceError) as err:
+                await c.load_adapter("cap-one-too-many", str(path))
+            assert err.value.status == 400 and "max_loaded_adapters" in str(err.value)
+            await c.load_adapter(names[0], str(path), load_inplace=True)  # replacing a name is not a new one
+        finally:
+            for n in names:
+                await c.unload_adapter(n, missing_ok=True)
+
+
 async def test_a_request_that_can_never_be_queued_is_400_not_a_retryable_503(inference_server):
     if inference_server.kind == "vllm":
         pytest.skip("vLLM queues any number of prompts")
