@@ -149,6 +149,11 @@ class BrokerConfig(_Section):
     """Ring capacity of the expert demonstration store."""
     capacity_episodes: int = Field(default=100_000, ge=1)
     """Ring capacity of the episode store."""
+    ack_queue_max: int = Field(default=50_000, ge=100)
+    """Replies queued for one peer (ZeroMQ's send high-water mark per connection). A peer that sends
+    without reading its acks cannot grow the broker past it: further replies to it are dropped and
+    counted (``peer_ack_dropped``). Nothing acknowledged is lost that way: an actor's outbox resends
+    what was not acked and the broker, which stores each id once, acks it again."""
     group_commit: int = Field(default=256, ge=1)
     """Most messages stored per LMDB transaction (acks go out after its commit)."""
     gate_workers: int = Field(default=1, ge=0, le=16)
