@@ -16,7 +16,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import signal
-    import sys
 
     from actors.worker import ActorWorker
     from comap_async.config import load_config
@@ -37,7 +36,6 @@ def run(args: argparse.Namespace) -> int:
         await worker.run()
 
     from comap_async.envs.pool import EnvPoolExhausted
-
     try:  # uvloop: 1.6 against 2.65 ms of actor CPU per step on asyncio (benchmarks/actor_overhead.py)
         import uvloop
     except ImportError:
@@ -46,8 +44,7 @@ def run(args: argparse.Namespace) -> int:
         run_loop = uvloop.run
     try:
         run_loop(main())
-    except EnvPoolExhausted as exc:  # one line, non-zero: honcho then stops the system instead of it spinning
+    except EnvPoolExhausted as exc:  # logged too; comap prints it as one line and exits non-zero
         log.error("actor.env_pool_exhausted", error=str(exc))
-        print(f"comap actor: error: {exc}", file=sys.stderr)
-        return 1
+        raise
     return 0

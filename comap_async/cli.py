@@ -63,10 +63,14 @@ def _command_of(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from comap_async.config import ConfigError
-    from comap_async.models import ModelError
+    """Run a command; its expected failures (:class:`comap_async.errors.CommandError`: bad config,
+    missing data or model, a busy port...) end with one line on stderr and exit 2, with the
+    traceback only under ``--debug`` or ``COMAP_DEBUG=1``."""
+    from comap_async.errors import CommandError
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv or os.environ.get("COMAP_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     parser = build_parser(_command_of(argv))
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
@@ -74,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
-    except (ConfigError, ModelError) as exc:
+    except CommandError as exc:
+        if debug:
+            raise
         print(f"comap {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -7,6 +7,8 @@ start-up in :meth:`CoMapConfig.check_invariants`, with a ``ValueError`` naming t
 
 from __future__ import annotations
 
+from comap_async.errors import CommandError
+
 import difflib
 import ipaddress
 import os
@@ -17,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
-class ConfigError(ValueError):
+class ConfigError(CommandError, ValueError):
     """A configuration file or override is wrong; the message names the file, field and reason."""
 
 

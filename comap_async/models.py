@@ -9,6 +9,8 @@ BPE tokenizer trained on the fly, saved the same way so every consumer loads the
 
 from __future__ import annotations
 
+from comap_async.errors import CommandError
+
 import importlib.util
 import json
 import os
@@ -35,7 +37,7 @@ CHATML_TEMPLATE = (
 )
 
 
-class ModelError(RuntimeError):
+class ModelError(CommandError, RuntimeError):
     """A model could not be found, verified or converted; the message says what to do."""
 
 
@@ -236,11 +238,32 @@ def resolve_model(name_or_path: str, cache_dir: str | os.PathLike, prepare_tiny:
         if not (local / "config.json").is_file():
             raise ModelError(f"{local} exists but has no config.json: not a model directory")
         return str(local)
-    if "/" not in name_or_path:
+    looks_like_path = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1
+    if looks_like_path or "/" not in name_or_path:
+        if looks_like_path and "/" in name_or_path:
+            raise ModelError(f"model directory {local} does not exist")
         raise ModelError(
             f"unknown model {name_or_path!r}: use '{DEFAULT_MODEL}', '{TINY_MODEL}', a model directory or a hub id"
         )
-    return name_or_path
+    return hub_snapshot(name_or_path)
+
+
+def hub_snapshot(repo_id: str, cache_dir: str | os.PathLike | None = None) -> str:
+    """The local directory of a hub model already in the Hugging Face cache (``$HF_HOME``): every
+    process (actors and evaluator read its chat template and tokenizer, the learner and the server
+    its weights) reads the same files, and nothing is downloaded at run time."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
+        raise ModelError(f"{repo_id!r} is a hub id but huggingface_hub is not installed") from None
+    try:
+        return snapshot_download(repo_id, local_files_only=True, cache_dir=cache_dir)
+    except LocalEntryNotFoundError:
+        raise ModelError(f"{repo_id} is not in the Hugging Face cache: download it once with "
+                         f"`huggingface-cli download {repo_id}` (or set model.name_or_path to a model directory)") from None
+    except Exception as exc:  # a malformed id, an unreadable cache
+        raise ModelError(f"cannot resolve the hub model {repo_id!r}: {exc}") from None
 
 
 def cpu_has_native_bf16() -> bool:

@@ -10,6 +10,8 @@ sample on any file system (alfworld itself keeps ``os.walk`` order).
 
 from __future__ import annotations
 
+from comap_async.errors import CommandError
+
 import json
 import os
 import random
@@ -40,7 +42,7 @@ HOW_TO_GET_DATA = (
 )
 
 
-class AlfworldDataError(FileNotFoundError):
+class AlfworldDataError(CommandError, FileNotFoundError):
     """The ALFWorld games are missing or incomplete; the message says how to get them."""
 
 

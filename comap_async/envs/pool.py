@@ -18,6 +18,8 @@ calls raise :class:`EnvPoolExhausted` (the owner should stop rather than fail ep
 
 from __future__ import annotations
 
+from comap_async.errors import CommandError
+
 import asyncio
 import itertools
 import multiprocessing as mp
@@ -43,7 +45,7 @@ class EnvWorkerError(RuntimeError):
         self.kind = kind
 
 
-class EnvPoolExhausted(EnvWorkerError):
+class EnvPoolExhausted(CommandError, EnvWorkerError):
     """Environment workers kept dying: the pool's restart budget is spent."""
 
 

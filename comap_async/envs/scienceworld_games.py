@@ -7,6 +7,8 @@ task's variation split; listing them costs one JVM start (~1.4 s here). A game i
 
 from __future__ import annotations
 
+from comap_async.errors import CommandError
+
 import os
 import random
 import shutil
@@ -22,7 +24,7 @@ HOW_TO_INSTALL = ("ScienceWorld needs the `scienceworld` package (`pip install s
                   "dependencies) and Java 17 or newer on PATH (Debian: `apt-get install openjdk-17-jre-headless`)")
 
 
-class ScienceWorldError(RuntimeError):
+class ScienceWorldError(CommandError, RuntimeError):
     """The simulator cannot run here (package or Java missing), or a game name is not one of its games."""
 
 

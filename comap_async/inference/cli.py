@@ -39,6 +39,10 @@ def run(args: argparse.Namespace) -> int:
         if not sep or not name or not path:
             raise ConfigError(f"--lora {item!r}: expected NAME=PATH")
         loras[name] = path
+    if not getattr(args, "print_command", False):  # before minutes of model loading, not after
+        from comap_async.errors import check_port_free
+
+        check_port_free(cfg.inference.host, cfg.inference.port, "inference.port (or --port)")
     if cfg.inference.backend == "vllm":
         from comap_async.inference import vllm
 

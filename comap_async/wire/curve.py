@@ -12,6 +12,8 @@ authorised by having its public ``.key`` in ``authorized_clients/``; remove it t
 
 from __future__ import annotations
 
+from comap_async.errors import CommandError
+
 import os
 import shutil
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ import zmq.auth
 AUTHORIZED = "authorized_clients"
 
 
-class KeysError(RuntimeError):
+class KeysError(CommandError, RuntimeError):
     """Keys are missing or unreadable; the message says which file and how to make it."""
 
 

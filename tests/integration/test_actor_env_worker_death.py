@@ -86,5 +86,5 @@ async def test_past_its_restart_budget_the_actor_exits_with_one_line(broker_fact
         if proc.poll() is None:
             proc.kill()
     lines = (tmp_path / "actor.log").read_text().strip().splitlines()
-    assert rc == 1 and lines[-1].startswith("comap actor: error: alfworld environment workers died 1 times"), lines[-5:]
+    assert rc == 2 and lines[-1].startswith("comap actor: error: alfworld environment workers died 1 times"), lines[-5:]
     assert "Traceback" not in "\n".join(lines)

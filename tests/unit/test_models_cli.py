@@ -43,7 +43,8 @@ def test_resolve_model_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelError, match="config.json"):
         resolve_model(str(tmp_path / "empty"), tmp_path)
-    assert resolve_model("Qwen/Qwen3-4B", tmp_path) == "Qwen/Qwen3-4B"
+    with pytest.raises(ModelError, match="not in the Hugging Face cache"):  # never passed on as a relative path
+        resolve_model("Qwen/Qwen3-4B-not-cached-here", tmp_path)
 
 
 def test_config_error_exit_code_and_message(tmp_path):
