@@ -28,7 +28,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())  # a ByteTensor on the CPU, whatever device it was loaded to
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def save_checkpoint(root: Path, trainer: Any, extra: dict[str, Any], keep: int = 3) -> Path:
@@ -66,7 +68,9 @@ def latest(root: Path) -> Path | None:
 
 def load_checkpoint(path: Path, trainer: Any) -> dict[str, Any]:
     """Restore everything into ``trainer``; returns the ``extra`` dict saved with it."""
-    state = torch.load(path / _FILE, map_location=trainer.device, weights_only=False)
+    # to the CPU first: RNG states must stay there (set_rng_state refuses a CUDA tensor); adapter
+    # tensors are copied into the parameters and the optimizer moves its state to theirs
+    state = torch.load(path / _FILE, map_location="cpu", weights_only=False)
     for role in ROLES:
         load_adapter_state(trainer.model, role, state["adapters"][role])
     trainer.optimizer.load_state_dict(state["optimizer"])

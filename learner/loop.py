@@ -255,7 +255,7 @@ class Learner:
                 self.log.warning("learner.live_adapter_missing", role=role, adapter=name, path=str(path))
                 continue
             await load_everywhere(inference, list(self.cfg.inference.endpoints), name, path,
-                                  self.cfg.inference.retries, self.log)
+                                  self.cfg.inference.retries, self.log, inplace=True)
         self.log.info("learner.live_adapters_reloaded", adapters=registry.get("adapters"))
 
     async def wait_for_store(self, broker: Any, store: str, key: str, need: int, event: str) -> int | None:

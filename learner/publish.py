@@ -69,8 +69,14 @@ def _version_dirs(root: Path, role: str) -> list[Path]:
 
 
 async def load_everywhere(client: Any, endpoints: list[str], name: str, path: Path, retries: int | RetryConfig,
-                          log: Any) -> None:
-    """Load one adapter into every endpoint; each failure is retried and logged, never skipped.
+                          log: Any, inplace: bool = False) -> None:
+    """Load one adapter into every endpoint and check that the endpoint lists it; each failure is
+    retried and logged, never skipped.
+
+    A new version is an ordinary load under its new name. In place only where the same name must
+    change (``inplace``: a restarted learner reloading the registry's names) or on a retry (the
+    earlier attempt may have landed before its answer was lost): vLLM keeps the in-place flag on
+    the stored adapter and re-reads it from disk at every step (vLLM issue #33791).
 
     The retries are this function's alone (:func:`publish_policy` of ``retries``): the client is
     called with ``retry=NO_RETRY``, so an endpoint sees at most ``attempts`` loads, not that many
@@ -79,10 +85,12 @@ async def load_everywhere(client: Any, endpoints: list[str], name: str, path: Pa
     for endpoint in endpoints:
         async def attempt(n: int, endpoint: str = endpoint) -> None:
             try:
-                # in place: a resumed learner re-publishes its current version, which an endpoint that
-                # kept running still holds; for a new name this is an ordinary load
-                await client.load_adapter(name, str(path), load_inplace=True, endpoint=endpoint,
+                await client.load_adapter(name, str(path), load_inplace=inplace or n > 1, endpoint=endpoint,
                                           retry=retry_policy.NO_RETRY)
+                # an answered load is not yet a served adapter (verl #7495: a LoRA never delivered
+                # looks like staleness): the endpoint must list it
+                if name not in await client.models(endpoint=endpoint):
+                    raise PublishError(f"{endpoint} answered the load of {name} but does not list it")
             except Exception as exc:  # any failure of this endpoint: retry, then fail the publish loudly
                 log.warning("publish.load_failed", endpoint=endpoint, adapter=name, attempt=n, error=str(exc))
                 raise

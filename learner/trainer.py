@@ -67,7 +67,10 @@ def rng_state() -> dict[str, Any]:
 
     import numpy as np
 
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():  # dropout masks on a GPU draw from its own generators
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def cosine_with_warmup(step: int, total: int, warmup_ratio: float, floor: float = 0.1) -> float:

@@ -19,7 +19,8 @@ async def test_relative_run_dir_publishes_absolute_paths(tiny_model_dir, tmp_pat
                            endpoints=["http://e"], broker=rec, log=QuietLog())
     assert [n for n, _, _ in rec.loads] == ["policy-v1", "wm-v1", "wm_teacher-v1"]
     for _, path, inplace in rec.loads:
-        assert os.path.isabs(path) and os.path.isfile(os.path.join(path, "adapter_model.safetensors")) and inplace
+        assert os.path.isabs(path) and os.path.isfile(os.path.join(path, "adapter_model.safetensors"))
+        assert not inplace  # a new version is an ordinary load under its new name (vLLM #33791)
 
 
 async def test_every_published_version_records_its_ablation(tiny_model_dir, tmp_path):
@@ -37,3 +38,25 @@ async def test_every_published_version_records_its_ablation(tiny_model_dir, tmp_
             meta = json.loads((tmp_path / f"{role}-v{version}" / VERSION_META).read_text())
             assert meta == {"version": version, "phase": "coevolve", "step": 5 * version, "ablation": ablation or []}
     assert json.loads((tmp_path / "latest.json").read_text())["ablation"] == ["frozen_wm"]
+
+
+class Forgetful(RecordingEndpoint):
+    """Answers every load with success but lists none of them (an adapter never delivered)."""
+
+    async def models(self, endpoint=None):
+        return ["base"]
+
+
+async def test_a_load_the_endpoint_does_not_list_fails_the_publish_loudly(tmp_path):
+    import pytest
+
+    from learner.publish import PublishError, load_everywhere
+
+    rec = Forgetful()
+    with pytest.raises(PublishError, match="does not list it"):
+        await load_everywhere(rec, ["http://e"], "policy-v3", tmp_path, retries=1, log=QuietLog())
+    # the retry replaces in place (the first attempt may have landed); the first never does
+    assert [inplace for _, _, inplace in rec.loads] == [False, True]
+    rec = RecordingEndpoint()
+    await load_everywhere(rec, ["http://e"], "policy-v3", tmp_path, retries=1, log=QuietLog(), inplace=True)
+    assert rec.loads == [("policy-v3", str(tmp_path), True)]  # a restarted learner's reload of a live name

@@ -189,3 +189,30 @@ def test_change_token_nll_counts_only_tokens_new_to_the_previous_observation(tin
     m = trainer.train_step([{"transitions": [rec]}])
     assert abs(m["wm/change_nll"] - expected) < 1e-4
     assert "wm/change_nll" not in trainer.train_step([{"demos": [demo_record(0)]}])
+
+
+def test_a_checkpoint_resumes_on_any_device(tiny_model_dir, tmp_path, monkeypatch):
+    """Resuming on CUDA crashed: the whole checkpoint was loaded to the learner's device, the CPU RNG
+    state with it, and torch.set_rng_state refuses a non-CPU tensor. Loaded to the meta device here
+    (what a CUDA map_location did to it), it must come back exactly as saved."""
+    import torch
+
+    from learner.checkpoint import load_checkpoint, save_checkpoint
+    from tests.fixtures.learner import make_trainer, wm_record
+
+    t = make_trainer(tiny_model_dir)
+    t.train_step([{"transitions": [wm_record()]}])
+    path = save_checkpoint(tmp_path, t, {"state": {}})
+    saved = t.rng_at_step_start["torch"].clone()
+    real_load = torch.load
+
+    def load_elsewhere(f, map_location=None, **kw):  # what map_location=<the learner's device> did
+        state = real_load(f, map_location="cpu", **kw)
+        state["rng"]["torch"] = state["rng"]["torch"].to("meta") if map_location not in ("cpu", None) else state["rng"]["torch"]
+        return state
+
+    monkeypatch.setattr(torch, "load", load_elsewhere)
+    fresh = make_trainer(tiny_model_dir)
+    fresh.device = "meta"
+    load_checkpoint(path, fresh)
+    assert torch.equal(torch.get_rng_state(), saved) and fresh.step == t.step
