@@ -37,6 +37,8 @@ class Sequence:
     params: SamplingParams
     slot: str = BASE
     on_done: Callable[["Sequence"], None] | None = None
+    on_token: Callable[["Sequence"], None] | None = None
+    """Called on the engine thread after each generated token (streaming); it must only schedule work."""
     generator: torch.Generator | None = None
     out_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
@@ -296,6 +298,12 @@ class Engine:
         if p.logprobs is not None:
             seq.top_logprobs.append(step.top)
         self.stats.generated_tokens += 1
+        if seq.on_token is not None:
+            try:
+                seq.on_token(seq)
+            except Exception:  # a broken callback must not take the engine down
+                if self.log:
+                    self.log.exception("engine.callback_failed")
         reason: str | None = None
         if tok in self.eos_ids and not p.ignore_eos:
             reason = "stop"

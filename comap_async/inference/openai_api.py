@@ -1,6 +1,6 @@
 """The embedded OpenAI-compatible server (aiohttp): the same routes and JSON shapes as vLLM's.
 
-Routes: ``POST /v1/completions``, ``GET /v1/models``, ``POST /v1/load_lora_adapter``,
+Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (both also streamed), ``GET /v1/models``, ``POST /v1/load_lora_adapter``,
 ``POST /v1/unload_lora_adapter`` (bearer token when configured), ``GET /health``, ``GET /metrics``.
 The event loop only parses, validates and waits: tokenization and adapter file reads run in a small
 thread pool, generation on the engine thread (see engine.py).
@@ -23,6 +23,7 @@ from comap_async.httpcommon import bearer_matches
 from comap_async.inference.engine import Engine, Sequence
 from comap_async.inference.slot_registry import AdapterRegistry
 from comap_async.inference.token_sampling import CompletionRequest, RequestError, make_generator, parse_completion_request
+from comap_async.prompts import ChatTemplate
 
 MAX_WAITING = 1024  # queued sequences beyond this get 503 (clients retry elsewhere / later)
 MAX_BODY = 8 << 20
@@ -41,6 +42,7 @@ class ServerState:
     executor: ThreadPoolExecutor
     admin_token: str | None = None
     log: Any = None
+    chat_template: Any = None  # comap_async.prompts.ChatTemplate of the model (/v1/chat/completions)
     started: int = field(default_factory=lambda: int(time.time()))
     started_at: float = field(default_factory=time.time)
     requests: dict[tuple[str, int], int] = field(default_factory=dict)
@@ -146,22 +148,27 @@ def _logprobs(engine: Engine, seq: Sequence, k: int, as_ids: bool) -> dict[str, 
             "tokens": tokens, "top_logprobs": tops}
 
 
-async def completions(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    req = parse_completion_request(await _json(request), state.max_new_tokens)
-    name = req.model or state.base_name
+async def prepare(state: ServerState, req: CompletionRequest, ids: list[list[int]] | None = None) -> list[list[int]]:
+    """The checks every generation request passes before any sequence exists; returns the prompts' ids."""
     if len(req.prompts) * req.n > MAX_WAITING:  # could never be queued: not a busy server, a request to split
         raise RequestError(f"this request asks for {len(req.prompts) * req.n} sequences (prompts x n); the server "
                            f"queues at most {MAX_WAITING}: send it in parts", param="prompt")
     state.registry.resolve(req.model)  # 404 before any work
-    loop = asyncio.get_running_loop()
-    ids = await loop.run_in_executor(state.executor, _tokenize, state.tokenizer, req.prompts)
+    if ids is None:
+        ids = await asyncio.get_running_loop().run_in_executor(state.executor, _tokenize, state.tokenizer, req.prompts)
     _check_lengths(state, req, ids)
-    n_new = len(ids) * req.n
-    if state.engine.stats.waiting + n_new > MAX_WAITING:
+    if state.engine.stats.waiting + len(ids) * req.n > MAX_WAITING:
         raise RequestError(f"server busy: {state.engine.stats.waiting} sequences waiting", status=503)
     if not state.engine.alive:
         raise RequestError("the inference engine has stopped; see the server log", status=503)
+    return ids
+
+
+def submit(state: ServerState, req: CompletionRequest, ids: list[list[int]],
+           on_token: Any = None) -> tuple[list[Sequence], list[asyncio.Future]]:
+    """Hand ``n`` sequences per prompt to the engine; each future resolves when its sequence ends.
+    ``on_token(seq)`` (engine thread) is called after every generated token (streaming)."""
+    loop = asyncio.get_running_loop()
     seqs: list[Sequence] = []
     futures: list[asyncio.Future] = []
 
@@ -174,11 +181,17 @@ async def completions(request: web.Request) -> web.Response:
         for j in range(req.n):
             fut = loop.create_future()
             seed = None if req.params.seed is None else req.params.seed + j
-            seq = Sequence(p, req.params, slot=state.registry.acquire(req.model), generator=make_generator(seed))
+            seq = Sequence(p, req.params, slot=state.registry.acquire(req.model), generator=make_generator(seed),
+                           on_token=on_token)
             seq.on_done = lambda s, f=fut: loop.call_soon_threadsafe(done, s, f)
             seqs.append(seq)
             futures.append(fut)
     state.engine.submit(seqs)
+    return seqs, futures
+
+
+async def finished(seqs: list[Sequence], futures: list[asyncio.Future]) -> None:
+    """Wait for every sequence; a cancelled request (client gone) cancels its sequences."""
     try:
         await asyncio.gather(*futures)
     except asyncio.CancelledError:
@@ -188,21 +201,47 @@ async def completions(request: web.Request) -> web.Response:
     failed = [s for s in seqs if s.error is not None]
     if failed:
         raise RuntimeError(f"generation failed: {failed[0].error!r}")
+
+
+def usage(ids: list[list[int]], seqs: list[Sequence]) -> dict[str, Any]:
+    prompt_tokens = sum(len(p) for p in ids)
+    completion_tokens = sum(len(s.out_ids) for s in seqs)
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens, "prompt_tokens_details": None}
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await _json(request)
+    stream = isinstance(body, dict) and body.get("stream") is True
+    if stream:
+        body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    req = parse_completion_request(body, state.max_new_tokens)
+    name = req.model or state.base_name
+    ids = await prepare(state, req)
+    if stream:
+        from comap_async.inference.streaming import stream_completions
+
+        return await stream_completions(request, state, req, ids, name)
+    seqs, futures = submit(state, req, ids)
+    await finished(seqs, futures)
     k = req.params.logprobs
     choices = [{
         "index": i, "text": s.text,
         "logprobs": _logprobs(state.engine, s, k, req.return_tokens_as_token_ids) if k is not None else None,
         "finish_reason": s.finish_reason, "stop_reason": s.stop_reason, "prompt_logprobs": None,
     } for i, s in enumerate(seqs)]
-    prompt_tokens = sum(len(p) for p in ids)
-    completion_tokens = sum(len(s.out_ids) for s in seqs)
     return web.json_response({
         "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": name,
-        "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-                  "completion_tokens": completion_tokens, "prompt_tokens_details": None},
+        "choices": choices, "usage": usage(ids, seqs),
         "system_fingerprint": None, "service_tier": None, "kv_transfer_params": None,
     })
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    from comap_async.inference.streaming import chat
+
+    return await chat(request, request.app[STATE], await _json(request))
 
 
 # ------------------------------------------------------------------ models and adapters
@@ -259,6 +298,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 _ROUTES = {
     "/v1/completions": ("POST", completions),
+    "/v1/chat/completions": ("POST", chat_completions),
     "/v1/models": ("GET", models),
     "/v1/load_lora_adapter": ("POST", load_adapter),
     "/v1/unload_lora_adapter": ("POST", unload_adapter),
@@ -337,7 +377,7 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
     return ServerState(engine=engine, registry=registry, tokenizer=tok, base_name=cfg.model.name_or_path,
                        model_path=str(path), max_prompt_tokens=inf.max_prompt_tokens,
                        max_new_tokens=inf.max_new_tokens, max_model_len=max_model_len, executor=executor,
-                       admin_token=inf.admin_token, log=log)
+                       admin_token=inf.admin_token, log=log, chat_template=ChatTemplate.from_model_dir(path))
 
 
 async def serve(cfg: Any, log: Any = None, initial_adapters: dict[str, str] | None = None,

@@ -100,8 +100,8 @@ def parse_completion_request(body: Any, max_new_tokens: int) -> CompletionReques
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError(f"'model' must be a string, got {model!r}", param="model")
-    if body.get("stream"):
-        raise RequestError("'stream' is not supported by the embedded server; send stream=false", param="stream")
+    if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
+        raise RequestError("'stream' must be true or false", param="stream")
     if body.get("echo"):
         raise RequestError("'echo' is not supported by the embedded server", param="echo")
     if body.get("suffix"):

@@ -27,7 +27,7 @@ def test_defaults_follow_openai():
     ({"prompt": "x", "max_tokens": 65}, "max_tokens"), ({"prompt": "x", "temperature": float("nan")}, "temperature"),
     ({"prompt": "x", "top_p": 1.5}, "top_p"), ({"prompt": "x", "logprobs": True}, "logprobs"),
     ({"prompt": "x", "seed": "1"}, "seed"), ({"prompt": []}, "prompt"), ({"prompt": [1, "a"]}, "prompt"),
-    ({"prompt": "x", "stop": [""]}, "stop"), ({"prompt": "x", "stream": True}, "stream"),
+    ({"prompt": "x", "stop": [""]}, "stop"), ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"), ({"prompt": "x", "model": 3}, "model"),
 ])
 def test_invalid_values_name_the_field(body, param):

@@ -1,0 +1,65 @@
+"""The embedded server with the official ``openai`` Python client (issue 28): chat completions, streamed
+chat and streamed completions, an adapter chosen by ``model``, errors as the client expects them."""
+
+from __future__ import annotations
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+MESSAGES = [{"role": "system", "content": "You are an agent in a text-based household environment."},
+            {"role": "user", "content": "Task: put a mug in the coffeemachine. What is your next action?"}]
+
+
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_chat_and_streamed_chat_say_the_same_greedily(embedded_server, adapters):
+    path = adapters.random("chat-v1", seed=11)
+    c = client(embedded_server)
+    import httpx
+
+    httpx.post(embedded_server.url + "/v1/load_lora_adapter", json={"lora_name": "chat-v1", "lora_path": str(path)},
+               headers={"Authorization": f"Bearer {embedded_server.token}"}, timeout=60).raise_for_status()
+    try:
+        for model in (embedded_server.base_name, "chat-v1"):
+            full = c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0.0)
+            choice = full.choices[0]
+            assert choice.message.role == "assistant" and choice.message.content and choice.finish_reason in ("stop", "length")
+            assert full.usage.completion_tokens > 0 and full.model == model
+            chunks = list(c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0.0,
+                                                    stream=True))
+            assert chunks[0].choices[0].delta.role == "assistant"
+            assert len(chunks) >= 2 and chunks[-1].choices[0].finish_reason == choice.finish_reason
+            assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == choice.message.content
+        # the adapter changes what is said: model picks it
+        base = c.chat.completions.create(model=embedded_server.base_name, messages=MESSAGES, max_tokens=12, temperature=0.0)
+        lora = c.chat.completions.create(model="chat-v1", messages=MESSAGES, max_tokens=12, temperature=0.0)
+        assert base.choices[0].message.content != lora.choices[0].message.content
+    finally:
+        httpx.post(embedded_server.url + "/v1/unload_lora_adapter", json={"lora_name": "chat-v1"},
+                   headers={"Authorization": f"Bearer {embedded_server.token}"}, timeout=60)
+
+
+def test_streamed_completion_with_a_stop_string(embedded_server):
+    c = client(embedded_server)
+    kw = dict(model=embedded_server.base_name, prompt="Task: find a mug.\n>", max_tokens=24, temperature=0.0)
+    full = c.completions.create(**kw)
+    text = full.choices[0].text
+    parts = list(c.completions.create(**kw, stream=True))
+    assert "".join(p.choices[0].text for p in parts) == text and parts[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    if len(text) > 4:  # a stop string in the middle: the stream holds it back and ends where the full one does
+        stop = text[2:4]
+        cut = c.completions.create(**kw, stop=[stop]).choices[0]
+        streamed = list(c.completions.create(**kw, stop=[stop], stream=True))
+        assert "".join(p.choices[0].text for p in streamed) == cut.text and stop not in cut.text
+        assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_errors_are_the_clients_errors(embedded_server):
+    c = client(embedded_server)
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="no-such-adapter", messages=MESSAGES, max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=embedded_server.base_name, messages=[], max_tokens=4)
