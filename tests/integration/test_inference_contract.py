@@ -208,10 +208,15 @@ async def test_malformed_completions_are_4xx_and_server_lives(inference_server, 
 
 
 def _slots(server) -> float:
+    """LoRA slots in the model other than the prebuilt spares (served, or retired and finishing)."""
     import urllib.request
 
     text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
-    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("comap_inference_adapter_slots ")))
+
+    def gauge(name: str) -> float:
+        return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+    return gauge("comap_inference_adapter_slots") - gauge("comap_inference_adapter_spare_slots")
 
 
 async def test_bad_adapters_are_400_and_leave_nothing_loaded(inference_server, adapters):
