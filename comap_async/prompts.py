@@ -357,11 +357,17 @@ class Parsed:
     """What could not be parsed (for counters), None when clean."""
 
 
+_PLACEHOLDER = re.compile(r"^<[^<>]*>$")
+
+
 def parse_action(text: str) -> Parsed:
-    """First non-empty line, without prompt-like prefixes, quotes and trailing punctuation."""
+    """First non-empty line, without prompt-like prefixes, quotes and trailing punctuation. The
+    prompts' own placeholder copied back (``<one command>``) is no action."""
     for line in text.splitlines():
         line = _ACTION_PREFIX.sub("", line).strip().strip("\"'`").rstrip(".!").strip()
         if line:
+            if _PLACEHOLDER.match(line):
+                return Parsed(None, "placeholder")
             return Parsed(line, None if line == text.strip() else "extra_text")
     return Parsed(None, "empty")
 

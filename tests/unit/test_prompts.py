@@ -31,6 +31,8 @@ def test_render_state_keeps_last_k_and_admissible():
         ("\n\n  'take pen 1 from desk 1'  ", "take pen 1 from desk 1"),
         ("", None),
         ("   \n  ", None),
+        ("<one command>", None),  # the reflection prompt's placeholder, copied (seen in a honcho run)
+        (" <one command>\n", None),
     ],
 )
 def test_parse_action(text, value):
@@ -45,6 +47,7 @@ def test_parse_action(text, value):
         ("Decision: KEEP\nFinal Action: look", "KEEP", "look"),
         (" maybe\nFinal Action: look", None, "look"),
         (" REVISE", "REVISE", None),
+        (" REVISE\nFinal Action: <one command>", "REVISE", None),
         ("", None, None),
     ],
 )
