@@ -10,6 +10,7 @@ games through :func:`play_games`.
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -176,8 +177,6 @@ async def evaluate(cfg: Any, spec: EvalSpec, log: Any, server: subprocess.Popen 
     for ``server``, when this evaluation started it) and return the report. Raises ValueError for a
     split without games or an unknown adapter version, :class:`ServerStartError` for a server that
     never answered."""
-    from tqdm import tqdm
-
     from comap_async.envs import games_from_config
     from comap_async.envs.base import spread_sample
     from comap_async.wire.inference_client import InferenceClient
@@ -189,16 +188,24 @@ async def evaluate(cfg: Any, spec: EvalSpec, log: Any, server: subprocess.Popen 
     version = resolve_version(spec.adapters, cfg.adapter_root)
     if server is not None:
         await wait_for_server(cfg, server, serve_timeout, log)
-    client = InferenceClient.from_config(cfg)
+    # copies of its own, under names no other process uses: a running learner retires its versions'
+    # names two publishes later, and the evaluator serves its own copies under "eval-..."
+    registry = Registry.serving(version, prefix=f"cli{os.getpid()}-")
+    async with InferenceClient.from_config(cfg) as client:
+        for role, name in registry.adapters.items():
+            await client.load_adapter(name, str(cfg.adapter_root / adapter_name(role, version)))
     try:
-        if version:
-            for role in ROLES:
-                name = adapter_name(role, version)
-                if name not in await client.models():
-                    await client.load_adapter(name, str(cfg.adapter_root / name))
+        return await _evaluate_with(cfg, spec, log, games, version, registry)
     finally:
-        await client.close()
-    registry = Registry.serving(version)
+        async with InferenceClient.from_config(cfg) as client:
+            for name in registry.adapters.values():
+                await client.unload_adapter(name, missing_ok=True)
+
+
+async def _evaluate_with(cfg: Any, spec: "EvalSpec", log: Any, games: list, version: int,
+                         registry: Registry) -> dict[str, Any]:
+    from tqdm import tqdm
+
 
     bar = tqdm(total=len(games), desc=f"eval {spec.split}", unit="game", file=sys.stderr)
     t0 = time.time()
