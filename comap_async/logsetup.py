@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from typing import Any
 
 import structlog
@@ -37,6 +38,9 @@ def configure_logging(role: str, level: str | None = None, json: bool | None = N
     # Libraries that use stdlib logging (aiohttp, transformers) go to the same stream.
     logging.basicConfig(stream=sys.stderr, level=max(logging.WARNING, getattr(logging, level, logging.INFO)),
                         format=f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s", force=True)
+    # libraries' deprecation notices (transformers' `is_gradient_checkpointing`...) tell a user nothing
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(role=role, pid=os.getpid(), **ids)
     return structlog.get_logger(role)

@@ -33,10 +33,22 @@ async def wait_until_answers(what: str, probe: Callable[[], Awaitable[Any]], log
             if timeout_s is not None and time.monotonic() - t0 > timeout_s:
                 raise WaitAbandoned(f"did not answer within {timeout_s:.0f} s; last error: {str(exc)[:200]}") from None
             if time.monotonic() - last > every_s:
-                log.info(event, target=what, reason=str(exc)[:200])
+                log.info(event, target=what, reason=waiting_reason(exc))
                 last = time.monotonic()
             await asyncio.sleep(poll_s)
     return None
+
+
+_NOT_UP = ("Connection refused", "Connect call failed", "cannot connect", "ConnectionRefusedError")
+
+
+def waiting_reason(exc: BaseException) -> str:
+    """Why the other process did not answer, as a waiting line says it: a refused connection is a
+    process still starting (a normal wait), anything else is quoted."""
+    text = str(exc)
+    if any(marker in text for marker in _NOT_UP) or isinstance(exc, ConnectionRefusedError):
+        return "not accepting connections yet (still starting?)"
+    return text[:200]
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Future], retry_s: float = 0.2) -> list[Any]:

@@ -103,9 +103,17 @@ def _failing_client(monkeypatch, client: InferenceClient, ok_after: dict[str, in
     """Replace the one HTTP exchange: per endpoint, fail (retryably) until ``ok_after[ep]`` calls."""
     calls: dict[str, int] = {}
 
+    loaded: list[str] = []
+
     async def once(ep, method, path, body):
+        if path == "/v1/models":  # a publish checks that the endpoint lists what it loaded
+            import json
+
+            return 200, json.dumps({"object": "list", "data": [{"id": name} for name in loaded]})
         calls[ep] = calls.get(ep, 0) + 1
         if calls[ep] > (ok_after or {}).get(ep, 1 << 30):
+            if isinstance(body, dict) and "lora_name" in body:
+                loaded.append(body["lora_name"])
             return 200, "Success"
         raise _Retryable(f"ConnectionRefusedError: scripted {calls[ep]}")
 
@@ -203,3 +211,23 @@ async def test_load_everywhere_with_a_retry_count(monkeypatch, sleeps, tmp_path)
         await load_everywhere(client, ["http://a"], "wm-v2", tmp_path, 4, Log())
     assert calls == {"http://a": 5} and sleeps == pytest.approx([0.5, 1.0, 2.0, 4.0])
     await client.close()
+
+
+def test_a_process_still_starting_is_a_wait_not_a_failure():
+    from comap_async.waiting import waiting_reason
+
+    refused = RuntimeError("GET /v1/models failed after 6 attempts: http://127.0.0.1:8000: ConnectionError: cannot "
+                           "connect to 127.0.0.1:8000: [Errno 111] Connection refused")
+    assert waiting_reason(refused) == "not accepting connections yet (still starting?)"
+    assert waiting_reason(ConnectionRefusedError()) == "not accepting connections yet (still starting?)"
+    assert waiting_reason(RuntimeError("HTTP 500: boom")) == "HTTP 500: boom"  # anything else is quoted
+
+
+def test_library_deprecation_warnings_are_filtered(capsys):
+    import warnings
+
+    from comap_async.logsetup import configure_logging
+
+    configure_logging("test", json=True)
+    warnings.warn("`is_gradient_checkpointing` is deprecated", FutureWarning)
+    assert "is_gradient_checkpointing" not in capsys.readouterr().err
