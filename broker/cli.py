@@ -48,15 +48,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     async def main() -> int:
-        broker = Broker(cfg, next_state, log, keys, replay_dir=args.replay_dir,
-                        gate_spec=pool_spec(cfg, cfg.env.name, args.state_facts))
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, broker.stopping.set)
         try:
+            broker = Broker(cfg, next_state, log, keys, replay_dir=args.replay_dir,
+                            gate_spec=pool_spec(cfg, cfg.env.name, args.state_facts))
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, broker.stopping.set)
             await broker.start()
         except Exception as exc:  # port in use, LMDB unreadable...: a clear line, not a traceback wall
             log.error("broker.start_failed", error=f"{type(exc).__name__}: {exc}")
+            print(f"comap broker: error: cannot start: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
             return 2
         tune_gc_for_throughput()
         await broker.stopping.wait()

@@ -47,3 +47,24 @@ def test_a_busy_port_is_refused_before_the_model_loads(tmp_path):
 def test_debug_shows_the_traceback(tmp_path):
     r = comap("learner", "--debug", "--set", "model.name_or_path=/no/such/model", "--set", f"run.root={tmp_path}")
     assert r.returncode != 0 and "Traceback" in r.stderr and "ModelError" in r.stderr
+
+
+def test_a_broker_whose_replay_dir_is_a_file_says_so_in_one_line(tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "replay").write_text("not a directory")
+    from comap_async.ports import free_port
+
+    r = comap("broker", "--set", f"run.root={tmp_path}", "--set", "run.name=t", "--set", f"broker.actor_port={free_port()}",
+              "--set", f"broker.learner_port={free_port()}", "--set", f"broker.http_port={free_port()}", timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("comap broker: error: cannot start: "), r.stderr[-1500:]
+
+
+def test_the_procfile_logs_for_people_unless_asked_for_json():
+    import subprocess as sp
+
+    for line in (REPO / "Procfile").read_text().splitlines():
+        name, _, cmd = line.partition(": ")
+        assert cmd.startswith("COMAP_LOG_JSON=${COMAP_LOG_JSON:-0} exec comap "), line
+        shown = sp.run(["sh", "-c", cmd.replace("exec comap", "exec env #")], capture_output=True, text=True).stdout
+        assert "COMAP_LOG_JSON=0" in shown
