@@ -133,7 +133,12 @@ def test_honcho_system_runs_stops_cleanly_and_resumes(tmp_path, tiny_model_dir, 
         for section in ("registry", "episodes by adapter version", "gates by adapter version", "throughput", "staleness",
                         "held-out eval by adapter version"):
             assert section in out.stdout
-        assert "(no episodes yet)" not in out.stdout and "(no gated samples yet)" not in out.stdout
+        assert "(no episodes yet)" not in out.stdout
+        if "(no gated samples yet)" in out.stdout:
+            # the tiny random model rarely puts a decision token among its top-20 alternatives: such a
+            # reflection is unreadable and derives no sample (issue 25); then every gate says so
+            reasons = system.get("/stats")["gates"]["action_reasons"]
+            assert set(reasons) == {"unreadable"} and reasons["unreadable"] > 0, reasons
         # the learner's scalars, sent with its last publish (the world model's only once co-evolution
         # transitions exist: it trains on the policy's own rollouts)
         assert re.search(r"^learner    (wm|policy)/\w+=", out.stdout, re.M), out.stdout
