@@ -125,12 +125,11 @@ class Evaluator:
                 except EvalIncomplete as exc:
                     self.log.error("evaluator.incomplete", version=version, error=str(exc))
                     result["success_error"] = str(exc)  # no success_rate for this version
-                    played = None
-            if success_games and played is not None:
-                s = summarize(played, self.cfg.eval.split, version, 0.0)
-                result |= {"method": self.cfg.eval.method, "success_rate": s["success_rate"], "success_games": s["games"],
-                           "mean_steps": s["mean_steps"], "invalid_action_rate": s["invalid_action_rate"],
-                           "loop_rate": s["loop_rate"], "coevolve_delta_f1": s["delta_f1"]}
+                else:
+                    s = summarize(played, self.cfg.eval.split, version, 0.0)
+                    result |= {"method": self.cfg.eval.method, "success_rate": s["success_rate"], "success_games": s["games"],
+                               "mean_steps": s["mean_steps"], "invalid_action_rate": s["invalid_action_rate"],
+                               "loop_rate": s["loop_rate"], "coevolve_delta_f1": s["delta_f1"]}
         finally:
             for name in names.values():
                 await client.unload_adapter(name, missing_ok=True)

@@ -148,14 +148,13 @@ def _logprobs(engine: Engine, seq: Sequence, k: int, as_ids: bool) -> dict[str, 
             "tokens": tokens, "top_logprobs": tops}
 
 
-async def prepare(state: ServerState, req: CompletionRequest, ids: list[list[int]] | None = None) -> list[list[int]]:
+async def prepare(state: ServerState, req: CompletionRequest) -> list[list[int]]:
     """The checks every generation request passes before any sequence exists; returns the prompts' ids."""
     if len(req.prompts) * req.n > MAX_WAITING:  # could never be queued: not a busy server, a request to split
         raise RequestError(f"this request asks for {len(req.prompts) * req.n} sequences (prompts x n); the server "
                            f"queues at most {MAX_WAITING}: send it in parts", param="prompt")
     state.registry.resolve(req.model)  # 404 before any work
-    if ids is None:
-        ids = await asyncio.get_running_loop().run_in_executor(state.executor, _tokenize, state.tokenizer, req.prompts)
+    ids = await asyncio.get_running_loop().run_in_executor(state.executor, _tokenize, state.tokenizer, req.prompts)
     _check_lengths(state, req, ids)
     if state.engine.stats.waiting + len(ids) * req.n > MAX_WAITING:
         raise RequestError(f"server busy: {state.engine.stats.waiting} sequences waiting", status=503)

@@ -105,10 +105,10 @@ class AdapterRegistry:
                 try:
                     ok = await loop.run_in_executor(self.executor, self.slots.fill_spare, slot, files)
                 except BaseException:
-                    self.slots.give_back(slot)  # the slot is still unused: keep it for the next load
+                    self._recycle(slot)  # still unused: a spare again, or deleted when the pool refilled meanwhile
                     raise
                 if not ok:
-                    self.slots.give_back(slot)
+                    self._recycle(slot)
                     slot = None
             if slot is None:
                 how = "slow"

@@ -32,9 +32,10 @@ class TextDeltas:
         self.holdback = max((len(s) for s in seq.params.stop), default=1) - 1
         self.sent = 0
 
-    def delta(self) -> str:
+    def delta(self, final: bool = False) -> str:
+        """``final``: the sequence has been handed back (its future is done), so ``seq.text`` is complete."""
         seq = self.seq
-        if seq.finish_reason is not None:  # final: the engine's text, cut at a stop string
+        if final:  # the engine's text, cut at a stop string
             text = seq.text
         else:
             text = self.tokenizer.decode(list(seq.out_ids), skip_special_tokens=seq.params.skip_special_tokens)
@@ -82,7 +83,7 @@ async def _stream(request: web.Request, state: Any, req: CompletionRequest, ids:
                 if futures[i].done():
                     done[i] = True
                     if seq.error is None:
-                        await _send(resp, chunk(i, d.delta(), seq.finish_reason, seq.stop_reason))
+                        await _send(resp, chunk(i, d.delta(final=True), seq.finish_reason, seq.stop_reason))
                 elif text := d.delta():
                     await _send(resp, chunk(i, text, None, None))
         await finished(seqs, futures)
@@ -126,8 +127,8 @@ def chat_request(body: Any, state: Any) -> tuple[CompletionRequest, bool]:
         completion["max_tokens"] = state.max_new_tokens
     if body.get("logprobs"):
         completion["logprobs"] = body.get("top_logprobs") or 0
-    prompt = state.chat_template.render([{"role": m["role"], "content": m["content"]} for m in messages])
-    completion["prompt"] = state.tokenizer(prompt, add_special_tokens=False)["input_ids"]  # the template has them
+    # the rendered text, as an actor sends it to /v1/completions (tokenized off the event loop there)
+    completion["prompt"] = state.chat_template.render([{"role": m["role"], "content": m["content"]} for m in messages])
     return parse_completion_request(completion, state.max_new_tokens), stream
 
 
@@ -146,7 +147,7 @@ async def chat(request: web.Request, state: Any, body: Any) -> web.StreamRespons
 
     req, stream = chat_request(body, state)
     name = req.model or state.base_name
-    ids = await prepare(state, req, [list(req.prompts[0])])
+    ids = await prepare(state, req)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if stream:
         started: set[int] = set()
