@@ -127,6 +127,8 @@ def test_honcho_system_runs_stops_cleanly_and_resumes(tmp_path, tiny_model_dir, 
 
         # comap stats against the running system: every section filled, PNGs written
         plots = tmp_path / "plots"
+        # the gate counts read before `comap stats`: a sample that lands in between must not count
+        reasons_before = system.get("/stats")["gates"]["action_reasons"]
         out = subprocess.run([sys.executable, "-m", "comap_async", "stats", "--plot", str(plots)], env=system.env,
                              cwd=REPO, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
@@ -136,9 +138,8 @@ def test_honcho_system_runs_stops_cleanly_and_resumes(tmp_path, tiny_model_dir, 
         assert "(no episodes yet)" not in out.stdout
         if "(no gated samples yet)" in out.stdout:
             # the tiny random model rarely puts a decision token among its top-20 alternatives: such a
-            # reflection is unreadable and derives no sample (issue 25); then every gate says so
-            reasons = system.get("/stats")["gates"]["action_reasons"]
-            assert set(reasons) == {"unreadable"} and reasons["unreadable"] > 0, reasons
+            # reflection is unreadable and derives no sample (issue 25); then every gate counted before says so
+            assert set(reasons_before) <= {"unreadable"}, reasons_before
         # the learner's scalars, sent with its last publish (the world model's only once co-evolution
         # transitions exist: it trains on the policy's own rollouts)
         assert re.search(r"^learner    (wm|policy)/\w+=", out.stdout, re.M), out.stdout
