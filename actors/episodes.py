@@ -7,6 +7,7 @@ message to ``ctx.emit`` (the outbox, or nothing in evaluation), so the loops rea
 from __future__ import annotations
 
 import asyncio
+import copy
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -122,6 +123,15 @@ class Episode:
         return render_state(self.task, self.history, self.current.observation, self.current.admissible,
                             e.history_k, e.show_admissible)
 
+    def instead_of_last(self, action: str, result: Any) -> "Episode":
+        """A copy of this episode as if its last step had taken ``action`` (with ``result``, played
+        on another environment) instead: its own stats, the same id, task and earlier history."""
+        other = copy.copy(self)
+        other.history, other.actions, other.stats = self.history[:-1], self.actions[:-1], EpisodeStats()
+        other.facts = self.facts_before
+        other.advance(action, result)
+        return other
+
     def advance(self, action: str, nxt: Any) -> None:
         self.stats.state_actions.append((self.facts, canonical_action(action)))
         self.history.append((action, nxt.observation))
@@ -197,7 +207,22 @@ async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str,
                 WARMUP, t, o, s, id=f"{ep.id}:{t}:x", explore=True, a_draft=x_action, s_hat="", decision=KEEP,
                 a_ref=x_action, p_revise=0.0, q_ref=1.0, a_exec=x_action, s_hat_exec="", s_hat_teacher="",
                 expert_action=label, s_next=x.observation, reward=float(x.reward), done=bool(x.done), won=bool(x.won)))
+            if a.warmup_recovery and not x.done and x.expert_action:
+                await emit_recovery(ctx, ep, branch, t, x_action, x)
     return await ep.finish(WARMUP, False)
+
+
+async def emit_recovery(ctx: EpisodeContext, ep: Episode, branch: Any, t: int, x_action: str, x: Any) -> None:
+    """A recovery demonstration: on ``branch``, left in the off-path state by the exploratory action
+    ``x_action`` (its result ``x``), the handcoded expert acts; that real step is sent as a warm-up
+    transition with ``recovery`` set (the broker stores it as a demonstration too). The state the
+    policy sees is :meth:`Episode.instead_of_last`'s; ``ep`` itself is unchanged."""
+    off = ep.instead_of_last(x_action, x)
+    o, s, expert = off.current.observation, off.state(), x.expert_action
+    off.advance(expert, await branch.step(expert))
+    await ctx.emit(off.transition(
+        WARMUP, t, o, s, id=f"{ep.id}:{t}:r", recovery=True, a_draft=expert, s_hat="", decision=KEEP, a_ref=expert,
+        p_revise=0.0, q_ref=1.0, a_exec=expert, s_hat_exec="", s_hat_teacher="", expert_action=expert))
 
 
 async def play_branch(env: Any, game: Any, prefix: list[str], first: str, plan: list[str]) -> tuple[Any, str]:

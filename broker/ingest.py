@@ -131,8 +131,8 @@ class Ingest:
             # ``expert_action`` stays in the raw transition as the handcoded expert's own label
             demo = Demo(id=tr.id, game=tr.game, goal=tr.goal, s=tr.s, target=tr.a_exec,
                         policy_version=tr.policy_version, wm_version=tr.wm_version, ts=tr.ts)
-            return WriteItem(key, [("transitions", raw), ("demos", self._pack(demo))],
-                             {"stored_transitions": 1, "stored_demos": 1})
+            counters = {"stored_transitions": 1, "stored_demos": 1} | ({"stored_recovery": 1} if tr.recovery else {})
+            return WriteItem(key, [("transitions", raw), ("demos", self._pack(demo))], counters)
         if not tr.reflection_readable:
             # the policy's reflection could not be read: nothing it said may train it (the draft ran)
             return WriteItem(key, [("transitions", raw)], {"stored_transitions": 1, "gate_ag_total": 1,

@@ -307,6 +307,10 @@ class ActorConfig(_Section):
     """Share of warm-up steps that also execute a non-expert action on a second environment,
     restored to the expert path by replay, and record that real transition for the world model only
     (``explore``; no demonstration): walkthroughs alone never show ``Nothing happens.``."""
+    warmup_recovery: bool = True
+    """After each exploratory action, the game's expert also acts from the off-path state it left,
+    and that step is a demonstration (``recovery``) as well as a real transition: walkthroughs alone
+    never show the policy a state one step off the path, so once off it the policy loops."""
     warmup_explore_invalid: float = Field(default=0.5, ge=0.0, le=1.0)
     """Of those exploratory actions, the share that are inadmissible commands built from the entities
     in the admissible list (a take from the wrong receptacle, ``open`` an object, ``go to`` an object:
@@ -398,6 +402,9 @@ class LearnerConfig(_Section):
     """Weight of the reflection cross-entropy."""
     bce_weight: float = Field(default=0.01, ge=0.0)
     """Weight of the BCE on the revise probability."""
+    bce_balance: bool = False
+    """Weigh the BCE's two labels alike (by the label counts the learner has trained on so far): a
+    skewed mix is then not learned as a constant ``p``. Not in the paper (its BCE is unweighted)."""
     schedule: Literal["async", "rounds"] = "async"
     """``async``: train continuously and publish every ``publish_every`` steps;
     ``rounds``: the paper's collect-train-publish loop."""

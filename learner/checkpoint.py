@@ -45,6 +45,7 @@ def save_checkpoint(root: Path, trainer: Any, extra: dict[str, Any], keep: int =
                 "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
                 "scheduler": trainer.scheduler.state_dict(),
                 "rng": trainer.rng_at_step_start,
+                "label_counts": list(trainer.label_counts),
                 "extra": extra,
             }
         torch.save(state, tmp / _FILE)
@@ -76,6 +77,7 @@ def load_checkpoint(path: Path, trainer: Any) -> dict[str, Any]:
     trainer.optimizer.load_state_dict(state["optimizer"])
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.step = state["step"]
+    trainer.label_counts = list(state.get("label_counts", (0, 0)))  # absent in checkpoints before bce_balance
     _set_rng_state(state["rng"])
     trainer.rng_at_step_start = state["rng"]
     return state["extra"]

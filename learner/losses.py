@@ -76,15 +76,28 @@ def revise_probability(decision_logits: torch.Tensor, keep_id: int, revise_id: i
     return torch.softmax(two, dim=-1)[:, 1]
 
 
-def revise_bce(decision_logits: torch.Tensor, keep_id: int, revise_id: int, y: torch.Tensor) -> torch.Tensor:
-    """Binary cross-entropy of the revise probability against the gate label ``y`` (0/1)."""
+def revise_bce(decision_logits: torch.Tensor, keep_id: int, revise_id: int, y: torch.Tensor,
+               weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Binary cross-entropy of the revise probability against the gate label ``y`` (0/1), averaged
+    over the samples (each multiplied by ``weight`` when given: :func:`label_balance_weights`)."""
     if decision_logits.shape[0] == 0:
         return _zero(decision_logits)
     two = torch.stack([decision_logits[:, keep_id], decision_logits[:, revise_id]], dim=-1).float()
     # log-space form of BCE(softmax(two)[:, 1], y): numerically stable for confident logits
     logp = torch.log_softmax(two, dim=-1)
     y = y.float()
-    return -(y * logp[:, 1] + (1 - y) * logp[:, 0]).mean()
+    per_sample = -(y * logp[:, 1] + (1 - y) * logp[:, 0])
+    return (per_sample if weight is None else per_sample * weight).mean()
+
+
+def label_balance_weights(y: torch.Tensor, counts: tuple[int, int]) -> torch.Tensor:
+    """Per-sample BCE weights under which the labels seen so far (``counts``: y = 0, y = 1) weigh
+    alike: ``n / (2 n_y)``, 1 for both when they are equally frequent. Without them a skewed label
+    mix (72 % REVISE in a CPU run's reflection-mode initialisation) is learned as a prior, the same
+    ``p`` for every state, which no threshold can use."""
+    n0, n1 = max(counts[0], 1), max(counts[1], 1)
+    per_label = torch.tensor([(n0 + n1) / (2 * n0), (n0 + n1) / (2 * n1)], device=y.device)
+    return per_label[y.long()]
 
 
 def decision_format_nll(decision_logits: torch.Tensor, keep_id: int, revise_id: int) -> torch.Tensor:

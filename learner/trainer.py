@@ -155,6 +155,8 @@ class Trainer:
     abort: bool = False  # set from another thread: the step in flight stops at its next micro-batch (or chunk)
     ablation: AblationConfig = field(default_factory=AblationConfig)
     """``no_wmsd`` / ``no_real_ce`` drop a world-model loss term (it is then neither computed nor logged)."""
+    label_counts: list[int] = field(default_factory=lambda: [0, 0])
+    """Reflection samples trained on so far with y = 0 and y = 1 (``learner.bce_balance``'s weights)."""
     freeze_wm: bool = False
     """Set per step by the learner (``ablation.frozen_wm`` after warm-up): the world model is not
     trained (its records are ignored) and the EMA teacher is not updated."""
@@ -298,7 +300,7 @@ class Trainer:
         decision_logits = logits[at]
         y = torch.tensor([items[i][1] for i in refl], device=logits.device)
         keep_id, revise_id = self.encoder.keep_id, self.encoder.revise_id
-        bce = losses.revise_bce(decision_logits, keep_id, revise_id, y)
+        bce = losses.revise_bce(decision_logits, keep_id, revise_id, y, self._bce_weights(y))
         text = ~is_draft
         text[at] = False
         n_text = int(text.sum())
@@ -307,6 +309,11 @@ class Trainer:
         return {"draft": losses.token_ce(logits[is_draft], packed.targets[is_draft]) * n_draft, "n_draft": n_draft,
                 "reflect": reflect, "n_reflect": n_reflect, "bce": bce * len(refl), "n_bce": len(refl),
                 "tokens": packed.tokens}
+
+    def _bce_weights(self, y: torch.Tensor) -> torch.Tensor | None:
+        if not self.cfg.bce_balance:
+            return None
+        return losses.label_balance_weights(y, (self.label_counts[0], self.label_counts[1]))
 
     def _chunks(self, units: list, length: Any) -> list[list]:
         """``units`` in groups of at most ``learner.chunk_tokens`` tokens (longest first, so a
@@ -474,7 +481,7 @@ class Trainer:
         n_reflect = n_text + len(reflections)
         reflect_ce = (text_ce * n_text + fmt) / n_reflect if n_reflect else losses._zero(logits)
         y = torch.tensor([int(r["y"]) for r in reflections], device=logits.device)
-        bce = losses.revise_bce(decision_logits, enc.keep_id, enc.revise_id, y)
+        bce = losses.revise_bce(decision_logits, enc.keep_id, enc.revise_id, y, self._bce_weights(y))
         return draft_ce, reflect_ce, bce, int(batch["attention_mask"].sum())
 
     # ------------------------------------------------------------------ the step
@@ -503,6 +510,8 @@ class Trainer:
                     change_nlls.append(change_nll)
                 tokens += n
             demos, refl = mb.get("demos") or [], mb.get("reflections") or []
+            for r in refl:  # counted before the loss: a step's own samples weigh in its balance
+                self.label_counts[int(r["y"])] += 1
             if demos or refl:
                 metrics, n = self._policy_step(demos, refl, scale)
                 for name, value in metrics.items():

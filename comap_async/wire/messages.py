@@ -165,6 +165,9 @@ class Transition(Message, tag="transition", kw_only=True):
     world-state gate applies each prediction to it."""
     explore: bool = False
     """Warm-up only: a non-expert action executed for the world model (no demonstration)."""
+    recovery: bool = False
+    """Warm-up only: the expert's action from the off-path state an ``explore`` action left (a
+    demonstration of getting back on track, and a real transition)."""
     reflection_readable: bool = True
     """False: the policy's reflection gave no decision probability or no final action (the draft was
     executed); the broker stores the transition for the world model and derives no reflection sample."""

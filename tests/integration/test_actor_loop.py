@@ -34,7 +34,7 @@ async def announce(broker, phase: str) -> None:
 def check_contiguous(transitions: list[dict], episodes: list[dict]) -> None:
     by_ep: dict[str, list[int]] = {}
     for tr in transitions:
-        if not tr.get("explore"):  # a warm-up exploratory transition shares its expert step's t
+        if not tr.get("explore") and not tr.get("recovery"):  # warm-up's off-path ones share their step's t
             by_ep.setdefault(tr["episode"], []).append(tr["t"])
     for ep in episodes:
         ts = by_ep.get(ep["id"], [])
@@ -77,7 +77,9 @@ async def test_warmup_expert_episodes_win_and_land_in_demos(broker_factory, room
     results = await asyncio.wait_for(worker.run(), timeout=300)
     assert [s.won for _, s in results] == [True, True, True]
     demos, transitions = stored(broker, "demos"), stored(broker, "transitions")
-    transitions = [t for t in transitions if not t.get("explore")]  # exploratory ones: test_warmup_explore.py
+    # exploratory and recovery transitions: test_warmup_explore.py
+    transitions = [t for t in transitions if not t.get("explore") and not t.get("recovery")]
+    demos = [d for d in demos if not d["id"].endswith(":r")]
     assert len(demos) == len(transitions) == sum(s.steps for _, s in results)
     assert all(d["target"] == t["a_exec"] for d, t in zip(demos, transitions))
     assert all(t["expert_action"] for t in transitions), [(t["id"][-6:], t["a_exec"], t["expert_action"]) for t in transitions]  # the handcoded expert's label rides along
@@ -108,7 +110,8 @@ async def test_actor_survives_broker_outage_without_loss_or_duplicates(broker_fa
     assert len(results) == 6 and worker.metrics.failures == 0
     transitions, episodes = stored(broker, "transitions"), stored(broker, "episodes")
     assert len(episodes) == 6
-    assert len([t for t in transitions if not t.get("explore")]) == sum(s.steps for _, s in results)
+    assert len([t for t in transitions if not t.get("explore") and not t.get("recovery")]) == \
+        sum(s.steps for _, s in results)
     check_contiguous(transitions, episodes)
 
 

@@ -23,18 +23,26 @@ pytestmark = pytest.mark.alfworld
 REPO = Path(__file__).resolve().parents[2]
 
 
-def check_explore(transitions: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(expert transitions, explore transitions), after checking each explore transition against
-    the expert step it branched from."""
-    expert = {tr["id"]: tr for tr in transitions if not tr.get("explore")}
-    explore = [tr for tr in transitions if tr.get("explore")]
-    for x in explore:
+def check_explore(transitions: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+    """(expert transitions, explore transitions, recovery transitions), after checking each explore
+    transition against the expert step it branched from, and each recovery transition against the
+    explore transition it recovers from."""
+    expert = {tr["id"]: tr for tr in transitions if not tr.get("explore") and not tr.get("recovery")}
+    explore = {tr["id"]: tr for tr in transitions if tr.get("explore")}
+    recovery = [tr for tr in transitions if tr.get("recovery")]
+    for x in explore.values():
         base = expert[x["id"].removesuffix(":x")]
         assert x["id"] == f"{x['episode']}:{x['t']}:x" and x["phase"] == "warmup"
         assert (x["s"], x["o"], x["t"], x["episode"]) == (base["s"], base["o"], base["t"], base["episode"])
         assert x["a_draft"] == x["a_ref"] == x["a_exec"] != base["a_exec"]
         assert x.get("facts") == base.get("facts")  # the state before the action, as step t's own
-    return list(expert.values()), explore
+    for r in recovery:
+        x = explore[r["id"].removesuffix(":r") + ":x"]
+        assert r["id"] == f"{r['episode']}:{r['t']}:r" and r["phase"] == "warmup" and not x["done"]
+        # the off-path state: the explored action's result is the observation and the newest history pair
+        assert r["o"] == x["s_next"] and f"> {x['a_exec']}\n" in r["s"] and r["s"] != x["s"]
+        assert r["a_draft"] == r["a_exec"] == r["expert_action"]  # the handcoded expert's action from there
+    return list(expert.values()), list(explore.values()), recovery
 
 
 async def test_play_expert_explores_on_the_branch_reproducibly(alfworld_data, valid_seen):
@@ -57,8 +65,9 @@ async def test_play_expert_explores_on_the_branch_reproducibly(alfworld_data, va
     first, again, plain = await play(True), await play(True), await play(False)
     key = [(m["id"], m["a_exec"], m["s_next"], m["done"]) for m in first]
     assert key == [(m["id"], m["a_exec"], m["s_next"], m["done"]) for m in again]  # seeded by run seed + episode id
-    expert, explore = check_explore(first)
+    expert, explore, recovery = check_explore(first)
     assert explore, "no exploratory step in a whole game at share 0.5"
+    assert len(recovery) == sum(not x["done"] for x in explore)  # one per explored step the game survived
     # the expert path is the one played without exploration, step for step
     assert [(m["id"], m["a_exec"], m["s_next"]) for m in expert] == [(m["id"], m["a_exec"], m["s_next"]) for m in plain]
     assert not any(m.get("explore") for m in plain)
@@ -78,9 +87,11 @@ async def test_warmup_stores_explore_transitions_outside_demos(broker_factory, r
     transitions, demos = stored(broker, "transitions"), stored(broker, "demos")
     for tr in transitions:
         validate({**tr, "seq": 0})
-    expert, explore = check_explore(transitions)
-    assert len(expert) == len(demos) == sum(s.steps for _, s in results)
-    assert len(explore) == len(expert) and broker.stats()["counters"]["stored_explore"] == len(explore)
+    expert, explore, recovery = check_explore(transitions)
+    counters = broker.stats()["counters"]
+    assert len(expert) + len(recovery) == len(demos) and len(expert) == sum(s.steps for _, s in results)
+    assert len(explore) == len(expert) and counters["stored_explore"] == len(explore)
+    assert recovery and counters["stored_recovery"] == len(recovery)
     # real failures the walkthrough never shows, recorded as the game answered them
     assert any(x["s_next"] == "Nothing happens." for x in explore)
     assert any(x["s_next"] != "Nothing happens." for x in explore)
@@ -88,5 +99,6 @@ async def test_warmup_stores_explore_transitions_outside_demos(broker_factory, r
     # demonstrations stay the expert's actions: one per expert step, none from an exploratory one
     explore_ids = {x["id"] for x in explore}
     assert not explore_ids & {d["id"] for d in demos}
-    by_id = {tr["id"]: tr for tr in expert}
+    by_id = {tr["id"]: tr for tr in expert + recovery}
     assert all(d["target"] == by_id[d["id"]]["a_exec"] for d in demos)
+    assert all(d["s"] == by_id[d["id"]]["s"] for d in demos)  # a recovery demonstration shows the off-path state

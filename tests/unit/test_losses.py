@@ -96,3 +96,41 @@ def test_ema_update_is_weight_averaging():
     t, s = torch.ones(3), torch.full((3,), 3.0)
     ema_update([(t, s)], 0.75)
     assert torch.allclose(t, torch.full((3,), 1.5))
+
+
+def test_balanced_bce_weighs_each_label_alike_and_is_plain_on_a_balanced_mix():
+    torch.manual_seed(3)
+    logits = torch.randn(4, 11)
+    keep, revise = 3, 7
+    y = torch.tensor([1, 1, 1, 0])
+    w = losses.label_balance_weights(y, (25, 75))  # 75 % REVISE seen so far
+    assert w.tolist() == pytest.approx([2 / 3, 2 / 3, 2 / 3, 2.0])
+    logp = torch.log_softmax(torch.stack([logits[:, keep], logits[:, revise]], -1), -1)
+    per = -torch.where(y == 1, logp[:, 1], logp[:, 0])
+    assert losses.revise_bce(logits, keep, revise, y, w).item() == pytest.approx((per * w).mean().item(), rel=1e-5)
+    # the two labels' total weights are equal on the mix they were computed from
+    assert float(w[y == 1].sum()) / 3 * 75 == pytest.approx(float(w[y == 0].sum()) * 25)
+    assert losses.label_balance_weights(y, (40, 40)).tolist() == [1.0] * 4
+    assert losses.label_balance_weights(y, (0, 0)).tolist() == [1.0] * 4  # nothing seen yet: unweighted
+
+
+def test_trainer_balances_the_bce_by_the_labels_it_has_trained_on(tiny_trainer, tmp_path):
+    from learner.checkpoint import load_checkpoint, save_checkpoint
+
+    tiny_trainer.cfg = tiny_trainer.cfg.model_copy(update={"bce_balance": True})
+    refl = [reflection_record(1), reflection_record(1), reflection_record(1), reflection_record(0)]
+    tiny_trainer.train_step([{"reflections": refl}])
+    assert tiny_trainer.label_counts == [1, 3]
+    # wired into the loss: at counts 1:3 the lone KEEP sample weighs 3 times each REVISE one
+    _, _, balanced, _ = tiny_trainer.policy_losses([], refl)
+    tiny_trainer.cfg = tiny_trainer.cfg.model_copy(update={"bce_balance": False})
+    _, _, plain, _ = tiny_trainer.policy_losses([], refl)
+    _, _, keep_only, _ = tiny_trainer.policy_losses([], refl[3:])
+    _, _, revise_only, _ = tiny_trainer.policy_losses([], refl[:3])
+    expected = (3 * (2 / 3) * float(revise_only) + 2 * float(keep_only)) / 4
+    assert float(balanced) == pytest.approx(expected, rel=1e-4)
+    assert float(plain) == pytest.approx((3 * float(revise_only) + float(keep_only)) / 4, rel=1e-4)
+    path = save_checkpoint(tmp_path, tiny_trainer, {})
+    tiny_trainer.label_counts = [0, 0]
+    load_checkpoint(path, tiny_trainer)
+    assert tiny_trainer.label_counts == [1, 3]  # resumed, the balance goes on where it was

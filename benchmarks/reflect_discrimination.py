@@ -1,0 +1,177 @@
+"""Does the revise probability ``p`` learn to discriminate? Reflection-mode training variants on a
+run's own suffix-labelled samples, scored on games held out from training (issue 25).
+
+A run's replay holds the reflection-mode initialisation samples (``source: suffix``): a state, the
+policy's draft, the real observation after it, and the outcome label ``y`` (1: the expert's action
+wins strictly sooner). This script splits them by game, trains the policy adapter on one part with
+the learner's own :class:`~learner.trainer.Trainer` (the same losses as a run) and measures on the
+other, teacher-forced, the figures the evaluator's probe reports for ``p``:
+
+* ``p_discrimination``: mean ``p`` on ``y = 1`` samples minus mean ``p`` on ``y = 0`` samples;
+* ``auc``: the chance that a ``y = 1`` sample gets a higher ``p`` than a ``y = 0`` one (0.5: none);
+* ``p_mean``: where ``p`` sits (the label prior it may have learned instead).
+
+Variants (``--variants``, run one after the other from the same starting adapter and seed):
+``plain`` (the BCE as a run trains it) and ``balanced`` (``learner.bce_balance``: each label's
+samples weigh as much in total as the other's).
+
+    python benchmarks/reflect_discrimination.py --replay RUN/replay --adapter RUN/adapters/policy-v5 \\
+        [--epochs 2] [--holdout 0.3] [--variants plain,balanced] [--max-train 200]
+
+Last line: ``plain_discrimination=X balanced_discrimination=Y`` (the held-out ``p_discrimination``
+after the last epoch of each variant).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = {"plain": {"bce_balance": False}, "balanced": {"bce_balance": True}}
+
+
+def load_samples(replay: Path) -> list[dict[str, Any]]:
+    import msgpack
+
+    from broker.store import ReplayStore
+
+    store = ReplayStore(replay, {"reflections": 10**7}, readonly=True)
+    try:
+        rows = [msgpack.unpackb(b, raw=False) for b in store.iter_store("reflections")]
+    finally:
+        store.close()
+    return [r for r in rows if r.get("source") == "suffix" and r.get("s_bar")]
+
+
+def held_out(game: str, share: float) -> bool:
+    return int(hashlib.sha256(game.encode()).hexdigest()[:8], 16) / 16**8 < share
+
+
+def auc(pos: list[float], neg: list[float]) -> float | None:
+    if not pos or not neg:
+        return None
+    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def score(trainer: Any, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Teacher-forced ``p`` at the decision position of each sample, and the discrimination figures."""
+    import torch
+
+    from learner import losses
+    from learner.batches import pack
+    from learner.peft_model import activate
+
+    enc = trainer.encoder
+    ps: list[float] = []
+    activate(trainer.model, "policy", trainable=False)
+    with torch.no_grad():
+        for i in range(0, len(samples), 4):
+            part = samples[i:i + 4]
+            packed = pack([[enc.reflection(r)] for r in part], trainer.pad_id, trainer.device)
+            logits = trainer._target_logits(packed)
+            at = torch.tensor(packed.first, dtype=torch.long)
+            ps.extend(losses.revise_probability(logits[at].float(), enc.keep_id, enc.revise_id).tolist())
+    pos = [p for p, r in zip(ps, samples) if r["y"] == 1]
+    neg = [p for p, r in zip(ps, samples) if r["y"] == 0]
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    return {"n": len(ps), "n_revise": len(pos), "p_mean": mean(ps), "p_revise_label": mean(pos),
+            "p_keep_label": mean(neg),
+            "p_discrimination": None if not pos or not neg else mean(pos) - mean(neg), "auc": auc(pos, neg)}
+
+
+def build_trainer(cfg: Any, adapter: Path, overrides: dict[str, Any], budget: int) -> Any:
+    import torch
+    from safetensors.torch import load_file
+
+    from comap_async.models import load_model_and_tokenizer, resolve_model
+    from comap_async.prompts import Prompts
+    from comap_async.wire.messages import REFLECT_INIT
+    from learner.batches import Encoder
+    from learner.peft_model import build_peft_model, load_adapter_state
+    from learner.trainer import Trainer
+
+    lc = cfg.learner.model_copy(update=overrides)
+    torch.manual_seed(cfg.run.seed)
+    path = resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)
+    base, tok = load_model_and_tokenizer(path, cfg.model.dtype, lc.device)
+    model = build_peft_model(base, lc.lora_r, lc.lora_alpha, lc.lora_dropout, lc.target_modules,
+                             lc.gradient_checkpointing)
+    state = load_file(str(adapter / "adapter_model.safetensors"))
+    load_adapter_state(model, "policy", state)
+    trainer = Trainer(model, Encoder(tok, Prompts.for_model(path, cfg), lc.max_seq_len), lc, lc.device)
+    trainer.scheduler.enter(REFLECT_INIT, 0, budget)  # one warm-up and cosine over all the epochs
+    return trainer
+
+
+def run_variant(name: str, cfg: Any, args: argparse.Namespace, train: list, test: list) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    bs = cfg.learner.batch_size
+    budget = args.epochs * math.ceil(len(train) / bs)
+    trainer = build_trainer(cfg, args.adapter, {**VARIANTS[name], "lr": args.lr or cfg.learner.lr}, budget)
+    out = {"variant": name, "before": score(trainer, test), "epochs": []}
+    print(json.dumps({"variant": name, "epoch": 0, **out["before"]}), flush=True)
+    rng = random.Random(args.seed)
+    for epoch in range(1, args.epochs + 1):
+        order = list(train)
+        rng.shuffle(order)
+        t0 = time.perf_counter()
+        for i in range(0, len(order), bs):
+            trainer.train_step([{"reflections": order[i:i + bs]}])
+        res = {**score(trainer, test), "train_s": round(time.perf_counter() - t0, 1)}
+        out["epochs"].append(res)
+        print(json.dumps({"variant": name, "epoch": epoch, **res}), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--replay", type=Path, required=True)
+    ap.add_argument("--adapter", type=Path, required=True, help="a published policy adapter (the starting point)")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "local.yaml"))
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--holdout", type=float, default=0.3, help="share of games held out from training")
+    ap.add_argument("--max-train", type=int, default=200)
+    ap.add_argument("--variants", default="plain,balanced")
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None, help="write the full results as JSON here")
+    args = ap.parse_args()
+
+    from comap_async.config import load_config
+
+    cfg = load_config(args.config)
+    samples = load_samples(args.replay)
+    test = [r for r in samples if held_out(r["game"], args.holdout)]
+    train = [r for r in samples if not held_out(r["game"], args.holdout)]
+    random.Random(args.seed).shuffle(train)
+    train = train[: args.max_train]
+    print(json.dumps({"samples": len(samples), "train": len(train), "train_revise_share":
+                      sum(r["y"] for r in train) / max(len(train), 1), "test": len(test),
+                      "test_revise_share": sum(r["y"] for r in test) / max(len(test), 1)}), flush=True)
+    results = [run_variant(v, cfg, args, train, test) for v in args.variants.split(",")]
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+    def last(r: dict[str, Any]) -> str:
+        d = (r["epochs"] or [r["before"]])[-1]["p_discrimination"]
+        return "n/a" if d is None else f"{d:.4f}"
+
+    print(" ".join(f"{r['variant']}_discrimination={last(r)}" for r in results))
+
+
+if __name__ == "__main__":
+    main()
