@@ -79,12 +79,14 @@ class _Recorder:
 async def play_games(cfg: Any, games: list, registry: Registry, log: Any, *, envs: int | None = None,
                      on_step: Callable[[], None] | None = None, on_game: Callable[[], None] | None = None,
                      reflection_metrics: bool = False, phase: str = COEVOLVE, method: str = "comap") -> list:
-    """Play each game once with the adapters ``registry`` names (``phase``: the CoMap loop, or
+    """Play each game once with the adapters ``registry`` names, at ``eval.temperature`` (``phase``: the CoMap loop, or
     reflection-mode initialisation for its labels; ``method``: the CoMap loop or a baseline of
     :mod:`actors.eval_methods`); nothing is stored. Returns the
     ``(game, EpisodeStats)`` results."""
     from actors.worker import ActorWorker
 
+    t = cfg.eval.temperature
+    cfg = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"temperature": t, "wm_temperature": t})})
     worker = ActorWorker(cfg, log, envs=envs, episodes=len(games), eval_mode=True, games=games,
                          reflection_metrics=reflection_metrics, eval_phase=phase, on_step=on_step, eval_method=method)
     return await worker.run(outbox=_Recorder(on_game), registry=registry)

@@ -518,6 +518,9 @@ class EvalConfig(_Section):
     method: EvalMethod = "comap"
     """How the evaluated agent acts in the success games (and ``comap eval``'s default): the CoMap
     loop, or a baseline of the paper's main table (:data:`EvalMethod`)."""
+    temperature: float = Field(default=0.0, ge=0.0)
+    """Sampling temperature of every model call in evaluation episodes (the policy's and the world
+    model's): 0, greedy, so that a version's success rate does not hinge on one sampled game."""
     react_max_tokens: int = Field(default=96, ge=8)
     """Tokens of a ReAct answer (a one-sentence thought and the action line)."""
     games: int = Field(default=10, ge=1)

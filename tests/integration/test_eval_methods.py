@@ -46,17 +46,18 @@ def recorded_calls(monkeypatch) -> list[dict]:
 
     async def recording(self, prompt, **kw):
         out = await complete(self, prompt, **kw)
-        calls.append({"kind": call_kind(prompt), "logprobs": kw.get("logprobs"), "text": out.text})
+        calls.append({"kind": call_kind(prompt), "logprobs": kw.get("logprobs"), "text": out.text,
+                      "temperature": kw.get("temperature")})
         return out
 
     monkeypatch.setattr(InferenceClient, "complete", recording)
     return calls
 
 
-def play(method: str, roomy_server, alfworld_data, tiny_model_dir, tmp_path):
+def play(method: str, roomy_server, alfworld_data, tiny_model_dir, tmp_path, *extra: str):
     cfg = load_config(REPO / "configs" / "test.yaml", [
         f"run.root={tmp_path}", f"model.name_or_path={tiny_model_dir}", f"inference.endpoints=['{roomy_server.url}']",
-        f"env.data_dir={alfworld_data}", "env.split=valid_seen", f"env.max_steps={MAX_STEPS}"])
+        f"env.data_dir={alfworld_data}", "env.split=valid_seen", f"env.max_steps={MAX_STEPS}", *extra])
     games = spread_sample(games_from_config(cfg, "valid_seen"), 2, cfg.run.seed)
     results = asyncio.run(asyncio.wait_for(
         play_games(cfg, games, Registry.serving(0), configure_logging("eval-test"), envs=1, method=method), 300))
@@ -112,6 +113,16 @@ def test_comap_drafts_imagines_reflects_and_gates(recorded_calls, roomy_server, 
         revised += len(step) == 4
     assert revised == sum(s.revisions for s in stats)
     assert all(c["logprobs"] for c in recorded_calls if c["kind"] == "reflect")  # p_revise from the decision token
+
+
+def test_evaluation_decodes_at_the_eval_temperature(recorded_calls, roomy_server, alfworld_data, tiny_model_dir,
+                                                    tmp_path):
+    play("comap", roomy_server, alfworld_data, tiny_model_dir, tmp_path)  # greedy unless set
+    assert recorded_calls and {c["temperature"] for c in recorded_calls} == {0.0}
+    recorded_calls.clear()
+    play("comap", roomy_server, alfworld_data, tiny_model_dir, tmp_path, "eval.temperature=0.7",
+         "actor.temperature=0.2")  # the actor's own setting is for training rollouts
+    assert {c["temperature"] for c in recorded_calls if c["kind"] != "teacher"} == {0.7}
 
 
 def test_eval_cli_records_the_method(tmp_path, alfworld_data, model_cache):
