@@ -273,6 +273,27 @@ class ReplayStore:
         self.last_error = f"LMDB write failed ({hint}, {free // MB if free >= 0 else '?'} MB free at {self.path}): {exc}"
         raise StoreRefused(self.last_error) from None
 
+    def cut_after(self, ts_limit: float) -> dict[str, int]:
+        """Drop, per store, the records from the first one stamped after ``ts_limit`` onwards (a
+        fork keeps what its source had stored up to its fork point); returns how many each lost.
+        Records are appended in arrival order, so what came later is a suffix of each ring."""
+        removed: dict[str, int] = {}
+        with self.env.begin(write=True) as txn:
+            for store, db in ((s, self._dbs[s]) for s in STORES):
+                tail, head = self.state["rings"][store]
+                cut = head
+                for i in range(tail, head):
+                    raw = txn.get(_KEY.pack(i), db=db)
+                    if raw is not None and float(_unpack(raw).get("ts", 0.0)) > ts_limit:
+                        cut = i
+                        break
+                for i in range(cut, head):
+                    txn.delete(_KEY.pack(i), db=db)
+                self.state["rings"][store] = [tail, cut]
+                removed[store] = head - cut
+            txn.put(b"state", _pack(self.state), db=self._dbs["meta"])
+        return removed
+
     def close(self) -> None:
         self.env.close()
 

@@ -28,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("actors.compare", "the newest version of each run and the prompting baselines on the same games: "
                 "one table and one bar chart"),
     "evaluator": ("actors.evaluator", "held-out probes and success rate of every new adapter version, while the system runs"),
+    "fork": ("broker.fork", "start a new run from another run's published version (its checkpoint, adapters and "
+             "the replay of then): ablations share one warm-up"),
     "stats": ("comap_async.commands.stats", "live summary of a running system from the broker (--plot DIR for PNGs)"),
 }
 
