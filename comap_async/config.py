@@ -528,16 +528,18 @@ class EvalConfig(_Section):
     run seed and spread over the task types; the same games for every version."""
     failures_per_game: int = Field(default=2, ge=0)
     """Seeded non-expert transitions per probed game (the world model's failure cases)."""
-    success_games: int = Field(default=2, ge=0)
-    """Games played with the full CoMap loop for the success rate (slow on a CPU: a game is up to
-    ``env.max_steps`` steps of 4-5 model calls); 0 = probes only."""
+    success_games: int = Field(default=10, ge=0)
+    """Games played with the full CoMap loop for the success rate (``eval.envs`` at a time; slow on a
+    CPU: a game is up to ``env.max_steps`` steps of 4-5 model calls); 0 = probes only. Fewer than
+    ~10 cannot show a rate: one game reads 0 or 1."""
     every_versions: int = Field(default=1, ge=1)
     """Evaluate every K-th published version (and the base model once), oldest first."""
     max_pending: int = Field(default=2, ge=1)
     """When more versions than this wait for evaluation (the learner publishes faster than the
     evaluator measures), the newest is evaluated next and the ones between are skipped."""
-    envs: int = Field(default=1, ge=1)
-    """Games the evaluator plays at once: it shares the inference servers with the actors."""
+    envs: int = Field(default=4, ge=1)
+    """Games the evaluator plays at once (their calls share the server's batches): it shares the
+    inference servers with the actors."""
     poll_s: float = Field(default=5.0, gt=0)
     """How often the evaluator asks the broker for a new version."""
     nice: int = Field(default=0, ge=0, le=19)
