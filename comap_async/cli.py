@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("comap_async.inference.cli", "OpenAI-compatible LLM server with LoRA hot-swap (embedded CPU, or --backend vllm)"),
     "data": ("comap_async.commands.data", "extract offline datasets: `comap data alfworld --archive PATH... --to DIR`"),
     "env": ("comap_async.commands.env", "check environments: `comap env check --split NAME --data DIR`"),
+    "procfile": ("comap_async.commands.procfile", "write the Procfile of a GPU host from inference.gpus and "
+                 "learner.gpus (CUDA_VISIBLE_DEVICES, one vLLM server per GPU group, endpoints wired)"),
     "broker": ("broker.cli", "run the replay broker (ZeroMQ ingest, gates, LMDB stores, stats HTTP)"),
     "keys": ("comap_async.commands.keys", "create ZeroMQ CURVE key pairs for the broker and its clients"),
     "learner": ("learner.cli", "train the policy and world-model LoRA adapters continuously; publish them"),

@@ -13,7 +13,7 @@ import difflib
 import ipaddress
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -190,7 +190,21 @@ class InferenceConfig(_Section):
     adapter_root: str | None = None
     """Directory adapters may be loaded from; ``None`` = ``<run dir>/adapters``."""
     max_batch_size: int = Field(default=8, ge=1)
-    """Most concurrent requests decoded together."""
+    """Most concurrent requests decoded together (vLLM: ``--max-num-seqs``; a GPU wants hundreds)."""
+    gpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    """GPU ids that serve inference (``comap procfile``): one vLLM server per ``tensor_parallel`` of
+    them, on consecutive ports from ``port``, all listed in ``inference.endpoints``. Empty: the one
+    server this config describes (the CPU default)."""
+    tensor_parallel: int = Field(default=1, ge=1)
+    """GPUs per vLLM server (``--tensor-parallel-size``): more than 1 when the model does not fit one."""
+    gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0)
+    """vLLM's ``--gpu-memory-utilization``; None: vLLM's own (0.9), or 0.45 where ``comap procfile``
+    puts the learner on the same GPU."""
+    max_loras: int = Field(default=12, ge=1)
+    """vLLM's ``--max-loras``, adapters in one batch: 3 roles x 2 versions while actors move to a new
+    one, plus the evaluator's and one ``comap eval``'s copies (3 each). Requests naming a 13th wait."""
+    vllm_args: list[str] = Field(default_factory=list)
+    """More command-line options for vLLM's server, passed as given (e.g. ``["--enforce-eager"]``)."""
     batch_wait_ms: float = Field(default=5.0, ge=0.0)
     """How long the batcher waits for more requests before starting a batch."""
     max_prompt_tokens: int = Field(default=2048, ge=16)
@@ -345,6 +359,9 @@ class ActorConfig(_Section):
 class LearnerConfig(_Section):
     device: str = "cpu"
     """torch device of the learner (``cpu``, ``cuda``)."""
+    gpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    """GPU ids the learner trains on (``comap procfile`` sets ``CUDA_VISIBLE_DEVICES``); one for now.
+    A GPU also in ``inference.gpus`` is shared with that vLLM server."""
     lora_r: int = Field(default=8, ge=1)
     """LoRA rank of the three adapters."""
     lora_alpha: int = Field(default=16, ge=1)

@@ -61,16 +61,18 @@ def build_command(cfg: Any, model_path: str, python: str, lora_modules: dict[str
         "--generation-config", "vllm",
         "--enable-lora",
         "--max-lora-rank", str(max_lora_rank(lr.lora_r)),
-        # policy, wm and wm_teacher, each possibly in two versions while a publish is in flight
-        "--max-loras", "6",
-        "--max-cpu-loras", "12",
+        "--max-loras", str(inf.max_loras),
+        "--max-cpu-loras", str(max(inf.max_loras, inf.max_loaded_adapters)),
+        "--tensor-parallel-size", str(inf.tensor_parallel),
     ]
+    if inf.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
     if inf.admin_token:
         # vLLM's key guards every /v1 route, not only the admin ones; the client sends it on all requests
         argv += ["--api-key", inf.admin_token]
     for name, path in (lora_modules or {}).items():
         argv += ["--lora-modules", f"{name}={path}"]
-    argv += list(extra or [])
+    argv += [*inf.vllm_args, *(extra or [])]
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # an explicit environment setting wins
         env["VLLM_CPU_KVCACHE_SPACE"] = str(inf.vllm_cpu_kv_cache_gb)

@@ -124,6 +124,15 @@ def test_vllm_command_from_config(monkeypatch):
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "6")
     assert "VLLM_CPU_KVCACHE_SPACE" not in vllm.build_command(cfg, "/m", "/p")[1]  # the user's setting wins
+    # every adapter that can be live at once fits a batch; the user's own options pass through, last
+    assert "--max-loras 12 --max-cpu-loras 32 --tensor-parallel-size 1" in joined
+    assert "--gpu-memory-utilization" not in joined
+    cfg = load_config(None, ["inference.tensor_parallel=2", "inference.gpu_memory_utilization=0.45",
+                             "inference.vllm_args=['--enforce-eager','--max-model-len','4096']"])
+    argv, _ = vllm.build_command(cfg, "/m", "/p")
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.45"
+    assert argv[-3:] == ["--enforce-eager", "--max-model-len", "4096"]
     assert vllm.max_lora_rank(8) == 8 and vllm.max_lora_rank(9) == 16
     with pytest.raises(ValueError):
         vllm.max_lora_rank(1000)
