@@ -165,8 +165,10 @@ Hindsight: the environment actually answered: What is your next action? Answer w
 """
 
 
-def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, vocab_size: int = 512, hidden: int = 64) -> Path:
-    """A random 2-layer Llama with a byte-level BPE tokenizer trained on an ALFWorld-like corpus.
+def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, vocab_size: int = 512, hidden: int = 64,
+                     arch: str = "llama", chat_template: str | None = None) -> Path:
+    """A random 2-layer Llama (``arch="qwen3"``: Qwen3, the GPU configs' architecture) with a
+    byte-level BPE tokenizer trained on an ALFWorld-like corpus and ``chat_template`` (ChatML).
 
     Idempotent: an existing complete directory is returned as it is. Builds in well under a second.
     """
@@ -190,9 +192,9 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, vocab_size: int 
         tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
         unk_token="<|endoftext|>",
     )
-    tok.chat_template = CHATML_TEMPLATE
+    tok.chat_template = chat_template or CHATML_TEMPLATE
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    shape = dict(
         vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
@@ -202,7 +204,14 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, vocab_size: int 
         # tiny model's LoRA actually learn in tests.
         initializer_range=0.3,
     )
-    model = LlamaForCausalLM(config)
+    if arch == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=hidden // 4))
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**shape))
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}: llama or qwen3")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
