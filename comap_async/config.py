@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(CommandError, ValueError):
@@ -360,8 +360,8 @@ class LearnerConfig(_Section):
     device: str = "cpu"
     """torch device of the learner (``cpu``, ``cuda``)."""
     gpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
-    """GPU ids the learner trains on (``comap procfile`` sets ``CUDA_VISIBLE_DEVICES``); one for now.
-    A GPU also in ``inference.gpus`` is shared with that vLLM server."""
+    """GPU ids the learner trains on (``comap procfile`` sets ``CUDA_VISIBLE_DEVICES``; several: one
+    ``torchrun`` data-parallel rank each). A GPU also in ``inference.gpus`` is shared with that vLLM server."""
     lora_r: int = Field(default=8, ge=1)
     """LoRA rank of the three adapters."""
     lora_alpha: int = Field(default=16, ge=1)
@@ -409,6 +409,12 @@ class LearnerConfig(_Section):
     fp32); ``auto`` = ``bf16`` on a GPU that supports it and on a CPU with native bf16
     instructions (avx512_bf16 or AMX), else ``off`` (fp32). The shipped configs set ``auto``;
     the default stays exact fp32."""
+
+    @field_validator("autocast", mode="before")
+    @classmethod
+    def _off_is_not_false(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML 1.1 reads ``autocast: off`` (and --set ...=off) as false
+
     eta: float = Field(default=0.5, ge=0.0)
     """Weight of the self-distillation KL in the world-model loss."""
     ema_momentum: float = Field(default=0.99, ge=0.0, le=1.0)
@@ -429,7 +435,7 @@ class LearnerConfig(_Section):
     """Optimizer steps of warm-up SFT before ``reflect_init`` (the least, with ``warmup_epochs``)."""
     warmup_epochs: float | None = Field(default=None, gt=0)
     """Size warm-up SFT by data: this many passes over the demonstrations the broker holds when warm-up
-    training starts (``ceil(epochs * demos / batch_size)`` steps, at least ``warmup_steps``); the
+    training starts (``ceil(epochs * demos / (batch_size * grad_accum * ranks))`` steps, at least ``warmup_steps``); the
     learning-rate schedule spans that budget. ``None``: ``warmup_steps`` alone."""
     warmup_publish_every: int | None = Field(default=None, ge=1)
     """Also publish every this many steps of warm-up SFT (the evaluator then draws the warm-up part of
@@ -447,7 +453,7 @@ class LearnerConfig(_Section):
     the reflection mode."""
     reflect_init_epochs: float | None = Field(default=None, gt=0)
     """Size reflection-mode initialisation by data: this many passes over the reflection samples the
-    broker holds when its training starts (``ceil(epochs * samples / batch_size)`` steps, at least
+    broker holds when its training starts (``ceil(epochs * samples / (batch_size * grad_accum * ranks))`` steps, at least
     ``reflect_init_steps``; the paper: 3 epochs). ``None``: ``reflect_init_steps`` alone."""
     reflect_init_max_minutes: float | None = Field(default=None, gt=0)
     """...and by time: reflection-mode initialisation ends after this many minutes of training.

@@ -156,10 +156,15 @@ class Learner:
         from learner.peft_model import build_peft_model
         from learner.trainer import Trainer
 
+        from learner.distributed import DataParallel
+
         self.cfg, self.log = cfg, log
         lc = cfg.learner
         torch.set_num_threads(cfg.model.torch_threads)
         torch.manual_seed(cfg.run.seed)
+        # under torchrun: one rank of data-parallel training (before the model: it picks the GPU)
+        self.dp = DataParallel.from_env(lc.device)
+        self.leader = self.dp is None or self.dp.leader
         path = resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)
         base, tok = load_model_and_tokenizer(path, cfg.model.dtype, lc.device)
         model = build_peft_model(base, lc.lora_r, lc.lora_alpha, lc.lora_dropout, lc.target_modules,
@@ -167,6 +172,13 @@ class Learner:
         prompts = Prompts.for_model(path, cfg)
         self.trainer = Trainer(model, Encoder(tok, prompts, lc.max_seq_len), lc, lc.device)
         self.trainer.ablation = cfg.ablation
+        if self.dp is not None:
+            from learner.peft_model import adapter_parameters
+            from comap_async.wire.messages import ROLES
+
+            self.trainer.data_parallel = self.dp
+            self.dp.sync_parameters([p for role in ROLES for _, p in adapter_parameters(model, role)])
+            self.log = log.bind(rank=self.dp.rank)
         first = WARMUP if lc.warmup_steps > 0 else COEVOLVE if cfg.ablation.no_reflect_init else REFLECT_INIT
         self.state = LearnerState(phase=first)
         self.trainer.scheduler.enter(self.state.phase, self.state.phase_start, self.state.phase_budget)
@@ -194,10 +206,14 @@ class Learner:
     def checkpoint(self) -> None:
         from learner.checkpoint import save_checkpoint
 
+        if not self.leader:  # every rank holds the same weights: rank 0 writes them
+            return
         path = save_checkpoint(self.ckpt_dir, self.trainer, {"state": self.state.as_dict()})
         self.log.info("learner.checkpoint", path=str(path), step=self.trainer.step)
 
     def scalars(self, metrics: dict[str, float]) -> None:
+        if not self.leader:
+            return
         if self.writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -229,6 +245,8 @@ class Learner:
         from learner.publish import publish_adapters
 
         self.state.version += 1
+        if not self.leader:  # rank 0 publishes the weights every rank holds
+            return {}
         finished, result = await until_stopped(publish_adapters(
             self.trainer.model, self.state.version, self.state.phase, self.trainer.step, root=self.adapter_root,
             inference=inference, endpoints=list(self.cfg.inference.endpoints), broker=broker, log=self.log,
@@ -272,6 +290,19 @@ class Learner:
             await asyncio.sleep(1.0)
         return None
 
+    @property
+    def global_batch(self) -> int:
+        """Samples one optimizer step trains on, over every rank (a budget's unit)."""
+        lc = self.cfg.learner
+        return lc.batch_size * lc.grad_accum * (self.dp.world if self.dp is not None else 1)
+
+    def follow_budget(self, phase: str) -> None:
+        """Enter ``phase`` with the step budget just sized from the broker's counts, rank 0's on every
+        rank (the ranks read the counts at slightly different moments)."""
+        if self.dp is not None:
+            self.state.phase_budget = self.dp.follow(self.state.phase_budget)
+        self.trainer.scheduler.enter(phase, self.state.phase_start, self.state.phase_budget)
+
     async def wait_for_demos(self, broker: Any) -> None:
         """Warm-up starts once the broker holds ``warmup_min_demos`` demonstrations."""
         demos = await self.wait_for_store(broker, "demos", "count", self.cfg.learner.warmup_min_demos,
@@ -279,8 +310,8 @@ class Learner:
         lc = self.cfg.learner
         if demos is not None and lc.warmup_epochs is not None and self.state.phase_budget is None:
             # sized by the data there is when training starts: later demonstrations only add variety
-            self.state.phase_budget = max(lc.warmup_steps, math.ceil(lc.warmup_epochs * demos / lc.batch_size))
-            self.trainer.scheduler.enter(WARMUP, self.state.phase_start, self.state.phase_budget)
+            self.state.phase_budget = max(lc.warmup_steps, math.ceil(lc.warmup_epochs * demos / self.global_batch))
+            self.follow_budget(WARMUP)
             self.log.info("learner.warmup_budget", demos=demos, epochs=lc.warmup_epochs, steps=self.state.phase_budget)
 
     async def wait_for_reflections(self, broker: Any) -> int | None:
@@ -291,8 +322,8 @@ class Learner:
         have = await self.wait_for_store(broker, "reflections", "count", lc.reflect_init_min_samples,
                                          "learner.waiting_for_reflections")
         if have is not None and lc.reflect_init_epochs is not None and self.state.phase_budget is None:
-            self.state.phase_budget = max(lc.reflect_init_steps, math.ceil(lc.reflect_init_epochs * have / lc.batch_size))
-            self.trainer.scheduler.enter(REFLECT_INIT, self.state.phase_start, self.state.phase_budget)
+            self.state.phase_budget = max(lc.reflect_init_steps, math.ceil(lc.reflect_init_epochs * have / self.global_batch))
+            self.follow_budget(REFLECT_INIT)
             self.log.info("learner.reflect_init_budget", samples=have, epochs=lc.reflect_init_epochs,
                           steps=self.state.phase_budget)
         return have
@@ -314,7 +345,8 @@ class Learner:
         resumed = self.resume()
         lc = self.cfg.learner
         # what this run is: CoMap itself ([]) or the ablations switched on (comap compare reads it)
-        write_run_ablation(self.run_dir, self.cfg.ablation.active)
+        if self.leader:
+            write_run_ablation(self.run_dir, self.cfg.ablation.active)
         if self.cfg.ablation.active:
             self.log.info("learner.ablation", active=self.cfg.ablation.active)
         async with BrokerClient.from_config(self.cfg) as broker:
@@ -327,16 +359,18 @@ class Learner:
                     await wait_until_answers(f"inference {url}", lambda u=url: inference.health(endpoint=u), self.log,
                                              self.stop, "learner.waiting")
                 live = int((registry.get("versions") or {}).get("policy", 0))
-                if live > 0:
+                if live > 0 and self.leader:
                     await self.reload_live_adapters(inference, registry)
                 # new versions are numbered above anything announced, even after an older checkpoint
                 self.state.version = max(self.state.version, live)
-                if not resumed and registry.get("phase") != self.state.phase:
+                if not resumed and registry.get("phase") != self.state.phase and self.leader:
                     await broker.announce(self.state.phase, registry.get("versions", {}), registry.get("adapters", {}), 0)
                 if self.state.phase == WARMUP:
                     await self.wait_for_demos(broker)
                 shares = {"transitions": lc.wm_anchor_share, "reflections": lc.reflect_init_share}
-                prefetch = Prefetcher(broker, self.state, lc.batch_size, lc.prefetch, self.cfg.run.seed, self.log,
+                rank = self.dp.rank if self.dp is not None else 0  # each rank samples its own micro-batches
+                prefetch = Prefetcher(broker, self.state, lc.batch_size, lc.prefetch, self.cfg.run.seed + 7919 * rank,
+                                      self.log,
                                       shares, self.cfg.ablation)
                 task = asyncio.create_task(prefetch.run())
                 try:
@@ -348,7 +382,19 @@ class Learner:
                 await inference.close()
                 if self.writer is not None:
                     self.writer.close()
+                if self.dp is not None:  # equal on every rank, or data parallelism is broken
+                    self.log.info("learner.rank_done", step=self.trainer.step, weights=self.weights_digest())
         return 0
+
+    def weights_digest(self) -> str:
+        """A digest of the trained adapters' weights (ranks compare theirs in the log)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for params in self.trainer.role_params.values():
+            for p in params:
+                h.update(p.detach().float().cpu().numpy().round(5).tobytes())
+        return h.hexdigest()[:16]
 
     async def _train(self, prefetch: Prefetcher, task: asyncio.Task, inference: Any, broker: Any, max_steps: int | None) -> None:
         lc = self.cfg.learner
@@ -393,9 +439,13 @@ class Learner:
             self.state.tokens_total += int(metrics.get("learner/tokens", 0))
             metrics["learner/tokens_total"] = self.state.tokens_total
             step = self.trainer.step
+            nxt = self.next_phase() if self.leader else None
+            if self.dp is not None:  # rank 0's schedule, and its shutdown, on every rank
+                nxt, leader_stops = self.dp.follow((nxt, self.stop.is_set()))
+                if leader_stops:
+                    self.stop.set()
             if self.stop.is_set():  # the step completed as SIGTERM came: keep it, skip the publish
                 break
-            nxt = self.next_phase()
             if nxt is not None:
                 self.log.info("learner.phase", old=self.state.phase, new=nxt, step=step)
                 self.state.phase, self.state.phase_start = nxt, step
@@ -469,6 +519,8 @@ def run_learner(cfg: CoMapConfig, log: Any, max_steps: int | None = None) -> int
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     learner = Learner(cfg, log)
     code = asyncio.run(learner.run(max_steps))
+    if learner.dp is not None:
+        learner.dp.close()
     thread = learner.step_thread
     if thread is not None and thread.is_alive():
         thread.join(3.0)  # an abandoned step stops at its next micro-batch

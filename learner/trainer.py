@@ -157,6 +157,9 @@ class Trainer:
     """``no_wmsd`` / ``no_real_ce`` drop a world-model loss term (it is then neither computed nor logged)."""
     label_counts: list[int] = field(default_factory=lambda: [0, 0])
     """Reflection samples trained on so far with y = 0 and y = 1 (``learner.bce_balance``'s weights)."""
+    data_parallel: Any = None
+    """A :class:`learner.distributed.DataParallel` under torchrun: gradients and label counts are
+    averaged/summed over the ranks before each optimizer step."""
     freeze_wm: bool = False
     """Set per step by the learner (``ablation.frozen_wm`` after warm-up): the world model is not
     trained (its records are ignored) and the EMA teacher is not updated."""
@@ -498,6 +501,12 @@ class Trainer:
 
         change_nlls: list[float] = []  # a metric over the micro-batches that have change tokens
         labels = [0, 0]  # reflection samples trained with y = 0, y = 1
+        for mb in micro_batches:
+            for r in mb.get("reflections") or []:
+                labels[int(r["y"])] += 1
+        # counted before the loss, over every rank's samples: the step's own samples weigh in its balance
+        seen = self.data_parallel.sum(labels) if self.data_parallel is not None else labels
+        self.label_counts = [self.label_counts[0] + seen[0], self.label_counts[1] + seen[1]]
 
         for mb in micro_batches:
             self._check_abort()
@@ -510,15 +519,13 @@ class Trainer:
                     change_nlls.append(change_nll)
                 tokens += n
             demos, refl = mb.get("demos") or [], mb.get("reflections") or []
-            for r in refl:  # counted before the loss: a step's own samples weigh in its balance
-                self.label_counts[int(r["y"])] += 1
             if demos or refl:
                 metrics, n = self._policy_step(demos, refl, scale)
                 for name, value in metrics.items():
                     add(name, value)
                 tokens += n
-                for r in refl:
-                    labels[int(r["y"])] += 1
+        if self.data_parallel is not None:
+            self.data_parallel.average_gradients([p for params in self.role_params.values() for p in params])
         if change_nlls:
             sums["wm/change_nll"] = sum(change_nlls) / len(change_nlls)
         if sum(labels):  # the label mix the reflection mode actually saw this step

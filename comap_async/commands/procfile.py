@@ -1,7 +1,8 @@
 """``comap procfile``: the Procfile of a GPU host, from the config's device plan.
 
 ``inference.gpus`` (one vLLM server per ``inference.tensor_parallel`` of them, on consecutive
-ports from ``inference.port``) and ``learner.gpus`` say where each process runs; every process
+ports from ``inference.port``) and ``learner.gpus`` (several: ``torchrun``, one data-parallel rank
+per GPU) say where each process runs; every process
 gets its ``CUDA_VISIBLE_DEVICES`` and the list of inference endpoints, so nothing else has to be
 edited by hand. A learner GPU that also serves inference gets a vLLM server that leaves room for
 it (``--gpu-memory-utilization 0.45`` unless ``inference.gpu_memory_utilization`` says otherwise).
@@ -49,9 +50,6 @@ def plan(cfg: Any) -> list[Process]:
                           f"({inf.tensor_parallel}): every server needs the same number of GPUs")
     if inf.backend != "vllm":
         raise ConfigError("comap procfile plans vLLM servers: set inference.backend: vllm")
-    if len(lc.gpus) > 1:
-        raise ConfigError(f"learner.gpus {lc.gpus}: the learner trains on one GPU (data-parallel training over "
-                          "several is not implemented yet); give the others to inference.gpus")
     if lc.gpus and not lc.device.startswith("cuda"):
         raise ConfigError(f"learner.gpus is set but learner.device is {lc.device!r}: set learner.device: cuda")
     groups = [tuple(inf.gpus[i:i + inf.tensor_parallel]) for i in range(0, len(inf.gpus), inf.tensor_parallel)]
@@ -63,7 +61,10 @@ def plan(cfg: Any) -> list[Process]:
         if set(group) & set(lc.gpus) and inf.gpu_memory_utilization is None:
             extra.append(f"inference.gpu_memory_utilization={SHARED_GPU_MEMORY}")
         procs.append(Process(f"inference{i}", group, "comap serve --backend vllm", tuple(extra)))
-    procs.append(Process("learner", tuple(lc.gpus), "comap learner", (wired,)))
+    # several learner GPUs: data parallel, one torchrun rank per GPU (learner/distributed.py)
+    learner = (f"torchrun --standalone --nproc-per-node {len(lc.gpus)} -m comap_async learner" if len(lc.gpus) > 1
+               else "comap learner")
+    procs.append(Process("learner", tuple(lc.gpus), learner, (wired,)))
     procs.append(Process("actor", (), "comap actor", (wired,)))
     procs.append(Process("evaluator", (), "comap evaluator", (wired,)))
     return procs

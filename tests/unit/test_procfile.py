@@ -80,11 +80,18 @@ def test_tensor_parallel_groups_the_gpus_of_one_server():
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == str(SHARED_GPU_MEMORY)  # shares GPU 3
 
 
+def test_several_learner_gpus_are_torchrun_ranks():
+    procs = lines("inference.gpus=[0,1]", "learner.gpus=[2,3]")
+    env, argv = procs["learner"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert argv[:6] == ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "comap_async"]
+    assert argv[6] == "learner"
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["inference.gpus=[]"], "inference.gpus is empty"),
     (["inference.gpus=[0,0]"], "twice"),
     (["inference.gpus=[0,1,2]", "inference.tensor_parallel=2"], "not a multiple"),
-    (["inference.gpus=[0]", "learner.gpus=[1,2]"], "one GPU"),
     (["inference.gpus=[0]", "inference.backend=embedded"], "inference.backend: vllm"),
     (["inference.gpus=[0]", "learner.gpus=[1]", "learner.device=cpu"], "learner.device: cuda"),
 ])
