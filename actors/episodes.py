@@ -68,7 +68,7 @@ class EpisodeStats:
     state_actions: list[tuple[Facts, str]] = field(default_factory=list)
     """Per step: the state's canonical facts and the canonical action taken there (the loop rate)."""
     judged_steps: list[tuple[int, int, int]] = field(default_factory=list)
-    """Evaluation with reflection metrics: per step, ``(m, z_draft, z_ref)`` (DESIGN.md section 11)."""
+    """Evaluation with reflection metrics: per step, ``(m, z_draft, z_ref)`` (docs/design.md section 11)."""
 
     @property
     def loops(self) -> int:
@@ -226,7 +226,7 @@ async def emit_recovery(ctx: EpisodeContext, ep: Episode, branch: Any, t: int, x
 
 
 async def play_branch(env: Any, game: Any, prefix: list[str], first: str, plan: list[str]) -> tuple[Any, str]:
-    """One branch (DESIGN.md section 11): restore the state after ``prefix`` on ``env``, take
+    """One branch (docs/design.md section 11): restore the state after ``prefix`` on ``env``, take
     ``first``, then continue under the continuation policy, the game's expert, until the episode
     ends (won, or ``env.max_steps`` counted from the start of the episode). The expert is
     walkthrough-consistent: while the branch has followed the game's walkthrough ``plan`` exactly

@@ -1,4 +1,4 @@
-"""Gate workers: decode, validate and gate actor messages in other processes (DESIGN.md 4-5).
+"""Gate workers: decode, validate and gate actor messages in other processes (docs/design.md sections 4-5).
 
 Why: per stored transition the broker spends more CPU in ``msgpack`` decoding, validation and the
 world-state gate's fact parsing than in ZeroMQ and LMDB together (measured: ~45 us against ~25 us

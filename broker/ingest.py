@@ -1,4 +1,4 @@
-"""Validated actor messages -> the records the broker stores, with the gates applied (DESIGN.md 4-5).
+"""Validated actor messages -> the records the broker stores, with the gates applied (docs/design.md sections 4-5).
 
 Per message type:
 

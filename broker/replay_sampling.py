@@ -9,7 +9,7 @@ evaluated Fisher-Yates permutation of the window, so drawing ``n`` items costs O
 O(window) even when some of them turn out stale and more are drawn.
 
 A ``phases`` filter serves only items of those phases (co-evolution trains the world model on
-on-policy transitions, DESIGN.md section 6). Non-matching items are skipped and counted like
+on-policy transitions, docs/design.md section 6). Non-matching items are skipped and counted like
 stale ones; the draws stay O(n / share of matching items), and the scan ends at the window, so a
 filter nothing matches returns an empty batch instead of looping.
 """

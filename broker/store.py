@@ -1,4 +1,4 @@
-"""LMDB replay stores: bounded FIFO rings, a dedup index and persisted counters (DESIGN.md section 5).
+"""LMDB replay stores: bounded FIFO rings, a dedup index and persisted counters (docs/design.md section 5).
 
 One LMDB environment holds named databases:
 

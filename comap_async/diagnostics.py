@@ -3,7 +3,7 @@
 Reflection-mode initialisation and the evaluation's reflection metrics both compare *branches*:
 from a restored state, one rollout starts with one action and one with another, and both continue
 under the same continuation policy (the game's expert) until the episode ends or the step limit
-(DESIGN.md section 11). The rollouts themselves need an environment (``actors.episodes``); what
+(docs/design.md section 11). The rollouts themselves need an environment (``actors.episodes``); what
 they are turned into is here, so it can be checked on hand-built cases.
 """
 
@@ -37,7 +37,7 @@ def branch_better(a: BranchResult, b: BranchResult) -> bool:
 
 def reflection_label(draft_equals_expert: bool, expert: BranchResult | None,
                      draft: BranchResult | None) -> tuple[int, str]:
-    """``(y, label)`` of a reflection-initialisation sample (DESIGN.md section 11).
+    """``(y, label)`` of a reflection-initialisation sample (docs/design.md section 11).
 
     ``y = 1`` (target: the expert action) only when the expert branch is strictly better than the
     draft branch; otherwise ``y = 0`` and the draft is kept. A draft canonically equal to the

@@ -6,7 +6,7 @@ An environment's parser turns observation text into a set of canonical facts (st
 for one that disappeared. Comparing changes rather than whole states scores what the action did,
 not how much of an unchanged room a prediction happened to repeat.
 
-The facts compared are those of the **state** (DESIGN.md section 11), not of one observation:
+The facts compared are those of the **state** (docs/design.md section 11), not of one observation:
 an environment's ``next_state(state, text)`` applies an observation to the facts known so far
 (a receptacle's contents seen earlier are still facts after the agent walks away), so a new
 observation that merely stops mentioning something does not count as a change. Actors keep one
@@ -86,7 +86,7 @@ def delta_f1(prev_facts: Facts | None, predicted_facts: Facts | None, real_facts
 
 
 def state_delta_f1(next_state: NextState, before: Facts, predicted: str, real: str) -> float | None:
-    """Delta-F1 of a predicted next observation at the state level (DESIGN.md section 11):
+    """Delta-F1 of a predicted next observation at the state level (docs/design.md section 11):
     ``F1(C(ŝ') ⊖ C(s), C(s') ⊖ C(s))`` where ``C(ŝ')`` and ``C(s')`` are the state ``before``
     updated by the predicted and by the real observation.
 

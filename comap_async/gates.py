@@ -1,4 +1,4 @@
-"""The two CoMap gates and the policy sample they derive (pure functions, DESIGN.md sections 1, 5).
+"""The two CoMap gates and the policy sample they derive (pure functions, docs/design.md sections 1, 5).
 
 * The **action gate** decides whether the reflected action ``a_ref`` is executed instead of the
   draft: only a confident, real revision passes.
@@ -89,7 +89,7 @@ def world_state_gate_on_facts(prev: Facts | None, student: Facts | None, teacher
 
 
 def future_context(tr: Transition, use_imagined: bool, canon: Callable[[str], str] = canonical_action) -> str:
-    """``s̄``, the future the reflection sample shows next to the draft (DESIGN.md section 5).
+    """``s̄``, the future the reflection sample shows next to the draft (docs/design.md section 5).
 
     It always describes the **draft**, as ``ŝ = WM(s, a_draft)`` does at inference: on a step
     that executed the draft, the student's prediction for it when the world-state gate trusts it,
@@ -116,7 +116,7 @@ def derive_policy_sample(
 
     The world-state gate scores the executed action (student vs teacher): the agreement of the
     changes each prediction makes to the state before the action (``tr.facts``, the actor's
-    fact state, DESIGN.md section 11). ``s̄`` is :func:`future_context`; ``target = a_exec`` and
+    fact state, docs/design.md section 11). ``s̄`` is :func:`future_context`; ``target = a_exec`` and
     ``y = 1`` when the action gate executed the revision, else ``a_draft`` and ``y = 0``. Gate
     inputs and scores are kept so an analysis can recompute them.
 

@@ -1,4 +1,4 @@
-"""Prompt rendering and parsing for every role, in one place (DESIGN.md section 1).
+"""Prompt rendering and parsing for every role, in one place (docs/design.md section 1).
 
 Actors and the learner build prompts only through these functions and the model's own chat
 template, so both sides produce the same token sequences. Rendering uses jinja2 on the template
@@ -182,7 +182,7 @@ class DecisionTokens:
     name) and as ids (what the learner's logits index).
 
     ``p`` (:func:`revise_probability`) is read from these two tokens only, by the actor (the server's
-    logprobs), the learner (its logits), the probes and the metrics alike (DESIGN.md section 6)."""
+    logprobs), the learner (its logits), the probes and the metrics alike (docs/design.md section 6)."""
 
     keep: str
     revise: str

@@ -36,7 +36,7 @@ def change_token_flags(target_ids: Sequence[int], before_ids: Collection[int]) -
 
     The world model's CE on ``s'`` is dominated by tokens it can copy from the state it was
     shown (``On the countertop 1, you see ...`` repeats what was there); the NLL on the other
-    tokens (``wm/change_nll``, DESIGN.md section 9) follows what it predicts about the action's
+    tokens (``wm/change_nll``, docs/design.md section 9) follows what it predicts about the action's
     effect. A proxy on token ids, not on facts: cheap enough to log at every step.
     """
     before = set(before_ids)

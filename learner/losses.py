@@ -1,4 +1,4 @@
-"""CoMap loss terms, one small pure function each (DESIGN.md section 6).
+"""CoMap loss terms, one small pure function each (docs/design.md section 6).
 
 Shapes: ``logits`` [B, T, V]; ``labels`` [B, T] with -100 where a token is not a target. Every
 function returns a scalar tensor averaged over the tokens (or samples) that count, and 0 (still
@@ -104,7 +104,7 @@ def decision_format_nll(decision_logits: torch.Tensor, keep_id: int, revise_id: 
     """``-log(P(KEEP) + P(REVISE))`` at the decision position, per sample [B]: that a decision word
     comes at all, whichever. Its gradient reaches the two words' logits only through their mean (the
     half-difference is held fixed), so it pushes both alike and never moves ``p``: the choice between
-    them is trained by :func:`revise_bce` only (DESIGN.md section 6), while the text stays readable."""
+    them is trained by :func:`revise_bce` only (docs/design.md section 6), while the text stays readable."""
     logits = decision_logits.float()
     keep, revise = logits[:, keep_id], logits[:, revise_id]
     mid, half = (keep + revise) / 2, ((revise - keep) / 2).detach()

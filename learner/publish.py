@@ -1,6 +1,6 @@
 """Publishing adapters: save versioned, load into every inference endpoint, announce, prune.
 
-Order matters (DESIGN.md section 6): the broker announces a version only after every endpoint
+Order matters (docs/design.md section 6): the broker announces a version only after every endpoint
 serves it, so an actor never asks for an adapter that is not loaded; versions older than the
 previous one are unloaded last, so requests already in flight on the previous version finish.
 Versioned names (``policy-v7``) avoid the stale-cache bugs of reloading under one name.

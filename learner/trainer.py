@@ -1,4 +1,4 @@
-"""The learn step: losses on micro-batches, one AdamW step, EMA teacher update (DESIGN.md section 6).
+"""The learn step: losses on micro-batches, one AdamW step, EMA teacher update (docs/design.md section 6).
 
 A micro-batch is a dict of store name -> records as the broker serves them:
 ``transitions`` (world model: CE on ``s_next``, KL on the stored rollout ``s_hat_exec``),

@@ -1,4 +1,4 @@
-"""Text environments behind one protocol (DESIGN.md section 8): ALFWorld and ScienceWorld.
+"""Text environments behind one protocol (docs/design.md section 8): ALFWorld and ScienceWorld.
 
 Light to import: the engines (alfworld, textworld, scienceworld) load only when an environment is created,
 and :func:`get_fact_parser` returns pure parsers, so the broker can use it without them.

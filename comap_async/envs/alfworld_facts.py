@@ -170,7 +170,7 @@ _OPPOSITE = {"open": "closed", "closed": "open", "on": "off", "off": "on", "hot"
 
 
 def next_state(state: frozenset[str], text: str) -> frozenset[str] | None:
-    """The state's canonical facts after the agent observes ``text`` (DESIGN.md section 11: ``C``
+    """The state's canonical facts after the agent observes ``text`` (docs/design.md section 11: ``C``
     is over the state, not over one observation); ``None`` when ``text`` is unreadable.
 
     What an observation does not mention stays as last seen: the contents and open/closed state

@@ -1,4 +1,4 @@
-"""The text-environment protocol every benchmark implements (DESIGN.md section 8)."""
+"""The text-environment protocol every benchmark implements (docs/design.md section 8)."""
 
 from __future__ import annotations
 

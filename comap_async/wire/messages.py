@@ -1,4 +1,4 @@
-"""Every message and stored record, declared once (DESIGN.md section 4), with the names they use.
+"""Every message and stored record, declared once (docs/design.md section 4), with the names they use.
 
 Messages are msgspec ``Struct``s tagged by ``type``; on the wire each is a flat msgpack map
 ``{"type": <tag>, "v": SCHEMA_VERSION, ...fields}`` (the same maps as schema version 1's hand-written
@@ -28,7 +28,7 @@ MAX_ITEMS = 4096  # list/map entries in one message
 # ---- names -------------------------------------------------------------------------------------
 
 Phase = Literal["warmup", "reflect_init", "coevolve"]
-"""The learner's phases (DESIGN.md section 6): world-model warm-up on expert play, reflection-mode
+"""The learner's phases (docs/design.md section 6): world-model warm-up on expert play, reflection-mode
 initialisation, then co-evolution."""
 PHASES: tuple[str, ...] = get_args(Phase)
 WARMUP, REFLECT_INIT, COEVOLVE = PHASES
@@ -161,7 +161,7 @@ class Transition(Message, tag="transition", kw_only=True):
     wm_version: Int
     ts: Num
     facts: Facts
-    """Canonical facts of the state before the action, ``C(s_t)`` (DESIGN.md section 11): the
+    """Canonical facts of the state before the action, ``C(s_t)`` (docs/design.md section 11): the
     world-state gate applies each prediction to it."""
     explore: bool = False
     """Warm-up only: a non-expert action executed for the world model (no demonstration)."""

@@ -1,7 +1,7 @@
 """The actor's outbox: at-least-once delivery to the broker with acks, resends and backpressure.
 
 Every message gets a sequence number and stays in the outbox until the broker acks it, which the
-broker does only after the LMDB commit that stored it (DESIGN.md section 4). Unacked messages are
+broker does only after the LMDB commit that stored it (docs/design.md section 4). Unacked messages are
 resent after ``ack_timeout_s`` and right after a (re)connection; the broker dedups on the message
 id, so resending is always safe. The outbox is bounded: :meth:`Outbox.put` waits while it is full,
 which pauses the episode loops instead of dropping data. With ``spill_dir`` each unacked message

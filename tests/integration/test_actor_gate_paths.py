@@ -120,7 +120,7 @@ class PlanFollower:
 
 
 async def test_reflection_metrics_judge_every_step_by_two_branches(valid_seen, alfworld_data):
-    """Every evaluated step gets ``(m, z_draft, z_ref)`` (DESIGN.md section 11). Revising a 'look'
+    """Every evaluated step gets ``(m, z_draft, z_ref)`` (docs/design.md section 11). Revising a 'look'
     draft to the walkthrough's action: executed (m = 1), and the branch it starts follows the
     walkthrough to a win (z_ref = 1). Drafting the walkthrough's action and proposing 'look': the
     gate blocks it (m = 0) and the draft's branch wins (z_draft = 1), so with no executed revision

@@ -1,4 +1,4 @@
-"""Gate application on ingest, worked examples (DESIGN.md section 5), with a small fact parser."""
+"""Gate application on ingest, worked examples (docs/design.md section 5), with a small fact parser."""
 
 from __future__ import annotations
 

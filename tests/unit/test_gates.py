@@ -103,7 +103,7 @@ def _parse(state: frozenset[str], text: str):
 
 
 def test_derived_sample_imagined_state_and_accepted_revision():
-    # the revised step: s_bar is the student's prediction for the *draft* (DESIGN.md section 5),
+    # the revised step: s_bar is the student's prediction for the *draft* (docs/design.md section 5),
     # while the gate still scores the executed action's predictions
     tr = transition(1, o="O", s_hat="DRAFT IMAGINED", s_hat_exec="PICKED", s_hat_teacher="PICKED",
                     s_next="REAL NEXT", a_draft="go to fridge 1", a_ref="take apple 1 from countertop 1",

@@ -1,5 +1,5 @@
 """Reflection diagnostics (pure): branch comparison, reflection-init labels, URR / HRR / BRP exactly
-as the paper's appendix C.2 defines them (DESIGN.md section 11), on hand-built step lists."""
+as the paper's appendix C.2 defines them (docs/design.md section 11), on hand-built step lists."""
 
 from __future__ import annotations
 
