@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 METHOD_LABELS = {"react": "ReAct", "imagine_and_act": "Imagine-and-Act", "draft_only": "Draft only",
-                 "comap": "CoMap"}
+                 "comap": "CoMap", "lookahead": "Look-ahead (WebEvolver)"}
 
 
 def run_label(ablation: list[str], name: str) -> str:

@@ -67,6 +67,9 @@ class EpisodeStats:
     """Per step of the CoMap loop: why the action gate opened or stayed shut (``revised``, ``keep``...)."""
     state_actions: list[tuple[Facts, str]] = field(default_factory=list)
     """Per step: the state's canonical facts and the canonical action taken there (the loop rate)."""
+    lookahead: list[Any] = field(default_factory=list)
+    """Evaluation with ``lookahead``: per step, the candidates, their scores and the one executed
+    (:class:`actors.lookahead.LookaheadStep`)."""
     judged_steps: list[tuple[int, int, int]] = field(default_factory=list)
     """Evaluation with reflection metrics: per step, ``(m, z_draft, z_ref)`` (docs/design.md section 11)."""
 
@@ -85,6 +88,8 @@ class EpisodeStats:
             out["reflections"] = float(self.reflections)
         if self.restore_diverged:
             out["restore_diverged"] = float(self.restore_diverged)
+        if self.lookahead:  # how often the look-ahead overruled the first sampled candidate
+            out["lookahead_switch_rate"] = sum(step.chosen > 0 for step in self.lookahead) / len(self.lookahead)
         if self.gate_reasons:
             out["reflection_problem_rate"] = self.reflection_problems / n
             out["unreadable_reflection_rate"] = self.unreadable_reflections / n

@@ -7,6 +7,8 @@ the same games with the same adapters (or the base model) and the same budget of
   final action chosen by the policy from that (no KEEP/REVISE decision, so no action gate) -
   three calls per step.
 * ``draft_only``: the policy's draft executed as is - one call per step.
+* ``lookahead``: WebEvolver's imagination engine (:mod:`actors.lookahead`) - ``K`` drafts, ``K x D``
+  world-model calls, up to ``K x (D - 1)`` more drafts and ``K`` critic calls per step.
 
 ``comap`` itself is :func:`actors.episodes.play_coevolve` in evaluation mode. Nothing is stored.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from actors import lookahead
 from actors.episodes import FALLBACK_ACTION, Episode, EpisodeContext, EpisodeStats
 from comap_async.facts import state_delta_f1
 from comap_async.wire.messages import COEVOLVE
@@ -24,6 +27,10 @@ async def _act(ctx: EpisodeContext, ep: Episode, method: str, s: str) -> tuple[s
     """``(action, s_hat)`` of one step (action None: unparseable); ``s_hat`` is the imagined state of the executed
     action when the method imagined it (Imagine-and-Act keeping its candidate), else None."""
     llm = ctx.llm
+    if method == "lookahead":
+        action, seen = await lookahead.choose(ctx, ep, FALLBACK_ACTION)
+        ep.stats.lookahead.append(seen)
+        return action, None
     if method == "react":
         action, _ = await llm.react(s, ctx.cfg.eval.react_max_tokens)
         return action, None
@@ -47,7 +54,7 @@ async def _act(ctx: EpisodeContext, ep: Episode, method: str, s: str) -> tuple[s
 
 
 async def play_method(ctx: EpisodeContext, env: Any, game: Any, episode_id: str, method: str) -> EpisodeStats:
-    """One evaluation episode of ``method`` (``react``, ``imagine_and_act`` or ``draft_only``)."""
+    """One evaluation episode of ``method`` (``react``, ``imagine_and_act``, ``draft_only`` or ``lookahead``)."""
     ep = Episode(ctx, game, episode_id, await env.reset(game))
     while not ep.current.done:
         s, admissible = ep.state(), ep.current.admissible

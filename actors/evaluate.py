@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the agent acts (default: eval.method, comap): the CoMap loop (draft, imagine, reflect, "
                         "action gate), react (a thought then an action, no world model, no reflection), "
                         "imagine_and_act (the draft's imagined consequence, then a chosen final action, no action "
-                        "gate) or draft_only (the policy's draft executed as is)")
+                        "gate), draft_only (the policy's draft executed as is) or lookahead (K sampled candidates "
+                        "imagined D steps ahead by the world model, the critic's best executed: eval.lookahead_*)")
     p.add_argument("--serve", choices=("auto", "never", "always"), default="auto",
                    help="start an embedded inference server for this run: when none answers (auto), never, always")
     p.add_argument("--serve-timeout", type=float, default=600.0, metavar="S",

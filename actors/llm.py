@@ -123,12 +123,25 @@ class AgentLLM:
                 await self.registry.refresh()
         raise AssertionError("unreachable")
 
-    async def draft(self, state: str) -> tuple[str | None, str | None]:
-        """(action, problem); action None when the output had no usable line."""
+    async def draft(self, state: str, temperature: float | None = None) -> tuple[str | None, str | None]:
+        """(action, problem); action None when the output had no usable line. ``temperature``: this
+        call's, instead of ``actor.temperature`` (the look-ahead's sampled candidates)."""
         c = await self._complete(POLICY, self.prompts.draft(state), self.cfg.max_draft_tokens, STOP_ACTION,
-                                 self.cfg.temperature)
+                                 self.cfg.temperature if temperature is None else temperature)
         parsed = parse_action(c["text"])
         return parsed.value, parsed.problem
+
+    async def critic(self, state: str, trajectory: list[tuple[str, str]]) -> float | None:
+        """The policy's judgement of an imagined continuation of ``state``: P(YES) over the critic's
+        two answer tokens at the first generated position (None when neither is among the top-k)."""
+        answer = self.prompts.critic_answer
+        if answer is None:
+            raise ValueError("this model's tokenizer does not separate the critic's answers ' NO' / ' YES' at "
+                             "their first token: the lookahead method cannot read a score")
+        c = await self._complete(POLICY, self.prompts.critic(state, trajectory), 1, ["<|im_end|>"], 0.0,
+                                 self.cfg.logprobs)
+        tops = (c.get("logprobs") or {}).get("top_logprobs") or []
+        return revise_probability(tops[0] if tops else None, answer)
 
     async def react(self, state: str, max_tokens: int) -> tuple[str | None, str | None]:
         """ReAct's (action, problem): a thought, then the action, from the state alone (policy adapter)."""

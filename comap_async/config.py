@@ -526,11 +526,14 @@ class AblationConfig(_Section):
         return "real" if self.no_ws_gate_real else "imagined" if self.no_ws_gate_imagined else "gate"
 
 
-EvalMethod = Literal["comap", "react", "imagine_and_act", "draft_only"]
+EvalMethod = Literal["comap", "react", "imagine_and_act", "draft_only", "lookahead"]
 """How an evaluated agent acts (``actors/eval_methods.py``): ``comap`` (draft, imagine, reflect,
 action gate), ``react`` (a thought then an action from the state alone: no world model, no
 reflection), ``imagine_and_act`` (the draft's imagined consequence, then a final action chosen
-from it: no action gate), ``draft_only`` (the policy's draft executed as is)."""
+from it: no action gate), ``draft_only`` (the policy's draft executed as is), ``lookahead``
+(WebEvolver's imagination engine: ``eval.lookahead_k`` sampled candidates, each imagined
+``eval.lookahead_depth`` steps ahead by the world model and scored by the policy as critic; the
+best-scored one executed: ``actors/lookahead.py``)."""
 EVAL_METHODS: tuple[str, ...] = EvalMethod.__args__
 
 
@@ -544,6 +547,14 @@ class EvalConfig(_Section):
     temperature: float = Field(default=0.0, ge=0.0)
     """Sampling temperature of every model call in evaluation episodes (the policy's and the world
     model's): 0, greedy, so that a version's success rate does not hinge on one sampled game."""
+    lookahead_k: int = Field(default=3, ge=1, le=16)
+    """``lookahead``: candidate actions per step (sampled drafts; canonical duplicates played once)."""
+    lookahead_depth: int = Field(default=1, ge=1, le=8)
+    """``lookahead``: imagined steps per candidate (the world model answers each; the policy drafts
+    the next action from the imagined state). WebEvolver looks ahead one to a few steps."""
+    lookahead_temperature: float = Field(default=0.7, gt=0.0)
+    """``lookahead``: temperature of the candidates' drafts (distinct candidates need sampling, also
+    when the evaluation is greedy)."""
     react_max_tokens: int = Field(default=96, ge=8)
     """Tokens of a ReAct answer (a one-sentence thought and the action line)."""
     games: int = Field(default=10, ge=1)

@@ -166,9 +166,10 @@ Hindsight: the environment actually answered: What is your next action? Answer w
 
 
 def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, vocab_size: int = 512, hidden: int = 64,
-                     arch: str = "llama", chat_template: str | None = None) -> Path:
+                     arch: str = "llama", chat_template: str | None = None, extra_corpus: str = "") -> Path:
     """A random 2-layer Llama (``arch="qwen3"``: Qwen3, the GPU configs' architecture) with a
-    byte-level BPE tokenizer trained on an ALFWorld-like corpus and ``chat_template`` (ChatML).
+    byte-level BPE tokenizer trained on an ALFWorld-like corpus (plus ``extra_corpus``) and
+    ``chat_template`` (ChatML).
 
     Idempotent: an existing complete directory is returned as it is. Builds in well under a second.
     """
@@ -187,7 +188,7 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, vocab_size: int 
         vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tk.train_from_iterator([_TINY_CORPUS] * 4, trainer=trainer)
+    tk.train_from_iterator([_TINY_CORPUS + extra_corpus] * 4, trainer=trainer)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
         unk_token="<|endoftext|>",

@@ -142,6 +142,18 @@ def choose_messages(state: str, a_draft: str, s_hat: str, wording: Wording = ALF
     ]
 
 
+def critic_messages(state: str, trajectory: Sequence[tuple[str, str]], wording: Wording = ALFWORLD
+                    ) -> list[dict[str, str]]:
+    """The look-ahead critic (WebEvolver's imagination engine): the policy judges an imagined
+    continuation of the state, the actions with the world model's answers."""
+    steps = "\n".join(f"> {a.strip()}\n{o.strip()}" for a, o in trajectory)
+    return [
+        {"role": "system", "content": wording.agent},
+        {"role": "user", "content": (f"{state}\n\nImagined continuation:\n{steps}\n\n"
+                                     "Does this continuation bring the task closer to done? Answer YES or NO.")},
+    ]
+
+
 def world_model_messages(state: str, action: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
     return [
         {"role": "system", "content": wording.world},
@@ -190,15 +202,18 @@ class DecisionTokens:
     revise_id: int
 
     @classmethod
-    def from_tokenizer(cls, encode: Callable[[str], list[int]], decode: Callable[[int], str]) -> "DecisionTokens":
-        """From a tokenizer's ``encode(text) -> ids`` (no special tokens) and ``decode(id) -> text``."""
-        keep, revise = encode(" KEEP"), encode(" REVISE")
+    def from_tokenizer(cls, encode: Callable[[str], list[int]], decode: Callable[[int], str],
+                       words: tuple[str, str] = (" KEEP", " REVISE")) -> "DecisionTokens":
+        """From a tokenizer's ``encode(text) -> ids`` (no special tokens) and ``decode(id) -> text``.
+        ``words``: the (negative, positive) answers; another pair serves another yes/no question
+        (the look-ahead critic's :data:`CRITIC_WORDS`), ``p`` then being the positive one's share."""
+        keep, revise = encode(words[0]), encode(words[1])
         if not keep or not revise or keep[0] == revise[0]:
-            raise ValueError("the tokenizer does not separate ' KEEP' and ' REVISE' at their first token")
+            raise ValueError(f"the tokenizer does not separate {words[0]!r} and {words[1]!r} at their first token")
         return cls(decode(keep[0]), decode(revise[0]), keep[0], revise[0])
 
     @classmethod
-    def from_model_dir(cls, path: str | Path) -> "DecisionTokens":
+    def from_model_dir(cls, path: str | Path, words: tuple[str, str] = (" KEEP", " REVISE")) -> "DecisionTokens":
         """From the model directory's ``tokenizer.json`` (the ``tokenizers`` library: no torch)."""
         from tokenizers import Tokenizer
 
@@ -207,7 +222,12 @@ class DecisionTokens:
             raise ValueError(f"{path}: no tokenizer.json (needed to read the decision tokens)")
         tok = Tokenizer.from_file(str(file))
         return cls.from_tokenizer(lambda text: tok.encode(text, add_special_tokens=False).ids,
-                                  lambda i: tok.decode([i], skip_special_tokens=False))
+                                  lambda i: tok.decode([i], skip_special_tokens=False), words)
+
+
+CRITIC_WORDS = (" NO", " YES")
+"""The look-ahead critic's answers: its score is P(YES) / (P(YES) + P(NO)) at the first answer token."""
+CRITIC_PREFIX = "Answer:"
 
 
 # ---------------------------------------------------------------- chat template
@@ -311,17 +331,25 @@ class Prompts:
     """The environment's system messages (:data:`WORDING`); actors and the learner pick the same."""
     decision: DecisionTokens | None = None
     """The decision position's two tokens (needed to read ``p`` from a reflection)."""
+    critic_answer: DecisionTokens | None = None
+    """The look-ahead critic's NO / YES tokens (:data:`CRITIC_WORDS`)."""
 
     @classmethod
-    def from_config(cls, chat: ChatTemplate, cfg: Any, decision: DecisionTokens | None = None) -> "Prompts":
+    def from_config(cls, chat: ChatTemplate, cfg: Any, decision: DecisionTokens | None = None,
+                    critic_answer: DecisionTokens | None = None) -> "Prompts":
         """The prompts a run uses: its environment's wording, its ablation's reflection prompt."""
         return cls(chat, future_state=not cfg.ablation.no_future_state, wording=wording_for(cfg.env.name),
-                   decision=decision)
+                   decision=decision, critic_answer=critic_answer)
 
     @classmethod
     def for_model(cls, model_dir: str | Path, cfg: Any) -> "Prompts":
-        """:meth:`from_config` with the chat template and decision tokens of ``model_dir``."""
-        return cls.from_config(ChatTemplate.from_model_dir(model_dir), cfg, DecisionTokens.from_model_dir(model_dir))
+        """:meth:`from_config` with the chat template, decision and critic tokens of ``model_dir``."""
+        try:
+            critic = DecisionTokens.from_model_dir(model_dir, CRITIC_WORDS)
+        except ValueError:  # a tokenizer that does not separate them (a tiny test one): no look-ahead critic
+            critic = None
+        return cls.from_config(ChatTemplate.from_model_dir(model_dir), cfg, DecisionTokens.from_model_dir(model_dir),
+                               critic)
 
     def draft(self, state: str) -> str:
         return self.chat.render(draft_messages(state, self.wording))
@@ -340,6 +368,10 @@ class Prompts:
 
     def choose(self, state: str, a_draft: str, s_hat: str) -> str:
         return self.chat.render(choose_messages(state, a_draft, s_hat, self.wording)) + FINAL_PREFIX
+
+    def critic(self, state: str, trajectory: Sequence[tuple[str, str]]) -> str:
+        # the answer word is the first generated token, so its logprobs give the score
+        return self.chat.render(critic_messages(state, trajectory, self.wording)) + CRITIC_PREFIX
 
     def teacher(self, state: str, action: str, real_next: str) -> str:
         return self.chat.render(teacher_messages(state, action, real_next, self.wording))
