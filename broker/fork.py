@@ -24,11 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from comap_async.errors import CommandError
-from comap_async.run_files import VERSION_META
+from comap_async.run_files import CHECKPOINT_STATE, VERSION_META
 from comap_async.wire.messages import ROLES, Registry, adapter_name
 
-CHECKPOINT_FILE = "state.pt"  # learner/checkpoint.py's file inside step-N (the broker does not import torch)
-EVAL_KEY = b"eval_results"
 FORK_FILE = "fork.json"
 
 
@@ -41,7 +39,7 @@ def forkable_versions(src: Path, adapters: Path | None = None) -> dict[int, dict
     whose checkpoint is still there: version -> its metadata (``step``, ``phase``) and
     ``checkpoint`` (the step-N directory)."""
     adapters = adapters or src / "adapters"
-    ckpts = {int(p.name.split("-")[1]): p for p in (src / "checkpoints").glob("step-*") if (p / CHECKPOINT_FILE).is_file()}
+    ckpts = {int(p.name.split("-")[1]): p for p in (src / "checkpoints").glob("step-*") if (p / CHECKPOINT_STATE).is_file()}
     out: dict[int, dict[str, Any]] = {}
     for meta_file in adapters.glob(f"policy-v*/{VERSION_META}"):
         meta = json.loads(meta_file.read_text())
@@ -87,11 +85,11 @@ def _copy(src: Path, dst: Path, version: int, meta: dict[str, Any], src_adapters
           dst_adapters: Path) -> dict[str, Any]:
     import lmdb
 
-    from broker.store import ReplayStore
+    from broker.store import EVAL_KEY, ReplayStore
     from comap_async.wire.messages import STORES
 
     ckpt: Path = meta["checkpoint"]
-    cut_ts = (ckpt / CHECKPOINT_FILE).stat().st_mtime  # the publish's checkpoint: written right after it
+    cut_ts = (ckpt / CHECKPOINT_STATE).stat().st_mtime  # the publish's checkpoint: written right after it
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copytree(ckpt, dst / "checkpoints" / ckpt.name)
     for role in ROLES:

@@ -29,11 +29,10 @@ from broker.gate_worker import GatePool
 from broker.ingest import Ingest, NextState, best_effort_int, checked_registry
 from comap_async.wire.curve import ServerKeys
 from broker.counters import LiveStats, build_snapshot, reject_category, stored_total
-from broker.store import ReplayStore, StoreRefused
+from broker.store import EVAL_KEY, ReplayStore, StoreRefused
 
 ZAP_DOMAIN = "comap"
 LEARNER_TYPES = LearnerRequest.__args__
-EVAL_KEY = b"eval_results"
 MAX_EVAL_RESULTS = 2000  # held-out results kept (one per evaluated version)
 _MONITOR_EVENTS = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake_failed_auth",

@@ -58,6 +58,10 @@ def _unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False)
 
 
+EVAL_KEY = b"eval_results"
+"""The ``meta`` key of the evaluator's held-out results, by version."""
+
+
 def _fresh_state(stores: Iterable[str]) -> dict[str, Any]:
     return {
         "rings": {s: [0, 0] for s in stores},  # [tail, head]

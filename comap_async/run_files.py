@@ -8,6 +8,8 @@ from pathlib import Path
 
 RUN_ABLATION = "ablation.json"
 """``<run dir>/ablation.json``: ``{"ablation": [names switched on]}`` ([] is CoMap itself)."""
+CHECKPOINT_STATE = "state.pt"
+"""``<run dir>/checkpoints/step-N/state.pt``: the learner's checkpoint (``comap fork`` copies it)."""
 VERSION_META = "comap.json"
 """``<adapter dir>/comap.json`` beside peft's files: version, phase, step and the run's ablation."""
 

@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
+from comap_async.run_files import CHECKPOINT_STATE
 from comap_async.wire.messages import ROLES
 from learner.peft_model import adapter_state, load_adapter_state
 
-_FILE = "state.pt"
+_FILE = CHECKPOINT_STATE
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
