@@ -33,22 +33,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="react,imagine_and_act",
                    help=f"prompting baselines played with the base model, comma-separated from "
                         f"{', '.join(m for m in EVAL_METHODS)}; '' for none (default: react,imagine_and_act)")
+    p.add_argument("--methods-from", default=None, metavar="RUN_DIR[:VERSION]",
+                   help="play the prompting baselines with this run's adapters (its newest version, or VERSION: "
+                        "e.g. the warm-up version the runs were forked from) instead of the base model")
     p.add_argument("--out", required=True, help="directory for compare.json, compare.md, compare.png")
     p.add_argument("--envs", type=int, default=None, help="concurrent episodes (default: actor.envs)")
     p.add_argument("--serve-timeout", type=float, default=600.0, metavar="S",
                    help="how long to wait for the embedded server this command starts (default 600 s)")
 
 
-def stage_run(run_dir: Path, index: int, adapter_root: Path) -> tuple[int, list[str], str]:
-    """Copy ``run_dir``'s newest complete version under ``adapter_root`` with the prefix ``r<index>-``;
-    returns (version, the run's ablation, the prefix). ValueError when the run has no version."""
+def stage_run(run_dir: Path, index: int | str, adapter_root: Path, spec: str = "latest",
+              with_ablation: bool = True) -> tuple[int, list[str], str]:
+    """Copy ``run_dir``'s version ``spec`` (default its newest complete one) under ``adapter_root``
+    with the prefix ``r<index>-``; returns (version, the run's ablation, the prefix). ValueError when
+    the run has no such version."""
     from actors.eval_runner import resolve_version
     from comap_async.run_files import read_run_ablation
     from comap_async.wire.messages import ROLES, adapter_name
 
-    ablation = read_run_ablation(run_dir)
+    ablation = read_run_ablation(run_dir) if with_ablation else []
     source = run_dir / "adapters"
-    version = resolve_version("latest", source) if source.is_dir() else 0
+    version = resolve_version(spec, source) if source.is_dir() else 0
     if not version:
         raise ValueError(f"{run_dir} has no published adapter version under {source}")
     prefix = f"r{index}-"
@@ -62,8 +67,10 @@ def stage_run(run_dir: Path, index: int, adapter_root: Path) -> tuple[int, list[
 
 async def compare(cfg: Any, runs: list[Path], methods: list[str], split: str, n_games: int | None,
                   envs: int | None, server: Any, serve_timeout: float, log: Any,
-                  staged: list[tuple[int, list[str], str]]) -> tuple[list[dict[str, Any]], int]:
-    """Play every method (base model) and every staged run on the same games; the rows and the game count."""
+                  staged: list[tuple[int, list[str], str]],
+                  methods_from: tuple[str, int, str] | None = None) -> tuple[list[dict[str, Any]], int]:
+    """Play every method (the base model, or ``methods_from``'s staged adapters: (its name, version,
+    prefix)) and every staged run on the same games; the rows and the game count."""
     from actors.compare_report import METHOD_LABELS, row, run_label
     from actors.eval_report import summarize
     from actors.eval_runner import check_complete, play_games, wait_for_server
@@ -88,10 +95,18 @@ async def compare(cfg: Any, runs: list[Path], methods: list[str], split: str, n_
         return report
 
     rows = []
-    for method in methods:
-        rows.append(row(f"{METHOD_LABELS[method]} (base model)", "method", method,
-                        await play(cfg, Registry.serving(0), method, method)))
     async with InferenceClient.from_config(cfg) as client:
+        base = Registry.serving(0)
+        if methods_from is not None:
+            base = Registry.serving(methods_from[1], methods_from[2])
+            for name in base.adapters.values():
+                await client.load_adapter(name, str(cfg.adapter_root / name))
+        adapters = "base model" if methods_from is None else f"{methods_from[0]} v{methods_from[1]}"
+        for method in methods:
+            rows.append(row(f"{METHOD_LABELS[method]} ({adapters})", "method", method,
+                            await play(cfg, base, method, method)))
+        for name in base.adapters.values():
+            await client.unload_adapter(name, missing_ok=True)
         for run_dir, (version, ablation, prefix) in zip(runs, staged):
             registry = Registry.serving(version, prefix)
             for name in registry.adapters.values():
@@ -130,12 +145,17 @@ def run(args: argparse.Namespace) -> int:
     adapter_root.mkdir(parents=True, exist_ok=True)
     try:
         staged = [stage_run(r, i + 1, adapter_root) for i, r in enumerate(runs)]
+        methods_from = None
+        if args.methods_from:
+            source, _, spec = args.methods_from.partition(":")
+            version, _, prefix = stage_run(Path(source), "m", adapter_root, spec or "latest", with_ablation=False)
+            methods_from = (Path(source).name, version, prefix)
     except ValueError as exc:
         return fail(str(exc))
     cfg, server = start_server(args.config, overrides, log)
     try:
         rows, n_games = asyncio.run(compare(cfg, runs, methods, args.split, args.games, args.envs, server,
-                                            args.serve_timeout, log, staged))
+                                            args.serve_timeout, log, staged, methods_from))
     except (ValueError, ServerStartError, EvalIncomplete) as exc:
         return fail(str(exc))
     finally:

@@ -65,3 +65,24 @@ def test_compare_refuses_a_directory_that_is_not_a_run(tmp_path, model_cache):
            "--split", "valid_seen", "--out", str(tmp_path / "o"), "--set", f"model.cache_dir={model_cache}"]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "is not a run directory" in r.stderr and "Traceback" not in r.stderr
+
+
+async def test_the_baselines_can_play_with_a_runs_adapters(tmp_path, tiny_model_dir, model_cache, alfworld_data):
+    """``--methods-from RUN:VERSION``: the prompting methods with the version the runs were forked from
+    (the method table compares them with the warm-up they share), not the base model."""
+    await make_run(tmp_path / "source", tiny_model_dir, [])
+    await make_run(tmp_path / "fork", tiny_model_dir, ["frozen_wm"])
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "comap_async", "compare", str(tmp_path / "fork"), "--config", "configs/test.yaml",
+           "--split", "valid_seen", "--games", "1", "--data", str(alfworld_data), "--methods", "draft_only",
+           "--methods-from", f"{tmp_path / 'source'}:1", "--out", str(out), "--set", f"model.cache_dir={model_cache}",
+           "--set", f"run.root={tmp_path / 'runs'}", "--set", "env.max_steps=3"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((out / "compare.json").read_text())["rows"]
+    assert [(row["method"], row["adapter_version"]) for row in rows] == [("draft_only", 1), ("comap", 2)]
+    assert rows[0]["label"] == "Draft only (source v1)" and rows[0]["loop_rate"] is not None
+    assert "| loop rate |" in (out / "compare.md").read_text()
+    r = subprocess.run([*cmd[:cmd.index("--methods-from") + 1], f"{tmp_path / 'source'}:7",
+                        *cmd[cmd.index("--methods-from") + 2:]], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "adapter version 7 not found" in r.stderr

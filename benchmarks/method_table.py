@@ -1,0 +1,134 @@
+"""The method table (issue 26): CoMap against its ablations from one warm-up, and the prompting
+methods on the warm-up's version, on the same held-out games.
+
+    python benchmarks/method_table.py SOURCE_RUN --version N --variants comap,frozen_wm,no_action_gate \\
+        --minutes 30 --games 20 --out method-table/ [--repeat comap] [--config configs/local.yaml] [--set ...]
+
+1. ``comap fork`` makes one run per variant from run ``SOURCE_RUN`` at version ``N`` (a warmed-up
+   version: its checkpoint, adapters and replay; ``--version`` default: the newest forkable). A
+   variant is ``comap`` (the method itself) or ablation names joined by ``+``; ``--repeat V`` forks
+   variant V a second time, to show run-to-run noise.
+2. Each fork trains alone on the machine for ``--minutes`` of wall time: ``honcho start broker
+   inference learner actor`` with ``run.name`` and the variant's ablations in ``COMAP_OVERRIDES``
+   (no evaluator: the table evaluates every fork afterwards on the same games), then SIGINT.
+3. ``comap compare`` plays every fork's newest version (its ablation applied) and the prompting
+   methods with the source's version N (``--methods``, default ``draft_only,react,imagine_and_act``)
+   on ``--games`` games of ``--split``: success rate, world-model Delta-F1 on the executed
+   (on-policy) transitions, mean steps, revision, invalid-action and loop rates; one table, one PNG.
+
+Writes ``OUT/method_table.md`` (the table with the fork point and each fork's wall time),
+``OUT/compare.json`` and ``OUT/compare.png``. Last line: ``method_table_rows=K out=OUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+TRAINING = ("broker", "inference", "learner", "actor")
+
+
+def variant_overrides(variant: str) -> list[str]:
+    """``comap`` -> none; ``frozen_wm+no_wmsd`` -> each switch on."""
+    from comap_async.config import AblationConfig
+
+    if variant == "comap":
+        return []
+    names = variant.split("+")
+    unknown = [n for n in names if n not in AblationConfig.model_fields]
+    if unknown:
+        raise SystemExit(f"method_table: unknown ablation {', '.join(unknown)}; known: "
+                         f"{', '.join(AblationConfig.model_fields)}")
+    return [f"ablation.{n}=true" for n in names]
+
+
+def train(name: str, variant: str, config: str | None, overrides: list[str], minutes: float, log_dir: Path) -> float:
+    """Run the forked run ``name`` for ``minutes``; returns the wall time it ran."""
+    env = {**os.environ, "COMAP_OVERRIDES": shlex.join([f"run.name={name}", *overrides, *variant_overrides(variant)])}
+    if config:
+        env["COMAP_CONFIG"] = config
+    log = open(log_dir / f"{name}.log", "wb")
+    t0 = time.time()
+    proc = subprocess.Popen(["honcho", "start", *TRAINING], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        proc.wait(timeout=60 * minutes)
+        raise SystemExit(f"method_table: {name}'s system stopped by itself after {time.time() - t0:.0f} s "
+                         f"(see {log_dir / f'{name}.log'})")
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # honcho stops every process; the learner checkpoints
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+    return time.time() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("source", help="the warmed-up run (its run.name under run.root, or its directory)")
+    ap.add_argument("--version", type=int, default=None, help="the source's version to fork (default: newest forkable)")
+    ap.add_argument("--variants", default="comap,frozen_wm,no_action_gate")
+    ap.add_argument("--repeat", default="", help="a variant forked a second time (run-to-run noise)")
+    ap.add_argument("--minutes", type=float, default=30.0, help="wall time each fork trains")
+    ap.add_argument("--games", type=int, default=20)
+    ap.add_argument("--split", default="valid_seen")
+    ap.add_argument("--methods", default="draft_only,react,imagine_and_act")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    args = ap.parse_args()
+
+    from broker.fork import fork_run
+    from comap_async.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    root = Path(cfg.run.root).expanduser()
+    source = Path(args.source) if (Path(args.source) / "replay").is_dir() else root / args.source
+    variants = [v for v in args.variants.split(",") if v] + ([args.repeat] if args.repeat else [])
+    args.out.mkdir(parents=True, exist_ok=True)
+    for variant in variants:
+        variant_overrides(variant)  # refuse an unknown name before any run starts
+    forks: list = []
+    for variant in variants:
+        name = f"{source.name}-{variant.replace('+', '-')}"
+        if any(name == n for n, _, _ in forks):
+            name += "-again"
+        record = fork_run(source, root / name, args.version)
+        forks.append((name, variant, record))
+        print(json.dumps({"forked": name, "version": record["version"], "step": record["step"],
+                          "phase": record["phase"]}), flush=True)
+    walls = {}
+    for name, variant, _ in forks:
+        walls[name] = train(name, variant, args.config, args.overrides, args.minutes, args.out)
+        print(json.dumps({"trained": name, "wall_s": round(walls[name])}), flush=True)
+    version = forks[0][2]["version"]
+    cmd = [sys.executable, "-m", "comap_async", "compare", *[str(root / n) for n, _, _ in forks],
+           "--split", args.split, "--games", str(args.games), "--methods", args.methods,
+           "--methods-from", f"{source}:{version}", "--out", str(args.out),
+           *(["--config", args.config] if args.config else []), *sum((["--set", o] for o in args.overrides), [])]
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    report = json.loads((args.out / "compare.json").read_text())
+    head = [f"# Method table: {len(forks)} forks of {source.name} at version {version} "
+            f"(step {forks[0][2]['step']}, {forks[0][2]['phase']})", "",
+            *[f"- `{n}` ({v}): trained {walls[n] / 60:.1f} minutes of wall time" for n, v, _ in forks], ""]
+    (args.out / "method_table.md").write_text("\n".join(head) + (args.out / "compare.md").read_text())
+    print(f"method_table_rows={len(report['rows'])} out={args.out}")
+
+
+if __name__ == "__main__":
+    main()
