@@ -154,9 +154,8 @@ class Learner:
         from comap_async.prompts import Prompts
         from learner.batches import Encoder
         from learner.peft_model import build_peft_model
-        from learner.trainer import Trainer
-
         from learner.distributed import DataParallel
+        from learner.trainer import Trainer
 
         self.cfg, self.log = cfg, log
         lc = cfg.learner
@@ -370,8 +369,7 @@ class Learner:
                 shares = {"transitions": lc.wm_anchor_share, "reflections": lc.reflect_init_share}
                 rank = self.dp.rank if self.dp is not None else 0  # each rank samples its own micro-batches
                 prefetch = Prefetcher(broker, self.state, lc.batch_size, lc.prefetch, self.cfg.run.seed + 7919 * rank,
-                                      self.log,
-                                      shares, self.cfg.ablation)
+                                      self.log, shares, self.cfg.ablation)
                 task = asyncio.create_task(prefetch.run())
                 try:
                     await self._train(prefetch, task, inference, broker, max_steps)
