@@ -6,8 +6,9 @@ methods on the warm-up's version, on the same held-out games.
 
 1. ``comap fork`` makes one run per variant from run ``SOURCE_RUN`` at version ``N`` (a warmed-up
    version: its checkpoint, adapters and replay; ``--version`` default: the newest forkable). A
-   variant is ``comap`` (the method itself) or ablation names joined by ``+``; ``--repeat V`` forks
-   variant V a second time, to show run-to-run noise.
+   variant is ``comap`` (the method itself) or ablation names joined by ``+``, and may carry config
+   settings (``learner.policy_wm_aux=0.2``, PaW); ``--repeat V`` forks variant V a second time, to
+   show run-to-run noise.
 2. Each fork trains alone on the machine for ``--minutes`` of wall time: ``honcho start broker
    inference learner actor`` with ``run.name`` and the variant's ablations in ``COMAP_OVERRIDES``
    (no evaluator: the table evaluates every fork afterwards on the same games), then SIGINT.
@@ -38,17 +39,20 @@ TRAINING = ("broker", "inference", "learner", "actor")
 
 
 def variant_overrides(variant: str) -> list[str]:
-    """``comap`` -> none; ``frozen_wm+no_wmsd`` -> each switch on."""
+    """``comap`` -> none; ``frozen_wm+no_wmsd`` -> each switch on; a part with ``=`` is a config
+    override as is (a related method's switch: ``learner.policy_wm_aux=0.2``)."""
     from comap_async.config import AblationConfig
 
     if variant == "comap":
         return []
-    names = variant.split("+")
+    parts = variant.split("+")
+    settings = [p for p in parts if "=" in p]
+    names = [p for p in parts if "=" not in p]
     unknown = [n for n in names if n not in AblationConfig.model_fields]
     if unknown:
         raise SystemExit(f"method_table: unknown ablation {', '.join(unknown)}; known: "
                          f"{', '.join(AblationConfig.model_fields)}")
-    return [f"ablation.{n}=true" for n in names]
+    return [f"ablation.{n}=true" for n in names] + settings
 
 
 def train(name: str, variant: str, config: str | None, overrides: list[str], minutes: float, log_dir: Path) -> float:
@@ -105,7 +109,7 @@ def main() -> None:
         variant_overrides(variant)  # refuse an unknown name before any run starts
     forks: list = []
     for variant in variants:
-        name = f"{source.name}-{variant.replace('+', '-')}"
+        name = f"{source.name}-" + "".join(c if c.isalnum() or c in "_-" else "-" for c in variant)
         if any(name == n for n, _, _ in forks):
             name += "-again"
         record = fork_run(source, root / name, args.version)

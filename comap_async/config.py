@@ -425,6 +425,14 @@ class LearnerConfig(_Section):
     """Weight of the reflection cross-entropy."""
     bce_weight: float = Field(default=0.01, ge=0.0)
     """Weight of the BCE on the revise probability."""
+    policy_wm_aux: float = Field(default=0.0, ge=0.0)
+    """PaW (``learner/paw.py``): the policy adapter also predicts the next observation of the real
+    transitions where its action entropy is highest; the term is kept at this fraction of the
+    policy loss (adaptive weight). 0: off (CoMap itself)."""
+    policy_wm_aux_share: float = Field(default=0.5, gt=0.0, le=1.0)
+    """PaW: share of a micro-batch's real transitions, highest action entropy first, it trains on."""
+    policy_wm_aux_q: float = Field(default=0.7, gt=0.0, le=1.0)
+    """PaW: the generalized cross-entropy's ``q`` (noise tolerance; towards 0 it is the cross-entropy)."""
     bce_balance: bool = False
     """Weigh the BCE's two labels alike (by the label counts the learner has trained on so far): a
     skewed mix is then not learned as a constant ``p``. Not in the paper (its BCE is unweighted)."""

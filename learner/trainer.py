@@ -40,6 +40,7 @@ from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
 from learner import losses
 from learner.batches import Encoder, Packed, Seq, collate, logits_window, pack
 from learner.ema import copy_student_to_teacher, ema_update, paired_lora_tensors
+from learner.paw import AdaptiveWeight, policy_wm_aux_step
 from learner.peft_model import (TRAINED, activate, adapter_parameters, cast_frozen_base, use_fast_dropout,
                                 use_packed_attention)
 
@@ -178,6 +179,9 @@ class Trainer:
         if self.pad_id is None:
             self.pad_id = self.encoder.tokenizer.eos_token_id
         self.fast = bool(self.cfg.fast_path)
+        if self.cfg.policy_wm_aux > 0 and not self.fast:
+            raise ValueError("learner.policy_wm_aux (PaW) is computed on the fast path: set learner.fast_path: true")
+        self.paw_weight = AdaptiveWeight(self.cfg.policy_wm_aux)
         self.amp_dtype = resolve_autocast(self.cfg.autocast, self.device)
         if self.amp_dtype is not None:
             cast_frozen_base(self.model, self.amp_dtype)
@@ -524,6 +528,10 @@ class Trainer:
                 for name, value in metrics.items():
                     add(name, value)
                 tokens += n
+                if self.cfg.policy_wm_aux > 0 and mb.get("transitions"):  # PaW (learner/paw.py)
+                    self._check_abort()
+                    for name, value in policy_wm_aux_step(self, mb["transitions"], scale, metrics["policy/loss"]).items():
+                        add(name, value)
         if self.data_parallel is not None:
             self.data_parallel.average_gradients([p for params in self.role_params.values() for p in params])
         if change_nlls:
