@@ -256,14 +256,25 @@ async def test_wait_for_reflections_sizes_the_phase_by_epochs_over_the_samples_h
         def enter(self, *args):
             self.entered = args
 
-    cfg = load_config(None, ["learner.reflect_init_min_samples=64", "learner.reflect_init_epochs=1.5",
-                             "learner.batch_size=4", "learner.reflect_init_steps=10"])
-    learner = SimpleNamespace(cfg=cfg, state=LearnerState(phase="reflect_init", phase_start=7), stop=asyncio.Event(),
-                              trainer=SimpleNamespace(scheduler=Scheduler()), log=SimpleNamespace(info=lambda *a, **k: None))
-    learner.wait_for_store = lambda *a: Learner.wait_for_store(learner, *a)
+    def learner_with(*overrides):
+        cfg = load_config(None, ["learner.reflect_init_min_samples=64", "learner.reflect_init_epochs=1.5",
+                                 "learner.batch_size=4", "learner.reflect_init_steps=10", *overrides])
+        learner = SimpleNamespace(cfg=cfg, state=LearnerState(phase="reflect_init", phase_start=7), stop=asyncio.Event(),
+                                  trainer=SimpleNamespace(scheduler=Scheduler()), dp=None,
+                                  log=SimpleNamespace(info=lambda *a, **k: None))
+        learner.wait_for_store = lambda *a: Learner.wait_for_store(learner, *a)
+        learner.global_batch = Learner.global_batch.fget(learner)
+        learner.follow_budget = lambda phase: Learner.follow_budget(learner, phase)
+        return learner
+
+    learner = learner_with()
     assert await Learner.wait_for_reflections(learner, Broker()) == 90
     assert learner.state.phase_budget == 34  # ceil(1.5 * 90 / 4)
     assert learner.trainer.scheduler.entered == ("reflect_init", 7, 34)
+    # an optimizer step over 2 accumulated micro-batches trains 8 samples: an epoch is half the steps
+    learner = learner_with("learner.grad_accum=2")
+    await Learner.wait_for_reflections(learner, Broker())
+    assert learner.state.phase_budget == 17  # ceil(1.5 * 90 / 8)
 
 
 class FakeBroker:
