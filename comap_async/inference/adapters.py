@@ -228,13 +228,20 @@ class SlotManager:
                 self.stacked = False
                 module.register_forward_pre_hook(inject, with_kwargs=True)
 
-    def new_spare(self) -> str:
+    def new_spare(self) -> str | None:
+        """Build one spare slot; None when the pool filled up meanwhile (a retired slot given back from
+        the event loop while this one was being built): the new one is dropped, the pool stays at its size."""
         name = self._new_name()
         self._add(name, self.spare_config)
         if not self._spare_modules:
             self._spare_modules = self._modules_of(name)
         with self._lock:
-            self.spares.append(name)
+            room = len(self.spares) < self.spare_target
+            if room:
+                self.spares.append(name)
+        if not room:
+            self._drop(name)
+            return None
         return name
 
     def fill_spares(self) -> None:

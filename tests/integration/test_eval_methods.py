@@ -34,8 +34,8 @@ def call_kind(prompt: str) -> str:
         return "react"
     if prompt.endswith(DECISION_PREFIX):
         return "reflect"
-    if prompt.endswith(FINAL_PREFIX):
-        return "choose"
+    if prompt.endswith(FINAL_PREFIX):  # Imagine-and-Act's choice, or a reflection continued for its action
+        return "continue" if "Your draft action:" in prompt else "choose"
     return "draft"
 
 
@@ -108,9 +108,11 @@ def test_comap_drafts_imagines_reflects_and_gates(recorded_calls, roomy_server, 
     steps = steps_of(recorded_calls, "draft")
     assert len(steps) == n
     revised = 0
-    for step in steps:  # the executed action is imagined again only when the gate revised the draft
-        assert step in (["draft", "imagine", "reflect"], ["draft", "imagine", "reflect", "imagine"]), step
-        revised += len(step) == 4
+    for step in steps:  # the executed action is imagined again only when the gate revised the draft; a
+        # reflection without a Final Action line is continued for its action (issue 25)
+        assert step[:3] == ["draft", "imagine", "reflect"] and step[3:] in ([], ["imagine"], ["continue"],
+                                                                             ["continue", "imagine"]), step
+        revised += step[-1] == "imagine" and len(step) > 3
     assert revised == sum(s.revisions for s in stats)
     assert all(c["logprobs"] for c in recorded_calls if c["kind"] == "reflect")  # p_revise from the decision token
 

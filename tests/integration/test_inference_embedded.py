@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import aiohttp
 import pytest
 
@@ -64,7 +67,12 @@ def _metrics(url: str) -> dict[str, float]:
 async def test_spare_slots_and_prefix_cache_follow_the_config(embedded_server, tiny_model_dir, tmp_path):
     from comap_async.config import InferenceConfig
 
-    default = _metrics(embedded_server.url)
+    # the shared server's spares are rebuilt in the background after earlier tests' loads (REFILL_DELAY_S,
+    # then one slot at a time): wait for the pool to settle at its configured size
+    deadline = time.monotonic() + 60
+    while (default := _metrics(embedded_server.url))["comap_inference_adapter_spare_slots"] != \
+            InferenceConfig().spare_adapter_slots and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
     assert default["comap_inference_adapter_spare_slots"] == InferenceConfig().spare_adapter_slots and "comap_inference_prefix_cache_blocks" in default
     root = tmp_path / "adapters"
     AdapterFactory(tiny_model_dir, root).random("policy-v1", seed=5)

@@ -206,3 +206,26 @@ def test_prefix_cache_reuses_prompt_starts_without_changing_results(tiny_model_d
         assert eng.prefix.hits == hits
     finally:
         eng.stop()
+
+
+def test_a_slot_given_back_while_a_spare_is_built_does_not_grow_the_pool(engine):
+    """``_recycle`` gives a retired slot back from the event loop while the engine thread may be
+    building a spare for the same gap: the pool must stay at its size (it grew by one before)."""
+    slots = engine.slots
+    target = slots.spare_target
+    taken = slots.take_spare()
+    assert taken is not None and len(slots.spares) == target - 1
+    add = slots._add
+
+    def add_then_give_back(name, config):  # the give-back lands while the new spare is being built
+        add(name, config)
+        assert slots.give_back(taken)
+
+    slots._add = add_then_give_back
+    try:
+        assert engine.call(slots.new_spare).result(30) is None  # built, found the pool full, dropped
+    finally:
+        slots._add = add
+    assert len(slots.spares) == target and taken in slots.spares
+    engine.call(slots.fill_spares).result(30)
+    assert len(slots.spares) == target
