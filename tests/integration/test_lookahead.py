@@ -16,11 +16,11 @@ from comap_async.envs.base import spread_sample
 from comap_async.gates import canonical_action
 from comap_async.logsetup import configure_logging
 from comap_async.models import build_tiny_model
-from comap_async.prompts import CRITIC_PREFIX, CRITIC_WORDS, SYSTEM_WORLD, DecisionTokens, revise_probability
-from comap_async.wire.inference_client import InferenceClient
+from comap_async.prompts import CRITIC_WORDS, DecisionTokens, revise_probability
 from comap_async.wire.messages import Registry
 from tests.fixtures.core import free_port
 from tests.fixtures.inference import ADMIN_TOKEN, start_server, stop_server
+from tests.integration.test_eval_methods import recorded_calls  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.alfworld
 REPO = Path(__file__).resolve().parents[2]
@@ -40,19 +40,8 @@ def critic_model(tmp_path_factory):
 
 
 @pytest.fixture
-def calls(monkeypatch) -> list[dict]:
-    recorded: list[dict] = []
-    complete = InferenceClient.complete
-
-    async def recording(self, prompt, **kw):
-        out = await complete(self, prompt, **kw)
-        kind = ("imagine" if SYSTEM_WORLD in prompt else "critic" if prompt.endswith(CRITIC_PREFIX)
-                else "draft")
-        recorded.append({"kind": kind, "temperature": kw.get("temperature"), "raw": out.raw})
-        return out
-
-    monkeypatch.setattr(InferenceClient, "complete", recording)
-    return recorded
+def calls(recorded_calls) -> list[dict]:
+    return recorded_calls  # every model call of the episode, classified as in test_eval_methods.py
 
 
 def play(critic_model, tmp_path, alfworld_data, depth: int):
