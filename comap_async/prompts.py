@@ -13,6 +13,8 @@ Roles:
 
 from __future__ import annotations
 
+import functools
+
 import json
 import math
 import re
@@ -215,14 +217,20 @@ class DecisionTokens:
     @classmethod
     def from_model_dir(cls, path: str | Path, words: tuple[str, str] = (" KEEP", " REVISE")) -> "DecisionTokens":
         """From the model directory's ``tokenizer.json`` (the ``tokenizers`` library: no torch)."""
-        from tokenizers import Tokenizer
-
         file = Path(path) / "tokenizer.json"
         if not file.is_file():
             raise ValueError(f"{path}: no tokenizer.json (needed to read the decision tokens)")
-        tok = Tokenizer.from_file(str(file))
+        tok = _tokenizer_file(str(file), file.stat().st_mtime_ns)
         return cls.from_tokenizer(lambda text: tok.encode(text, add_special_tokens=False).ids,
                                   lambda i: tok.decode([i], skip_special_tokens=False), words)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_file(file: str, mtime_ns: int) -> Any:
+    """One parse of a ``tokenizer.json`` (as of ``mtime_ns``) for all the token pairs read from it."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(file)
 
 
 CRITIC_WORDS = (" NO", " YES")
