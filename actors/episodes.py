@@ -70,6 +70,8 @@ class EpisodeStats:
     lookahead: list[Any] = field(default_factory=list)
     """Evaluation with ``lookahead``: per step, the candidates, their scores and the one executed
     (:class:`actors.lookahead.LookaheadStep`)."""
+    guarded: int = 0
+    """Evaluation with ``eval.repeat_guard``: steps whose repeated action was replaced (:func:`avoid_repeat`)."""
     judged_steps: list[tuple[int, int, int]] = field(default_factory=list)
     """Evaluation with reflection metrics: per step, ``(m, z_draft, z_ref)`` (docs/design.md section 11)."""
 
@@ -88,6 +90,8 @@ class EpisodeStats:
             out["reflections"] = float(self.reflections)
         if self.restore_diverged:
             out["restore_diverged"] = float(self.restore_diverged)
+        if self.guarded:
+            out["guard_rate"] = self.guarded / n
         if self.lookahead:  # how often the look-ahead overruled the first sampled candidate
             out["lookahead_switch_rate"] = sum(step.chosen > 0 for step in self.lookahead) / len(self.lookahead)
         if self.gate_reasons:
@@ -316,6 +320,22 @@ async def judge_step(branch: Any, game: Any, prefix: list[str], a_draft: str, a_
     return int(d_result.won), int(r_result.won)
 
 
+async def avoid_repeat(ctx: EpisodeContext, ep: Episode, state: str, action: str) -> str:
+    """``eval.repeat_guard``: ``action``, or, when it was already taken from the episode's current
+    state (canonical facts and action, as :func:`~comap_async.diagnostics.loop_steps` counts a
+    loop), the first of the guard's sampled drafts not tried there yet (``action`` when none is)."""
+    ev = ctx.cfg.eval
+    tried = {a for facts, a in ep.stats.state_actions if facts == ep.facts}
+    if ev.repeat_guard <= 0 or canonical_action(action) not in tried:
+        return action
+    drafts = await asyncio.gather(*(ctx.llm.draft(state, ev.repeat_guard_temperature) for _ in range(ev.repeat_guard)))
+    for other, _ in drafts:
+        if other is not None and canonical_action(other) not in tried:
+            ep.stats.guarded += 1
+            return other
+    return action
+
+
 def gate_reflection(cfg: Any, refl: Any, a_draft: str) -> ActionGateResult:
     """The action gate on one reflection (:class:`actors.llm.Reflected`): closed when it could not be
     read; under the ablation ``no_action_gate`` open for any different action; else CoMap's gate."""
@@ -366,13 +386,15 @@ async def play_coevolve(ctx: EpisodeContext, env: Any, game: Any, episode_id: st
             gate = gate_reflection(ctx.cfg, refl, a_draft)
             ep.stats.gate_reasons[gate.reason] = ep.stats.gate_reasons.get(gate.reason, 0) + 1
             a_exec = refl.a_ref if gate.open else a_draft
+            if eval_mode:
+                a_exec = await avoid_repeat(ctx, ep, s, a_exec)
             if branch is not None:
                 z_draft, z_ref = await judge_step(branch, game, list(ep.actions), a_draft, refl.a_ref, plan)
                 ep.stats.judged_steps.append((int(gate.open), z_draft, z_ref))
             ep.stats.revisions += gate.open
             ep.stats.invalid += bool(admissible) and a_exec not in admissible
             ep.advance(a_exec, await env.step(a_exec))
-            if gate.open:
+            if a_exec != a_draft:  # revised by the gate, or replaced by the repeat guard
                 s_hat_exec, wm_v = await llm.imagine(s, a_exec), llm.last_version("wm")
             else:
                 s_hat_exec = s_hat

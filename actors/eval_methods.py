@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from actors import lookahead
-from actors.episodes import FALLBACK_ACTION, Episode, EpisodeContext, EpisodeStats
+from actors.episodes import FALLBACK_ACTION, Episode, EpisodeContext, EpisodeStats, avoid_repeat
 from comap_async.facts import state_delta_f1
 from comap_async.wire.messages import COEVOLVE
 
@@ -62,6 +62,9 @@ async def play_method(ctx: EpisodeContext, env: Any, game: Any, episode_id: str,
         if action is None:
             ep.stats.parse_problems += 1
             action = FALLBACK_ACTION
+        guarded = await avoid_repeat(ctx, ep, s, action)
+        if guarded != action:
+            action, s_hat = guarded, None
         ep.stats.invalid += bool(admissible) and action not in admissible
         ep.advance(action, await env.step(action))
         if s_hat is not None:  # the world model's Delta-F1 where its prediction was of the executed action

@@ -43,10 +43,12 @@ def summarize(results: list[tuple[Any, Any]], split: str, version: int, wall_s: 
         "revision_rate": sum(s.revisions for _, s in results) / total_steps,
         "invalid_action_rate": sum(s.invalid for _, s in results) / total_steps,
         "loop_rate": sum(s.loops for _, s in results) / total_steps,
+        "guard_rate": sum(s.guarded for _, s in results) / total_steps,
         "wall_s": round(wall_s, 2),
         "episodes": [{"game": g.name, "task_type": g.task_type, "won": s.won, "steps": s.steps,
                       "score": round(100.0 * s.reward, 2),
-                      "revisions": s.revisions, "invalid": s.invalid, "loops": s.loops} for g, s in results],
+                      "revisions": s.revisions, "invalid": s.invalid, "loops": s.loops,
+                      "guarded": s.guarded} for g, s in results],
     }
 
 

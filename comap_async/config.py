@@ -461,8 +461,11 @@ class LearnerConfig(_Section):
     the reflection mode."""
     reflect_init_epochs: float | None = Field(default=None, gt=0)
     """Size reflection-mode initialisation by data: this many passes over the reflection samples the
-    broker holds when its training starts (``ceil(epochs * samples / (batch_size * grad_accum * ranks))`` steps, at least
+    broker holds when its training starts (``ceil(epochs * samples / (reflect_init_batch_size * grad_accum * ranks))`` steps, at least
     ``reflect_init_steps``; the paper: 3 epochs). ``None``: ``reflect_init_steps`` alone."""
+    reflect_init_batch_size: int | None = Field(default=None, ge=1)
+    """Reflection samples per micro-batch of reflection-mode initialisation (``None``: ``batch_size``);
+    its steps train no world model, so more of them fit a step's time."""
     reflect_init_max_minutes: float | None = Field(default=None, gt=0)
     """...and by time: reflection-mode initialisation ends after this many minutes of training.
     ``None``: no time limit."""
@@ -563,6 +566,14 @@ class EvalConfig(_Section):
     lookahead_temperature: float = Field(default=0.7, gt=0.0)
     """``lookahead``: temperature of the candidates' drafts (distinct candidates need sampling, also
     when the evaluation is greedy)."""
+    repeat_guard: int = Field(default=0, ge=0, le=16)
+    """Anti-loop guard of evaluation episodes: when the action about to be executed was already taken
+    from the same state (the loop rate's definition: the same canonical facts and action), up to this
+    many drafts are sampled at ``repeat_guard_temperature`` (concurrently) and the first one not yet
+    tried there is executed instead; none: the action stands. 0 = off (the paper's agents have none).
+    Measured on held-out games in docs/running.md."""
+    repeat_guard_temperature: float = Field(default=1.0, gt=0.0)
+    """Temperature of the guard's alternative drafts."""
     react_max_tokens: int = Field(default=96, ge=8)
     """Tokens of a ReAct answer (a one-sentence thought and the action line)."""
     games: int = Field(default=10, ge=1)

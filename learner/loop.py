@@ -27,7 +27,10 @@ from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
 
 PHASE_STORES = {
     WARMUP: ("demos", "transitions"),
-    REFLECT_INIT: ("demos", "transitions", "reflections"),
+    # the paper's reflection-mode initialisation trains the policy's reflection mode (the draft's
+    # demonstrations stay as its anchor); the world model rests until co-evolution, so a step's
+    # time goes to reflection samples (docs/running.md, "The reflection loop on the CPU default")
+    REFLECT_INIT: ("demos", "reflections"),
     COEVOLVE: ("demos", "transitions", "reflections"),
 }
 # The store a micro-batch of a phase cannot do without: warm-up is SFT on demonstrations, and a
@@ -60,8 +63,9 @@ def phase_stores(phase: str, ablation: Any = None) -> tuple[str, ...]:
 
 
 def store_requests(phase: str, n: int, shares: dict[str, float], rng: random.Random,
-                   ablation: Any = None) -> list[tuple[str, int, list[str] | None]]:
-    """The (store, n, phases) sample requests that make one micro-batch of ``phase``.
+                   ablation: Any = None, sizes: dict[str, int] | None = None) -> list[tuple[str, int, list[str] | None]]:
+    """The (store, n, phases) sample requests that make one micro-batch of ``phase``: ``n`` items of
+    each store, or ``sizes[store]`` where given.
 
     In ``coevolve`` each of a store's ``n`` items comes from the earlier phase :data:`MIXED_IN`
     names with probability ``shares[store]`` (so a small share still shows up at small batch
@@ -69,6 +73,7 @@ def store_requests(phase: str, n: int, shares: dict[str, float], rng: random.Ran
     """
     reqs: list[tuple[str, int, list[str] | None]] = []
     for store in phase_stores(phase, ablation):
+        n = (sizes or {}).get(store, n)
         phases = PHASE_FILTERS.get((phase, store))
         mixed = 0
         share = shares.get(store, 0.0) if phase == COEVOLVE else 0.0
@@ -108,8 +113,10 @@ class Prefetcher:
     stores and phase filters follow the current phase (:func:`store_requests`)."""
 
     def __init__(self, broker: Any, state: LearnerState, batch_size: int, depth: int, seed: int, log: Any,
-                 shares: dict[str, float] | None = None, ablation: Any = None) -> None:
+                 shares: dict[str, float] | None = None, ablation: Any = None,
+                 sizes: dict[str, dict[str, int]] | None = None) -> None:
         self.broker, self.state, self.batch_size, self.log = broker, state, batch_size, log
+        self.sizes = sizes or {}  # per phase, per store: items per micro-batch other than batch_size
         self.ablation = ablation
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=depth)
         self.seed = seed
@@ -121,7 +128,8 @@ class Prefetcher:
     async def fetch(self, phase: str) -> dict[str, list]:
         """One micro-batch's records for ``phase`` (stores without items are left out)."""
         mb: dict[str, list] = {}
-        for store, n, phases in store_requests(phase, self.batch_size, self.shares, self.rng, self.ablation):
+        for store, n, phases in store_requests(phase, self.batch_size, self.shares, self.rng, self.ablation,
+                                               self.sizes.get(phase)):
             self.draws += 1
             batch = await self.broker.sample(store, n, seed=self.seed * 1_000_003 + self.draws, phases=phases)
             if batch.items:
@@ -295,6 +303,12 @@ class Learner:
         lc = self.cfg.learner
         return lc.batch_size * lc.grad_accum * (self.dp.world if self.dp is not None else 1)
 
+    @property
+    def reflect_init_batch(self) -> int:
+        """Reflection samples per micro-batch of reflection-mode initialisation."""
+        lc = self.cfg.learner
+        return lc.reflect_init_batch_size or lc.batch_size
+
     def follow_budget(self, phase: str) -> None:
         """Enter ``phase`` with the step budget just sized from the broker's counts, rank 0's on every
         rank (the ranks read the counts at slightly different moments)."""
@@ -321,7 +335,8 @@ class Learner:
         have = await self.wait_for_store(broker, "reflections", "count", lc.reflect_init_min_samples,
                                          "learner.waiting_for_reflections")
         if have is not None and lc.reflect_init_epochs is not None and self.state.phase_budget is None:
-            self.state.phase_budget = max(lc.reflect_init_steps, math.ceil(lc.reflect_init_epochs * have / self.global_batch))
+            per_step = self.global_batch // lc.batch_size * self.reflect_init_batch
+            self.state.phase_budget = max(lc.reflect_init_steps, math.ceil(lc.reflect_init_epochs * have / per_step))
             self.follow_budget(REFLECT_INIT)
             self.log.info("learner.reflect_init_budget", samples=have, epochs=lc.reflect_init_epochs,
                           steps=self.state.phase_budget)
@@ -369,7 +384,8 @@ class Learner:
                 shares = {"transitions": lc.wm_anchor_share, "reflections": lc.reflect_init_share}
                 rank = self.dp.rank if self.dp is not None else 0  # each rank samples its own micro-batches
                 prefetch = Prefetcher(broker, self.state, lc.batch_size, lc.prefetch, self.cfg.run.seed + 7919 * rank,
-                                      self.log, shares, self.cfg.ablation)
+                                      self.log, shares, self.cfg.ablation,
+                                      {REFLECT_INIT: {"reflections": self.reflect_init_batch}})
                 task = asyncio.create_task(prefetch.run())
                 try:
                     await self._train(prefetch, task, inference, broker, max_steps)

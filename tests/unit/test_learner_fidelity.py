@@ -201,8 +201,9 @@ def test_store_requests_filter_by_phase_and_draw_the_mixed_in_shares():
     rng = random.Random(0)
     shares = {"transitions": 0.5, "reflections": 0.5}
     assert store_requests("warmup", 4, shares, rng) == [("demos", 4, None), ("transitions", 4, None)]
-    assert store_requests("reflect_init", 4, shares, rng) == [
-        ("demos", 4, None), ("transitions", 4, None), ("reflections", 4, ["reflect_init"])]
+    assert store_requests("reflect_init", 4, shares, rng) == [("demos", 4, None), ("reflections", 4, ["reflect_init"])]
+    assert store_requests("reflect_init", 2, shares, rng, sizes={"reflections": 6}) == [
+        ("demos", 2, None), ("reflections", 6, ["reflect_init"])]  # reflection-mode init trains no world model
     assert store_requests("coevolve", 4, {}, rng) == [
         ("demos", 4, None), ("transitions", 4, ["coevolve"]), ("reflections", 4, ["coevolve"])]
     mixed = {"transitions": 0, "reflections": 0}
@@ -264,6 +265,7 @@ async def test_wait_for_reflections_sizes_the_phase_by_epochs_over_the_samples_h
                                   log=SimpleNamespace(info=lambda *a, **k: None))
         learner.wait_for_store = lambda *a: Learner.wait_for_store(learner, *a)
         learner.global_batch = Learner.global_batch.fget(learner)
+        learner.reflect_init_batch = Learner.reflect_init_batch.fget(learner)
         learner.follow_budget = lambda phase: Learner.follow_budget(learner, phase)
         return learner
 
@@ -275,6 +277,10 @@ async def test_wait_for_reflections_sizes_the_phase_by_epochs_over_the_samples_h
     learner = learner_with("learner.grad_accum=2")
     await Learner.wait_for_reflections(learner, Broker())
     assert learner.state.phase_budget == 17  # ceil(1.5 * 90 / 8)
+    # 6 reflection samples per micro-batch (learner.reflect_init_batch_size): 12 per optimizer step
+    learner = learner_with("learner.grad_accum=2", "learner.reflect_init_batch_size=6")
+    await Learner.wait_for_reflections(learner, Broker())
+    assert learner.state.phase_budget == 12  # ceil(1.5 * 90 / 12), at least reflect_init_steps (10)
 
 
 class FakeBroker:

@@ -68,3 +68,52 @@ async def test_an_evaluated_version_whose_success_game_crashed_has_no_success_ra
     result = await ev.evaluate(Client(), 3, {"phase": "coevolve"})
     assert "success_rate" not in result and "1 of 1 episodes failed" in result["success_error"]
     assert result["wm_delta_f1"] == 0.5 and errors[0][0] == "evaluator.incomplete"
+
+
+class ScriptedDrafts:
+    """Greedy drafts say ``greedy``; sampled ones (a temperature given) come from ``samples`` in order."""
+
+    def __init__(self, greedy, samples):
+        self.greedy, self.samples, self.sampled_at = greedy, list(samples), []
+
+    async def draft(self, state, temperature=None):
+        if temperature is None:
+            return self.greedy, None
+        self.sampled_at.append(temperature)
+        return (self.samples.pop(0) if self.samples else None), None
+
+
+def _episode(guard: int, llm):
+    from actors.episodes import Episode, EpisodeContext
+    from comap_async.config import CoMapConfig
+
+    cfg = CoMapConfig.model_validate({"eval": {"repeat_guard": guard, "repeat_guard_temperature": 0.9}})
+    ctx = EpisodeContext(actor="t", cfg=cfg, llm=llm, emit=None, next_state=lambda facts, o: facts | {o},
+                         registry=lambda: None)
+    ep = Episode(ctx, SimpleNamespace(name="g"), "e", SimpleNamespace(info={}, observation="at desk 1"))
+    ep.stats.state_actions.append((ep.facts, "look"))  # "look" was already taken from this state
+    return ep, ctx
+
+
+async def test_the_repeat_guard_replaces_an_action_already_taken_here_with_an_untried_sample():
+    from actors.episodes import avoid_repeat
+
+    llm = ScriptedDrafts("look", ["Look", None, "go to shelf 1"])  # a canonical repeat, an unparseable one, a new one
+    ep, ctx = _episode(3, llm)
+    assert await avoid_repeat(ctx, ep, "s", "look") == "go to shelf 1"
+    assert llm.sampled_at == [0.9] * 3 and ep.stats.guarded == 1
+    assert await avoid_repeat(ctx, ep, "s", "go to desk 2") == "go to desk 2"  # not a repeat: no call
+    assert len(llm.sampled_at) == 3
+    ep.facts = frozenset({"elsewhere"})  # the same action from another state is no repeat either
+    assert await avoid_repeat(ctx, ep, "s", "look") == "look"
+
+
+async def test_the_repeat_guard_keeps_the_action_when_every_sample_repeats_and_is_off_by_default():
+    from actors.episodes import avoid_repeat
+
+    llm = ScriptedDrafts("look", ["look", "LOOK"])
+    ep, ctx = _episode(2, llm)
+    assert await avoid_repeat(ctx, ep, "s", "look") == "look" and ep.stats.guarded == 0
+    quiet = ScriptedDrafts("look", ["go to shelf 1"])
+    off, ctx_off = _episode(0, quiet)
+    assert await avoid_repeat(ctx_off, off, "s", "look") == "look" and quiet.sampled_at == []
