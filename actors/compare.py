@@ -72,6 +72,7 @@ async def compare(cfg: Any, runs: list[Path], methods: list[str], split: str, n_
     """Play every method (the base model, or ``methods_from``'s staged adapters: (its name, version,
     prefix)) and every staged run on the same games; the rows and the game count."""
     from actors.compare_report import METHOD_LABELS, row, run_label
+    from comap_async.run_files import read_run_methods
     from actors.eval_report import summarize
     from actors.eval_runner import check_complete, play_games, wait_for_server
     from comap_async.config import AblationConfig
@@ -112,7 +113,7 @@ async def compare(cfg: Any, runs: list[Path], methods: list[str], split: str, n_
             for name in registry.adapters.values():
                 await client.load_adapter(name, str(cfg.adapter_root / name))
             run_cfg = cfg.model_copy(update={"ablation": AblationConfig(**dict.fromkeys(ablation, True))})
-            rows.append(row(run_label(ablation, run_dir.name), "run", "comap",
+            rows.append(row(run_label(ablation, run_dir.name, read_run_methods(run_dir)), "run", "comap",
                             await play(run_cfg, registry, "comap", str(run_dir)), run=str(run_dir), ablation=ablation))
             for name in registry.adapters.values():
                 await client.unload_adapter(name, missing_ok=True)

@@ -10,10 +10,12 @@ METHOD_LABELS = {"react": "ReAct", "imagine_and_act": "Imagine-and-Act", "draft_
                  "comap": "CoMap", "lookahead": "Look-ahead (WebEvolver)"}
 
 
-def run_label(ablation: list[str], name: str) -> str:
-    """``CoMap (run)`` for the method itself, ``ablation frozen_wm (run)`` for an ablated run
-    (``name``: its run directory's name)."""
-    return f"CoMap ({name})" if not ablation else f"ablation {'+'.join(ablation)} ({name})"
+def run_label(ablation: list[str], name: str, methods: list[str] | None = None) -> str:
+    """``CoMap (run)`` for the method itself, ``ablation frozen_wm (run)`` for an ablated run,
+    ``CoMap + imagined_episodes (run)`` with a related method's switch on (``name``: its run
+    directory's name)."""
+    head = "CoMap" if not ablation else f"ablation {'+'.join(ablation)}"
+    return f"{head}{''.join(f' + {m}' for m in methods or [])} ({name})"
 
 
 def row(label: str, kind: str, method: str, report: dict[str, Any], run: str | None = None,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.explore import explore_action
+from actors.imagined import emit_imagined
 from comap_async.diagnostics import branch_outcome, loop_steps, reflection_label
 from comap_async.envs.base import RestoreDiverged
 from comap_async.facts import Facts, NextState, state_delta_f1
@@ -70,6 +71,9 @@ class EpisodeStats:
     lookahead: list[Any] = field(default_factory=list)
     """Evaluation with ``lookahead``: per step, the candidates, their scores and the one executed
     (:class:`actors.lookahead.LookaheadStep`)."""
+    imagined_kept: int = 0
+    imagined_dropped: int = 0
+    """``actor.imagined_rollouts``: imagined episodes sent / dropped by the filter (:mod:`actors.imagined`)."""
     guarded: int = 0
     """Evaluation with ``eval.repeat_guard``: steps whose repeated action was replaced (:func:`avoid_repeat`)."""
     judged_steps: list[tuple[int, int, int]] = field(default_factory=list)
@@ -90,6 +94,9 @@ class EpisodeStats:
             out["reflections"] = float(self.reflections)
         if self.restore_diverged:
             out["restore_diverged"] = float(self.restore_diverged)
+        if self.imagined_kept or self.imagined_dropped:
+            out["imagined_kept"] = float(self.imagined_kept)
+            out["imagined_dropped"] = float(self.imagined_dropped)
         if self.guarded:
             out["guard_rate"] = self.guarded / n
         if self.lookahead:  # how often the look-ahead overruled the first sampled candidate
@@ -111,6 +118,7 @@ class Episode:
     def __init__(self, ctx: EpisodeContext, game: Any, episode_id: str, first: Any) -> None:
         self.ctx, self.game, self.id = ctx, game, episode_id
         self.task = first.info.get("task") or ""
+        self.first_observation = first.observation
         self.history: list[tuple[str, str]] = []
         self.current = first
         self.stats = EpisodeStats()
@@ -126,6 +134,10 @@ class Episode:
             self.stats.unreadable_real += 1
             return facts
         return after
+
+    def observation_at(self, t: int) -> str:
+        """The real observation the episode's step ``t`` was taken from."""
+        return self.history[t - 1][1] if t > 0 else self.first_observation
 
     def state(self) -> str:
         e = self.ctx.cfg.env
@@ -422,4 +434,6 @@ async def play_coevolve(ctx: EpisodeContext, env: Any, game: Any, episode_id: st
         raise
     if previous is not None:
         await previous
+    if not eval_mode and ctx.cfg.actor.imagined_rollouts > 0:
+        await emit_imagined(ctx, ep)
     return await ep.finish(COEVOLVE, eval_mode)

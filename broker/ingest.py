@@ -28,7 +28,7 @@ import msgspec
 from comap_async.config import GateConfig
 from comap_async.facts import Facts
 from comap_async.gates import derive_policy_sample
-from comap_async.wire.messages import WARMUP, Demo, Episode, Message, Reflection, Registry, Transition
+from comap_async.wire.messages import WARMUP, Demo, Episode, Imagined, Message, Reflection, Registry, Transition
 
 from broker.store import WriteItem
 
@@ -116,6 +116,10 @@ class Ingest:
             rec["source"] = "suffix"
             counters = {"stored_reflection_msgs": 1, f"reflect_label_{msg.label}": 1}
             return WriteItem(b"r:" + msg.id.encode(), [("reflections", self._pack(rec))], counters)
+        if type(msg) is Imagined:  # the policy's draft data only: never a transition for the world model
+            demo = Demo(id=msg.id, game=msg.game, goal=msg.goal, s=msg.s, target=msg.target,
+                        policy_version=msg.policy_version, wm_version=msg.wm_version, source="imagined", ts=msg.ts)
+            return WriteItem(b"i:" + msg.id.encode(), [("imagined", self._pack(demo))], {"stored_imagined": 1})
         if type(msg) is Episode:
             return WriteItem(b"e:" + msg.id.encode(), [("episodes", self._pack(strip_envelope(msg)))],
                              {"stored_episodes": 1})

@@ -57,7 +57,8 @@ class Broker:
         b = cfg.broker
         self.cfg, self.b, self.log, self.server_keys = cfg, b, log, server_keys
         self.capacities = {"transitions": b.capacity_transitions, "reflections": b.capacity_reflections,
-                           "demos": b.capacity_demos, "episodes": b.capacity_episodes}
+                           "demos": b.capacity_demos, "episodes": b.capacity_episodes,
+                           "imagined": b.capacity_imagined}
         self.store = ReplayStore(replay_dir or cfg.run.dir / "replay", self.capacities,
                                  map_size_mb=b.map_size_mb, max_map_size_mb=b.max_map_size_mb)
         self.ingest = Ingest(next_state, cfg.gates, cfg.ablation.future_state, not cfg.ablation.no_action_gate)

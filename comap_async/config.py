@@ -151,6 +151,8 @@ class BrokerConfig(_Section):
     """Ring capacity of the expert demonstration store."""
     capacity_episodes: int = Field(default=100_000, ge=1)
     """Ring capacity of the episode store."""
+    capacity_imagined: int = Field(default=100_000, ge=1)
+    """Ring capacity of the imagined-episode store (``actor.imagined_rollouts``)."""
     ack_queue_max: int = Field(default=50_000, ge=100)
     """Replies queued for one peer (ZeroMQ's send high-water mark per connection). A peer that sends
     without reading its acks cannot grow the broker past it: further replies to it are dropped and
@@ -325,6 +327,18 @@ class ActorConfig(_Section):
     """After each exploratory action, the game's expert also acts from the off-path state it left,
     and that step is a demonstration (``recovery``) as well as a real transition: walkthroughs alone
     never show the policy a state one step off the path, so once off it the policy loops."""
+    imagined_rollouts: int = Field(default=0, ge=0, le=16)
+    """WebEvolver's world model as a virtual environment (arXiv 2504.21024; off: 0): after each
+    co-evolution episode, this many imagined episodes start from its real states (drawn with the run
+    seed); in each the policy drafts and the world model answers for ``imagined_depth`` steps, no
+    environment step taken (:mod:`actors.imagined`). Kept ones are sent for the policy's draft
+    training (``learner.imagined_share``), never the world model's."""
+    imagined_depth: int = Field(default=3, ge=1, le=16)
+    """Steps of an imagined episode (the policy's action and the world model's answer each)."""
+    imagined_min_score: float = Field(default=0.5, ge=0.0, le=1.0)
+    """The filter: an imagined episode is kept when the policy, as critic, scores it at least this
+    (P(YES) that it brings the task closer to done, the look-ahead's critic); 0 keeps every one
+    without asking the critic."""
     warmup_explore_invalid: float = Field(default=0.5, ge=0.0, le=1.0)
     """Of those exploratory actions, the share that are inadmissible commands built from the entities
     in the admissible list (a take from the wrong receptacle, ``open`` an object, ``go to`` an object:
@@ -469,6 +483,9 @@ class LearnerConfig(_Section):
     reflect_init_max_minutes: float | None = Field(default=None, gt=0)
     """...and by time: reflection-mode initialisation ends after this many minutes of training.
     ``None``: no time limit."""
+    imagined_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    """``coevolve``: expected share of each micro-batch's demonstrations drawn from the imagined
+    store instead (``actor.imagined_rollouts``), trained with the draft loss; 0: none."""
     reflect_init_share: float = Field(default=0.5, ge=0.0, le=1.0)
     """``coevolve``: expected share of each reflection batch drawn from the suffix-labelled samples of
     reflection-mode initialisation (labelled by outcome, not by a policy version: never stale); the
@@ -621,6 +638,18 @@ class CoMapConfig(_Section):
     """The evaluator process (held-out probes and success rate per adapter version)."""
     ablation: AblationConfig = Field(default_factory=AblationConfig)
     """Ablations of the paper's study (one mechanism off each; default: none, CoMap itself)."""
+
+    @property
+    def method_switches(self) -> list[str]:
+        """The related methods' training switches that are on (recorded with the run, like the
+        ablations): ``imagined_episodes`` (WebEvolver's virtual environment: imagined steps are
+        sent and trained), ``paw`` (the policy's auxiliary next-observation loss)."""
+        on = []
+        if self.actor.imagined_rollouts > 0 and self.learner.imagined_share > 0:
+            on.append("imagined_episodes")
+        if self.learner.policy_wm_aux > 0:
+            on.append("paw")
+        return on
 
     @model_validator(mode="after")
     def check_invariants(self) -> "CoMapConfig":

@@ -7,18 +7,28 @@ import json
 from pathlib import Path
 
 RUN_ABLATION = "ablation.json"
-"""``<run dir>/ablation.json``: ``{"ablation": [names switched on]}`` ([] is CoMap itself)."""
+"""``<run dir>/ablation.json``: ``{"ablation": [names switched on], "methods": [related methods'
+switches on]}`` ([] and [] is CoMap itself; ``CoMapConfig.method_switches`` names the methods)."""
 CHECKPOINT_STATE = "state.pt"
 """``<run dir>/checkpoints/step-N/state.pt``: the learner's checkpoint (``comap fork`` copies it)."""
 VERSION_META = "comap.json"
 """``<adapter dir>/comap.json`` beside peft's files: version, phase, step and the run's ablation."""
 
 
-def write_run_ablation(run_dir: Path, active: list[str]) -> Path:
+def write_run_ablation(run_dir: Path, active: list[str], methods: list[str] | tuple[str, ...] = ()) -> Path:
     path = Path(run_dir) / RUN_ABLATION
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"ablation": list(active)}) + "\n")
+    path.write_text(json.dumps({"ablation": list(active), "methods": list(methods)}) + "\n")
     return path
+
+
+def read_run_methods(run_dir: Path) -> list[str]:
+    """The related methods' switches a run trained with (``[]`` for a file written before they were recorded)."""
+    try:
+        methods = json.loads((Path(run_dir) / RUN_ABLATION).read_text()).get("methods", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [m for m in methods if isinstance(m, str)] if isinstance(methods, list) else []
 
 
 def read_run_ablation(run_dir: Path) -> list[str]:

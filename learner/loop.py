@@ -75,6 +75,13 @@ def store_requests(phase: str, n: int, shares: dict[str, float], rng: random.Ran
     for store in phase_stores(phase, ablation):
         n = (sizes or {}).get(store, n)
         phases = PHASE_FILTERS.get((phase, store))
+        if store == "demos" and phase == COEVOLVE and shares.get("imagined", 0.0) > 0:
+            imagined = sum(rng.random() < shares["imagined"] for _ in range(n))
+            if imagined:  # the policy's own kept imagined steps stand in for demonstrations (draft loss only)
+                reqs.append(("imagined", imagined, None))
+            if n - imagined:
+                reqs.append((store, n - imagined, phases))
+            continue
         mixed = 0
         share = shares.get(store, 0.0) if phase == COEVOLVE else 0.0
         if share > 0:
@@ -132,8 +139,8 @@ class Prefetcher:
                                                self.sizes.get(phase)):
             self.draws += 1
             batch = await self.broker.sample(store, n, seed=self.seed * 1_000_003 + self.draws, phases=phases)
-            if batch.items:
-                mb.setdefault(store, []).extend(batch.items)
+            if batch.items:  # imagined steps train the draft as demonstrations do, and nothing else
+                mb.setdefault("demos" if store == "imagined" else store, []).extend(batch.items)
         return mb
 
     async def run(self) -> None:
@@ -360,7 +367,7 @@ class Learner:
         lc = self.cfg.learner
         # what this run is: CoMap itself ([]) or the ablations switched on (comap compare reads it)
         if self.leader:
-            write_run_ablation(self.run_dir, self.cfg.ablation.active)
+            write_run_ablation(self.run_dir, self.cfg.ablation.active, self.cfg.method_switches)
         if self.cfg.ablation.active:
             self.log.info("learner.ablation", active=self.cfg.ablation.active)
         async with BrokerClient.from_config(self.cfg) as broker:
@@ -381,7 +388,8 @@ class Learner:
                     await broker.announce(self.state.phase, registry.get("versions", {}), registry.get("adapters", {}), 0)
                 if self.state.phase == WARMUP:
                     await self.wait_for_demos(broker)
-                shares = {"transitions": lc.wm_anchor_share, "reflections": lc.reflect_init_share}
+                shares = {"transitions": lc.wm_anchor_share, "reflections": lc.reflect_init_share,
+                          "imagined": lc.imagined_share}
                 rank = self.dp.rank if self.dp is not None else 0  # each rank samples its own micro-batches
                 prefetch = Prefetcher(broker, self.state, lc.batch_size, lc.prefetch, self.cfg.run.seed + 7919 * rank,
                                       self.log, shares, self.cfg.ablation,

@@ -37,7 +37,7 @@ Decision = Literal["KEEP", "REVISE"]
 DECISIONS: tuple[str, ...] = get_args(Decision)
 KEEP, REVISE = DECISIONS
 
-Store = Literal["transitions", "reflections", "demos", "episodes"]
+Store = Literal["transitions", "reflections", "demos", "episodes", "imagined"]
 STORES: tuple[str, ...] = get_args(Store)
 
 ReflectionLabel = Literal["expert_better", "equal_draft", "not_better"]
@@ -213,7 +213,33 @@ class Reflection(Message, tag="reflection", kw_only=True):
     label: ReflectionLabel
 
 
-ActorMessage = Union[Transition, Episode, Reflection]
+class Imagined(Message, tag="imagined", kw_only=True):
+    """One step of an imagined episode (WebEvolver's world model as a virtual environment,
+    ``actor.imagined_rollouts``): from a real state, the policy acted and the world model answered;
+    ``s`` is the state the policy saw (the real history, then the imagined pairs before this step),
+    ``target`` the policy's action there. No environment step was taken: the broker stores it apart,
+    for the policy's draft training only (``learner.imagined_share``), never for the world model."""
+
+    seq: Int
+    id: Id
+    actor: Id
+    game: Id
+    episode: Id
+    t: Int
+    """The real step the imagined episode started from."""
+    k: Int
+    """This step's depth in the imagined episode (0: the real state)."""
+    goal: Text
+    s: Text
+    target: Text
+    score: Num | None
+    """The policy-as-critic's score of the whole imagined episode (``None``: not scored, no filter)."""
+    policy_version: Int
+    wm_version: Int
+    ts: Num
+
+
+ActorMessage = Union[Transition, Episode, Reflection, Imagined]
 
 
 # ---- broker -> actor ---------------------------------------------------------------------------
@@ -289,9 +315,9 @@ class Reply(Message, tag="reply", kw_only=True):
 
 
 LearnerRequest = Union[Sample, Announce, GetRegistry, EvalResult, GetStats]
-AnyMessage = Union[Transition, Episode, Reflection, Ack, Sample, Announce, GetRegistry, EvalResult, GetStats, Batch,
+AnyMessage = Union[Transition, Episode, Reflection, Imagined, Ack, Sample, Announce, GetRegistry, EvalResult, GetStats, Batch,
                    Reply]
-ACTOR_TYPES = (Transition, Episode, Reflection)
+ACTOR_TYPES = (Transition, Episode, Reflection, Imagined)
 
 
 # ---- stored records (broker -> LMDB -> learner) ------------------------------------------------
@@ -310,7 +336,8 @@ class Demo(Record, kw_only=True):
     target: str
     policy_version: int
     wm_version: int
-    source: Literal["expert"] = "expert"
+    source: Literal["expert", "imagined"] = "expert"
+    """``imagined``: the policy's own action in an imagined episode (:class:`Imagined`), kept by its filter."""
     ts: float
 
 

@@ -1,0 +1,104 @@
+"""Imagined episodes' filter and storage as pure logic (issue 31): the critic's score decides what
+is kept, the broker files the kept steps in their own store as the policy's draft data."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import msgpack
+
+from actors.imagined import emit_imagined
+from comap_async.config import CoMapConfig
+from comap_async.wire.messages import Imagined
+
+
+class ScriptedLLM:
+    """Drafts ``go to desk <n>``; the world model answers ``You arrive at desk <n>.``; the critic
+    scores an imagined episode by its first action (``scores``)."""
+
+    def __init__(self, scores):
+        self.scores, self.n, self.critic_calls = scores, 0, []
+
+    async def draft(self, state, temperature=None):
+        self.n += 1
+        return f"go to desk {self.n}", None
+
+    async def imagine(self, state, action):
+        return f"You arrive at desk {action.rsplit(' ', 1)[1]}."
+
+    async def critic(self, state, trajectory):
+        self.critic_calls.append(trajectory)
+        return self.scores[trajectory[0][0]]
+
+    def last_version(self, role):
+        return 3
+
+
+def episode(steps: int):
+    history = [(f"real {i}", f"You see thing {i}.") for i in range(steps)]
+    return SimpleNamespace(id="a:e1", task="put a mug on desk", history=history, game=SimpleNamespace(name="g"),
+                           stats=SimpleNamespace(steps=steps, imagined_kept=0, imagined_dropped=0),
+                           observation_at=lambda t: history[t - 1][1] if t else "You are in a room.")
+
+
+async def play(min_score: float, scores: dict, steps: int = 5, rollouts: int = 3, depth: int = 2):
+    cfg = CoMapConfig.model_validate({"actor": {"imagined_rollouts": rollouts, "imagined_depth": depth,
+                                                "imagined_min_score": min_score}})
+    sent, llm = [], ScriptedLLM(scores)
+
+    async def emit(msg):
+        sent.append(msg)
+
+    ep = episode(steps)
+    await emit_imagined(SimpleNamespace(cfg=cfg, llm=llm, emit=emit, actor="a"), ep)
+    return sent, ep, llm
+
+
+async def test_every_imagined_episode_is_kept_without_a_critic_at_min_score_zero():
+    sent, ep, llm = await play(0.0, {})
+    assert ep.stats.imagined_kept == 3 and not llm.critic_calls
+    assert len(sent) == 6 and all(type(m) is Imagined and m.score is None for m in sent)
+    starts = sorted({m.t for m in sent})
+    assert len(starts) == 3 and all(0 <= t < 5 for t in starts)
+    first, second = sorted((m for m in sent if m.t == starts[0]), key=lambda m: m.k)
+    # step 0 is the real state's; step 1's state ends with the world model's answer to step 0
+    assert second.s.rstrip().endswith(f"You arrive at desk {first.target.rsplit(' ', 1)[1]}.") or \
+        f"You arrive at desk {first.target.rsplit(' ', 1)[1]}." in second.s
+    assert first.target in second.s and first.target not in first.s
+
+
+async def test_the_critic_keeps_what_it_scores_at_least_min_score_and_drops_unread_scores():
+    scores = {"go to desk 1": 0.9, "go to desk 2": 0.6, "go to desk 3": 0.3, "go to desk 4": None}
+    # three rollouts of depth 1 draft desks 1, 2, 3 in order (gathered: each drafts before awaiting)
+    sent, ep, llm = await play(0.5, scores, rollouts=3, depth=1)
+    assert len(llm.critic_calls) == 3
+    assert sorted(m.target for m in sent) == ["go to desk 1", "go to desk 2"]
+    assert {m.score for m in sent} == {0.9, 0.6}
+    assert (ep.stats.imagined_kept, ep.stats.imagined_dropped) == (2, 1)
+
+
+def test_the_broker_files_an_imagined_step_in_its_own_store_as_draft_data():
+    from broker.ingest import Ingest
+
+    msg = Imagined(seq=1, id="a:e1:2:i0", actor="a", game="g", episode="a:e1", t=2, k=0, goal="put a mug on desk",
+                   s="state", target="go to desk 1", score=0.8, policy_version=3, wm_version=3, ts=1.0)
+    item = Ingest(next_state=lambda facts, text: facts, gates=CoMapConfig().gates).prepare(msg, b"raw")
+    assert [store for store, _ in item.records] == ["imagined"] and item.counters == {"stored_imagined": 1}
+    rec = msgpack.unpackb(item.records[0][1])
+    assert (rec["s"], rec["target"], rec["source"], rec["policy_version"]) == ("state", "go to desk 1", "imagined", 3)
+
+
+def test_a_run_records_the_related_methods_switches_and_the_table_names_them(tmp_path):
+    from actors.compare_report import run_label
+    from comap_async.config import load_config
+    from comap_async.run_files import read_run_ablation, read_run_methods, write_run_ablation
+
+    assert load_config(None).method_switches == []
+    # rollouts without a share train nothing: the switch is the pair
+    assert load_config(None, ["actor.imagined_rollouts=2"]).method_switches == []
+    cfg = load_config(None, ["actor.imagined_rollouts=2", "learner.imagined_share=0.25", "learner.policy_wm_aux=0.1"])
+    assert cfg.method_switches == ["imagined_episodes", "paw"]
+    write_run_ablation(tmp_path, ["frozen_wm"], cfg.method_switches)
+    assert read_run_ablation(tmp_path) == ["frozen_wm"] and read_run_methods(tmp_path) == ["imagined_episodes", "paw"]
+    assert run_label(["frozen_wm"], "r1", ["imagined_episodes"]) == "ablation frozen_wm + imagined_episodes (r1)"
+    assert run_label([], "r0") == "CoMap (r0)"
