@@ -20,7 +20,6 @@ def run(args: argparse.Namespace) -> int:
     from actors.worker import ActorWorker
     from comap_async.config import load_config
     from comap_async.logsetup import configure_logging
-
     from comap_async.priority import lower_priority
 
     cfg = load_config(args.config, args.overrides)

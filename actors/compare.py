@@ -28,22 +28,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("runs", nargs="+", metavar="RUN_DIR",
                    help="run directories (each with ablation.json and adapters/ as the learner writes them)")
     p.add_argument("--split", required=True, help="train, valid_seen, valid_unseen or valid_train")
-    p.add_argument("--games", type=int, default=None, help="N games drawn with run.seed over the task types (default: all)")
+    p.add_argument(
+        "--games", type=int, default=None, help="N games drawn with run.seed over the task types (default: all)"
+    )
     p.add_argument("--data", default=None, help="ALFWorld data root (default: env.data_dir or $ALFWORLD_DATA)")
-    p.add_argument("--methods", default="react,imagine_and_act",
-                   help=f"prompting baselines played with the base model, comma-separated from "
-                        f"{', '.join(m for m in EVAL_METHODS)}; '' for none (default: react,imagine_and_act)")
-    p.add_argument("--methods-from", default=None, metavar="RUN_DIR[:VERSION]",
-                   help="play the prompting baselines with this run's adapters (its newest version, or VERSION: "
-                        "e.g. the warm-up version the runs were forked from) instead of the base model")
+    p.add_argument(
+        "--methods",
+        default="react,imagine_and_act",
+        help=f"prompting baselines played with the base model, comma-separated from "
+        f"{', '.join(m for m in EVAL_METHODS)}; '' for none (default: react,imagine_and_act)",
+    )
+    p.add_argument(
+        "--methods-from",
+        default=None,
+        metavar="RUN_DIR[:VERSION]",
+        help="play the prompting baselines with this run's adapters (its newest version, or VERSION: "
+        "e.g. the warm-up version the runs were forked from) instead of the base model",
+    )
     p.add_argument("--out", required=True, help="directory for compare.json, compare.md, compare.png")
     p.add_argument("--envs", type=int, default=None, help="concurrent episodes (default: actor.envs)")
-    p.add_argument("--serve-timeout", type=float, default=600.0, metavar="S",
-                   help="how long to wait for the embedded server this command starts (default 600 s)")
+    p.add_argument(
+        "--serve-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="how long to wait for the embedded server this command starts (default 600 s)",
+    )
 
 
-def stage_run(run_dir: Path, index: int | str, adapter_root: Path, spec: str = "latest",
-              with_ablation: bool = True) -> tuple[int, list[str], str]:
+def stage_run(
+    run_dir: Path, index: int | str, adapter_root: Path, spec: str = "latest", with_ablation: bool = True
+) -> tuple[int, list[str], str]:
     """Copy ``run_dir``'s version ``spec`` (default its newest complete one) under ``adapter_root``
     with the prefix ``r<index>-``; returns (version, the run's ablation, the prefix). ValueError when
     the run has no such version."""
@@ -65,19 +80,28 @@ def stage_run(run_dir: Path, index: int | str, adapter_root: Path, spec: str = "
     return version, ablation, prefix
 
 
-async def compare(cfg: Any, runs: list[Path], methods: list[str], split: str, n_games: int | None,
-                  envs: int | None, server: Any, serve_timeout: float, log: Any,
-                  staged: list[tuple[int, list[str], str]],
-                  methods_from: tuple[str, int, str] | None = None) -> tuple[list[dict[str, Any]], int]:
+async def compare(
+    cfg: Any,
+    runs: list[Path],
+    methods: list[str],
+    split: str,
+    n_games: int | None,
+    envs: int | None,
+    server: Any,
+    serve_timeout: float,
+    log: Any,
+    staged: list[tuple[int, list[str], str]],
+    methods_from: tuple[str, int, str] | None = None,
+) -> tuple[list[dict[str, Any]], int]:
     """Play every method (the base model, or ``methods_from``'s staged adapters: (its name, version,
     prefix)) and every staged run on the same games; the rows and the game count."""
     from actors.compare_report import METHOD_LABELS, row, run_label
-    from comap_async.run_files import read_run_methods
     from actors.eval_report import summarize
     from actors.eval_runner import check_complete, play_games, wait_for_server
     from comap_async.config import AblationConfig
     from comap_async.envs import games_from_config
     from comap_async.envs.base import spread_sample
+    from comap_async.run_files import read_run_methods
     from comap_async.wire.inference_client import InferenceClient
     from comap_async.wire.messages import Registry
 
@@ -104,8 +128,9 @@ async def compare(cfg: Any, runs: list[Path], methods: list[str], split: str, n_
                 await client.load_adapter(name, str(cfg.adapter_root / name))
         adapters = "base model" if methods_from is None else f"{methods_from[0]} v{methods_from[1]}"
         for method in methods:
-            rows.append(row(f"{METHOD_LABELS[method]} ({adapters})", "method", method,
-                            await play(cfg, base, method, method)))
+            rows.append(
+                row(f"{METHOD_LABELS[method]} ({adapters})", "method", method, await play(cfg, base, method, method))
+            )
         for name in base.adapters.values():
             await client.unload_adapter(name, missing_ok=True)
         for run_dir, (version, ablation, prefix) in zip(runs, staged):
@@ -113,8 +138,16 @@ async def compare(cfg: Any, runs: list[Path], methods: list[str], split: str, n_
             for name in registry.adapters.values():
                 await client.load_adapter(name, str(cfg.adapter_root / name))
             run_cfg = cfg.model_copy(update={"ablation": AblationConfig(**dict.fromkeys(ablation, True))})
-            rows.append(row(run_label(ablation, run_dir.name, read_run_methods(run_dir)), "run", "comap",
-                            await play(run_cfg, registry, "comap", str(run_dir)), run=str(run_dir), ablation=ablation))
+            rows.append(
+                row(
+                    run_label(ablation, run_dir.name, read_run_methods(run_dir)),
+                    "run",
+                    "comap",
+                    await play(run_cfg, registry, "comap", str(run_dir)),
+                    run=str(run_dir),
+                    ablation=ablation,
+                )
+            )
             for name in registry.adapters.values():
                 await client.unload_adapter(name, missing_ok=True)
     return rows, len(games)
@@ -137,10 +170,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     if unknown:
-        return fail(f"--methods: {', '.join(unknown)} is not a prompting baseline "
-                    f"(choose from {', '.join(m for m in EVAL_METHODS if m != 'comap')}; runs are played with comap)")
-    overrides = (list(args.overrides) + ([f"env.data_dir={args.data}"] if args.data else [])
-                 + [f"inference.adapter_root={adapter_root}"])
+        return fail(
+            f"--methods: {', '.join(unknown)} is not a prompting baseline "
+            f"(choose from {', '.join(m for m in EVAL_METHODS if m != 'comap')}; runs are played with comap)"
+        )
+    overrides = (
+        list(args.overrides)
+        + ([f"env.data_dir={args.data}"] if args.data else [])
+        + [f"inference.adapter_root={adapter_root}"]
+    )
     cfg = load_config(args.config, overrides)
     log = configure_logging("compare", run=cfg.run.name)
     adapter_root.mkdir(parents=True, exist_ok=True)
@@ -155,8 +193,21 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(exc))
     cfg, server = start_server(args.config, overrides, log)
     try:
-        rows, n_games = asyncio.run(compare(cfg, runs, methods, args.split, args.games, args.envs, server,
-                                            args.serve_timeout, log, staged, methods_from))
+        rows, n_games = asyncio.run(
+            compare(
+                cfg,
+                runs,
+                methods,
+                args.split,
+                args.games,
+                args.envs,
+                server,
+                args.serve_timeout,
+                log,
+                staged,
+                methods_from,
+            )
+        )
     except (ValueError, ServerStartError, EvalIncomplete) as exc:
         return fail(str(exc))
     finally:

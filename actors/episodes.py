@@ -21,7 +21,18 @@ from comap_async.envs.base import RestoreDiverged
 from comap_async.facts import Facts, NextState, state_delta_f1
 from comap_async.gates import ActionGateResult, action_gate, canonical_action, ungated_action
 from comap_async.prompts import render_state
-from comap_async.wire.messages import COEVOLVE, KEEP, POLICY, REFLECT_INIT, WARMUP, WM, ActorMessage, Reflection, Registry, Transition
+from comap_async.wire.messages import (
+    COEVOLVE,
+    KEEP,
+    POLICY,
+    REFLECT_INIT,
+    WARMUP,
+    WM,
+    ActorMessage,
+    Reflection,
+    Registry,
+    Transition,
+)
 from comap_async.wire.messages import Episode as EpisodeMessage
 
 Emit = Callable[[ActorMessage], Awaitable[Any]]

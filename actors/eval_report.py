@@ -66,18 +66,26 @@ def markdown(report: dict[str, Any]) -> str:
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         f"| {report['games']} | {report['success_rate']:.3f} | {report.get('mean_score', 0.0):.1f} | "
         f"{report['mean_steps']:.1f} | {f1} | "
-        f"{report['revision_rate']:.3f} | {report['invalid_action_rate']:.3f} | {num(report.get('loop_rate'))} |", "",
-        "| game | won | score | steps | revisions |", "| --- | :---: | ---: | ---: | ---: |",
+        f"{report['revision_rate']:.3f} | {report['invalid_action_rate']:.3f} | {num(report.get('loop_rate'))} |",
+        "",
+        "| game | won | score | steps | revisions |",
+        "| --- | :---: | ---: | ---: | ---: |",
     ]
-    rows += [f"| {e['game']} | {'yes' if e['won'] else 'no'} | {e.get('score', 0.0):g} | {e['steps']} | {e['revisions']} |"
-             for e in report["episodes"]]
+    rows += [
+        f"| {e['game']} | {'yes' if e['won'] else 'no'} | {e.get('score', 0.0):g} | {e['steps']} | {e['revisions']} |"
+        for e in report["episodes"]
+    ]
     r = report.get("reflection")
     if r is not None:
-        rows += ["", "Reflection diagnostics (every step judged by a draft branch and a reflected-action branch, "
-                     "expert continuation to the episode's end):", "",
-                 "| steps | executed revisions (Σm) | winning drafts (Σz_draft) | URR | HRR | BRP |",
-                 "| ---: | ---: | ---: | ---: | ---: | ---: |",
-                 f"| {r['steps']} | {r['sum_m']} | {r['sum_z_draft']} | {num(r['urr'])} | {num(r['hrr'])} | {num(r['brp'])} |"]
+        rows += [
+            "",
+            "Reflection diagnostics (every step judged by a draft branch and a reflected-action branch, "
+            "expert continuation to the episode's end):",
+            "",
+            "| steps | executed revisions (Σm) | winning drafts (Σz_draft) | URR | HRR | BRP |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+            f"| {r['steps']} | {r['sum_m']} | {r['sum_z_draft']} | {num(r['urr'])} | {num(r['hrr'])} | {num(r['brp'])} |",
+        ]
     labels = report.get("reflect_init_labels")
     if labels is not None:
         from comap_async.commands.stats import label_line

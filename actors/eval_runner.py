@@ -21,7 +21,16 @@ from typing import Any
 
 from actors.eval_report import label_counts, reflection_summary, summarize
 from comap_async.ports import free_port
-from comap_async.wire.messages import COEVOLVE, POLICY, REFLECT_INIT, ROLES, Episode, Registry, adapter_name, adapter_version
+from comap_async.wire.messages import (
+    COEVOLVE,
+    POLICY,
+    REFLECT_INIT,
+    ROLES,
+    Episode,
+    Registry,
+    adapter_name,
+    adapter_version,
+)
 
 
 @dataclass(frozen=True)
@@ -121,19 +130,28 @@ async def wait_for_server(cfg: Any, proc: subprocess.Popen, timeout_s: float, lo
     """Wait until the server this evaluation started answers ``/v1/models``, as the other processes
     wait for theirs (one ``eval.waiting`` line every 10 s); a server that exits or stays silent for
     ``timeout_s`` raises :class:`ServerStartError` with the reason."""
-    from comap_async.wire.inference_client import InferenceClient
     from comap_async.waiting import WaitAbandoned, wait_until_answers
+    from comap_async.wire.inference_client import InferenceClient
 
     def exited() -> str | None:
         return None if proc.poll() is None else f"exited with code {proc.returncode} before answering (its log is above)"
 
     async with InferenceClient.from_config(cfg, retries=0) as client:
         try:
-            await wait_until_answers("inference", client.models, log, asyncio.Event(), "eval.waiting", poll_s=0.5,
-                                     timeout_s=timeout_s, gone=exited)
+            await wait_until_answers(
+                "inference",
+                client.models,
+                log,
+                asyncio.Event(),
+                "eval.waiting",
+                poll_s=0.5,
+                timeout_s=timeout_s,
+                gone=exited,
+            )
         except WaitAbandoned as exc:
-            raise ServerStartError(f"the inference server started for this evaluation {exc} (--serve-timeout "
-                                   f"{timeout_s:.0f} s)") from None
+            raise ServerStartError(
+                f"the inference server started for this evaluation {exc} (--serve-timeout {timeout_s:.0f} s)"
+            ) from None
     log.info("eval.server_ready")
 
 
@@ -156,7 +174,9 @@ def start_server(config: str | None, overrides: list[str], log: Any) -> tuple[An
     from comap_async.config import load_config
 
     port = free_port()
-    cfg = load_config(config, overrides + [f"inference.port={port}", f"inference.endpoints=['http://127.0.0.1:{port}']"])
+    cfg = load_config(
+        config, overrides + [f"inference.port={port}", f"inference.endpoints=['http://127.0.0.1:{port}']"]
+    )
     server = subprocess.Popen(server_command(config, overrides, port))
     log.info("eval.started_server", port=port, pid=server.pid)
     return cfg, server
@@ -173,8 +193,10 @@ def stop_server(server: subprocess.Popen) -> None:
 
 # ---- one evaluation ----------------------------------------------------------------------------
 
-async def evaluate(cfg: Any, spec: EvalSpec, log: Any, server: subprocess.Popen | None = None,
-                   serve_timeout: float = 600.0) -> dict[str, Any]:
+
+async def evaluate(
+    cfg: Any, spec: EvalSpec, log: Any, server: subprocess.Popen | None = None, serve_timeout: float = 600.0
+) -> dict[str, Any]:
     """Play ``spec`` against the configured inference server (first waiting up to ``serve_timeout``
     for ``server``, when this evaluation started it) and return the report. Raises ValueError for a
     split without games or an unknown adapter version, :class:`ServerStartError` for a server that
@@ -183,7 +205,9 @@ async def evaluate(cfg: Any, spec: EvalSpec, log: Any, server: subprocess.Popen 
     from comap_async.envs.base import spread_sample
     from comap_async.wire.inference_client import InferenceClient
 
-    games = games_from_config(cfg.model_copy(update={"env": cfg.env.model_copy(update={"max_games": None})}), spec.split)
+    games = games_from_config(
+        cfg.model_copy(update={"env": cfg.env.model_copy(update={"max_games": None})}), spec.split
+    )
     games = spread_sample(games, spec.games, cfg.run.seed)
     if not games:
         raise ValueError(f"no games in split {spec.split!r}")
@@ -204,10 +228,10 @@ async def evaluate(cfg: Any, spec: EvalSpec, log: Any, server: subprocess.Popen 
                 await client.unload_adapter(name, missing_ok=True)
 
 
-async def _evaluate_with(cfg: Any, spec: "EvalSpec", log: Any, games: list, version: int,
-                         registry: Registry) -> dict[str, Any]:
+async def _evaluate_with(
+    cfg: Any, spec: "EvalSpec", log: Any, games: list, version: int, registry: Registry
+) -> dict[str, Any]:
     from tqdm import tqdm
-
 
     bar = tqdm(total=len(games), desc=f"eval {spec.split}", unit="game", file=sys.stderr)
     t0 = time.time()
@@ -224,13 +248,28 @@ async def _evaluate_with(cfg: Any, spec: "EvalSpec", log: Any, games: list, vers
             probes = await run_probes(cfg, games, registry, log, on_game=lambda: bar.update(1), on_step=on_step)
         finally:
             bar.close()
-        return {"split": spec.split, "adapter_version": version, "games": len(games), "probes": probes,
-                "wall_s": round(time.time() - t0, 2), "game_names": [g.name for g in games]}
+        return {
+            "split": spec.split,
+            "adapter_version": version,
+            "games": len(games),
+            "probes": probes,
+            "wall_s": round(time.time() - t0, 2),
+            "game_names": [g.name for g in games],
+        }
 
     try:
-        results = await play_games(cfg, games, registry, log, envs=spec.envs, on_step=on_step,
-                                   on_game=lambda: bar.update(1), reflection_metrics=spec.reflection_metrics,
-                                   phase=REFLECT_INIT if spec.reflect_init_labels else COEVOLVE, method=spec.method)
+        results = await play_games(
+            cfg,
+            games,
+            registry,
+            log,
+            envs=spec.envs,
+            on_step=on_step,
+            on_game=lambda: bar.update(1),
+            reflection_metrics=spec.reflection_metrics,
+            phase=REFLECT_INIT if spec.reflect_init_labels else COEVOLVE,
+            method=spec.method,
+        )
     finally:
         bar.close()
     check_complete(results, games)
@@ -243,8 +282,16 @@ async def _evaluate_with(cfg: Any, spec: "EvalSpec", log: Any, games: list, vers
     return report
 
 
-def run_eval(cfg: Any, spec: EvalSpec, log: Any, *, config: str | None, overrides: list[str], serve: str = "auto",
-             serve_timeout: float = 600.0) -> dict[str, Any]:
+def run_eval(
+    cfg: Any,
+    spec: EvalSpec,
+    log: Any,
+    *,
+    config: str | None,
+    overrides: list[str],
+    serve: str = "auto",
+    serve_timeout: float = 600.0,
+) -> dict[str, Any]:
     """One evaluation from start to report: with ``serve`` ``auto`` (an embedded server when none
     answers), ``always`` or ``never``; a server started here (from ``config`` and ``overrides``, as
     ``cfg`` was loaded) is stopped before this returns. Raises as :func:`evaluate` does."""

@@ -15,7 +15,6 @@ from pathlib import Path
 from comap_async.cli import add_config_arguments
 
 
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     p.add_argument("--split", required=True,
@@ -76,7 +75,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = run_eval(cfg, spec, log, config=args.config, overrides=overrides, serve=args.serve,
                           serve_timeout=args.serve_timeout)
-    except (ValueError, ServerStartError, EvalIncomplete) as exc:  # bad split, unknown version, no server: one clear line
+    except (
+        ValueError,
+        ServerStartError,
+        EvalIncomplete,
+    ) as exc:  # bad split, unknown version, no server: one clear line
         print(f"comap eval: error: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)

@@ -127,9 +127,15 @@ class Evaluator:
                     result["success_error"] = str(exc)  # no success_rate for this version
                 else:
                     s = summarize(played, self.cfg.eval.split, version, 0.0)
-                    result |= {"method": self.cfg.eval.method, "success_rate": s["success_rate"], "success_games": s["games"],
-                               "mean_steps": s["mean_steps"], "invalid_action_rate": s["invalid_action_rate"],
-                               "loop_rate": s["loop_rate"], "coevolve_delta_f1": s["delta_f1"]}
+                    result |= {
+                        "method": self.cfg.eval.method,
+                        "success_rate": s["success_rate"],
+                        "success_games": s["games"],
+                        "mean_steps": s["mean_steps"],
+                        "invalid_action_rate": s["invalid_action_rate"],
+                        "loop_rate": s["loop_rate"],
+                        "coevolve_delta_f1": s["delta_f1"],
+                    }
         finally:
             for name in names.values():
                 await client.unload_adapter(name, missing_ok=True)
@@ -150,18 +156,22 @@ class Evaluator:
         self.log.info("evaluator.result", **{k: v for k, v in result.items() if not isinstance(v, (dict, list))})
 
     async def run(self, once: bool = False) -> int:
-        from comap_async.wire.inference_client import InferenceClient
         from comap_async.waiting import until_stopped, wait_until_answers
         from comap_async.wire.broker_client import BrokerClient
+        from comap_async.wire.inference_client import InferenceClient
 
         done = done_versions(self.eval_dir)
         scalars = ScalarWriter(self.cfg.run.dir / "tensorboard")
         async with BrokerClient.from_config(self.cfg) as broker, InferenceClient.from_config(self.cfg) as client:
             try:
-                registry = await wait_until_answers("broker", broker.get_registry, self.log, self.stop,
-                                                    "evaluator.waiting")
-                if registry is None or await wait_until_answers("inference", client.models, self.log, self.stop,
-                                                                "evaluator.waiting") is None:
+                registry = await wait_until_answers(
+                    "broker", broker.get_registry, self.log, self.stop, "evaluator.waiting"
+                )
+                if (
+                    registry is None
+                    or await wait_until_answers("inference", client.models, self.log, self.stop, "evaluator.waiting")
+                    is None
+                ):
                     return 0
                 while not self.stop.is_set():
                     try:
@@ -170,9 +180,16 @@ class Evaluator:
                         self.log.info("evaluator.waiting", target="broker", reason=str(exc)[:200])
                         registry = None
                     current = int(((registry or {}).get("versions") or {}).get("policy", 0))
-                    version = None if registry is None else next_version(
-                        done, published_versions(self.cfg.adapter_root, current), self.cfg.eval.every_versions,
-                        self.cfg.eval.max_pending)
+                    version = (
+                        None
+                        if registry is None
+                        else next_version(
+                            done,
+                            published_versions(self.cfg.adapter_root, current),
+                            self.cfg.eval.every_versions,
+                            self.cfg.eval.max_pending,
+                        )
+                    )
                     if version is None:
                         if once:
                             return 0
@@ -199,7 +216,6 @@ class Evaluator:
 def run(args: argparse.Namespace) -> int:
     from comap_async.config import load_config
     from comap_async.logsetup import configure_logging
-
     from comap_async.priority import lower_priority
 
     cfg = load_config(args.config, args.overrides)

@@ -54,7 +54,9 @@ def inadmissible_candidates(admissible: Sequence[str]) -> list[str]:
     return sorted(c for c in out if canonical_action(c) not in allowed)
 
 
-def explore_action(rng: random.Random, admissible: Sequence[str], expert: str | None, invalid_share: float) -> str | None:
+def explore_action(
+    rng: random.Random, admissible: Sequence[str], expert: str | None, invalid_share: float
+) -> str | None:
     """A non-expert action for the state whose commands are ``admissible``: with probability
     ``invalid_share`` an inadmissible one (:func:`inadmissible_candidates`), else an admissible
     command other than the expert's; either kind when the other has no candidate. None when

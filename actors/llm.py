@@ -20,11 +20,17 @@ from typing import Any
 
 from actors.registry_view import RegistryView
 from comap_async.config import ActorConfig
-from comap_async.wire.messages import POLICY, WM, WM_TEACHER, adapter_version
 from comap_async.prompts import (
-    FINAL_PREFIX, Prompts, parse_action, parse_react, parse_reflection, reflection_head, revise_probability,
+    FINAL_PREFIX,
+    Prompts,
+    parse_action,
+    parse_react,
+    parse_reflection,
+    reflection_head,
+    revise_probability,
     sequence_confidence,
 )
+from comap_async.wire.messages import POLICY, WM, WM_TEACHER, adapter_version
 
 STOP_ACTION = ["\n", "<|im_end|>"]
 STOP_STATE = ["<|im_end|>", "\n\n"]
@@ -212,6 +218,6 @@ class AgentLLM:
             return Reflected(decision, a_draft, p_revise, 0.0, problem, readable=False)
         tokens, token_lps = lp.get("tokens") or [], lp.get("token_logprobs") or []
         # the head as one pseudo-token before the generated ones: spans index the generated tokens from 1
-        spans = action_token_spans(full, [head] + tokens[:len(token_lps)])
+        spans = action_token_spans(full, [head] + tokens[: len(token_lps)])
         q_ref = sequence_confidence([lp_ for i, _ in spans if i > 0 and (lp_ := token_lps[i - 1]) is not None])
         return Reflected(decision, action, p_revise, q_ref, problem)

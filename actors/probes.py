@@ -158,9 +158,9 @@ async def run_probes(cfg: Any, games: Sequence[Any], registry: Registry, log: An
     from actors.llm import AgentLLM
     from actors.registry_view import RegistryView
     from comap_async.envs import env_pool_from_config, get_next_state
-    from comap_async.wire.inference_client import InferenceClient
     from comap_async.models import resolve_model
     from comap_async.prompts import Prompts
+    from comap_async.wire.inference_client import InferenceClient
 
     prompts = Prompts.for_model(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir), cfg)
     greedy = cfg.actor.model_copy(update={"temperature": 0.0, "wm_temperature": 0.0})

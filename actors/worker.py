@@ -47,17 +47,32 @@ class ActorMetrics:
     def summary(self) -> dict[str, Any]:
         dt = max(1e-9, time.monotonic() - self.t0)
         n = max(1, self.steps)
-        return {"actor/env_restarts": self.env_restarts(), "actor/steps_per_s": round(self.steps / dt, 3), "actor/episodes": self.episodes,
-                "actor/revision_rate": round(self.revisions / n, 4), "actor/invalid_rate": round(self.invalid / n, 4),
-                "actor/success_by_version": {str(v): round(w / p, 3) for v, (w, p) in sorted(self.by_version.items())},
-                "actor/episode_failures": self.failures}
+        return {
+            "actor/env_restarts": self.env_restarts(),
+            "actor/steps_per_s": round(self.steps / dt, 3),
+            "actor/episodes": self.episodes,
+            "actor/revision_rate": round(self.revisions / n, 4),
+            "actor/invalid_rate": round(self.invalid / n, 4),
+            "actor/success_by_version": {str(v): round(w / p, 3) for v, (w, p) in sorted(self.by_version.items())},
+            "actor/episode_failures": self.failures,
+        }
 
 
 class ActorWorker:
-    def __init__(self, cfg: Any, log: Any, envs: int | None = None, episodes: int | None = None,
-                 eval_mode: bool = False, split: str | None = None, games: list | None = None,
-                 reflection_metrics: bool = False, eval_phase: str = COEVOLVE,
-                 on_step: Any = None, eval_method: str = "comap") -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        log: Any,
+        envs: int | None = None,
+        episodes: int | None = None,
+        eval_mode: bool = False,
+        split: str | None = None,
+        games: list | None = None,
+        reflection_metrics: bool = False,
+        eval_phase: str = COEVOLVE,
+        on_step: Any = None,
+        eval_method: str = "comap",
+    ) -> None:
         self.cfg, self.log = cfg, log
         self.n_envs = envs or cfg.actor.envs
         self.episode_budget = episodes
@@ -129,8 +144,16 @@ class ActorWorker:
                 continue
             self.metrics.add(stats, version)
             self.results.append((game, stats))
-            self.log.info("actor.episode", episode=episode_id, game=game.name, phase="eval" if self.eval_mode else phase,
-                          won=stats.won, steps=stats.steps, version=version, **stats.metrics())
+            self.log.info(
+                "actor.episode",
+                episode=episode_id,
+                game=game.name,
+                phase="eval" if self.eval_mode else phase,
+                won=stats.won,
+                steps=stats.steps,
+                version=version,
+                **stats.metrics(),
+            )
 
     async def _idle_until_phase_changes(self) -> None:
         if not self.registry.can_refresh:  # no broker to ask (evaluation): nothing to wait for
@@ -151,11 +174,11 @@ class ActorWorker:
     async def run(self, outbox: Any = None, registry: Registry | None = None) -> list[tuple[Any, EpisodeStats]]:
         """Play until stopped or out of episodes. ``outbox``: where messages go (default: the
         broker's); ``registry``: fixed adapters (evaluation; default: the broker's, on its acks)."""
+        from actors.llm import AgentLLM
         from comap_async.envs import env_pool_from_config, games_from_config, get_next_state
-        from comap_async.wire.inference_client import InferenceClient
         from comap_async.models import resolve_model
         from comap_async.prompts import Prompts
-        from actors.llm import AgentLLM
+        from comap_async.wire.inference_client import InferenceClient
         from comap_async.wire.outbox import Outbox
 
         cfg = self.cfg
@@ -179,16 +202,18 @@ class ActorWorker:
         if own_outbox:
             await outbox.start()
             if not self.registry.known:  # the phase before the first ack, from the broker
-                self.registry.update(await wait_until_answers("broker", refresher.get_registry, self.log, self.stop,
-                                                              "actor.waiting"))
+                self.registry.update(
+                    await wait_until_answers("broker", refresher.get_registry, self.log, self.stop, "actor.waiting")
+                )
         pool = env_pool_from_config(cfg, workers=cfg.actor.env_workers)
         self.metrics.env_restarts = lambda: pool.restarts
         reporter = asyncio.create_task(self._report())
         try:
             llm.base_model = await self._base_model(client)
             await pool.start()
-            ctx = EpisodeContext(self.actor_id, cfg, llm, outbox.put, get_next_state(cfg.env.name),
-                                 self.registry.get, self.on_step)
+            ctx = EpisodeContext(
+                self.actor_id, cfg, llm, outbox.put, get_next_state(cfg.env.name), self.registry.get, self.on_step
+            )
             rng = random.Random(f"{cfg.run.seed}-{self.actor_id}")
             loops = [asyncio.create_task(self._episode_loop(ctx, pool, games, rng, i)) for i in range(self.n_envs)]
             stopper = asyncio.create_task(self.stop.wait())

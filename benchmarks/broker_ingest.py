@@ -194,10 +194,18 @@ def measure_broker(args: argparse.Namespace, msgs: list[bytes], tmp: str, env: d
     """One broker measurement (prints its line); returns (transitions/s, broker + client CPU per message)."""
     ports = [free_port() for _ in range(3)]
     cap = max(args.n, 1000)
-    sets = [f"run.root={tmp}", "run.name=bench", f"broker.actor_port={ports[0]}",
-            f"broker.learner_port={ports[1]}", f"broker.http_port={ports[2]}", f"broker.group_commit={args.group_commit}",
-            f"broker.capacity_transitions={cap}", f"broker.capacity_reflections={cap}", "broker.map_size_mb=1024",
-            f"broker.gate_workers={args.gate_workers}"]
+    sets = [
+        f"run.root={tmp}",
+        "run.name=bench",
+        f"broker.actor_port={ports[0]}",
+        f"broker.learner_port={ports[1]}",
+        f"broker.http_port={ports[2]}",
+        f"broker.group_commit={args.group_commit}",
+        f"broker.capacity_transitions={cap}",
+        f"broker.capacity_reflections={cap}",
+        "broker.map_size_mb=1024",
+        f"broker.gate_workers={args.gate_workers}",
+    ]
     cmd = [sys.executable, "-m", "broker"] + [x for s in sets for x in ("--set", s)]
     broker = subprocess.Popen(cmd, env=env, cwd=REPO)
     try:
@@ -222,12 +230,14 @@ def measure_broker(args: argparse.Namespace, msgs: list[bytes], tmp: str, env: d
     if stored != args.n or stats["stores"]["reflections"]["count"] != args.n:
         raise SystemExit(f"broker stored {stored} transitions, expected {args.n}")
     g = stats["gates"]
-    print(f"broker (validation + gates + durable group commit): {rate:,.0f} transitions/s; "
-          f"stored {stored} transitions + {stats['stores']['reflections']['count']} reflection samples; "
-          f"world-state adoption {g['world_state_adoption']:.2f}, action adoption {g['action_adoption']:.2f}; "
-          f"{broker_cpu:.1f} us CPU per message ({main_cpu:.1f} in the broker process, the rest in "
-          f"{args.gate_workers} gate workers; client: {client_cpu:.1f} us); "
-          f"{stats['gate_workers']['batches_gated_in_broker']} batches gated in the broker process")
+    print(
+        f"broker (validation + gates + durable group commit): {rate:,.0f} transitions/s; "
+        f"stored {stored} transitions + {stats['stores']['reflections']['count']} reflection samples; "
+        f"world-state adoption {g['world_state_adoption']:.2f}, action adoption {g['action_adoption']:.2f}; "
+        f"{broker_cpu:.1f} us CPU per message ({main_cpu:.1f} in the broker process, the rest in "
+        f"{args.gate_workers} gate workers; client: {client_cpu:.1f} us); "
+        f"{stats['gate_workers']['batches_gated_in_broker']} batches gated in the broker process"
+    )
     return rate, broker_cpu + client_cpu
 
 
@@ -238,8 +248,12 @@ def main() -> int:
     ap.add_argument("--group-commit", type=int, default=256)
     ap.add_argument("--window", type=int, default=2048, help="unacked messages the client keeps in flight")
     ap.add_argument("--gate-workers", type=int, default=1, help="broker.gate_workers (0: gate in the broker process)")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="raw/broker measurement pairs, interleaved; the last line gives the medians")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="raw/broker measurement pairs, interleaved; the last line gives the medians",
+    )
     ap.add_argument("--raw-server", nargs=2, metavar=("PORT", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.raw_server:
@@ -260,8 +274,10 @@ def main() -> int:
             raw_rate = measure_raw(args, msgs, tmp, env)
             rate, cpu = measure_broker(args, msgs, tmp, env)
         # what a ratio of 0.5 costs at this round's CPU per message (broker and client share the host)
-        print(f"round ratio {rate / raw_rate:.2f}; CPU for a ratio of 0.5 at these costs: "
-              f"{0.5 * raw_rate * cpu / 1e6:.2f} cores (this host: {os.cpu_count()})")
+        print(
+            f"round ratio {rate / raw_rate:.2f}; CPU for a ratio of 0.5 at these costs: "
+            f"{0.5 * raw_rate * cpu / 1e6:.2f} cores (this host: {os.cpu_count()})"
+        )
         rates.append(rate)
         ratios.append(rate / raw_rate)
     # this machine's speed drifts between runs: the median of interleaved pairs is the figure

@@ -36,8 +36,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._inference import start_comap, stop_group, stored_transitions, write_random_adapters  # noqa: E402
 from comap_async.ports import free_port  # noqa: E402
-
 from comap_async.wire.messages import COEVOLVE, ROLES, adapter_name  # noqa: E402
+
 SETTINGS = {
     "reference": ["inference.forward=transformers", "inference.top_p_candidates=0", "actor.overlap_teacher=false"],
     "fused": ["inference.forward=fused", "inference.top_p_candidates=0", "actor.overlap_teacher=false"],
@@ -50,20 +50,29 @@ def _get(url: str) -> str:
         return r.read().decode()
 
 
-
-
 def _server(port: int) -> dict[str, float]:
     """Completions answered and the engine's counters, from ``/metrics``."""
     text = _get(f"http://127.0.0.1:{port}/metrics")
-    out = {"completions": sum(float(n) for n in re.findall(
-        r'^comap_inference_http_requests_total\{route="/v1/completions",status="200"\} (\S+)$', text, re.M))}
-    for name in ("decode_steps", "decode_rows", "decode_seconds", "prefill_seconds", "prompt_tokens",
-                 "prefix_cache_hit_tokens", "generation_tokens"):
+    out = {
+        "completions": sum(
+            float(n)
+            for n in re.findall(
+                r'^comap_inference_http_requests_total\{route="/v1/completions",status="200"\} (\S+)$', text, re.M
+            )
+        )
+    }
+    for name in (
+        "decode_steps",
+        "decode_rows",
+        "decode_seconds",
+        "prefill_seconds",
+        "prompt_tokens",
+        "prefix_cache_hit_tokens",
+        "generation_tokens",
+    ):
         m = re.search(rf"^comap_inference_{name}_total (\S+)$", text, re.M)
         out[name] = float(m.group(1)) if m else 0.0
     return out
-
-
 
 
 def _wait(pred, timeout_s: float, what: str) -> None:
@@ -88,8 +97,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40, help="transitions timed per window")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
-                    help="which settings to measure (reference and fast are needed for the last lines)")
+    ap.add_argument(
+        "--settings",
+        nargs="+",
+        choices=list(SETTINGS),
+        default=list(SETTINGS),
+        help="which settings to measure (reference and fast are needed for the last lines)",
+    )
     args = ap.parse_args()
     settings = {k: SETTINGS[k] for k in args.settings}
 
@@ -99,26 +113,42 @@ def main() -> int:
     run_root = REPO / "runs"
     name = f"coevolve-tp-{time.strftime('%Y%m%d-%H%M%S')}"
     http, lp = free_port(), free_port()
-    sets = [f"run.root={run_root}", f"run.name={name}", f"broker.actor_port={free_port()}", f"broker.learner_port={lp}",
-            f"broker.http_port={http}", "env.split=valid_seen", *args.overrides]
+    sets = [
+        f"run.root={run_root}",
+        f"run.name={name}",
+        f"broker.actor_port={free_port()}",
+        f"broker.learner_port={lp}",
+        f"broker.http_port={http}",
+        "env.split=valid_seen",
+        *args.overrides,
+    ]
     cfg = load_config(args.config, sets)
     log_dir = run_root / name
     log_dir.mkdir(parents=True, exist_ok=True)
     adapters = {r: adapter_name(r, 1) for r in ROLES}
-    write_random_adapters(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir), cfg.adapter_root,
-                          list(adapters.values()), r=cfg.learner.lora_r)
+    write_random_adapters(
+        resolve_model(cfg.model.name_or_path, cfg.model.cache_dir),
+        cfg.adapter_root,
+        list(adapters.values()),
+        r=cfg.learner.lora_r,
+    )
     env = {**os.environ, "COMAP_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
-    broker = start_comap("broker", ["broker", "--config", args.config, *sum((["--set", s] for s in sets), [])], env, log_dir)
+    broker = start_comap(
+        "broker", ["broker", "--config", args.config, *sum((["--set", s] for s in sets), [])], env, log_dir
+    )
     results: dict[str, list[tuple[float, float]]] = {f: [] for f in settings}
     try:
-        from comap_async.wire.inference_client import InferenceClient
         from comap_async.wire.broker_client import BrokerClient
+        from comap_async.wire.inference_client import InferenceClient
 
         for r in range(args.rounds):
-            for forward in (list(settings) if r % 2 == 0 else list(settings)[::-1]):
+            for forward in list(settings) if r % 2 == 0 else list(settings)[::-1]:
                 port = free_port()
-                run_sets = sets + [f"inference.port={port}", f"inference.endpoints=['http://127.0.0.1:{port}']",
-                                   *settings[forward]]
+                run_sets = sets + [
+                    f"inference.port={port}",
+                    f"inference.endpoints=['http://127.0.0.1:{port}']",
+                    *settings[forward],
+                ]
                 common = ["--config", args.config, *sum((["--set", s] for s in run_sets), [])]
                 serve = start_comap(f"serve-{forward}", ["serve", *common], env, log_dir)
                 actor = None
@@ -148,13 +178,16 @@ def main() -> int:
                 results[forward].append((rate, calls))
                 steps = max(1.0, d["decode_steps"])
                 computed = max(1.0, d["prompt_tokens"] - d["prefix_cache_hit_tokens"])
-                print(f"round {r} {forward:9s}: {rate:.3f} env steps/s, {calls:.2f} model calls per step; server: "
-                      f"decode {d['decode_seconds'] / (t1 - t0):.0%} of the window ({1000 * d['decode_seconds'] / steps:.1f}"
-                      f" ms per step of {d['decode_rows'] / steps:.1f} rows), prefill {d['prefill_seconds'] / (t1 - t0):.0%} "
-                      f"({1000 * d['prefill_seconds'] / computed:.2f} ms per computed token, "
-                      f"{d['prompt_tokens'] / max(1.0, d['completions']):.0f} prompt tokens per call, "
-                      f"{d['prefix_cache_hit_tokens'] / max(1.0, d['prompt_tokens']):.0%} from the prefix cache), "
-                      f"{d['generation_tokens'] / max(1.0, d['completions']):.0f} tokens generated per call", flush=True)
+                print(
+                    f"round {r} {forward:9s}: {rate:.3f} env steps/s, {calls:.2f} model calls per step; server: "
+                    f"decode {d['decode_seconds'] / (t1 - t0):.0%} of the window ({1000 * d['decode_seconds'] / steps:.1f}"
+                    f" ms per step of {d['decode_rows'] / steps:.1f} rows), prefill {d['prefill_seconds'] / (t1 - t0):.0%} "
+                    f"({1000 * d['prefill_seconds'] / computed:.2f} ms per computed token, "
+                    f"{d['prompt_tokens'] / max(1.0, d['completions']):.0f} prompt tokens per call, "
+                    f"{d['prefix_cache_hit_tokens'] / max(1.0, d['prompt_tokens']):.0%} from the prefix cache), "
+                    f"{d['generation_tokens'] / max(1.0, d['completions']):.0f} tokens generated per call",
+                    flush=True,
+                )
     finally:
         stop_group(broker, 60)
     med = {f: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for f, v in results.items()}

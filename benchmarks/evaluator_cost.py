@@ -29,10 +29,6 @@ from comap_async.ports import free_port  # noqa: E402
 from comap_async.wire.messages import COEVOLVE, ROLES  # noqa: E402
 
 
-
-
-
-
 def _rate(http: int, seconds: float) -> float:
     n0, t0 = stored_transitions(http), time.monotonic()
     time.sleep(seconds)
@@ -57,7 +53,10 @@ def main() -> int:
     env = {**os.environ, "COMAP_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
     log_dir = run_root / name
     log_dir.mkdir(parents=True, exist_ok=True)
-    procs = [start_comap("broker", ["broker", *common], env, log_dir), start_comap("serve", ["serve", *common], env, log_dir)]
+    procs = [
+        start_comap("broker", ["broker", *common], env, log_dir),
+        start_comap("serve", ["serve", *common], env, log_dir),
+    ]
     try:
         from comap_async.wire.broker_client import BrokerClient
 
@@ -78,13 +77,18 @@ def main() -> int:
             with_eval.append(_rate(http, args.window))
             busy = evaluator.poll() is None
             stop_group(evaluator, 60)
-            print(f"round {r}: without={without[-1]:.3f}/s with={with_eval[-1]:.3f}/s "
-                  f"(evaluator {'still evaluating' if busy else 'finished within the window'})", file=sys.stderr)
+            print(
+                f"round {r}: without={without[-1]:.3f}/s with={with_eval[-1]:.3f}/s "
+                f"(evaluator {'still evaluating' if busy else 'finished within the window'})",
+                file=sys.stderr,
+            )
     finally:
         for p in reversed(procs):
             stop_group(p, 60)
     a, b = statistics.median(without), statistics.median(with_eval)
-    print(f"steps_per_s_without={a:.3f} steps_per_s_with={b:.3f} evaluator_slowdown={1 - b / a if a else float('nan'):.3f}")
+    print(
+        f"steps_per_s_without={a:.3f} steps_per_s_with={b:.3f} evaluator_slowdown={1 - b / a if a else float('nan'):.3f}"
+    )
     return 0
 
 

@@ -51,16 +51,33 @@ LOSSES = ("wm/ce", "wm/kl", "policy/draft_ce", "policy/reflect_ce", "policy/bce"
 def records(i: int) -> tuple[dict, dict, dict]:
     from comap_async.prompts import render_state
 
-    hist = [("go to countertop 1", OBS), ("take apple 1 from countertop 1", "You pick up the apple 1 from the countertop 1."),
-            ("go to sinkbasin 1", "You arrive at sinkbasin 1. On the sinkbasin 1, you see nothing.")]
-    s = render_state("put a clean apple in fridge.", hist, OBS, ["go to fridge 1", "clean apple 1 with sinkbasin 1", "look",
-                                                                  "inventory", "examine countertop 1"] * 3, k=3)
-    wm = {"s": s + f" ({i})", "a_exec": "go to fridge 1", "s_next": "You arrive at fridge 1. The fridge 1 is closed.",
-          "s_hat_exec": "You arrive at fridge 1. The fridge 1 is open. In it, you see a egg 1.",
-          "o": "You arrive at sinkbasin 1. On the sinkbasin 1, you see nothing."}
+    hist = [
+        ("go to countertop 1", OBS),
+        ("take apple 1 from countertop 1", "You pick up the apple 1 from the countertop 1."),
+        ("go to sinkbasin 1", "You arrive at sinkbasin 1. On the sinkbasin 1, you see nothing."),
+    ]
+    s = render_state(
+        "put a clean apple in fridge.",
+        hist,
+        OBS,
+        ["go to fridge 1", "clean apple 1 with sinkbasin 1", "look", "inventory", "examine countertop 1"] * 3,
+        k=3,
+    )
+    wm = {
+        "s": s + f" ({i})",
+        "a_exec": "go to fridge 1",
+        "s_next": "You arrive at fridge 1. The fridge 1 is closed.",
+        "s_hat_exec": "You arrive at fridge 1. The fridge 1 is open. In it, you see a egg 1.",
+        "o": "You arrive at sinkbasin 1. On the sinkbasin 1, you see nothing.",
+    }
     demo = {"s": s, "target": "clean apple 1 with sinkbasin 1"}
-    refl = {"s": s, "a_draft": "go to fridge 1", "s_bar": "You arrive at fridge 1. The fridge 1 is closed.",
-            "target": "clean apple 1 with sinkbasin 1", "y": i % 2}
+    refl = {
+        "s": s,
+        "a_draft": "go to fridge 1",
+        "s_bar": "You arrive at fridge 1. The fridge 1 is closed.",
+        "target": "clean apple 1 with sinkbasin 1",
+        "y": i % 2,
+    }
     return wm, demo, refl
 
 
@@ -103,13 +120,24 @@ def child(args: argparse.Namespace) -> None:
     if args.qwen3_4b_shape:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        cfg4b = AutoConfig.for_model("qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=len(tok))
+        cfg4b = AutoConfig.for_model(
+            "qwen3",
+            hidden_size=2560,
+            intermediate_size=9728,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=len(tok),
+        )
         base = AutoModelForCausalLM.from_config(cfg4b, dtype=torch.bfloat16).to(args.device)
     cfg = learner_config(args, overrides)
-    model = build_peft_model(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules,
-                             cfg.gradient_checkpointing)
-    trainer = Trainer(model, Encoder(tok, Prompts(ChatTemplate.from_model_dir(path)), cfg.max_seq_len), cfg, args.device)
+    model = build_peft_model(
+        base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.gradient_checkpointing
+    )
+    trainer = Trainer(
+        model, Encoder(tok, Prompts(ChatTemplate.from_model_dir(path)), cfg.max_seq_len), cfg, args.device
+    )
     rows = [records(i) for i in range(args.batch_size)]
     mb = {"transitions": [r[0] for r in rows], "demos": [r[1] for r in rows], "reflections": [r[2] for r in rows]}
     # the warm-up step (allocations, lazy init): the adapters' B matrices are still zero, so its
@@ -123,23 +151,50 @@ def child(args: argparse.Namespace) -> None:
         peak = torch.cuda.max_memory_allocated() / 1e9
     else:
         peak = peak_rss_gb()
-    print("RESULT " + json.dumps({
-        "tokens": tokens, "seconds": seconds, "steps": args.steps, "peak_gb": peak, "threads": threads,
-        "autocast": str(trainer.amp_dtype).replace("torch.", "") if trainer.amp_dtype else "fp32",
-        "fast_path": cfg.fast_path, "checkpointing": cfg.gradient_checkpointing,
-        "losses": {k: first[k] for k in LOSSES if k in first}}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "tokens": tokens,
+                "seconds": seconds,
+                "steps": args.steps,
+                "peak_gb": peak,
+                "threads": threads,
+                "autocast": str(trainer.amp_dtype).replace("torch.", "") if trainer.amp_dtype else "fp32",
+                "fast_path": cfg.fast_path,
+                "checkpointing": cfg.gradient_checkpointing,
+                "losses": {k: first[k] for k in LOSSES if k in first},
+            }
+        ),
+        flush=True,
+    )
 
 
 def run_child(args: argparse.Namespace, variant: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", variant, "--model", args.model, "--cache-dir", args.cache_dir,
-           "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--device", args.device,
-           "--config", args.config] + (["--qwen3-4b-shape"] if args.qwen3_4b_shape else [])
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        variant,
+        "--model",
+        args.model,
+        "--cache-dir",
+        args.cache_dir,
+        "--batch-size",
+        str(args.batch_size),
+        "--steps",
+        str(args.steps),
+        "--device",
+        args.device,
+        "--config",
+        args.config,
+    ] + (["--qwen3-4b-shape"] if args.qwen3_4b_shape else [])
     threads = str(VARIANTS[variant][1])
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     raise SystemExit(f"variant {variant} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
 
 
@@ -148,9 +203,12 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--cache-dir", default="~/.cache/comap-async/models")
     gpu_shape = "--qwen3-4b-shape" in sys.argv
-    ap.add_argument("--config", default=str(ROOT / "configs" / ("alfworld-qwen3-4b.yaml" if gpu_shape else "local.yaml")),
-                    help="its learner section is the new path (the reference overrides fast_path, autocast, "
-                         "checkpointing); default configs/local.yaml (with --qwen3-4b-shape: alfworld-qwen3-4b.yaml)")
+    ap.add_argument(
+        "--config",
+        default=str(ROOT / "configs" / ("alfworld-qwen3-4b.yaml" if gpu_shape else "local.yaml")),
+        help="its learner section is the new path (the reference overrides fast_path, autocast, "
+        "checkpointing); default configs/local.yaml (with --qwen3-4b-shape: alfworld-qwen3-4b.yaml)",
+    )
     ap.add_argument("--batch-size", type=int, default=2, help="samples per store (configs/local.yaml: 2)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per child process")
     ap.add_argument("--rounds", type=int, default=2, help="alternating reference/new rounds for the headline")
@@ -181,8 +239,10 @@ def main() -> None:
 
     model = "qwen3-4b-shape" if args.qwen3_4b_shape else args.model
     mem = "peak_gpu_gb" if args.device == "cuda" else "peak_rss_gb"
-    print(f"model={model} device={args.device} batch_size={args.batch_size} steps={args.steps} rounds={args.rounds} "
-          f"cpu_count={os.cpu_count()}")
+    print(
+        f"model={model} device={args.device} batch_size={args.batch_size} steps={args.steps} rounds={args.rounds} "
+        f"cpu_count={os.cpu_count()}"
+    )
     rate = {}
     for v in wanted:
         res = results[v]
@@ -191,12 +251,16 @@ def main() -> None:
         rate[v] = tokens / seconds
         x = res[0]
         losses = " ".join(f"{k}={val:.4f}" for k, val in x["losses"].items())
-        print(f"variant={v} tokens_per_s={rate[v]:.1f} step_s={seconds / steps:.2f} tokens_per_step={tokens // steps} "
-              f"{mem}={max(y['peak_gb'] for y in res):.2f} threads={x['threads']} precision={x['autocast']} "
-              f"fast_path={x['fast_path']} checkpointing={x['checkpointing']} runs={len(res)} first_step: {losses}")
+        print(
+            f"variant={v} tokens_per_s={rate[v]:.1f} step_s={seconds / steps:.2f} tokens_per_step={tokens // steps} "
+            f"{mem}={max(y['peak_gb'] for y in res):.2f} threads={x['threads']} precision={x['autocast']} "
+            f"fast_path={x['fast_path']} checkpointing={x['checkpointing']} runs={len(res)} first_step: {losses}"
+        )
     if "reference" in rate and "new" in rate:
-        print(f"learner_tokens_per_s={rate['new']:.1f} reference_tokens_per_s={rate['reference']:.1f} "
-              f"speedup={rate['new'] / rate['reference']:.2f}")
+        print(
+            f"learner_tokens_per_s={rate['new']:.1f} reference_tokens_per_s={rate['reference']:.1f} "
+            f"speedup={rate['new'] / rate['reference']:.2f}"
+        )
     elif "new" in rate:
         print(f"learner_tokens_per_s={rate['new']:.1f}")
 

@@ -176,8 +176,14 @@ def main() -> int:
     print(f"run {run_dir} for {args.minutes} min; log {log_path}", file=sys.stderr)
     t0 = time.time()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "honcho", "start", "-f", str(REPO / "Procfile"), "-d", str(REPO)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "honcho", "start", "-f", str(REPO / "Procfile"), "-d", str(REPO)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+        )
     stats: dict = {}
     progress = open(out / "progress.jsonl", "a")
     try:
@@ -199,20 +205,51 @@ def main() -> int:
                 last = time.time()
                 try:
                     s = _get(http, "/stats")
-                    print(f"[{(time.time() - t0) / 60:5.1f} min] phase={s['registry']['phase']} "
-                          f"versions={s['registry']['versions'].get('policy')} step={s['registry']['step']} "
-                          f"evaluated={[e['version'] for e in s.get('eval', [])]}", file=sys.stderr)
+                    print(
+                        f"[{(time.time() - t0) / 60:5.1f} min] phase={s['registry']['phase']} "
+                        f"versions={s['registry']['versions'].get('policy')} step={s['registry']['step']} "
+                        f"evaluated={[e['version'] for e in s.get('eval', [])]}",
+                        file=sys.stderr,
+                    )
                 except OSError:
                     pass
         t_end = time.time()
         try:
             stats = _get(http, "/stats")
-            subprocess.run([sys.executable, "-m", "comap_async", "stats", "--plot", str(out), "--config", args.config,
-                            *sum((["--set", o] for o in overrides), [])], env=env, cwd=REPO, capture_output=True,
-                           timeout=120)
-            summary = subprocess.run([sys.executable, "-m", "comap_async", "stats", "--json", "--config", args.config,
-                                      *sum((["--set", o] for o in overrides), [])], env=env, cwd=REPO,
-                                     capture_output=True, text=True, timeout=120)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "comap_async",
+                    "stats",
+                    "--plot",
+                    str(out),
+                    "--config",
+                    args.config,
+                    *sum((["--set", o] for o in overrides), []),
+                ],
+                env=env,
+                cwd=REPO,
+                capture_output=True,
+                timeout=120,
+            )
+            summary = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "comap_async",
+                    "stats",
+                    "--json",
+                    "--config",
+                    args.config,
+                    *sum((["--set", o] for o in overrides), []),
+                ],
+                env=env,
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             if summary.returncode == 0:
                 (out / "stats.json").write_text(summary.stdout)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -222,10 +259,21 @@ def main() -> int:
     finally:
         progress.close()
         stop_group(proc, 120)
-    results = sorted((json.loads(p.read_text()) for p in (run_dir / "eval").glob("v*.json")), key=lambda r: r["version"])
+    results = sorted(
+        (json.loads(p.read_text()) for p in (run_dir / "eval").glob("v*.json")), key=lambda r: r["version"]
+    )
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "run.json").write_text(json.dumps({"t0": t0, "minutes": args.minutes, "run_dir": str(run_dir),
-                                              "overrides": overrides, "registry": stats.get("registry", {})}))
+    (out / "run.json").write_text(
+        json.dumps(
+            {
+                "t0": t0,
+                "minutes": args.minutes,
+                "run_dir": str(run_dir),
+                "overrides": overrides,
+                "registry": stats.get("registry", {}),
+            }
+        )
+    )
     report(out, args.at)
     return 0
 

@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _inference import served, write_random_adapters  # noqa: E402
 
 from comap_async.config import load_config  # noqa: E402
-from comap_async.wire.inference_client import InferenceClient  # noqa: E402
 from comap_async.models import resolve_model  # noqa: E402
 from comap_async.prompts import ChatTemplate, Prompts  # noqa: E402
+from comap_async.wire.inference_client import InferenceClient  # noqa: E402
 from comap_async.wire.messages import POLICY, adapter_name  # noqa: E402
 
 OBJECTS = ["apple", "bread", "knife", "mug", "egg", "lettuce", "potato", "tomato", "spoon", "cup"]

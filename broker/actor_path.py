@@ -33,15 +33,13 @@ from typing import Any
 
 import msgpack
 import zmq
-
 import zmq.asyncio
 
+from broker.counters import LiveStats, stored_total
+from broker.gate_worker import Gated, GatePool, Rejected, to_write_item
+from broker.store import ReplayStore, StoreRefused, WriteItem
 from comap_async.wire.messages import ID_LEN, Ack
 from comap_async.wire.protocol import encode
-
-from broker.gate_worker import GatePool, Gated, Rejected, to_write_item
-from broker.counters import LiveStats, stored_total
-from broker.store import ReplayStore, StoreRefused, WriteItem
 
 Pending = tuple[bytes, list[bytes], bytes]  # ident, delimiter, raw frame
 _SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK

@@ -19,16 +19,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from comap_async.config import is_loopback, load_config
-    from comap_async.gctune import tune_gc_for_throughput
-    from comap_async.logsetup import configure_logging
-
     from broker.gate_worker import pool_spec
     from broker.ingest import load_next_state
-    from comap_async.wire.curve import KeysError, load_server_keys
     from broker.server import Broker
-
-    from comap_async.config import ConfigError
+    from comap_async.config import ConfigError, is_loopback, load_config
+    from comap_async.gctune import tune_gc_for_throughput
+    from comap_async.logsetup import configure_logging
+    from comap_async.wire.curve import KeysError, load_server_keys
 
     try:
         cfg = load_config(args.config, args.overrides)

@@ -15,7 +15,15 @@ from typing import Any
 from comap_async.wire.protocol import ProtocolError
 
 # Prefixes of the counters owned by the event loop (restored from the persisted state at start).
-LIVE_PREFIXES = ("reject_", "stale_skipped_", "phase_skipped_", "refused", "internal_errors", "peer_", "learner_requests")
+LIVE_PREFIXES = (
+    "reject_",
+    "stale_skipped_",
+    "phase_skipped_",
+    "refused",
+    "internal_errors",
+    "peer_",
+    "learner_requests",
+)
 MAX_PEERS = 4096
 RATE_WINDOW_S = 10.0
 
@@ -95,14 +103,23 @@ def stored_total(counters: dict[str, int]) -> int:
     return sum(counters.get(k, 0) for k in ("stored_transitions", "stored_reflection_msgs", "stored_episodes"))
 
 
-def build_snapshot(store_state: dict[str, Any], capacities: dict[str, int], live: LiveStats,
-                   registry: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+def build_snapshot(
+    store_state: dict[str, Any],
+    capacities: dict[str, int],
+    live: LiveStats,
+    registry: dict[str, Any],
+    extra: dict[str, Any],
+) -> dict[str, Any]:
     """The /stats JSON (also served to learners by ``get_stats``); every key is a string."""
     counters = {**store_state["counters"], **live.counters}
     stores = {}
     for name, (tail, head) in store_state["rings"].items():
-        stores[name] = {"count": head - tail, "capacity": capacities.get(name, 0), "evicted": store_state["evicted"][name],
-                        "written": head}
+        stores[name] = {
+            "count": head - tail,
+            "capacity": capacities.get(name, 0),
+            "evicted": store_state["evicted"][name],
+            "written": head,
+        }
     ws_total, ag_total = counters.get("gate_ws_total", 0), counters.get("gate_ag_total", 0)
     now = time.time()
     return {
@@ -115,8 +132,10 @@ def build_snapshot(store_state: dict[str, Any], capacities: dict[str, int], live
             "refused": counters.get("refused", 0),
             "dedup_index": store_state["dedup"][1] - store_state["dedup"][0],
         },
-        "rejects": {"total": live.rejects_total,
-                    **{k[len("reject_"):]: v for k, v in counters.items() if k.startswith("reject_")}},
+        "rejects": {
+            "total": live.rejects_total,
+            **{k[len("reject_") :]: v for k, v in counters.items() if k.startswith("reject_")},
+        },
         "gates": {
             "world_state_total": ws_total,
             "world_state_imagined": counters.get("gate_ws_imagined", 0),
@@ -124,15 +143,22 @@ def build_snapshot(store_state: dict[str, Any], capacities: dict[str, int], live
             "action_total": ag_total,
             "action_revised": counters.get("gate_ag_open", 0),
             "action_adoption": counters.get("gate_ag_open", 0) / ag_total if ag_total else None,
-            "action_reasons": {k[len("gate_ag_"):]: v for k, v in counters.items()
-                               if k.startswith("gate_ag_") and k not in ("gate_ag_total", "gate_ag_open")},
+            "action_reasons": {
+                k[len("gate_ag_") :]: v
+                for k, v in counters.items()
+                if k.startswith("gate_ag_") and k not in ("gate_ag_total", "gate_ag_open")
+            },
         },
         # reflection-mode initialisation: samples per label (y = 1 only for expert_better)
-        "reflect_init_labels": {k[len("reflect_label_"):]: v for k, v in counters.items() if k.startswith("reflect_label_")},
-        "stale_skipped": {k[len("stale_skipped_"):]: v for k, v in counters.items() if k.startswith("stale_skipped_")},
-        "peers": {k[len("peer_"):]: v for k, v in counters.items() if k.startswith("peer_")},
-        "actors": {a: {"messages": e["messages"], "last_seen": e["last_seen"], "age_s": round(now - e["last_seen"], 3)}
-                   for a, e in live.actors.items()},
+        "reflect_init_labels": {
+            k[len("reflect_label_") :]: v for k, v in counters.items() if k.startswith("reflect_label_")
+        },
+        "stale_skipped": {k[len("stale_skipped_") :]: v for k, v in counters.items() if k.startswith("stale_skipped_")},
+        "peers": {k[len("peer_") :]: v for k, v in counters.items() if k.startswith("peer_")},
+        "actors": {
+            a: {"messages": e["messages"], "last_seen": e["last_seen"], "age_s": round(now - e["last_seen"], 3)}
+            for a, e in live.actors.items()
+        },
         "registry": registry,
         "counters": counters,
         **extra,

@@ -39,7 +39,9 @@ def forkable_versions(src: Path, adapters: Path | None = None) -> dict[int, dict
     whose checkpoint is still there: version -> its metadata (``step``, ``phase``) and
     ``checkpoint`` (the step-N directory)."""
     adapters = adapters or src / "adapters"
-    ckpts = {int(p.name.split("-")[1]): p for p in (src / "checkpoints").glob("step-*") if (p / CHECKPOINT_STATE).is_file()}
+    ckpts = {
+        int(p.name.split("-")[1]): p for p in (src / "checkpoints").glob("step-*") if (p / CHECKPOINT_STATE).is_file()
+    }
     out: dict[int, dict[str, Any]] = {}
     for meta_file in adapters.glob(f"policy-v*/{VERSION_META}"):
         meta = json.loads(meta_file.read_text())
@@ -49,28 +51,35 @@ def forkable_versions(src: Path, adapters: Path | None = None) -> dict[int, dict
     return out
 
 
-def fork_run(src: Path, dst: Path, version: int | None = None, src_adapters: Path | None = None,
-             dst_adapters: Path | None = None) -> dict[str, Any]:
+def fork_run(
+    src: Path, dst: Path, version: int | None = None, src_adapters: Path | None = None, dst_adapters: Path | None = None
+) -> dict[str, Any]:
     """Create run directory ``dst`` from run ``src`` at ``version`` (default: the newest forkable).
     ``src_adapters``/``dst_adapters``: the two runs' adapter roots (``inference.adapter_root``;
     default ``<run dir>/adapters``); they must differ, or both runs would publish the same names."""
     src_adapters, dst_adapters = src_adapters or src / "adapters", dst_adapters or dst / "adapters"
     if src_adapters.resolve() == dst_adapters.resolve():
-        raise ForkError(f"the fork would publish into its source's adapter root {src_adapters}: give the new run "
-                        "its own inference.adapter_root")
+        raise ForkError(
+            f"the fork would publish into its source's adapter root {src_adapters}: give the new run "
+            "its own inference.adapter_root"
+        )
     if not (src / "replay").is_dir():
         raise ForkError(f"{src} is not a run directory (no replay/)")
     if dst.exists() and any(dst.iterdir()):
         raise ForkError(f"{dst} already exists and is not empty: choose another --name")
     versions = forkable_versions(src, src_adapters)
     if not versions:
-        raise ForkError(f"{src} has no published version with its checkpoint still kept (checkpoints/step-N "
-                        "at the version's step): nothing to fork from")
+        raise ForkError(
+            f"{src} has no published version with its checkpoint still kept (checkpoints/step-N "
+            "at the version's step): nothing to fork from"
+        )
     if version is None:
         version = max(versions)
     if version not in versions:
-        raise ForkError(f"version {version} of {src} cannot be forked (no checkpoint at its step); "
-                        f"forkable: {', '.join(map(str, sorted(versions)))}")
+        raise ForkError(
+            f"version {version} of {src} cannot be forked (no checkpoint at its step); "
+            f"forkable: {', '.join(map(str, sorted(versions)))}"
+        )
     meta = versions[version]
     try:
         return _copy(src, dst, version, meta, src_adapters, dst_adapters)
@@ -81,8 +90,9 @@ def fork_run(src: Path, dst: Path, version: int | None = None, src_adapters: Pat
         raise
 
 
-def _copy(src: Path, dst: Path, version: int, meta: dict[str, Any], src_adapters: Path,
-          dst_adapters: Path) -> dict[str, Any]:
+def _copy(
+    src: Path, dst: Path, version: int, meta: dict[str, Any], src_adapters: Path, dst_adapters: Path
+) -> dict[str, Any]:
     import lmdb
 
     from broker.store import EVAL_KEY, ReplayStore
@@ -112,8 +122,16 @@ def _copy(src: Path, dst: Path, version: int, meta: dict[str, Any], src_adapters
         kept = {s: store.count(s) for s in STORES}
     finally:
         store.close()
-    record = {"source": str(src.resolve()), "version": version, "step": int(meta["step"]), "phase": meta["phase"],
-              "source_ablation": meta.get("ablation", []), "cut_ts": cut_ts, "kept": kept, "cut": removed}
+    record = {
+        "source": str(src.resolve()),
+        "version": version,
+        "step": int(meta["step"]),
+        "phase": meta["phase"],
+        "source_ablation": meta.get("ablation", []),
+        "cut_ts": cut_ts,
+        "kept": kept,
+        "cut": removed,
+    }
     (dst / FORK_FILE).write_text(json.dumps(record, indent=1) + "\n")
     return record
 
@@ -122,8 +140,12 @@ def msgspec_registry(phase: str, version: int, step: int) -> dict[str, Any]:
     """The broker's registry map with every role on ``version`` (as the learner announced it)."""
     import msgspec
 
-    reg = Registry(phase=phase, versions=dict.fromkeys(ROLES, version),
-                   adapters={r: adapter_name(r, version) for r in ROLES}, step=step)
+    reg = Registry(
+        phase=phase,
+        versions=dict.fromkeys(ROLES, version),
+        adapters={r: adapter_name(r, version) for r in ROLES},
+        step=step,
+    )
     return msgspec.to_builtins(reg)
 
 
@@ -132,10 +154,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("source", help="the run to fork: its run.name under run.root, or its directory")
     p.add_argument("--name", required=True, help="the new run's run.name (a directory under run.root)")
-    p.add_argument("--version", type=int, default=None, help="the published version to start from "
-                   "(default: the newest whose checkpoint is kept)")
-    p.add_argument("--source-adapters", type=Path, default=None,
-                   help="the source run's inference.adapter_root when it was not <its run dir>/adapters")
+    p.add_argument(
+        "--version",
+        type=int,
+        default=None,
+        help="the published version to start from (default: the newest whose checkpoint is kept)",
+    )
+    p.add_argument(
+        "--source-adapters",
+        type=Path,
+        default=None,
+        help="the source run's inference.adapter_root when it was not <its run dir>/adapters",
+    )
     add_config_arguments(p)
 
 
@@ -148,7 +178,9 @@ def run(args: argparse.Namespace) -> int:
         src = Path(cfg.run.root).expanduser() / args.source
     record = fork_run(src, cfg.run.dir, args.version, args.source_adapters, cfg.adapter_root)
     dst = cfg.run.dir
-    print(f"forked {src} at version {record['version']} (step {record['step']}, {record['phase']}) into {dst}: "
-          + ", ".join(f"{s} {n}" for s, n in record["kept"].items())
-          + f"; start it with COMAP_OVERRIDES=\"run.name={args.name} ...\" honcho start")
+    print(
+        f"forked {src} at version {record['version']} (step {record['step']}, {record['phase']}) into {dst}: "
+        + ", ".join(f"{s} {n}" for s, n in record["kept"].items())
+        + f'; start it with COMAP_OVERRIDES="run.name={args.name} ..." honcho start'
+    )
     return 0

@@ -32,14 +32,14 @@ import msgpack
 import msgspec
 import zmq
 
+from broker.counters import reject_category
+from broker.ingest import Ingest, best_effort_int, load_next_state
+from broker.store import WriteItem
 from comap_async.config import GateConfig
 from comap_async.gctune import tune_gc_for_throughput
 from comap_async.wire.messages import ACTOR_TYPES
 from comap_async.wire.protocol import ProtocolError, decode, error_reason, message_type
 
-from broker.ingest import Ingest, best_effort_int, load_next_state
-from broker.counters import reject_category
-from broker.store import WriteItem
 
 class Gated(msgspec.Struct, array_like=True, tag=0):
     """A frame to store. ``shape`` indexes the batch's shapes (``meta["shapes"]``), each
@@ -115,17 +115,23 @@ def _prepare_one(raw: bytes, ingest: Ingest, max_bytes: int, learner_port: int,
     index = shapes.get(shape)
     if index is None:
         index = shapes[shape] = len(shapes)
-    return Gated(msg.seq, msg.actor, item.dedup_key, [value for store, value in item.records if value is not raw], index)
+    return Gated(
+        msg.seq, msg.actor, item.dedup_key, [value for store, value in item.records if value is not raw], index
+    )
 
 
-def gate_batch(raws: list[bytes], ingest: Ingest, max_bytes: int,
-               learner_port: int) -> tuple[list[GateResult], dict[str, Any]]:
+def gate_batch(
+    raws: list[bytes], ingest: Ingest, max_bytes: int, learner_port: int
+) -> tuple[list[GateResult], dict[str, Any]]:
     """:func:`prepare_frames` plus the batch's item shapes and fact-state errors (taken off
     ``ingest``'s counter)."""
     shapes: dict[tuple, int] = {}
     results = prepare_frames(raws, ingest, max_bytes, learner_port, shapes)
-    meta = {"shapes": [[[list(rec) for rec in layout], dict(counters)] for layout, counters in shapes],
-            "parser_errors": ingest.parser.errors, "last_error": ingest.parser.last_error}
+    meta = {
+        "shapes": [[[list(rec) for rec in layout], dict(counters)] for layout, counters in shapes],
+        "parser_errors": ingest.parser.errors,
+        "last_error": ingest.parser.last_error,
+    }
     ingest.parser.errors = 0
     return results, meta
 
@@ -135,11 +141,13 @@ def to_write_item(result: Gated, raw: bytes, shapes: list[list]) -> WriteItem:
     (``ReplayStore.write`` adds each map once per batch, times its items)."""
     layout, counters = shapes[result.shape]
     values = iter(result.values)
-    return WriteItem(result.dedup_key, [(store, raw if is_frame else next(values)) for store, is_frame in layout],
-                     counters)
+    return WriteItem(
+        result.dedup_key, [(store, raw if is_frame else next(values)) for store, is_frame in layout], counters
+    )
 
 
 # ---- the worker process ----------------------------------------------------------------------
+
 
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when the broker dies (a SIGKILLed broker cannot say stop)."""
@@ -151,8 +159,17 @@ def _die_with_parent() -> None:
         pass  # not Linux: the parent check in worker_main's poll loop covers it within a second
 
 
-def worker_main(endpoint: str, env_name: str, parser_override: str | None, gates: dict[str, Any], max_bytes: int,
-                learner_port: int, parent_pid: int, future_state: str = "gate", action_gated: bool = True) -> None:
+def worker_main(
+    endpoint: str,
+    env_name: str,
+    parser_override: str | None,
+    gates: dict[str, Any],
+    max_bytes: int,
+    learner_port: int,
+    parent_pid: int,
+    future_state: str = "gate",
+    action_gated: bool = True,
+) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
@@ -182,6 +199,7 @@ def worker_main(endpoint: str, env_name: str, parser_override: str | None, gates
 
 # ---- the broker's side -----------------------------------------------------------------------
 
+
 class _Worker:
     def __init__(self, ctx: zmq.Context, spec: dict[str, Any], index: int) -> None:
         self.dir = tempfile.mkdtemp(prefix="comap-gate-")  # 0700: no other user can reach the socket
@@ -192,8 +210,11 @@ class _Worker:
         endpoint = f"ipc://{self.dir}/gate.sock"
         self.sock.bind(endpoint)
         self.proc = multiprocessing.get_context("spawn").Process(
-            target=worker_main, kwargs={**spec, "endpoint": endpoint, "parent_pid": os.getpid()},
-            name=f"broker-gate-{index}", daemon=True)
+            target=worker_main,
+            kwargs={**spec, "endpoint": endpoint, "parent_pid": os.getpid()},
+            name=f"broker-gate-{index}",
+            daemon=True,
+        )
         self.proc.start()
         self.inflight: deque[int] = deque()  # batch ids handed to this worker, results not yet in
         self.unsent: deque[bytes] = deque()  # frames the socket has not taken yet
@@ -229,8 +250,16 @@ class GatePool:
     in (or computes them in this process when there are no workers, or its worker died).
     """
 
-    def __init__(self, workers: int, ingest: Ingest, max_bytes: int, learner_port: int, spec: dict[str, Any],
-                 log: Any, ctx: zmq.Context) -> None:
+    def __init__(
+        self,
+        workers: int,
+        ingest: Ingest,
+        max_bytes: int,
+        learner_port: int,
+        spec: dict[str, Any],
+        log: Any,
+        ctx: zmq.Context,
+    ) -> None:
         """``spec`` (:func:`pool_spec`) says how a worker rebuilds ``ingest``; it is only read when
         there are workers."""
         self.ingest, self.max_bytes, self.learner_port, self.log = ingest, max_bytes, learner_port, log
@@ -307,14 +336,21 @@ class GatePool:
             lost = [b for b in worker.inflight if b not in self.done]
             for bid in lost:
                 self._compute_here(bid)
-            self.log.error("broker.gate_worker_died" if worker in dead else "broker.gate_worker_retired",
-                           exitcode=worker.proc.exitcode, batches_regated=len(lost), restarts=self.restarts,
-                           gating_in_broker_from_now=give_up)
+            self.log.error(
+                "broker.gate_worker_died" if worker in dead else "broker.gate_worker_retired",
+                exitcode=worker.proc.exitcode,
+                batches_regated=len(lost),
+                restarts=self.restarts,
+                gating_in_broker_from_now=give_up,
+            )
             worker.inflight.clear()
             worker.unsent.clear()
             worker.close(0.5)
-        self.workers = [] if give_up else [
-            w if w not in dead else _Worker(self.ctx, self.spec, i) for i, w in enumerate(self.workers)]
+        self.workers = (
+            []
+            if give_up
+            else [w if w not in dead else _Worker(self.ctx, self.spec, i) for i, w in enumerate(self.workers)]
+        )
         self.generation += 1
 
     def ready(self) -> tuple[list[tuple], list[GateResult], dict[str, Any]] | None:
@@ -338,6 +374,10 @@ class GatePool:
 def pool_spec(cfg: Any, env_name: str, parser_override: str | None) -> dict[str, Any]:
     """What a worker needs to rebuild the broker's :class:`Ingest` (picklable; :class:`GatePool`
     adds the frame limit and the learner port it is given)."""
-    return {"env_name": env_name, "parser_override": parser_override, "gates": cfg.gates.model_dump(),
-            "future_state": cfg.ablation.future_state, "action_gated": not cfg.ablation.no_action_gate}
-
+    return {
+        "env_name": env_name,
+        "parser_override": parser_override,
+        "gates": cfg.gates.model_dump(),
+        "future_state": cfg.ablation.future_state,
+        "action_gated": not cfg.ablation.no_action_gate,
+    }

@@ -25,12 +25,11 @@ from typing import Any
 import msgpack
 import msgspec
 
+from broker.store import WriteItem
 from comap_async.config import GateConfig
 from comap_async.facts import Facts
 from comap_async.gates import derive_policy_sample
 from comap_async.wire.messages import WARMUP, Demo, Episode, Imagined, Message, Reflection, Registry, Transition
-
-from broker.store import WriteItem
 
 NextState = Callable[["Facts", str], "Facts | None"]
 ENVELOPE = ("v", "type", "seq")

@@ -21,11 +21,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from comap_async.wire.protocol import PHASES
-
 from broker.ingest import record_from_store
 from broker.store import ReplayStore
 from comap_async.wire.messages import REFLECT_INIT, WARMUP
+from comap_async.wire.protocol import PHASES
 
 STALENESS_STORES = ("transitions", "reflections")
 # The phase of a record that has no ``phase`` field: suffix-labelled reflection samples

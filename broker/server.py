@@ -16,20 +16,27 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from comap_async.config import CoMapConfig
-from comap_async.wire.messages import (
-    PHASES, Announce, Batch, EvalResult, GetRegistry, GetStats, LearnerRequest, Reply, Sample,
-)
-from comap_async.wire.protocol import ID_LEN, MAX_ITEMS, ProtocolError, decode, encode, error_reason, message_type
-from comap_async.waiting import cancel_and_wait
-
 from broker import replay_sampling
 from broker.actor_path import ActorPath
+from broker.counters import LiveStats, build_snapshot, reject_category, stored_total
 from broker.gate_worker import GatePool
 from broker.ingest import Ingest, NextState, best_effort_int, checked_registry
-from comap_async.wire.curve import ServerKeys
-from broker.counters import LiveStats, build_snapshot, reject_category, stored_total
 from broker.store import EVAL_KEY, ReplayStore, StoreRefused
+from comap_async.config import CoMapConfig
+from comap_async.waiting import cancel_and_wait
+from comap_async.wire.curve import ServerKeys
+from comap_async.wire.messages import (
+    PHASES,
+    Announce,
+    Batch,
+    EvalResult,
+    GetRegistry,
+    GetStats,
+    LearnerRequest,
+    Reply,
+    Sample,
+)
+from comap_async.wire.protocol import ID_LEN, MAX_ITEMS, ProtocolError, decode, encode, error_reason, message_type
 
 ZAP_DOMAIN = "comap"
 LEARNER_TYPES = LearnerRequest.__args__

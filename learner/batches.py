@@ -95,7 +95,9 @@ class Encoder:
 
     def reflection(self, r: dict[str, Any]) -> Seq:
         decision = "REVISE" if int(r["y"]) == 1 else "KEEP"
-        return self.seq(self.prompts.reflect(r["s"], r["a_draft"], r["s_bar"]), reflection_target(decision, r["target"]))
+        return self.seq(
+            self.prompts.reflect(r["s"], r["a_draft"], r["s_bar"]), reflection_target(decision, r["target"])
+        )
 
 
 def collate(seqs: list[Seq], pad_id: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -116,19 +118,22 @@ def collate(seqs: list[Seq], pad_id: int, device: str | torch.device = "cpu") ->
         ids[i, pad:] = torch.tensor(s.ids)
         attn[i, pad:] = 1
         start = pad + s.start
-        labels[i, start: start + s.n_target] = ids[i, start: start + s.n_target]
+        labels[i, start : start + s.n_target] = ids[i, start : start + s.n_target]
         starts.append(start)
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
     out = {
-        "input_ids": ids.to(device), "attention_mask": attn.to(device), "position_ids": positions.to(device),
-        "labels": labels.to(device), "starts": torch.tensor(starts, device=device),
+        "input_ids": ids.to(device),
+        "attention_mask": attn.to(device),
+        "position_ids": positions.to(device),
+        "labels": labels.to(device),
+        "starts": torch.tensor(starts, device=device),
         "lengths": torch.tensor([s.n_target for s in seqs], device=device),
     }
     if any(s.change is not None for s in seqs):  # labels of the change tokens only (-100 elsewhere)
         change = labels.clone()
         for i, (s, start) in enumerate(zip(seqs, starts)):
             keep = torch.tensor(s.change if s.change is not None else [False] * s.n_target, dtype=torch.bool)
-            change[i, start: start + s.n_target][~keep] = IGNORE
+            change[i, start : start + s.n_target][~keep] = IGNORE
         out["change_labels"] = change.to(device)
     return out
 
@@ -168,7 +173,9 @@ class Packed:
     counts: list[int]
     change: torch.Tensor | None  # [N] bool: is target token k a change token (None: no sequence has flags)
     tokens: int  # the sequences' own tokens (sum of their lengths, as the reference path counts them)
-    layout: list[list[Unit]]  # per row, its units: what ``attention_mask`` says, for learner.peft_model.packed_attention
+    layout: list[
+        list[Unit]
+    ]  # per row, its units: what ``attention_mask`` says, for learner.peft_model.packed_attention
 
 
 @dataclass
@@ -222,27 +229,27 @@ def pack(units: Sequence[Sequence[Seq]], pad_id: int, device: str | torch.device
     for u_idx, (unit, (r, c)) in enumerate(zip(units, placed)):
         p = unit[0].start
         layout[r].append(Unit(c, p, []))
-        ids[r, c: c + p] = torch.tensor(unit[0].ids[:p])
-        pos[r, c: c + p] = torch.arange(p)
-        segment[r, c: c + p] = u_idx
+        ids[r, c : c + p] = torch.tensor(unit[0].ids[:p])
+        pos[r, c : c + p] = torch.arange(p)
+        segment[r, c : c + p] = u_idx
         at = c + p
         for b, s in enumerate(unit, start=1):
             n = s.n_target
-            ids[r, at: at + n] = torch.tensor(s.ids[p: p + n])
-            pos[r, at: at + n] = torch.arange(p, p + n)
-            segment[r, at: at + n] = u_idx
-            branch[r, at: at + n] = b
+            ids[r, at : at + n] = torch.tensor(s.ids[p : p + n])
+            pos[r, at : at + n] = torch.arange(p, p + n)
+            segment[r, at : at + n] = u_idx
+            branch[r, at : at + n] = b
             first.append(len(targets))
             counts.append(n)
             # target token j is predicted by the position before it: the prompt's last for j = 0
             rows += [r] * n
             cols += [c + p - 1] + list(range(at, at + n - 1))
-            targets += s.ids[p: p + n]
+            targets += s.ids[p : p + n]
             owner += [k] * n
             change += s.change if s.change is not None else [False] * n
             seen = torch.zeros((n, at + n - c), dtype=torch.bool)
             seen[:, :p] = True
-            seen[:, at - c:] = torch.ones((n, n), dtype=torch.bool).tril()
+            seen[:, at - c :] = torch.ones((n, n), dtype=torch.bool).tril()
             layout[r][-1].branches.append((at, n, seen.to(device)))
             k += 1
             at += n
@@ -252,10 +259,15 @@ def pack(units: Sequence[Sequence[Seq]], pad_id: int, device: str | torch.device
     mask = same & visible & causal
     mask |= torch.eye(width, dtype=torch.bool)  # padding sees itself: no row of the softmax is empty
     return Packed(
-        input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=mask.unsqueeze(1).to(device),
-        rows=torch.tensor(rows, device=device), cols=torch.tensor(cols, device=device),
-        targets=torch.tensor(targets, device=device), owner=torch.tensor(owner, device=device),
-        first=first, counts=counts,
+        input_ids=ids.to(device),
+        position_ids=pos.to(device),
+        attention_mask=mask.unsqueeze(1).to(device),
+        rows=torch.tensor(rows, device=device),
+        cols=torch.tensor(cols, device=device),
+        targets=torch.tensor(targets, device=device),
+        owner=torch.tensor(owner, device=device),
+        first=first,
+        counts=counts,
         change=torch.tensor(change, device=device) if any(s.change is not None for s in seqs) else None,
         tokens=sum(len(s.ids) for s in seqs),
         layout=[sorted(units_of_row, key=lambda u: u.offset) for units_of_row in layout],

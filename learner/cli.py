@@ -9,7 +9,9 @@ from comap_async.cli import add_config_arguments
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps (default: run for ever)")
+    p.add_argument(
+        "--max-steps", type=int, default=None, help="stop after this many optimizer steps (default: run for ever)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

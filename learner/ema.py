@@ -7,7 +7,9 @@ import torch
 STUDENT, TEACHER = "wm", "wm_teacher"
 
 
-def paired_lora_tensors(model: torch.nn.Module, student: str = STUDENT, teacher: str = TEACHER) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def paired_lora_tensors(
+    model: torch.nn.Module, student: str = STUDENT, teacher: str = TEACHER
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(teacher, student) parameter pairs, matched by name (``...lora_A.wm.weight``)."""
     params = dict(model.named_parameters())
     pairs = []

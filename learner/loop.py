@@ -62,8 +62,14 @@ def phase_stores(phase: str, ablation: Any = None) -> tuple[str, ...]:
     return tuple(s for s in stores if s not in drop)
 
 
-def store_requests(phase: str, n: int, shares: dict[str, float], rng: random.Random,
-                   ablation: Any = None, sizes: dict[str, int] | None = None) -> list[tuple[str, int, list[str] | None]]:
+def store_requests(
+    phase: str,
+    n: int,
+    shares: dict[str, float],
+    rng: random.Random,
+    ablation: Any = None,
+    sizes: dict[str, int] | None = None,
+) -> list[tuple[str, int, list[str] | None]]:
     """The (store, n, phases) sample requests that make one micro-batch of ``phase``: ``n`` items of
     each store, or ``sizes[store]`` where given.
 
@@ -119,9 +125,18 @@ class Prefetcher:
     """Keeps up to ``depth`` micro-batches ready, each tagged with the phase it was fetched for;
     stores and phase filters follow the current phase (:func:`store_requests`)."""
 
-    def __init__(self, broker: Any, state: LearnerState, batch_size: int, depth: int, seed: int, log: Any,
-                 shares: dict[str, float] | None = None, ablation: Any = None,
-                 sizes: dict[str, dict[str, int]] | None = None) -> None:
+    def __init__(
+        self,
+        broker: Any,
+        state: LearnerState,
+        batch_size: int,
+        depth: int,
+        seed: int,
+        log: Any,
+        shares: dict[str, float] | None = None,
+        ablation: Any = None,
+        sizes: dict[str, dict[str, int]] | None = None,
+    ) -> None:
         self.broker, self.state, self.batch_size, self.log = broker, state, batch_size, log
         self.sizes = sizes or {}  # per phase, per store: items per micro-batch other than batch_size
         self.ablation = ablation
@@ -135,8 +150,9 @@ class Prefetcher:
     async def fetch(self, phase: str) -> dict[str, list]:
         """One micro-batch's records for ``phase`` (stores without items are left out)."""
         mb: dict[str, list] = {}
-        for store, n, phases in store_requests(phase, self.batch_size, self.shares, self.rng, self.ablation,
-                                               self.sizes.get(phase)):
+        for store, n, phases in store_requests(
+            phase, self.batch_size, self.shares, self.rng, self.ablation, self.sizes.get(phase)
+        ):
             self.draws += 1
             batch = await self.broker.sample(store, n, seed=self.seed * 1_000_003 + self.draws, phases=phases)
             if batch.items:  # imagined steps train the draft as demonstrations do, and nothing else
@@ -151,8 +167,12 @@ class Prefetcher:
             required = PHASE_REQUIRES.get(phase)
             if not mb or (required is not None and required not in mb):
                 if time.monotonic() - last_note > 10:
-                    self.log.info("learner.waiting_for_data", phase=phase, stores=list(phase_stores(phase, self.ablation)),
-                                  required=required)
+                    self.log.info(
+                        "learner.waiting_for_data",
+                        phase=phase,
+                        stores=list(phase_stores(phase, self.ablation)),
+                        required=required,
+                    )
                     last_note = time.monotonic()
                 await asyncio.sleep(0.5)
                 continue
@@ -168,8 +188,8 @@ class Learner:
         from comap_async.models import load_model_and_tokenizer, resolve_model
         from comap_async.prompts import Prompts
         from learner.batches import Encoder
-        from learner.peft_model import build_peft_model
         from learner.distributed import DataParallel
+        from learner.peft_model import build_peft_model
         from learner.trainer import Trainer
 
         self.cfg, self.log = cfg, log
@@ -181,14 +201,15 @@ class Learner:
         self.leader = self.dp is None or self.dp.leader
         path = resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)
         base, tok = load_model_and_tokenizer(path, cfg.model.dtype, lc.device)
-        model = build_peft_model(base, lc.lora_r, lc.lora_alpha, lc.lora_dropout, lc.target_modules,
-                                 lc.gradient_checkpointing)
+        model = build_peft_model(
+            base, lc.lora_r, lc.lora_alpha, lc.lora_dropout, lc.target_modules, lc.gradient_checkpointing
+        )
         prompts = Prompts.for_model(path, cfg)
         self.trainer = Trainer(model, Encoder(tok, prompts, lc.max_seq_len), lc, lc.device)
         self.trainer.ablation = cfg.ablation
         if self.dp is not None:
-            from learner.peft_model import adapter_parameters
             from comap_async.wire.messages import ROLES
+            from learner.peft_model import adapter_parameters
 
             self.trainer.data_parallel = self.dp
             self.dp.sync_parameters([p for role in ROLES for _, p in adapter_parameters(model, role)])
@@ -243,8 +264,9 @@ class Learner:
         out_of_time = limit is not None and s.phase_seconds >= 60 * limit
         if s.phase == WARMUP and (step - s.phase_start >= (s.phase_budget or lc.warmup_steps) or out_of_time):
             return REFLECT_INIT if lc.reflect_init_steps > 0 and not self.cfg.ablation.no_reflect_init else COEVOLVE
-        if s.phase == REFLECT_INIT and (step - s.phase_start >= (s.phase_budget or lc.reflect_init_steps)
-                                        or out_of_time):
+        if s.phase == REFLECT_INIT and (
+            step - s.phase_start >= (s.phase_budget or lc.reflect_init_steps) or out_of_time
+        ):
             return COEVOLVE
         return None
 
@@ -261,11 +283,23 @@ class Learner:
         self.state.version += 1
         if not self.leader:  # rank 0 publishes the weights every rank holds
             return {}
-        finished, result = await until_stopped(publish_adapters(
-            self.trainer.model, self.state.version, self.state.phase, self.trainer.step, root=self.adapter_root,
-            inference=inference, endpoints=list(self.cfg.inference.endpoints), broker=broker, log=self.log,
-            retries=self.cfg.inference.retries, metrics=metrics, ablation=self.cfg.ablation.active,
-        ), self.stop)
+        finished, result = await until_stopped(
+            publish_adapters(
+                self.trainer.model,
+                self.state.version,
+                self.state.phase,
+                self.trainer.step,
+                root=self.adapter_root,
+                inference=inference,
+                endpoints=list(self.cfg.inference.endpoints),
+                broker=broker,
+                log=self.log,
+                retries=self.cfg.inference.retries,
+                metrics=metrics,
+                ablation=self.cfg.ablation.active,
+            ),
+            self.stop,
+        )
         if not finished:
             # shutting down (the servers may already be gone): an unannounced version is never used,
             # and the next start reloads whatever the registry names
@@ -286,8 +320,15 @@ class Learner:
             if not path.is_dir():
                 self.log.warning("learner.live_adapter_missing", role=role, adapter=name, path=str(path))
                 continue
-            await load_everywhere(inference, list(self.cfg.inference.endpoints), name, path,
-                                  self.cfg.inference.retries, self.log, inplace=True)
+            await load_everywhere(
+                inference,
+                list(self.cfg.inference.endpoints),
+                name,
+                path,
+                self.cfg.inference.retries,
+                self.log,
+                inplace=True,
+            )
         self.log.info("learner.live_adapters_reloaded", adapters=registry.get("adapters"))
 
     async def wait_for_store(self, broker: Any, store: str, key: str, need: int, event: str) -> int | None:
@@ -325,8 +366,9 @@ class Learner:
 
     async def wait_for_demos(self, broker: Any) -> None:
         """Warm-up starts once the broker holds ``warmup_min_demos`` demonstrations."""
-        demos = await self.wait_for_store(broker, "demos", "count", self.cfg.learner.warmup_min_demos,
-                                          "learner.waiting_for_demos")
+        demos = await self.wait_for_store(
+            broker, "demos", "count", self.cfg.learner.warmup_min_demos, "learner.waiting_for_demos"
+        )
         lc = self.cfg.learner
         if demos is not None and lc.warmup_epochs is not None and self.state.phase_budget is None:
             # sized by the data there is when training starts: later demonstrations only add variety
@@ -339,14 +381,19 @@ class Learner:
         samples: the actors start labelling them only when the phase is announced. With
         ``reflect_init_epochs`` the phase's budget is then sized by the samples held."""
         lc = self.cfg.learner
-        have = await self.wait_for_store(broker, "reflections", "count", lc.reflect_init_min_samples,
-                                         "learner.waiting_for_reflections")
+        have = await self.wait_for_store(
+            broker, "reflections", "count", lc.reflect_init_min_samples, "learner.waiting_for_reflections"
+        )
         if have is not None and lc.reflect_init_epochs is not None and self.state.phase_budget is None:
             per_step = self.global_batch // lc.batch_size * self.reflect_init_batch
             self.state.phase_budget = max(lc.reflect_init_steps, math.ceil(lc.reflect_init_epochs * have / per_step))
             self.follow_budget(REFLECT_INIT)
-            self.log.info("learner.reflect_init_budget", samples=have, epochs=lc.reflect_init_epochs,
-                          steps=self.state.phase_budget)
+            self.log.info(
+                "learner.reflect_init_budget",
+                samples=have,
+                epochs=lc.reflect_init_epochs,
+                steps=self.state.phase_budget,
+            )
         return have
 
     async def wait_for_round(self, broker: Any) -> None:
@@ -357,8 +404,8 @@ class Learner:
             self.state.round_episodes = written
 
     async def run(self, max_steps: int | None = None) -> int:
-        from comap_async.wire.inference_client import InferenceClient
         from comap_async.wire.broker_client import BrokerClient
+        from comap_async.wire.inference_client import InferenceClient
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -373,27 +420,47 @@ class Learner:
         async with BrokerClient.from_config(self.cfg) as broker:
             inference = InferenceClient.from_config(self.cfg)
             try:
-                registry = await wait_until_answers("broker", broker.get_registry, self.log, self.stop, "learner.waiting")
+                registry = await wait_until_answers(
+                    "broker", broker.get_registry, self.log, self.stop, "learner.waiting"
+                )
                 if registry is None:
                     return 0
                 for url in self.cfg.inference.endpoints:
-                    await wait_until_answers(f"inference {url}", lambda u=url: inference.health(endpoint=u), self.log,
-                                             self.stop, "learner.waiting")
+                    await wait_until_answers(
+                        f"inference {url}",
+                        lambda u=url: inference.health(endpoint=u),
+                        self.log,
+                        self.stop,
+                        "learner.waiting",
+                    )
                 live = int((registry.get("versions") or {}).get("policy", 0))
                 if live > 0 and self.leader:
                     await self.reload_live_adapters(inference, registry)
                 # new versions are numbered above anything announced, even after an older checkpoint
                 self.state.version = max(self.state.version, live)
                 if not resumed and registry.get("phase") != self.state.phase and self.leader:
-                    await broker.announce(self.state.phase, registry.get("versions", {}), registry.get("adapters", {}), 0)
+                    await broker.announce(
+                        self.state.phase, registry.get("versions", {}), registry.get("adapters", {}), 0
+                    )
                 if self.state.phase == WARMUP:
                     await self.wait_for_demos(broker)
-                shares = {"transitions": lc.wm_anchor_share, "reflections": lc.reflect_init_share,
-                          "imagined": lc.imagined_share}
+                shares = {
+                    "transitions": lc.wm_anchor_share,
+                    "reflections": lc.reflect_init_share,
+                    "imagined": lc.imagined_share,
+                }
                 rank = self.dp.rank if self.dp is not None else 0  # each rank samples its own micro-batches
-                prefetch = Prefetcher(broker, self.state, lc.batch_size, lc.prefetch, self.cfg.run.seed + 7919 * rank,
-                                      self.log, shares, self.cfg.ablation,
-                                      {REFLECT_INIT: {"reflections": self.reflect_init_batch}})
+                prefetch = Prefetcher(
+                    broker,
+                    self.state,
+                    lc.batch_size,
+                    lc.prefetch,
+                    self.cfg.run.seed + 7919 * rank,
+                    self.log,
+                    shares,
+                    self.cfg.ablation,
+                    {REFLECT_INIT: {"reflections": self.reflect_init_batch}},
+                )
                 task = asyncio.create_task(prefetch.run())
                 try:
                     await self._train(prefetch, task, inference, broker, max_steps)
@@ -418,7 +485,9 @@ class Learner:
                 h.update(p.detach().float().cpu().numpy().round(5).tobytes())
         return h.hexdigest()[:16]
 
-    async def _train(self, prefetch: Prefetcher, task: asyncio.Task, inference: Any, broker: Any, max_steps: int | None) -> None:
+    async def _train(
+        self, prefetch: Prefetcher, task: asyncio.Task, inference: Any, broker: Any, max_steps: int | None
+    ) -> None:
         lc = self.cfg.learner
         start = self.trainer.step
         reflections_ready = False
@@ -426,7 +495,11 @@ class Learner:
             if self.state.phase == REFLECT_INIT and not reflections_ready:
                 reflections_ready = await self.wait_for_reflections(broker) is not None
                 continue  # re-checks stop
-            if lc.schedule == "rounds" and self.state.phase == COEVOLVE and (self.trainer.step - self.state.phase_start) % lc.publish_every == 0:
+            if (
+                lc.schedule == "rounds"
+                and self.state.phase == COEVOLVE
+                and (self.trainer.step - self.state.phase_start) % lc.publish_every == 0
+            ):
                 await self.wait_for_round(broker)
             micro = []
             dropped = 0
@@ -488,9 +561,13 @@ class Learner:
                 self.checkpoint()
             self.scalars(metrics)
             self.history.append({**metrics, "phase": phase})
-            self.log.info("learner.step", step=step, phase=phase, version=self.state.version,
-                          **{k: float(f"{v:.4g}") for k, v in metrics.items() if "/" in k})
-
+            self.log.info(
+                "learner.step",
+                step=step,
+                phase=phase,
+                version=self.state.version,
+                **{k: float(f"{v:.4g}") for k, v in metrics.items() if "/" in k},
+            )
 
     async def _step_or_stop(self, micro: list) -> dict[str, float] | None:
         """Run one step in a daemon thread; None when ``stop`` comes first.

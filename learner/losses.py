@@ -55,7 +55,9 @@ def rollout_positions(starts: torch.Tensor, lengths: torch.Tensor, seq_len: int)
     return pos, mask
 
 
-def self_distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def self_distillation_kl(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """Token-level ``KL(teacher || student)`` averaged over the masked (rollout) tokens.
 
     Both logits are [B, L, V] aligned on the same rollout tokens; the teacher carries no gradient.
@@ -76,8 +78,9 @@ def revise_probability(decision_logits: torch.Tensor, keep_id: int, revise_id: i
     return torch.softmax(two, dim=-1)[:, 1]
 
 
-def revise_bce(decision_logits: torch.Tensor, keep_id: int, revise_id: int, y: torch.Tensor,
-               weight: torch.Tensor | None = None) -> torch.Tensor:
+def revise_bce(
+    decision_logits: torch.Tensor, keep_id: int, revise_id: int, y: torch.Tensor, weight: torch.Tensor | None = None
+) -> torch.Tensor:
     """Binary cross-entropy of the revise probability against the gate label ``y`` (0/1), averaged
     over the samples (each multiplied by ``weight`` when given: :func:`label_balance_weights`)."""
     if decision_logits.shape[0] == 0:
@@ -121,8 +124,12 @@ def world_model_loss(ce: torch.Tensor, kl: torch.Tensor, eta: float) -> torch.Te
 
 
 def policy_loss(
-    draft_ce: torch.Tensor, reflect_ce: torch.Tensor, bce: torch.Tensor,
-    draft_weight: float = 1.0, reflect_weight: float = 1.0, bce_weight: float = 0.01,
+    draft_ce: torch.Tensor,
+    reflect_ce: torch.Tensor,
+    bce: torch.Tensor,
+    draft_weight: float = 1.0,
+    reflect_weight: float = 1.0,
+    bce_weight: float = 0.01,
 ) -> torch.Tensor:
     """Expert-draft anchor + gated reflection CE + weighted BCE on the revise probability."""
     return draft_weight * draft_ce + reflect_weight * reflect_ce + bce_weight * bce

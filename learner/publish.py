@@ -48,7 +48,9 @@ def save_adapter(model: Any, role: str, out: Path) -> Path:
     try:
         config = model.peft_config[role]
         config.save_pretrained(str(tmp))
-        state = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model, adapter_name=role).items()}
+        state = {
+            k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model, adapter_name=role).items()
+        }
         save_file(state, str(tmp / "adapter_model.safetensors"))
         if out.exists():
             shutil.rmtree(out)
@@ -68,8 +70,15 @@ def _version_dirs(root: Path, role: str) -> list[Path]:
     return sorted(dirs, key=lambda p: adapter_version(p.name))
 
 
-async def load_everywhere(client: Any, endpoints: list[str], name: str, path: Path, retries: int | RetryConfig,
-                          log: Any, inplace: bool = False) -> None:
+async def load_everywhere(
+    client: Any,
+    endpoints: list[str],
+    name: str,
+    path: Path,
+    retries: int | RetryConfig,
+    log: Any,
+    inplace: bool = False,
+) -> None:
     """Load one adapter into every endpoint and check that the endpoint lists it; each failure is
     retried and logged, never skipped.
 
@@ -83,10 +92,12 @@ async def load_everywhere(client: Any, endpoints: list[str], name: str, path: Pa
     times the client's own retries."""
     policy = publish_policy(retries)
     for endpoint in endpoints:
+
         async def attempt(n: int, endpoint: str = endpoint) -> None:
             try:
-                await client.load_adapter(name, str(path), load_inplace=inplace or n > 1, endpoint=endpoint,
-                                          retry=retry_policy.NO_RETRY)
+                await client.load_adapter(
+                    name, str(path), load_inplace=inplace or n > 1, endpoint=endpoint, retry=retry_policy.NO_RETRY
+                )
                 # an answered load is not yet a served adapter (verl #7495: a LoRA never delivered
                 # looks like staleness): the endpoint must list it
                 if name not in await client.models(endpoint=endpoint):
@@ -110,8 +121,19 @@ async def unload_everywhere(client: Any, endpoints: list[str], name: str, log: A
 
 
 async def publish_adapters(
-    model: Any, version: int, phase: str, step: int, *, root: Path, inference: Any, endpoints: list[str],
-    broker: Any, log: Any, retries: int | RetryConfig = 3, keep_dirs: int = 5, metrics: dict[str, float] | None = None,
+    model: Any,
+    version: int,
+    phase: str,
+    step: int,
+    *,
+    root: Path,
+    inference: Any,
+    endpoints: list[str],
+    broker: Any,
+    log: Any,
+    retries: int | RetryConfig = 3,
+    keep_dirs: int = 5,
+    metrics: dict[str, float] | None = None,
     ablation: list[str] | None = None,
 ) -> dict[str, Any]:
     """Save, load everywhere, announce, unload old; returns the new registry and timings.
@@ -129,8 +151,11 @@ async def publish_adapters(
         await load_everywhere(inference, endpoints, adapter_name(role, version), path, retries, log)
     t_loaded = time.perf_counter()
     registry = await broker.announce(
-        phase=phase, versions={role: version for role in ROLES},
-        adapters={role: adapter_name(role, version) for role in ROLES}, step=step, metrics=metrics,
+        phase=phase,
+        versions={role: version for role in ROLES},
+        adapters={role: adapter_name(role, version) for role in ROLES},
+        step=step,
+        metrics=metrics,
     )
     t_live = time.perf_counter()  # loaded on every server and named by the registry: actors switch at their next ack
     # keep the newest three versions live: actors learn of a new version only with their next ack
@@ -141,7 +166,17 @@ async def publish_adapters(
         for old_dir in _version_dirs(root, role)[:-keep_dirs]:
             shutil.rmtree(old_dir, ignore_errors=True)
     (root / "latest.json").write_text(json.dumps(meta))
-    timings = {"learner/publish_s": time.perf_counter() - t0, "learner/save_s": t_saved - t0,
-               "learner/load_s": t_loaded - t_saved, "learner/publish_live_ms": 1000 * (t_live - t_saved)}
-    log.info("publish.done", version=version, phase=phase, step=step, **{k.split("/")[1]: round(v, 3) for k, v in timings.items()})
+    timings = {
+        "learner/publish_s": time.perf_counter() - t0,
+        "learner/save_s": t_saved - t0,
+        "learner/load_s": t_loaded - t_saved,
+        "learner/publish_live_ms": 1000 * (t_live - t_saved),
+    }
+    log.info(
+        "publish.done",
+        version=version,
+        phase=phase,
+        step=step,
+        **{k.split("/")[1]: round(v, 3) for k, v in timings.items()},
+    )
     return {"registry": registry, **timings}

@@ -41,8 +41,14 @@ from learner import losses
 from learner.batches import Encoder, Packed, Seq, collate, logits_window, pack
 from learner.ema import copy_student_to_teacher, ema_update, paired_lora_tensors
 from learner.paw import AdaptiveWeight, policy_wm_aux_step
-from learner.peft_model import (TRAINED, activate, adapter_parameters, cast_frozen_base, use_fast_dropout,
-                                use_packed_attention)
+from learner.peft_model import (
+    TRAINED,
+    activate,
+    adapter_parameters,
+    cast_frozen_base,
+    use_fast_dropout,
+    use_packed_attention,
+)
 
 
 class StepAborted(RuntimeError):
@@ -550,8 +556,14 @@ class Trainer:
         self.model.eval()
         dt = time.perf_counter() - t0
         truncated, self.encoder.truncated = self.encoder.truncated, 0
-        return {**sums, "learner/truncated": truncated, "learner/lr": lr,
-                "learner/grad_norm": math.sqrt(sum(v * v for v in norms.values())),
-                "learner/grad_norm_policy": norms["policy"], "learner/grad_norm_wm": norms["wm"],
-                "learner/tokens": tokens, "learner/tokens_per_s": tokens / dt if dt > 0 else 0.0,
-                "learner/step_s": dt}
+        return {
+            **sums,
+            "learner/truncated": truncated,
+            "learner/lr": lr,
+            "learner/grad_norm": math.sqrt(sum(v * v for v in norms.values())),
+            "learner/grad_norm_policy": norms["policy"],
+            "learner/grad_norm_wm": norms["wm"],
+            "learner/tokens": tokens,
+            "learner/tokens_per_s": tokens / dt if dt > 0 else 0.0,
+            "learner/step_s": dt,
+        }

@@ -12,4 +12,5 @@ pytest_plugins = [
     "tests.fixtures.broker",
     "tests.fixtures.learner",
     "tests.fixtures.system",
+    "tests.fixtures.calls",
 ]

@@ -30,6 +30,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"comap data: error: {exc}", file=sys.stderr)
         return 2
     skipped = len(archives) - len(extracted)
-    print(f"extracted {len(extracted)} archive(s), {skipped} already present, in {time.time() - t0:.1f}s", file=sys.stderr)
+    print(
+        f"extracted {len(extracted)} archive(s), {skipped} already present, in {time.time() - t0:.1f}s", file=sys.stderr
+    )
     print(args.to)
     return 0

@@ -53,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
     if args.fact_baselines:
         return _print_baselines(games, args)
     checks = []
-    for check in tqdm(check_games(games, args.max_steps, args.workers), total=len(games), desc=args.split, file=sys.stderr):
+    for check in tqdm(
+        check_games(games, args.max_steps, args.workers), total=len(games), desc=args.split, file=sys.stderr
+    ):
         checks.append(check)
     observations = sum(c.observations for c in checks)
     unparseable = [o for c in checks for o in c.unparseable]
@@ -63,11 +65,15 @@ def run(args: argparse.Namespace) -> int:
     from_walk = sum(c.expert_from_walkthrough for c in checks)
     walk_steps = sum(c.observations for c in checks)
     print(f"split={args.split} games={len(games)}")
-    print(f"walkthrough: {walk_wins}/{len(checks)} won; expert action present at {walk_steps - missing}/{walk_steps} "
-          f"steps ({from_walk} from the walkthrough after the handcoded expert failed)")
+    print(
+        f"walkthrough: {walk_wins}/{len(checks)} won; expert action present at {walk_steps - missing}/{walk_steps} "
+        f"steps ({from_walk} from the walkthrough after the handcoded expert failed)"
+    )
     print(f"handcoded expert within {args.max_steps} steps: {expert_wins}/{len(checks)} won")
-    print(f"facts: {len(unparseable)}/{observations} observations unparseable ({100 * len(unparseable) / max(observations, 1):.2f}%), "
-          f"{sum(c.self_f1_below_one for c in checks)} transitions with self Delta-F1 < 1")
+    print(
+        f"facts: {len(unparseable)}/{observations} observations unparseable ({100 * len(unparseable) / max(observations, 1):.2f}%), "
+        f"{sum(c.self_f1_below_one for c in checks)} transitions with self Delta-F1 < 1"
+    )
     for text in unparseable[:5]:
         print(f"  unparseable: {text[:160]!r}")
     print(f"games={len(games)} walkthrough_wins={walk_wins} expert_wins={expert_wins}")
@@ -81,8 +87,12 @@ def _print_baselines(games: list, args: argparse.Namespace) -> int:
 
     state = {b: [] for b in BASELINES}
     observation = {b: [] for b in BASELINES}
-    for res in tqdm(baselines_of_games(games, args.max_steps, args.workers, args.seed), total=len(games),
-                    desc=f"{args.split} fact baselines", file=sys.stderr):
+    for res in tqdm(
+        baselines_of_games(games, args.max_steps, args.workers, args.seed),
+        total=len(games),
+        desc=f"{args.split} fact baselines",
+        file=sys.stderr,
+    ):
         for b in BASELINES:
             state[b] += res.state[b]
             observation[b] += res.observation[b]
@@ -115,7 +125,9 @@ def _check_scienceworld(args: argparse.Namespace) -> int:
         print(f"comap env: error: {exc}", file=sys.stderr)
         return 2
     checks = []
-    for check in tqdm(check_games(games, args.workers), total=len(games), desc=f"scienceworld {split}", file=sys.stderr):
+    for check in tqdm(
+        check_games(games, args.workers), total=len(games), desc=f"scienceworld {split}", file=sys.stderr
+    ):
         checks.append(check)
     wall = time.perf_counter() - t0
     wins = sum(c.won for c in checks)
@@ -126,7 +138,9 @@ def _check_scienceworld(args: argparse.Namespace) -> int:
             print(f"  not won: {c.name} score={c.score} gold_steps={c.gold_steps} {c.error or ''}".rstrip())
     print(f"split={split} games={len(games)} gold steps={len(steps)} wall={wall:.1f}s workers={args.workers}")
     if steps and resets:
-        print(f"latency: reset (load + gold path) median {1000 * statistics.median(resets):.0f} ms, step median "
-              f"{1000 * statistics.median(steps):.1f} ms (p90 {1000 * sorted(steps)[int(0.9 * len(steps))]:.1f} ms)")
+        print(
+            f"latency: reset (load + gold path) median {1000 * statistics.median(resets):.0f} ms, step median "
+            f"{1000 * statistics.median(steps):.1f} ms (p90 {1000 * sorted(steps)[int(0.9 * len(steps))]:.1f} ms)"
+        )
     print(f"games={len(games)} walkthrough_wins={wins}")
     return 0 if wins == len(games) else 1

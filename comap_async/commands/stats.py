@@ -79,7 +79,9 @@ def staleness(records: list[dict[str, Any]], current: int) -> dict[str, int]:
     return dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
 
 
-def summarize(stats: dict[str, Any], episodes: list[dict[str, Any]], reflections: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(
+    stats: dict[str, Any], episodes: list[dict[str, Any]], reflections: list[dict[str, Any]]
+) -> dict[str, Any]:
     reg = stats.get("registry") or {}
     current = int((reg.get("versions") or {}).get("policy", 0))
     learner = stats.get("learner") or {}
@@ -89,9 +91,11 @@ def summarize(stats: dict[str, Any], episodes: list[dict[str, Any]], reflections
         "episodes_by_version": by_version(episodes),
         "gates_by_version": gates_by_version(reflections),
         "gates_total": stats.get("gates", {}),
-        "throughput": {"env_steps_per_s": env_steps_per_s(episodes),
-                       "transitions_per_s": (stats.get("ingest") or {}).get("rate_per_s"),
-                       "learner_tokens_per_s": learner.get("learner/tokens_per_s")},
+        "throughput": {
+            "env_steps_per_s": env_steps_per_s(episodes),
+            "transitions_per_s": (stats.get("ingest") or {}).get("rate_per_s"),
+            "learner_tokens_per_s": learner.get("learner/tokens_per_s"),
+        },
         "staleness": {"skipped": stats.get("stale_skipped", {}), "versions_behind": staleness(reflections, current)},
         "reflect_init_labels": stats.get("reflect_init_labels", {}),
         "eval": stats.get("eval") or [],
@@ -100,23 +104,43 @@ def summarize(stats: dict[str, Any], episodes: list[dict[str, Any]], reflections
 
 
 # the learner's latest scalars (sent with each publish), in the order `comap stats` shows them
-LEARNER_SCALARS = ("wm/ce", "wm/change_nll", "wm/kl", "policy/draft_ce", "policy/reflect_ce", "policy/bce",
-                   "policy/revise_label_share", "learner/tokens_per_s")
+LEARNER_SCALARS = (
+    "wm/ce",
+    "wm/change_nll",
+    "wm/kl",
+    "policy/draft_ce",
+    "policy/reflect_ce",
+    "policy/bce",
+    "policy/revise_label_share",
+    "learner/tokens_per_s",
+)
 
 
-EVAL_COLUMNS = (("wm_delta_f1", "wm_dF1"), ("wm_delta_f1_failures", "fail_dF1"), ("draft_accuracy", "draft_acc"),
-                ("admissible_rate", "admissible"), ("reflection_problem_rate", "refl_prob"),
-                ("gate_open_rate", "gate_open"), ("p_discrimination", "p_discr"), ("success_rate", "success"))
+EVAL_COLUMNS = (
+    ("wm_delta_f1", "wm_dF1"),
+    ("wm_delta_f1_failures", "fail_dF1"),
+    ("draft_accuracy", "draft_acc"),
+    ("admissible_rate", "admissible"),
+    ("reflection_problem_rate", "refl_prob"),
+    ("gate_open_rate", "gate_open"),
+    ("p_discrimination", "p_discr"),
+    ("success_rate", "success"),
+)
 
 
 def eval_table(results: list[dict[str, Any]]) -> list[str]:
     """The evaluator's held-out figures, one row per evaluated version."""
     if not results:
         return ["  (no evaluated versions yet: is `comap evaluator` running?)"]
-    rows = [f"  {'ver':>4} {'phase':<12} {'step':>6} " + " ".join(f"{h:>10}" for _, h in EVAL_COLUMNS) + f" {'split':>12}"]
+    rows = [
+        f"  {'ver':>4} {'phase':<12} {'step':>6} " + " ".join(f"{h:>10}" for _, h in EVAL_COLUMNS) + f" {'split':>12}"
+    ]
     for r in results:
-        rows.append(f"  {r['version']:>4} {str(r.get('phase')):<12} {r.get('learner_step', 0):>6} "
-                    + " ".join(f"{_fmt(r.get(k)):>10}" for k, _ in EVAL_COLUMNS) + f" {str(r.get('split')):>12}")
+        rows.append(
+            f"  {r['version']:>4} {str(r.get('phase')):<12} {r.get('learner_step', 0):>6} "
+            + " ".join(f"{_fmt(r.get(k)):>10}" for k, _ in EVAL_COLUMNS)
+            + f" {str(r.get('split')):>12}"
+        )
     return rows
 
 
@@ -133,13 +157,17 @@ def plot_eval(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     written = []
-    for key, title in (("wm_delta_f1", "World-model Delta-F1 (held-out probes)"),
-                       ("draft_accuracy", "Draft accuracy along held-out walkthroughs"),
-                       ("success_rate", "Success rate (held-out games, CoMap loop)")):
+    for key, title in (
+        ("wm_delta_f1", "World-model Delta-F1 (held-out probes)"),
+        ("draft_accuracy", "Draft accuracy along held-out walkthroughs"),
+        ("success_rate", "Success rate (held-out games, CoMap loop)"),
+    ):
         pts = eval_points(results, key)
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5), sharey=True)
-        for ax, i, xlabel in ((a1, 0, "adapter version (0 = base)"),
-                              (a2, 1, "wall time (minutes since the first evaluation)")):
+        for ax, i, xlabel in (
+            (a1, 0, "adapter version (0 = base)"),
+            (a2, 1, "wall time (minutes since the first evaluation)"),
+        ):
             if pts:
                 ax.plot([p[i] for p in pts], [p[2] for p in pts], marker="o")
             else:
@@ -164,8 +192,7 @@ def label_line(labels: dict[str, int]) -> str:
         return "labels: (no reflection-initialisation samples yet)"
     y1, eq, nb = (labels.get(k, 0) for k in ("expert_better", "equal_draft", "not_better"))
     total = y1 + eq + nb
-    return (f"labels: y=1 {y1}  y=0 equal drafts {eq}  y=0 ties or worse {nb}  "
-            f"(share y=1 {y1 / total:.3f} of {total})")
+    return f"labels: y=1 {y1}  y=0 equal drafts {eq}  y=0 ties or worse {nb}  (share y=1 {y1 / total:.3f} of {total})"
 
 
 def _fmt(x: Any, spec: str = ".3f") -> str:
@@ -174,30 +201,51 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
 
 def render(s: dict[str, Any]) -> str:
     reg = s["registry"]
-    out = [f"registry   phase={reg.get('phase')} versions={reg.get('versions')} learner_step={reg.get('step')}", "",
-           "stores     " + "  ".join(f"{k}={v.get('count')}/{v.get('capacity')} (evicted {v.get('evicted')})"
-                                    for k, v in s["stores"].items()), "",
-           "episodes by adapter version",
-           f"  {'ver':>4} {'phase':<12} {'episodes':>8} {'success':>8} {'steps':>6} {'dF1':>6} {'revise':>7} {'invalid':>7}"]
+    out = [
+        f"registry   phase={reg.get('phase')} versions={reg.get('versions')} learner_step={reg.get('step')}",
+        "",
+        "stores     "
+        + "  ".join(
+            f"{k}={v.get('count')}/{v.get('capacity')} (evicted {v.get('evicted')})" for k, v in s["stores"].items()
+        ),
+        "",
+        "episodes by adapter version",
+        f"  {'ver':>4} {'phase':<12} {'episodes':>8} {'success':>8} {'steps':>6} {'dF1':>6} {'revise':>7} {'invalid':>7}",
+    ]
     for r in s["episodes_by_version"]:
-        out.append(f"  {r['version']:>4} {r['phase']:<12} {r['episodes']:>8} {r['success_rate']:>8.3f} "
-                   f"{r['mean_steps']:>6.1f} {_fmt(r['delta_f1']):>6} {_fmt(r['revision_rate']):>7} {_fmt(r['invalid_rate']):>7}")
+        out.append(
+            f"  {r['version']:>4} {r['phase']:<12} {r['episodes']:>8} {r['success_rate']:>8.3f} "
+            f"{r['mean_steps']:>6.1f} {_fmt(r['delta_f1']):>6} {_fmt(r['revision_rate']):>7} {_fmt(r['invalid_rate']):>7}"
+        )
     if not s["episodes_by_version"]:
         out.append("  (no episodes yet)")
-    out += ["", "gates by adapter version (reflection samples derived by the broker)",
-            f"  {'ver':>4} {'samples':>8} {'ws_adoption':>12} {'revision_accepted':>18}"]
-    out += [f"  {g['version']:>4} {g['samples']:>8} {g['ws_adoption']:>12.3f} {g['revision_accepted']:>18.3f}"
-            for g in s["gates_by_version"]] or ["  (no gated samples yet)"]
+    out += [
+        "",
+        "gates by adapter version (reflection samples derived by the broker)",
+        f"  {'ver':>4} {'samples':>8} {'ws_adoption':>12} {'revision_accepted':>18}",
+    ]
+    out += [
+        f"  {g['version']:>4} {g['samples']:>8} {g['ws_adoption']:>12.3f} {g['revision_accepted']:>18.3f}"
+        for g in s["gates_by_version"]
+    ] or ["  (no gated samples yet)"]
     out += ["", "reflect_init " + label_line(s.get("reflect_init_labels") or {})]
     out += ["", "held-out eval by adapter version (comap evaluator)"] + eval_table(s.get("eval") or [])
     t = s["throughput"]
-    out += [f"throughput env_steps/s={_fmt(t['env_steps_per_s'], '.2f')} transitions/s={_fmt(t['transitions_per_s'], '.2f')} "
-                f"learner_tokens/s={_fmt(t['learner_tokens_per_s'], '.1f')}",
-            f"staleness  versions_behind={s['staleness']['versions_behind']} skipped={s['staleness']['skipped']}"]
+    out += [
+        f"throughput env_steps/s={_fmt(t['env_steps_per_s'], '.2f')} transitions/s={_fmt(t['transitions_per_s'], '.2f')} "
+        f"learner_tokens/s={_fmt(t['learner_tokens_per_s'], '.1f')}",
+        f"staleness  versions_behind={s['staleness']['versions_behind']} skipped={s['staleness']['skipped']}",
+    ]
     learner = s.get("learner") or {}
     shown = [k for k in LEARNER_SCALARS if k in learner]
-    out.append("learner    " + ("  ".join(f"{k}={_fmt(float(learner[k]))}" for k in shown) if shown
-                                 else "(no publish yet: the learner reports its scalars with each publish)"))
+    out.append(
+        "learner    "
+        + (
+            "  ".join(f"{k}={_fmt(float(learner[k]))}" for k in shown)
+            if shown
+            else "(no publish yet: the learner reports its scalars with each publish)"
+        )
+    )
     return "\n".join(out)
 
 

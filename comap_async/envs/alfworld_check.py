@@ -7,11 +7,10 @@ worker processes (each installs the TextWorld caches once and keeps them across 
 from __future__ import annotations
 
 import multiprocessing as mp
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-
 import random
 import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 from comap_async.envs.alfworld_facts import next_state, parse_facts
 from comap_async.envs.base import GameInfo
@@ -66,7 +65,9 @@ def check_game(game: GameInfo, max_steps: int = 50, run_expert: bool = True) -> 
     facts = [parse_facts(r.observation) for r in results]
     unparseable = [r.observation for r, f in zip(results, facts) if f is None]
     below = sum(
-        1 for prev, real in zip(facts, facts[1:]) if prev is not None and real is not None and delta_f1(prev, real, real) != 1.0
+        1
+        for prev, real in zip(facts, facts[1:])
+        if prev is not None and real is not None and delta_f1(prev, real, real) != 1.0
     )
     check = GameCheck(
         name=game.name,
@@ -104,8 +105,9 @@ class FactBaselines:
     observation: dict[str, list[float]]
 
 
-def _baseline_predictions(rng: random.Random, receptacles: list[str], prev_obs: str, real: str,
-                          location: str | None) -> dict[str, str]:
+def _baseline_predictions(
+    rng: random.Random, receptacles: list[str], prev_obs: str, real: str, location: str | None
+) -> dict[str, str]:
     others = [r for r in receptacles if r != location] or receptacles
     return {"copy_previous": prev_obs, "random_receptacle": f"You arrive at {rng.choice(others)}.", "real_next": real}
 
@@ -149,8 +151,9 @@ def _star(args: tuple[Callable, tuple]) -> object:
     return fn(*job)
 
 
-def baselines_of_games(games: Sequence[GameInfo], max_steps: int = 50, workers: int = 1,
-                       seed: int = 0) -> Iterator[FactBaselines]:
+def baselines_of_games(
+    games: Sequence[GameInfo], max_steps: int = 50, workers: int = 1, seed: int = 0
+) -> Iterator[FactBaselines]:
     """:func:`fact_baselines` of each game in ``workers`` processes (any order)."""
     return _map_games(fact_baselines, [(g, max_steps, seed) for g in games], workers)
 

@@ -69,8 +69,10 @@ _SENTENCES: list[tuple[str, FactBuilder]] = [
     (rf"You are in the middle of a room\. Looking quickly around you, you see (?:{_LIST})\.", lambda m: ["at(room)"]),
     (
         rf"You are facing the ({_NAMES})\. Next to it, you see ({_LIST})\.",
-        lambda m: [f"at({r})" for r in _names(m.group(1))]
-        + ([] if m.group(2) == "nothing" else [f"near({o})" for o in _names(m.group(2))]),
+        lambda m: (
+            [f"at({r})" for r in _names(m.group(1))]
+            + ([] if m.group(2) == "nothing" else [f"near({o})" for o in _names(m.group(2))])
+        ),
     ),
     (rf"You arrive at ({_NAME})\.", lambda m: [f"at({m.group(1)})"]),
     (rf"You open the ({_NAME})\.", lambda m: [f"at({m.group(1)})", f"open({m.group(1)})"]),
@@ -96,7 +98,10 @@ _SENTENCES: list[tuple[str, FactBuilder]] = [
         rf"You put the ({_NAME}) in the ({_NAME})\.",
         lambda m: [f"in({m.group(1)}, {m.group(2)})"],
     ),
-    (rf"You are carrying: ((?:{_ITEM})(?:,? (?:and )?{_ITEM})*)\.", lambda m: [f"holding({o})" for o in _names(m.group(1))]),
+    (
+        rf"You are carrying: ((?:{_ITEM})(?:,? (?:and )?{_ITEM})*)\.",
+        lambda m: [f"holding({o})" for o in _names(m.group(1))],
+    ),
     (r"You are not carrying anything\.", lambda m: ["holding(nothing)"]),
     (rf"This is a normal ({_NAME})\. In it, you see ({_LIST})\.", lambda m: _contents(m.group(1), m.group(2))),
     (rf"This is a ((?:(?:hot|cool|cold|clean|sliced)(?: and)? )+)({_NAME})\.", _adjectives),
@@ -191,8 +196,14 @@ def next_state(state: frozenset[str], text: str) -> frozenset[str] | None:
         s = {f for f in s if not f.startswith(("at(", "near("))}
     listed = {_arg(f) for f in facts if f.startswith(_LISTED)}
     if listed:
-        s = {f for f in s if not ((f.startswith("in(") and f[3:-1].split(", ")[1] in listed)
-                                  or (f.startswith("empty(") and _arg(f) in listed))}
+        s = {
+            f
+            for f in s
+            if not (
+                (f.startswith("in(") and f[3:-1].split(", ")[1] in listed)
+                or (f.startswith("empty(") and _arg(f) in listed)
+            )
+        }
     holding = [f for f in facts if f.startswith("holding(")]
     if holding:  # an inventory or a pick-up names everything held now
         s = {f for f in s if not f.startswith("holding(")}

@@ -10,8 +10,6 @@ sample on any file system (alfworld itself keeps ``os.walk`` order).
 
 from __future__ import annotations
 
-from comap_async.errors import CommandError
-
 import json
 import os
 import random
@@ -20,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from comap_async.envs.base import GameInfo
+from comap_async.errors import CommandError
 
 TASK_TYPES: dict[int, str] = {
     1: "pick_and_place_simple",
@@ -54,7 +53,9 @@ def split_dir(data_root: str | os.PathLike[str], split: str) -> Path:
     for candidate in (root / JSON_DIR / split, root / split):
         if candidate.is_dir():
             return candidate
-    raise AlfworldDataError(f"no ALFWorld split {split!r} under {root} (looked for {root / JSON_DIR / split}); {HOW_TO_GET_DATA}")
+    raise AlfworldDataError(
+        f"no ALFWorld split {split!r} under {root} (looked for {root / JSON_DIR / split}); {HOW_TO_GET_DATA}"
+    )
 
 
 def _is_solvable(game_file: Path) -> bool:
@@ -90,7 +91,9 @@ def discover_games(
             continue
         games.append(GameInfo(str(game_file), split, task_type, f"{split}/{trial.parent.name}/{trial.name}"))
     if not games:
-        raise AlfworldDataError(f"no playable ALFWorld games in {base} for task types {sorted(wanted)}; {HOW_TO_GET_DATA}")
+        raise AlfworldDataError(
+            f"no playable ALFWorld games in {base} for task types {sorted(wanted)}; {HOW_TO_GET_DATA}"
+        )
     if max_games is not None and max_games < len(games):
         games = sorted(random.Random(seed).sample(games, max_games), key=lambda g: g.path)
     return games

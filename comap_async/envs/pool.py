@@ -18,8 +18,6 @@ calls raise :class:`EnvPoolExhausted` (the owner should stop rather than fail ep
 
 from __future__ import annotations
 
-from comap_async.errors import CommandError
-
 import asyncio
 import itertools
 import multiprocessing as mp
@@ -32,6 +30,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from comap_async.envs.base import GameInfo, RestoreDiverged, StepResult
+from comap_async.errors import CommandError
 
 _START_TIMEOUT_S = 120.0
 
@@ -216,8 +215,14 @@ class AsyncTextEnv:
 class AsyncEnvPool:
     """Worker processes hosting environments; :meth:`env` hands them out round-robin."""
 
-    def __init__(self, workers: int = 1, env_name: str = "alfworld", start_method: str = "spawn",
-                 max_restarts: int = 5, **env_kwargs: Any) -> None:
+    def __init__(
+        self,
+        workers: int = 1,
+        env_name: str = "alfworld",
+        start_method: str = "spawn",
+        max_restarts: int = 5,
+        **env_kwargs: Any,
+    ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.num_workers = workers
@@ -245,9 +250,11 @@ class AsyncEnvPool:
             if dead not in self._workers:
                 raise EnvWorkerError("environment pool closed")
             if self.restarts >= self.max_restarts:
-                raise EnvPoolExhausted(f"{self.env_name} environment workers died {self.restarts + 1} times "
-                                       f"(restart budget {self.max_restarts}); last: {dead.dead}")
-            await asyncio.sleep(min(0.5 * 2 ** self.restarts, 8.0))  # a crash loop must not spin
+                raise EnvPoolExhausted(
+                    f"{self.env_name} environment workers died {self.restarts + 1} times "
+                    f"(restart budget {self.max_restarts}); last: {dead.dead}"
+                )
+            await asyncio.sleep(min(0.5 * 2**self.restarts, 8.0))  # a crash loop must not spin
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, dead.stop, 1.0)  # reap it (no zombie)
             fresh = _Worker(self._ctx, self.env_name, self.env_kwargs)

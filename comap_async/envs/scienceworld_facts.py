@@ -163,12 +163,17 @@ _CLAUSES = [
     (re.compile(r" \(that is (open|closed)\)"), _state),
     (re.compile(r" \(that looks unwell\)"), lambda p, n, m: p.facts.append(f"unwell({n})")),
     (re.compile(r", which is (?:turned )?(on|off|activated|deactivated|open|closed)\.?"), _state),
-    (re.compile(r", currently reading a temperature of (-?\d+(?:\.\d+)?) degrees celsius"),
-     lambda p, n, m: p.facts.append(f"reading({n}, {m.group(1)} degrees celsius)")),
+    (
+        re.compile(r", currently reading a temperature of (-?\d+(?:\.\d+)?) degrees celsius"),
+        lambda p, n, m: p.facts.append(f"reading({n}, {m.group(1)} degrees celsius)"),
+    ),
     (re.compile(rf"\.? ?The ({_WORD}(?: {_WORD})*?) door is (open|closed)\. ?"), _state),
     (re.compile(rf"\.? ?The ({_WORD}(?: {_WORD})*?) is (open|closed)\.? ?"), _state),
     (re.compile(rf"\.? ?(?:On|In|Inside) the ({_WORD}(?: {_WORD})*?) (?:is|you see): ?"), _surface),
-    (re.compile(r"\.? ?The time reads (\d+) ticks\. ?"), lambda p, n, m: p.facts.append(f"reading({n}, {m.group(1)} ticks)")),
+    (
+        re.compile(r"\.? ?The time reads (\d+) ticks\. ?"),
+        lambda p, n, m: p.facts.append(f"reading({n}, {m.group(1)} ticks)"),
+    ),
     (re.compile(r", with: "), lambda p, n, m: p.listing(n)),
     (re.compile(r"\.? ?its ((?:terminal \d+|anode|cathode)) is connected to: (nothing|[^.]+)\. ?"), _connections),
     (re.compile(r"\.? ?it is connected to: (nothing|[^.]+)\. ?"), _connections),
@@ -177,6 +182,7 @@ _CLAUSES = [
 _DISCONNECTING = re.compile(r"^\((?:disconnecting [^()\n]*(?:\([^()]*\))?)\)\n?")
 _GLUED_ITS = re.compile(r"(?<=[a-z])its (?=terminal|anode|cathode)")
 
+
 def _moved(obj: str, holder: str) -> list[str]:
     obj, holder = canonical(obj), canonical(holder)
     return [f"{_MOVED}{obj})", f"in({obj}, {holder})"]
@@ -184,55 +190,80 @@ def _moved(obj: str, holder: str) -> list[str]:
 
 _N = rf"{_WORD}(?: (?:{_WORD}|\([^()]*\)))*?"  # a lazy name inside a fixed sentence
 # Whole observations: (pattern, facts); the room, inventory and look-in forms are parsed below.
-_SENTENCES: list[tuple[re.Pattern[str], object]] = [(re.compile(p + r"\s*$", re.DOTALL), f) for p, f in [
-    (rf"You (?:move|teleport) to the ({_N})\.", lambda m: [f"at({canonical(m.group(1))})"]),
-    (rf"You move through the door to the ({_N})\.", lambda m: [f"at({canonical(m.group(1))})"]),
-    (rf"You move the ({_N}) to the ({_N})\.", lambda m: _moved(m.group(1), m.group(2))),
-    (rf"You pour the contents of the ({_N}) into the ({_N})\.",
-     lambda m: [f"{_POURED}{canonical(m.group(1))}, {canonical(m.group(2))})", f"empty({canonical(m.group(1))})"]),
-    (rf"You pour the ({_N}) into the ({_N})\.", lambda m: _moved(m.group(1), m.group(2))),
-    (rf"You dunk the {_N} in the {_N}, moving the liquids \(({_N})\) to the ({_N})\.",
-     lambda m: _moved(m.group(1), m.group(2))),
-    (rf"The ({_N}) is now (open|closed|activated|deactivated)\.",
-     lambda m: [f"{_STATE_WORDS[m.group(2)]}({canonical(m.group(1))})"]),
-    (rf"The ({_N}) is already (open|closed|activated|deactivated)\.",
-     lambda m: [f"{_STATE_WORDS[m.group(2)]}({canonical(m.group(1))})"]),
-    (rf"({_N}) is now connected to ({_N})", lambda m: [_connected(m.group(1), m.group(2))]),
-    (rf"You focus on the ({_N})\.", lambda m: [f"focus({canonical(m.group(1))})"]),
-    (r"You reset the goal progress and focus\.", lambda m: [_UNFOCUS]),
-    (rf"the thermometer measures a temperature of (-?\d+(?:\.\d+)?) degrees celsius",
-     lambda m: [f"reading(thermometer, {m.group(1)} degrees celsius)"]),
-    (rf"[A-Z][a-z-]+(?:,? (?:and )?[a-z-]+)*(?: paint)? mix to produce ({_N})\.", lambda m: [f"made({m.group(1)})"]),
-    (rf"The ({_N}) (?:catches fire|is already on fire)\.", lambda m: [f"burning({canonical(m.group(1))})"]),
-    (rf"The ({_N}) was delicious\.", lambda m: [f"{_GONE}{canonical(m.group(1))})"]),
-    (rf"The ({_N}) appears broken, and can't be activated or deactivated\.",
-     lambda m: [f"broken({canonical(m.group(1))})"]),
-    (rf"You hit the ({_N}) with the {_N}, causing it to break\.", lambda m: [f"broken({canonical(m.group(1))})"]),
-    (rf"You dig a hole in the ground, and place the soil nearby\.", lambda m: ["dug(ground)"]),
-    # time passes or information only: the state is what it was (time's effects show when observed)
-    (r"You decide to wait for \d+ iterations?\.", lambda m: []),
-    (r"Task [Dd]escription:\n.*", lambda m: []),
-    (rf"The {_N} reads:\n.*", lambda m: []),
-    (rf"The {_N} is now flushing\.", lambda m: []),
-    (rf"The lighter heats up the {_N} a small amount\.", lambda m: []),
-    # failed, refused or ambiguous actions change nothing
-    (r"Ambiguous request: Please enter the number for the action you intended \(or blank to cancel\):\n.*",
-     lambda m: [NO_CHANGE]),
-    (r"No known action matches that input\.", lambda m: [NO_CHANGE]),
-    (r"Unknown action\.  Type 'help' for a list of actions, and 'objects' for a list of possible object referents\.",
-     lambda m: [NO_CHANGE]),
-    (r"That container is empty, so there are no items to mix\.", lambda m: [NO_CHANGE]),
-    (rf"There is only one thing \({_N}\)", lambda m: [NO_CHANGE]),
-    (rf"Mixing the contents of the {_N} does not appear to produce anything new\.", lambda m: [NO_CHANGE]),
-    (r"I'm not sure how to use those two things together\.", lambda m: [NO_CHANGE]),
-    (r"It's not clear how to use those items together\.", lambda m: [NO_CHANGE]),
-    (r"You can't move something into itself\.", lambda m: [NO_CHANGE]),
-    (r"You can't pick up a gas directly\.", lambda m: [NO_CHANGE]),
-    (rf"The {_N} does not contain any liquids to dunk into\.", lambda m: [NO_CHANGE]),
-    (rf"The {_N} is not moveable\.", lambda m: [NO_CHANGE]),
-    (r"That thing doesn't appear to have a temperature that the thermometer can read\.", lambda m: [NO_CHANGE]),
-    (rf"There is nothing in the {_N}\.", lambda m: [NO_CHANGE]),
-]]
+_SENTENCES: list[tuple[re.Pattern[str], object]] = [
+    (re.compile(p + r"\s*$", re.DOTALL), f)
+    for p, f in [
+        (rf"You (?:move|teleport) to the ({_N})\.", lambda m: [f"at({canonical(m.group(1))})"]),
+        (rf"You move through the door to the ({_N})\.", lambda m: [f"at({canonical(m.group(1))})"]),
+        (rf"You move the ({_N}) to the ({_N})\.", lambda m: _moved(m.group(1), m.group(2))),
+        (
+            rf"You pour the contents of the ({_N}) into the ({_N})\.",
+            lambda m: [
+                f"{_POURED}{canonical(m.group(1))}, {canonical(m.group(2))})",
+                f"empty({canonical(m.group(1))})",
+            ],
+        ),
+        (rf"You pour the ({_N}) into the ({_N})\.", lambda m: _moved(m.group(1), m.group(2))),
+        (
+            rf"You dunk the {_N} in the {_N}, moving the liquids \(({_N})\) to the ({_N})\.",
+            lambda m: _moved(m.group(1), m.group(2)),
+        ),
+        (
+            rf"The ({_N}) is now (open|closed|activated|deactivated)\.",
+            lambda m: [f"{_STATE_WORDS[m.group(2)]}({canonical(m.group(1))})"],
+        ),
+        (
+            rf"The ({_N}) is already (open|closed|activated|deactivated)\.",
+            lambda m: [f"{_STATE_WORDS[m.group(2)]}({canonical(m.group(1))})"],
+        ),
+        (rf"({_N}) is now connected to ({_N})", lambda m: [_connected(m.group(1), m.group(2))]),
+        (rf"You focus on the ({_N})\.", lambda m: [f"focus({canonical(m.group(1))})"]),
+        (r"You reset the goal progress and focus\.", lambda m: [_UNFOCUS]),
+        (
+            r"the thermometer measures a temperature of (-?\d+(?:\.\d+)?) degrees celsius",
+            lambda m: [f"reading(thermometer, {m.group(1)} degrees celsius)"],
+        ),
+        (
+            rf"[A-Z][a-z-]+(?:,? (?:and )?[a-z-]+)*(?: paint)? mix to produce ({_N})\.",
+            lambda m: [f"made({m.group(1)})"],
+        ),
+        (rf"The ({_N}) (?:catches fire|is already on fire)\.", lambda m: [f"burning({canonical(m.group(1))})"]),
+        (rf"The ({_N}) was delicious\.", lambda m: [f"{_GONE}{canonical(m.group(1))})"]),
+        (
+            rf"The ({_N}) appears broken, and can't be activated or deactivated\.",
+            lambda m: [f"broken({canonical(m.group(1))})"],
+        ),
+        (rf"You hit the ({_N}) with the {_N}, causing it to break\.", lambda m: [f"broken({canonical(m.group(1))})"]),
+        (r"You dig a hole in the ground, and place the soil nearby\.", lambda m: ["dug(ground)"]),
+        # time passes or information only: the state is what it was (time's effects show when observed)
+        (r"You decide to wait for \d+ iterations?\.", lambda m: []),
+        (r"Task [Dd]escription:\n.*", lambda m: []),
+        (rf"The {_N} reads:\n.*", lambda m: []),
+        (rf"The {_N} is now flushing\.", lambda m: []),
+        (rf"The lighter heats up the {_N} a small amount\.", lambda m: []),
+        # failed, refused or ambiguous actions change nothing
+        (
+            r"Ambiguous request: Please enter the number for the action you intended \(or blank to cancel\):\n.*",
+            lambda m: [NO_CHANGE],
+        ),
+        (r"No known action matches that input\.", lambda m: [NO_CHANGE]),
+        (
+            r"Unknown action\.  Type 'help' for a list of actions, and 'objects' for a list of possible object referents\.",
+            lambda m: [NO_CHANGE],
+        ),
+        (r"That container is empty, so there are no items to mix\.", lambda m: [NO_CHANGE]),
+        (rf"There is only one thing \({_N}\)", lambda m: [NO_CHANGE]),
+        (rf"Mixing the contents of the {_N} does not appear to produce anything new\.", lambda m: [NO_CHANGE]),
+        (r"I'm not sure how to use those two things together\.", lambda m: [NO_CHANGE]),
+        (r"It's not clear how to use those items together\.", lambda m: [NO_CHANGE]),
+        (r"You can't move something into itself\.", lambda m: [NO_CHANGE]),
+        (r"You can't pick up a gas directly\.", lambda m: [NO_CHANGE]),
+        (rf"The {_N} does not contain any liquids to dunk into\.", lambda m: [NO_CHANGE]),
+        (rf"The {_N} is not moveable\.", lambda m: [NO_CHANGE]),
+        (r"That thing doesn't appear to have a temperature that the thermometer can read\.", lambda m: [NO_CHANGE]),
+        (rf"There is nothing in the {_N}\.", lambda m: [NO_CHANGE]),
+    ]
+]
 _ROOM = re.compile(rf"This (?:room|outside location) is called the ({_N})\. (?:In it,|Here) you see:")
 _INVENTORY = re.compile(r"In your inventory, you see:")
 _INSIDE = re.compile(rf"Inside the ({_N}) is:")
@@ -327,8 +358,11 @@ def next_state(state: frozenset[str], text: str) -> frozenset[str] | None:
         s = {f for f in s if not f.startswith("at(")}
     listed = {_arg(f) for f in facts if f.startswith(_LISTED)}
     if listed:
-        s = {f for f in s if not ((f.startswith("in(") and _pair(f)[1] in listed)
-                                  or (f.startswith("empty(") and _arg(f) in listed))}
+        s = {
+            f
+            for f in s
+            if not ((f.startswith("in(") and _pair(f)[1] in listed) or (f.startswith("empty(") and _arg(f) in listed))
+        }
     for f in facts:
         if f.startswith(_LISTED):
             continue

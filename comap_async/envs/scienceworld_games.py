@@ -7,8 +7,6 @@ task's variation split; listing them costs one JVM start (~1.4 s here). A game i
 
 from __future__ import annotations
 
-from comap_async.errors import CommandError
-
 import os
 import random
 import shutil
@@ -16,6 +14,7 @@ from functools import lru_cache
 
 from comap_async.config import SCIENCEWORLD_SPLITS as SPLITS
 from comap_async.envs.base import GameInfo
+from comap_async.errors import CommandError
 
 SIMPLIFICATION = "easy"
 """The simplifications most agent papers play with (``noElectricalAction, openDoors,

@@ -45,17 +45,22 @@ def resolve_adapter_dir(root: Path, lora_path: Any) -> Path:
     # resolve() follows every symlink on the way, so a link that points outside the root is caught here
     real = (path if path.is_absolute() else real_root / path).resolve()
     if real != real_root and real_root not in real.parents:
-        raise RequestError(f"'lora_path' {lora_path!r} is outside the adapter root {str(real_root)!r}", param="lora_path")
+        raise RequestError(
+            f"'lora_path' {lora_path!r} is outside the adapter root {str(real_root)!r}", param="lora_path"
+        )
     if not real.is_dir():
-        raise RequestError(f"adapter directory {lora_path!r} does not exist in the adapter root", status=404,
-                           param="lora_path")
+        raise RequestError(
+            f"adapter directory {lora_path!r} does not exist in the adapter root", status=404, param="lora_path"
+        )
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         f = (real / name).resolve()
         if real_root not in f.parents:
             raise RequestError(f"{name} of {lora_path!r} links outside the adapter root", param="lora_path")
         if not f.is_file():
-            raise RequestError(f"{lora_path!r} is not a peft LoRA adapter: {name} is missing "
-                               "(only safetensors adapters are loaded)", param="lora_path")
+            raise RequestError(
+                f"{lora_path!r} is not a peft LoRA adapter: {name} is missing (only safetensors adapters are loaded)",
+                param="lora_path",
+            )
     return real
 
 
@@ -95,15 +100,19 @@ def read_adapter(path: Path) -> AdapterFiles:
     except (OSError, ValueError) as exc:
         raise RequestError(f"{path.name}/{CONFIG_FILE} is not readable JSON: {exc}", param="lora_path") from None
     if not isinstance(raw, dict) or raw.get("peft_type", "LORA") != "LORA":
-        raise RequestError(f"{path.name}: only LoRA adapters are supported (peft_type={raw.get('peft_type')!r})"
-                           if isinstance(raw, dict) else f"{path.name}/{CONFIG_FILE} is not a JSON object",
-                           param="lora_path")
+        raise RequestError(
+            f"{path.name}: only LoRA adapters are supported (peft_type={raw.get('peft_type')!r})"
+            if isinstance(raw, dict)
+            else f"{path.name}/{CONFIG_FILE} is not a JSON object",
+            param="lora_path",
+        )
     try:
         config = LoraConfig.from_pretrained(str(path))
         tensors = load_file(str(path / WEIGHTS_FILE))
     except Exception as exc:  # peft and safetensors raise many types for bad files; all mean "bad adapter"
-        raise RequestError(f"{path.name} is not a valid LoRA adapter: {type(exc).__name__}: {exc}",
-                           param="lora_path") from None
+        raise RequestError(
+            f"{path.name} is not a valid LoRA adapter: {type(exc).__name__}: {exc}", param="lora_path"
+        ) from None
     if not tensors:
         raise RequestError(f"{path.name}/{WEIGHTS_FILE} holds no tensors", param="lora_path")
     bad = next((k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
@@ -165,8 +174,11 @@ class SlotManager:
             self.stacked = was_stacked
             self._drop(name)
             what = f"targets {outside[0]}" if outside else "needs LoRA biases or a non-Linear target"
-            raise RequestError(f"this adapter {what}, which the fused forward does not apply: serve it with "
-                               "inference.forward=transformers", param="lora_path")
+            raise RequestError(
+                f"this adapter {what}, which the fused forward does not apply: serve it with "
+                "inference.forward=transformers",
+                param="lora_path",
+            )
 
     def _add_module(self, name: str, config: Any) -> None:
         if self.peft is None:
@@ -216,6 +228,7 @@ class SlotManager:
                 if self.step_adapters is not None:
                     kwargs["adapter_names"] = self.step_adapters
                 return orig(x, *args, **kwargs)
+
             return run
 
         for module in self.peft.modules():
@@ -250,8 +263,11 @@ class SlotManager:
 
     def _modules_of(self, slot: str) -> dict[str, Any]:
         prefix = "base_model.model."
-        return {prefix + n if not n.startswith(prefix) else n: m
-                for n, m in self.peft.named_modules() if hasattr(m, "lora_A") and slot in m.lora_A}
+        return {
+            prefix + n if not n.startswith(prefix) else n: m
+            for n, m in self.peft.named_modules()
+            if hasattr(m, "lora_A") and slot in m.lora_A
+        }
 
     def add_slow(self, files: AdapterFiles) -> str:
         """Create a slot with the adapter's own config and load its weights (any LoRA shape peft supports)."""
@@ -270,15 +286,19 @@ class SlotManager:
             result = set_peft_model_state_dict(self.peft, files.tensors, adapter_name=name)
         except Exception as exc:  # e.g. size mismatch: the slot must not stay behind
             self._drop(name)
-            raise RequestError(f"{files.path.name} does not fit the base model: {str(exc)[:500]}",
-                               param="lora_path") from None
+            raise RequestError(
+                f"{files.path.name} does not fit the base model: {str(exc)[:500]}", param="lora_path"
+            ) from None
         unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
         missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k and f".{name}." in k]
         if unexpected or missing:
             self._drop(name)
-            what = (f"has weights for modules the base model lacks, e.g. {unexpected[0]}" if unexpected else
-                    f"has no weights for {len(missing)} of the modules its config targets, e.g. {missing[0]} "
-                    "(it would act as the base model there)")
+            what = (
+                f"has weights for modules the base model lacks, e.g. {unexpected[0]}"
+                if unexpected
+                else f"has no weights for {len(missing)} of the modules its config targets, e.g. {missing[0]} "
+                "(it would act as the base model there)"
+            )
             raise RequestError(f"{files.path.name} {what}", param="lora_path")
         self.stacks.sync(name)
         self._bump(name)

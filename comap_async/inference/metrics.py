@@ -26,38 +26,82 @@ def families(state: Any) -> list[Metric]:
     out: list[Metric] = []
     _line(out, "http_requests_total", "counter", "HTTP requests by route and status.",
           [({"route": r, "status": s}, n) for (r, s), n in sorted(state.requests.items())])
-    _line(out, "http_request_seconds_total", "counter", "Time spent handling HTTP requests.", [({}, state.request_seconds)])
+    _line(
+        out,
+        "http_request_seconds_total",
+        "counter",
+        "Time spent handling HTTP requests.",
+        [({}, state.request_seconds)],
+    )
     _line(out, "prompt_tokens_total", "counter", "Prompt tokens prefilled.", [({}, st.prompt_tokens)])
     _line(out, "generation_tokens_total", "counter", "Tokens generated.", [({}, st.generated_tokens)])
-    _line(out, "sequences_finished_total", "counter", "Sequences finished (stop, length or abort).", [({}, st.finished)])
+    _line(
+        out, "sequences_finished_total", "counter", "Sequences finished (stop, length or abort).", [({}, st.finished)]
+    )
     _line(out, "sequences_failed_total", "counter", "Sequences failed by an engine error.", [({}, st.failed)])
     _line(out, "sequences_running", "gauge", "Sequences in the decoding batch.", [({}, st.running)])
     _line(out, "sequences_waiting", "gauge", "Sequences queued for the batch.", [({}, st.waiting)])
     _line(out, "decode_steps_total", "counter", "Batched decode steps.", [({}, st.steps)])
-    _line(out, "decode_rows_total", "counter", "Sum of batch sizes over decode steps (rows/steps = mean batch).",
-          [({}, st.batch_rows)])
+    _line(
+        out,
+        "decode_rows_total",
+        "counter",
+        "Sum of batch sizes over decode steps (rows/steps = mean batch).",
+        [({}, st.batch_rows)],
+    )
     _line(out, "decode_seconds_total", "counter", "Time in decode steps.", [({}, st.step_seconds)])
     _line(out, "prefill_seconds_total", "counter", "Time in prompt prefill.", [({}, st.prefill_seconds)])
-    _line(out, "adapter_loads_total", "counter", "Adapter loads by path (fast = prebuilt spare slot).",
-          [({"path": k}, v) for k, v in sorted(reg.loads.items())])
+    _line(
+        out,
+        "adapter_loads_total",
+        "counter",
+        "Adapter loads by path (fast = prebuilt spare slot).",
+        [({"path": k}, v) for k, v in sorted(reg.loads.items())],
+    )
     _line(out, "adapter_load_seconds_total", "counter", "Time spent loading adapters.", [({}, reg.load_seconds)])
     _line(out, "adapters_loaded", "gauge", "Adapter names being served.", [({}, len(reg.bindings))])
-    _line(out, "adapter_slots_retired", "gauge", "Old adapter versions still finishing requests.", [({}, len(reg.retired))])
+    _line(
+        out,
+        "adapter_slots_retired",
+        "gauge",
+        "Old adapter versions still finishing requests.",
+        [({}, len(reg.retired))],
+    )
     peft = reg.slots.peft
-    _line(out, "adapter_slots", "gauge", "LoRA slots in the model (served, retired and spare).",
-          [({}, len(peft.peft_config) if peft is not None else 0)])
-    _line(out, "adapter_spare_slots", "gauge", "Prebuilt adapter slots ready for a fast load.",
-          [({}, len(reg.slots.spares))])
+    _line(
+        out,
+        "adapter_slots",
+        "gauge",
+        "LoRA slots in the model (served, retired and spare).",
+        [({}, len(peft.peft_config) if peft is not None else 0)],
+    )
+    _line(
+        out,
+        "adapter_spare_slots",
+        "gauge",
+        "Prebuilt adapter slots ready for a fast load.",
+        [({}, len(reg.slots.spares))],
+    )
     pc = state.engine.prefix
     if pc is not None:
-        _line(out, "prefix_cache_hit_tokens_total", "counter", "Prompt tokens whose KV came from the prefix cache.",
-              [({}, pc.hits)])
+        _line(
+            out,
+            "prefix_cache_hit_tokens_total",
+            "counter",
+            "Prompt tokens whose KV came from the prefix cache.",
+            [({}, pc.hits)],
+        )
         _line(out, "prefix_cache_blocks", "gauge", "Cached prompt-prefix blocks.", [({}, len(pc))])
     uptime = max(1e-9, time.time() - state.started_at)
     busy = st.step_seconds + st.prefill_seconds
     _line(out, "uptime_seconds", "gauge", "Seconds since the server started.", [({}, round(uptime, 3))])
-    _line(out, "idle_fraction", "gauge", "Share of the uptime with no prefill or decode running (1 - busy/uptime).",
-          [({}, round(max(0.0, 1.0 - busy / uptime), 6))])
+    _line(
+        out,
+        "idle_fraction",
+        "gauge",
+        "Share of the uptime with no prefill or decode running (1 - busy/uptime).",
+        [({}, round(max(0.0, 1.0 - busy / uptime), 6))],
+    )
     _line(out, "engine_alive", "gauge", "1 while the engine thread runs.", [({}, 1 if state.engine.alive else 0)])
     return out
 

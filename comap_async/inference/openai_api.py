@@ -22,7 +22,12 @@ from aiohttp import web
 from comap_async.httpcommon import bearer_matches
 from comap_async.inference.engine import Engine, Sequence
 from comap_async.inference.slot_registry import AdapterRegistry
-from comap_async.inference.token_sampling import CompletionRequest, RequestError, make_generator, parse_completion_request
+from comap_async.inference.token_sampling import (
+    CompletionRequest,
+    RequestError,
+    make_generator,
+    parse_completion_request,
+)
 from comap_async.prompts import ChatTemplate
 
 MAX_WAITING = 1024  # queued sequences beyond this get 503 (clients retry elsewhere / later)
@@ -102,8 +107,9 @@ def _check_admin(request: web.Request) -> None:
     if not token:
         return
     if not bearer_matches(request.headers.get("Authorization", ""), token):
-        raise RequestError("Unauthorized: this endpoint needs 'Authorization: Bearer <inference.admin_token>'",
-                           status=401)
+        raise RequestError(
+            "Unauthorized: this endpoint needs 'Authorization: Bearer <inference.admin_token>'", status=401
+        )
 
 
 # ------------------------------------------------------------------ completions
@@ -122,13 +128,19 @@ def _check_lengths(state: ServerState, req: CompletionRequest, ids: list[list[in
         if any(t < 0 or t >= vocab for t in p):
             raise RequestError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})", param="prompt")
         if n > state.max_prompt_tokens:
-            raise RequestError(f"prompt {i} has {n} tokens, more than the server's limit of {state.max_prompt_tokens} "
-                               "(inference.max_prompt_tokens)", param="prompt")
+            raise RequestError(
+                f"prompt {i} has {n} tokens, more than the server's limit of {state.max_prompt_tokens} "
+                "(inference.max_prompt_tokens)",
+                param="prompt",
+            )
         if n + req.params.max_tokens > state.max_model_len:
-            raise RequestError(f"This model's maximum context length is {state.max_model_len} tokens. However, you "
-                               f"requested {n + req.params.max_tokens} tokens ({n} in the messages, "
-                               f"{req.params.max_tokens} in the completion). Please reduce the length of the "
-                               "messages or completion.", param="max_tokens")
+            raise RequestError(
+                f"This model's maximum context length is {state.max_model_len} tokens. However, you "
+                f"requested {n + req.params.max_tokens} tokens ({n} in the messages, "
+                f"{req.params.max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion.",
+                param="max_tokens",
+            )
 
 
 def _logprobs(engine: Engine, seq: Sequence, k: int, as_ids: bool) -> dict[str, Any]:
@@ -144,15 +156,22 @@ def _logprobs(engine: Engine, seq: Sequence, k: int, as_ids: bool) -> dict[str, 
         offsets.append(offset)
         offset += len(s)
         tops.append(d)
-    return {"text_offset": offsets, "token_logprobs": [max(v, -9999.0) for v in seq.token_logprobs],
-            "tokens": tokens, "top_logprobs": tops}
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [max(v, -9999.0) for v in seq.token_logprobs],
+        "tokens": tokens,
+        "top_logprobs": tops,
+    }
 
 
 async def prepare(state: ServerState, req: CompletionRequest) -> list[list[int]]:
     """The checks every generation request passes before any sequence exists; returns the prompts' ids."""
     if len(req.prompts) * req.n > MAX_WAITING:  # could never be queued: not a busy server, a request to split
-        raise RequestError(f"this request asks for {len(req.prompts) * req.n} sequences (prompts x n); the server "
-                           f"queues at most {MAX_WAITING}: send it in parts", param="prompt")
+        raise RequestError(
+            f"this request asks for {len(req.prompts) * req.n} sequences (prompts x n); the server "
+            f"queues at most {MAX_WAITING}: send it in parts",
+            param="prompt",
+        )
     state.registry.resolve(req.model)  # 404 before any work
     ids = await asyncio.get_running_loop().run_in_executor(state.executor, _tokenize, state.tokenizer, req.prompts)
     _check_lengths(state, req, ids)
@@ -163,8 +182,9 @@ async def prepare(state: ServerState, req: CompletionRequest) -> list[list[int]]
     return ids
 
 
-def submit(state: ServerState, req: CompletionRequest, ids: list[list[int]],
-           on_token: Any = None) -> tuple[list[Sequence], list[asyncio.Future]]:
+def submit(
+    state: ServerState, req: CompletionRequest, ids: list[list[int]], on_token: Any = None
+) -> tuple[list[Sequence], list[asyncio.Future]]:
     """Hand ``n`` sequences per prompt to the engine; each future resolves when its sequence ends.
     ``on_token(seq)`` (engine thread) is called after every generated token (streaming)."""
     loop = asyncio.get_running_loop()
@@ -180,8 +200,9 @@ def submit(state: ServerState, req: CompletionRequest, ids: list[list[int]],
         for j in range(req.n):
             fut = loop.create_future()
             seed = None if req.params.seed is None else req.params.seed + j
-            seq = Sequence(p, req.params, slot=state.registry.acquire(req.model), generator=make_generator(seed),
-                           on_token=on_token)
+            seq = Sequence(
+                p, req.params, slot=state.registry.acquire(req.model), generator=make_generator(seed), on_token=on_token
+            )
             seq.on_done = lambda s, f=fut: loop.call_soon_threadsafe(done, s, f)
             seqs.append(seq)
             futures.append(fut)
@@ -205,8 +226,12 @@ async def finished(seqs: list[Sequence], futures: list[asyncio.Future]) -> None:
 def usage(ids: list[list[int]], seqs: list[Sequence]) -> dict[str, Any]:
     prompt_tokens = sum(len(p) for p in ids)
     completion_tokens = sum(len(s.out_ids) for s in seqs)
-    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens, "prompt_tokens_details": None}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+    }
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -225,16 +250,30 @@ async def completions(request: web.Request) -> web.StreamResponse:
     seqs, futures = submit(state, req, ids)
     await finished(seqs, futures)
     k = req.params.logprobs
-    choices = [{
-        "index": i, "text": s.text,
-        "logprobs": _logprobs(state.engine, s, k, req.return_tokens_as_token_ids) if k is not None else None,
-        "finish_reason": s.finish_reason, "stop_reason": s.stop_reason, "prompt_logprobs": None,
-    } for i, s in enumerate(seqs)]
-    return web.json_response({
-        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": name,
-        "choices": choices, "usage": usage(ids, seqs),
-        "system_fingerprint": None, "service_tier": None, "kv_transfer_params": None,
-    })
+    choices = [
+        {
+            "index": i,
+            "text": s.text,
+            "logprobs": _logprobs(state.engine, s, k, req.return_tokens_as_token_ids) if k is not None else None,
+            "finish_reason": s.finish_reason,
+            "stop_reason": s.stop_reason,
+            "prompt_logprobs": None,
+        }
+        for i, s in enumerate(seqs)
+    ]
+    return web.json_response(
+        {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": name,
+            "choices": choices,
+            "usage": usage(ids, seqs),
+            "system_fingerprint": None,
+            "service_tier": None,
+            "kv_transfer_params": None,
+        }
+    )
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -245,12 +284,30 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 # ------------------------------------------------------------------ models and adapters
 def _card(state: ServerState, id_: str, root: str, parent: str | None, created: int) -> dict[str, Any]:
-    perm = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
-            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
-            "group": None, "is_blocking": False}
-    return {"id": id_, "object": "model", "created": created, "owned_by": "vllm", "root": root, "parent": parent,
-            "max_model_len": state.max_model_len if parent is None else None, "permission": [perm]}
+    perm = {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+    return {
+        "id": id_,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": root,
+        "parent": parent,
+        "max_model_len": state.max_model_len if parent is None else None,
+        "permission": [perm],
+    }
 
 
 async def models(request: web.Request) -> web.Response:
@@ -268,8 +325,9 @@ async def load_adapter(request: web.Request) -> web.Response:
     if not body.get("lora_name") or not body.get("lora_path"):
         raise RequestError("Both 'lora_name' and 'lora_path' must be provided.")
     # shielded: a client that gives up mid-load must not leave a half-bound adapter slot behind
-    msg = await asyncio.shield(request.app[STATE].registry.load(body["lora_name"], body["lora_path"],
-                                                                body.get("load_inplace", False)))
+    msg = await asyncio.shield(
+        request.app[STATE].registry.load(body["lora_name"], body["lora_path"], body.get("load_inplace", False))
+    )
     return web.Response(text=msg)
 
 
@@ -333,8 +391,12 @@ def build_fused(model: Any, slots: Any, inf: Any, log: Any = None) -> Any:
     fused = FusedLlama(model, slots.stacks, inference_dtype(inf.dtype), batch_hint=inf.max_batch_size)
     slots.fused_targets = fused.lora_targets
     if log:
-        log.info("serve.forward", forward="fused", dtype=str(fused.dtype).removeprefix("torch."),
-                 weight_mb=round(fused.weight_bytes / 2**20))
+        log.info(
+            "serve.forward",
+            forward="fused",
+            dtype=str(fused.dtype).removeprefix("torch."),
+            weight_mb=round(fused.weight_bytes / 2**20),
+        )
     return fused
 
 
@@ -362,25 +424,50 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
     max_model_len = min(max_pos, inf.max_prompt_tokens + inf.max_new_tokens)
     from comap_async.inference.prefix import PrefixCache
 
-    engine = Engine(model, tok, slots, max_batch_size=inf.max_batch_size, batch_wait_ms=inf.batch_wait_ms,
-                    max_model_len=max_model_len, seed=cfg.run.seed, log=log,
-                    prefix_cache=PrefixCache(max_bytes=inf.prefix_cache_mb << 20) if inf.prefix_cache_mb else None,
-                    fused=fused, top_candidates=inf.top_p_candidates)
+    engine = Engine(
+        model,
+        tok,
+        slots,
+        max_batch_size=inf.max_batch_size,
+        batch_wait_ms=inf.batch_wait_ms,
+        max_model_len=max_model_len,
+        seed=cfg.run.seed,
+        log=log,
+        prefix_cache=PrefixCache(max_bytes=inf.prefix_cache_mb << 20) if inf.prefix_cache_mb else None,
+        fused=fused,
+        top_candidates=inf.top_p_candidates,
+    )
     engine.start()
     engine.call(slots.fill_spares).result()
     executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="comap-io")
     root = cfg.adapter_root
     root.mkdir(parents=True, exist_ok=True)
-    registry = AdapterRegistry(engine, slots, root, cfg.model.name_or_path, executor, log,
-                               max_loaded=inf.max_loaded_adapters)
-    return ServerState(engine=engine, registry=registry, tokenizer=tok, base_name=cfg.model.name_or_path,
-                       model_path=str(path), max_prompt_tokens=inf.max_prompt_tokens,
-                       max_new_tokens=inf.max_new_tokens, max_model_len=max_model_len, executor=executor,
-                       admin_token=inf.admin_token, log=log, chat_template=ChatTemplate.from_model_dir(path))
+    registry = AdapterRegistry(
+        engine, slots, root, cfg.model.name_or_path, executor, log, max_loaded=inf.max_loaded_adapters
+    )
+    return ServerState(
+        engine=engine,
+        registry=registry,
+        tokenizer=tok,
+        base_name=cfg.model.name_or_path,
+        model_path=str(path),
+        max_prompt_tokens=inf.max_prompt_tokens,
+        max_new_tokens=inf.max_new_tokens,
+        max_model_len=max_model_len,
+        executor=executor,
+        admin_token=inf.admin_token,
+        log=log,
+        chat_template=ChatTemplate.from_model_dir(path),
+    )
 
 
-async def serve(cfg: Any, log: Any = None, initial_adapters: dict[str, str] | None = None,
-                ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+async def serve(
+    cfg: Any,
+    log: Any = None,
+    initial_adapters: dict[str, str] | None = None,
+    ready: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
     """Run until SIGTERM/SIGINT (or ``stop`` is set)."""
     loop = asyncio.get_running_loop()
     state = await loop.run_in_executor(None, create_state, cfg, log)
@@ -398,8 +485,13 @@ async def serve(cfg: Any, log: Any = None, initial_adapters: dict[str, str] | No
         except (NotImplementedError, RuntimeError):  # not the main thread (in-process tests): ``stop`` is used
             pass
     if log:
-        log.info("serve.ready", url=f"http://{cfg.inference.host}:{cfg.inference.port}", model=state.base_name,
-                 adapter_root=str(state.registry.root), max_batch_size=state.engine.max_batch_size)
+        log.info(
+            "serve.ready",
+            url=f"http://{cfg.inference.host}:{cfg.inference.port}",
+            model=state.base_name,
+            adapter_root=str(state.registry.root),
+            max_batch_size=state.engine.max_batch_size,
+        )
     if ready is not None:
         ready.set()
     try:
@@ -415,4 +507,3 @@ async def serve(cfg: Any, log: Any = None, initial_adapters: dict[str, str] | No
 def run_server(cfg: Any, log: Any = None, initial_adapters: dict[str, str] | None = None) -> int:
     asyncio.run(serve(cfg, log, initial_adapters))
     return 0
-

@@ -23,7 +23,9 @@ class PrefixCache:
     def __init__(self, block: int = 32, max_bytes: int = 256 << 20) -> None:
         self.block = block
         self.max_bytes = max_bytes
-        self._blocks: OrderedDict[Key, tuple[Key | None, tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]]] = OrderedDict()
+        self._blocks: OrderedDict[Key, tuple[Key | None, tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]]] = (
+            OrderedDict()
+        )
         self._bytes = 0
         self.hits = 0  # tokens served from the cache
         self.misses = 0  # prompt tokens computed
@@ -31,13 +33,14 @@ class PrefixCache:
     def _chain(self, slot: str, gen: int, ids: list[int], upto: int):
         prev: Key | None = None
         for start in range(0, upto, self.block):
-            toks = tuple(ids[start:start + self.block])
+            toks = tuple(ids[start : start + self.block])
             key = (slot, gen, hash((prev, toks)))
             yield start, prev, toks, key
             prev = key
 
-    def lookup(self, slot: str, gen: int, ids: list[int],
-               key_dim: int = 2) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+    def lookup(
+        self, slot: str, gen: int, ids: list[int], key_dim: int = 2
+    ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
         """(n cached tokens, per-layer (keys, values) ``[1, heads, n, dim]``); at least one token is left to compute.
 
         ``key_dim``: the keys' position dimension (3 for a cache that keeps keys transposed).
@@ -52,18 +55,29 @@ class PrefixCache:
             found.append(entry[2])
         if not found:
             return 0, None
-        layers = [(torch.cat([b[i][0] for b in found], dim=key_dim), torch.cat([b[i][1] for b in found], dim=2))
-                  for i in range(len(found[0]))]
+        layers = [
+            (torch.cat([b[i][0] for b in found], dim=key_dim), torch.cat([b[i][1] for b in found], dim=2))
+            for i in range(len(found[0]))
+        ]
         return len(found) * self.block, layers
 
-    def store(self, slot: str, gen: int, ids: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]], start: int,
-              key_dim: int = 2) -> None:
+    def store(
+        self,
+        slot: str,
+        gen: int,
+        ids: list[int],
+        layers: list[tuple[torch.Tensor, torch.Tensor]],
+        start: int,
+        key_dim: int = 2,
+    ) -> None:
         """Keep the full blocks of a freshly prefilled prompt (``layers``: its per-layer keys/values)."""
         full = (len(ids) // self.block) * self.block
         for pos, prev, toks, key in self._chain(slot, gen, ids, full):
             if pos < start or key in self._blocks:
                 continue
-            kv = [(k.narrow(key_dim, pos, self.block).clone(), v[:, :, pos:pos + self.block].clone()) for k, v in layers]
+            kv = [
+                (k.narrow(key_dim, pos, self.block).clone(), v[:, :, pos : pos + self.block].clone()) for k, v in layers
+            ]
             self._blocks[key] = (prev, toks, kv)
             self._bytes += sum(k.numel() * k.element_size() * 2 for k, _ in kv)
         while self._bytes > self.max_bytes and self._blocks:

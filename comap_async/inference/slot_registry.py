@@ -97,7 +97,9 @@ class AdapterRegistry:
             t0 = time.perf_counter()
             loop = asyncio.get_running_loop()
             # path checks and file reads hit the disk: both off the event loop
-            files = await loop.run_in_executor(self.executor, lambda: read_adapter(resolve_adapter_dir(self.root, lora_path)))
+            files = await loop.run_in_executor(
+                self.executor, lambda: read_adapter(resolve_adapter_dir(self.root, lora_path))
+            )
             path = files.path
             slot = self.slots.take_spare()
             how = "fast"
@@ -122,8 +124,15 @@ class AdapterRegistry:
             self.loads[how] += 1
             self.load_seconds += time.perf_counter() - t0
             if self.log:
-                self.log.info("adapter.loaded", name=name, slot=slot, path=str(path), how=how, inplace=old is not None,
-                              ms=round((time.perf_counter() - t0) * 1000, 1))
+                self.log.info(
+                    "adapter.loaded",
+                    name=name,
+                    slot=slot,
+                    path=str(path),
+                    how=how,
+                    inplace=old is not None,
+                    ms=round((time.perf_counter() - t0) * 1000, 1),
+                )
             return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload(self, name: Any) -> str:
@@ -155,6 +164,7 @@ class AdapterRegistry:
         stalls the engine ~0.2 s). Fused: beside the decoding, after ``REFILL_DELAY_S``: building
         holds the GIL (~0.2 s a slot), and the first requests for a version just loaded (the rest of
         a publish, then the actors) should not wait behind it."""
+
         def submit() -> None:
             self._structural(self.slots.fill_spares, idle=True).add_done_callback(self._log_failure)
 

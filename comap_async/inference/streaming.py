@@ -112,10 +112,17 @@ def chat_request(body: Any, state: Any) -> tuple[CompletionRequest, bool]:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
-        raise RequestError("'messages' must be a non-empty list of {role, content} objects with text content",
-                           param="messages")
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    ):
+        raise RequestError(
+            "'messages' must be a non-empty list of {role, content} objects with text content", param="messages"
+        )
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError("'stream' must be true or false", param="stream")
@@ -136,9 +143,21 @@ def _chat_logprobs(state: Any, seq: Any, k: int) -> dict[str, Any]:
     content = []
     for tok, lp, top in zip(seq.out_ids, seq.token_logprobs, seq.top_logprobs):
         t = state.engine.token_str(tok)
-        content.append({"token": t, "logprob": max(lp, -9999.0), "bytes": list(t.encode()),
-                        "top_logprobs": [{"token": state.engine.token_str(i), "logprob": max(v, -9999.0),
-                                          "bytes": list(state.engine.token_str(i).encode())} for i, v in top[:k]]})
+        content.append(
+            {
+                "token": t,
+                "logprob": max(lp, -9999.0),
+                "bytes": list(t.encode()),
+                "top_logprobs": [
+                    {
+                        "token": state.engine.token_str(i),
+                        "logprob": max(v, -9999.0),
+                        "bytes": list(state.engine.token_str(i).encode()),
+                    }
+                    for i, v in top[:k]
+                ],
+            }
+        )
     return {"content": content}
 
 
@@ -157,16 +176,38 @@ async def chat(request: web.Request, state: Any, body: Any) -> web.StreamRespons
             if i not in started:  # the first chunk of a choice names the role
                 started.add(i)
                 delta = {"role": "assistant", **delta}
-            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name,
-                    "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish,
-                                 "stop_reason": stop}]}
+            return {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": name,
+                "choices": [
+                    {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish, "stop_reason": stop}
+                ],
+            }
 
         return await _stream(request, state, req, ids, chunk)
     seqs, futures = submit(state, req, ids)
     await finished(seqs, futures)
     k = req.params.logprobs
-    choices = [{"index": i, "message": {"role": "assistant", "content": s.text, "tool_calls": []},
-                "logprobs": _chat_logprobs(state, s, k) if k is not None else None,
-                "finish_reason": s.finish_reason, "stop_reason": s.stop_reason} for i, s in enumerate(seqs)]
-    return web.json_response({"id": cid, "object": "chat.completion", "created": created, "model": name,
-                              "choices": choices, "usage": usage(ids, seqs), "prompt_logprobs": None})
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": s.text, "tool_calls": []},
+            "logprobs": _chat_logprobs(state, s, k) if k is not None else None,
+            "finish_reason": s.finish_reason,
+            "stop_reason": s.stop_reason,
+        }
+        for i, s in enumerate(seqs)
+    ]
+    return web.json_response(
+        {
+            "id": cid,
+            "object": "chat.completion",
+            "created": created,
+            "model": name,
+            "choices": choices,
+            "usage": usage(ids, seqs),
+            "prompt_logprobs": None,
+        }
+    )

@@ -22,8 +22,13 @@ class RequestError(ValueError):
         super().__init__(message)
         self.status = status
         self.param = param
-        self.err_type = err_type or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                                     413: "BadRequestError", 503: "ServiceUnavailableError"}.get(status, "BadRequestError")
+        self.err_type = err_type or {
+            400: "BadRequestError",
+            401: "AuthenticationError",
+            404: "NotFoundError",
+            413: "BadRequestError",
+            503: "ServiceUnavailableError",
+        }.get(status, "BadRequestError")
 
 
 @dataclass(frozen=True)
@@ -52,8 +57,15 @@ class CompletionRequest:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _number(body: dict, key: str, default: Any, kind: type, lo: float | None = None, hi: float | None = None,
-            lo_open: bool = False) -> Any:
+def _number(
+    body: dict,
+    key: str,
+    default: Any,
+    kind: type,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+) -> Any:
     value = body.get(key, default)
     if value is None:
         return default
@@ -86,7 +98,9 @@ def _prompts(raw: Any) -> list[str | list[int]]:
             return list(raw)
         if all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
             return [list(raw)]
-        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in raw):
+        if all(
+            isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in raw
+        ):
             return [list(p) for p in raw]
     raise RequestError("'prompt' must be a non-empty string, list of strings, or list of token ids", param="prompt")
 
@@ -122,7 +136,9 @@ def parse_completion_request(body: Any, max_new_tokens: int) -> CompletionReques
     logprobs = body.get("logprobs")
     if logprobs is not None:
         if isinstance(logprobs, bool) or not isinstance(logprobs, int):
-            raise RequestError(f"'logprobs' must be an integer (top-k alternatives), got {logprobs!r}", param="logprobs")
+            raise RequestError(
+                f"'logprobs' must be an integer (top-k alternatives), got {logprobs!r}", param="logprobs"
+            )
         if not 0 <= logprobs <= MAX_LOGPROBS:
             raise RequestError(f"'logprobs' must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
     top_k = _number(body, "top_k", 0, int, -1)
@@ -167,8 +183,13 @@ class StepOutput:
     """The ``k`` most likely tokens and their logprobs (empty when logprobs were not requested)."""
 
 
-def sample_step(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                default_generator: torch.Generator, top_candidates: int = 256) -> list[StepOutput]:
+def sample_step(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator,
+    top_candidates: int = 256,
+) -> list[StepOutput]:
     """Pick one token per row of ``logits`` ``[batch, vocab]`` with each row's own sampling parameters.
 
     ``top_candidates``: see :func:`sample_top`; 0 sorts the whole vocabulary of every top-p/top-k row.
@@ -204,8 +225,9 @@ def sample_step(logits: torch.Tensor, params: list[SamplingParams], generators: 
     return out
 
 
-def sample_top(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-               candidates: int = 256) -> list[int]:
+def sample_top(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator], candidates: int = 256
+) -> list[int]:
     """Top-p / top-k sampling of each row from its ``candidates`` most likely tokens.
 
     Sorting the whole vocabulary per row (49k entries for SmolLM2) cost ~4 ms a row, more than the
@@ -218,8 +240,10 @@ def sample_top(logits: torch.Tensor, params: list[SamplingParams], generators: l
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
     scaled = logits / temps
     if candidates <= 0:
-        return [_draw(torch.softmax(_filter_top(scaled[i], p.top_k, p.top_p), dim=-1), g)
-                for i, (p, g) in enumerate(zip(params, generators))]
+        return [
+            _draw(torch.softmax(_filter_top(scaled[i], p.top_k, p.top_p), dim=-1), g)
+            for i, (p, g) in enumerate(zip(params, generators))
+        ]
     k = min(scaled.shape[1], max(candidates, max(p.top_k for p in params)))
     vals, idx = torch.topk(scaled, k, dim=-1)  # descending
     probs = torch.exp(vals - torch.logsumexp(scaled, dim=-1, keepdim=True))  # under the full softmax
@@ -241,7 +265,7 @@ def sample_top(logits: torch.Tensor, params: list[SamplingParams], generators: l
         if not ok:  # the nucleus reaches past the candidates: sort the whole row (the draw above is unused)
             p = params[i]
             row = _filter_top(scaled[i], p.top_k, p.top_p)
-            picked[i] = _draw(torch.softmax(row, dim=-1), generators[i], u01=u01[i:i + 1])
+            picked[i] = _draw(torch.softmax(row, dim=-1), generators[i], u01=u01[i : i + 1])
     return picked
 
 

@@ -44,26 +44,42 @@ def find_vllm_python(explicit: str | None = None) -> str:
     return sys.executable
 
 
-def build_command(cfg: Any, model_path: str, python: str, lora_modules: dict[str, str] | None = None,
-                  extra: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
+def build_command(
+    cfg: Any, model_path: str, python: str, lora_modules: dict[str, str] | None = None, extra: list[str] | None = None
+) -> tuple[list[str], dict[str, str]]:
     """(argv, environment additions) for vLLM's OpenAI server."""
     inf, lr = cfg.inference, cfg.learner
     argv = [
-        python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model_path,
-        "--served-model-name", cfg.model.name_or_path,
-        "--host", inf.host,
-        "--port", str(inf.port),
-        "--dtype", cfg.model.dtype,
-        "--seed", str(cfg.run.seed),
-        "--max-model-len", str(inf.max_prompt_tokens + inf.max_new_tokens),
-        "--max-num-seqs", str(inf.max_batch_size),
-        "--generation-config", "vllm",
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_path,
+        "--served-model-name",
+        cfg.model.name_or_path,
+        "--host",
+        inf.host,
+        "--port",
+        str(inf.port),
+        "--dtype",
+        cfg.model.dtype,
+        "--seed",
+        str(cfg.run.seed),
+        "--max-model-len",
+        str(inf.max_prompt_tokens + inf.max_new_tokens),
+        "--max-num-seqs",
+        str(inf.max_batch_size),
+        "--generation-config",
+        "vllm",
         "--enable-lora",
-        "--max-lora-rank", str(max_lora_rank(lr.lora_r)),
-        "--max-loras", str(inf.max_loras),
-        "--max-cpu-loras", str(max(inf.max_loras, inf.max_loaded_adapters)),
-        "--tensor-parallel-size", str(inf.tensor_parallel),
+        "--max-lora-rank",
+        str(max_lora_rank(lr.lora_r)),
+        "--max-loras",
+        str(inf.max_loras),
+        "--max-cpu-loras",
+        str(max(inf.max_loras, inf.max_loaded_adapters)),
+        "--tensor-parallel-size",
+        str(inf.tensor_parallel),
     ]
     if inf.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
@@ -79,8 +95,13 @@ def build_command(cfg: Any, model_path: str, python: str, lora_modules: dict[str
     return argv, env
 
 
-def exec_vllm(cfg: Any, python: str | None = None, lora_modules: dict[str, str] | None = None,
-              extra: list[str] | None = None, log: Any = None) -> None:
+def exec_vllm(
+    cfg: Any,
+    python: str | None = None,
+    lora_modules: dict[str, str] | None = None,
+    extra: list[str] | None = None,
+    log: Any = None,
+) -> None:
     """Replace this process with vLLM's server (signals from honcho/systemd then reach vLLM directly)."""
     from comap_async.models import resolve_model
 

@@ -17,11 +17,19 @@ import zmq.asyncio
 
 from comap_async import retry as retry_policy
 from comap_async.config import RetryConfig
+from comap_async.waiting import cancel_and_wait
 from comap_async.wire.messages import (
-    Announce, Batch, EvalResult, GetRegistry, GetStats, LearnerRequest, Message, Reply, Sample,
+    Announce,
+    Batch,
+    EvalResult,
+    GetRegistry,
+    GetStats,
+    LearnerRequest,
+    Message,
+    Reply,
+    Sample,
 )
 from comap_async.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, ProtocolError, decode, encode
-from comap_async.waiting import cancel_and_wait
 
 
 class BrokerError(RuntimeError):

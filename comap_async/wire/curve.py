@@ -12,8 +12,6 @@ authorised by having its public ``.key`` in ``authorized_clients/``; remove it t
 
 from __future__ import annotations
 
-from comap_async.errors import CommandError
-
 import os
 import shutil
 from dataclasses import dataclass
@@ -22,6 +20,8 @@ from typing import Any
 
 import zmq
 import zmq.auth
+
+from comap_async.errors import CommandError
 
 AUTHORIZED = "authorized_clients"
 

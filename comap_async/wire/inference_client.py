@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-
-import orjson
 import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 
 from comap_async import retry as retry_policy
 from comap_async.config import RetryConfig
@@ -168,9 +167,12 @@ class InferenceClient:
         if self._session is None or self._session.closed:
             headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
             # orjson: actors send several requests per environment step; stdlib json is a visible share of it
-            self._session = aiohttp.ClientSession(timeout=self.timeout, headers=headers,
-                                                  connector=aiohttp.TCPConnector(limit=0),
-                                                  json_serialize=lambda obj: orjson.dumps(obj).decode())
+            self._session = aiohttp.ClientSession(
+                timeout=self.timeout,
+                headers=headers,
+                connector=aiohttp.TCPConnector(limit=0),
+                json_serialize=lambda obj: orjson.dumps(obj).decode(),
+            )
         return self._session
 
     # ---------------------------------------------------------------- endpoint choice and retries
@@ -212,8 +214,9 @@ class InferenceClient:
                 return await self._once_aiohttp(endpoint, method, path, body)
             data = None if body is None else orjson.dumps(body)
             try:
-                status, raw = await self._pool.request(endpoint, method, path, data, self._headers(), self.timeout_s,
-                                                       self.connect_timeout_s)
+                status, raw = await self._pool.request(
+                    endpoint, method, path, data, self._headers(), self.timeout_s, self.connect_timeout_s
+                )
             except asyncio.TimeoutError as exc:  # before OSError: TimeoutError is one
                 raise _Retryable(str(exc) or f"timed out after {self.timeout_s:g} s") from None
             except OSError as exc:  # ConnectionError, and HttpProtocolError (one of those)
@@ -238,8 +241,9 @@ class InferenceClient:
         except asyncio.TimeoutError:
             raise _Retryable(f"timed out after {self.timeout.total:g} s") from None
 
-    async def _request(self, method: str, path: str, body: Any = None, endpoint: str | None = None,
-                       retry: RetryConfig | None = None) -> tuple[int, str, str]:
+    async def _request(
+        self, method: str, path: str, body: Any = None, endpoint: str | None = None, retry: RetryConfig | None = None
+    ) -> tuple[int, str, str]:
         """(status, text, endpoint) of the first non-retryable answer; ``endpoint`` pins the server;
         ``retry`` replaces the client's policy for this call."""
         policy = retry or self.retry
@@ -263,23 +267,45 @@ class InferenceClient:
             return await retry_policy.call(policy, attempt, retry_on=_Retryable, rng=self._rng)
         except _Retryable:
             detail = "; ".join(errors[-3:])
-            raise InferenceError(f"{method} {path} failed after {len(errors)} attempts: {detail}",
-                                 status=last[1], endpoint=last[0], attempts=len(errors)) from None
+            raise InferenceError(
+                f"{method} {path} failed after {len(errors)} attempts: {detail}",
+                status=last[1],
+                endpoint=last[0],
+                attempts=len(errors),
+            ) from None
 
     async def _checked(self, method: str, path: str, body: Any = None, endpoint: str | None = None) -> tuple[str, str]:
         status, text, ep = await self._request(method, path, body, endpoint)
         if status >= 400:
-            raise InferenceError(f"{method} {path} on {ep}: HTTP {status}: {_message(status, text)}", status=status,
-                                 endpoint=ep)
+            raise InferenceError(
+                f"{method} {path} on {ep}: HTTP {status}: {_message(status, text)}", status=status, endpoint=ep
+            )
         return text, ep
 
     # ---------------------------------------------------------------- API
-    async def complete(self, prompt: str | list, *, model: str | None = None, max_tokens: int = 16,
-                       temperature: float = 1.0, top_p: float = 1.0, stop: str | list[str] | None = None,
-                       seed: int | None = None, logprobs: int | None = None, n: int = 1, **extra: Any) -> Completion:
+    async def complete(
+        self,
+        prompt: str | list,
+        *,
+        model: str | None = None,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop: str | list[str] | None = None,
+        seed: int | None = None,
+        logprobs: int | None = None,
+        n: int = 1,
+        **extra: Any,
+    ) -> Completion:
         """``POST /v1/completions``; ``extra`` passes vLLM's extra fields (``top_k``, ``ignore_eos``, ...)."""
-        body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-                                "top_p": top_p, "n": n, **extra}
+        body: dict[str, Any] = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "n": n,
+            **extra,
+        }
         if model is not None:
             body["model"] = model
         for key, value in (("stop", stop), ("seed", seed), ("logprobs", logprobs)):
@@ -288,11 +314,18 @@ class InferenceClient:
         text, ep = await self._checked("POST", "/v1/completions", body)
         return Completion.from_json(orjson.loads(text), ep)
 
-    async def _on_all(self, path: str, body: dict[str, Any], ok_404: bool = False,
-                      endpoints: list[str] | None = None, retry: RetryConfig | None = None) -> None:
+    async def _on_all(
+        self,
+        path: str,
+        body: dict[str, Any],
+        ok_404: bool = False,
+        endpoints: list[str] | None = None,
+        retry: RetryConfig | None = None,
+    ) -> None:
         targets = [e.rstrip("/") for e in endpoints] if endpoints else self.endpoints
-        results = await asyncio.gather(*(self._request("POST", path, body, endpoint=e, retry=retry) for e in targets),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(self._request("POST", path, body, endpoint=e, retry=retry) for e in targets), return_exceptions=True
+        )
         failures = []
         for ep, res in zip(targets, results):
             if isinstance(res, BaseException):
@@ -301,21 +334,37 @@ class InferenceClient:
                 failures.append((ep, res[0], _message(res[0], res[1])))
         if failures:
             detail = "; ".join(f"{ep}: {f'HTTP {st}: ' if st else ''}{msg}" for ep, st, msg in failures)
-            raise InferenceError(f"POST {path} failed on {len(failures)}/{len(targets)} endpoints: {detail}",
-                                 status=failures[0][1], endpoint=failures[0][0])
+            raise InferenceError(
+                f"POST {path} failed on {len(failures)}/{len(targets)} endpoints: {detail}",
+                status=failures[0][1],
+                endpoint=failures[0][0],
+            )
 
-    async def load_adapter(self, name: str, path: str, *, load_inplace: bool = False, endpoint: str | None = None,
-                           retry: RetryConfig | None = None) -> None:
+    async def load_adapter(
+        self,
+        name: str,
+        path: str,
+        *,
+        load_inplace: bool = False,
+        endpoint: str | None = None,
+        retry: RetryConfig | None = None,
+    ) -> None:
         """Load a peft adapter directory under ``name`` on every endpoint (or only on ``endpoint``);
         ``retry`` replaces the client's policy (``NO_RETRY`` when the caller retries itself)."""
         body = {"lora_name": name, "lora_path": str(path), "load_inplace": load_inplace}
         await self._on_all("/v1/load_lora_adapter", body, endpoints=[endpoint] if endpoint else None, retry=retry)
 
-    async def unload_adapter(self, name: str, *, missing_ok: bool = False, endpoint: str | None = None,
-                             retry: RetryConfig | None = None) -> None:
+    async def unload_adapter(
+        self, name: str, *, missing_ok: bool = False, endpoint: str | None = None, retry: RetryConfig | None = None
+    ) -> None:
         """Unload ``name`` everywhere (or on ``endpoint``); ``missing_ok``: a server without it (restarted) is fine."""
-        await self._on_all("/v1/unload_lora_adapter", {"lora_name": name}, ok_404=missing_ok,
-                           endpoints=[endpoint] if endpoint else None, retry=retry)
+        await self._on_all(
+            "/v1/unload_lora_adapter",
+            {"lora_name": name},
+            ok_404=missing_ok,
+            endpoints=[endpoint] if endpoint else None,
+            retry=retry,
+        )
 
     async def model_cards(self, endpoint: str | None = None) -> list[dict[str, Any]]:
         """``GET /v1/models`` data: the base model first, then the adapters."""

@@ -315,12 +315,14 @@ class Reply(Message, tag="reply", kw_only=True):
 
 
 LearnerRequest = Union[Sample, Announce, GetRegistry, EvalResult, GetStats]
-AnyMessage = Union[Transition, Episode, Reflection, Imagined, Ack, Sample, Announce, GetRegistry, EvalResult, GetStats, Batch,
-                   Reply]
+AnyMessage = Union[
+    Transition, Episode, Reflection, Imagined, Ack, Sample, Announce, GetRegistry, EvalResult, GetStats, Batch, Reply
+]
 ACTOR_TYPES = (Transition, Episode, Reflection, Imagined)
 
 
 # ---- stored records (broker -> LMDB -> learner) ------------------------------------------------
+
 
 class Record(Struct, kw_only=True):
     """A record the broker derives and stores (packed as a plain map; learners read it by name)."""

@@ -28,9 +28,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from comap_async.waiting import cancel_and_wait
 from comap_async.wire.messages import Ack, ActorMessage, Registry
 from comap_async.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, ProtocolError, decode, encode, message_type, validate
-from comap_async.waiting import cancel_and_wait
 
 
 @dataclass(slots=True)

@@ -16,8 +16,18 @@ import msgspec
 import msgspec.inspect
 
 from comap_async.wire.messages import (  # noqa: F401 - re-exported: the codec's users name them from here
-    ACTOR_TYPES, DEFAULT_MAX_MESSAGE_BYTES, ID_LEN, MAX_ITEMS, PHASES, REFLECTION_LABELS, SCHEMA_VERSION, STORES,
-    TEXT_LEN, AnyMessage, Message, Registry,
+    ACTOR_TYPES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ID_LEN,
+    MAX_ITEMS,
+    PHASES,
+    REFLECTION_LABELS,
+    SCHEMA_VERSION,
+    STORES,
+    TEXT_LEN,
+    AnyMessage,
+    Message,
+    Registry,
 )
 
 _TYPES: dict[str, type[Message]] = {cls.__struct_config__.tag: cls for cls in AnyMessage.__args__}
@@ -100,8 +110,10 @@ def error_reason(exc: ProtocolError) -> str:
 
 # Free-form maps a peer fills (an actor's episode metrics, an announce, an eval result): msgpack
 # binaries and extension types would decode, then break every JSON view of them (``/stats``).
-_FREE_MAPS = {cls: [f.name for f in msgspec.structs.fields(cls) if f.name in ("metrics", "versions", "adapters", "result")]
-              for cls in AnyMessage.__args__}
+_FREE_MAPS = {
+    cls: [f.name for f in msgspec.structs.fields(cls) if f.name in ("metrics", "versions", "adapters", "result")]
+    for cls in AnyMessage.__args__
+}
 _PLAIN = (str, int, float, bool, type(None))
 
 
@@ -116,17 +128,21 @@ def _check_plain(name: str, value: Any, depth: int = 0) -> None:
         for v in value:
             _check_plain(name, v, depth + 1)
         return
-    raise ProtocolError(f"field '{name}' holds {type(value).__name__} values (only strings, numbers, booleans, "
-                        "lists and maps, 8 levels deep)")
+    raise ProtocolError(
+        f"field '{name}' holds {type(value).__name__} values (only strings, numbers, booleans, "
+        "lists and maps, 8 levels deep)"
+    )
 
 
 # ---- reasons -----------------------------------------------------------------------------------
 
+
 def _loose(data: Any, max_bytes: int) -> Any:
     """The frame as plain msgpack (it is well-formed: msgspec read it), to word a rejection."""
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False, max_str_len=max_bytes, max_bin_len=max_bytes,
-                               max_ext_len=0)
+        return msgpack.unpackb(
+            data, raw=False, strict_map_key=False, max_str_len=max_bytes, max_bin_len=max_bytes, max_ext_len=0
+        )
     except Exception:  # noqa: BLE001 - e.g. a key msgpack-python will not hash; the generic reason serves
         return None
 
@@ -156,10 +172,14 @@ def _reason(obj: Any, exc: msgspec.ValidationError) -> ProtocolError:
         return ProtocolError(f"field '{field}' must be finite")
     if detail.startswith("Invalid enum value"):
         choices = msgspec.inspect.type_info(cls)
-        allowed = next((list(f.type.values) for f in choices.fields if f.name == field and hasattr(f.type, "values")),
-                       None)
-        return ProtocolError(f"field '{field}' must be one of {allowed}, got {value!r}" if allowed else
-                             f"field '{field}' must be one of the allowed values, got {value!r}")
+        allowed = next(
+            (list(f.type.values) for f in choices.fields if f.name == field and hasattr(f.type, "values")), None
+        )
+        return ProtocolError(
+            f"field '{field}' must be one of {allowed}, got {value!r}"
+            if allowed
+            else f"field '{field}' must be one of the allowed values, got {value!r}"
+        )
     if "length <=" in detail:
         return ProtocolError(f"field '{field}' is over its limit: {detail}")
     return ProtocolError(f"field '{field}': {detail}")

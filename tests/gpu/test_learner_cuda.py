@@ -18,8 +18,14 @@ from comap_async.wire.messages import ROLES
 from learner.checkpoint import latest, load_checkpoint, save_checkpoint
 from learner.peft_model import adapter_parameters, load_adapter_state
 from tests.fixtures.learner import make_trainer
-from tests.unit.test_learner_fast_path import LOSSES, RTOL, mixed_batch, randomize_adapters, step_with_grads, \
-    worst_difference
+from tests.unit.test_learner_fast_path import (
+    LOSSES,
+    RTOL,
+    mixed_batch,
+    randomize_adapters,
+    step_with_grads,
+    worst_difference,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 CUDA = "cuda"

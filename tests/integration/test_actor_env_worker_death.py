@@ -28,11 +28,22 @@ def children(pid: int) -> list[int]:
 
 def start_actor(broker, server, data, tiny_model_dir, log_path, *extra):
     cmd = [sys.executable, "-m", "comap_async", "actor", "--config", str(REPO / "configs" / "test.yaml"), "--envs", "2"]
-    for o in system_overrides(broker, server, tiny_model_dir, f"env.data_dir={data}", "env.split=valid_seen",
-                              "actor.env_workers=1", "actor.warmup_explore=0", "actor.max_warmup_episodes=1000", *extra):
+    for o in system_overrides(
+        broker,
+        server,
+        tiny_model_dir,
+        f"env.data_dir={data}",
+        "env.split=valid_seen",
+        "actor.env_workers=1",
+        "actor.warmup_explore=0",
+        "actor.max_warmup_episodes=1000",
+        *extra,
+    ):
         cmd += ["--set", o]
     log = open(log_path, "wb")
-    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COMAP_LOG_JSON": "1"})
+    return subprocess.Popen(
+        cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COMAP_LOG_JSON": "1"}
+    )
 
 
 async def wait_for_episodes(broker, n: int, proc, timeout: float = 120) -> int:
@@ -52,8 +63,9 @@ def env_worker_of(proc) -> int:
     raise AssertionError(f"no env worker among {children(proc.pid)}")
 
 
-async def test_a_killed_env_worker_is_replaced_and_episodes_go_on(broker_factory, roomy_server, alfworld_data,
-                                                                  tiny_model_dir, tmp_path):
+async def test_a_killed_env_worker_is_replaced_and_episodes_go_on(
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, tmp_path
+):
     broker = broker_factory()
     proc = start_actor(broker, roomy_server, alfworld_data, tiny_model_dir, tmp_path / "actor.log")
     try:
@@ -70,14 +82,16 @@ async def test_a_killed_env_worker_is_replaced_and_episodes_go_on(broker_factory
         proc.wait(30)
     log = (tmp_path / "actor.log").read_text()
     assert log.count('"event": "actor.episode_failed"') <= 2  # the episodes on the dead worker, once each
-    assert proc.returncode == 0 and "\"actor/env_restarts\": 1" in log  # counted in the actor's metrics
+    assert proc.returncode == 0 and '"actor/env_restarts": 1' in log  # counted in the actor's metrics
 
 
-async def test_past_its_restart_budget_the_actor_exits_with_one_line(broker_factory, roomy_server, alfworld_data,
-                                                                    tiny_model_dir, tmp_path):
+async def test_past_its_restart_budget_the_actor_exits_with_one_line(
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, tmp_path
+):
     broker = broker_factory()
-    proc = start_actor(broker, roomy_server, alfworld_data, tiny_model_dir, tmp_path / "actor.log",
-                       "actor.env_restarts=0")
+    proc = start_actor(
+        broker, roomy_server, alfworld_data, tiny_model_dir, tmp_path / "actor.log", "actor.env_restarts=0"
+    )
     try:
         await wait_for_episodes(broker, 1, proc)
         os.kill(env_worker_of(proc), signal.SIGKILL)

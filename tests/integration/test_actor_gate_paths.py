@@ -13,8 +13,8 @@ from actors.llm import Reflected
 from comap_async.config import load_config
 from comap_async.envs.alfworld_facts import next_state
 from comap_async.envs.pool import AsyncEnvPool
-from comap_async.wire.protocol import as_map, validate
 from comap_async.wire.messages import Registry
+from comap_async.wire.protocol import as_map, validate
 
 pytestmark = pytest.mark.alfworld
 
@@ -88,7 +88,9 @@ async def test_gate_opens_and_closes_on_a_real_game(valid_seen, alfworld_data):
     assert stats.revisions == len([t for t in transitions if t["t"] % 2 == 0])
     assert "delta_f1" in sent[-1]["metrics"]
     assert len(transitions) == 6 and stats.gate_reasons == {"revised": 3, "low_confidence": 2, "unreadable": 1}
-    assert stats.unreadable_reflections == 1 and sent[-1]["metrics"]["unreadable_reflection_rate"] == pytest.approx(1 / 6)
+    assert stats.unreadable_reflections == 1 and sent[-1]["metrics"]["unreadable_reflection_rate"] == pytest.approx(
+        1 / 6
+    )
 
 
 class PlanFollower:
@@ -181,8 +183,9 @@ async def test_overlapped_teacher_sends_the_same_transitions(valid_seen, alfworl
     game = sorted(valid_seen, key=lambda g: g.name)[0]
     results = {}
     for setting in (False, overlap):
-        cfg = load_config(None, [f"env.data_dir={alfworld_data}", "env.max_steps=6",
-                                 f"actor.overlap_teacher={str(setting).lower()}"])
+        cfg = load_config(
+            None, [f"env.data_dir={alfworld_data}", "env.max_steps=6", f"actor.overlap_teacher={str(setting).lower()}"]
+        )
         sent: list[dict] = []
 
         async def emit(msg, sent=sent):
@@ -196,11 +199,14 @@ async def test_overlapped_teacher_sends_the_same_transitions(valid_seen, alfworl
             ctx = EpisodeContext("test", cfg, llm, emit, next_state, lambda: Registry(versions={"policy": 3, "wm": 2}))
             await play_coevolve(ctx, env, game, "test:e1")
         results[setting] = ([{k: v for k, v in m.items() if k not in ("ts", "wall_s")} for m in sent], llm.log)
-    (before, log_before), (after, log_after) = results[False], results[overlap]
+    (before, _), (after, log_after) = results[False], results[overlap]
     assert after == before and len(before) == 7  # 6 transitions, then the episode
     # sequential: every teacher call ends before the next draft; overlapped: the next draft starts first
-    drafts_inside_teacher = sum(1 for i, e in enumerate(log_after)
-                                if e == "draft" and log_after[:i].count("teacher:start") > log_after[:i].count("teacher:end"))
+    drafts_inside_teacher = sum(
+        1
+        for i, e in enumerate(log_after)
+        if e == "draft" and log_after[:i].count("teacher:start") > log_after[:i].count("teacher:end")
+    )
     assert drafts_inside_teacher == (5 if overlap else 0)
 
 

@@ -11,9 +11,9 @@ from actors.worker import ActorWorker
 from comap_async.config import load_config
 from comap_async.gates import action_gate
 from comap_async.logsetup import configure_logging
+from comap_async.wire.broker_client import BrokerClient
 from comap_async.wire.messages import Transition
 from comap_async.wire.protocol import validate
-from comap_async.wire.broker_client import BrokerClient
 from tests.fixtures.broker import stored
 from tests.fixtures.system import system_overrides
 
@@ -82,18 +82,22 @@ async def test_warmup_expert_episodes_win_and_land_in_demos(broker_factory, room
     demos = [d for d in demos if not d["id"].endswith(":r")]
     assert len(demos) == len(transitions) == sum(s.steps for _, s in results)
     assert all(d["target"] == t["a_exec"] for d, t in zip(demos, transitions))
-    assert all(t["expert_action"] for t in transitions), [(t["id"][-6:], t["a_exec"], t["expert_action"]) for t in transitions]  # the handcoded expert's label rides along
+    assert all(t["expert_action"] for t in transitions), [
+        (t["id"][-6:], t["a_exec"], t["expert_action"]) for t in transitions
+    ]  # the handcoded expert's label rides along
     assert all(t["phase"] == "warmup" for t in transitions)
     assert sum(t["won"] for t in transitions) == 3  # each episode's last demonstration wins its game
     check_contiguous(transitions, stored(broker, "episodes"))
 
 
-async def test_actor_survives_broker_outage_without_loss_or_duplicates(broker_factory, roomy_server, alfworld_data,
-                                                                       tiny_model_dir, valid_seen):
+async def test_actor_survives_broker_outage_without_loss_or_duplicates(
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen
+):
     broker = broker_factory()
     games = sorted(valid_seen, key=lambda g: g.name)[3:9]
-    cfg = actor_config(broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=50",
-                       "actor.ack_timeout_s=0.5")
+    cfg = actor_config(
+        broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=50", "actor.ack_timeout_s=0.5"
+    )
     worker = ActorWorker(cfg, configure_logging("actor-test"), envs=2, episodes=6, games=games)
     run = asyncio.create_task(worker.run())
 
@@ -110,17 +114,20 @@ async def test_actor_survives_broker_outage_without_loss_or_duplicates(broker_fa
     assert len(results) == 6 and worker.metrics.failures == 0
     transitions, episodes = stored(broker, "transitions"), stored(broker, "episodes")
     assert len(episodes) == 6
-    assert len([t for t in transitions if not t.get("explore") and not t.get("recovery")]) == \
-        sum(s.steps for _, s in results)
+    assert len([t for t in transitions if not t.get("explore") and not t.get("recovery")]) == sum(
+        s.steps for _, s in results
+    )
     check_contiguous(transitions, episodes)
 
 
-async def test_actor_idles_after_its_warmup_share_until_the_phase_moves_on(broker_factory, roomy_server,
-                                                                          alfworld_data, tiny_model_dir, valid_seen):
+async def test_actor_idles_after_its_warmup_share_until_the_phase_moves_on(
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen
+):
     broker = broker_factory()
     games = sorted(valid_seen, key=lambda g: g.name)[:3]
-    cfg = actor_config(broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=3",
-                       "actor.max_warmup_episodes=1")
+    cfg = actor_config(
+        broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=3", "actor.max_warmup_episodes=1"
+    )
     worker = ActorWorker(cfg, configure_logging("actor-test"), envs=1, episodes=3, games=games)
     run = asyncio.create_task(worker.run())
     while not broker.stats()["stores"]["episodes"]["count"]:

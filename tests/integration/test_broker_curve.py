@@ -11,9 +11,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from comap_async.wire.outbox import Outbox
-from comap_async.wire.curve import ClientKeys, load_client_keys
 from comap_async.wire.broker_client import BrokerClient, BrokerError
+from comap_async.wire.curve import ClientKeys, load_client_keys
+from comap_async.wire.outbox import Outbox
 from tests.fixtures.broker import REPO, make_transition
 
 
@@ -72,7 +72,9 @@ async def test_curve_only_authorised_clients_store(broker_factory, tmp_path):
     assert stats["stores"]["transitions"]["count"] == 0 and stats["ingest"]["stored_total"] == 0
     assert "intruder" not in stats["actors"]
     assert _peer_count(stats, "handshake_failed_auth") >= 1  # the rogue key, refused by the allow-list
-    assert _peer_count(stats, "handshake_failed_protocol", "handshake_failed_no_detail") >= 2  # no CURVE / bad server key
+    assert (
+        _peer_count(stats, "handshake_failed_protocol", "handshake_failed_no_detail") >= 2
+    )  # no CURVE / bad server key
     assert stats["peers"].get("learner_handshake_failed_auth", 0) >= 1
     assert _peer_count(before, "handshake_failed_auth") == 0
 

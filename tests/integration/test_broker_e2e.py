@@ -9,13 +9,13 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from comap_async.wire.outbox import Outbox
+from actors.registry_view import RegistryView
 from broker.ingest import load_next_state
 from broker.store import ReplayStore
-from actors.registry_view import RegistryView
 from comap_async.gates import derive_policy_sample
-from comap_async.wire.protocol import validate
 from comap_async.wire.broker_client import BrokerClient, BrokerError
+from comap_async.wire.outbox import Outbox
+from comap_async.wire.protocol import validate
 from tests.fixtures.broker import make_episode, make_transition
 
 TOKEN = "s3cret-token"

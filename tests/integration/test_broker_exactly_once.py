@@ -8,8 +8,8 @@ import collections
 
 import msgpack
 
-from comap_async.wire.outbox import Outbox
 from broker.store import ReplayStore
+from comap_async.wire.outbox import Outbox
 from tests.fixtures.broker import make_transition
 
 N_TOTAL = 10_000

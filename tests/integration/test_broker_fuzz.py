@@ -11,10 +11,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from comap_async.wire.outbox import Outbox
 from comap_async.wire.broker_client import BrokerClient
-from tests.fixtures.protocol_v1 import SCHEMAS  # the frozen v1 spec: which kinds are really wrong
+from comap_async.wire.outbox import Outbox
 from tests.fixtures.broker import make_transition
+from tests.fixtures.protocol_v1 import SCHEMAS  # the frozen v1 spec: which kinds are really wrong
 
 N_FRAMES = 10_000
 WRONG = {  # values of the wrong wire type for each schema field kind

@@ -12,8 +12,8 @@ import time
 
 import msgpack
 
-from comap_async.wire.outbox import Outbox
 from broker.store import ReplayStore
+from comap_async.wire.outbox import Outbox
 from tests.fixtures.broker import make_transition
 
 N = 3000
@@ -107,13 +107,27 @@ async def test_broker_gates_batches_itself_while_its_worker_is_busy(broker_facto
     """With the worker's queue full and nothing to commit, the broker process gates batches too;
     every message is still stored exactly once, with the samples the worker would have made."""
     n = 640
-    bp = broker_factory(["broker.gate_workers=1", "broker.group_commit=32", "broker.capacity_transitions=1000",
-                         "broker.capacity_reflections=1000"], args=["--state-facts", "tests.fixtures.slow_parser:next_state"])
+    bp = broker_factory(
+        [
+            "broker.gate_workers=1",
+            "broker.group_commit=32",
+            "broker.capacity_transitions=1000",
+            "broker.capacity_reflections=1000",
+        ],
+        args=["--state-facts", "tests.fixtures.slow_parser:next_state"],
+    )
     ob = await Outbox(bp.actor_endpoint, ack_timeout_s=5.0, max_pending=512).start()
     for i in range(n):  # new texts per message: the parser's cache cannot hide its cost
         pick = f"You pick up the apple {i + 1} from the countertop {i + 1}."
-        await ob.put(make_transition(i, o=f"You arrive at countertop {i + 1}.", s_hat_exec=pick,
-                                     s_hat_teacher=pick if i % 2 else "Nothing happens.", s_next=pick))
+        await ob.put(
+            make_transition(
+                i,
+                o=f"You arrive at countertop {i + 1}.",
+                s_hat_exec=pick,
+                s_hat_teacher=pick if i % 2 else "Nothing happens.",
+                s_next=pick,
+            )
+        )
     await ob.flush(120)
     stats = bp.stats()
     await ob.close()

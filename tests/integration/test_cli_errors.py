@@ -54,8 +54,20 @@ def test_a_broker_whose_replay_dir_is_a_file_says_so_in_one_line(tmp_path):
     (tmp_path / "t" / "replay").write_text("not a directory")
     from comap_async.ports import free_port
 
-    r = comap("broker", "--set", f"run.root={tmp_path}", "--set", "run.name=t", "--set", f"broker.actor_port={free_port()}",
-              "--set", f"broker.learner_port={free_port()}", "--set", f"broker.http_port={free_port()}", timeout=60)
+    r = comap(
+        "broker",
+        "--set",
+        f"run.root={tmp_path}",
+        "--set",
+        "run.name=t",
+        "--set",
+        f"broker.actor_port={free_port()}",
+        "--set",
+        f"broker.learner_port={free_port()}",
+        "--set",
+        f"broker.http_port={free_port()}",
+        timeout=60,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("comap broker: error: cannot start: "), r.stderr[-1500:]
 

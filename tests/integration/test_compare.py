@@ -28,8 +28,18 @@ async def make_run(run_dir: Path, tiny_model_dir: Path, ablation: list[str]) -> 
         trainer.train_step([batch])
     write_run_ablation(run_dir, ablation)
     for version in (1, 2):
-        await publish_adapters(trainer.model, version, "coevolve", 3, root=run_dir / "adapters", inference=RecordingEndpoint(),
-                               endpoints=["http://unused"], broker=RecordingEndpoint(), log=QuietLog(), ablation=ablation)
+        await publish_adapters(
+            trainer.model,
+            version,
+            "coevolve",
+            3,
+            root=run_dir / "adapters",
+            inference=RecordingEndpoint(),
+            endpoints=["http://unused"],
+            broker=RecordingEndpoint(),
+            log=QuietLog(),
+            ablation=ablation,
+        )
 
 
 async def test_compare_writes_one_table_and_a_png(tmp_path, tiny_model_dir, model_cache, alfworld_data):
@@ -37,16 +47,42 @@ async def test_compare_writes_one_table_and_a_png(tmp_path, tiny_model_dir, mode
     for name, ablation in runs.items():
         await make_run(tmp_path / name, tiny_model_dir, ablation)
     out = tmp_path / "cmp"
-    cmd = [sys.executable, "-m", "comap_async", "compare", str(tmp_path / "comap"), str(tmp_path / "frozen"),
-           "--config", "configs/test.yaml", "--split", "valid_seen", "--games", "2", "--data", str(alfworld_data),
-           "--methods", "react,imagine_and_act", "--out", str(out), "--set", f"model.cache_dir={model_cache}",
-           "--set", f"run.root={tmp_path / 'runs'}", "--set", "env.max_steps=3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "comap_async",
+        "compare",
+        str(tmp_path / "comap"),
+        str(tmp_path / "frozen"),
+        "--config",
+        "configs/test.yaml",
+        "--split",
+        "valid_seen",
+        "--games",
+        "2",
+        "--data",
+        str(alfworld_data),
+        "--methods",
+        "react,imagine_and_act",
+        "--out",
+        str(out),
+        "--set",
+        f"model.cache_dir={model_cache}",
+        "--set",
+        f"run.root={tmp_path / 'runs'}",
+        "--set",
+        "env.max_steps=3",
+    ]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads((out / "compare.json").read_text())
     assert report["games"] == 2
     assert [(row["kind"], row["method"], row["ablation"]) for row in report["rows"]] == [
-        ("method", "react", []), ("method", "imagine_and_act", []), ("run", "comap", []), ("run", "comap", ["frozen_wm"])]
+        ("method", "react", []),
+        ("method", "imagine_and_act", []),
+        ("run", "comap", []),
+        ("run", "comap", ["frozen_wm"]),
+    ]
     assert all(row["games"] == 2 and 0.0 <= row["success_rate"] <= 1.0 for row in report["rows"])
     assert [row["adapter_version"] for row in report["rows"]] == [0, 0, 2, 2]
     assert report["rows"][0]["delta_f1"] is None and report["rows"][2]["delta_f1"] is not None
@@ -61,8 +97,21 @@ async def test_compare_writes_one_table_and_a_png(tmp_path, tiny_model_dir, mode
 
 
 def test_compare_refuses_a_directory_that_is_not_a_run(tmp_path, model_cache):
-    cmd = [sys.executable, "-m", "comap_async", "compare", str(tmp_path), "--config", "configs/test.yaml",
-           "--split", "valid_seen", "--out", str(tmp_path / "o"), "--set", f"model.cache_dir={model_cache}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "comap_async",
+        "compare",
+        str(tmp_path),
+        "--config",
+        "configs/test.yaml",
+        "--split",
+        "valid_seen",
+        "--out",
+        str(tmp_path / "o"),
+        "--set",
+        f"model.cache_dir={model_cache}",
+    ]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "is not a run directory" in r.stderr and "Traceback" not in r.stderr
 
@@ -73,16 +122,44 @@ async def test_the_baselines_can_play_with_a_runs_adapters(tmp_path, tiny_model_
     await make_run(tmp_path / "source", tiny_model_dir, [])
     await make_run(tmp_path / "fork", tiny_model_dir, ["frozen_wm"])
     out = tmp_path / "cmp"
-    cmd = [sys.executable, "-m", "comap_async", "compare", str(tmp_path / "fork"), "--config", "configs/test.yaml",
-           "--split", "valid_seen", "--games", "1", "--data", str(alfworld_data), "--methods", "draft_only",
-           "--methods-from", f"{tmp_path / 'source'}:1", "--out", str(out), "--set", f"model.cache_dir={model_cache}",
-           "--set", f"run.root={tmp_path / 'runs'}", "--set", "env.max_steps=3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "comap_async",
+        "compare",
+        str(tmp_path / "fork"),
+        "--config",
+        "configs/test.yaml",
+        "--split",
+        "valid_seen",
+        "--games",
+        "1",
+        "--data",
+        str(alfworld_data),
+        "--methods",
+        "draft_only",
+        "--methods-from",
+        f"{tmp_path / 'source'}:1",
+        "--out",
+        str(out),
+        "--set",
+        f"model.cache_dir={model_cache}",
+        "--set",
+        f"run.root={tmp_path / 'runs'}",
+        "--set",
+        "env.max_steps=3",
+    ]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads((out / "compare.json").read_text())["rows"]
     assert [(row["method"], row["adapter_version"]) for row in rows] == [("draft_only", 1), ("comap", 2)]
     assert rows[0]["label"] == "Draft only (source v1)" and rows[0]["loop_rate"] is not None
     assert "| loop rate |" in (out / "compare.md").read_text()
-    r = subprocess.run([*cmd[:cmd.index("--methods-from") + 1], f"{tmp_path / 'source'}:7",
-                        *cmd[cmd.index("--methods-from") + 2:]], cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [*cmd[: cmd.index("--methods-from") + 1], f"{tmp_path / 'source'}:7", *cmd[cmd.index("--methods-from") + 2 :]],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "adapter version 7 not found" in r.stderr

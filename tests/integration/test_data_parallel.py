@@ -15,9 +15,9 @@ import torch
 from tests.fixtures.broker import stored
 from tests.fixtures.dp_trainer_worker import micro_batches, trained_state
 from tests.fixtures.learner import make_trainer
+from tests.fixtures.system import system_overrides
 from tests.integration.test_learner_e2e import fill
 from tests.integration.test_learner_phases import warmup_transitions
-from tests.fixtures.system import system_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3

@@ -17,43 +17,11 @@ from comap_async.config import load_config
 from comap_async.envs import games_from_config
 from comap_async.envs.base import spread_sample
 from comap_async.logsetup import configure_logging
-from comap_async.prompts import CRITIC_PREFIX, DECISION_PREFIX, FINAL_PREFIX, SYSTEM_WORLD, THOUGHT_PREFIX
-from comap_async.wire.inference_client import InferenceClient
 from comap_async.wire.messages import Registry
 
 pytestmark = pytest.mark.alfworld
 REPO = Path(__file__).resolve().parents[2]
 MAX_STEPS = 4
-
-
-def call_kind(prompt: str) -> str:
-    """Which call a prompt is, from the prompt builders' own markers."""
-    if SYSTEM_WORLD in prompt:
-        return "teacher" if "Hindsight" in prompt else "imagine"
-    if prompt.endswith(THOUGHT_PREFIX):
-        return "react"
-    if prompt.endswith(DECISION_PREFIX):
-        return "reflect"
-    if prompt.endswith(CRITIC_PREFIX):
-        return "critic"
-    if prompt.endswith(FINAL_PREFIX):  # Imagine-and-Act's choice, or a reflection continued for its action
-        return "continue" if "Your draft action:" in prompt else "choose"
-    return "draft"
-
-
-@pytest.fixture
-def recorded_calls(monkeypatch) -> list[dict]:
-    calls: list[dict] = []
-    complete = InferenceClient.complete
-
-    async def recording(self, prompt, **kw):
-        out = await complete(self, prompt, **kw)
-        calls.append({"kind": call_kind(prompt), "logprobs": kw.get("logprobs"), "text": out.text,
-                      "temperature": kw.get("temperature"), "raw": out.raw})
-        return out
-
-    monkeypatch.setattr(InferenceClient, "complete", recording)
-    return calls
 
 
 def play(method: str, roomy_server, alfworld_data, tiny_model_dir, tmp_path, *extra: str):

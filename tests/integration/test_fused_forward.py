@@ -157,8 +157,8 @@ def test_adapter_the_fused_forward_cannot_apply_is_refused(tiny_model_dir, tmp_p
     from peft import LoraConfig, get_peft_model
 
     from comap_async.config import InferenceConfig
-    from comap_async.inference.token_sampling import RequestError
     from comap_async.inference.openai_api import build_fused
+    from comap_async.inference.token_sampling import RequestError
 
     base, _ = load_model_and_tokenizer(str(tiny_model_dir))
     get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"])).save_pretrained(

@@ -12,8 +12,8 @@ import uvloop
 from aiohttp import web
 
 from comap_async.config import CoMapConfig
-from comap_async.wire.inference_client import InferenceClient, InferenceError
 from comap_async.wire.http1 import Http1Pool, HttpProtocolError
+from comap_async.wire.inference_client import InferenceClient, InferenceError
 from tests.fixtures.core import free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -257,8 +257,9 @@ async def test_inference_client_gives_the_same_results_over_both_transports():
         assert r.text == " take apple" and r.choices[0].logprobs.token_logprobs == [-0.1, -0.2]
         assert status == 400 and "prompt is bad" in message and healthy is True
         keepalive, aio = s.seen[:3], s.seen[3:]
-        assert [(m, p, orjson.loads(b) if b else b, a) for m, p, b, a in keepalive] == \
-               [(m, p, orjson.loads(b) if b else b, a) for m, p, b, a in aio]
+        assert [(m, p, orjson.loads(b) if b else b, a) for m, p, b, a in keepalive] == [
+            (m, p, orjson.loads(b) if b else b, a) for m, p, b, a in aio
+        ]
         assert keepalive[0][3] == "Bearer secret"
 
 

@@ -18,7 +18,6 @@ from comap_async.wire.broker_client import BrokerClient
 from learner.loop import LearnerState, Prefetcher, store_requests
 from tests.fixtures.broker import stored
 from tests.integration.test_actor_loop import actor_config, announce
-from tests.integration.test_eval_methods import recorded_calls  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.alfworld
 

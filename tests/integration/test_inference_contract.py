@@ -13,8 +13,8 @@ import math
 import aiohttp
 import pytest
 
-from comap_async.wire.inference_client import InferenceError
 from comap_async.prompts import ChatTemplate, DecisionTokens, Prompts, revise_probability
+from comap_async.wire.inference_client import InferenceError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -53,7 +53,10 @@ async def test_decision_logprobs_give_p_revise(inference_server, adapters, refer
     tok = reference.tokenizer
     prompt = Prompts(ChatTemplate.from_model_dir(inference_server.model_dir)).reflect(STATE, "look", "Nothing happens.")
     prompt_ids = tok(prompt).input_ids
-    keep, revise = tok(" KEEP", add_special_tokens=False).input_ids[0], tok(" REVISE", add_special_tokens=False).input_ids[0]
+    keep, revise = (
+        tok(" KEEP", add_special_tokens=False).input_ids[0],
+        tok(" REVISE", add_special_tokens=False).input_ids[0],
+    )
     path = adapters.decision("decision-v1", prompt_ids, (keep, revise))
     async with inference_server.client() as c:
         await c.load_adapter("decision-v1", str(path), load_inplace=True)
@@ -115,9 +118,21 @@ async def test_mixed_adapters_in_one_batch_match_reference(inference_server, ada
         for name, p in paths.items():
             await c.load_adapter(name, str(p), load_inplace=True)
         models = [None, "mix-v1", "mix-v2"] * 3
-        resps = await asyncio.gather(*(
-            c.complete(prompt_ids, model=m, max_tokens=10, temperature=1.0, seed=i, logprobs=0, ignore_eos=True,
-                       return_tokens_as_token_ids=True) for i, m in enumerate(models)))
+        resps = await asyncio.gather(
+            *(
+                c.complete(
+                    prompt_ids,
+                    model=m,
+                    max_tokens=10,
+                    temperature=1.0,
+                    seed=i,
+                    logprobs=0,
+                    ignore_eos=True,
+                    return_tokens_as_token_ids=True,
+                )
+                for i, m in enumerate(models)
+            )
+        )
     worst: dict[str | None, float] = {}
     for m, r in zip(models, resps):
         lp = r.choices[0].logprobs
@@ -134,7 +149,7 @@ async def test_stop_strings_and_finish_reasons(inference_server):
         free = await c.complete(STATE, max_tokens=20, temperature=0.0, ignore_eos=True)
         text = free.text
         assert free.choices[0].finish_reason == "length" and len(text) > 2
-        stop = text[len(text) // 2: len(text) // 2 + 2]
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
         cut = await c.complete(STATE, max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop])
     ch = cut.choices[0]
     assert ch.finish_reason == "stop" and ch.stop_reason == stop
@@ -188,12 +203,24 @@ class AdaptersOutside:
         self.path = AdapterFactory(adapters.model_dir, tmp_path).random("outside-v1", seed=4)
 
 
-@pytest.mark.parametrize("body", [
-    "{not json", "[1, 2]", "{}", '{"prompt": ""}', '{"prompt": "hi", "temperature": -1}',
-    '{"prompt": "hi", "top_p": 0}', '{"prompt": "hi", "max_tokens": 0}', '{"prompt": "hi", "max_tokens": "4"}',
-    '{"prompt": "hi", "logprobs": 1000}', '{"prompt": "hi", "n": 0}', '{"prompt": 5}', '{"prompt": "hi", "stop": 3}',
-    '{"prompt": "%s", "max_tokens": 4}' % ("go to cabinet 1 " * 400),
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        "{not json",
+        "[1, 2]",
+        "{}",
+        '{"prompt": ""}',
+        '{"prompt": "hi", "temperature": -1}',
+        '{"prompt": "hi", "top_p": 0}',
+        '{"prompt": "hi", "max_tokens": 0}',
+        '{"prompt": "hi", "max_tokens": "4"}',
+        '{"prompt": "hi", "logprobs": 1000}',
+        '{"prompt": "hi", "n": 0}',
+        '{"prompt": 5}',
+        '{"prompt": "hi", "stop": 3}',
+        '{"prompt": "%s", "max_tokens": 4}' % ("go to cabinet 1 " * 400),
+    ],
+)
 async def test_malformed_completions_are_4xx_and_server_lives(inference_server, body):
     status, text = await post(inference_server, "/v1/completions", body)
     if inference_server.kind == "vllm" and body == '{"prompt": "hi", "max_tokens": "4"}':
@@ -266,9 +293,12 @@ async def test_bad_adapters_are_400_and_leave_nothing_loaded(inference_server, a
     cases = {
         "shape-v1": (variant("shape-v1", edit_config=lambda c: {**c, "r": 16, "lora_alpha": 32}), "does not fit"),
         "nan-v1": (variant("nan-v1", edit_tensors=nan), "non-finite"),
-        "nomatch-v1": (variant("nomatch-v1", edit_tensors=lambda t: {f"unrelated.{i}.weight": v
-                                                                     for i, v in enumerate(t.values())}),
-                       "no weights for"),
+        "nomatch-v1": (
+            variant(
+                "nomatch-v1", edit_tensors=lambda t: {f"unrelated.{i}.weight": v for i, v in enumerate(t.values())}
+            ),
+            "no weights for",
+        ),
     }
     async with inference_server.client() as c:
         before = await _settled_slots(inference_server)
@@ -308,16 +338,21 @@ async def test_a_request_that_can_never_be_queued_is_400_not_a_retryable_503(inf
         pytest.skip("vLLM queues any number of prompts")
     import json as _json
 
-    status, text = await post(inference_server, "/v1/completions",
-                              _json.dumps({"prompt": ["look"] * 2000, "max_tokens": 1}))
+    status, text = await post(
+        inference_server, "/v1/completions", _json.dumps({"prompt": ["look"] * 2000, "max_tokens": 1})
+    )
     assert status == 400 and "2000 sequences" in text and "at most 1024" in text, (status, text)
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/load_lora_adapter", "{oops"), ("/v1/load_lora_adapter", '{"lora_name": "x"}'),
-    ("/v1/load_lora_adapter", '{"lora_name": "x", "lora_path": "does-not-exist"}'),
-    ("/v1/unload_lora_adapter", "[]"),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/load_lora_adapter", "{oops"),
+        ("/v1/load_lora_adapter", '{"lora_name": "x"}'),
+        ("/v1/load_lora_adapter", '{"lora_name": "x", "lora_path": "does-not-exist"}'),
+        ("/v1/unload_lora_adapter", "[]"),
+    ],
+)
 async def test_malformed_admin_bodies_are_4xx(inference_server, path, body):
     status, text = await post(inference_server, path, body)
     assert 400 <= status < 500, (status, text)

@@ -8,8 +8,8 @@ import time
 import aiohttp
 import pytest
 
-from tests.fixtures.inference import AdapterFactory, start_server, stop_server
 from tests.fixtures.core import free_port
+from tests.fixtures.inference import AdapterFactory, start_server, stop_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,13 +73,30 @@ async def test_spare_slots_and_prefix_cache_follow_the_config(embedded_server, t
     while (default := _metrics(embedded_server.url))["comap_inference_adapter_spare_slots"] != \
             InferenceConfig().spare_adapter_slots and time.monotonic() < deadline:
         await asyncio.sleep(0.5)
-    assert default["comap_inference_adapter_spare_slots"] == InferenceConfig().spare_adapter_slots and "comap_inference_prefix_cache_blocks" in default
+    assert (
+        default["comap_inference_adapter_spare_slots"] == InferenceConfig().spare_adapter_slots
+        and "comap_inference_prefix_cache_blocks" in default
+    )
     root = tmp_path / "adapters"
     AdapterFactory(tiny_model_dir, root).random("policy-v1", seed=5)
     port = free_port()
-    proc = start_server(["--set", f"model.name_or_path={tiny_model_dir}", "--set", f"inference.port={port}",
-                         "--set", f"inference.adapter_root={root}", "--set", "inference.spare_adapter_slots=0",
-                         "--set", "inference.prefix_cache_mb=0"], port, tmp_path / "serve.log", timeout_s=90)
+    proc = start_server(
+        [
+            "--set",
+            f"model.name_or_path={tiny_model_dir}",
+            "--set",
+            f"inference.port={port}",
+            "--set",
+            f"inference.adapter_root={root}",
+            "--set",
+            "inference.spare_adapter_slots=0",
+            "--set",
+            "inference.prefix_cache_mb=0",
+        ],
+        port,
+        tmp_path / "serve.log",
+        timeout_s=90,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         from comap_async.wire.inference_client import InferenceClient
@@ -105,7 +122,9 @@ async def test_publishes_under_load_all_take_the_fast_path(embedded_server):
 
     factory = AdapterFactory(embedded_server.model_dir, embedded_server.adapter_root)
     roles = ("policy", "wm", "wm_teacher")
-    paths = {(r, v): factory.random(f"fast-{r}-v{v}", seed=10 * v + i) for v in range(1, 6) for i, r in enumerate(roles)}
+    paths = {
+        (r, v): factory.random(f"fast-{r}-v{v}", seed=10 * v + i) for v in range(1, 6) for i, r in enumerate(roles)
+    }
 
     async def slow_loads() -> float:
         async with aiohttp.ClientSession() as s, s.get(embedded_server.url + "/metrics") as r:
@@ -115,10 +134,12 @@ async def test_publishes_under_load_all_take_the_fast_path(embedded_server):
     before = await slow_loads()
     busy = True
     async with embedded_server.client() as c:
+
         async def client_loop(w: int) -> None:
             while busy:
-                await c.complete("You arrive at the countertop 1.", max_tokens=24, temperature=1.0, seed=w,
-                                 ignore_eos=True)
+                await c.complete(
+                    "You arrive at the countertop 1.", max_tokens=24, temperature=1.0, seed=w, ignore_eos=True
+                )
 
         loops = [asyncio.create_task(client_loop(w)) for w in range(4)]
         try:

@@ -80,7 +80,9 @@ def test_seeded_sampling_is_reproducible_across_batch_company(engine, tiny_model
 
     alone = Sequence(tok(PROMPTS[0]).input_ids, params, generator=make_generator(5))
     run(engine, [alone])
-    crowd = [Sequence(tok(p).input_ids, params, generator=make_generator(5 if i == 0 else i)) for i, p in enumerate(PROMPTS)]
+    crowd = [
+        Sequence(tok(p).input_ids, params, generator=make_generator(5 if i == 0 else i)) for i, p in enumerate(PROMPTS)
+    ]
     run(engine, crowd)
     assert crowd[0].out_ids == alone.out_ids
 
@@ -152,9 +154,15 @@ def test_lora_bias_adapter_falls_back_to_peft_forward(engine, tiny_model_dir, tm
     ref, _ = load_model_and_tokenizer(str(tiny_model_dir))
     ref = PeftModel.from_pretrained(ref, str(path)).eval()
     ids = torch.tensor([seqs[0].prompt_ids])
-    out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, eos_token_id=None,
-                       pad_token_id=tok.pad_token_id)
-    assert seqs[0].out_ids == out[0, ids.shape[1]:].tolist() != seqs[1].out_ids
+    out = ref.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=6,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=tok.pad_token_id,
+    )
+    assert seqs[0].out_ids == out[0, ids.shape[1] :].tolist() != seqs[1].out_ids
 
 
 def test_dora_adapters_are_refused(engine, tiny_model_dir, tmp_path):
@@ -171,8 +179,10 @@ def test_stop_string_and_cancel(engine):
     free = Sequence(tok(PROMPTS[0]).input_ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     run(engine, [free])
     stop = free.text[5:8]
-    cut = Sequence(tok(PROMPTS[0]).input_ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
-                                                             stop=(stop,), include_stop_str_in_output=True))
+    cut = Sequence(
+        tok(PROMPTS[0]).input_ids,
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=(stop,), include_stop_str_in_output=True),
+    )
     gone = Sequence(tok(PROMPTS[1]).input_ids, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     gone.cancelled = True
     run(engine, [cut, gone])

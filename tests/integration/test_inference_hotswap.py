@@ -99,8 +99,10 @@ async def test_in_place_reload_serves_the_new_weights(inference_server, adapters
                                       ignore_eos=True, return_tokens_as_token_ids=True)
             lp = r.choices[0].logprobs
             out = _ids(lp.tokens)
-            errs = {name: max(abs(x - y) for x, y in zip(reference.token_logprobs(prompt_ids, out, p), lp.token_logprobs))
-                    for name, p in (("a", a), ("b", b))}
+            errs = {
+                name: max(abs(x - y) for x, y in zip(reference.token_logprobs(prompt_ids, out, p), lp.token_logprobs))
+                for name, p in (("a", a), ("b", b))
+            }
             versions.append(min(errs, key=errs.get) if min(errs.values()) < inference_server.logprob_tol else None)
         await client.unload_adapter("inplace")
     assert versions == ["a", "b", "a"], versions

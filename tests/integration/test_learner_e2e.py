@@ -11,16 +11,15 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
-from comap_async.wire.outbox import Outbox
 from comap_async.config import load_config
-from comap_async.wire.inference_client import InferenceClient
 from comap_async.logsetup import configure_logging
 from comap_async.models import load_model_and_tokenizer
 from comap_async.prompts import ChatTemplate, Prompts
 from comap_async.wire.broker_client import BrokerClient
+from comap_async.wire.inference_client import InferenceClient
+from comap_async.wire.outbox import Outbox
 from learner.loop import Learner
 from tests.fixtures.broker import make_transition
 from tests.fixtures.system import system_overrides
@@ -38,14 +37,35 @@ def dataset() -> list[dict]:
         s = STATE.format(i=i)
         msgs.append(make_transition(i, actor="demo", phase="warmup", s=s, a_exec=TARGET, expert_action=TARGET,
                                     s_next="You pick up the mug 1 from the countertop 1."))
-        msgs.append(make_transition(i, actor="coev", phase="coevolve", s=s, a_exec="go to coffeemachine 1",
-                                    s_next="You arrive at coffeemachine 1. On the coffeemachine 1, you see nothing.",
-                                    s_hat_exec="You arrive at coffeemachine 1. On the coffeemachine 1, you see a mug 2."))
-        msgs.append({"v": 1, "type": "reflection", "id": f"r{i}", "actor": "refl", "game": "g", "s": s,
-                     "a_draft": "go to fridge 1" if i % 2 else TARGET,
-                     "s_bar": "You arrive at fridge 1." if i % 2 else "You pick up the mug 1.",
-                     "target": TARGET, "y": i % 2, "policy_version": 0, "wm_version": 0, "ts": time.time(),
-                     "label": "expert_better" if i % 2 else "equal_draft"})
+        msgs.append(
+            make_transition(
+                i,
+                actor="coev",
+                phase="coevolve",
+                s=s,
+                a_exec="go to coffeemachine 1",
+                s_next="You arrive at coffeemachine 1. On the coffeemachine 1, you see nothing.",
+                s_hat_exec="You arrive at coffeemachine 1. On the coffeemachine 1, you see a mug 2.",
+            )
+        )
+        msgs.append(
+            {
+                "v": 1,
+                "type": "reflection",
+                "id": f"r{i}",
+                "actor": "refl",
+                "game": "g",
+                "s": s,
+                "a_draft": "go to fridge 1" if i % 2 else TARGET,
+                "s_bar": "You arrive at fridge 1." if i % 2 else "You pick up the mug 1.",
+                "target": TARGET,
+                "y": i % 2,
+                "policy_version": 0,
+                "wm_version": 0,
+                "ts": time.time(),
+                "label": "expert_better" if i % 2 else "equal_draft",
+            }
+        )
     return msgs
 
 
@@ -57,10 +77,25 @@ async def fill(broker, msgs) -> None:
 
 
 def learner_config(broker, server, tiny_model_dir, *extra):
-    return load_config(REPO / "configs" / "test.yaml", system_overrides(
-        broker, server, tiny_model_dir, "broker.max_staleness=1000", "learner.batch_size=4", "learner.lr=0.01",
-        "learner.warmup_ratio=0.0", "learner.lora_dropout=0.0", "learner.bce_weight=1.0", "learner.warmup_steps=0",
-        "learner.reflect_init_steps=0", "learner.publish_every=20", "learner.checkpoint_every=20", *extra))
+    return load_config(
+        REPO / "configs" / "test.yaml",
+        system_overrides(
+            broker,
+            server,
+            tiny_model_dir,
+            "broker.max_staleness=1000",
+            "learner.batch_size=4",
+            "learner.lr=0.01",
+            "learner.warmup_ratio=0.0",
+            "learner.lora_dropout=0.0",
+            "learner.bce_weight=1.0",
+            "learner.warmup_steps=0",
+            "learner.reflect_init_steps=0",
+            "learner.publish_every=20",
+            "learner.checkpoint_every=20",
+            *extra,
+        ),
+    )
 
 
 async def test_learner_halves_losses_publishes_and_server_follows(broker_factory, roomy_server, tiny_model_dir):
@@ -69,7 +104,9 @@ async def test_learner_halves_losses_publishes_and_server_follows(broker_factory
     cfg = learner_config(broker, roomy_server, tiny_model_dir, "learner.checkpoint_every=1000")
     prompt = Prompts(ChatTemplate.from_model_dir(tiny_model_dir)).draft(STATE.format(i=0))
     async with InferenceClient([roomy_server.url], token=roomy_server.token) as client:
-        before = (await client.complete(prompt, model=roomy_server.base_name, max_tokens=8, temperature=0.0, seed=1)).text
+        before = (
+            await client.complete(prompt, model=roomy_server.base_name, max_tokens=8, temperature=0.0, seed=1)
+        ).text
 
         learner = Learner(cfg, configure_logging("learner-test"))
         await learner.run(max_steps=40)
@@ -104,7 +141,7 @@ async def test_learner_halves_losses_publishes_and_server_follows(broker_factory
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         out = local.generate(**ids, max_new_tokens=8, do_sample=False)
-    expected = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    expected = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert after.strip() == expected.split("\n")[0].strip() or after.strip() == expected.strip()
     assert after.strip().startswith(TARGET[:10])  # it learned the demonstration
 
@@ -119,9 +156,17 @@ def _learner_cmd(overrides: list[str], max_steps: int | None = None) -> list[str
 async def test_learner_resumes_bit_identical_after_sigkill(broker_factory, roomy_server, tiny_model_dir, tmp_path):
     broker = broker_factory()
     await fill(broker, dataset())
-    overrides = system_overrides(broker, roomy_server, tiny_model_dir, "broker.max_staleness=1000",
-                                 "learner.batch_size=4", "learner.warmup_steps=0", "learner.reflect_init_steps=0",
-                                 "learner.checkpoint_every=3", "learner.publish_every=100")
+    overrides = system_overrides(
+        broker,
+        roomy_server,
+        tiny_model_dir,
+        "broker.max_staleness=1000",
+        "learner.batch_size=4",
+        "learner.warmup_steps=0",
+        "learner.reflect_init_steps=0",
+        "learner.checkpoint_every=3",
+        "learner.publish_every=100",
+    )
     ckpts = broker.run_root / "t" / "checkpoints"
     env = {**os.environ, "COMAP_LOG_JSON": "1"}
     log = open(tmp_path / "learner1.log", "wb")
@@ -139,7 +184,9 @@ async def test_learner_resumes_bit_identical_after_sigkill(broker_factory, roomy
     shutil.copytree(ckpts, tmp_path / "killed")
 
     # restart with --max-steps 0: resume, then write the resumed state back at the same step
-    r = subprocess.run(_learner_cmd(overrides, max_steps=0), capture_output=True, text=True, env=env, cwd=REPO, timeout=240)
+    r = subprocess.run(
+        _learner_cmd(overrides, max_steps=0), capture_output=True, text=True, env=env, cwd=REPO, timeout=240
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert '"event": "learner.resumed"' in r.stderr and f'"step": {saved["step"]}' in r.stderr
     resumed = torch.load(ckpts / newest / "state.pt", weights_only=False)
@@ -153,7 +200,9 @@ async def test_learner_resumes_bit_identical_after_sigkill(broker_factory, roomy
     assert saved["scheduler"] == resumed["scheduler"]
 
     # and it trains on from there
-    r = subprocess.run(_learner_cmd(overrides, max_steps=3), capture_output=True, text=True, env=env, cwd=REPO, timeout=240)
+    r = subprocess.run(
+        _learner_cmd(overrides, max_steps=3), capture_output=True, text=True, env=env, cwd=REPO, timeout=240
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert (ckpts / f"step-{saved['step'] + 3:08d}" / "state.pt").exists()
 
@@ -165,8 +214,14 @@ async def test_rounds_schedule_trains_only_after_each_round_of_episodes(broker_f
 
     broker = broker_factory()
     await fill(broker, dataset())
-    cfg = learner_config(broker, roomy_server, tiny_model_dir, "learner.schedule=rounds", "learner.rounds_episodes=3",
-                         "learner.publish_every=2")
+    cfg = learner_config(
+        broker,
+        roomy_server,
+        tiny_model_dir,
+        "learner.schedule=rounds",
+        "learner.rounds_episodes=3",
+        "learner.publish_every=2",
+    )
     learner = Learner(cfg, configure_logging("learner-test"))
     run = asyncio.create_task(learner.run(max_steps=5))
 
@@ -185,7 +240,9 @@ async def test_rounds_schedule_trains_only_after_each_round_of_episodes(broker_f
         from safetensors.torch import load_file
 
         root = roomy_server.adapter_root
-        student, teacher = (load_file(str(root / f"{role}-v1" / "adapter_model.safetensors")) for role in ("wm", "wm_teacher"))
+        student, teacher = (
+            load_file(str(root / f"{role}-v1" / "adapter_model.safetensors")) for role in ("wm", "wm_teacher")
+        )
         assert student.keys() == teacher.keys() and all(torch.equal(student[k], teacher[k]) for k in student)
         await fill(broker, [make_episode(i, actor="r1") for i in range(3)])
         await settles_at(3)  # a round: publish_every=2 steps, then v2

@@ -20,7 +20,6 @@ from comap_async.prompts import CRITIC_WORDS, DecisionTokens, revise_probability
 from comap_async.wire.messages import Registry
 from tests.fixtures.core import free_port
 from tests.fixtures.inference import ADMIN_TOKEN, start_server, stop_server
-from tests.integration.test_eval_methods import recorded_calls  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.alfworld
 REPO = Path(__file__).resolve().parents[2]
@@ -46,13 +45,26 @@ def calls(recorded_calls) -> list[dict]:
 
 def play(critic_model, tmp_path, alfworld_data, depth: int):
     model, url = critic_model
-    cfg = load_config(REPO / "configs" / "test.yaml", [
-        f"run.root={tmp_path}", f"model.name_or_path={model}", f"inference.endpoints=['{url}']",
-        f"inference.admin_token={ADMIN_TOKEN}", f"env.data_dir={alfworld_data}", "env.split=valid_seen", "env.max_steps=3", "eval.lookahead_k=3",
-        f"eval.lookahead_depth={depth}"])
+    cfg = load_config(
+        REPO / "configs" / "test.yaml",
+        [
+            f"run.root={tmp_path}",
+            f"model.name_or_path={model}",
+            f"inference.endpoints=['{url}']",
+            f"inference.admin_token={ADMIN_TOKEN}",
+            f"env.data_dir={alfworld_data}",
+            "env.split=valid_seen",
+            "env.max_steps=3",
+            "eval.lookahead_k=3",
+            f"eval.lookahead_depth={depth}",
+        ],
+    )
     games = spread_sample(games_from_config(cfg, "valid_seen"), 2, cfg.run.seed)
-    results = asyncio.run(asyncio.wait_for(
-        play_games(cfg, games, Registry.serving(0), configure_logging("eval-test"), envs=1, method="lookahead"), 300))
+    results = asyncio.run(
+        asyncio.wait_for(
+            play_games(cfg, games, Registry.serving(0), configure_logging("eval-test"), envs=1, method="lookahead"), 300
+        )
+    )
     assert len(results) == 2
     return model, [s for _, s in results]
 
@@ -68,8 +80,11 @@ def test_lookahead_imagines_each_candidate_and_executes_the_best_scored(critic_m
     assert {c["temperature"] for c in calls if c["kind"] == "draft"} == {0.7}
     # the critic's score is P(YES) of its first answer token, as the server's logprobs give it
     answer = DecisionTokens.from_model_dir(model, CRITIC_WORDS)
-    read = [revise_probability(c["raw"]["choices"][0]["logprobs"]["top_logprobs"][0], answer)
-            for c in calls if c["kind"] == "critic"]
+    read = [
+        revise_probability(c["raw"]["choices"][0]["logprobs"]["top_logprobs"][0], answer)
+        for c in calls
+        if c["kind"] == "critic"
+    ]
     assert read == [x for step in steps for x in step.scores]  # (the random model's are mostly None: the
     # choice among read scores is shown with the real model, tests/slow/test_lookahead_default_model.py)
     executed = [action for s in stats for _, action in s.state_actions]

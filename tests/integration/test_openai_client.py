@@ -26,20 +26,31 @@ def test_chat_and_streamed_chat_say_the_same_greedily(embedded_server, adapters)
         for model in (embedded_server.base_name, "chat-v1"):
             full = c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0.0)
             choice = full.choices[0]
-            assert choice.message.role == "assistant" and choice.message.content and choice.finish_reason in ("stop", "length")
+            assert (
+                choice.message.role == "assistant"
+                and choice.message.content
+                and choice.finish_reason in ("stop", "length")
+            )
             assert full.usage.completion_tokens > 0 and full.model == model
-            chunks = list(c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0.0,
-                                                    stream=True))
+            chunks = list(
+                c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0.0, stream=True)
+            )
             assert chunks[0].choices[0].delta.role == "assistant"
             assert len(chunks) >= 2 and chunks[-1].choices[0].finish_reason == choice.finish_reason
             assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == choice.message.content
         # the adapter changes what is said: model picks it
-        base = c.chat.completions.create(model=embedded_server.base_name, messages=MESSAGES, max_tokens=12, temperature=0.0)
+        base = c.chat.completions.create(
+            model=embedded_server.base_name, messages=MESSAGES, max_tokens=12, temperature=0.0
+        )
         lora = c.chat.completions.create(model="chat-v1", messages=MESSAGES, max_tokens=12, temperature=0.0)
         assert base.choices[0].message.content != lora.choices[0].message.content
     finally:
-        httpx.post(embedded_server.url + "/v1/unload_lora_adapter", json={"lora_name": "chat-v1"},
-                   headers={"Authorization": f"Bearer {embedded_server.token}"}, timeout=60)
+        httpx.post(
+            embedded_server.url + "/v1/unload_lora_adapter",
+            json={"lora_name": "chat-v1"},
+            headers={"Authorization": f"Bearer {embedded_server.token}"},
+            timeout=60,
+        )
 
 
 def test_streamed_completion_with_a_stop_string(embedded_server):
@@ -48,7 +59,10 @@ def test_streamed_completion_with_a_stop_string(embedded_server):
     full = c.completions.create(**kw)
     text = full.choices[0].text
     parts = list(c.completions.create(**kw, stream=True))
-    assert "".join(p.choices[0].text for p in parts) == text and parts[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert (
+        "".join(p.choices[0].text for p in parts) == text
+        and parts[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    )
     if len(text) > 4:  # a stop string in the middle: the stream holds it back and ends where the full one does
         stop = text[2:4]
         cut = c.completions.create(**kw, stop=[stop]).choices[0]

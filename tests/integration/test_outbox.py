@@ -11,9 +11,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from comap_async.wire.outbox import Outbox
 from actors.registry_view import RegistryView
 from comap_async.wire.messages import Registry
+from comap_async.wire.outbox import Outbox
 from comap_async.wire.protocol import ProtocolError, empty_registry
 from tests.fixtures.broker import make_transition
 from tests.fixtures.core import free_port

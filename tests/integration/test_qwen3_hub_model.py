@@ -48,8 +48,8 @@ def offline_hub(hub_cache, monkeypatch):
 
 
 def test_prompts_and_a_learner_step_from_the_hub_id(offline_hub, tmp_path):
-    from learner.loop import Learner
     from comap_async.logsetup import configure_logging
+    from learner.loop import Learner
 
     cfg = load_config(None, [f"model.name_or_path={REPO_ID}", f"run.root={tmp_path}", "learner.fast_path=true"])
     path = resolve_model(REPO_ID, cfg.model.cache_dir)

@@ -14,8 +14,8 @@ from actors.episodes import EpisodeContext, play_reflect_init
 from comap_async.config import load_config
 from comap_async.envs.alfworld_facts import next_state
 from comap_async.envs.pool import AsyncEnvPool
-from comap_async.wire.protocol import as_map, validate
 from comap_async.wire.messages import Registry
+from comap_async.wire.protocol import as_map, validate
 
 pytestmark = pytest.mark.alfworld
 

@@ -43,9 +43,14 @@ class System:
 
     def start(self, name: str) -> None:
         self.log_path = self.tmp / f"{name}.log"
-        self.proc = subprocess.Popen([sys.executable, "-m", "honcho", "start", "-f", str(REPO / "Procfile"), "-d", str(REPO)],
-                                     stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=self.env,
-                                     cwd=REPO, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "honcho", "start", "-f", str(REPO / "Procfile"), "-d", str(REPO)],
+            stdout=open(self.log_path, "wb"),
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            cwd=REPO,
+            start_new_session=True,
+        )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -73,7 +78,7 @@ class System:
         log = self.log()
         for name in PROCESSES:
             assert f"{name}.1 stopped (rc=0)" in log, f"{name} did not exit cleanly:\n{log[-4000:]}"
-        stopping = log[log.index("SIGTERM received"):]
+        stopping = log[log.index("SIGTERM received") :]
         assert "Traceback" not in stopping, f"a traceback while stopping:\n{stopping[-4000:]}"
 
     def kill_all(self) -> None:
@@ -129,11 +134,23 @@ def test_honcho_system_runs_stops_cleanly_and_resumes(tmp_path, tiny_model_dir, 
         plots = tmp_path / "plots"
         # the gate counts read before `comap stats`: a sample that lands in between must not count
         reasons_before = system.get("/stats")["gates"]["action_reasons"]
-        out = subprocess.run([sys.executable, "-m", "comap_async", "stats", "--plot", str(plots)], env=system.env,
-                             cwd=REPO, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "comap_async", "stats", "--plot", str(plots)],
+            env=system.env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
-        for section in ("registry", "episodes by adapter version", "gates by adapter version", "throughput", "staleness",
-                        "held-out eval by adapter version"):
+        for section in (
+            "registry",
+            "episodes by adapter version",
+            "gates by adapter version",
+            "throughput",
+            "staleness",
+            "held-out eval by adapter version",
+        ):
             assert section in out.stdout
         assert "(no episodes yet)" not in out.stdout
         if "(no gated samples yet)" in out.stdout:
@@ -164,7 +181,10 @@ def test_honcho_system_runs_stops_cleanly_and_resumes(tmp_path, tiny_model_dir, 
         resumed = re.search(r'\{[^\n]*"event": "learner.resumed"[^\n]*\}', system.log()).group(0)
         assert json.loads(resumed)["step"] == last_step and json.loads(resumed)["phase"] == "coevolve"
         reg2 = system.wait("registry after restart", lambda: system.get("/stats")["registry"])
-        assert reg2["versions"] == final_registry["versions"] or reg2["versions"]["policy"] > final_registry["versions"]["policy"]
+        assert (
+            reg2["versions"] == final_registry["versions"]
+            or reg2["versions"]["policy"] > final_registry["versions"]["policy"]
+        )
         assert reg2["phase"] == "coevolve" and reg2["versions"]["policy"] >= reg["versions"]["policy"]
         # the restarted server gets the registry's adapters back before anyone asks for them
         system.wait("live adapters reloaded", lambda: '"event": "learner.live_adapters_reloaded"' in system.log())

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+
 import pytest
 
 from actors.episodes import EpisodeContext, play_expert
-from comap_async.envs.alfworld_facts import next_state
 from actors.worker import ActorWorker
 from comap_async.config import load_config
+from comap_async.envs.alfworld_facts import next_state
 from comap_async.envs.pool import AsyncEnvPool
 from comap_async.logsetup import configure_logging
-from comap_async.wire.protocol import as_map, validate
 from comap_async.wire.messages import Registry
+from comap_async.wire.protocol import as_map, validate
 from tests.fixtures.broker import stored
 from tests.fixtures.system import system_overrides
 

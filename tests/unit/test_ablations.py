@@ -40,12 +40,21 @@ def test_ablation_config_names_what_is_on_and_refuses_contradictions():
 
 
 # ------------------------------------------------------------------ what the learner samples
-@pytest.mark.parametrize("name, phase, dropped", [
-    ("frozen_wm", WARMUP, set()), ("frozen_wm", REFLECT_INIT, set()), ("frozen_wm", COEVOLVE, {"transitions"}),
-    ("no_wm_warmup", WARMUP, {"transitions"}), ("no_wm_warmup", COEVOLVE, set()),
-    ("no_expert_sft", WARMUP, set()), ("no_expert_sft", REFLECT_INIT, {"demos"}), ("no_expert_sft", COEVOLVE, {"demos"}),
-    ("no_wmsd", COEVOLVE, set()), ("no_reflect_init", COEVOLVE, set()),
-])
+@pytest.mark.parametrize(
+    "name, phase, dropped",
+    [
+        ("frozen_wm", WARMUP, set()),
+        ("frozen_wm", REFLECT_INIT, set()),
+        ("frozen_wm", COEVOLVE, {"transitions"}),
+        ("no_wm_warmup", WARMUP, {"transitions"}),
+        ("no_wm_warmup", COEVOLVE, set()),
+        ("no_expert_sft", WARMUP, set()),
+        ("no_expert_sft", REFLECT_INIT, {"demos"}),
+        ("no_expert_sft", COEVOLVE, {"demos"}),
+        ("no_wmsd", COEVOLVE, set()),
+        ("no_reflect_init", COEVOLVE, set()),
+    ],
+)
 def test_phase_stores_drop_only_the_ablated_data(name, phase, dropped):
     ablation = AblationConfig(**{name: True})
     assert set(PHASE_STORES[phase]) - set(phase_stores(phase, ablation)) == dropped

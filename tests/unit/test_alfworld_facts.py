@@ -20,9 +20,19 @@ CASES = [
     ("You are in the middle of a room. Looking quickly around you, you see nothing.", {"at(room)"}),
     (
         "You arrive at desk 1. On the desk 1, you see a alarmclock 2, a book 1, a mug 1, a pen 2, and a pen 1.",
-        {"at(desk 1)", "in(alarmclock 2, desk 1)", "in(book 1, desk 1)", "in(mug 1, desk 1)", "in(pen 2, desk 1)", "in(pen 1, desk 1)"},
+        {
+            "at(desk 1)",
+            "in(alarmclock 2, desk 1)",
+            "in(book 1, desk 1)",
+            "in(mug 1, desk 1)",
+            "in(pen 2, desk 1)",
+            "in(pen 1, desk 1)",
+        },
     ),
-    ("On the sidetable 2, you see a alarmclock 1, and a cd 1.", {"at(sidetable 2)", "in(alarmclock 1, sidetable 2)", "in(cd 1, sidetable 2)"}),
+    (
+        "On the sidetable 2, you see a alarmclock 1, and a cd 1.",
+        {"at(sidetable 2)", "in(alarmclock 1, sidetable 2)", "in(cd 1, sidetable 2)"},
+    ),
     ("On the bed 1, you see a pillow 2.", {"at(bed 1)", "in(pillow 2, bed 1)"}),
     ("On the shelf 4, you see nothing.", {"at(shelf 4)", "empty(shelf 4)"}),
     ("You arrive at safe 1. The safe 1 is closed.", {"at(safe 1)", "closed(safe 1)"}),
@@ -31,7 +41,10 @@ CASES = [
         "You arrive at drawer 2. The drawer 2 is open. In it, you see a spraybottle 2, and a toiletpaper 2.",
         {"at(drawer 2)", "open(drawer 2)", "in(spraybottle 2, drawer 2)", "in(toiletpaper 2, drawer 2)"},
     ),
-    ("You open the drawer 3. The drawer 3 is open. In it, you see nothing.", {"at(drawer 3)", "open(drawer 3)", "empty(drawer 3)"}),
+    (
+        "You open the drawer 3. The drawer 3 is open. In it, you see nothing.",
+        {"at(drawer 3)", "open(drawer 3)", "empty(drawer 3)"},
+    ),
     ("You close the drawer 2.", {"at(drawer 2)", "closed(drawer 2)"}),
     ("You pick up the alarmclock 2 from the desk 1.", {"holding(alarmclock 2)", "at(desk 1)"}),
     ("You move the book 1 to the sofa 1.", {"in(book 1, sofa 1)", "at(sofa 1)"}),
@@ -41,7 +54,10 @@ CASES = [
     ("You turn on the desklamp 1.", {"on(desklamp 1)"}),
     ("You heat the apple 1 using the microwave 1.", {"hot(apple 1)", "holding(apple 1)", "at(microwave 1)"}),
     ("You cool the apple 1 using the fridge 1.", {"cool(apple 1)", "holding(apple 1)", "at(fridge 1)"}),
-    ("You clean the butterknife 1 using the sinkbasin 1.", {"clean(butterknife 1)", "holding(butterknife 1)", "at(sinkbasin 1)"}),
+    (
+        "You clean the butterknife 1 using the sinkbasin 1.",
+        {"clean(butterknife 1)", "holding(butterknife 1)", "at(sinkbasin 1)"},
+    ),
     ("This is a normal mug 2. In it, you see nothing.", {"empty(mug 2)"}),
     ("There's nothing special about teddybear 1.", {"plain(teddybear 1)"}),
     # grammar templates of examineObject (alfred.twl2) that the sampled runs did not reach
@@ -67,8 +83,15 @@ def test_help_text_is_no_change():
 
 @pytest.mark.parametrize(
     "text",
-    ["", "   ", "You arrive at the kitchen.", "The apple is red.", "You pick up the apple 1.", "Nothing happens. You arrive at desk 1.",
-     "You arrive at desk 1. On the desk 1, you see a mug 1 and some garbage."],
+    [
+        "",
+        "   ",
+        "You arrive at the kitchen.",
+        "The apple is red.",
+        "You pick up the apple 1.",
+        "Nothing happens. You arrive at desk 1.",
+        "You arrive at desk 1. On the desk 1, you see a mug 1 and some garbage.",
+    ],
 )
 def test_unreadable_text_is_none(text):
     assert parse_facts(text) is None
@@ -116,11 +139,23 @@ from hypothesis import strategies as st  # noqa: E402
 from comap_async.envs.alfworld_facts import is_readable  # noqa: E402
 
 _PIECES = [c[0] for c in CASES] + [
-    "Your task is to: put a clean apple in fridge.", "-= Welcome to TextWorld, ALFRED! =-",
-    "You don't see any switch on the fridge 1.", "Available commands:\n  look: look around\n",
-    "PickupObjectFromReceptacleObject: You pick up the mug 1.", "You sliced the apple 1 with the knife 2.",
-    "You are in the middle of a room.", "On the desk 1, you see a mug 1 and", "garbage", "You arrive at",
-    " ", "\n", "\n\n", ".", ", and a cd 1.", "a mug 1", "Nothing happens.",
+    "Your task is to: put a clean apple in fridge.",
+    "-= Welcome to TextWorld, ALFRED! =-",
+    "You don't see any switch on the fridge 1.",
+    "Available commands:\n  look: look around\n",
+    "PickupObjectFromReceptacleObject: You pick up the mug 1.",
+    "You sliced the apple 1 with the knife 2.",
+    "You are in the middle of a room.",
+    "On the desk 1, you see a mug 1 and",
+    "garbage",
+    "You arrive at",
+    " ",
+    "\n",
+    "\n\n",
+    ".",
+    ", and a cd 1.",
+    "a mug 1",
+    "Nothing happens.",
 ]
 
 

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
+from broker.counters import LiveStats, build_snapshot, reject_category
 from broker.http import prometheus_text
 from comap_async.wire.curve import KeysError, generate_keys, load_client_keys, load_server_keys
-from broker.counters import LiveStats, build_snapshot, reject_category
 from comap_async.wire.protocol import ProtocolError, decode, empty_registry
 from tests.fixtures.broker import REPO
 
@@ -62,7 +62,9 @@ def test_keys_roundtrip_and_clear_errors(tmp_path):
 
 
 def test_broker_modules_do_not_import_torch():
-    code = ("import sys, broker.server, broker.cli, broker.http, comap_async.wire.outbox, comap_async.wire.broker_client; "
-            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    code = (
+        "import sys, broker.server, broker.cli, broker.http, comap_async.wire.outbox, comap_async.wire.broker_client; "
+        "print('torch' in sys.modules, 'transformers' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False False", out.stderr

@@ -7,8 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from comap_async.facts import NO_CHANGE, changes_f1, delta_f1, fact_changes, set_f1
-from comap_async.gates import (action_gate, canonical_action, derive_policy_sample, world_state_gate,
-                               world_state_gate_on_facts)
+from comap_async.gates import (
+    action_gate,
+    canonical_action,
+    derive_policy_sample,
+    world_state_gate,
+    world_state_gate_on_facts,
+)
 from comap_async.wire.protocol import validate
 from tests.fixtures.messages import transition
 

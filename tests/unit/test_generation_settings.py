@@ -14,10 +14,10 @@ import pytest
 from actors.episodes import Episode
 from actors.llm import AgentLLM
 from actors.registry_view import RegistryView
-from comap_async.wire.messages import Registry, adapter_version
 from comap_async.config import ActorConfig, ConfigError, load_config
-from comap_async.wire.inference_client import InferenceError
 from comap_async.prompts import ChatTemplate, DecisionTokens, Prompts
+from comap_async.wire.inference_client import InferenceError
+from comap_async.wire.messages import Registry, adapter_version
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,17 +43,25 @@ def test_chat_template_renders_non_thinking_mode(template):
         out = chat.render(MSGS)
         # nothing left for the model to think in: no block, or one already closed (Qwen3's non-thinking mode)
         assert "<think>" not in out.replace("<think>\n\n</think>\n\n", "")
-        assert out.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n" if template is QWEN3_LIKE else "[assistant]")
+        assert out.endswith(
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n" if template is QWEN3_LIKE else "[assistant]"
+        )
     # the flag is what decides: with thinking on the same template leaves the model to open the block
     thinking = ChatTemplate(template, variables={"enable_thinking": True}).render(MSGS)
     assert not thinking.endswith("</think>\n\n") and thinking != out
 
 
 def test_prompts_from_a_model_dir_with_a_thinking_template(tmp_path):
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": THINKS_UNLESS_TOLD, "eos_token": "</s>"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": THINKS_UNLESS_TOLD, "eos_token": "</s>"})
+    )
     prompts = Prompts(ChatTemplate.from_model_dir(tmp_path))  # what actors and the learner both build
-    for text in (prompts.draft("s"), prompts.world_model("s", "look"), prompts.teacher("s", "look", "o"),
-                 prompts.reflect("s", "look", "o")):
+    for text in (
+        prompts.draft("s"),
+        prompts.world_model("s", "look"),
+        prompts.teacher("s", "look", "o"),
+        prompts.reflect("s", "look", "o"),
+    ):
         assert "<think>" not in text
 
 
@@ -68,7 +76,12 @@ def test_paper_generation_defaults_and_gpu_budgets():
     assert a.top_p == 0.9 and a.temperature == 0.7 and a.wm_temperature == 0.7
     for name in ("alfworld-qwen3-4b.yaml", "alfworld-qwen3-8b.yaml"):
         g = load_config(REPO / "configs" / name).actor
-        assert (g.max_draft_tokens, g.max_reflection_tokens, g.max_final_action_tokens, g.max_wm_tokens) == (64, 128, 16, 192)
+        assert (g.max_draft_tokens, g.max_reflection_tokens, g.max_final_action_tokens, g.max_wm_tokens) == (
+            64,
+            128,
+            16,
+            192,
+        )
         assert (g.temperature, g.wm_temperature, g.top_p) == (0.7, 0.7, 0.9)
     for name in ("local.yaml", "test.yaml"):  # CPU configs keep small budgets
         c = load_config(REPO / "configs" / name).actor
@@ -96,10 +109,15 @@ class FakeClient:
         if kw["model"] in self.missing:
             raise InferenceError("adapter gone", status=404)
         if kw["prompt"].endswith("Decision:"):
-            toks = [" KE", "EP", "\n", "Final", " Action", ":"] + [" " + w for w in self.reflection.split("Final Action: ")[1].split()]
+            toks = [" KE", "EP", "\n", "Final", " Action", ":"] + [
+                " " + w for w in self.reflection.split("Final Action: ")[1].split()
+            ]
             text = "".join(toks)
-            lp = {"tokens": toks, "token_logprobs": [math.log(0.5)] * len(toks),
-                  "top_logprobs": [{" KE": math.log(0.9), " RE": math.log(0.1)}]}
+            lp = {
+                "tokens": toks,
+                "token_logprobs": [math.log(0.5)] * len(toks),
+                "top_logprobs": [{" KE": math.log(0.9), " RE": math.log(0.1)}],
+            }
             return {"choices": [{"text": text, "logprobs": lp}]}
         await asyncio.sleep(0)  # let concurrent tasks interleave
         return {"choices": [{"text": "go to desk 1" if "next action" in kw["prompt"] else "You arrive at desk 1."}]}
@@ -107,13 +125,22 @@ class FakeClient:
 
 def make_llm(client, **actor) -> AgentLLM:
     cfg = ActorConfig(**actor)
-    return AgentLLM(client, Prompts(ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}"),
-                                    decision=DecisionTokens(" KE", " RE", 0, 1)), cfg, "base")
+    return AgentLLM(
+        client,
+        Prompts(
+            ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}"),
+            decision=DecisionTokens(" KE", " RE", 0, 1),
+        ),
+        cfg,
+        "base",
+    )
 
 
 async def test_each_role_samples_with_its_own_settings():
     client = FakeClient()
-    llm = make_llm(client, max_draft_tokens=64, max_reflection_tokens=128, max_final_action_tokens=16, max_wm_tokens=192)
+    llm = make_llm(
+        client, max_draft_tokens=64, max_reflection_tokens=128, max_final_action_tokens=16, max_wm_tokens=192
+    )
     await llm.draft("s")
     await llm.imagine("s", "look")
     await llm.reflect("s", "look", "o")
@@ -135,7 +162,9 @@ async def test_final_action_has_its_own_budget():
     r = await llm.reflect("s", "look", "o")
     assert r.a_ref == "take the very long" and r.problem == "final_action_truncated"
     assert r.q_ref == pytest.approx(0.5)
-    r = await make_llm(FakeClient(reflection=" KEEP\nFinal Action: open fridge 1"), max_final_action_tokens=4).reflect("s", "d", "o")
+    r = await make_llm(FakeClient(reflection=" KEEP\nFinal Action: open fridge 1"), max_final_action_tokens=4).reflect(
+        "s", "d", "o"
+    )
     assert r.a_ref == "open fridge 1" and r.problem is None
 
 
@@ -193,16 +222,40 @@ async def test_last_version_is_per_task():
     assert await asyncio.gather(first, second) == [1, 7]
 
 
-STEP = dict(a_draft="look", s_hat="", decision="KEEP", a_ref="look", p_revise=0.0, q_ref=1.0, a_exec="look",
-            s_hat_exec="", s_hat_teacher="", expert_action=None)
+STEP = dict(
+    a_draft="look",
+    s_hat="",
+    decision="KEEP",
+    a_ref="look",
+    p_revise=0.0,
+    q_ref=1.0,
+    a_exec="look",
+    s_hat_exec="",
+    s_hat_teacher="",
+    expert_action=None,
+)
 
 
 def test_transition_stamps_given_versions_over_the_registry():
     registry = Registry(versions={"policy": 9, "wm": 9})
-    ctx = SimpleNamespace(actor="a", cfg=load_config(None), llm=None, emit=None, registry=lambda: registry,
-                          next_state=lambda facts, text: frozenset(), parse_facts=lambda text: frozenset())
-    first = SimpleNamespace(observation="You are in a room.", info={"task": "t"}, admissible=(), reward=0.0,
-                            done=False, won=False, expert_action=None)
+    ctx = SimpleNamespace(
+        actor="a",
+        cfg=load_config(None),
+        llm=None,
+        emit=None,
+        registry=lambda: registry,
+        next_state=lambda facts, text: frozenset(),
+        parse_facts=lambda text: frozenset(),
+    )
+    first = SimpleNamespace(
+        observation="You are in a room.",
+        info={"task": "t"},
+        admissible=(),
+        reward=0.0,
+        done=False,
+        won=False,
+        expert_action=None,
+    )
     ep = Episode(ctx, SimpleNamespace(name="g", split="valid_seen"), "a:e1", first)
     tr = ep.transition("coevolve", 0, "o", "s", policy_version=3, wm_version=5, **STEP)
     assert (tr.policy_version, tr.wm_version) == (3, 5)

@@ -68,8 +68,11 @@ def violations(root: Path) -> list[str]:
                         out.append(f"{where}: a benchmark imports {name} (tests are not a library)")
                     continue
                 if them not in ("core", "other") and them != me:
-                    out.append(f"{where}: {me} imports {name} ({them} is another process; meet through comap_async.wire)"
-                               if me != "core" else f"{where}: the core imports {name} (a process package)")
+                    out.append(
+                        f"{where}: {me} imports {name} ({them} is another process; meet through comap_async.wire)"
+                        if me != "core"
+                        else f"{where}: the core imports {name} (a process package)"
+                    )
                 if me in NO_TORCH and name.split(".")[0] in HEAVY:
                     out.append(f"{where}: {me} imports {name} (no torch on actor/broker nodes)")
     return out
@@ -89,17 +92,28 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("rel,text,reason", [
-    ("actors/worker.py", "def f():\n    from learner.loop import Learner\n", "actors imports learner.loop"),
-    ("learner/loop.py", "from broker import store\n", "learner imports broker.store"),
-    ("broker/server.py", "from . import x\nfrom actors import episodes\n", "broker imports actors.episodes"),
-    ("actors/llm.py", "from comap_async.inference.engine import Engine\n", "actors imports comap_async.inference.engine"),
-    ("comap_async/gates.py", "import broker.store\n", "the core imports broker.store"),
-    ("comap_async/wire/x.py", "from learner import losses\n", "the core imports learner.losses"),
-    ("broker/ingest.py", "import torch\n", "broker imports torch"),
-    ("actors/episodes.py", "from transformers import AutoTokenizer\n", "actors imports transformers"),
-    ("benchmarks/b.py", "from tests.fixtures.broker import BrokerProc\n", "a benchmark imports tests.fixtures.broker"),
-])
+@pytest.mark.parametrize(
+    "rel,text,reason",
+    [
+        ("actors/worker.py", "def f():\n    from learner.loop import Learner\n", "actors imports learner.loop"),
+        ("learner/loop.py", "from broker import store\n", "learner imports broker.store"),
+        ("broker/server.py", "from . import x\nfrom actors import episodes\n", "broker imports actors.episodes"),
+        (
+            "actors/llm.py",
+            "from comap_async.inference.engine import Engine\n",
+            "actors imports comap_async.inference.engine",
+        ),
+        ("comap_async/gates.py", "import broker.store\n", "the core imports broker.store"),
+        ("comap_async/wire/x.py", "from learner import losses\n", "the core imports learner.losses"),
+        ("broker/ingest.py", "import torch\n", "broker imports torch"),
+        ("actors/episodes.py", "from transformers import AutoTokenizer\n", "actors imports transformers"),
+        (
+            "benchmarks/b.py",
+            "from tests.fixtures.broker import BrokerProc\n",
+            "a benchmark imports tests.fixtures.broker",
+        ),
+    ],
+)
 def test_an_added_cross_process_import_is_caught(tmp_path, rel, text, reason):
     (tmp_path / "comap_async" / "wire").mkdir(parents=True)
     root = _tree(tmp_path, {rel: text})
@@ -109,10 +123,13 @@ def test_an_added_cross_process_import_is_caught(tmp_path, rel, text, reason):
 
 def test_allowed_imports_pass(tmp_path):
     (tmp_path / "comap_async" / "wire").mkdir(parents=True)
-    root = _tree(tmp_path, {
-        "actors/worker.py": "from comap_async.wire.broker_client import BrokerClient\nfrom actors import llm\n",
-        "learner/loop.py": "import torch\nfrom comap_async.wire.inference_client import InferenceClient\n",
-        "comap_async/inference/engine.py": "import torch\nfrom comap_async.config import Config\n",
-        "broker/server.py": "from .store import ReplayStore\nfrom comap_async import gates\n",
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "actors/worker.py": "from comap_async.wire.broker_client import BrokerClient\nfrom actors import llm\n",
+            "learner/loop.py": "import torch\nfrom comap_async.wire.inference_client import InferenceClient\n",
+            "comap_async/inference/engine.py": "import torch\nfrom comap_async.config import Config\n",
+            "broker/server.py": "from .store import ReplayStore\nfrom comap_async import gates\n",
+        },
+    )
     assert violations(root) == []

@@ -10,7 +10,11 @@ from comap_async.inference import vllm
 from comap_async.inference.adapters import resolve_adapter_dir
 from comap_async.inference.kvcache import BatchCache
 from comap_async.inference.token_sampling import (
-    RequestError, SamplingParams, _filter_top, parse_completion_request, sample_step,
+    RequestError,
+    SamplingParams,
+    _filter_top,
+    parse_completion_request,
+    sample_step,
 )
 
 

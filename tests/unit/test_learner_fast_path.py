@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from learner.batches import Seq, pack
 from comap_async.wire.messages import ROLES
+from learner.batches import Seq, pack
 from learner.peft_model import adapter_parameters, adapter_state, load_adapter_state
 from tests.fixtures.learner import demo_record, make_trainer, reflection_record, wm_record
 

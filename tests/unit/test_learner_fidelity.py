@@ -98,18 +98,23 @@ def test_a_large_world_model_gradient_does_not_scale_the_policy_gradient(tiny_mo
     wm = [wm_record(i, rollout=ROLLOUT) for i in range(2)]
     both, m = _policy_grads_at_update(make_trainer(tiny_model_dir, draft_weight=0.01),
                                       [{"transitions": wm, "demos": [demo_record(0)]}])
-    alone, m_alone = _policy_grads_at_update(make_trainer(tiny_model_dir, draft_weight=0.01), [{"demos": [demo_record(0)]}])
+    alone, m_alone = _policy_grads_at_update(
+        make_trainer(tiny_model_dir, draft_weight=0.01), [{"demos": [demo_record(0)]}]
+    )
     assert len(both["policy"]) == len(alone["policy"]) > 0
     for g, h in zip(both["policy"], alone["policy"]):
         assert torch.equal(g, h)
     assert m["learner/grad_norm_wm"] > 2.0 and 0 < m["learner/grad_norm_policy"] < 1.0  # joint clipping would bite
     assert m["learner/grad_norm_policy"] == pytest.approx(m_alone["learner/grad_norm_policy"])
-    assert m["learner/grad_norm"] == pytest.approx((m["learner/grad_norm_wm"] ** 2 + m["learner/grad_norm_policy"] ** 2) ** 0.5)
+    assert m["learner/grad_norm"] == pytest.approx(
+        (m["learner/grad_norm_wm"] ** 2 + m["learner/grad_norm_policy"] ** 2) ** 0.5
+    )
     wm_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in both["wm"]]))
     assert wm_norm == pytest.approx(1.0, rel=1e-3)
 
 
 # ---------------------------------------------------------------- point 8: teacher without dropout
+
 
 def test_teacher_logits_inside_a_train_step_are_an_eval_mode_forward(tiny_model_dir, monkeypatch):
     """With LoRA dropout 0.5 the teacher's logits (the distillation target) equal a dropout-free
@@ -168,8 +173,9 @@ def test_a_phases_filter_serves_only_those_phases_and_counts_the_rest(tmp_path):
     assert sorted(r["id"] for r in res.items) == list(range(190, 200)) and res.phase_skipped == 190
     none = sample(st, "transitions", 4, window=1000, current_policy=0, max_staleness=4, seed=3, phases=["reflect_init"])
     assert none.items == [] and none.phase_skipped == 200
-    both = sample(st, "transitions", 8, window=1000, current_policy=0, max_staleness=4, seed=3,
-                  phases=["warmup", "coevolve"])
+    both = sample(
+        st, "transitions", 8, window=1000, current_policy=0, max_staleness=4, seed=3, phases=["warmup", "coevolve"]
+    )
     unfiltered = sample(st, "transitions", 8, window=1000, current_policy=0, max_staleness=4, seed=3)
     assert [r["id"] for r in both.items] == [r["id"] for r in unfiltered.items] and both.phase_skipped == 0
     with pytest.raises(ValueError, match="phases"):
@@ -195,6 +201,7 @@ def test_a_phases_filter_draws_in_proportion_to_n_when_half_match(tmp_path):
 
 # ---------------------------------------------------------------- points 3 and 9: what the learner fetches
 
+
 def test_store_requests_filter_by_phase_and_draw_the_mixed_in_shares():
     from learner.loop import store_requests
 
@@ -203,9 +210,14 @@ def test_store_requests_filter_by_phase_and_draw_the_mixed_in_shares():
     assert store_requests("warmup", 4, shares, rng) == [("demos", 4, None), ("transitions", 4, None)]
     assert store_requests("reflect_init", 4, shares, rng) == [("demos", 4, None), ("reflections", 4, ["reflect_init"])]
     assert store_requests("reflect_init", 2, shares, rng, sizes={"reflections": 6}) == [
-        ("demos", 2, None), ("reflections", 6, ["reflect_init"])]  # reflection-mode init trains no world model
+        ("demos", 2, None),
+        ("reflections", 6, ["reflect_init"]),
+    ]  # reflection-mode init trains no world model
     assert store_requests("coevolve", 4, {}, rng) == [
-        ("demos", 4, None), ("transitions", 4, ["coevolve"]), ("reflections", 4, ["coevolve"])]
+        ("demos", 4, None),
+        ("transitions", 4, ["coevolve"]),
+        ("reflections", 4, ["coevolve"]),
+    ]
     mixed = {"transitions": 0, "reflections": 0}
     total = dict(mixed)
     earlier = {"transitions": ["warmup"], "reflections": ["reflect_init"]}
@@ -258,11 +270,24 @@ async def test_wait_for_reflections_sizes_the_phase_by_epochs_over_the_samples_h
             self.entered = args
 
     def learner_with(*overrides):
-        cfg = load_config(None, ["learner.reflect_init_min_samples=64", "learner.reflect_init_epochs=1.5",
-                                 "learner.batch_size=4", "learner.reflect_init_steps=10", *overrides])
-        learner = SimpleNamespace(cfg=cfg, state=LearnerState(phase="reflect_init", phase_start=7), stop=asyncio.Event(),
-                                  trainer=SimpleNamespace(scheduler=Scheduler()), dp=None,
-                                  log=SimpleNamespace(info=lambda *a, **k: None))
+        cfg = load_config(
+            None,
+            [
+                "learner.reflect_init_min_samples=64",
+                "learner.reflect_init_epochs=1.5",
+                "learner.batch_size=4",
+                "learner.reflect_init_steps=10",
+                *overrides,
+            ],
+        )
+        learner = SimpleNamespace(
+            cfg=cfg,
+            state=LearnerState(phase="reflect_init", phase_start=7),
+            stop=asyncio.Event(),
+            trainer=SimpleNamespace(scheduler=Scheduler()),
+            dp=None,
+            log=SimpleNamespace(info=lambda *a, **k: None),
+        )
         learner.wait_for_store = lambda *a: Learner.wait_for_store(learner, *a)
         learner.global_batch = Learner.global_batch.fget(learner)
         learner.reflect_init_batch = Learner.reflect_init_batch.fget(learner)
@@ -331,8 +356,12 @@ async def test_the_prefetcher_tags_micro_batches_and_reflect_init_needs_reflecti
 
 def test_revise_label_share_is_the_share_of_y1_among_trained_reflection_samples(tiny_model_dir):
     trainer = make_trainer(tiny_model_dir, grad_accum=2)
-    m = trainer.train_step([{"reflections": [reflection_record(1), reflection_record(0)]},
-                            {"reflections": [reflection_record(1), reflection_record(1)]}])
+    m = trainer.train_step(
+        [
+            {"reflections": [reflection_record(1), reflection_record(0)]},
+            {"reflections": [reflection_record(1), reflection_record(1)]},
+        ]
+    )
     assert m["policy/revise_label_share"] == pytest.approx(0.75)
     assert "policy/revise_label_share" not in trainer.train_step([{"demos": [demo_record(0)]}])
 

@@ -15,7 +15,10 @@ HOLDING = frozenset({"at(desk 1)", "holding(bowl 1)"})
 
 
 def test_no_repeat_no_loop():
-    assert loop_steps([(frozenset(), "go to desk 1"), (AT_DESK, "take bowl 1 from desk 1"), (HOLDING, "go to shelf 1")]) == 0
+    assert (
+        loop_steps([(frozenset(), "go to desk 1"), (AT_DESK, "take bowl 1 from desk 1"), (HOLDING, "go to shelf 1")])
+        == 0
+    )
 
 
 def test_a_take_move_cycle_counts_from_its_second_turn():
@@ -88,8 +91,9 @@ def _episode(guard: int, llm):
     from comap_async.config import CoMapConfig
 
     cfg = CoMapConfig.model_validate({"eval": {"repeat_guard": guard, "repeat_guard_temperature": 0.9}})
-    ctx = EpisodeContext(actor="t", cfg=cfg, llm=llm, emit=None, next_state=lambda facts, o: facts | {o},
-                         registry=lambda: None)
+    ctx = EpisodeContext(
+        actor="t", cfg=cfg, llm=llm, emit=None, next_state=lambda facts, o: facts | {o}, registry=lambda: None
+    )
     ep = Episode(ctx, SimpleNamespace(name="g"), "e", SimpleNamespace(info={}, observation="at desk 1"))
     ep.stats.state_actions.append((ep.facts, "look"))  # "look" was already taken from this state
     return ep, ctx

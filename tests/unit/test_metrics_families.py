@@ -11,9 +11,13 @@ from comap_async.httpcommon import exposition, family, scrape_registry
 
 def test_families_keep_names_and_read_counters_at_scrape_time():
     counters = {"n": 0}
-    reg_a = scrape_registry(lambda: [family("counter", "comap_t_events_total", "Events.", [({"kind": "x"}, counters["n"])]),
-                                     family("gauge", "comap_t_level", "Level.", [({}, 2)]),
-                                     family("counter", "comap_t_empty_total", "No samples yet.", [])])
+    reg_a = scrape_registry(
+        lambda: [
+            family("counter", "comap_t_events_total", "Events.", [({"kind": "x"}, counters["n"])]),
+            family("gauge", "comap_t_level", "Level.", [({}, 2)]),
+            family("counter", "comap_t_empty_total", "No samples yet.", []),
+        ]
+    )
     reg_b = scrape_registry(lambda: [family("gauge", "comap_t_level", "Another server.", [({}, 7)])])
     counters["n"] = 3  # bumped as a plain int; seen by the next scrape
     body, content_type = exposition(reg_a)

@@ -13,7 +13,9 @@ from comap_async.models import ModelError, build_tiny_model, load_model_and_toke
 
 
 def test_help_lists_the_working_subcommands():
-    out = subprocess.run([sys.executable, "-m", "comap_async", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "comap_async", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for name in COMMANDS:
         assert name in out
     assert "model" in out

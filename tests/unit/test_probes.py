@@ -26,11 +26,21 @@ def test_summary_of_hand_made_transitions():
         # right prediction, right draft
         ProbeRow("g1", 0, "walkthrough", state_delta_f1(next_state, before, real, real), True, True),
         # the wrong receptacle (1/3), an admissible but wrong draft
-        ProbeRow("g1", 1, "walkthrough", state_delta_f1(next_state, before, "You arrive at drawer 3. The drawer 3 is closed.",
-                                                      real), False, True),
+        ProbeRow(
+            "g1",
+            1,
+            "walkthrough",
+            state_delta_f1(next_state, before, "You arrive at drawer 3. The drawer 3 is closed.", real),
+            False,
+            True,
+        ),
         # a failure transition predicted as a success (0)
-        ProbeRow("g1", 1, "failure", state_delta_f1(next_state, before, "You pick up the apple 1 from the countertop 1.",
-                                                  "Nothing happens.")),
+        ProbeRow(
+            "g1",
+            1,
+            "failure",
+            state_delta_f1(next_state, before, "You pick up the apple 1 from the countertop 1.", "Nothing happens."),
+        ),
         # unreadable real observation: not scored; an inadmissible draft
         ProbeRow("g2", 0, "walkthrough", None, False, False),
     ]
@@ -39,27 +49,39 @@ def test_summary_of_hand_made_transitions():
     assert s["wm_delta_f1_walkthrough"] == pytest.approx((1 + 1 / 3) / 2) and s["wm_delta_f1_failures"] == 0.0
     assert s["draft_accuracy"] == pytest.approx(1 / 3) and s["admissible_rate"] == pytest.approx(2 / 3)
     assert (s["walkthrough_states"], s["failure_transitions"], s["wm_scored"], s["games"]) == (3, 1, 3, 2)
-    assert probe_line(s) == ("wm_delta_f1=0.4444 draft_accuracy=0.3333 admissible_rate=0.6667 "
-                             "reflection_problem_rate=n/a gate_open_rate=n/a p_discrimination=n/a")
+    assert probe_line(s) == (
+        "wm_delta_f1=0.4444 draft_accuracy=0.3333 admissible_rate=0.6667 "
+        "reflection_problem_rate=n/a gate_open_rate=n/a p_discrimination=n/a"
+    )
 
 
 def test_empty_probes_say_n_a():
     s = summarize_probes([])
     assert s["wm_delta_f1"] is None and probe_line(s) == (
         "wm_delta_f1=n/a draft_accuracy=n/a admissible_rate=n/a reflection_problem_rate=n/a gate_open_rate=n/a "
-        "p_discrimination=n/a")
+        "p_discrimination=n/a"
+    )
 
 
 def test_reflection_figures_of_hand_made_rows():
     def row(t, match, p, problem, reason):
         return ProbeRow("g", t, "walkthrough", 1.0, match, True, p, problem, reason)
 
-    rows = [row(0, True, 0.2, False, "keep"), row(1, True, 0.4, True, "keep"),
-            row(2, False, 0.9, False, "revised"), row(3, False, 0.7, False, "low_confidence"),
-            row(4, False, None, True, "unreadable"),
-            ProbeRow("g", 5, "walkthrough", 1.0, False, False)]  # no draft: nothing to reflect on
+    rows = [
+        row(0, True, 0.2, False, "keep"),
+        row(1, True, 0.4, True, "keep"),
+        row(2, False, 0.9, False, "revised"),
+        row(3, False, 0.7, False, "low_confidence"),
+        row(4, False, None, True, "unreadable"),
+        ProbeRow("g", 5, "walkthrough", 1.0, False, False),
+    ]  # no draft: nothing to reflect on
     s = summarize_probes(rows)
-    assert s["reflections"] == 5 and s["gate_reasons"] == {"keep": 2, "revised": 1, "low_confidence": 1, "unreadable": 1}
+    assert s["reflections"] == 5 and s["gate_reasons"] == {
+        "keep": 2,
+        "revised": 1,
+        "low_confidence": 1,
+        "unreadable": 1,
+    }
     assert s["reflection_problem_rate"] == pytest.approx(2 / 5) and s["unreadable_rate"] == pytest.approx(1 / 5)
     assert s["gate_open_rate"] == pytest.approx(1 / 5)
     # wrong drafts: mean p 0.8 (the unreadable one has none), right drafts 0.3

@@ -106,6 +106,11 @@ def test_the_command_prints_it_or_one_error_line():
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("\n") == 7 and "inference2: CUDA_VISIBLE_DEVICES=2" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "comap_async", "procfile", "--config", QWEN, "--set", "inference.gpus=[]"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "comap_async", "procfile", "--config", QWEN, "--set", "inference.gpus=[]"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "inference.gpus is empty" in out.stderr

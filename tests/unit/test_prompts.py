@@ -8,7 +8,13 @@ import pytest
 
 from comap_async import prompts
 from comap_async.prompts import (
-    ChatTemplate, DecisionTokens, Prompts, parse_action, parse_reflection, render_state, revise_probability,
+    ChatTemplate,
+    DecisionTokens,
+    Prompts,
+    parse_action,
+    parse_reflection,
+    render_state,
+    revise_probability,
 )
 
 
@@ -106,18 +112,23 @@ def test_template_that_transforms_content_falls_back_to_full_render():
     msgs = [{"role": "user", "content": "  hello "}]
     for _ in range(5):
         assert chat.render(msgs) == "<user>HELLO"
-    only_if = ChatTemplate("{% for m in messages %}{% if 'x' in m['content'] %}X{% endif %}[{{ m['content'] }}]{% endfor %}")
+    only_if = ChatTemplate(
+        "{% for m in messages %}{% if 'x' in m['content'] %}X{% endif %}[{{ m['content'] }}]{% endfor %}"
+    )
     assert only_if.render([{"role": "user", "content": "abc"}]) == "[abc]"
     assert only_if.render([{"role": "user", "content": "xyz"}]) == "X[xyz]"  # caught by verification
     for _ in range(5):
         assert only_if.render([{"role": "user", "content": "xy"}]) == "X[xy]"
 
 
-@pytest.mark.parametrize("completion, value, problem", [
-    (" The apple is here.\nAction: take apple 1 from countertop 1", "take apple 1 from countertop 1", None),
-    (" First look.\nAction: go to desk 1\nAction: open drawer 2", "open drawer 2", None),  # the last action line
-    (" I will go to the desk.", None, "no_action"),
-])
+@pytest.mark.parametrize(
+    "completion, value, problem",
+    [
+        (" The apple is here.\nAction: take apple 1 from countertop 1", "take apple 1 from countertop 1", None),
+        (" First look.\nAction: go to desk 1\nAction: open drawer 2", "open drawer 2", None),  # the last action line
+        (" I will go to the desk.", None, "no_action"),
+    ],
+)
 def test_parse_react(completion, value, problem):
     from comap_async.prompts import parse_react
 
@@ -143,12 +154,20 @@ def test_environments_share_prompts_and_differ_only_in_the_system_messages():
     # ALFWorld's prompts are what they were before there was a second environment
     assert alf.draft("Task: x") == Prompts(chat).draft("Task: x")
     assert f"[system]{prompts.SYSTEM_AGENT}[user]" in alf.draft("Task: x")
-    for role, args in [("draft", ("Task: x",)), ("reflect", ("Task: x", "look around", "You see.")),
-                       ("react", ("Task: x",)), ("choose", ("Task: x", "look around", "You see.")),
-                       ("world_model", ("Task: x", "look around")), ("teacher", ("Task: x", "look around", "ok"))]:
+    for role, args in [
+        ("draft", ("Task: x",)),
+        ("reflect", ("Task: x", "look around", "You see.")),
+        ("react", ("Task: x",)),
+        ("choose", ("Task: x", "look around", "You see.")),
+        ("world_model", ("Task: x", "look around")),
+        ("teacher", ("Task: x", "look around", "ok")),
+    ]:
         a, s = getattr(alf, role)(*args), getattr(sw, role)(*args)
-        system = prompts.WORDING["scienceworld"].world if role in ("world_model", "teacher") else \
-            prompts.WORDING["scienceworld"].agent
+        system = (
+            prompts.WORDING["scienceworld"].world
+            if role in ("world_model", "teacher")
+            else prompts.WORDING["scienceworld"].agent
+        )
         assert s.startswith(f"[system]{system}[user]") and "household" not in s
         assert a.split("[user]", 1)[1] == s.split("[user]", 1)[1]  # the rest is shared word for word
     with pytest.raises(ValueError, match="no prompt wording for environment 'webshop'"):

@@ -66,7 +66,9 @@ async def test_an_undecided_reflection_continues_from_the_likelier_decision():
 async def test_a_readable_reflection_needs_one_call():
     text = " KEEP\nFinal Action: go to desk 1"
     toks = [" KE", "EP", "\n", "Final", " Action", ":", " go", " to", " desk", " 1"]
-    client = ScriptedClient((text, toks, [math.log(0.8)] + [math.log(0.9)] * 9, {" KE": math.log(0.8), " RE": math.log(0.1)}))
+    client = ScriptedClient(
+        (text, toks, [math.log(0.8)] + [math.log(0.9)] * 9, {" KE": math.log(0.8), " RE": math.log(0.1)})
+    )
     r = await make_llm(client).reflect("state", "go to desk 1", "s")
     assert len(client.calls) == 1 and r.problem is None and r.readable and r.a_ref == "go to desk 1"
     assert r.q_ref == pytest.approx(0.9)
@@ -118,14 +120,14 @@ def test_the_decision_token_carries_no_cross_entropy(tiny_model_dir, fast_path):
     enc = t.encoder
     seq = enc.reflection(record)
     target = enc._ids(reflection_target("REVISE", record["target"]) + enc.eos)
-    assert seq.ids[seq.start:] == target and target[0] == enc.revise_id
+    assert seq.ids[seq.start :] == target and target[0] == enc.revise_id
     from learner.peft_model import activate
 
     activate(t.model, "policy", trainable=False)
     with torch.no_grad():
         logits = t.model(input_ids=torch.tensor([seq.ids])).logits[0].float()
     at = torch.arange(seq.start - 1, seq.start - 1 + seq.n_target)  # positions predicting the target tokens
-    ce = torch.nn.functional.cross_entropy(logits[at[1:]], torch.tensor(seq.ids[seq.start + 1:]), reduction="sum")
+    ce = torch.nn.functional.cross_entropy(logits[at[1:]], torch.tensor(seq.ids[seq.start + 1 :]), reduction="sum")
     fmt = losses.decision_format_nll(logits[at[:1]], enc.keep_id, enc.revise_id).sum()
     assert float(reflect_ce) == pytest.approx(float((ce + fmt) / seq.n_target), rel=1e-4)
     p = losses.revise_probability(logits[at[:1]], enc.keep_id, enc.revise_id)

@@ -11,8 +11,8 @@ import pytest
 from comap_async import retry
 from comap_async.config import RetryConfig, load_config
 from comap_async.wire.broker_client import BrokerClient, BrokerError
-from comap_async.wire.messages import Reply
 from comap_async.wire.inference_client import InferenceClient, InferenceError, _Retryable
+from comap_async.wire.messages import Reply
 from learner.publish import PublishError, load_everywhere
 
 

@@ -22,7 +22,11 @@ FIELDS = set(Transition.__struct_fields__) - {"v", "id", "t", "s", "o", "seq"}  
 
 
 def code_files() -> list[Path]:
-    return [p for top in ("comap_async", "actors", "broker", "learner", "benchmarks") for p in sorted((REPO / top).rglob("*.py"))]
+    return [
+        p
+        for top in ("comap_async", "actors", "broker", "learner", "benchmarks")
+        for p in sorted((REPO / top).rglob("*.py"))
+    ]
 
 
 def _docstring_ids(tree: ast.AST) -> set[int]:
@@ -31,7 +35,11 @@ def _docstring_ids(tree: ast.AST) -> set[int]:
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             body = node.body
             for stmt in body:  # a string statement anywhere in a body is documentation
-                if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str):
+                if (
+                    isinstance(stmt, ast.Expr)
+                    and isinstance(stmt.value, ast.Constant)
+                    and isinstance(stmt.value.value, str)
+                ):
                     ids.add(id(stmt.value))
     return ids
 
@@ -60,9 +68,13 @@ def declarations(path: Path) -> list[str]:
         if isinstance(node, ast.JoinedStr):
             parts = node.values
             for a, b, c in zip(parts, parts[1:], parts[2:]):
-                if (isinstance(a, ast.FormattedValue) and isinstance(b, ast.Constant) and str(b.value).endswith("-v")
-                        and isinstance(c, ast.FormattedValue)):
-                    out.append(f"{node.lineno}: the adapter-name format f\"{{role}}-v{{version}}\"")
+                if (
+                    isinstance(a, ast.FormattedValue)
+                    and isinstance(b, ast.Constant)
+                    and str(b.value).endswith("-v")
+                    and isinstance(c, ast.FormattedValue)
+                ):
+                    out.append(f'{node.lineno}: the adapter-name format f"{{role}}-v{{version}}"')
     return out
 
 
@@ -77,14 +89,19 @@ def test_messages_does_declare_them():
     assert any("the phase 'coevolve'" in d for d in found) and any("adapter-name format" in d for d in found)
 
 
-@pytest.mark.parametrize("code,what", [
-    ('PHASES = {"warmup": 1}\n', "the phase 'warmup'"),
-    ('name = f"{role}-v{version}"\n', "adapter-name format"),
-    ('v = name.rsplit("-v", 1)[1]\n', "separator '-v'"),
-    ('REC = {"a_draft": 1, "s_hat": 2, "a_exec": 3, "s_next": 4, "s_hat_teacher": 5}\n', "Transition's fields"),
-    ('class T:\n    a_draft: str\n    s_hat: str\n    a_exec: str\n    s_next: str\n    p_revise: float\n',
-     "Transition's fields"),
-])
+@pytest.mark.parametrize(
+    "code,what",
+    [
+        ('PHASES = {"warmup": 1}\n', "the phase 'warmup'"),
+        ('name = f"{role}-v{version}"\n', "adapter-name format"),
+        ('v = name.rsplit("-v", 1)[1]\n', "separator '-v'"),
+        ('REC = {"a_draft": 1, "s_hat": 2, "a_exec": 3, "s_next": 4, "s_hat_teacher": 5}\n', "Transition's fields"),
+        (
+            "class T:\n    a_draft: str\n    s_hat: str\n    a_exec: str\n    s_next: str\n    p_revise: float\n",
+            "Transition's fields",
+        ),
+    ],
+)
 def test_a_second_declaration_is_found(tmp_path, code, what):
     path = tmp_path / "mod.py"
     path.write_text('"""The coevolve phase (a docstring does not count)."""\n' + code)

@@ -105,8 +105,15 @@ def test_revised_step_reflects_on_the_drafts_imagined_state():
 
 
 def test_kept_step_uses_the_gate():
-    kept = dict(decision="KEEP", a_ref="go to drawer 3", p_revise=0.1, q_ref=0.9, a_exec="go to drawer 3",
-                s_hat_exec=DRAFT_IMAGINED, s_next="You arrive at drawer 3. The drawer 3 is open. In it, you see nothing.")
+    kept = dict(
+        decision="KEEP",
+        a_ref="go to drawer 3",
+        p_revise=0.1,
+        q_ref=0.9,
+        a_exec="go to drawer 3",
+        s_hat_exec=DRAFT_IMAGINED,
+        s_next="You arrive at drawer 3. The drawer 3 is open. In it, you see nothing.",
+    )
     agree = derive_policy_sample(validate(_step(**kept, s_hat_teacher=DRAFT_IMAGINED)), next_state)
     assert agree.ws_imagined and agree.s_bar == DRAFT_IMAGINED
     disagree = derive_policy_sample(validate(_step(**kept, s_hat_teacher="Nothing happens.")), next_state)

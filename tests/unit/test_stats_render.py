@@ -27,14 +27,20 @@ def test_reflect_init_label_distribution_is_shown():
              "reflect_init_labels": {"expert_better": 6, "equal_draft": 3, "not_better": 1}}
     text = render(summarize(stats, [], []))
     line = next(x for x in text.splitlines() if x.startswith("reflect_init "))
-    assert "y=1 6" in line and "equal drafts 3" in line and "ties or worse 1" in line and "share y=1 0.600 of 10" in line
+    assert (
+        "y=1 6" in line and "equal drafts 3" in line and "ties or worse 1" in line and "share y=1 0.600 of 10" in line
+    )
     assert "policy/revise_label_share=0.400" in text
     assert "no reflection-initialisation samples yet" in render(summarize(_stats({}), [], []))
 
 
 def test_eval_points_are_in_version_order_whatever_the_input_order():
     # learning_curve.py once read eval/v*.json in name order: v0, v1, v10, v2 drew a zigzag
-    results = [{"version": 0, "ts": 100.0, "wm_delta_f1": 0.0}, {"version": 1, "ts": 400.0, "wm_delta_f1": 0.2},
-               {"version": 10, "ts": 1900.0, "wm_delta_f1": 0.7}, {"version": 2, "ts": 700.0, "wm_delta_f1": 0.4},
-               {"version": 3, "ts": 1000.0}]
+    results = [
+        {"version": 0, "ts": 100.0, "wm_delta_f1": 0.0},
+        {"version": 1, "ts": 400.0, "wm_delta_f1": 0.2},
+        {"version": 10, "ts": 1900.0, "wm_delta_f1": 0.7},
+        {"version": 2, "ts": 700.0, "wm_delta_f1": 0.4},
+        {"version": 3, "ts": 1000.0},
+    ]
     assert eval_points(results, "wm_delta_f1") == [(0, 0.0, 0.0), (1, 5.0, 0.2), (2, 10.0, 0.4), (10, 30.0, 0.7)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from learner.checkpoint import latest, load_checkpoint, save_checkpoint
 from comap_async.wire.messages import ROLES
+from learner.checkpoint import latest, load_checkpoint, save_checkpoint
 from learner.peft_model import adapter_state
 from tests.fixtures.learner import demo_record, make_trainer, reflection_record, wm_record
 
