@@ -53,19 +53,24 @@ class ModelConfig(_Section):
     """torch intra-op threads per process; 1 is fastest when several processes share few cores."""
 
 
-ALFWORLD_SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")
-SCIENCEWORLD_SPLITS = ("train", "dev", "test")
+
+
+def _env_spec(name: str) -> Any:
+    from comap_async.envs.registry import env_spec  # light: the entries name their parts by import path
+
+    return env_spec(name)
 
 
 class EnvConfig(_Section):
-    name: Literal["alfworld", "scienceworld"] = "alfworld"
-    """Which text environment the actors play."""
+    name: str = "alfworld"
+    """Which text environment the actors play: a registered one (``alfworld``, ``scienceworld``:
+    :mod:`comap_async.envs.registry`) or the import path of an ``EnvSpec`` (``mypackage.env:SPEC``)."""
     data_dir: str | None = None
     """ALFWorld data root (the ``alfworld-download`` layout); ``None`` uses ``$ALFWORLD_DATA``.
     (ScienceWorld needs none: its games ship inside the ``scienceworld`` package.)"""
-    split: Literal["train", "valid_seen", "valid_unseen", "valid_train", "dev", "test"] = "train"
+    split: str = "train"
     """Split the actors train on (ALFWorld: train, valid_seen, valid_unseen, valid_train;
-    ScienceWorld: train, dev, test)."""
+    ScienceWorld: train, dev, test); unset, the environment's training split."""
     tasks: list[str] | None = None
     """ScienceWorld: the task names to play (None: all 30)."""
     per_task: int | None = Field(default=None, ge=1)
@@ -85,9 +90,11 @@ class EnvConfig(_Section):
 
     @model_validator(mode="after")
     def _split_of_env(self) -> "EnvConfig":
-        splits = SCIENCEWORLD_SPLITS if self.name == "scienceworld" else ALFWORLD_SPLITS
-        if self.split not in splits:
-            raise ValueError(f"env.split={self.split!r} is not a split of {self.name} ({', '.join(splits)})")
+        spec = _env_spec(self.name)
+        if "split" not in self.model_fields_set:
+            self.split = spec.train_split
+        if self.split not in spec.splits:
+            raise ValueError(f"env.split={self.split!r} is not a split of {self.name} ({', '.join(spec.splits)})")
         return self
 
 
@@ -570,7 +577,7 @@ EVAL_METHODS: tuple[str, ...] = EvalMethod.__args__
 
 
 class EvalConfig(_Section):
-    split: Literal["train", "valid_seen", "valid_unseen", "valid_train", "dev", "test"] = "valid_seen"
+    split: str = "valid_seen"
     """Held-out split the evaluator measures every adapter version on (ALFWorld: ``env.data_dir``
     holds it). Unset, it is the environment's held-out split: valid_seen, or dev for ScienceWorld."""
     method: EvalMethod = "comap"
@@ -658,9 +665,10 @@ class CoMapConfig(_Section):
     @model_validator(mode="after")
     def check_invariants(self) -> "CoMapConfig":
         b, lr = self.broker, self.learner
-        if self.env.name == "scienceworld" and "split" not in self.eval.model_fields_set:
-            self.eval.split = "dev"
-        env_splits = SCIENCEWORLD_SPLITS if self.env.name == "scienceworld" else ALFWORLD_SPLITS
+        spec = _env_spec(self.env.name)
+        if "split" not in self.eval.model_fields_set:
+            self.eval.split = spec.held_out_split
+        env_splits = spec.splits
         if self.eval.split not in env_splits:
             raise ValueError(
                 f"eval.split={self.eval.split!r} is not a split of {self.env.name} ({', '.join(env_splits)})"

@@ -46,25 +46,14 @@ class Wording:
     world: str
 
 
-WORDING = {
-    "alfworld": Wording(agent=SYSTEM_AGENT, world=SYSTEM_WORLD),
-    "scienceworld": Wording(
-        agent=("You are an agent in a text-based science environment. "
-               "You act with short commands such as 'look around', 'open door to kitchen', 'go to kitchen', "
-               "'pick up thermometer', 'move metal pot to stove', 'activate stove', 'use thermometer on water', "
-               "'focus on water', 'wait1'."),
-        world=("You are a world model of a text-based science environment. "
-               "Given the current state and an action, you write the exact observation the environment returns."),
-    ),
-}
-ALFWORLD = WORDING["alfworld"]
+ALFWORLD = Wording(agent=SYSTEM_AGENT, world=SYSTEM_WORLD)
 
 
 def wording_for(env_name: str) -> Wording:
-    try:
-        return WORDING[env_name]
-    except KeyError:
-        raise ValueError(f"no prompt wording for environment {env_name!r}; known: {', '.join(WORDING)}") from None
+    """The environment's prompt wording, from its registry entry."""
+    from comap_async.envs.registry import env_spec
+
+    return env_spec(env_name).wording
 
 
 DECISION_PREFIX = "Decision:"
@@ -358,7 +347,8 @@ class Prompts:
     """False (ablation ``no_future_state``): the reflection prompt leaves out the imagined state,
     in the actors' calls and the learner's samples alike."""
     wording: Wording = ALFWORLD
-    """The environment's system messages (:data:`WORDING`); actors and the learner pick the same."""
+    """The environment's system messages (its registry entry's, :func:`wording_for`); actors and the
+    learner pick the same."""
     decision: DecisionTokens | None = None
     """The decision position's two tokens (needed to read ``p`` from a reflection)."""
     critic_answer: DecisionTokens | None = None

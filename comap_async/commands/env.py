@@ -34,12 +34,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.env == "scienceworld":
         return _check_scienceworld(args)
-    from comap_async.config import ALFWORLD_SPLITS
+    from comap_async.envs.registry import ENVS
 
-    args.split = args.split or "valid_seen"
-    if args.split not in ALFWORLD_SPLITS:
-        print(f"comap env: error: {args.split!r} is not an ALFWorld split ({', '.join(ALFWORLD_SPLITS)})",
-              file=sys.stderr)
+    splits = ENVS["alfworld"].splits
+    args.split = args.split or ENVS["alfworld"].held_out_split
+    if args.split not in splits:
+        print(f"comap env: error: {args.split!r} is not an ALFWorld split ({', '.join(splits)})", file=sys.stderr)
         return 2
 
     from comap_async.envs.alfworld_check import check_games

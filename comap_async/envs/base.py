@@ -59,6 +59,11 @@ class TextEnv(Protocol):
         """Re-create the state after ``actions`` from a fresh reset (restore by replay)."""
         ...
 
+    def walkthrough(self) -> list[str]:
+        """The current game's recorded winning command sequence (after ``reset``): warm-up's
+        demonstrations, reflection-mode initialisation's expert branch, the probes' states."""
+        ...
+
     def close(self) -> None:
         ...
 

@@ -12,9 +12,11 @@ import random
 import shutil
 from functools import lru_cache
 
-from comap_async.config import SCIENCEWORLD_SPLITS as SPLITS
 from comap_async.envs.base import GameInfo
+from comap_async.envs.registry import ENVS
 from comap_async.errors import CommandError
+
+SPLITS = ENVS["scienceworld"].splits
 
 SIMPLIFICATION = "easy"
 """The simplifications most agent papers play with (``noElectricalAction, openDoors,
@@ -120,3 +122,10 @@ def discover_games(split: str, tasks: list[str] | None = None, per_task: int | N
         games += [GameInfo(path=f"{task}:{v}", split=split, task_type=index, name=f"{split}/{task}/var{v}")
                   for v in variations]
     return spread_sample(games, max_games, seed)
+
+
+def games_for_config(cfg, split: str) -> list[GameInfo]:
+    """The registry's ``games`` part: ``split``'s variations of ``env.tasks`` (``env.per_task`` of
+    each), at most ``env.max_games``, drawn with the run seed."""
+    return discover_games(split, tasks=cfg.env.tasks, per_task=cfg.env.per_task, max_games=cfg.env.max_games,
+                          seed=cfg.run.seed)

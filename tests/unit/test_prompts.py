@@ -164,9 +164,9 @@ def test_environments_share_prompts_and_differ_only_in_the_system_messages():
     ]:
         a, s = getattr(alf, role)(*args), getattr(sw, role)(*args)
         system = (
-            prompts.WORDING["scienceworld"].world
+            prompts.wording_for("scienceworld").world
             if role in ("world_model", "teacher")
-            else prompts.WORDING["scienceworld"].agent
+            else prompts.wording_for("scienceworld").agent
         )
         assert s.startswith(f"[system]{system}[user]") and "household" not in s
         assert a.split("[user]", 1)[1] == s.split("[user]", 1)[1]  # the rest is shared word for word
