@@ -59,7 +59,8 @@ def markdown(report: dict[str, Any]) -> str:
         return "n/a" if x is None else f"{x:.3f}"
 
     rows = [
-        f"# Evaluation: {report['split']} (adapters v{report['adapter_version']}, method {report.get('method', 'comap')})",
+        f"# Evaluation: {report['split']} (adapters v{report['adapter_version']}, "
+        f"method {report.get('method', 'comap')})",
         "",
         "| games | success rate | mean score | mean steps | world-model Delta-F1 | revision rate | invalid-action rate "
         "| loop rate |",
@@ -84,7 +85,8 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             "| steps | executed revisions (Σm) | winning drafts (Σz_draft) | URR | HRR | BRP |",
             "| ---: | ---: | ---: | ---: | ---: | ---: |",
-            f"| {r['steps']} | {r['sum_m']} | {r['sum_z_draft']} | {num(r['urr'])} | {num(r['hrr'])} | {num(r['brp'])} |",
+            f"| {r['steps']} | {r['sum_m']} | {r['sum_z_draft']} | {num(r['urr'])} | {num(r['hrr'])} "
+            f"| {num(r['brp'])} |",
         ]
     labels = report.get("reflect_init_labels")
     if labels is not None:

@@ -134,7 +134,9 @@ async def wait_for_server(cfg: Any, proc: subprocess.Popen, timeout_s: float, lo
     from comap_async.wire.inference_client import InferenceClient
 
     def exited() -> str | None:
-        return None if proc.poll() is None else f"exited with code {proc.returncode} before answering (its log is above)"
+        return (
+            None if proc.poll() is None else f"exited with code {proc.returncode} before answering (its log is above)"
+        )
 
     async with InferenceClient.from_config(cfg, retries=0) as client:
         try:

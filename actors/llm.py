@@ -202,7 +202,11 @@ class AgentLLM:
         truncated = len(spans) > budget
         if truncated:
             cut = spans[budget - 1][1]
-            text, tokens, token_lps = text[:cut], tokens[:spans[budget - 1][0] + 1], token_lps[:spans[budget - 1][0] + 1]
+            text, tokens, token_lps = (
+                text[:cut],
+                tokens[:spans[budget - 1][0] + 1],
+                token_lps[:spans[budget - 1][0] + 1],
+            )
         r = parse_reflection(text)
         problem = r.problem or ("final_action_truncated" if truncated else None)
         decision = r.decision or ("REVISE" if p_revise > 0.5 else "KEEP")

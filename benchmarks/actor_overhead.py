@@ -80,7 +80,8 @@ def main() -> None:
         else:
             ms, steps = asyncio.run(measure(cfg, args.episodes, args.envs))
     print(
-        f"loop={args.loop} steps_measured={steps} envs={args.envs} calls_per_step=4-5 (draft, imagine, reflect, teacher[, imagine])"
+        f"loop={args.loop} steps_measured={steps} envs={args.envs} "
+        "calls_per_step=4-5 (draft, imagine, reflect, teacher[, imagine])"
     )
     print(f"actor_cpu_ms_per_step={ms:.2f}")
 

@@ -9,7 +9,8 @@ in alternating rounds on one machine:
 
     python benchmarks/coevolve_throughput.py [--config configs/local.yaml] [--steps 40] [--rounds 2]
 
-A broker runs throughout. Each round, for each setting in turn: a fresh ``comap serve`` loads three LoRA adapters (policy, world model, teacher: random, small, the learner's
+A broker runs throughout. Each round, for each setting in turn: a fresh ``comap serve`` loads three
+LoRA adapters (policy, world model, teacher: random, small, the learner's
 shape), the registry is set to ``coevolve`` on them (no learner), and one actor (``actor.envs``
 environments, ``env.split=valid_seen``) plays the CoMap loop. After 4 transitions of warm-up,
 the window is the time to store the next ``--steps`` transitions; model calls per step are the
@@ -180,8 +181,9 @@ def main() -> int:
                 computed = max(1.0, d["prompt_tokens"] - d["prefix_cache_hit_tokens"])
                 print(
                     f"round {r} {forward:9s}: {rate:.3f} env steps/s, {calls:.2f} model calls per step; server: "
-                    f"decode {d['decode_seconds'] / (t1 - t0):.0%} of the window ({1000 * d['decode_seconds'] / steps:.1f}"
-                    f" ms per step of {d['decode_rows'] / steps:.1f} rows), prefill {d['prefill_seconds'] / (t1 - t0):.0%} "
+                    f"decode {d['decode_seconds'] / (t1 - t0):.0%} of the window "
+                    f"({1000 * d['decode_seconds'] / steps:.1f} ms per step of {d['decode_rows'] / steps:.1f} rows), "
+                    f"prefill {d['prefill_seconds'] / (t1 - t0):.0%} "
                     f"({1000 * d['prefill_seconds'] / computed:.2f} ms per computed token, "
                     f"{d['prompt_tokens'] / max(1.0, d['completions']):.0f} prompt tokens per call, "
                     f"{d['prefix_cache_hit_tokens'] / max(1.0, d['prompt_tokens']):.0%} from the prefix cache), "

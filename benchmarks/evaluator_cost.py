@@ -87,7 +87,8 @@ def main() -> int:
             stop_group(p, 60)
     a, b = statistics.median(without), statistics.median(with_eval)
     print(
-        f"steps_per_s_without={a:.3f} steps_per_s_with={b:.3f} evaluator_slowdown={1 - b / a if a else float('nan'):.3f}"
+        f"steps_per_s_without={a:.3f} steps_per_s_with={b:.3f} "
+        f"evaluator_slowdown={1 - b / a if a else float('nan'):.3f}"
     )
     return 0
 

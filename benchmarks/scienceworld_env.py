@@ -72,7 +72,8 @@ def main() -> None:
     print(f"envs={args.envs} workers={args.workers} steps={len(steps)} resets={len(resets)}")
     print(
         f"reset (load + gold path) median {1000 * statistics.median(resets):.0f} ms; "
-        f"step median {1000 * statistics.median(steps):.1f} ms, p90 {1000 * sorted(steps)[int(0.9 * len(steps))]:.1f} ms"
+        f"step median {1000 * statistics.median(steps):.1f} ms, "
+        f"p90 {1000 * sorted(steps)[int(0.9 * len(steps))]:.1f} ms"
     )
     print(f"scienceworld_env_steps_per_s={rate:.1f}")
 

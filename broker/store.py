@@ -274,7 +274,9 @@ class ReplayStore:
         except OSError:
             free = -1
         hint = "disk full" if 0 <= free < 64 * MB else "I/O error"
-        self.last_error = f"LMDB write failed ({hint}, {free // MB if free >= 0 else '?'} MB free at {self.path}): {exc}"
+        self.last_error = (
+            f"LMDB write failed ({hint}, {free // MB if free >= 0 else '?'} MB free at {self.path}): {exc}"
+        )
         raise StoreRefused(self.last_error) from None
 
     def cut_after(self, ts_limit: float) -> dict[str, int]:

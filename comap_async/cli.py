@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
 a module is imported only when its command runs (``build_parser`` adds the arguments of the one
-command named), so ``comap --help`` is instant and the core never imports a process package. Only working commands are listed here.
+command named), so ``comap --help`` is instant and the core never imports a process package.
+Only working commands are listed here.
 """
 
 from __future__ import annotations

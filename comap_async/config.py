@@ -482,7 +482,8 @@ class LearnerConfig(_Section):
     the reflection mode."""
     reflect_init_epochs: float | None = Field(default=None, gt=0)
     """Size reflection-mode initialisation by data: this many passes over the reflection samples the
-    broker holds when its training starts (``ceil(epochs * samples / (reflect_init_batch_size * grad_accum * ranks))`` steps, at least
+    broker holds when its training starts
+    (``ceil(epochs * samples / (reflect_init_batch_size * grad_accum * ranks))`` steps, at least
     ``reflect_init_steps``; the paper: 3 epochs). ``None``: ``reflect_init_steps`` alone."""
     reflect_init_batch_size: int | None = Field(default=None, ge=1)
     """Reflection samples per micro-batch of reflection-mode initialisation (``None``: ``batch_size``);

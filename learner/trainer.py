@@ -536,7 +536,9 @@ class Trainer:
                 tokens += n
                 if self.cfg.policy_wm_aux > 0 and mb.get("transitions"):  # PaW (learner/paw.py)
                     self._check_abort()
-                    for name, value in policy_wm_aux_step(self, mb["transitions"], scale, metrics["policy/loss"]).items():
+                    for name, value in policy_wm_aux_step(
+                        self, mb["transitions"], scale, metrics["policy/loss"]
+                    ).items():
                         add(name, value)
         if self.data_parallel is not None:
             self.data_parallel.average_gradients([p for params in self.role_params.values() for p in params])

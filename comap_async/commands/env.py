@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"handcoded expert within {args.max_steps} steps: {expert_wins}/{len(checks)} won")
     print(
-        f"facts: {len(unparseable)}/{observations} observations unparseable ({100 * len(unparseable) / max(observations, 1):.2f}%), "
+        f"facts: {len(unparseable)}/{observations} observations unparseable "
+        f"({100 * len(unparseable) / max(observations, 1):.2f}%), "
         f"{sum(c.self_f1_below_one for c in checks)} transitions with self Delta-F1 < 1"
     )
     for text in unparseable[:5]:

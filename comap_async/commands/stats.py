@@ -210,12 +210,14 @@ def render(s: dict[str, Any]) -> str:
         ),
         "",
         "episodes by adapter version",
-        f"  {'ver':>4} {'phase':<12} {'episodes':>8} {'success':>8} {'steps':>6} {'dF1':>6} {'revise':>7} {'invalid':>7}",
+        f"  {'ver':>4} {'phase':<12} {'episodes':>8} {'success':>8} "
+        f"{'steps':>6} {'dF1':>6} {'revise':>7} {'invalid':>7}",
     ]
     for r in s["episodes_by_version"]:
         out.append(
             f"  {r['version']:>4} {r['phase']:<12} {r['episodes']:>8} {r['success_rate']:>8.3f} "
-            f"{r['mean_steps']:>6.1f} {_fmt(r['delta_f1']):>6} {_fmt(r['revision_rate']):>7} {_fmt(r['invalid_rate']):>7}"
+            f"{r['mean_steps']:>6.1f} {_fmt(r['delta_f1']):>6} {_fmt(r['revision_rate']):>7} "
+            f"{_fmt(r['invalid_rate']):>7}"
         )
     if not s["episodes_by_version"]:
         out.append("  (no episodes yet)")
@@ -232,7 +234,8 @@ def render(s: dict[str, Any]) -> str:
     out += ["", "held-out eval by adapter version (comap evaluator)"] + eval_table(s.get("eval") or [])
     t = s["throughput"]
     out += [
-        f"throughput env_steps/s={_fmt(t['env_steps_per_s'], '.2f')} transitions/s={_fmt(t['transitions_per_s'], '.2f')} "
+        f"throughput env_steps/s={_fmt(t['env_steps_per_s'], '.2f')} "
+        f"transitions/s={_fmt(t['transitions_per_s'], '.2f')} "
         f"learner_tokens/s={_fmt(t['learner_tokens_per_s'], '.1f')}",
         f"staleness  versions_behind={s['staleness']['versions_behind']} skipped={s['staleness']['skipped']}",
     ]

@@ -90,7 +90,8 @@ _SENTENCES: list[tuple[str, FactBuilder]] = [
     (rf"You move the ({_NAME}) to the ({_NAME})\.", lambda m: [f"in({m.group(1)}, {m.group(2)})", f"at({m.group(2)})"]),
     # receptacle-object variants (mugs, pans, ...) keep their action name as a prefix in 0.4.x
     (
-        rf"Pickup(?:ObjectFromReceptacleObject|EmptyReceptacleObject|FullReceptacleObject): You pick up the ({_NAME})\.",
+        rf"Pickup(?:ObjectFromReceptacleObject|EmptyReceptacleObject|FullReceptacleObject): "
+        rf"You pick up the ({_NAME})\.",
         lambda m: [f"holding({m.group(1)})"],
     ),
     (

@@ -135,7 +135,10 @@ class _Worker:
                 if not self._more.poll(0):
                     return
         except (EOFError, OSError) as exc:
-            self._fail_all(f"environment worker pid {self.process.pid} died ({type(exc).__name__}, exit code {self.process.exitcode})")
+            self._fail_all(
+                f"environment worker pid {self.process.pid} died "
+                f"({type(exc).__name__}, exit code {self.process.exitcode})"
+            )
 
     def _fail_all(self, reason: str) -> None:
         self.dead = reason

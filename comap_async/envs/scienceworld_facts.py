@@ -248,7 +248,8 @@ _SENTENCES: list[tuple[re.Pattern[str], object]] = [
         ),
         (r"No known action matches that input\.", lambda m: [NO_CHANGE]),
         (
-            r"Unknown action\.  Type 'help' for a list of actions, and 'objects' for a list of possible object referents\.",
+            r"Unknown action\.  Type 'help' for a list of actions, "
+            r"and 'objects' for a list of possible object referents\.",
             lambda m: [NO_CHANGE],
         ),
         (r"That container is empty, so there are no items to mix\.", lambda m: [NO_CHANGE]),

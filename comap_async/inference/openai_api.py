@@ -1,6 +1,7 @@
 """The embedded OpenAI-compatible server (aiohttp): the same routes and JSON shapes as vLLM's.
 
-Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (both also streamed), ``GET /v1/models``, ``POST /v1/load_lora_adapter``,
+Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (both also streamed), ``GET /v1/models``,
+``POST /v1/load_lora_adapter``,
 ``POST /v1/unload_lora_adapter`` (bearer token when configured), ``GET /health``, ``GET /metrics``.
 The event loop only parses, validates and waits: tokenization and adapter file reads run in a small
 thread pool, generation on the engine thread (see engine.py).

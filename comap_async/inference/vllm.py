@@ -39,7 +39,8 @@ def find_vllm_python(explicit: str | None = None) -> str:
     if importlib.util.find_spec("vllm") is None:
         raise FileNotFoundError(
             "vLLM is not installed in this interpreter: install it (GPU: `pip install vllm`; CPU: see "
-            f"docs/inference.md, 'vLLM on this CPU') or point ${VLLM_PYTHON_ENV} / --vllm-python at the python of its virtualenv"
+            f"docs/inference.md, 'vLLM on this CPU') or point ${VLLM_PYTHON_ENV} / --vllm-python "
+            "at the python of its virtualenv"
         )
     return sys.executable
 

@@ -149,7 +149,9 @@ class InferenceClient:
     def from_config(cls, cfg: Any, **kw: Any) -> "InferenceClient":
         inf = cfg.inference
         kw.setdefault("transport", inf.client_transport)
-        return cls(inf.endpoints, **{"token": inf.admin_token, "timeout_s": inf.request_timeout_s, "retry": inf.retry, **kw})
+        return cls(
+            inf.endpoints, **{"token": inf.admin_token, "timeout_s": inf.request_timeout_s, "retry": inf.retry, **kw}
+        )
 
     async def __aenter__(self) -> "InferenceClient":
         return self

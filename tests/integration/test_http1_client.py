@@ -186,7 +186,10 @@ async def test_partial_response_is_not_retried_and_the_connection_is_dropped():
 
 
 async def test_body_until_close_and_http10_connections_are_not_reused():
-    script = {0: (b"HTTP/1.0 200 OK\r\n\r\nuntil close", True), 1: (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", False)}
+    script = {
+        0: (b"HTTP/1.0 200 OK\r\n\r\nuntil close", True),
+        1: (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", False),
+    }
     async with RawServer(lambda conn, n: script[min(conn - 1, 1)]) as s:
         pool = Http1Pool()
         assert await get(pool, s.url, "/1") == (200, b"until close")

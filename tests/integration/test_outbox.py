@@ -156,4 +156,6 @@ async def test_outbox_delivers_in_put_order_while_connecting(broker_factory):
             stored = [msgpack.unpackb(v)["t"] for v in store.iter_store("transitions")]
         finally:
             store.close()
-        assert stored == list(range(n)), f"late={late}: first out of order at {next(i for i, t in enumerate(stored) if t != i)}"
+        assert stored == list(range(n)), (
+            f"late={late}: first out of order at {next(i for i, t in enumerate(stored) if t != i)}"
+        )

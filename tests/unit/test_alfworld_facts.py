@@ -13,8 +13,10 @@ from comap_async.facts import NO_CHANGE, delta_f1, fact_changes
 
 CASES = [
     (
-        "-= Welcome to TextWorld, ALFRED! =-\n\nYou are in the middle of a room. Looking quickly around you, you see a bed 1, "
-        "a desk 1, a drawer 2, a drawer 1, a garbagecan 1, a shelf 1, and a sidetable 1.\n\nYour task is to: examine the bowl with the desklamp.",
+        "-= Welcome to TextWorld, ALFRED! =-\n\nYou are in the middle of a room. "
+        "Looking quickly around you, you see a bed 1, "
+        "a desk 1, a drawer 2, a drawer 1, a garbagecan 1, a shelf 1, and a sidetable 1.\n\n"
+        "Your task is to: examine the bowl with the desklamp.",
         {"at(room)"},
     ),
     ("You are in the middle of a room. Looking quickly around you, you see nothing.", {"at(room)"}),
@@ -126,7 +128,10 @@ def test_parser_is_pure_and_fast():
 def test_parser_module_imports_no_engine():
     import subprocess
 
-    code = "import sys, comap_async.envs.alfworld_facts; print([m for m in ('alfworld','textworld','torch') if m in sys.modules])"
+    code = (
+        "import sys, comap_async.envs.alfworld_facts; "
+        "print([m for m in ('alfworld','textworld','torch') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
 

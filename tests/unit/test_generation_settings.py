@@ -30,7 +30,8 @@ QWEN3_LIKE = (
 # A template that opens a thinking block unless told not to
 THINKS_UNLESS_TOLD = (
     "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
-    "{% if add_generation_prompt %}[assistant]{% if enable_thinking is not defined or enable_thinking %}<think>{% endif %}{% endif %}"
+    "{% if add_generation_prompt %}[assistant]"
+    "{% if enable_thinking is not defined or enable_thinking %}<think>{% endif %}{% endif %}"
 )
 MSGS = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hello"}]
 
@@ -66,7 +67,10 @@ def test_prompts_from_a_model_dir_with_a_thinking_template(tmp_path):
 
 
 def test_template_without_the_flag_renders_as_before():
-    plain = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+    plain = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<a>{% endif %}"
+    )
     assert ChatTemplate(plain).render(MSGS) == "<system>sys<user>hello<a>"
 
 

@@ -44,7 +44,8 @@ REAL = [
     (KITCHEN, KITCHEN_FACTS),
     (
         "This outside location is called the outside. Here you see: \n\tthe agent\n\ta substance called air\n\tan axe\n"
-        "\ta fire pit (containing nothing)\n\ta fountain (containing nothing)\n\tthe ground\n\ta substance called wood\n"
+        "\ta fire pit (containing nothing)\n\ta fountain (containing nothing)\n"
+        "\tthe ground\n\ta substance called wood\n"
         "You also see:\n\tA door to the foundry (that is open)\n\tA door to the greenhouse (that is open)\n"
         "\tA door to the kitchen (that is open)",
         {
@@ -85,7 +86,8 @@ REAL = [
         },
     ),
     (
-        "In your inventory, you see:\n\tan orange\n\ta thermometer, currently reading a temperature of 10 degrees celsius",
+        "In your inventory, you see:\n\tan orange\n"
+        "\ta thermometer, currently reading a temperature of 10 degrees celsius",
         {"in(orange, inventory)", "in(thermometer, inventory)", "reading(thermometer, 10 degrees celsius)"},
     ),
     ("In your inventory, you see:\n\tnothing", {"empty(inventory)"}),
@@ -137,7 +139,8 @@ REAL = [
     ("You hit the shovel with the axe, causing it to break.", {"broken(shovel)"}),
     ("You decide to wait for 10 iterations.", set()),
     (
-        "Task description:\nYour task is to boil water. For compounds without a boiling point, combusting the substance "
+        "Task description:\nYour task is to boil water. "
+        "For compounds without a boiling point, combusting the substance "
         "is also acceptable. First, focus on the substance. Then, take actions that will cause it to change its state "
         "of matter.",
         set(),

@@ -208,7 +208,9 @@ def test_a_checkpoint_resumes_on_any_device(tiny_model_dir, tmp_path, monkeypatc
 
     def load_elsewhere(f, map_location=None, **kw):  # what map_location=<the learner's device> did
         state = real_load(f, map_location="cpu", **kw)
-        state["rng"]["torch"] = state["rng"]["torch"].to("meta") if map_location not in ("cpu", None) else state["rng"]["torch"]
+        state["rng"]["torch"] = (
+            state["rng"]["torch"].to("meta") if map_location not in ("cpu", None) else state["rng"]["torch"]
+        )
         return state
 
     monkeypatch.setattr(torch, "load", load_elsewhere)
