@@ -170,5 +170,5 @@ def test_environments_share_prompts_and_differ_only_in_the_system_messages():
         )
         assert s.startswith(f"[system]{system}[user]") and "household" not in s
         assert a.split("[user]", 1)[1] == s.split("[user]", 1)[1]  # the rest is shared word for word
-    with pytest.raises(ValueError, match="no prompt wording for environment 'webshop'"):
+    with pytest.raises(ValueError, match="unknown environment 'webshop'; known: alfworld, scienceworld"):
         prompts.wording_for("webshop")
