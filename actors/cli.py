@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
         await worker.run()
 
     from comap_async.envs.pool import EnvPoolExhausted
+
     try:  # uvloop: 1.6 against 2.65 ms of actor CPU per step on asyncio (benchmarks/actor_overhead.py)
         import uvloop
     except ImportError:

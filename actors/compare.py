@@ -25,8 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from comap_async.config import EVAL_METHODS
 
     add_config_arguments(p)
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
-                   help="run directories (each with ablation.json and adapters/ as the learner writes them)")
+    p.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="run directories (each with ablation.json and adapters/ as the learner writes them)",
+    )
     p.add_argument("--split", required=True, help="train, valid_seen, valid_unseen or valid_train")
     p.add_argument(
         "--games", type=int, default=None, help="N games drawn with run.seed over the task types (default: all)"

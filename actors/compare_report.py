@@ -6,8 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-METHOD_LABELS = {"react": "ReAct", "imagine_and_act": "Imagine-and-Act", "draft_only": "Draft only",
-                 "comap": "CoMap", "lookahead": "Look-ahead (WebEvolver)"}
+METHOD_LABELS = {
+    "react": "ReAct",
+    "imagine_and_act": "Imagine-and-Act",
+    "draft_only": "Draft only",
+    "comap": "CoMap",
+    "lookahead": "Look-ahead (WebEvolver)",
+}
 
 
 def run_label(ablation: list[str], name: str, methods: list[str] | None = None) -> str:
@@ -18,30 +23,51 @@ def run_label(ablation: list[str], name: str, methods: list[str] | None = None) 
     return f"{head}{''.join(f' + {m}' for m in methods or [])} ({name})"
 
 
-def row(label: str, kind: str, method: str, report: dict[str, Any], run: str | None = None,
-        ablation: list[str] | None = None) -> dict[str, Any]:
+def row(
+    label: str,
+    kind: str,
+    method: str,
+    report: dict[str, Any],
+    run: str | None = None,
+    ablation: list[str] | None = None,
+) -> dict[str, Any]:
     """One line of the comparison from an evaluation report (:func:`actors.eval_report.summarize`)."""
-    return {"label": label, "kind": kind, "method": method, "run": run, "ablation": list(ablation or []),
-            "adapter_version": report["adapter_version"], "games": report["games"],
-            "success_rate": report["success_rate"], "delta_f1": report["delta_f1"],
-            "delta_f1_transitions": report["delta_f1_transitions"], "mean_steps": report["mean_steps"],
-            "revision_rate": report["revision_rate"], "invalid_action_rate": report["invalid_action_rate"],
-            "loop_rate": report.get("loop_rate")}
+    return {
+        "label": label,
+        "kind": kind,
+        "method": method,
+        "run": run,
+        "ablation": list(ablation or []),
+        "adapter_version": report["adapter_version"],
+        "games": report["games"],
+        "success_rate": report["success_rate"],
+        "delta_f1": report["delta_f1"],
+        "delta_f1_transitions": report["delta_f1_transitions"],
+        "mean_steps": report["mean_steps"],
+        "revision_rate": report["revision_rate"],
+        "invalid_action_rate": report["invalid_action_rate"],
+        "loop_rate": report.get("loop_rate"),
+    }
 
 
 def markdown(rows: list[dict[str, Any]], split: str, games: int) -> str:
     def num(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.3f}"
 
-    lines = [f"# Comparison on {split} ({games} games, the same for every row)", "",
-             "| method / run | adapters | success rate | world-model Delta-F1 | mean steps | revision rate "
-             "| invalid-action rate | loop rate |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"# Comparison on {split} ({games} games, the same for every row)",
+        "",
+        "| method / run | adapters | success rate | world-model Delta-F1 | mean steps | revision rate "
+        "| invalid-action rate | loop rate |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         adapters = "base" if r["adapter_version"] == 0 else f"v{r['adapter_version']}"
-        lines.append(f"| {r['label']} | {adapters} | {num(r['success_rate'])} | {num(r['delta_f1'])} | "
-                     f"{r['mean_steps']:.1f} | {num(r['revision_rate'])} | {num(r['invalid_action_rate'])} | "
-                     f"{num(r.get('loop_rate'))} |")
+        lines.append(
+            f"| {r['label']} | {adapters} | {num(r['success_rate'])} | {num(r['delta_f1'])} | "
+            f"{r['mean_steps']:.1f} | {num(r['revision_rate'])} | {num(r['invalid_action_rate'])} | "
+            f"{num(r.get('loop_rate'))} |"
+        )
     lines += ["", "Delta-F1 is n/a where a method never imagines the executed action (ReAct, Draft only)."]
     return "\n".join(lines) + "\n"
 

@@ -97,8 +97,12 @@ class EpisodeStats:
 
     def metrics(self) -> dict[str, float]:
         n = max(1, self.steps)
-        out = {"revision_rate": self.revisions / n, "invalid_rate": self.invalid / n,
-               "parse_problem_rate": self.parse_problems / n, "loop_rate": self.loops / n}
+        out = {
+            "revision_rate": self.revisions / n,
+            "invalid_rate": self.invalid / n,
+            "parse_problem_rate": self.parse_problems / n,
+            "loop_rate": self.loops / n,
+        }
         if self.delta_f1:
             out["delta_f1"] = sum(self.delta_f1) / len(self.delta_f1)
         if self.reflections:
@@ -152,8 +156,9 @@ class Episode:
 
     def state(self) -> str:
         e = self.ctx.cfg.env
-        return render_state(self.task, self.history, self.current.observation, self.current.admissible,
-                            e.history_k, e.show_admissible)
+        return render_state(
+            self.task, self.history, self.current.observation, self.current.admissible, e.history_k, e.show_admissible
+        )
 
     def instead_of_last(self, action: str, result: Any) -> "Episode":
         """A copy of this episode as if its last step had taken ``action`` (with ``result``, played
@@ -175,28 +180,71 @@ class Episode:
         self.stats.steps += 1
         self.stats.won, self.stats.reward = nxt.won, self.stats.reward + nxt.reward
 
-    def transition(self, phase: str, t: int, o: str, s: str, policy_version: int | None = None,
-                   wm_version: int | None = None, **fields: Any) -> Transition:
+    def transition(
+        self,
+        phase: str,
+        t: int,
+        o: str,
+        s: str,
+        policy_version: int | None = None,
+        wm_version: int | None = None,
+        **fields: Any,
+    ) -> Transition:
         """``policy_version``/``wm_version``: the adapters that generated the step's fields (the draft
         call's, the call that produced ``s_hat_exec``: ``AgentLLM.last_version``); None = the registry's."""
         policy_v, wm_v = _versions(self.ctx.registry())
         policy_v = policy_v if policy_version is None else policy_version
         wm_v = wm_v if wm_version is None else wm_version
         nxt = self.current
-        step = dict(id=f"{self.id}:{t}", s_next=nxt.observation, reward=float(nxt.reward), done=bool(nxt.done),
-                    won=bool(nxt.won), policy_version=policy_v, wm_version=wm_v)
+        step = dict(
+            id=f"{self.id}:{t}",
+            s_next=nxt.observation,
+            reward=float(nxt.reward),
+            done=bool(nxt.done),
+            won=bool(nxt.won),
+            policy_version=policy_v,
+            wm_version=wm_v,
+        )
         step.update(fields)  # e.g. an explored action's own outcome
-        return Transition(seq=0, actor=self.ctx.actor, env=self.ctx.cfg.env.name, game=self.game.name,
-                          split=self.game.split, episode=self.id, t=t, o=o, phase=phase, goal=self.task, s=s,
-                          ts=time.time(), facts=sorted(self.facts_before), **step)
+        return Transition(
+            seq=0,
+            actor=self.ctx.actor,
+            env=self.ctx.cfg.env.name,
+            game=self.game.name,
+            split=self.game.split,
+            episode=self.id,
+            t=t,
+            o=o,
+            phase=phase,
+            goal=self.task,
+            s=s,
+            ts=time.time(),
+            facts=sorted(self.facts_before),
+            **step,
+        )
 
     async def finish(self, phase: str, eval_mode: bool) -> EpisodeStats:
         policy_v, wm_v = _versions(self.ctx.registry())
-        await self.ctx.emit(EpisodeMessage(
-            seq=0, id=self.id, actor=self.ctx.actor, env=self.ctx.cfg.env.name, game=self.game.name,
-            split=self.game.split, phase=phase, eval=eval_mode, steps=self.stats.steps, won=self.stats.won,
-            reward=float(self.stats.reward), policy_version=policy_v, wm_version=wm_v, wall_s=time.time() - self.t0,
-            ts=time.time(), metrics=self.stats.metrics()))
+        await self.ctx.emit(
+            EpisodeMessage(
+                seq=0,
+                id=self.id,
+                actor=self.ctx.actor,
+                env=self.ctx.cfg.env.name,
+                game=self.game.name,
+                split=self.game.split,
+                phase=phase,
+                eval=eval_mode,
+                steps=self.stats.steps,
+                won=self.stats.won,
+                reward=float(self.stats.reward),
+                policy_version=policy_v,
+                wm_version=wm_v,
+                wall_s=time.time() - self.t0,
+                ts=time.time(),
+                metrics=self.stats.metrics(),
+            )
+        )
         return self.stats
 
 
@@ -230,15 +278,50 @@ async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str,
                 except RestoreDiverged:  # no faithful state to explore from: this step explores nothing
                     ep.stats.restore_diverged += 1
         ep.advance(action, await env.step(action))
-        await ctx.emit(ep.transition(
-            WARMUP, t, o, s, a_draft=action, s_hat="", decision=KEEP, a_ref=action, p_revise=0.0, q_ref=1.0,
-            a_exec=action, s_hat_exec="", s_hat_teacher="", expert_action=label))
+        await ctx.emit(
+            ep.transition(
+                WARMUP,
+                t,
+                o,
+                s,
+                a_draft=action,
+                s_hat="",
+                decision=KEEP,
+                a_ref=action,
+                p_revise=0.0,
+                q_ref=1.0,
+                a_exec=action,
+                s_hat_exec="",
+                s_hat_teacher="",
+                expert_action=label,
+            )
+        )
         if explored is not None:  # emitted like step t's own transition, so it gets the same fields (facts)
             x_action, x = explored
-            await ctx.emit(ep.transition(
-                WARMUP, t, o, s, id=f"{ep.id}:{t}:x", explore=True, a_draft=x_action, s_hat="", decision=KEEP,
-                a_ref=x_action, p_revise=0.0, q_ref=1.0, a_exec=x_action, s_hat_exec="", s_hat_teacher="",
-                expert_action=label, s_next=x.observation, reward=float(x.reward), done=bool(x.done), won=bool(x.won)))
+            await ctx.emit(
+                ep.transition(
+                    WARMUP,
+                    t,
+                    o,
+                    s,
+                    id=f"{ep.id}:{t}:x",
+                    explore=True,
+                    a_draft=x_action,
+                    s_hat="",
+                    decision=KEEP,
+                    a_ref=x_action,
+                    p_revise=0.0,
+                    q_ref=1.0,
+                    a_exec=x_action,
+                    s_hat_exec="",
+                    s_hat_teacher="",
+                    expert_action=label,
+                    s_next=x.observation,
+                    reward=float(x.reward),
+                    done=bool(x.done),
+                    won=bool(x.won),
+                )
+            )
             if a.warmup_recovery and not x.done and x.expert_action:
                 await emit_recovery(ctx, ep, branch, t, x_action, x)
     return await ep.finish(WARMUP, False)
@@ -252,9 +335,26 @@ async def emit_recovery(ctx: EpisodeContext, ep: Episode, branch: Any, t: int, x
     off = ep.instead_of_last(x_action, x)
     o, s, expert = off.current.observation, off.state(), x.expert_action
     off.advance(expert, await branch.step(expert))
-    await ctx.emit(off.transition(
-        WARMUP, t, o, s, id=f"{ep.id}:{t}:r", recovery=True, a_draft=expert, s_hat="", decision=KEEP, a_ref=expert,
-        p_revise=0.0, q_ref=1.0, a_exec=expert, s_hat_exec="", s_hat_teacher="", expert_action=expert))
+    await ctx.emit(
+        off.transition(
+            WARMUP,
+            t,
+            o,
+            s,
+            id=f"{ep.id}:{t}:r",
+            recovery=True,
+            a_draft=expert,
+            s_hat="",
+            decision=KEEP,
+            a_ref=expert,
+            p_revise=0.0,
+            q_ref=1.0,
+            a_exec=expert,
+            s_hat_exec="",
+            s_hat_teacher="",
+            expert_action=expert,
+        )
+    )
 
 
 async def play_branch(env: Any, game: Any, prefix: list[str], first: str, plan: list[str]) -> tuple[Any, str]:
@@ -324,16 +424,31 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
         if equal:
             y, label, s_bar = *reflection_label(True, None, None), ep.current.observation
         policy_v, wm_v = _versions(ctx.registry())
-        await ctx.emit(Reflection(seq=0, id=f"{episode_id}:{t}:r", actor=ctx.actor, game=game.name, s=s, a_draft=draft,
-                                  s_bar=s_bar, target=expert if y else draft, y=y, label=label,
-                                  policy_version=policy_v, wm_version=wm_v, ts=time.time()))
+        await ctx.emit(
+            Reflection(
+                seq=0,
+                id=f"{episode_id}:{t}:r",
+                actor=ctx.actor,
+                game=game.name,
+                s=s,
+                a_draft=draft,
+                s_bar=s_bar,
+                target=expert if y else draft,
+                y=y,
+                label=label,
+                policy_version=policy_v,
+                wm_version=wm_v,
+                ts=time.time(),
+            )
+        )
         ep.stats.reflections += 1
         ep.stats.labels[label] = ep.stats.labels.get(label, 0) + 1
     return await ep.finish(REFLECT_INIT, False)
 
 
-async def judge_step(branch: Any, game: Any, prefix: list[str], a_draft: str, a_ref: str,
-                     plan: list[str]) -> tuple[int, int]:
+async def judge_step(
+    branch: Any, game: Any, prefix: list[str], a_draft: str, a_ref: str, plan: list[str]
+) -> tuple[int, int]:
     """``(z_draft, z_ref)`` of one evaluated state: whether the branch started by the draft / by the
     reflected action wins (same continuation, same horizon; one rollout when they are equal)."""
     d_result, _ = await play_branch(branch, game, prefix, a_draft, plan)
@@ -375,8 +490,9 @@ async def _teach_and_emit(ctx: EpisodeContext, transition: Transition) -> None:
     await ctx.emit(transition)
 
 
-async def play_coevolve(ctx: EpisodeContext, env: Any, game: Any, episode_id: str, eval_mode: bool = False,
-                        branch: Any = None) -> EpisodeStats:
+async def play_coevolve(
+    ctx: EpisodeContext, env: Any, game: Any, episode_id: str, eval_mode: bool = False, branch: Any = None
+) -> EpisodeStats:
     """The CoMap step: draft -> imagine -> reflect -> action gate -> act -> teacher -> transition.
 
     With a ``branch`` environment (evaluation with reflection metrics), every step is judged by
@@ -427,10 +543,28 @@ async def play_coevolve(ctx: EpisodeContext, env: Any, game: Any, episode_id: st
             if eval_mode:
                 continue
             # the transition is taken now (it reads the episode's current step); the teacher fills s_hat_teacher
-            send = _teach_and_emit(ctx, ep.transition(
-                COEVOLVE, t, o, s, a_draft=a_draft, s_hat=s_hat, decision=refl.decision, a_ref=refl.a_ref,
-                p_revise=refl.p_revise, q_ref=refl.q_ref, a_exec=a_exec, s_hat_exec=s_hat_exec, s_hat_teacher="",
-                expert_action=expert, policy_version=policy_v, wm_version=wm_v, reflection_readable=refl.readable))
+            send = _teach_and_emit(
+                ctx,
+                ep.transition(
+                    COEVOLVE,
+                    t,
+                    o,
+                    s,
+                    a_draft=a_draft,
+                    s_hat=s_hat,
+                    decision=refl.decision,
+                    a_ref=refl.a_ref,
+                    p_revise=refl.p_revise,
+                    q_ref=refl.q_ref,
+                    a_exec=a_exec,
+                    s_hat_exec=s_hat_exec,
+                    s_hat_teacher="",
+                    expert_action=expert,
+                    policy_version=policy_v,
+                    wm_version=wm_v,
+                    reflection_readable=refl.readable,
+                ),
+            )
             if overlap:
                 previous = asyncio.ensure_future(send)
             else:

@@ -32,7 +32,9 @@ def summarize(results: list[tuple[Any, Any]], split: str, version: int, wall_s: 
     total_steps = max(1, sum(steps))
     f1 = [x for _, s in results for x in s.delta_f1]
     return {
-        "split": split, "adapter_version": version, "games": n,
+        "split": split,
+        "adapter_version": version,
+        "games": n,
         "success_rate": sum(s.won for _, s in results) / n if n else 0.0,
         "mean_steps": sum(steps) / n if n else 0.0,
         # 100 x an episode's return: ScienceWorld's task score (0-100; rewards are score changes / 100),
@@ -45,10 +47,20 @@ def summarize(results: list[tuple[Any, Any]], split: str, version: int, wall_s: 
         "loop_rate": sum(s.loops for _, s in results) / total_steps,
         "guard_rate": sum(s.guarded for _, s in results) / total_steps,
         "wall_s": round(wall_s, 2),
-        "episodes": [{"game": g.name, "task_type": g.task_type, "won": s.won, "steps": s.steps,
-                      "score": round(100.0 * s.reward, 2),
-                      "revisions": s.revisions, "invalid": s.invalid, "loops": s.loops,
-                      "guarded": s.guarded} for g, s in results],
+        "episodes": [
+            {
+                "game": g.name,
+                "task_type": g.task_type,
+                "won": s.won,
+                "steps": s.steps,
+                "score": round(100.0 * s.reward, 2),
+                "revisions": s.revisions,
+                "invalid": s.invalid,
+                "loops": s.loops,
+                "guarded": s.guarded,
+            }
+            for g, s in results
+        ],
     }
 
 

@@ -52,8 +52,10 @@ class EvalSpec:
         if self.method not in EVAL_METHODS:
             raise ValueError(f"unknown evaluation method {self.method!r}; choose one of {', '.join(EVAL_METHODS)}")
         if self.method != "comap" and (self.reflection_metrics or self.reflect_init_labels or self.probes):
-            raise ValueError(f"--reflection-metrics, --reflect-init-labels and --probes measure the CoMap loop; "
-                             f"they do not apply to --method {self.method}")
+            raise ValueError(
+                f"--reflection-metrics, --reflect-init-labels and --probes measure the CoMap loop; "
+                f"they do not apply to --method {self.method}"
+            )
 
 
 def resolve_version(spec: str, adapter_root: Path) -> int:
@@ -85,9 +87,19 @@ class _Recorder:
         return None
 
 
-async def play_games(cfg: Any, games: list, registry: Registry, log: Any, *, envs: int | None = None,
-                     on_step: Callable[[], None] | None = None, on_game: Callable[[], None] | None = None,
-                     reflection_metrics: bool = False, phase: str = COEVOLVE, method: str = "comap") -> list:
+async def play_games(
+    cfg: Any,
+    games: list,
+    registry: Registry,
+    log: Any,
+    *,
+    envs: int | None = None,
+    on_step: Callable[[], None] | None = None,
+    on_game: Callable[[], None] | None = None,
+    reflection_metrics: bool = False,
+    phase: str = COEVOLVE,
+    method: str = "comap",
+) -> list:
     """Play each game once with the adapters ``registry`` names, at ``eval.temperature`` (``phase``: the CoMap loop, or
     reflection-mode initialisation for its labels; ``method``: the CoMap loop or a baseline of
     :mod:`actors.eval_methods`); nothing is stored. Returns the
@@ -96,12 +108,23 @@ async def play_games(cfg: Any, games: list, registry: Registry, log: Any, *, env
 
     t = cfg.eval.temperature
     cfg = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"temperature": t, "wm_temperature": t})})
-    worker = ActorWorker(cfg, log, envs=envs, episodes=len(games), eval_mode=True, games=games,
-                         reflection_metrics=reflection_metrics, eval_phase=phase, on_step=on_step, eval_method=method)
+    worker = ActorWorker(
+        cfg,
+        log,
+        envs=envs,
+        episodes=len(games),
+        eval_mode=True,
+        games=games,
+        reflection_metrics=reflection_metrics,
+        eval_phase=phase,
+        on_step=on_step,
+        eval_method=method,
+    )
     return await worker.run(outbox=_Recorder(on_game), registry=registry)
 
 
 # ---- the embedded server an evaluation starts for itself ---------------------------------------
+
 
 class EvalIncomplete(RuntimeError):
     """Some evaluation episodes failed, so the report would cover fewer games than asked for."""
@@ -111,9 +134,11 @@ def check_complete(results: list, games: list, what: str = "") -> None:
     """Raise :class:`EvalIncomplete` when episodes failed (each is logged as ``actor.episode_failed``;
     its game has no result), since a success rate over the rest would not be comparable."""
     if len(results) < len(games):
-        raise EvalIncomplete(f"{what + ': ' if what else ''}{len(games) - len(results)} of {len(games)} episodes "
-                             "failed (see the actor.episode_failed lines); a success rate over the rest would not "
-                             "be comparable")
+        raise EvalIncomplete(
+            f"{what + ': ' if what else ''}{len(games) - len(results)} of {len(games)} episodes "
+            "failed (see the actor.episode_failed lines); a success rate over the rest would not "
+            "be comparable"
+        )
 
 
 class ServerStartError(RuntimeError):
@@ -122,8 +147,16 @@ class ServerStartError(RuntimeError):
 
 def server_command(config: str | None, overrides: list[str], port: int) -> list[str]:
     """The command line of the embedded server an evaluation starts for itself."""
-    return [sys.executable, "-m", "comap_async", "serve", *(["--config", config] if config else []),
-            *sum((["--set", o] for o in overrides), []), "--set", f"inference.port={port}"]
+    return [
+        sys.executable,
+        "-m",
+        "comap_async",
+        "serve",
+        *(["--config", config] if config else []),
+        *sum((["--set", o] for o in overrides), []),
+        "--set",
+        f"inference.port={port}",
+    ]
 
 
 async def wait_for_server(cfg: Any, proc: subprocess.Popen, timeout_s: float, log: Any) -> None:

@@ -17,41 +17,78 @@ from comap_async.cli import add_config_arguments
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
-    p.add_argument("--split", required=True,
-                   help="ALFWorld: train, valid_seen, valid_unseen or valid_train; ScienceWorld: train, dev or test")
-    p.add_argument("--per-task", type=int, default=None, metavar="N",
-                   help="ScienceWorld: N variations of each task, drawn with the run seed (sets env.per_task)")
-    p.add_argument("--games", type=int, default=None,
-                   help="evaluate N games drawn with run.seed, spread over the task types (default: all)")
+    p.add_argument(
+        "--split",
+        required=True,
+        help="ALFWorld: train, valid_seen, valid_unseen or valid_train; ScienceWorld: train, dev or test",
+    )
+    p.add_argument(
+        "--per-task",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ScienceWorld: N variations of each task, drawn with the run seed (sets env.per_task)",
+    )
+    p.add_argument(
+        "--games",
+        type=int,
+        default=None,
+        help="evaluate N games drawn with run.seed, spread over the task types (default: all)",
+    )
     p.add_argument("--data", default=None, help="ALFWorld data root (default: env.data_dir or $ALFWORLD_DATA)")
-    p.add_argument("--adapters", default="latest",
-                   help="adapter version to evaluate: a number, 'latest' (newest in the adapter root) or 'base'")
+    p.add_argument(
+        "--adapters",
+        default="latest",
+        help="adapter version to evaluate: a number, 'latest' (newest in the adapter root) or 'base'",
+    )
     p.add_argument("--out", required=True, help="directory for eval.json and eval.md")
     p.add_argument("--envs", type=int, default=None, help="concurrent episodes (default: actor.envs)")
-    p.add_argument("--reflection-metrics", action="store_true",
-                   help="judge every evaluated step by two branches (draft first, reflected action first; the "
-                        "game's expert continues both until the episode ends): URR, HRR, BRP")
-    p.add_argument("--reflect-init-labels", action="store_true",
-                   help="instead of the CoMap loop, play reflection-mode initialisation on the split's walkthrough "
-                        "states with these adapters and report the label distribution (y=1, y=0 from equal drafts, "
-                        "y=0 from ties or worse); nothing is stored")
-    p.add_argument("--probes", action="store_true",
-                   help="instead of the CoMap loop, the held-out probes along each game's walkthrough (greedy): "
-                        "world-model Delta-F1 on the expert's and on seeded failure transitions, draft accuracy and "
-                        "admissible rate; last line wm_delta_f1=X draft_accuracy=Y admissible_rate=Z")
+    p.add_argument(
+        "--reflection-metrics",
+        action="store_true",
+        help="judge every evaluated step by two branches (draft first, reflected action first; the "
+        "game's expert continues both until the episode ends): URR, HRR, BRP",
+    )
+    p.add_argument(
+        "--reflect-init-labels",
+        action="store_true",
+        help="instead of the CoMap loop, play reflection-mode initialisation on the split's walkthrough "
+        "states with these adapters and report the label distribution (y=1, y=0 from equal drafts, "
+        "y=0 from ties or worse); nothing is stored",
+    )
+    p.add_argument(
+        "--probes",
+        action="store_true",
+        help="instead of the CoMap loop, the held-out probes along each game's walkthrough (greedy): "
+        "world-model Delta-F1 on the expert's and on seeded failure transitions, draft accuracy and "
+        "admissible rate; last line wm_delta_f1=X draft_accuracy=Y admissible_rate=Z",
+    )
     from comap_async.config import EVAL_METHODS
 
-    p.add_argument("--method", default=None, choices=EVAL_METHODS,
-                   help="how the agent acts (default: eval.method, comap): the CoMap loop (draft, imagine, reflect, "
-                        "action gate), react (a thought then an action, no world model, no reflection), "
-                        "imagine_and_act (the draft's imagined consequence, then a chosen final action, no action "
-                        "gate), draft_only (the policy's draft executed as is) or lookahead (K sampled candidates "
-                        "imagined D steps ahead by the world model, the critic's best executed: eval.lookahead_*)")
-    p.add_argument("--serve", choices=("auto", "never", "always"), default="auto",
-                   help="start an embedded inference server for this run: when none answers (auto), never, always")
-    p.add_argument("--serve-timeout", type=float, default=600.0, metavar="S",
-                   help="how long to wait for the server started for this run to answer (default 600 s: loading a "
-                        "model on a busy CPU takes minutes)")
+    p.add_argument(
+        "--method",
+        default=None,
+        choices=EVAL_METHODS,
+        help="how the agent acts (default: eval.method, comap): the CoMap loop (draft, imagine, reflect, "
+        "action gate), react (a thought then an action, no world model, no reflection), "
+        "imagine_and_act (the draft's imagined consequence, then a chosen final action, no action "
+        "gate), draft_only (the policy's draft executed as is) or lookahead (K sampled candidates "
+        "imagined D steps ahead by the world model, the critic's best executed: eval.lookahead_*)",
+    )
+    p.add_argument(
+        "--serve",
+        choices=("auto", "never", "always"),
+        default="auto",
+        help="start an embedded inference server for this run: when none answers (auto), never, always",
+    )
+    p.add_argument(
+        "--serve-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="how long to wait for the server started for this run to answer (default 600 s: loading a "
+        "model on a busy CPU takes minutes)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,15 +103,23 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)
     log = configure_logging("eval", run=cfg.run.name)
     try:
-        spec = EvalSpec(split=args.split, games=args.games, adapters=args.adapters, envs=args.envs,
-                        reflection_metrics=args.reflection_metrics, reflect_init_labels=args.reflect_init_labels,
-                        probes=args.probes, method=args.method or cfg.eval.method)
+        spec = EvalSpec(
+            split=args.split,
+            games=args.games,
+            adapters=args.adapters,
+            envs=args.envs,
+            reflection_metrics=args.reflection_metrics,
+            reflect_init_labels=args.reflect_init_labels,
+            probes=args.probes,
+            method=args.method or cfg.eval.method,
+        )
     except ValueError as exc:
         print(f"comap eval: error: {exc}", file=sys.stderr)
         return 2
     try:
-        report = run_eval(cfg, spec, log, config=args.config, overrides=overrides, serve=args.serve,
-                          serve_timeout=args.serve_timeout)
+        report = run_eval(
+            cfg, spec, log, config=args.config, overrides=overrides, serve=args.serve, serve_timeout=args.serve_timeout
+        )
     except (
         ValueError,
         ServerStartError,

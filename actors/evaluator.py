@@ -26,8 +26,18 @@ from comap_async.wire.messages import ROLES, Registry, adapter_name
 
 EVAL_PREFIX = "eval-"  # the evaluator serves its own copies of a version's adapters: a publish may retire the learner's
 
-SCALARS = ("wm_delta_f1", "wm_delta_f1_failures", "draft_accuracy", "admissible_rate", "success_rate",
-           "reflection_problem_rate", "unreadable_rate", "gate_open_rate", "p_discrimination", "loop_rate")
+SCALARS = (
+    "wm_delta_f1",
+    "wm_delta_f1_failures",
+    "draft_accuracy",
+    "admissible_rate",
+    "success_rate",
+    "reflection_problem_rate",
+    "unreadable_rate",
+    "gate_open_rate",
+    "p_discrimination",
+    "loop_rate",
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,8 +81,13 @@ class ScalarWriter:
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        self.writer.add_event(Event(wall_time=time.time(), step=step,
-                                    summary=Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])))
+        self.writer.add_event(
+            Event(
+                wall_time=time.time(),
+                step=step,
+                summary=Summary(value=[Summary.Value(tag=tag, simple_value=float(value))]),
+            )
+        )
 
     def close(self) -> None:
         self.writer.flush()
@@ -113,13 +128,20 @@ class Evaluator:
         cfg = self.cfg.model_copy(update={"actor": self.cfg.actor.model_copy(update={"envs": self.cfg.eval.envs})})
         probe_games, success_games = self.games
         try:
-            result: dict[str, Any] = {"version": version, "adapters": names, "phase": registry.get("phase"),
-                                      "learner_step": registry.get("step", 0), "split": self.cfg.eval.split,
-                                      **await run_probes(cfg, probe_games, eval_registry, self.log,
-                                                         failures_per_game=self.cfg.eval.failures_per_game)}
+            result: dict[str, Any] = {
+                "version": version,
+                "adapters": names,
+                "phase": registry.get("phase"),
+                "learner_step": registry.get("step", 0),
+                "split": self.cfg.eval.split,
+                **await run_probes(
+                    cfg, probe_games, eval_registry, self.log, failures_per_game=self.cfg.eval.failures_per_game
+                ),
+            }
             if success_games:
-                played = await play_games(cfg, success_games, eval_registry, self.log, envs=self.cfg.eval.envs,
-                                          method=self.cfg.eval.method)
+                played = await play_games(
+                    cfg, success_games, eval_registry, self.log, envs=self.cfg.eval.envs, method=self.cfg.eval.method
+                )
                 try:  # a game that crashed is not a lost game: a rate over the rest would read as a lower one
                     check_complete(played, success_games, f"version {version}'s success games")
                 except EvalIncomplete as exc:

@@ -72,6 +72,21 @@ async def emit_imagined(ctx: Any, ep: Any) -> None:
             continue
         ep.stats.imagined_kept += 1
         for k, (state, action, _) in enumerate(steps):
-            await ctx.emit(Imagined(seq=0, id=f"{ep.id}:{t}:i{k}", actor=ctx.actor, game=ep.game.name, episode=ep.id,
-                                    t=t, k=k, goal=ep.task, s=state, target=action, score=score,
-                                    policy_version=policy_v, wm_version=wm_v, ts=time.time()))
+            await ctx.emit(
+                Imagined(
+                    seq=0,
+                    id=f"{ep.id}:{t}:i{k}",
+                    actor=ctx.actor,
+                    game=ep.game.name,
+                    episode=ep.id,
+                    t=t,
+                    k=k,
+                    goal=ep.task,
+                    s=state,
+                    target=action,
+                    score=score,
+                    policy_version=policy_v,
+                    wm_version=wm_v,
+                    ts=time.time(),
+                )
+            )

@@ -72,20 +72,21 @@ def action_token_spans(text: str, tokens: list[str]) -> list[tuple[int, int]]:
     for i, tok in enumerate(tokens):
         tok_start, offset = offset, offset + len(tok)
         # a token counts when it carries action characters (not only the spaces after the colon)
-        if tok_start < end and offset > start and text[max(tok_start, start):min(offset, end)].strip():
+        if tok_start < end and offset > start and text[max(tok_start, start) : min(offset, end)].strip():
             out.append((i, min(offset, end)))
     return out
 
 
 def action_token_logprobs(text: str, tokens: list[str], token_logprobs: list[float | None]) -> list[float]:
     """Logprobs of the tokens that spell the action after ``Final Action:`` (up to the line end)."""
-    spans = action_token_spans(text, tokens[:len(token_logprobs)])
+    spans = action_token_spans(text, tokens[: len(token_logprobs)])
     return [lp for i, _ in spans if (lp := token_logprobs[i]) is not None]
 
 
 class AgentLLM:
-    def __init__(self, client: Any, prompts: Prompts, cfg: ActorConfig, base_model: str,
-                 registry: RegistryView | None = None) -> None:
+    def __init__(
+        self, client: Any, prompts: Prompts, cfg: ActorConfig, base_model: str, registry: RegistryView | None = None
+    ) -> None:
         self.client, self.prompts, self.cfg, self.base_model = client, prompts, cfg, base_model
         self.registry = registry if registry is not None else RegistryView()
         self.stale_adapter_retries = 0
@@ -107,17 +108,25 @@ class AgentLLM:
         model = _LAST_MODEL.get().get(role)
         return None if model is None else adapter_version(model)
 
-    async def _complete(self, role: str, prompt: str, max_tokens: int, stop: list[str], temperature: float,
-                        logprobs: int | None = None) -> dict[str, Any]:
+    async def _complete(
+        self, role: str, prompt: str, max_tokens: int, stop: list[str], temperature: float, logprobs: int | None = None
+    ) -> dict[str, Any]:
         from comap_async.wire.inference_client import InferenceError
 
         for attempt in (0, 1):
             model = self.model_for(role)
             try:
-                choice = _choice(await self.client.complete(
-                    prompt=prompt, model=model, max_tokens=max_tokens, temperature=temperature,
-                    top_p=self.cfg.top_p, stop=stop, logprobs=logprobs,
-                ))
+                choice = _choice(
+                    await self.client.complete(
+                        prompt=prompt,
+                        model=model,
+                        max_tokens=max_tokens,
+                        temperature=temperature,
+                        top_p=self.cfg.top_p,
+                        stop=stop,
+                        logprobs=logprobs,
+                    )
+                )
                 _LAST_MODEL.set({**_LAST_MODEL.get(), role: model})
                 return choice
             except InferenceError as exc:
@@ -132,8 +141,13 @@ class AgentLLM:
     async def draft(self, state: str, temperature: float | None = None) -> tuple[str | None, str | None]:
         """(action, problem); action None when the output had no usable line. ``temperature``: this
         call's, instead of ``actor.temperature`` (the look-ahead's sampled candidates)."""
-        c = await self._complete(POLICY, self.prompts.draft(state), self.cfg.max_draft_tokens, STOP_ACTION,
-                                 self.cfg.temperature if temperature is None else temperature)
+        c = await self._complete(
+            POLICY,
+            self.prompts.draft(state),
+            self.cfg.max_draft_tokens,
+            STOP_ACTION,
+            self.cfg.temperature if temperature is None else temperature,
+        )
         parsed = parse_action(c["text"])
         return parsed.value, parsed.problem
 
@@ -142,38 +156,53 @@ class AgentLLM:
         two answer tokens at the first generated position (None when neither is among the top-k)."""
         answer = self.prompts.critic_answer
         if answer is None:
-            raise ValueError("this model's tokenizer does not separate the critic's answers ' NO' / ' YES' at "
-                             "their first token: the lookahead method cannot read a score")
-        c = await self._complete(POLICY, self.prompts.critic(state, trajectory), 1, ["<|im_end|>"], 0.0,
-                                 self.cfg.logprobs)
+            raise ValueError(
+                "this model's tokenizer does not separate the critic's answers ' NO' / ' YES' at "
+                "their first token: the lookahead method cannot read a score"
+            )
+        c = await self._complete(
+            POLICY, self.prompts.critic(state, trajectory), 1, ["<|im_end|>"], 0.0, self.cfg.logprobs
+        )
         tops = (c.get("logprobs") or {}).get("top_logprobs") or []
         return revise_probability(tops[0] if tops else None, answer)
 
     async def react(self, state: str, max_tokens: int) -> tuple[str | None, str | None]:
         """ReAct's (action, problem): a thought, then the action, from the state alone (policy adapter)."""
-        c = await self._complete(POLICY, self.prompts.react(state), max_tokens, ["<|im_end|>", "\n\n"],
-                                 self.cfg.temperature)
+        c = await self._complete(
+            POLICY, self.prompts.react(state), max_tokens, ["<|im_end|>", "\n\n"], self.cfg.temperature
+        )
         parsed = parse_react(c["text"])
         return parsed.value, parsed.problem
 
     async def choose(self, state: str, a_draft: str, s_hat: str) -> tuple[str | None, str | None]:
         """Imagine-and-Act's final (action, problem) after the candidate's imagined consequence."""
-        c = await self._complete(POLICY, self.prompts.choose(state, a_draft, s_hat), self.cfg.max_draft_tokens,
-                                 STOP_ACTION, self.cfg.temperature)
+        c = await self._complete(
+            POLICY,
+            self.prompts.choose(state, a_draft, s_hat),
+            self.cfg.max_draft_tokens,
+            STOP_ACTION,
+            self.cfg.temperature,
+        )
         parsed = parse_action(c["text"])
         return parsed.value, parsed.problem
 
     async def imagine(self, state: str, action: str) -> str:
         """The world model's (student's) predicted observation, sampled at ``actor.wm_temperature``:
         it is the rollout self-distillation trains on (``s_hat_exec``), as in the paper."""
-        c = await self._complete(WM, self.prompts.world_model(state, action), self.cfg.max_wm_tokens, STOP_STATE,
-                                 self.cfg.wm_temperature)
+        c = await self._complete(
+            WM, self.prompts.world_model(state, action), self.cfg.max_wm_tokens, STOP_STATE, self.cfg.wm_temperature
+        )
         return c["text"].strip()
 
     async def teacher(self, state: str, action: str, real_next: str) -> str:
         """The EMA teacher's prediction given the real next state (greedy: the gate's reference)."""
-        c = await self._complete(WM_TEACHER, self.prompts.teacher(state, action, real_next),
-                                 self.cfg.max_wm_tokens, STOP_STATE, TEACHER_TEMPERATURE)
+        c = await self._complete(
+            WM_TEACHER,
+            self.prompts.teacher(state, action, real_next),
+            self.cfg.max_wm_tokens,
+            STOP_STATE,
+            TEACHER_TEMPERATURE,
+        )
         return c["text"].strip()
 
     async def reflect(self, state: str, a_draft: str, s_hat: str) -> Reflected:
@@ -187,8 +216,9 @@ class AgentLLM:
         if decision_tokens is None:
             raise ValueError("Prompts.decision is not set: build the prompts with Prompts.for_model(model_dir, cfg)")
         prompt = self.prompts.reflect(state, a_draft, s_hat)
-        c = await self._complete(POLICY, prompt, self.cfg.max_reflection_tokens, ["<|im_end|>"], self.cfg.temperature,
-                                 self.cfg.logprobs)
+        c = await self._complete(
+            POLICY, prompt, self.cfg.max_reflection_tokens, ["<|im_end|>"], self.cfg.temperature, self.cfg.logprobs
+        )
         text = c["text"]
         lp = c.get("logprobs") or {}
         tops = lp.get("top_logprobs") or []
@@ -197,15 +227,15 @@ class AgentLLM:
         if p_revise is None:
             return Reflected("KEEP", a_draft, 0.0, 0.0, "no_decision_logprob", readable=False)
         # the final action's own budget (the paper: 16 new tokens): a longer one is cut to its first tokens
-        spans = action_token_spans(text, tokens[:len(token_lps)])
+        spans = action_token_spans(text, tokens[: len(token_lps)])
         budget = self.cfg.max_final_action_tokens
         truncated = len(spans) > budget
         if truncated:
             cut = spans[budget - 1][1]
             text, tokens, token_lps = (
                 text[:cut],
-                tokens[:spans[budget - 1][0] + 1],
-                token_lps[:spans[budget - 1][0] + 1],
+                tokens[: spans[budget - 1][0] + 1],
+                token_lps[: spans[budget - 1][0] + 1],
             )
         r = parse_reflection(text)
         problem = r.problem or ("final_action_truncated" if truncated else None)

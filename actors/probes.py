@@ -71,11 +71,15 @@ def summarize_probes(rows: Sequence[ProbeRow]) -> dict[str, Any]:
     wm_walk = [r.wm_delta_f1 for r in walk if r.wm_delta_f1 is not None]
     wm_fail = [r.wm_delta_f1 for r in rows if r.kind == "failure" and r.wm_delta_f1 is not None]
     return {
-        "wm_delta_f1": _mean(wm), "wm_delta_f1_walkthrough": _mean(wm_walk), "wm_delta_f1_failures": _mean(wm_fail),
+        "wm_delta_f1": _mean(wm),
+        "wm_delta_f1_walkthrough": _mean(wm_walk),
+        "wm_delta_f1_failures": _mean(wm_fail),
         "draft_accuracy": _mean([float(bool(r.draft_match)) for r in walk]),
         "admissible_rate": _mean([float(bool(r.draft_admissible)) for r in walk]),
-        "walkthrough_states": len(walk), "failure_transitions": len(rows) - len(walk),
-        "wm_scored": len(wm), "games": len({r.game for r in rows}),
+        "walkthrough_states": len(walk),
+        "failure_transitions": len(rows) - len(walk),
+        "wm_scored": len(wm),
+        "games": len({r.game for r in rows}),
         **summarize_reflections(walk),
     }
 
@@ -93,20 +97,25 @@ def summarize_reflections(walk: Sequence[ProbeRow]) -> dict[str, Any]:
         "reflection_problem_rate": _mean([float(bool(r.reflection_problem)) for r in reflected]),
         "unreadable_rate": _mean([float(r.gate_reason == "unreadable") for r in reflected]),
         "gate_open_rate": _mean([float(r.gate_reason == "revised") for r in reflected]),
-        "gate_reasons": reasons, "p_wrong_draft": p_wrong, "p_right_draft": p_right,
+        "gate_reasons": reasons,
+        "p_wrong_draft": p_wrong,
+        "p_right_draft": p_right,
         "p_discrimination": None if p_wrong is None or p_right is None else p_wrong - p_right,
     }
 
 
 def probe_line(probes: dict[str, Any]) -> str:
     """The last line of ``comap eval --probes``."""
+
     def f(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.4f}"
 
-    return f"wm_delta_f1={f(probes['wm_delta_f1'])} draft_accuracy={f(probes['draft_accuracy'])} " \
-           f"admissible_rate={f(probes['admissible_rate'])} " \
-           f"reflection_problem_rate={f(probes.get('reflection_problem_rate'))} " \
-           f"gate_open_rate={f(probes.get('gate_open_rate'))} p_discrimination={f(probes.get('p_discrimination'))}"
+    return (
+        f"wm_delta_f1={f(probes['wm_delta_f1'])} draft_accuracy={f(probes['draft_accuracy'])} "
+        f"admissible_rate={f(probes['admissible_rate'])} "
+        f"reflection_problem_rate={f(probes.get('reflection_problem_rate'))} "
+        f"gate_open_rate={f(probes.get('gate_open_rate'))} p_discrimination={f(probes.get('p_discrimination'))}"
+    )
 
 
 async def probe_game(ctx: Any, env: Any, branch: Any, game: Any, failures: int, seed: int) -> list[ProbeRow]:
@@ -133,26 +142,44 @@ async def probe_game(ctx: Any, env: Any, branch: Any, game: Any, failures: int, 
         if draft is not None:  # the CoMap step on this state: imagine the draft, reflect, gate
             refl = await llm.reflect(s, draft, s_hat if match else await llm.imagine(s, draft))
             gate = gate_reflection(ctx.cfg, refl, draft)
-            reflected = {"p_revise": refl.p_revise if refl.readable else None,
-                         "reflection_problem": refl.problem is not None, "gate_reason": gate.reason}
+            reflected = {
+                "p_revise": refl.p_revise if refl.readable else None,
+                "reflection_problem": refl.problem is not None,
+                "gate_reason": gate.reason,
+            }
         ep.advance(expert, await env.step(expert))
-        rows.append(ProbeRow(game.name, t, "walkthrough", state_delta_f1(ctx.next_state, before, s_hat,
-                                                                         ep.current.observation), match, ok,
-                             **reflected))
+        rows.append(
+            ProbeRow(
+                game.name,
+                t,
+                "walkthrough",
+                state_delta_f1(ctx.next_state, before, s_hat, ep.current.observation),
+                match,
+                ok,
+                **reflected,
+            )
+        )
         if t in failure_at:
             action = explore_action(rng, admissible, expert, invalid_share=0.5)
             if action is not None:
                 await branch.restore(game, plan[:t])
                 real = await branch.step(action)
                 x_hat = await llm.imagine(s, action)
-                rows.append(ProbeRow(game.name, t, "failure", state_delta_f1(ctx.next_state, before, x_hat,
-                                                                            real.observation)))
+                rows.append(
+                    ProbeRow(game.name, t, "failure", state_delta_f1(ctx.next_state, before, x_hat, real.observation))
+                )
     return rows
 
 
-async def run_probes(cfg: Any, games: Sequence[Any], registry: Registry, log: Any,
-                     on_game: Callable[[], None] | None = None, on_step: Callable[[], None] | None = None,
-                     failures_per_game: int = 2) -> dict[str, Any]:
+async def run_probes(
+    cfg: Any,
+    games: Sequence[Any],
+    registry: Registry,
+    log: Any,
+    on_game: Callable[[], None] | None = None,
+    on_step: Callable[[], None] | None = None,
+    failures_per_game: int = 2,
+) -> dict[str, Any]:
     """Probe ``games`` with the adapters ``registry`` names (greedy, ``actor.envs`` games at a time)."""
     from actors.episodes import EpisodeContext
     from actors.llm import AgentLLM
@@ -180,6 +207,7 @@ async def run_probes(cfg: Any, games: Sequence[Any], registry: Registry, log: An
         pool = env_pool_from_config(cfg, workers=cfg.actor.env_workers)
         await pool.start()
         try:
+
             async def worker() -> None:
                 env, branch = pool.env(), pool.env()
                 while not queue.empty():

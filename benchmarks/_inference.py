@@ -19,8 +19,9 @@ sys.path.insert(0, str(REPO))
 from comap_async.ports import free_port  # noqa: E402 - the repo must be on sys.path first
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, poll_s: float, exited: Any,
-                 timed_out: str) -> None:
+def wait_healthy(
+    proc: subprocess.Popen, url: str, timeout_s: float, poll_s: float, exited: Any, timed_out: str
+) -> None:
     """Poll ``url`` until it answers; RuntimeError(``exited()``) if ``proc`` ends first, TimeoutError
     (``timed_out``) after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -40,8 +41,16 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, poll_s: flo
 def served(overrides: list[str], adapter_root: Path, log_path: Path, timeout_s: float = 180):
     """Yield the URL of a healthy ``comap serve`` started with these ``--set`` overrides."""
     port = free_port()
-    args = [sys.executable, "-m", "comap_async", "serve", "--set", f"inference.port={port}",
-            "--set", f"inference.adapter_root={adapter_root}"]
+    args = [
+        sys.executable,
+        "-m",
+        "comap_async",
+        "serve",
+        "--set",
+        f"inference.port={port}",
+        "--set",
+        f"inference.adapter_root={adapter_root}",
+    ]
     for o in overrides:
         args += ["--set", o]
     env = {**os.environ, "COMAP_LOG_JSON": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -49,9 +58,14 @@ def served(overrides: list[str], adapter_root: Path, log_path: Path, timeout_s: 
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(proc, url + "/health", timeout_s, 0.3,
-                     lambda: f"server exited ({proc.returncode}):\n{log_path.read_text()[-2000:]}",
-                     f"{url} did not come up; log: {log_path}")
+        wait_healthy(
+            proc,
+            url + "/health",
+            timeout_s,
+            0.3,
+            lambda: f"server exited ({proc.returncode}):\n{log_path.read_text()[-2000:]}",
+            f"{url} did not come up; log: {log_path}",
+        )
         yield url
     finally:
         if proc.poll() is None:
@@ -71,8 +85,13 @@ class BrokerPorts:
 
     def overrides(self) -> list[str]:
         """The config overrides a client of this broker needs."""
-        return [f"run.root={self.run_root}", "run.name=t", f"broker.actor_port={self.actor}",
-                f"broker.learner_port={self.learner}", f"broker.http_port={self.http}"]
+        return [
+            f"run.root={self.run_root}",
+            "run.name=t",
+            f"broker.actor_port={self.actor}",
+            f"broker.learner_port={self.learner}",
+            f"broker.http_port={self.http}",
+        ]
 
 
 @contextmanager
@@ -82,9 +101,14 @@ def broker_running(run_root: Path, overrides: list[str], log_dir: Path, timeout_
     sets = sum((["--set", o] for o in [*ports.overrides(), *overrides]), [])
     proc = start_comap("broker", ["broker", *sets], {**os.environ, "COMAP_LOG_JSON": "1"}, log_dir)
     try:
-        wait_healthy(proc, f"http://127.0.0.1:{ports.http}/healthz", timeout_s, 0.1,
-                     lambda: f"broker exited ({proc.returncode}); log: {log_dir / 'broker.log'}",
-                     f"broker not healthy after {timeout_s} s; log: {log_dir / 'broker.log'}")
+        wait_healthy(
+            proc,
+            f"http://127.0.0.1:{ports.http}/healthz",
+            timeout_s,
+            0.1,
+            lambda: f"broker exited ({proc.returncode}); log: {log_dir / 'broker.log'}",
+            f"broker not healthy after {timeout_s} s; log: {log_dir / 'broker.log'}",
+        )
         yield ports
     finally:
         stop_group(proc, 30)
@@ -113,8 +137,14 @@ def write_random_adapters(model_dir: str, root: Path, names: list[str], r: int =
 def start_comap(name: str, args: list[str], env: dict, log_dir: Path) -> subprocess.Popen:
     """``python -m comap_async ARGS`` in its own session, output appended to ``log_dir/NAME.log``."""
     log = open(log_dir / f"{name}.log", "ab")
-    return subprocess.Popen([sys.executable, "-m", "comap_async", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
-                            cwd=REPO, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "comap_async", *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+    )
 
 
 def stored_transitions(http_port: int) -> int:

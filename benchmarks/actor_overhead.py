@@ -56,8 +56,12 @@ def main() -> None:
     ap.add_argument("--data", default=os.environ.get("ALFWORLD_DATA", "~/.cache/comap-async/alfworld"))
     ap.add_argument("--episodes", type=int, default=12)
     ap.add_argument("--envs", type=int, default=4)
-    ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
-                    help="event loop of the actor process (comap actor uses uvloop when installed)")
+    ap.add_argument(
+        "--loop",
+        choices=("uvloop", "asyncio"),
+        default="uvloop",
+        help="event loop of the actor process (comap actor uses uvloop when installed)",
+    )
     args = ap.parse_args()
 
     from benchmarks._inference import broker_running, served
@@ -67,12 +71,23 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="actor-bench-"))
     model = build_tiny_model(tmp / "tiny")
     (tmp / "runs").mkdir()
-    with broker_running(tmp / "runs", ["broker.max_staleness=100"], tmp) as broker, \
-            served([f"model.name_or_path={model}", "inference.max_prompt_tokens=2048"], tmp, tmp / "serve.log",
-                   timeout_s=120) as url:
-        cfg = load_config(REPO / "configs" / "test.yaml", [
-            *broker.overrides(), f"model.name_or_path={model}", f"inference.endpoints=['{url}']",
-            f"env.data_dir={Path(args.data).expanduser()}", "env.split=valid_seen", "env.max_steps=10"])
+    with (
+        broker_running(tmp / "runs", ["broker.max_staleness=100"], tmp) as broker,
+        served(
+            [f"model.name_or_path={model}", "inference.max_prompt_tokens=2048"], tmp, tmp / "serve.log", timeout_s=120
+        ) as url,
+    ):
+        cfg = load_config(
+            REPO / "configs" / "test.yaml",
+            [
+                *broker.overrides(),
+                f"model.name_or_path={model}",
+                f"inference.endpoints=['{url}']",
+                f"env.data_dir={Path(args.data).expanduser()}",
+                "env.split=valid_seen",
+                "env.max_steps=10",
+            ],
+        )
         if args.loop == "uvloop":
             import uvloop
 

@@ -64,8 +64,9 @@ async def main(args: argparse.Namespace) -> None:
 
                 async def background(w: int) -> None:
                     while not stop.is_set():
-                        await client.complete("You are in the middle of a room.", max_tokens=32, temperature=0.7,
-                                              seed=w, ignore_eos=True)
+                        await client.complete(
+                            "You are in the middle of a room.", max_tokens=32, temperature=0.7, seed=w, ignore_eos=True
+                        )
 
                 bg = [asyncio.create_task(background(w)) for w in range(4)]
                 await asyncio.sleep(2.0)

@@ -42,9 +42,11 @@ from comap_async.ports import free_port  # noqa: E402 - the repo must be on sys.
 from comap_async.wire.messages import COEVOLVE, KEEP, REVISE, Transition  # noqa: E402
 from comap_async.wire.protocol import encode  # noqa: E402
 
-OBS = ("You arrive at countertop {k}. On the countertop {k}, you see a apple {a}, a bread {b}, a butterknife {c}, "
-       "a cellphone {d}, a egg {e}, a knife {f}, a lettuce {g}, a mug {h}, a peppershaker {i}, a plate {j}, "
-       "a potato {k}, a soapbottle {a}, a spatula {b}, a spoon {c}, and a tomato {d}.")
+OBS = (
+    "You arrive at countertop {k}. On the countertop {k}, you see a apple {a}, a bread {b}, a butterknife {c}, "
+    "a cellphone {d}, a egg {e}, a knife {f}, a lettuce {g}, a mug {h}, a peppershaker {i}, a plate {j}, "
+    "a potato {k}, a soapbottle {a}, a spatula {b}, a spoon {c}, and a tomato {d}."
+)
 PICK = "You pick up the apple {a} from the countertop {k}."
 
 
@@ -62,22 +64,54 @@ def make_messages(n: int, text_bytes: int) -> list[bytes]:
         f = {c: i * 11 + j + 1 for j, c in enumerate("abcdefghijk")}
         o = OBS.format(**f)
         hist = f"Your task is to: put a clean apple in fridge.\n> go to countertop {f['k']}\n{o}\n"
-        s = hist + "Admissible: " + ", ".join(f"take {x} {f['a']} from countertop {f['k']}" for x in
-                                              ("apple", "bread", "egg", "knife", "mug", "plate"))
+        s = (
+            hist
+            + "Admissible: "
+            + ", ".join(
+                f"take {x} {f['a']} from countertop {f['k']}"
+                for x in ("apple", "bread", "egg", "knife", "mug", "plate")
+            )
+        )
         pick = PICK.format(**f)
         # the actor's fact state before the action: what the observation says plus what earlier
         # steps showed elsewhere (~30 facts, a mid-episode state)
-        facts = sorted(OBS_FACTS(o) | {f"in(cd {i % 7 + j}, drawer {j})" for j in range(1, 15)}
-                       | {f"closed(cabinet {j})" for j in range(1, 5)})
+        facts = sorted(
+            OBS_FACTS(o)
+            | {f"in(cd {i % 7 + j}, drawer {j})" for j in range(1, 15)}
+            | {f"closed(cabinet {j})" for j in range(1, 5)}
+        )
         msg = Transition(
-            seq=i, id=f"bench:ep{i // 50}:{i % 50}-{i}", actor="bench", env="alfworld",
-            game="train/pick_clean_then_place/trial_1", split="train", episode=f"bench:ep{i // 50}", t=i % 50, o=o,
-            phase=COEVOLVE, goal="put a clean apple in fridge.", s=s,
-            a_draft=f"take apple {f['a']} from countertop {f['k']}", s_hat=pick,
-            decision=REVISE if i % 3 == 0 else KEEP, a_ref=f"take bread {f['b']} from countertop {f['k']}",
-            p_revise=(i % 10) / 10, q_ref=((i * 7) % 10) / 10, a_exec=f"take apple {f['a']} from countertop {f['k']}",
-            s_hat_exec=pick, s_hat_teacher=pick if i % 4 else "Nothing happens.", s_next=pick, reward=0.0,
-            done=False, won=False, expert_action=None, policy_version=1, wm_version=1, ts=time.time(), facts=facts)
+            seq=i,
+            id=f"bench:ep{i // 50}:{i % 50}-{i}",
+            actor="bench",
+            env="alfworld",
+            game="train/pick_clean_then_place/trial_1",
+            split="train",
+            episode=f"bench:ep{i // 50}",
+            t=i % 50,
+            o=o,
+            phase=COEVOLVE,
+            goal="put a clean apple in fridge.",
+            s=s,
+            a_draft=f"take apple {f['a']} from countertop {f['k']}",
+            s_hat=pick,
+            decision=REVISE if i % 3 == 0 else KEEP,
+            a_ref=f"take bread {f['b']} from countertop {f['k']}",
+            p_revise=(i % 10) / 10,
+            q_ref=((i * 7) % 10) / 10,
+            a_exec=f"take apple {f['a']} from countertop {f['k']}",
+            s_hat_exec=pick,
+            s_hat_teacher=pick if i % 4 else "Nothing happens.",
+            s_next=pick,
+            reward=0.0,
+            done=False,
+            won=False,
+            expert_action=None,
+            policy_version=1,
+            wm_version=1,
+            ts=time.time(),
+            facts=facts,
+        )
         text = sum(len(v) for v in msgspec.structs.asdict(msg).values() if isinstance(v, str))
         if text < text_bytes:  # pad the rendered state up to the target text size
             msg.s += "\n" + "You see nothing special. " * ((text_bytes - text) // 25)
@@ -174,8 +208,11 @@ def raw_server(port: int, path: str, group: int) -> None:
 def measure_raw(args: argparse.Namespace, msgs: list[bytes], tmp: str, env: dict[str, str]) -> float:
     """One raw-loop measurement (prints its line); returns msg/s."""
     port = free_port()
-    raw = subprocess.Popen([sys.executable, __file__, "--raw-server", str(port), f"{tmp}/raw",
-                            "--group-commit", str(args.group_commit)], stdout=subprocess.PIPE, env=env)
+    raw = subprocess.Popen(
+        [sys.executable, __file__, "--raw-server", str(port), f"{tmp}/raw", "--group-commit", str(args.group_commit)],
+        stdout=subprocess.PIPE,
+        env=env,
+    )
     try:
         assert raw.stdout is not None and raw.stdout.readline().strip() == b"ready"
         cpu0 = cpu_seconds(raw.pid)

@@ -69,7 +69,7 @@ class Stepper:
     def step(self, rows) -> None:
         for layer in self.cache.layers:  # the same context length every time
             layer._set(layer.kbuf, layer.vbuf, self.context)
-        self.cache.mask = self.cache.mask[:, :self.context]
+        self.cache.mask = self.cache.mask[:, : self.context]
         mask = self.cache.extend_mask()
         self.forward(torch.randint(100, 2000, (B, 1)), torch.full((B, 1), self.context), mask, self.cache, rows)
 
@@ -83,8 +83,11 @@ def main(args: argparse.Namespace) -> None:
     from peft import LoraConfig
 
     lc = cfg.learner
-    slots = SlotManager(model, LoraConfig(r=lc.lora_r, lora_alpha=lc.lora_alpha, lora_dropout=0.0,
-                                          target_modules=lc.target_modules), spares=0)
+    slots = SlotManager(
+        model,
+        LoraConfig(r=lc.lora_r, lora_alpha=lc.lora_alpha, lora_dropout=0.0, target_modules=lc.target_modules),
+        spares=0,
+    )
     dtype = inference_dtype(cfg.inference.dtype)
     fused = FusedLlama(model, slots.stacks, dtype, batch_hint=B)
     slot_names = []
@@ -109,17 +112,28 @@ def main(args: argparse.Namespace) -> None:
         lay0 = fs.cache.layers[0]
         q = torch.randn(B, 1, fused.heads, fused.head_dim).to(dtype)
         g = fused.heads // fused.kv_heads
-        bias = attention_bias(fs.cache.mask, 1).to(dtype).expand(B, fused.kv_heads, g, 1, -1).reshape(
-            B * fused.kv_heads, g, -1)
+        bias = (
+            attention_bias(fs.cache.mask, 1)
+            .to(dtype)
+            .expand(B, fused.kv_heads, g, 1, -1)
+            .reshape(B * fused.kv_heads, g, -1)
+        )
         res["fused"]["attention"] = median_ms(
-            lambda: [attend(q, lay0.keys, lay0.values, bias) for _ in range(n_layers)], args.steps)
+            lambda: [attend(q, lay0.keys, lay0.values, bias) for _ in range(n_layers)], args.steps
+        )
         res["fused"]["rest"] = res["fused"]["step"] - res["fused"]["weights"] - res["fused"]["attention"]
 
         def reference(ids, positions, mask, cache, rows):
             slots.begin_step([BASE] * ids.shape[0] if rows is None else rows)
             try:
-                slots.forward_model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                                    use_cache=True, logits_to_keep=1)
+                slots.forward_model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
             finally:
                 slots.end_step()
 
@@ -131,33 +145,52 @@ def main(args: argparse.Namespace) -> None:
         res["reference"]["lora_4"] = median_ms(lambda: rs.step(mixed), args.steps) - res["reference"]["step"]
 
         # the model's own next-token logits after 8 real prompts (a sampler's cost depends on their shape)
-        text = ["You are in the middle of a room. Looking quickly around you, you see a cabinet 1, a countertop 1, "
-                f"a drawer {i + 1}, and a fridge 1. Your task is to: put a clean mug in coffeemachine. > go to"
-                for i in range(B)]
+        text = [
+            "You are in the middle of a room. Looking quickly around you, you see a cabinet 1, a countertop 1, "
+            f"a drawer {i + 1}, and a fridge 1. Your task is to: put a clean mug in coffeemachine. > go to"
+            for i in range(B)
+        ]
         ids = torch.tensor([tok(t).input_ids for t in text])
         n = ids.shape[1]
-        logits = fused.forward(ids, torch.arange(n).expand(B, n), torch.ones(B, n, dtype=torch.long),
-                               BatchCache(n_layers, True), None).float()
+        logits = fused.forward(
+            ids, torch.arange(n).expand(B, n), torch.ones(B, n, dtype=torch.long), BatchCache(n_layers, True), None
+        ).float()
         params = [SamplingParams(temperature=0.7, logprobs=5)] * B
         gen = torch.Generator().manual_seed(0)
         res["fused"]["sampling"] = res["reference"]["sampling"] = median_ms(
-            lambda: sample_step(logits, params, [None] * B, gen), args.steps)
+            lambda: sample_step(logits, params, [None] * B, gen), args.steps
+        )
         nucleus = [SamplingParams(temperature=0.7, top_p=0.9, logprobs=5)] * B
         for path, candidates in (("fused", 256), ("reference", 0)):
             res[path]["sampling_top_p"] = median_ms(
-                lambda: sample_step(logits, nucleus, [None] * B, gen, candidates), args.steps)
+                lambda: sample_step(logits, nucleus, [None] * B, gen, candidates), args.steps
+            )
 
         prompt = torch.randint(100, 2000, (1, args.context))
         pos, pmask = torch.arange(args.context)[None], torch.ones(1, args.context, dtype=torch.long)
-        res["fused"]["prefill_per_token"] = median_ms(
-            lambda: fused.forward(prompt, pos, pmask, BatchCache(n_layers, True), None), 3) / args.context
-        res["reference"]["prefill_per_token"] = median_ms(
-            lambda: reference(prompt, pos, pmask, BatchCache(n_layers), None), 3) / args.context
+        res["fused"]["prefill_per_token"] = (
+            median_ms(lambda: fused.forward(prompt, pos, pmask, BatchCache(n_layers, True), None), 3) / args.context
+        )
+        res["reference"]["prefill_per_token"] = (
+            median_ms(lambda: reference(prompt, pos, pmask, BatchCache(n_layers), None), 3) / args.context
+        )
 
-    print(f"batch {B}, context {args.context} tokens, fused dtype {str(dtype).removeprefix('torch.')}, "
-          f"reference dtype {cfg.model.dtype}; ms per decode step (prefill: ms per prompt token)")
-    keys = ["step", "weights", "weights_gb_per_s", "attention", "rest", "lora_1", "lora_4", "sampling",
-            "sampling_top_p", "prefill_per_token"]
+    print(
+        f"batch {B}, context {args.context} tokens, fused dtype {str(dtype).removeprefix('torch.')}, "
+        f"reference dtype {cfg.model.dtype}; ms per decode step (prefill: ms per prompt token)"
+    )
+    keys = [
+        "step",
+        "weights",
+        "weights_gb_per_s",
+        "attention",
+        "rest",
+        "lora_1",
+        "lora_4",
+        "sampling",
+        "sampling_top_p",
+        "prefill_per_token",
+    ]
     print(f"{'':10s}" + "".join(f"{k:>18s}" for k in keys))
     for path, r in res.items():
         print(f"{path:10s}" + "".join(f"{r[k]:18.2f}" if k in r else f"{'-':>18s}" for k in keys))

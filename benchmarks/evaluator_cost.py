@@ -46,9 +46,17 @@ def main() -> int:
     run_root = REPO / "runs"
     name = f"evalcost-{time.strftime('%Y%m%d-%H%M%S')}"
     http, port, lp = free_port(), free_port(), free_port()
-    sets = [f"run.root={run_root}", f"run.name={name}", f"broker.actor_port={free_port()}", f"broker.learner_port={lp}",
-            f"broker.http_port={http}", f"inference.port={port}", f"inference.endpoints=['http://127.0.0.1:{port}']",
-            "eval.success_games=0", *args.overrides]
+    sets = [
+        f"run.root={run_root}",
+        f"run.name={name}",
+        f"broker.actor_port={free_port()}",
+        f"broker.learner_port={lp}",
+        f"broker.http_port={http}",
+        f"inference.port={port}",
+        f"inference.endpoints=['http://127.0.0.1:{port}']",
+        "eval.success_games=0",
+        *args.overrides,
+    ]
     common = ["--config", args.config, *sum((["--set", s] for s in sets), [])]
     env = {**os.environ, "COMAP_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
     log_dir = run_root / name

@@ -31,16 +31,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-OBS = ("You arrive at countertop 1. On the countertop 1, you see a apple 1, a bread 1, a butterknife 2, "
-       "a cup 1, a dishsponge 1, a egg 2, a knife 1, a lettuce 1, a mug 2, a peppershaker 1, and a spatula 1.")
+OBS = (
+    "You arrive at countertop 1. On the countertop 1, you see a apple 1, a bread 1, a butterknife 2, "
+    "a cup 1, a dishsponge 1, a egg 2, a knife 1, a lettuce 1, a mug 2, a peppershaker 1, and a spatula 1."
+)
 
 # name -> (learner overrides on top of the config's learner section, torch threads, description)
 REFERENCE = {"fast_path": False, "autocast": "off", "gradient_checkpointing": True}
 VARIANTS = {
     "reference": (REFERENCE, 1, "today's path: fp32, activation checkpointing, window logits"),
     "reference-no-ckpt": ({**REFERENCE, "gradient_checkpointing": False}, 1, "the same without checkpointing"),
-    "fast-fp32": ({"fast_path": True, "autocast": "off", "gradient_checkpointing": False}, 1,
-                  "fast path in fp32, no checkpointing"),
+    "fast-fp32": (
+        {"fast_path": True, "autocast": "off", "gradient_checkpointing": False},
+        1,
+        "fast path in fp32, no checkpointing",
+    ),
     "new": ({}, 1, "the learner as configured"),
     "new-2-threads": ({}, 2, "as configured, 2 torch threads (not in the headline)"),
 }

@@ -58,25 +58,32 @@ def gains(results: list[dict]) -> dict[str, float | None]:
 
 
 def table(results: list[dict], t0: float) -> list[str]:
-    head = f"{'ver':>4} {'wall_min':>8} {'phase':<12} {'step':>5} {'wm_dF1':>7} {'fail_dF1':>8} {'draft_acc':>9} " \
-           f"{'admiss':>7} {'success':>7}"
+    head = (
+        f"{'ver':>4} {'wall_min':>8} {'phase':<12} {'step':>5} {'wm_dF1':>7} {'fail_dF1':>8} {'draft_acc':>9} "
+        f"{'admiss':>7} {'success':>7}"
+    )
     rows = [head]
 
     def f(x: float | None) -> str:
         return "-" if x is None else f"{x:.3f}"
 
     for r in sorted(results, key=lambda r: r["version"]):
-        rows.append(f"{r['version']:>4} {(r.get('ts', t0) - t0) / 60:>8.1f} {str(r.get('phase')):<12} "
-                    f"{r.get('learner_step', 0):>5} {f(r.get('wm_delta_f1')):>7} {f(r.get('wm_delta_f1_failures')):>8} "
-                    f"{f(r.get('draft_accuracy')):>9} {f(r.get('admissible_rate')):>7} {f(r.get('success_rate')):>7}")
+        rows.append(
+            f"{r['version']:>4} {(r.get('ts', t0) - t0) / 60:>8.1f} {str(r.get('phase')):<12} "
+            f"{r.get('learner_step', 0):>5} {f(r.get('wm_delta_f1')):>7} {f(r.get('wm_delta_f1_failures')):>8} "
+            f"{f(r.get('draft_accuracy')):>9} {f(r.get('admissible_rate')):>7} {f(r.get('success_rate')):>7}"
+        )
     return rows
 
 
 def snapshot(stats: dict, t: float) -> dict:
     """What the cut at an earlier wall time needs: stored counts, the learner's step and tokens."""
-    return {"t": t, "registry": stats.get("registry", {}),
-            "written": {k: v.get("written") for k, v in (stats.get("stores") or {}).items()},
-            "learner_tokens_total": (stats.get("learner") or {}).get("learner/tokens_total")}
+    return {
+        "t": t,
+        "registry": stats.get("registry", {}),
+        "written": {k: v.get("written") for k, v in (stats.get("stores") or {}).items()},
+        "learner_tokens_total": (stats.get("learner") or {}).get("learner/tokens_total"),
+    }
 
 
 def cut(results: list[dict], progress: list[dict], t0: float, minutes: float) -> dict:
@@ -87,9 +94,12 @@ def cut(results: list[dict], progress: list[dict], t0: float, minutes: float) ->
     last = snaps[-1] if snaps else {}
     span = (last.get("t", t0) - t0) or float("nan")
     tokens = next((p["learner_tokens_total"] for p in reversed(snaps) if p.get("learner_tokens_total")), None)
-    out = {"at_minutes": minutes, "learner_step": last.get("registry", {}).get("step"),
-           "transitions_per_s": (last.get("written", {}).get("transitions") or 0) / span,
-           "learner_tokens_per_s": None if tokens is None else tokens / span} | phase_rates(snaps, COEVOLVE)
+    out = {
+        "at_minutes": minutes,
+        "learner_step": last.get("registry", {}).get("step"),
+        "transitions_per_s": (last.get("written", {}).get("transitions") or 0) / span,
+        "learner_tokens_per_s": None if tokens is None else tokens / span,
+    } | phase_rates(snaps, COEVOLVE)
     return out | {f"{k}_gain": v for k, v in gains([r for r in results if r.get("ts", end) <= end]).items()}
 
 
@@ -103,8 +113,11 @@ def phase_rates(snaps: list[dict], phase: str) -> dict:
     first, last = inside[0], inside[-1]
     moved = (last["written"].get("transitions") or 0) - (first["written"].get("transitions") or 0)
     t0, t1 = first.get("learner_tokens_total"), last.get("learner_tokens_total")
-    return {f"{phase}_minutes": span / 60, f"{phase}_transitions_per_s": moved / span,
-            f"{phase}_learner_tokens_per_s": None if t0 is None or t1 is None else (t1 - t0) / span}
+    return {
+        f"{phase}_minutes": span / 60,
+        f"{phase}_transitions_per_s": moved / span,
+        f"{phase}_learner_tokens_per_s": None if t0 is None or t1 is None else (t1 - t0) / span,
+    }
 
 
 def _fmt(v: object) -> str:
@@ -115,8 +128,11 @@ def report(out: Path, at: list[float]) -> None:
     """Print the table, the throughput line and the gains line from a finished run's ``--out``."""
     meta = json.loads((out / "run.json").read_text())
     results = json.loads((out / "results.json").read_text())
-    progress = [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines() if line.strip()] \
-        if (out / "progress.jsonl").exists() else []
+    progress = (
+        [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines() if line.strip()]
+        if (out / "progress.jsonl").exists()
+        else []
+    )
     t0 = meta["t0"]
     for row in table(results, t0):
         print(row)
@@ -126,10 +142,12 @@ def report(out: Path, at: list[float]) -> None:
     tp = summary.get("throughput", {})
     learner = summary.get("learner", {})
     whole = cut(results, progress, t0, meta["minutes"] + 1) if progress else {}  # + the last snapshot's lag
-    print(f"env_steps_per_s={tp.get('env_steps_per_s')} transitions_per_s={_fmt(whole.get('transitions_per_s'))} "
-          f"learner_tokens_per_s_wall={_fmt(whole.get('learner_tokens_per_s'))} "
-          f"learner_tokens_per_s_step={learner.get('learner/tokens_per_s')} "
-          f"learner_step={meta.get('registry', {}).get('step')} versions={meta.get('registry', {}).get('versions')}")
+    print(
+        f"env_steps_per_s={tp.get('env_steps_per_s')} transitions_per_s={_fmt(whole.get('transitions_per_s'))} "
+        f"learner_tokens_per_s_wall={_fmt(whole.get('learner_tokens_per_s'))} "
+        f"learner_tokens_per_s_step={learner.get('learner/tokens_per_s')} "
+        f"learner_step={meta.get('registry', {}).get('step')} versions={meta.get('registry', {}).get('versions')}"
+    )
     g = gains(results)
     print(" ".join(f"{k}_gain={_fmt(v)}" for k, v in g.items()))
 
@@ -145,10 +163,20 @@ def main() -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--run-root", default=str(REPO / "runs"))
     ap.add_argument("--out", default=None, help="where the log, PNGs and results go (default: the run directory)")
-    ap.add_argument("--at", type=float, action="append", default=[], metavar="MINUTES",
-                    help="also print the figures as they stood this many minutes in (repeatable)")
-    ap.add_argument("--report", default=None, metavar="OUT_DIR",
-                    help="print the report of a finished run's --out directory (with --at) and run nothing")
+    ap.add_argument(
+        "--at",
+        type=float,
+        action="append",
+        default=[],
+        metavar="MINUTES",
+        help="also print the figures as they stood this many minutes in (repeatable)",
+    )
+    ap.add_argument(
+        "--report",
+        default=None,
+        metavar="OUT_DIR",
+        help="print the report of a finished run's --out directory (with --at) and run nothing",
+    )
     args = ap.parse_args()
     if args.report:
         report(Path(args.report), args.at)
@@ -160,9 +188,16 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     http = free_port()
     port = free_port()
-    overrides = [f"run.root={args.run_root}", f"run.name={name}", f"broker.actor_port={free_port()}",
-                 f"broker.learner_port={free_port()}", f"broker.http_port={http}", f"inference.port={port}",
-                 f"inference.endpoints=['http://127.0.0.1:{port}']", f"eval.split={args.split}"]
+    overrides = [
+        f"run.root={args.run_root}",
+        f"run.name={name}",
+        f"broker.actor_port={free_port()}",
+        f"broker.learner_port={free_port()}",
+        f"broker.http_port={http}",
+        f"inference.port={port}",
+        f"inference.endpoints=['http://127.0.0.1:{port}']",
+        f"eval.split={args.split}",
+    ]
     if args.data:
         overrides.append(f"env.data_dir={args.data}")
     if args.games:
@@ -170,8 +205,14 @@ def main() -> int:
     if args.success_games is not None:
         overrides.append(f"eval.success_games={args.success_games}")
     overrides += args.overrides
-    env = {**os.environ, "COMAP_CONFIG": args.config, "COMAP_OVERRIDES": shlex.join(overrides),
-           "COMAP_LOG_JSON": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "COMAP_CONFIG": args.config,
+        "COMAP_OVERRIDES": shlex.join(overrides),
+        "COMAP_LOG_JSON": "1",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     log_path = out / "honcho.log"
     print(f"run {run_dir} for {args.minutes} min; log {log_path}", file=sys.stderr)
     t0 = time.time()

@@ -50,8 +50,9 @@ def variant_overrides(variant: str) -> list[str]:
     names = [p for p in parts if "=" not in p]
     unknown = [n for n in names if n not in AblationConfig.model_fields]
     if unknown:
-        raise SystemExit(f"method_table: unknown ablation {', '.join(unknown)}; known: "
-                         f"{', '.join(AblationConfig.model_fields)}")
+        raise SystemExit(
+            f"method_table: unknown ablation {', '.join(unknown)}; known: {', '.join(AblationConfig.model_fields)}"
+        )
     return [f"ablation.{n}=true" for n in names] + settings
 
 
@@ -62,12 +63,15 @@ def train(name: str, variant: str, config: str | None, overrides: list[str], min
         env["COMAP_CONFIG"] = config
     log = open(log_dir / f"{name}.log", "wb")
     t0 = time.time()
-    proc = subprocess.Popen(["honcho", "start", *TRAINING], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        ["honcho", "start", *TRAINING], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         proc.wait(timeout=60 * minutes)
-        raise SystemExit(f"method_table: {name}'s system stopped by itself after {time.time() - t0:.0f} s "
-                         f"(see {log_dir / f'{name}.log'})")
+        raise SystemExit(
+            f"method_table: {name}'s system stopped by itself after {time.time() - t0:.0f} s "
+            f"(see {log_dir / f'{name}.log'})"
+        )
     except subprocess.TimeoutExpired:
         pass
     finally:
@@ -114,22 +118,45 @@ def main() -> None:
             name += "-again"
         record = fork_run(source, root / name, args.version)
         forks.append((name, variant, record))
-        print(json.dumps({"forked": name, "version": record["version"], "step": record["step"],
-                          "phase": record["phase"]}), flush=True)
+        print(
+            json.dumps(
+                {"forked": name, "version": record["version"], "step": record["step"], "phase": record["phase"]}
+            ),
+            flush=True,
+        )
     walls = {}
     for name, variant, _ in forks:
         walls[name] = train(name, variant, args.config, args.overrides, args.minutes, args.out)
         print(json.dumps({"trained": name, "wall_s": round(walls[name])}), flush=True)
     version = forks[0][2]["version"]
-    cmd = [sys.executable, "-m", "comap_async", "compare", *[str(root / n) for n, _, _ in forks],
-           "--split", args.split, "--games", str(args.games), "--methods", args.methods,
-           "--methods-from", f"{source}:{version}", "--out", str(args.out),
-           *(["--config", args.config] if args.config else []), *sum((["--set", o] for o in args.overrides), [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "comap_async",
+        "compare",
+        *[str(root / n) for n, _, _ in forks],
+        "--split",
+        args.split,
+        "--games",
+        str(args.games),
+        "--methods",
+        args.methods,
+        "--methods-from",
+        f"{source}:{version}",
+        "--out",
+        str(args.out),
+        *(["--config", args.config] if args.config else []),
+        *sum((["--set", o] for o in args.overrides), []),
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True)
     report = json.loads((args.out / "compare.json").read_text())
-    head = [f"# Method table: {len(forks)} forks of {source.name} at version {version} "
-            f"(step {forks[0][2]['step']}, {forks[0][2]['phase']})", "",
-            *[f"- `{n}` ({v}): trained {walls[n] / 60:.1f} minutes of wall time" for n, v, _ in forks], ""]
+    head = [
+        f"# Method table: {len(forks)} forks of {source.name} at version {version} "
+        f"(step {forks[0][2]['step']}, {forks[0][2]['phase']})",
+        "",
+        *[f"- `{n}` ({v}): trained {walls[n] / 60:.1f} minutes of wall time" for n, v, _ in forks],
+        "",
+    ]
     (args.out / "method_table.md").write_text("\n".join(head) + (args.out / "compare.md").read_text())
     print(f"method_table_rows={len(report['rows'])} out={args.out}")
 

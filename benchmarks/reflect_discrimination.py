@@ -77,7 +77,7 @@ def score(trainer: Any, samples: list[dict[str, Any]]) -> dict[str, Any]:
     activate(trainer.model, "policy", trainable=False)
     with torch.no_grad():
         for i in range(0, len(samples), 4):
-            part = samples[i:i + 4]
+            part = samples[i : i + 4]
             packed = pack([[enc.reflection(r)] for r in part], trainer.pad_id, trainer.device)
             logits = trainer._target_logits(packed)
             at = torch.tensor(packed.first, dtype=torch.long)
@@ -85,9 +85,15 @@ def score(trainer: Any, samples: list[dict[str, Any]]) -> dict[str, Any]:
     pos = [p for p, r in zip(ps, samples) if r["y"] == 1]
     neg = [p for p, r in zip(ps, samples) if r["y"] == 0]
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-    return {"n": len(ps), "n_revise": len(pos), "p_mean": mean(ps), "p_revise_label": mean(pos),
-            "p_keep_label": mean(neg),
-            "p_discrimination": None if not pos or not neg else mean(pos) - mean(neg), "auc": auc(pos, neg)}
+    return {
+        "n": len(ps),
+        "n_revise": len(pos),
+        "p_mean": mean(ps),
+        "p_revise_label": mean(pos),
+        "p_keep_label": mean(neg),
+        "p_discrimination": None if not pos or not neg else mean(pos) - mean(neg),
+        "auc": auc(pos, neg),
+    }
 
 
 def build_trainer(cfg: Any, adapter: Path, overrides: dict[str, Any], budget: int) -> Any:
@@ -105,8 +111,9 @@ def build_trainer(cfg: Any, adapter: Path, overrides: dict[str, Any], budget: in
     torch.manual_seed(cfg.run.seed)
     path = resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)
     base, tok = load_model_and_tokenizer(path, cfg.model.dtype, lc.device)
-    model = build_peft_model(base, lc.lora_r, lc.lora_alpha, lc.lora_dropout, lc.target_modules,
-                             lc.gradient_checkpointing)
+    model = build_peft_model(
+        base, lc.lora_r, lc.lora_alpha, lc.lora_dropout, lc.target_modules, lc.gradient_checkpointing
+    )
     state = load_file(str(adapter / "adapter_model.safetensors"))
     load_adapter_state(model, "policy", state)
     trainer = Trainer(model, Encoder(tok, Prompts.for_model(path, cfg), lc.max_seq_len), lc, lc.device)
@@ -129,7 +136,7 @@ def run_variant(name: str, cfg: Any, args: argparse.Namespace, train: list, test
         rng.shuffle(order)
         t0 = time.perf_counter()
         for i in range(0, len(order), bs):
-            trainer.train_step([{"reflections": order[i:i + bs]}])
+            trainer.train_step([{"reflections": order[i : i + bs]}])
         res = {**score(trainer, test), "train_s": round(time.perf_counter() - t0, 1)}
         out["epochs"].append(res)
         print(json.dumps({"variant": name, "epoch": epoch, **res}), flush=True)
@@ -159,9 +166,18 @@ def main() -> None:
     train = [r for r in samples if not held_out(r["game"], args.holdout)]
     random.Random(args.seed).shuffle(train)
     train = train[: args.max_train]
-    print(json.dumps({"samples": len(samples), "train": len(train), "train_revise_share":
-                      sum(r["y"] for r in train) / max(len(train), 1), "test": len(test),
-                      "test_revise_share": sum(r["y"] for r in test) / max(len(test), 1)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "samples": len(samples),
+                "train": len(train),
+                "train_revise_share": sum(r["y"] for r in train) / max(len(train), 1),
+                "test": len(test),
+                "test_revise_share": sum(r["y"] for r in test) / max(len(test), 1),
+            }
+        ),
+        flush=True,
+    )
     results = [run_variant(v, cfg, args, train, test) for v in args.variants.split(",")]
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

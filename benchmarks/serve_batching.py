@@ -44,22 +44,37 @@ PATHS = {"reference": ["inference.forward=transformers"], "fused": ["inference.f
 def state(i: int) -> str:
     """A distinct ALFWorld-like state per request (prompts share only the header and system prompt)."""
     o, p = OBJECTS[i % len(OBJECTS)], PLACES[(i // len(OBJECTS)) % len(PLACES)]
-    return (f"Task: put a clean {o} in {PLACES[(i + 3) % len(PLACES)]}.\nRecent history:\n> go to {p} {i % 3 + 1}\n"
-            f"You arrive at {p} {i % 3 + 1}. On the {p} {i % 3 + 1}, you see a {o} {i % 4 + 1}, a bread 2, a knife 1.\n"
-            f"Current observation: You pick up the {o} {i % 4 + 1} from the {p} {i % 3 + 1}.\n"
-            f"Admissible commands: go to fridge 1, go to sinkbasin 1, inventory, look, examine {p} {i % 3 + 1}")
+    return (
+        f"Task: put a clean {o} in {PLACES[(i + 3) % len(PLACES)]}.\nRecent history:\n> go to {p} {i % 3 + 1}\n"
+        f"You arrive at {p} {i % 3 + 1}. On the {p} {i % 3 + 1}, you see a {o} {i % 4 + 1}, a bread 2, a knife 1.\n"
+        f"Current observation: You pick up the {o} {i % 4 + 1} from the {p} {i % 3 + 1}.\n"
+        f"Admissible commands: go to fridge 1, go to sinkbasin 1, inventory, look, examine {p} {i % 3 + 1}"
+    )
 
 
-async def rate(client: InferenceClient, prompts: Prompts, concurrency: int, per_client: int, max_tokens: int,
-               models: list[str | None], offset: int) -> float:
+async def rate(
+    client: InferenceClient,
+    prompts: Prompts,
+    concurrency: int,
+    per_client: int,
+    max_tokens: int,
+    models: list[str | None],
+    offset: int,
+) -> float:
     tokens = 0
 
     async def worker(w: int) -> None:
         nonlocal tokens
         for i in range(per_client):
             prompt = prompts.draft(state(offset + w * per_client + i))
-            r = await client.complete(prompt, model=models[w % len(models)], max_tokens=max_tokens, temperature=0.7,
-                                      seed=100 * w + i, ignore_eos=True)
+            r = await client.complete(
+                prompt,
+                model=models[w % len(models)],
+                max_tokens=max_tokens,
+                temperature=0.7,
+                seed=100 * w + i,
+                ignore_eos=True,
+            )
             tokens += r.usage["completion_tokens"]
 
     t0 = time.perf_counter()
@@ -77,8 +92,14 @@ async def counters(url: str) -> dict[str, float]:
 
     text = await asyncio.to_thread(get)
     out = {}
-    for name in ("decode_steps", "decode_rows", "decode_seconds", "prefill_seconds", "prompt_tokens",
-                 "prefix_cache_hit_tokens"):
+    for name in (
+        "decode_steps",
+        "decode_rows",
+        "decode_seconds",
+        "prefill_seconds",
+        "prompt_tokens",
+        "prefix_cache_hit_tokens",
+    ):
         m = re.search(rf"^comap_inference_{name}_total (\S+)$", text, re.M)
         out[name] = float(m.group(1)) if m else 0.0
     return out
@@ -109,8 +130,9 @@ def weight_bytes(model_dir: str, dtype_bytes: int) -> int:
 
 
 async def measure(args: argparse.Namespace, prompts: Prompts, urls: dict[str, str], names: list[str]) -> dict:
-    res: dict[str, dict[str, list[float]]] = {p: {"one": [], "eight": [], "step_ms": [], "rows": [],
-                                                  "prefill_ms": []} for p in urls}
+    res: dict[str, dict[str, list[float]]] = {
+        p: {"one": [], "eight": [], "step_ms": [], "rows": [], "prefill_ms": []} for p in urls
+    }
     clients = {path: InferenceClient([url], timeout_s=900) for path, url in urls.items()}
     try:
         for path, c in clients.items():
@@ -130,10 +152,12 @@ async def measure(args: argparse.Namespace, prompts: Prompts, urls: dict[str, st
                 res[path]["rows"].append(d["decode_rows"] / max(1.0, d["decode_steps"]))
                 computed = max(1.0, d["prompt_tokens"] - d["prefix_cache_hit_tokens"])
                 res[path]["prefill_ms"].append(1000 * d["prefill_seconds"] / computed)
-                print(f"round {r} {path:9s}: 1 client {res[path]['one'][-1]:6.1f} tok/s, 8 clients "
-                      f"{res[path]['eight'][-1]:6.1f} tok/s, decode step {res[path]['step_ms'][-1]:6.1f} ms "
-                      f"({res[path]['rows'][-1]:.1f} rows), prefill {res[path]['prefill_ms'][-1]:.2f} ms/token",
-                      flush=True)
+                print(
+                    f"round {r} {path:9s}: 1 client {res[path]['one'][-1]:6.1f} tok/s, 8 clients "
+                    f"{res[path]['eight'][-1]:6.1f} tok/s, decode step {res[path]['step_ms'][-1]:6.1f} ms "
+                    f"({res[path]['rows'][-1]:.1f} rows), prefill {res[path]['prefill_ms'][-1]:.2f} ms/token",
+                    flush=True,
+                )
         for path, c in clients.items():
             res[path]["mixed"] = [await rate(c, prompts, 8, 2, args.max_tokens, [None, *names], 5000)]
     finally:
@@ -151,8 +175,10 @@ async def main(args: argparse.Namespace) -> None:
         names = [adapter_name(POLICY, i) for i in range(4)]
         write_random_adapters(model_dir, root, names)
         base = [f"model.name_or_path={cfg.model.name_or_path}"] + (args.set or [])
-        with served(base + PATHS["reference"], root, root / "reference.log") as ref_url, \
-                served(base + PATHS["fused"], root, root / "fused.log") as fused_url:
+        with (
+            served(base + PATHS["reference"], root, root / "reference.log") as ref_url,
+            served(base + PATHS["fused"], root, root / "fused.log") as fused_url,
+        ):
             res = await measure(args, prompts, {"reference": ref_url, "fused": fused_url}, names)
             fused_log = (root / "fused.log").read_text()
     mean = {p: {k: sum(v) / len(v) for k, v in r.items()} for p, r in res.items()}
@@ -163,11 +189,13 @@ async def main(args: argparse.Namespace) -> None:
         r = mean[path]
         wb = weight_bytes(model_dir, 2 if dtype in ("bfloat16", "float16") else 4)
         bound = 8 / (wb / (gbs * 1e9))
-        print(f"{path} ({dtype}): tokens_per_s_1={r['one']:.1f} tokens_per_s_8={r['eight']:.1f} "
-              f"tokens_per_s_8_mixed_adapters={r['mixed']:.1f} decode_step_ms_8={r['step_ms']:.1f} "
-              f"(mean rows {r['rows']:.1f}, engine decode {1000 * r['rows'] / r['step_ms']:.1f} tok/s) "
-              f"prefill_ms_per_token={r['prefill_ms']:.2f} bandwidth_bound_tokens_per_s_8={bound:.0f} "
-              f"({wb / 2**20:.0f} MiB of weights at {gbs:.1f} GB/s)")
+        print(
+            f"{path} ({dtype}): tokens_per_s_1={r['one']:.1f} tokens_per_s_8={r['eight']:.1f} "
+            f"tokens_per_s_8_mixed_adapters={r['mixed']:.1f} decode_step_ms_8={r['step_ms']:.1f} "
+            f"(mean rows {r['rows']:.1f}, engine decode {1000 * r['rows'] / r['step_ms']:.1f} tok/s) "
+            f"prefill_ms_per_token={r['prefill_ms']:.2f} bandwidth_bound_tokens_per_s_8={bound:.0f} "
+            f"({wb / 2**20:.0f} MiB of weights at {gbs:.1f} GB/s)"
+        )
     print(f"batching_speedup={mean['fused']['eight'] / mean['fused']['one']:.2f} (fused, 8 clients / 1 client)")
     print(f"decode_step_speedup_vs_reference={mean['reference']['step_ms'] / mean['fused']['step_ms']:.2f}")
     print(f"decode_speedup_vs_reference={mean['fused']['eight'] / mean['reference']['eight']:.2f}")

@@ -59,9 +59,20 @@ class ActorPath:
     socket is no longer read; ``drain_s`` and ``drain_quiet_s`` bound the drain at :meth:`stop`.
     The caller owns ``sock``, ``store`` and ``gates`` and closes them after :meth:`stop`."""
 
-    def __init__(self, sock: zmq.asyncio.Socket, store: ReplayStore, gates: GatePool, live: LiveStats, log: Any, *,
-                 registry: Callable[[], dict[str, Any]], group_commit: int, max_pending: int, drain_s: float,
-                 drain_quiet_s: float) -> None:
+    def __init__(
+        self,
+        sock: zmq.asyncio.Socket,
+        store: ReplayStore,
+        gates: GatePool,
+        live: LiveStats,
+        log: Any,
+        *,
+        registry: Callable[[], dict[str, Any]],
+        group_commit: int,
+        max_pending: int,
+        drain_s: float,
+        drain_quiet_s: float,
+    ) -> None:
         self.sock, self.store, self.gates, self.live, self.log = sock, store, gates, live, log
         self.registry = registry
         self.group_commit, self.max_pending = group_commit, max_pending
@@ -136,14 +147,21 @@ class ActorPath:
                 self.log.warning("broker.ack_dropped", error=str(exc))
 
     def _send_nack(self, ident: bytes, delim: list[bytes], seq: int, error: str | None, retry: bool) -> None:
-        self._send(ident, delim, encode(Ack(seq=seq, ok=False, error=error[:ID_LEN] if error else None,
-                                            registry=self.registry(), retry=retry), check=False))
+        self._send(
+            ident,
+            delim,
+            encode(
+                Ack(seq=seq, ok=False, error=error[:ID_LEN] if error else None, registry=self.registry(), retry=retry),
+                check=False,
+            ),
+        )
 
     def _reject(self, ident: bytes, delim: list[bytes], category: str, reason: str, seq: int) -> None:
         self.live.reject(category)
         if self.live.should_log("reject:" + category):
-            self.log.warning("broker.reject", category=category, reason=reason, peer=ident.hex()[:16],
-                             total=self.live.rejects_total)
+            self.log.warning(
+                "broker.reject", category=category, reason=reason, peer=ident.hex()[:16], total=self.live.rejects_total
+            )
         self._send_nack(ident, delim, seq, reason, retry=False)
 
     # ---- the task ----------------------------------------------------------------------------

@@ -13,9 +13,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_config_arguments(p)
     p.add_argument("--replay-dir", default=None, help="LMDB directory (default: <run dir>/replay)")
-    p.add_argument("--state-facts", default=None, metavar="MODULE:FUNCTION",
-                   help="the fact-state update next_state(state, text) of the world-state gate "
-                        "(default: the one of env.name)")
+    p.add_argument(
+        "--state-facts",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="the fact-state update next_state(state, text) of the world-state gate (default: the one of env.name)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,8 +49,14 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         try:
-            broker = Broker(cfg, next_state, log, keys, replay_dir=args.replay_dir,
-                            gate_spec=pool_spec(cfg, cfg.env.name, args.state_facts))
+            broker = Broker(
+                cfg,
+                next_state,
+                log,
+                keys,
+                replay_dir=args.replay_dir,
+                gate_spec=pool_spec(cfg, cfg.env.name, args.state_facts),
+            )
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, broker.stopping.set)

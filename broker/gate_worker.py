@@ -80,8 +80,9 @@ MAX_RESTARTS = 5
 _POLL_MS = 1000
 
 
-def prepare_frames(raws: list[bytes], ingest: Ingest, max_bytes: int, learner_port: int,
-                   shapes: dict[tuple, int]) -> list[GateResult]:
+def prepare_frames(
+    raws: list[bytes], ingest: Ingest, max_bytes: int, learner_port: int, shapes: dict[tuple, int]
+) -> list[GateResult]:
     """Decode, validate and gate each frame (pure apart from the parser's error counter); the
     shapes of the items are added to ``shapes`` (shape -> index).
 
@@ -92,20 +93,23 @@ def prepare_frames(raws: list[bytes], ingest: Ingest, max_bytes: int, learner_po
         try:
             out.append(_prepare_one(raw, ingest, max_bytes, learner_port, shapes))
         except Exception as exc:  # noqa: BLE001 - a bug for one frame: refused and counted, not fatal
-            out.append(Failed(best_effort_int(raw, "seq"), "?", f"internal error: {type(exc).__name__}: "
-                              f"{str(exc)[:200]}"))
+            out.append(
+                Failed(best_effort_int(raw, "seq"), "?", f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
+            )
     return out
 
 
-def _prepare_one(raw: bytes, ingest: Ingest, max_bytes: int, learner_port: int,
-                 shapes: dict[tuple, int]) -> GateResult:
+def _prepare_one(raw: bytes, ingest: Ingest, max_bytes: int, learner_port: int, shapes: dict[tuple, int]) -> GateResult:
     try:
         msg = decode(raw, max_bytes)
     except ProtocolError as exc:
         return Rejected(best_effort_int(raw, "seq"), reject_category(exc), error_reason(exc))
     if type(msg) not in ACTOR_TYPES:  # a learner request (it carries "req", not "seq")
-        return Rejected(best_effort_int(raw, "seq"), "wrong_socket",
-                        f"'{message_type(msg)}' is not an actor message (learners use the learner port {learner_port})")
+        return Rejected(
+            best_effort_int(raw, "seq"),
+            "wrong_socket",
+            f"'{message_type(msg)}' is not an actor message (learners use the learner port {learner_port})",
+        )
     try:
         item = ingest.prepare(msg, raw)
     except Exception as exc:  # noqa: BLE001 - refused with its seq, so the actor hears of it

@@ -80,6 +80,7 @@ class SafeStateFacts:
             except Exception as exc:  # as in __call__: counted, read as unparseable
                 self._failed(exc)
                 return False
+
         return readable
 
     def _failed(self, exc: Exception) -> None:
@@ -98,8 +99,9 @@ def strip_envelope(msg: Message) -> dict[str, Any]:
 class Ingest:
     """Turns validated actor messages into :class:`WriteItem`s (pure apart from counters)."""
 
-    def __init__(self, next_state: NextState, gates: GateConfig, future_state: str = "gate",
-                 action_gated: bool = True) -> None:
+    def __init__(
+        self, next_state: NextState, gates: GateConfig, future_state: str = "gate", action_gated: bool = True
+    ) -> None:
         """``future_state``: how ``s̄`` is chosen (``AblationConfig.future_state``; ``gate`` for CoMap);
         ``action_gated``: False under ``ablation.no_action_gate``."""
         self.parser = SafeStateFacts(next_state)
@@ -116,12 +118,22 @@ class Ingest:
             counters = {"stored_reflection_msgs": 1, f"reflect_label_{msg.label}": 1}
             return WriteItem(b"r:" + msg.id.encode(), [("reflections", self._pack(rec))], counters)
         if type(msg) is Imagined:  # the policy's draft data only: never a transition for the world model
-            demo = Demo(id=msg.id, game=msg.game, goal=msg.goal, s=msg.s, target=msg.target,
-                        policy_version=msg.policy_version, wm_version=msg.wm_version, source="imagined", ts=msg.ts)
+            demo = Demo(
+                id=msg.id,
+                game=msg.game,
+                goal=msg.goal,
+                s=msg.s,
+                target=msg.target,
+                policy_version=msg.policy_version,
+                wm_version=msg.wm_version,
+                source="imagined",
+                ts=msg.ts,
+            )
             return WriteItem(b"i:" + msg.id.encode(), [("imagined", self._pack(demo))], {"stored_imagined": 1})
         if type(msg) is Episode:
-            return WriteItem(b"e:" + msg.id.encode(), [("episodes", self._pack(strip_envelope(msg)))],
-                             {"stored_episodes": 1})
+            return WriteItem(
+                b"e:" + msg.id.encode(), [("episodes", self._pack(strip_envelope(msg)))], {"stored_episodes": 1}
+            )
         raise ValueError(f"not an actor message: {type(msg).__name__}")
 
     def _transition(self, tr: Transition, raw: bytes) -> WriteItem:
@@ -132,21 +144,42 @@ class Ingest:
                 return WriteItem(key, [("transitions", raw)], {"stored_transitions": 1, "stored_explore": 1})
             # warm-up executes the demonstration (a walkthrough or the expert), so a_exec is the target;
             # ``expert_action`` stays in the raw transition as the handcoded expert's own label
-            demo = Demo(id=tr.id, game=tr.game, goal=tr.goal, s=tr.s, target=tr.a_exec,
-                        policy_version=tr.policy_version, wm_version=tr.wm_version, ts=tr.ts)
+            demo = Demo(
+                id=tr.id,
+                game=tr.game,
+                goal=tr.goal,
+                s=tr.s,
+                target=tr.a_exec,
+                policy_version=tr.policy_version,
+                wm_version=tr.wm_version,
+                ts=tr.ts,
+            )
             counters = {"stored_transitions": 1, "stored_demos": 1} | ({"stored_recovery": 1} if tr.recovery else {})
             return WriteItem(key, [("transitions", raw), ("demos", self._pack(demo))], counters)
         if not tr.reflection_readable:
             # the policy's reflection could not be read: nothing it said may train it (the draft ran)
-            return WriteItem(key, [("transitions", raw)], {"stored_transitions": 1, "gate_ag_total": 1,
-                                                           "gate_ag_unreadable": 1})
+            return WriteItem(
+                key, [("transitions", raw)], {"stored_transitions": 1, "gate_ag_total": 1, "gate_ag_unreadable": 1}
+            )
         g = self.gates
-        sample = derive_policy_sample(tr, self.parser, g.tau_p, g.tau_q, g.tau_ws, readable=self.parser.readable,
-                                      future_state=self.future_state, action_gated=self.action_gated)
+        sample = derive_policy_sample(
+            tr,
+            self.parser,
+            g.tau_p,
+            g.tau_q,
+            g.tau_ws,
+            readable=self.parser.readable,
+            future_state=self.future_state,
+            action_gated=self.action_gated,
+        )
         counters = {
-            "stored_transitions": 1, "stored_derived": 1,
-            "gate_ws_total": 1, "gate_ws_imagined": int(sample.ws_imagined),
-            "gate_ag_total": 1, "gate_ag_open": sample.y, f"gate_ag_{sample.ag_reason}": 1,
+            "stored_transitions": 1,
+            "stored_derived": 1,
+            "gate_ws_total": 1,
+            "gate_ws_imagined": int(sample.ws_imagined),
+            "gate_ag_total": 1,
+            "gate_ag_open": sample.y,
+            f"gate_ag_{sample.ag_reason}": 1,
         }
         return WriteItem(key, [("transitions", raw), ("reflections", self._pack(sample))], counters)
 
@@ -173,8 +206,9 @@ def best_effort_int(raw: Any, field: str) -> int:
 def checked_registry(msg: Any) -> dict[str, Any]:
     """The registry (its map) an ``announce`` sets, after the checks of :class:`Registry` (ValueError)."""
     try:
-        reg = msgspec.convert({"phase": msg.phase, "versions": msg.versions, "adapters": msg.adapters,
-                               "step": msg.step}, Registry)
+        reg = msgspec.convert(
+            {"phase": msg.phase, "versions": msg.versions, "adapters": msg.adapters, "step": msg.step}, Registry
+        )
     except msgspec.ValidationError as exc:
         raise ValueError(f"announce: {exc}") from None
     return msgspec.to_builtins(reg)

@@ -57,17 +57,32 @@ def refusal(reason: str, req: int) -> Reply:
 
 
 class Broker:
-    def __init__(self, cfg: CoMapConfig, next_state: NextState, log: Any, server_keys: ServerKeys | None = None,
-                 replay_dir: str | Path | None = None, gate_spec: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: CoMapConfig,
+        next_state: NextState,
+        log: Any,
+        server_keys: ServerKeys | None = None,
+        replay_dir: str | Path | None = None,
+        gate_spec: dict[str, Any] | None = None,
+    ) -> None:
         """``gate_spec`` (:func:`broker.gate_worker.pool_spec`) says how a worker process loads the
         same fact-state update; without it the broker gates in its own process."""
         b = cfg.broker
         self.cfg, self.b, self.log, self.server_keys = cfg, b, log, server_keys
-        self.capacities = {"transitions": b.capacity_transitions, "reflections": b.capacity_reflections,
-                           "demos": b.capacity_demos, "episodes": b.capacity_episodes,
-                           "imagined": b.capacity_imagined}
-        self.store = ReplayStore(replay_dir or cfg.run.dir / "replay", self.capacities,
-                                 map_size_mb=b.map_size_mb, max_map_size_mb=b.max_map_size_mb)
+        self.capacities = {
+            "transitions": b.capacity_transitions,
+            "reflections": b.capacity_reflections,
+            "demos": b.capacity_demos,
+            "episodes": b.capacity_episodes,
+            "imagined": b.capacity_imagined,
+        }
+        self.store = ReplayStore(
+            replay_dir or cfg.run.dir / "replay",
+            self.capacities,
+            map_size_mb=b.map_size_mb,
+            max_map_size_mb=b.max_map_size_mb,
+        )
         self.ingest = Ingest(next_state, cfg.gates, cfg.ablation.future_state, not cfg.ablation.no_action_gate)
         self.live = LiveStats(self.store.state["counters"])
         self.live.note_stored_total(stored_total(self.store.state["counters"]))
@@ -117,24 +132,46 @@ class Broker:
             # empty one), so register them under the domain the ROUTERs declare.
             self.auth.configure_curve(domain=ZAP_DOMAIN, location=str(self.server_keys.authorized_dir))
         workers = self.b.gate_workers if self.gate_spec is not None else 0
-        self.gates = GatePool(workers, self.ingest, self.b.max_message_bytes, self.b.learner_port,
-                              self.gate_spec or {}, self.log, self.ctx)
+        self.gates = GatePool(
+            workers,
+            self.ingest,
+            self.b.max_message_bytes,
+            self.b.learner_port,
+            self.gate_spec or {},
+            self.log,
+            self.ctx,
+        )
         self.actor_sock = self._router(self.b.actor_port, "actor")
         self.learner_sock = self._router(self.b.learner_port, "learner")
         store = self.store
-        self.actor_path = ActorPath(self.actor_sock, store, self.gates, self.live, self.log,
-                                    registry=lambda: store.registry, group_commit=self.b.group_commit,
-                                    max_pending=4 * self.b.group_commit, drain_s=self.b.drain_s,
-                                    drain_quiet_s=self.b.drain_quiet_s)
+        self.actor_path = ActorPath(
+            self.actor_sock,
+            store,
+            self.gates,
+            self.live,
+            self.log,
+            registry=lambda: store.registry,
+            group_commit=self.b.group_commit,
+            max_pending=4 * self.b.group_commit,
+            drain_s=self.b.drain_s,
+            drain_quiet_s=self.b.drain_quiet_s,
+        )
         self.actor_path.start()
         self._tasks.append(asyncio.create_task(self._learner_loop(), name="learner-recv"))
         from broker.http import start_http
 
-        self.http_runner = await start_http(self, "127.0.0.1" if self.b.host == "localhost" else self.b.host,
-                                            self.b.http_port)
-        self.log.info("broker.started", **self.endpoints, http_port=self.b.http_port, replay=str(self.store.path),
-                      curve=self.server_keys is not None, stores={s: self.store.count(s) for s in self.capacities},
-                      registry=self.store.registry)
+        self.http_runner = await start_http(
+            self, "127.0.0.1" if self.b.host == "localhost" else self.b.host, self.b.http_port
+        )
+        self.log.info(
+            "broker.started",
+            **self.endpoints,
+            http_port=self.b.http_port,
+            replay=str(self.store.path),
+            curve=self.server_keys is not None,
+            stores={s: self.store.count(s) for s in self.capacities},
+            registry=self.store.registry,
+        )
 
     async def run(self) -> None:
         await self.start()
@@ -239,14 +276,23 @@ class Broker:
             raise ValueError(f"sample: n must be in [1, {MAX_ITEMS}], got {msg.n}")
         current = int(self.store.registry["versions"].get("policy", 0))
         phases = None if set(msg.phases) >= set(PHASES) else msg.phases  # every phase: no filter to apply
-        res = replay_sampling.sample(self.store, msg.store, msg.n, window=self.b.window, current_policy=current,
-                                     max_staleness=self.b.max_staleness, seed=msg.seed, phases=phases)
+        res = replay_sampling.sample(
+            self.store,
+            msg.store,
+            msg.n,
+            window=self.b.window,
+            current_policy=current,
+            max_staleness=self.b.max_staleness,
+            seed=msg.seed,
+            phases=phases,
+        )
         if res.stale_skipped:
             self.live.bump("stale_skipped_" + msg.store, res.stale_skipped)
         if res.phase_skipped:  # in /stats ``counters``: how much of the window a phase filter passes over
             self.live.bump("phase_skipped_" + msg.store, res.phase_skipped)
-        return Batch(req=msg.req, store=msg.store, items=res.items, stale_skipped=res.stale_skipped,
-                     available=res.available)
+        return Batch(
+            req=msg.req, store=msg.store, items=res.items, stale_skipped=res.stale_skipped, available=res.available
+        )
 
     def _record_eval(self, version: int, result: dict[str, Any]) -> dict[str, Any]:
         """Keep the evaluator's held-out result of ``version`` (persisted; the newest results win)."""
@@ -274,9 +320,13 @@ class Broker:
                 self.live.bump(f"peer_{label}_{name}")
                 if name.startswith("handshake_failed") and self.live.should_log(f"hs:{label}:{name}"):
                     endpoint = event.get("endpoint", b"")
-                    self.log.warning("broker.handshake_failed", socket=label, kind=name, value=event.get("value"),
-                                     endpoint=endpoint.decode(errors="replace") if isinstance(endpoint, bytes) else
-                                     str(endpoint))
+                    self.log.warning(
+                        "broker.handshake_failed",
+                        socket=label,
+                        kind=name,
+                        value=event.get("value"),
+                        endpoint=endpoint.decode(errors="replace") if isinstance(endpoint, bytes) else str(endpoint),
+                    )
             except Exception as exc:  # noqa: BLE001 - counting must not stop on one odd event
                 self.live.bump("internal_errors")
                 self.log.error("broker.monitor_error", error=repr(exc))
@@ -288,11 +338,27 @@ class Broker:
 
     def stats(self) -> dict[str, Any]:
         path = self.actor_path
-        return build_snapshot(self.store.state, self.capacities, self.live, self.store.registry, {
-            "writable": path.writable_error is None, "last_error": path.writable_error, "map": path.map_info,
-            "pending": path.queued,
-            "gate_workers": {"pids": [w.proc.pid for w in self.gates.workers], "restarts": self.gates.restarts,
-                             "batches_gated_in_broker": self.gates.gated_here},
-            "curve": self.server_keys is not None, "endpoints": self.endpoints,
-            "time": time.time(), "learner": getattr(self, "learner_metrics", {}),
-            "eval": [r | {"version": int(k)} for k, r in sorted(self.eval_results.items(), key=lambda kv: int(kv[0]))]})
+        return build_snapshot(
+            self.store.state,
+            self.capacities,
+            self.live,
+            self.store.registry,
+            {
+                "writable": path.writable_error is None,
+                "last_error": path.writable_error,
+                "map": path.map_info,
+                "pending": path.queued,
+                "gate_workers": {
+                    "pids": [w.proc.pid for w in self.gates.workers],
+                    "restarts": self.gates.restarts,
+                    "batches_gated_in_broker": self.gates.gated_here,
+                },
+                "curve": self.server_keys is not None,
+                "endpoints": self.endpoints,
+                "time": time.time(),
+                "learner": getattr(self, "learner_metrics", {}),
+                "eval": [
+                    r | {"version": int(k)} for k, r in sorted(self.eval_results.items(), key=lambda kv: int(kv[0]))
+                ],
+            },
+        )

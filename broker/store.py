@@ -96,11 +96,18 @@ class ReplayStore:
         if not readonly:
             self.path.mkdir(parents=True, exist_ok=True)
         self.env = lmdb.open(
-            str(self.path), map_size=map_size_mb * MB, max_dbs=16, readonly=readonly,
-            lock=True, readahead=False, meminit=False,
+            str(self.path),
+            map_size=map_size_mb * MB,
+            max_dbs=16,
+            readonly=readonly,
+            lock=True,
+            readahead=False,
+            meminit=False,
         )
-        self._dbs = {name: self.env.open_db(name.encode(), create=not readonly)
-                     for name in (*STORES, "dedup", "dedup_order", "meta")}
+        self._dbs = {
+            name: self.env.open_db(name.encode(), create=not readonly)
+            for name in (*STORES, "dedup", "dedup_order", "meta")
+        }
         self.last_error: str | None = None
         self.map_grown = 0
         with self.env.begin() as txn:
@@ -143,8 +150,12 @@ class ReplayStore:
     def info(self) -> dict[str, Any]:
         info, stat = self.env.info(), self.env.stat()
         used = (info["last_pgno"] + 1) * stat["psize"]
-        return {"map_size": info["map_size"], "map_used": used, "max_map_size": self.max_map_size,
-                "map_grown": self.map_grown}
+        return {
+            "map_size": info["map_size"],
+            "map_used": used,
+            "max_map_size": self.max_map_size,
+            "map_grown": self.map_grown,
+        }
 
     # ---- writing -------------------------------------------------------------------------
 
@@ -155,6 +166,7 @@ class ReplayStore:
         alongside. Grows the map on MapFullError; raises :class:`StoreRefused` with the reason
         when it cannot, leaving the database and ``self.state`` exactly as they were.
         """
+
         def attempt() -> tuple[list[str], dict[str, Any]]:
             state = copy.deepcopy(self.state)  # a fresh copy per attempt: a failed one left no trace
             return self._write_txn(items, state, extra_counters), state
@@ -171,6 +183,7 @@ class ReplayStore:
 
     def put_meta(self, key: bytes, obj: Any) -> None:
         """Persist ``obj`` under ``key`` in ``meta`` (one durable transaction; growth/refusal as write)."""
+
         def attempt() -> None:
             with self.env.begin(write=True) as txn:
                 txn.put(key, _pack(obj), db=self._dbs["meta"])
@@ -179,6 +192,7 @@ class ReplayStore:
 
     def set_registry(self, registry: dict[str, Any]) -> None:
         """Persist a new registry (one durable transaction); same growth/refusal rules as write."""
+
         def attempt() -> None:
             with self.env.begin(write=True) as txn:
                 txn.put(b"registry", _pack(registry), db=self._dbs["meta"])
@@ -261,8 +275,10 @@ class ReplayStore:
     def _grow_or_refuse(self) -> None:
         size = self.env.info()["map_size"]
         if size >= self.max_map_size:
-            self.last_error = (f"LMDB map is full at its limit ({size // MB} MB = broker.max_map_size_mb); "
-                               "raise max_map_size_mb or lower the store capacities")
+            self.last_error = (
+                f"LMDB map is full at its limit ({size // MB} MB = broker.max_map_size_mb); "
+                "raise max_map_size_mb or lower the store capacities"
+            )
             raise StoreRefused(self.last_error)
         new = min(self.max_map_size, size * 2)
         self.env.set_mapsize(new)

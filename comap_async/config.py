@@ -53,8 +53,6 @@ class ModelConfig(_Section):
     """torch intra-op threads per process; 1 is fastest when several processes share few cores."""
 
 
-
-
 def _env_spec(name: str) -> Any:
     from comap_async.envs.registry import env_spec  # light: the entries name their parts by import path
 
@@ -270,8 +268,10 @@ class InferenceConfig(_Section):
         data = dict(data)
         retries = data.pop("retries")
         if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
-            raise ValueError(f"inference.retries must be an integer >= 0 (got {retries!r}); "
-                             "it is the former name of inference.retry.attempts - 1")
+            raise ValueError(
+                f"inference.retries must be an integer >= 0 (got {retries!r}); "
+                "it is the former name of inference.retry.attempts - 1"
+            )
         retry = data.get("retry")
         retry = dict(retry) if isinstance(retry, dict) else ({} if retry is None else retry)
         if isinstance(retry, dict):

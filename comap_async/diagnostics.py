@@ -35,8 +35,9 @@ def branch_better(a: BranchResult, b: BranchResult) -> bool:
     return not b.won or a.steps < b.steps
 
 
-def reflection_label(draft_equals_expert: bool, expert: BranchResult | None,
-                     draft: BranchResult | None) -> tuple[int, str]:
+def reflection_label(
+    draft_equals_expert: bool, expert: BranchResult | None, draft: BranchResult | None
+) -> tuple[int, str]:
     """``(y, label)`` of a reflection-initialisation sample (docs/design.md section 11).
 
     ``y = 1`` (target: the expert action) only when the expert branch is strictly better than the
@@ -75,9 +76,15 @@ def reflection_diagnostics(steps: Iterable[tuple[int, int, int]], eps: float = E
         m_zd_not_zr += m * zd * (1 - zr)
         m_not_zd_zr += m * (1 - zd) * zr
     return {
-        "steps": n, "sum_m": sum_m, "sum_z_draft": sum_zd, "sum_m_z_draft": m_zd,
-        "sum_m_z_draft_not_z_ref": m_zd_not_zr, "sum_m_not_z_draft_z_ref": m_not_zd_zr,
-        "urr": m_zd / (sum_zd + eps), "hrr": m_zd_not_zr / (sum_zd + eps), "brp": m_not_zd_zr / (sum_m + eps),
+        "steps": n,
+        "sum_m": sum_m,
+        "sum_z_draft": sum_zd,
+        "sum_m_z_draft": m_zd,
+        "sum_m_z_draft_not_z_ref": m_zd_not_zr,
+        "sum_m_not_z_draft_z_ref": m_not_zd_zr,
+        "urr": m_zd / (sum_zd + eps),
+        "hrr": m_zd_not_zr / (sum_zd + eps),
+        "brp": m_not_zd_zr / (sum_m + eps),
     }
 
 

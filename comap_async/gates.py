@@ -78,8 +78,9 @@ def world_state_gate(
     return WorldStateGateResult(score >= threshold, score)
 
 
-def world_state_gate_on_facts(prev: Facts | None, student: Facts | None, teacher: Facts | None,
-                              threshold: float = 0.6) -> WorldStateGateResult:
+def world_state_gate_on_facts(
+    prev: Facts | None, student: Facts | None, teacher: Facts | None, threshold: float = 0.6
+) -> WorldStateGateResult:
     """:func:`world_state_gate` on the changes from the state ``prev`` to each predicted state,
     computed by :func:`~comap_async.facts.changes_f1` (same scores, without building the change sets)."""
     if prev is None or student is None or teacher is None:
@@ -143,7 +144,17 @@ def derive_policy_sample(
         ag = ungated_action(tr.a_ref, tr.a_draft, canon)
     use_imagined = ws.use_imagined if future_state == "gate" else future_state == "imagined"
     return PolicySample(
-        id=tr.id, game=tr.game, s=tr.s, a_draft=tr.a_draft, s_bar=future_context(tr, use_imagined, canon),
-        target=tr.a_ref if ag.open else tr.a_draft, y=1 if ag.open else 0, ws_score=ws.score,
-        ws_imagined=ws.use_imagined, ag_reason=ag.reason, policy_version=tr.policy_version,
-        wm_version=tr.wm_version, phase=tr.phase)
+        id=tr.id,
+        game=tr.game,
+        s=tr.s,
+        a_draft=tr.a_draft,
+        s_bar=future_context(tr, use_imagined, canon),
+        target=tr.a_ref if ag.open else tr.a_draft,
+        y=1 if ag.open else 0,
+        ws_score=ws.score,
+        ws_imagined=ws.use_imagined,
+        ag_reason=ag.reason,
+        policy_version=tr.policy_version,
+        wm_version=tr.wm_version,
+        phase=tr.phase,
+    )

@@ -58,18 +58,32 @@ def _default_sleep(seconds: float) -> Awaitable[None]:
     return _sleep(seconds)  # looked up per call, so a test can replace ``_sleep``
 
 
-def retrying(cfg: RetryConfig, *, retry_on: type[BaseException] | tuple[type[BaseException], ...] = Exception,
-             rng: random.Random | None = None,
-             sleep: Callable[[float], Awaitable[None]] | None = None) -> AsyncRetrying:
+def retrying(
+    cfg: RetryConfig,
+    *,
+    retry_on: type[BaseException] | tuple[type[BaseException], ...] = Exception,
+    rng: random.Random | None = None,
+    sleep: Callable[[float], Awaitable[None]] | None = None,
+) -> AsyncRetrying:
     """A ``tenacity.AsyncRetrying`` for ``cfg``: at most ``cfg.attempts`` attempts, :class:`Backoff`
     between them, retrying only ``retry_on`` exceptions; after the last attempt its error is re-raised."""
-    return AsyncRetrying(stop=stop_after_attempt(cfg.attempts), wait=Backoff(cfg, rng),
-                         retry=retry_if_exception_type(retry_on), sleep=sleep or _default_sleep, reraise=True)
+    return AsyncRetrying(
+        stop=stop_after_attempt(cfg.attempts),
+        wait=Backoff(cfg, rng),
+        retry=retry_if_exception_type(retry_on),
+        sleep=sleep or _default_sleep,
+        reraise=True,
+    )
 
 
-async def call(cfg: RetryConfig, fn: Callable[[int], Awaitable[T]], *,
-               retry_on: type[BaseException] | tuple[type[BaseException], ...] = Exception,
-               rng: random.Random | None = None, sleep: Callable[[float], Awaitable[None]] | None = None) -> T:
+async def call(
+    cfg: RetryConfig,
+    fn: Callable[[int], Awaitable[T]],
+    *,
+    retry_on: type[BaseException] | tuple[type[BaseException], ...] = Exception,
+    rng: random.Random | None = None,
+    sleep: Callable[[float], Awaitable[None]] | None = None,
+) -> T:
     """``await fn(attempt)`` (attempt counts from 1) until it returns, under :func:`retrying`.
 
     The first attempt runs before tenacity is involved, so a call that succeeds at once costs

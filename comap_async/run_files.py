@@ -38,8 +38,10 @@ def read_run_ablation(run_dir: Path) -> list[str]:
         data = json.loads(path.read_text())
         active = data["ablation"]
     except FileNotFoundError:
-        raise ValueError(f"{run_dir} is not a run directory of this version: no {RUN_ABLATION} "
-                         "(the learner writes it when it starts)") from None
+        raise ValueError(
+            f"{run_dir} is not a run directory of this version: no {RUN_ABLATION} "
+            "(the learner writes it when it starts)"
+        ) from None
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path} is not readable: {exc}") from None
     if not isinstance(active, list) or not all(isinstance(a, str) for a in active):

@@ -12,9 +12,17 @@ class WaitAbandoned(RuntimeError):
     """:func:`wait_until_answers` gave up: the time limit passed, or the other process is gone."""
 
 
-async def wait_until_answers(what: str, probe: Callable[[], Awaitable[Any]], log: Any, stop: asyncio.Event,
-                             event: str, every_s: float = 10.0, poll_s: float = 1.0, timeout_s: float | None = None,
-                             gone: Callable[[], str | None] | None = None) -> Any:
+async def wait_until_answers(
+    what: str,
+    probe: Callable[[], Awaitable[Any]],
+    log: Any,
+    stop: asyncio.Event,
+    event: str,
+    every_s: float = 10.0,
+    poll_s: float = 1.0,
+    timeout_s: float | None = None,
+    gone: Callable[[], str | None] | None = None,
+) -> Any:
     """Call ``probe()`` until it returns; log ``event`` (target, reason) once per ``every_s`` meanwhile.
 
     Returns the probe's result, or None when ``stop`` is set first. With ``timeout_s``, or a

@@ -53,10 +53,13 @@ class Encoder:
         self.truncated = 0  # prompts cut to fit max_seq_len since the trainer last read it
         self.eos = self.tokenizer.eos_token or ""
         self.decision = DecisionTokens.from_tokenizer(
-            self._ids, lambda i: self.tokenizer.decode([i], skip_special_tokens=False))
+            self._ids, lambda i: self.tokenizer.decode([i], skip_special_tokens=False)
+        )
         if self.prompts.decision is not None and self.prompts.decision != self.decision:
-            raise ValueError(f"the actors' decision tokens {self.prompts.decision} differ from the learner's "
-                             f"{self.decision}: both must come from the same tokenizer")
+            raise ValueError(
+                f"the actors' decision tokens {self.prompts.decision} differ from the learner's "
+                f"{self.decision}: both must come from the same tokenizer"
+            )
         self.keep_id, self.revise_id = self.decision.keep_id, self.decision.revise_id
 
     def _ids(self, text: str) -> list[int]:
@@ -70,7 +73,7 @@ class Encoder:
         if len(p) > room:
             self.truncated += 1
             head = min(KEEP_HEAD, room // 2)
-            p = p[:head] + p[len(p) - (room - head):] if room > 0 else []
+            p = p[:head] + p[len(p) - (room - head) :] if room > 0 else []
         return Seq(p + t, len(p), len(t))
 
     # ------------------------------------------------------------ per role
@@ -78,7 +81,7 @@ class Encoder:
         s = self.seq(self.prompts.world_model(r["s"], r["a_exec"]), r["s_next"])
         # the end-of-text token is never a change token; records without ``o`` count every token
         before = self._ids(r.get("o") or "") + ([self.tokenizer.eos_token_id] if self.eos else [])
-        s.change = change_token_flags(s.ids[s.start: s.start + s.n_target], before)
+        s.change = change_token_flags(s.ids[s.start : s.start + s.n_target], before)
         return s
 
     def world_model_rollout(self, r: dict[str, Any]) -> tuple[Seq, Seq] | None:

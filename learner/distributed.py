@@ -51,7 +51,7 @@ class DataParallel:
             dist.broadcast(flat, src=0)
             offset = 0
             for p in params:
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
 
     def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
@@ -59,8 +59,10 @@ class DataParallel:
         counts as 0 for it; a parameter no rank reached keeps no gradient, as in one process)."""
         import torch.distributed as dist
 
-        grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device, dtype=p.dtype)
-                 for p in params]
+        grads = [
+            p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device, dtype=p.dtype)
+            for p in params
+        ]
         reached = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
         flat = torch.cat([*[g.float() for g in grads], reached])
         dist.all_reduce(flat)
@@ -68,7 +70,7 @@ class DataParallel:
         for i, p in enumerate(params):
             n = p.numel()
             if flat[-len(params) + i] > 0:
-                p.grad = (flat[offset:offset + n] / self.world).view_as(p).to(p.dtype)
+                p.grad = (flat[offset : offset + n] / self.world).view_as(p).to(p.dtype)
             offset += n
 
     def sum(self, values: list[int]) -> list[int]:

@@ -39,8 +39,11 @@ PHASE_REQUIRES = {WARMUP: "demos", REFLECT_INIT: "reflections"}
 # Which phases' items a store is sampled from, per phase (absent: any). Reflection-mode
 # initialisation trains on the suffix-labelled samples; co-evolution's world model on the policy's
 # own rollouts (the warm-up transitions come in only as ``learner.wm_anchor_share``).
-PHASE_FILTERS = {(REFLECT_INIT, "reflections"): [REFLECT_INIT], (COEVOLVE, "transitions"): [COEVOLVE],
-                 (COEVOLVE, "reflections"): [COEVOLVE]}
+PHASE_FILTERS = {
+    (REFLECT_INIT, "reflections"): [REFLECT_INIT],
+    (COEVOLVE, "transitions"): [COEVOLVE],
+    (COEVOLVE, "reflections"): [COEVOLVE],
+}
 # ``coevolve`` mixes in items of an earlier phase, each with a configured probability: warm-up
 # transitions as the world model's anchor (``learner.wm_anchor_share``) and the suffix-labelled
 # reflection samples (``learner.reflect_init_share``).

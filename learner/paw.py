@@ -65,8 +65,9 @@ class AdaptiveWeight:
         return min(10 * self.base, self.base * self.policy / max(self.aux, 1e-6))
 
 
-def policy_wm_aux_step(trainer: Any, records: list[dict[str, Any]], scale: float, policy_loss: float
-                       ) -> dict[str, float]:
+def policy_wm_aux_step(
+    trainer: Any, records: list[dict[str, Any]], scale: float, policy_loss: float
+) -> dict[str, float]:
     """Select the micro-batch's transitions by the policy's action entropy, then the weighted
     generalized cross-entropy of their next observations under the policy adapter, backward."""
     from learner.batches import pack
@@ -78,8 +79,9 @@ def policy_wm_aux_step(trainer: Any, records: list[dict[str, Any]], scale: float
         return {}
     activate(trainer.model, "policy", trainable=False)
     with torch.no_grad(), trainer._amp():
-        packed = pack([[enc.draft({"s": r["s"], "target": r["a_exec"]})] for r in usable], trainer.pad_id,
-                      trainer.device)
+        packed = pack(
+            [[enc.draft({"s": r["s"], "target": r["a_exec"]})] for r in usable], trainer.pad_id, trainer.device
+        )
         ent = token_entropy(trainer._target_logits(packed))
         owner = torch.as_tensor(packed.owner, device=ent.device)
         per_row = torch.zeros(len(usable), device=ent.device).index_add_(0, owner, ent)
@@ -91,5 +93,9 @@ def policy_wm_aux_step(trainer: Any, records: list[dict[str, Any]], scale: float
         loss = generalized_ce(trainer._target_logits(packed), packed.targets, cfg.policy_wm_aux_q)
     weight = trainer.paw_weight.update(policy_loss, float(loss.detach()))
     (weight * loss * scale).backward()
-    return {"policy/wm_aux": float(loss.detach()), "policy/wm_aux_weight": weight,
-            "policy/wm_aux_selected": float(len(chosen)), "policy/wm_aux_entropy": float(per_row.mean())}
+    return {
+        "policy/wm_aux": float(loss.detach()),
+        "policy/wm_aux_weight": weight,
+        "policy/wm_aux_selected": float(len(chosen)),
+        "policy/wm_aux_entropy": float(per_row.mean()),
+    }

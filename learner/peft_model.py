@@ -11,8 +11,14 @@ from comap_async.wire.messages import POLICY, WM
 TRAINED = (POLICY, WM)
 
 
-def build_peft_model(base: Any, r: int = 8, alpha: int = 16, dropout: float = 0.05, target_modules: Any = "all-linear",
-                     gradient_checkpointing: bool = False) -> Any:
+def build_peft_model(
+    base: Any,
+    r: int = 8,
+    alpha: int = 16,
+    dropout: float = 0.05,
+    target_modules: Any = "all-linear",
+    gradient_checkpointing: bool = False,
+) -> Any:
     """Wrap ``base`` with the three adapters; base weights are frozen, the teacher starts as the student."""
     from peft import LoraConfig, get_peft_model
 
@@ -123,9 +129,17 @@ def use_fast_dropout(model: Any) -> int:
 PACKED_ATTENTION = "comap_packed_sdpa"
 
 
-def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     packed_layout: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def packed_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    packed_layout: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """SDPA that follows a :class:`learner.batches.Packed` layout instead of its dense mask.
 
     The dense [W, W] mask of a packed row makes the kernel compute every query-key block, and
@@ -138,26 +152,45 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if packed_layout is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     sdpa = torch.nn.functional.scaled_dot_product_attention
     heads, width, dim = query.shape[1], query.shape[2], query.shape[3]
     gqa = key.shape[1] != heads
     rows = []
     for r, units in enumerate(packed_layout):
         pieces, at = [], 0
-        q, k, v = query[r: r + 1], key[r: r + 1], value[r: r + 1]
+        q, k, v = query[r : r + 1], key[r : r + 1], value[r : r + 1]
         for unit in units:
             off, p = unit.offset, unit.prompt
             if off > at:
                 pieces.append(query.new_zeros((1, heads, off - at, dim)))
-            pieces.append(sdpa(q[:, :, off: off + p], k[:, :, off: off + p], v[:, :, off: off + p], dropout_p=dropout,
-                               is_causal=True, scale=scaling, enable_gqa=gqa))
+            pieces.append(
+                sdpa(
+                    q[:, :, off : off + p],
+                    k[:, :, off : off + p],
+                    v[:, :, off : off + p],
+                    dropout_p=dropout,
+                    is_causal=True,
+                    scale=scaling,
+                    enable_gqa=gqa,
+                )
+            )
             at = off + p
             for start, n, seen in unit.branches:
                 end = start + n
-                pieces.append(sdpa(q[:, :, start: end], k[:, :, off: end], v[:, :, off: end], attn_mask=seen,
-                                   dropout_p=dropout, scale=scaling, enable_gqa=gqa))
+                pieces.append(
+                    sdpa(
+                        q[:, :, start:end],
+                        k[:, :, off:end],
+                        v[:, :, off:end],
+                        attn_mask=seen,
+                        dropout_p=dropout,
+                        scale=scaling,
+                        enable_gqa=gqa,
+                    )
+                )
                 at = end
         if at < width:
             pieces.append(query.new_zeros((1, heads, width - at, dim)))

@@ -104,8 +104,9 @@ class PhaseSchedule:
     checkpoint at any step uses exactly the rate an uninterrupted one would.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: LearnerConfig, phase: str = WARMUP,
-                 phase_start: int = 0) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, cfg: LearnerConfig, phase: str = WARMUP, phase_start: int = 0
+    ) -> None:
         self.optimizer, self.cfg = optimizer, cfg
         self.enter(phase, phase_start)
 
@@ -194,8 +195,10 @@ class Trainer:
         self.packed_attention = False
         if self.fast:
             if getattr(self.model.get_base_model().config, "final_logit_softcapping", None):
-                raise ValueError("learner.fast_path projects hidden states with the output embeddings only; "
-                                 "this model soft-caps its logits: set learner.fast_path: false")
+                raise ValueError(
+                    "learner.fast_path projects hidden states with the output embeddings only; "
+                    "this model soft-caps its logits: set learner.fast_path: false"
+                )
             self.packed_attention = use_packed_attention(self.model)
             if torch.device(self.device).type == "cpu":
                 use_fast_dropout(self.model)
@@ -218,8 +221,12 @@ class Trainer:
         """Logits of the last ``keep`` positions only, and the batch's labels/starts shifted to match."""
         keep = logits_window(batch)
         with self._amp():
-            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                position_ids=batch["position_ids"], logits_to_keep=keep).logits
+            logits = self.model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"],
+                logits_to_keep=keep,
+            ).logits
         offset = batch["input_ids"].shape[1] - keep
         win = {"labels": batch["labels"][:, offset:], "starts": batch["starts"] - offset, "lengths": batch["lengths"]}
         if "change_labels" in batch:
@@ -232,8 +239,13 @@ class Trainer:
         base = self.model.get_base_model()
         layout = {"packed_layout": packed.layout} if self.packed_attention else {}
         with self._amp():
-            hidden = base.get_decoder()(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
-                                        position_ids=packed.position_ids, use_cache=False, **layout).last_hidden_state
+            hidden = base.get_decoder()(
+                input_ids=packed.input_ids,
+                attention_mask=packed.attention_mask,
+                position_ids=packed.position_ids,
+                use_cache=False,
+                **layout,
+            ).last_hidden_state
         head = base.get_output_embeddings()
         h = hidden[packed.rows, packed.cols]
         return torch.nn.functional.linear(h.to(head.weight.dtype), head.weight, head.bias).float()
@@ -282,8 +294,15 @@ class Trainer:
         is_ce = [flag for _, flags, _ in units for flag in flags]
         ce_rows = torch.tensor(is_ce, device=logits.device)[packed.owner]
         n_ce = int(ce_rows.sum())
-        out = {"ce": losses.token_ce(logits[ce_rows], packed.targets[ce_rows]) * n_ce, "n_ce": n_ce,
-               "kl": losses._zero(logits), "n_kl": 0, "change": 0.0, "n_change": 0, "tokens": packed.tokens}
+        out = {
+            "ce": losses.token_ce(logits[ce_rows], packed.targets[ce_rows]) * n_ce,
+            "n_ce": n_ce,
+            "kl": losses._zero(logits),
+            "n_kl": 0,
+            "change": 0.0,
+            "n_change": 0,
+            "tokens": packed.tokens,
+        }
         if packed.change is not None:
             sel = ce_rows & packed.change
             n = int(sel.sum())
@@ -317,11 +336,19 @@ class Trainer:
         text = ~is_draft
         text[at] = False
         n_text = int(text.sum())
-        reflect = (losses.token_ce(logits[text], packed.targets[text]) * n_text
-                   + losses.decision_format_nll(decision_logits, keep_id, revise_id).sum())
-        return {"draft": losses.token_ce(logits[is_draft], packed.targets[is_draft]) * n_draft, "n_draft": n_draft,
-                "reflect": reflect, "n_reflect": n_reflect, "bce": bce * len(refl), "n_bce": len(refl),
-                "tokens": packed.tokens}
+        reflect = (
+            losses.token_ce(logits[text], packed.targets[text]) * n_text
+            + losses.decision_format_nll(decision_logits, keep_id, revise_id).sum()
+        )
+        return {
+            "draft": losses.token_ce(logits[is_draft], packed.targets[is_draft]) * n_draft,
+            "n_draft": n_draft,
+            "reflect": reflect,
+            "n_reflect": n_reflect,
+            "bce": bce * len(refl),
+            "n_bce": len(refl),
+            "tokens": packed.tokens,
+        }
 
     def _bce_weights(self, y: torch.Tensor) -> torch.Tensor | None:
         if not self.cfg.bce_balance:
@@ -350,8 +377,9 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             raise StepAborted(f"step {self.step + 1} abandoned (shutdown)")
 
-    def _world_model_step(self, records: list[dict[str, Any]],
-                          scale: float) -> tuple[dict[str, float], int, float | None]:
+    def _world_model_step(
+        self, records: list[dict[str, Any]], scale: float
+    ) -> tuple[dict[str, float], int, float | None]:
         """Forward and backward of the world-model loss of one micro-batch: (metrics, tokens, change NLL)."""
         if not self.fast:
             ce, kl, n, change_nll = self.world_model_losses(records)
@@ -383,16 +411,21 @@ class Trainer:
             out["wm/kl"] = kl
         return out | {"wm/loss": ce + self.cfg.eta * kl}
 
-    def _policy_step(self, demos: list[dict[str, Any]], reflections: list[dict[str, Any]],
-                     scale: float) -> tuple[dict[str, float], int]:
+    def _policy_step(
+        self, demos: list[dict[str, Any]], reflections: list[dict[str, Any]], scale: float
+    ) -> tuple[dict[str, float], int]:
         """Forward and backward of the policy loss of one micro-batch: (metrics, tokens)."""
         c = self.cfg
         if not self.fast:
             draft_ce, reflect_ce, bce, n = self.policy_losses(demos, reflections)
             loss = losses.policy_loss(draft_ce, reflect_ce, bce, c.draft_weight, c.reflect_weight, c.bce_weight)
             (loss * scale).backward()
-            return {"policy/draft_ce": float(draft_ce.detach()), "policy/reflect_ce": float(reflect_ce.detach()),
-                    "policy/bce": float(bce.detach()), "policy/loss": float(loss.detach())}, n
+            return {
+                "policy/draft_ce": float(draft_ce.detach()),
+                "policy/reflect_ce": float(reflect_ce.detach()),
+                "policy/bce": float(bce.detach()),
+                "policy/loss": float(loss.detach()),
+            }, n
         enc = self.encoder
         items = [(enc.draft(r), None) for r in demos] + [(enc.reflection(r), int(r["y"])) for r in reflections]
         n_draft = max(1, sum(seq.n_target for seq, y in items if y is None))
@@ -402,15 +435,25 @@ class Trainer:
         for chunk in self._chunks(items, lambda item: len(item[0].ids)):
             self._check_abort()
             part = self._policy_sums(chunk)
-            loss = losses.policy_loss(part["draft"] / n_draft, part["reflect"] / n_reflect, part["bce"] / n_bce,
-                                      c.draft_weight, c.reflect_weight, c.bce_weight)
+            loss = losses.policy_loss(
+                part["draft"] / n_draft,
+                part["reflect"] / n_reflect,
+                part["bce"] / n_bce,
+                c.draft_weight,
+                c.reflect_weight,
+                c.bce_weight,
+            )
             (loss * scale).backward()
             for k in total:
                 total[k] += float(part[k].detach()) if isinstance(part[k], torch.Tensor) else part[k]
         draft_ce, reflect_ce, bce = total["draft"] / n_draft, total["reflect"] / n_reflect, total["bce"] / n_bce
         loss = c.draft_weight * draft_ce + c.reflect_weight * reflect_ce + c.bce_weight * bce
-        return {"policy/draft_ce": draft_ce, "policy/reflect_ce": reflect_ce, "policy/bce": bce,
-                "policy/loss": loss}, int(total["tokens"])
+        return {
+            "policy/draft_ce": draft_ce,
+            "policy/reflect_ce": reflect_ce,
+            "policy/bce": bce,
+            "policy/loss": loss,
+        }, int(total["tokens"])
 
     def world_model_losses(self, records: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, int, float | None]:
         """(CE on real next states, KL(teacher || student) on rollout tokens, tokens processed,
@@ -472,10 +515,15 @@ class Trainer:
         """(draft CE, reflection CE, revise BCE, tokens processed) with the policy adapter."""
         enc = self.encoder
         if self.fast:  # one pass (a training step goes through _policy_step's chunks)
-            part = self._policy_sums([(enc.draft(r), None) for r in demos]
-                                     + [(enc.reflection(r), int(r["y"])) for r in reflections])
-            return (part["draft"] / max(part["n_draft"], 1), part["reflect"] / max(part["n_reflect"], 1),
-                    part["bce"] / max(part["n_bce"], 1), part["tokens"])
+            part = self._policy_sums(
+                [(enc.draft(r), None) for r in demos] + [(enc.reflection(r), int(r["y"])) for r in reflections]
+            )
+            return (
+                part["draft"] / max(part["n_draft"], 1),
+                part["reflect"] / max(part["n_reflect"], 1),
+                part["bce"] / max(part["n_bce"], 1),
+                part["tokens"],
+            )
         seqs = [enc.draft(r) for r in demos] + [enc.reflection(r) for r in reflections]
         activate(self.model, "policy", trainable=True)
         batch = collate(seqs, self.pad_id, self.device)

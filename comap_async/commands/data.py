@@ -10,10 +10,19 @@ import time
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="dataset", required=True, metavar="DATASET")
     alf = sub.add_parser("alfworld", help="extract ALFWorld game archives (alfworld-download layout)")
-    alf.add_argument("--archive", nargs="+", default=None, metavar="PATH",
-                     help="json_2.1.1-*.tar.xz archives (default: all in <repo>/../shared/data/alfworld)")
-    alf.add_argument("--to", default="~/.cache/comap-async/alfworld", metavar="DIR",
-                     help="data root to extract into; use it as --data DIR or ALFWORLD_DATA (default: %(default)s)")
+    alf.add_argument(
+        "--archive",
+        nargs="+",
+        default=None,
+        metavar="PATH",
+        help="json_2.1.1-*.tar.xz archives (default: all in <repo>/../shared/data/alfworld)",
+    )
+    alf.add_argument(
+        "--to",
+        default="~/.cache/comap-async/alfworld",
+        metavar="DIR",
+        help="data root to extract into; use it as --data DIR or ALFWORLD_DATA (default: %(default)s)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

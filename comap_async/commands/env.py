@@ -10,23 +10,38 @@ import sys
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     chk = sub.add_parser("check", help="count games, walkthrough wins and handcoded-expert wins of a split")
-    chk.add_argument("--env", default="alfworld", choices=["alfworld", "scienceworld"],
-                     help="which environment (scienceworld: its games ship in the package, no --data)")
-    chk.add_argument("--split", default=None,
-                     help="alfworld: train, valid_seen (default), valid_unseen, valid_train; scienceworld: train, dev "
-                          "(default), test")
-    chk.add_argument("--per-task", type=int, default=None, metavar="N",
-                     help="scienceworld: N variations of each task, drawn with --seed (a split holds thousands)")
+    chk.add_argument(
+        "--env",
+        default="alfworld",
+        choices=["alfworld", "scienceworld"],
+        help="which environment (scienceworld: its games ship in the package, no --data)",
+    )
+    chk.add_argument(
+        "--split",
+        default=None,
+        help="alfworld: train, valid_seen (default), valid_unseen, valid_train; scienceworld: train, dev "
+        "(default), test",
+    )
+    chk.add_argument(
+        "--per-task",
+        type=int,
+        default=None,
+        metavar="N",
+        help="scienceworld: N variations of each task, drawn with --seed (a split holds thousands)",
+    )
     chk.add_argument("--tasks", default=None, help="scienceworld: comma-separated task names (default: all 30)")
     chk.add_argument("--data", default=None, metavar="DIR", help="ALFWorld data root (default: $ALFWORLD_DATA)")
     chk.add_argument("--games", type=int, default=None, metavar="N", help="check only N games (sampled with --seed)")
     chk.add_argument("--seed", type=int, default=0)
     chk.add_argument("--max-steps", type=int, default=50, help="step limit of the expert's own episodes")
     chk.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
-    chk.add_argument("--fact-baselines", action="store_true",
-                     help="instead of the check: mean Delta-F1 of three fixed predictors over every walkthrough "
-                          "transition (copy the previous observation, arrive at a random other receptacle, the real "
-                          "next observation), at the state level and at the old observation level")
+    chk.add_argument(
+        "--fact-baselines",
+        action="store_true",
+        help="instead of the check: mean Delta-F1 of three fixed predictors over every walkthrough "
+        "transition (copy the previous observation, arrive at a random other receptacle, the real "
+        "next observation), at the state level and at the old observation level",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,8 +12,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_config_arguments(p)
     p.add_argument("--out", default=None, help="keys directory (default: broker.keys_dir of the config)")
-    p.add_argument("--client", action="append", default=None, metavar="NAME",
-                   help="client identity to create and authorise (repeatable; default: client)")
+    p.add_argument(
+        "--client",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="client identity to create and authorise (repeatable; default: client)",
+    )
     p.add_argument("--force", action="store_true", help="replace existing key pairs")
 
 

@@ -41,18 +41,22 @@ def plan(cfg: Any) -> list[Process]:
     an actor and the evaluator. ConfigError when the plan cannot be run."""
     inf, lc = cfg.inference, cfg.learner
     if not inf.gpus:
-        raise ConfigError("inference.gpus is empty: list the GPU ids that serve inference (e.g. [0, 1, 2]); "
-                          "without GPUs use the repository's Procfile")
+        raise ConfigError(
+            "inference.gpus is empty: list the GPU ids that serve inference (e.g. [0, 1, 2]); "
+            "without GPUs use the repository's Procfile"
+        )
     if len(set(inf.gpus)) != len(inf.gpus):
         raise ConfigError(f"inference.gpus lists a GPU twice: {inf.gpus}")
     if len(inf.gpus) % inf.tensor_parallel:
-        raise ConfigError(f"inference.gpus ({len(inf.gpus)}) is not a multiple of inference.tensor_parallel "
-                          f"({inf.tensor_parallel}): every server needs the same number of GPUs")
+        raise ConfigError(
+            f"inference.gpus ({len(inf.gpus)}) is not a multiple of inference.tensor_parallel "
+            f"({inf.tensor_parallel}): every server needs the same number of GPUs"
+        )
     if inf.backend != "vllm":
         raise ConfigError("comap procfile plans vLLM servers: set inference.backend: vllm")
     if lc.gpus and not lc.device.startswith("cuda"):
         raise ConfigError(f"learner.gpus is set but learner.device is {lc.device!r}: set learner.device: cuda")
-    groups = [tuple(inf.gpus[i:i + inf.tensor_parallel]) for i in range(0, len(inf.gpus), inf.tensor_parallel)]
+    groups = [tuple(inf.gpus[i : i + inf.tensor_parallel]) for i in range(0, len(inf.gpus), inf.tensor_parallel)]
     endpoints = [f"http://{_client_host(inf.host)}:{inf.port + i}" for i in range(len(groups))]
     wired = f"inference.endpoints={_list(endpoints)}"
     procs = [Process("broker", (), "comap broker")]
@@ -62,8 +66,11 @@ def plan(cfg: Any) -> list[Process]:
             extra.append(f"inference.gpu_memory_utilization={SHARED_GPU_MEMORY}")
         procs.append(Process(f"inference{i}", group, "comap serve --backend vllm", tuple(extra)))
     # several learner GPUs: data parallel, one torchrun rank per GPU (learner/distributed.py)
-    learner = (f"torchrun --standalone --nproc-per-node {len(lc.gpus)} -m comap_async learner" if len(lc.gpus) > 1
-               else "comap learner")
+    learner = (
+        f"torchrun --standalone --nproc-per-node {len(lc.gpus)} -m comap_async learner"
+        if len(lc.gpus) > 1
+        else "comap learner"
+    )
     procs.append(Process("learner", tuple(lc.gpus), learner, (wired,)))
     procs.append(Process("actor", (), "comap actor", (wired,)))
     procs.append(Process("evaluator", (), "comap evaluator", (wired,)))

@@ -40,14 +40,18 @@ def by_version(episodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for (version, phase), eps in sorted(groups.items()):
         metrics = [e.get("metrics") or {} for e in eps]
-        rows.append({
-            "version": version, "phase": phase, "episodes": len(eps),
-            "success_rate": sum(bool(e.get("won")) for e in eps) / len(eps),
-            "mean_steps": sum(int(e.get("steps", 0)) for e in eps) / len(eps),
-            "delta_f1": _mean([m["delta_f1"] for m in metrics if "delta_f1" in m]),
-            "revision_rate": _mean([m["revision_rate"] for m in metrics if "revision_rate" in m]),
-            "invalid_rate": _mean([m["invalid_rate"] for m in metrics if "invalid_rate" in m]),
-        })
+        rows.append(
+            {
+                "version": version,
+                "phase": phase,
+                "episodes": len(eps),
+                "success_rate": sum(bool(e.get("won")) for e in eps) / len(eps),
+                "mean_steps": sum(int(e.get("steps", 0)) for e in eps) / len(eps),
+                "delta_f1": _mean([m["delta_f1"] for m in metrics if "delta_f1" in m]),
+                "revision_rate": _mean([m["revision_rate"] for m in metrics if "revision_rate" in m]),
+                "invalid_rate": _mean([m["invalid_rate"] for m in metrics if "invalid_rate" in m]),
+            }
+        )
     return rows
 
 
@@ -57,8 +61,15 @@ def gates_by_version(reflections: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in reflections:
         if r.get("source") == "gate":
             groups[int(r.get("policy_version", 0))].append(r)
-    return [{"version": v, "samples": len(rs), "ws_adoption": sum(bool(r.get("ws_imagined")) for r in rs) / len(rs),
-             "revision_accepted": sum(int(r.get("y", 0)) for r in rs) / len(rs)} for v, rs in sorted(groups.items())]
+    return [
+        {
+            "version": v,
+            "samples": len(rs),
+            "ws_adoption": sum(bool(r.get("ws_imagined")) for r in rs) / len(rs),
+            "revision_accepted": sum(int(r.get("y", 0)) for r in rs) / len(rs),
+        }
+        for v, rs in sorted(groups.items())
+    ]
 
 
 def env_steps_per_s(episodes: list[dict[str, Any]]) -> float | None:

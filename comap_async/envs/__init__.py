@@ -31,6 +31,7 @@ __all__ = [
     "register",
 ]
 
+
 def get_fact_parser(env_name: str) -> Callable[[str], frozenset[str] | None]:
     """The canonical-facts parser of an environment (``None`` from it means unreadable text)."""
     return env_spec(env_name).fact_parser()
@@ -57,5 +58,10 @@ def env_pool_from_config(cfg: "CoMapConfig", workers: int = 1) -> "AsyncEnvPool"
     """An (unstarted) :class:`~comap_async.envs.pool.AsyncEnvPool` for ``cfg.env``."""
     from comap_async.envs.pool import AsyncEnvPool
 
-    return AsyncEnvPool(workers=workers, env_name=cfg.env.name, max_restarts=cfg.actor.env_restarts,
-                        max_steps=cfg.env.max_steps, seed=cfg.run.seed)
+    return AsyncEnvPool(
+        workers=workers,
+        env_name=cfg.env.name,
+        max_restarts=cfg.actor.env_restarts,
+        max_steps=cfg.env.max_steps,
+        seed=cfg.run.seed,
+    )

@@ -146,5 +146,10 @@ def extract_archives(archives: Sequence[str | os.PathLike[str]], to: str | os.Pa
 def games_for_config(cfg, split: str) -> list[GameInfo]:
     """The registry's ``games`` part: ``split``'s games under ``env.data_dir`` (or ``$ALFWORLD_DATA``),
     of the configured task types, at most ``env.max_games`` drawn with the run seed."""
-    return discover_games(resolve_data_root(cfg.alfworld_data), split, task_types=cfg.env.task_types,
-                          max_games=cfg.env.max_games, seed=cfg.run.seed)
+    return discover_games(
+        resolve_data_root(cfg.alfworld_data),
+        split,
+        task_types=cfg.env.task_types,
+        max_games=cfg.env.max_games,
+        seed=cfg.run.seed,
+    )

@@ -64,8 +64,7 @@ class TextEnv(Protocol):
         demonstrations, reflection-mode initialisation's expert branch, the probes' states."""
         ...
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None: ...
 
 
 class RestoreDiverged(RuntimeError):
@@ -88,8 +87,10 @@ def replay(env: Any, game: GameInfo | str, actions: Sequence[str]) -> StepResult
             result = env.step(action)
         # a prefix is restored to act after it: an episode over within it went otherwise the first time
         if result.done:
-            raise RestoreDiverged(f"replaying {len(actions)} actions on {getattr(game, 'name', game)}: the "
-                                  f"episode ended after {env.steps} (won={result.won}); it did not the first time")
+            raise RestoreDiverged(
+                f"replaying {len(actions)} actions on {getattr(game, 'name', game)}: the "
+                f"episode ended after {env.steps} (won={result.won}); it did not the first time"
+            )
     finally:
         env.max_steps = limit
     env.done = env.steps >= env.max_steps  # not won: that raised above

@@ -93,19 +93,38 @@ def env_spec(name: str) -> EnvSpec:
     raise ValueError(f"unknown environment {name!r}; known: {', '.join(ENVS)} (or a module:SPEC import path)")
 
 
-register(EnvSpec(
-    name="alfworld", env="comap_async.envs.alfworld_env:AlfworldEnv",
-    games="comap_async.envs.alfworld_games:games_for_config", facts="comap_async.envs.alfworld_facts",
-    splits=("train", "valid_seen", "valid_unseen", "valid_train"), train_split="train", held_out_split="valid_seen",
-    wording=ALFWORLD))
-register(EnvSpec(
-    name="scienceworld", env="comap_async.envs.scienceworld_env:ScienceWorldTextEnv",
-    games="comap_async.envs.scienceworld_games:games_for_config", facts="comap_async.envs.scienceworld_facts",
-    splits=("train", "dev", "test"), train_split="train", held_out_split="dev",
-    wording=Wording(
-        agent=("You are an agent in a text-based science environment. "
-               "You act with short commands such as 'look around', 'open door to kitchen', 'go to kitchen', "
-               "'pick up thermometer', 'move metal pot to stove', 'activate stove', 'use thermometer on water', "
-               "'focus on water', 'wait1'."),
-        world=("You are a world model of a text-based science environment. "
-               "Given the current state and an action, you write the exact observation the environment returns."))))
+register(
+    EnvSpec(
+        name="alfworld",
+        env="comap_async.envs.alfworld_env:AlfworldEnv",
+        games="comap_async.envs.alfworld_games:games_for_config",
+        facts="comap_async.envs.alfworld_facts",
+        splits=("train", "valid_seen", "valid_unseen", "valid_train"),
+        train_split="train",
+        held_out_split="valid_seen",
+        wording=ALFWORLD,
+    )
+)
+register(
+    EnvSpec(
+        name="scienceworld",
+        env="comap_async.envs.scienceworld_env:ScienceWorldTextEnv",
+        games="comap_async.envs.scienceworld_games:games_for_config",
+        facts="comap_async.envs.scienceworld_facts",
+        splits=("train", "dev", "test"),
+        train_split="train",
+        held_out_split="dev",
+        wording=Wording(
+            agent=(
+                "You are an agent in a text-based science environment. "
+                "You act with short commands such as 'look around', 'open door to kitchen', 'go to kitchen', "
+                "'pick up thermometer', 'move metal pot to stove', 'activate stove', 'use thermometer on water', "
+                "'focus on water', 'wait1'."
+            ),
+            world=(
+                "You are a world model of a text-based science environment. "
+                "Given the current state and an action, you write the exact observation the environment returns."
+            ),
+        ),
+    )
+)

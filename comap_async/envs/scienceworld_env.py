@@ -81,7 +81,11 @@ class ScienceWorldTextEnv:
     def _result(self, observation: str, info: dict[str, Any], reward: float, extra: dict[str, Any]) -> StepResult:
         expert = self._gold[self.steps] if self._on_gold and self.steps < len(self._gold) else None
         return StepResult(
-            observation=observation.strip(), won=self.score >= 100, done=self.done,
-            admissible=tuple(sorted(info.get("valid") or ())), expert_action=expert, reward=reward,
+            observation=observation.strip(),
+            won=self.score >= 100,
+            done=self.done,
+            admissible=tuple(sorted(info.get("valid") or ())),
+            expert_action=expert,
+            reward=reward,
             info={"steps": self.steps, "score": self.score, **({"expert_source": "gold"} if expert else {}), **extra},
         )

@@ -36,9 +36,7 @@ _MOVED = "moved("  # an object was moved: it left whatever held it (a listing na
 _MARKERS = (_LISTED, _POURED, _GONE, _UNFOCUS, _MOVED)  # instructions to next_state, not facts
 
 _WORD = r"[A-Za-z0-9%'-]+"
-_HEAD = re.compile(
-    rf"(?:(?:an?|the|An?|The) )?(?P<name>{_WORD}(?: (?:{_WORD}|\((?!containing |that is )[^()]*\)))*)"
-)
+_HEAD = re.compile(rf"(?:(?:an?|the|An?|The) )?(?P<name>{_WORD}(?: (?:{_WORD}|\((?!containing |that is )[^()]*\)))*)")
 _STATE_WORDS = {"on": "on", "off": "off", "activated": "on", "deactivated": "off", "open": "open", "closed": "closed"}
 
 

@@ -21,8 +21,10 @@ SPLITS = ENVS["scienceworld"].splits
 SIMPLIFICATION = "easy"
 """The simplifications most agent papers play with (``noElectricalAction, openDoors,
 selfWateringFlowerPots, teleportAction``); every task's gold sequence wins under it."""
-HOW_TO_INSTALL = ("ScienceWorld needs the `scienceworld` package (`pip install scienceworld`, in this project's "
-                  "dependencies) and Java 17 or newer on PATH (Debian: `apt-get install openjdk-17-jre-headless`)")
+HOW_TO_INSTALL = (
+    "ScienceWorld needs the `scienceworld` package (`pip install scienceworld`, in this project's "
+    "dependencies) and Java 17 or newer on PATH (Debian: `apt-get install openjdk-17-jre-headless`)"
+)
 
 
 class ScienceWorldError(CommandError, RuntimeError):
@@ -85,8 +87,11 @@ def task_variations() -> dict[str, dict[str, tuple[int, ...]]]:
         out = {}
         for task in env.task_names:
             env.load(task, 0, "")
-            out[task] = {"train": tuple(env.get_variations_train()), "dev": tuple(env.get_variations_dev()),
-                         "test": tuple(env.get_variations_test())}
+            out[task] = {
+                "train": tuple(env.get_variations_train()),
+                "dev": tuple(env.get_variations_dev()),
+                "test": tuple(env.get_variations_test()),
+            }
         return out
     finally:
         env.close()
@@ -100,8 +105,9 @@ def parse_game_path(path: str) -> tuple[str, int]:
     return task, int(var)
 
 
-def discover_games(split: str, tasks: list[str] | None = None, per_task: int | None = None,
-                   max_games: int | None = None, seed: int = 0) -> list[GameInfo]:
+def discover_games(
+    split: str, tasks: list[str] | None = None, per_task: int | None = None, max_games: int | None = None, seed: int = 0
+) -> list[GameInfo]:
     """The games of ``split``: every variation of the chosen ``tasks`` (all 30 by default), or
     ``per_task`` of each drawn with ``seed``; then at most ``max_games`` spread over the tasks."""
     from comap_async.envs.base import spread_sample
@@ -119,13 +125,16 @@ def discover_games(split: str, tasks: list[str] | None = None, per_task: int | N
         variations = list(table[task][split])
         if per_task is not None and per_task < len(variations):
             variations = sorted(random.Random(f"{seed}:{split}:{task}").sample(variations, per_task))
-        games += [GameInfo(path=f"{task}:{v}", split=split, task_type=index, name=f"{split}/{task}/var{v}")
-                  for v in variations]
+        games += [
+            GameInfo(path=f"{task}:{v}", split=split, task_type=index, name=f"{split}/{task}/var{v}")
+            for v in variations
+        ]
     return spread_sample(games, max_games, seed)
 
 
 def games_for_config(cfg, split: str) -> list[GameInfo]:
     """The registry's ``games`` part: ``split``'s variations of ``env.tasks`` (``env.per_task`` of
     each), at most ``env.max_games``, drawn with the run seed."""
-    return discover_games(split, tasks=cfg.env.tasks, per_task=cfg.env.per_task, max_games=cfg.env.max_games,
-                          seed=cfg.run.seed)
+    return discover_games(
+        split, tasks=cfg.env.tasks, per_task=cfg.env.per_task, max_games=cfg.env.max_games, seed=cfg.run.seed
+    )

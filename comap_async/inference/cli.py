@@ -9,14 +9,26 @@ from comap_async.cli import add_config_arguments
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
-    p.add_argument("--backend", choices=["embedded", "vllm"], default=None,
-                   help="override inference.backend (embedded: aiohttp + transformers + peft; vllm: vLLM's server)")
+    p.add_argument(
+        "--backend",
+        choices=["embedded", "vllm"],
+        default=None,
+        help="override inference.backend (embedded: aiohttp + transformers + peft; vllm: vLLM's server)",
+    )
     p.add_argument("--host", default=None, help="override inference.host")
     p.add_argument("--port", type=int, default=None, help="override inference.port")
-    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
-                   help="adapter to load at start (repeatable); PATH inside the adapter root")
-    p.add_argument("--vllm-python", default=None,
-                   help="python of the vLLM virtualenv (default: $COMAP_VLLM_PYTHON, else this interpreter)")
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapter to load at start (repeatable); PATH inside the adapter root",
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of the vLLM virtualenv (default: $COMAP_VLLM_PYTHON, else this interpreter)",
+    )
     p.add_argument("--print-command", action="store_true", help="vllm backend: print the command instead of running it")
 
 
@@ -50,8 +62,12 @@ def run(args: argparse.Namespace) -> int:
             if args.print_command:
                 from comap_async.models import resolve_model
 
-                argv, env = vllm.build_command(cfg, resolve_model(cfg.model.name_or_path, cfg.model.cache_dir),
-                                               vllm.find_vllm_python(args.vllm_python), loras)
+                argv, env = vllm.build_command(
+                    cfg,
+                    resolve_model(cfg.model.name_or_path, cfg.model.cache_dir),
+                    vllm.find_vllm_python(args.vllm_python),
+                    loras,
+                )
                 print(" ".join(f"{k}={v}" for k, v in env.items()), " ".join(argv))
                 return 0
             vllm.exec_vllm(cfg, args.vllm_python, loras, log=log)

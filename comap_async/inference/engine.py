@@ -67,10 +67,21 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, slots: SlotManager, *, max_batch_size: int = 8,
-                 batch_wait_ms: float = 5.0, max_model_len: int = 4096, seed: int = 0, log: Any = None,
-                 prefix_cache: PrefixCache | None = None, fused: FusedLlama | None = None,
-                 top_candidates: int = 256) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        slots: SlotManager,
+        *,
+        max_batch_size: int = 8,
+        batch_wait_ms: float = 5.0,
+        max_model_len: int = 4096,
+        seed: int = 0,
+        log: Any = None,
+        prefix_cache: PrefixCache | None = None,
+        fused: FusedLlama | None = None,
+        top_candidates: int = 256,
+    ) -> None:
         self.model, self.tokenizer, self.slots = model, tokenizer, slots
         # the fused forward keeps keys transposed in its KV cache; transformers' forward cannot read them
         self.fused = fused
@@ -199,15 +210,28 @@ class Engine:
     def _new_cache(self) -> BatchCache:
         return BatchCache(self.num_layers, transposed=self.fused is not None)
 
-    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: BatchCache,
-                 adapters: list[str], **kw: Any) -> torch.Tensor:
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: BatchCache,
+        adapters: list[str],
+        **kw: Any,
+    ) -> torch.Tensor:
         if self.fused is not None:
             rows = self.slots.stacks.rows_for(adapters, BASE) if self.slots.peft is not None else None
             return self.fused.forward(input_ids, positions, mask, cache, rows)
         self.slots.begin_step(adapters)
         try:
-            out = self.slots.forward_model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                                           past_key_values=cache, use_cache=True, **kw)
+            out = self.slots.forward_model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                **kw,
+            )
         finally:
             self.slots.end_step()
         return out.logits[:, -1, :]
@@ -247,8 +271,9 @@ class Engine:
         logits = self._forward(ids, mask, positions, cache, [seq.slot], logits_to_keep=1)
         cache.mask = mask
         if self.prefix is not None:
-            self.prefix.store(seq.slot, gen, prompt, [(layer.keys, layer.values) for layer in cache.layers], done,
-                              self.key_dim)
+            self.prefix.store(
+                seq.slot, gen, prompt, [(layer.keys, layer.values) for layer in cache.layers], done, self.key_dim
+            )
             self.prefix.hits += done
             self.prefix.misses += n - done
         self.stats.prefill_seconds += time.perf_counter() - t0
@@ -268,8 +293,9 @@ class Engine:
         try:
             mask = self._cache.extend_mask()
             logits = self._forward(ids, mask, positions, self._cache, [s.slot for s in rows])
-            steps = sample_step(logits, [s.params for s in rows], [s.generator for s in rows], self._default_gen,
-                                self.top_candidates)
+            steps = sample_step(
+                logits, [s.params for s in rows], [s.generator for s in rows], self._default_gen, self.top_candidates
+            )
         except Exception as exc:  # a failed step poisons the shared cache: fail this batch, keep serving
             if self.log:
                 self.log.exception("engine.step_failed", batch=len(rows))

@@ -32,8 +32,12 @@ from comap_async.inference.lora_stack import LoraStacks
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # projections reading the same input, applied with one A and one B GEMM per layer
-GROUPS = (("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)), ("gu", ("gate_proj", "up_proj")),
-          ("down", ("down_proj",)))
+GROUPS = (
+    ("qkv", ("q_proj", "k_proj", "v_proj")),
+    ("o", ("o_proj",)),
+    ("gu", ("gate_proj", "up_proj")),
+    ("down", ("down_proj",)),
+)
 _FUSED_TYPES = {"llama"}
 
 
@@ -143,8 +147,9 @@ class _Layer:
 class FusedLlama:
     """Forward passes over copies of a Llama model's weights; call only from the engine thread."""
 
-    def __init__(self, model: torch.nn.Module, stacks: LoraStacks | None, dtype: torch.dtype,
-                 batch_hint: int = 8) -> None:
+    def __init__(
+        self, model: torch.nn.Module, stacks: LoraStacks | None, dtype: torch.dtype, batch_hint: int = 8
+    ) -> None:
         reason = fused_support(model)
         if reason is not None:
             raise ValueError(f"the fused forward does not support this model: {reason}")
@@ -156,7 +161,7 @@ class FusedLlama:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.inter = cfg.intermediate_size
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.embed = inner.embed_tokens.weight.detach()
         self.rotary = inner.rotary_emb
         self.layers = [_Layer(layer, dtype, batch_hint, self.scale) for layer in inner.layers]
@@ -233,15 +238,22 @@ class FusedLlama:
                     if names[i] == "q_proj":
                         bi = bi * self.scale
                     start = sum(widths[:i])
-                    b[j * nr:(j + 1) * nr, start:start + widths[i]] = bi
+                    b[j * nr : (j + 1) * nr, start : start + widths[i]] = bi
                 groups[group] = (torch.cat(a_cols, dim=1).contiguous(), b, len(present))
             out.append(groups)
         return out
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any,
-                rows: torch.Tensor | None, last_only: bool = True) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: Any,
+        rows: torch.Tensor | None,
+        last_only: bool = True,
+    ) -> torch.Tensor:
         """Logits ``[B, vocab]`` (fp32) of each row's last token; keys/values are appended to ``cache``.
 
         ``input_ids``/``positions`` ``[B, T]``; ``mask`` ``[B, N]`` covers the cached and new tokens;
@@ -265,10 +277,10 @@ class FusedLlama:
             qkv = layer.wqkv(xf.to(wd))  # the q rows of the weight carry the 1/sqrt(head_dim) scale
             if lora is not None:
                 lora.apply(qkv, xf, i, "qkv")
-            qk = rotate(qkv[:, :qs + kvs].view(b, t, -1, d), cos, sin)
-            v = qkv[:, qs + kvs:].view(b, t, self.kv_heads, d).transpose(1, 2)
-            keys_t, values = cache.layers[i].update(qk[:, :, self.heads:].transpose(1, 2), v)
-            a = attend(qk[:, :, :self.heads], keys_t, values, bias)
+            qk = rotate(qkv[:, : qs + kvs].view(b, t, -1, d), cos, sin)
+            v = qkv[:, qs + kvs :].view(b, t, self.kv_heads, d).transpose(1, 2)
+            keys_t, values = cache.layers[i].update(qk[:, :, self.heads :].transpose(1, 2), v)
+            a = attend(qk[:, :, : self.heads], keys_t, values, bias)
             o = layer.wo(a)
             if lora is not None:
                 lora.apply(o, a.float(), i, "o")
@@ -277,7 +289,7 @@ class FusedLlama:
             gu = layer.wgu(xf.to(wd))
             if lora is not None:
                 lora.apply(gu, xf, i, "gu")
-            act = F.silu(gu[:, :self.inter]).mul_(gu[:, self.inter:])
+            act = F.silu(gu[:, : self.inter]).mul_(gu[:, self.inter :])
             down = layer.wdown(act)
             if lora is not None:
                 lora.apply(down, act.float(), i, "down")
@@ -291,8 +303,9 @@ class FusedLlama:
 class LoraBatch:
     """One forward's LoRA: the active adapters' dense matrices and which rows use which (``onehot``)."""
 
-    def __init__(self, dense: list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]],
-                 onehot: torch.Tensor | None) -> None:
+    def __init__(
+        self, dense: list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]], onehot: torch.Tensor | None
+    ) -> None:
         self.dense = dense
         self.masks = {} if onehot is None else {k: onehot.repeat(1, k) if k > 1 else onehot for k in (1, 2, 3)}
 

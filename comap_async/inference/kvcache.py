@@ -47,13 +47,14 @@ class BufferLayer(DynamicLayer):
         if self.kbuf is None:
             b, h, _, d = value_states.shape
             cap = max(_MIN_CAPACITY, 2 * add)
-            self._set(key_states.new_zeros(*_shape(b, h, cap, d, self.transposed)),
-                      value_states.new_zeros(b, h, cap, d), 0)
+            self._set(
+                key_states.new_zeros(*_shape(b, h, cap, d, self.transposed)), value_states.new_zeros(b, h, cap, d), 0
+            )
         need = self.n + add
         if need > self.kbuf.shape[self.kdim]:
             self._grow(max(need, 2 * self.kbuf.shape[self.kdim]))
         self.kbuf.narrow(self.kdim, self.n, add).copy_(key_states)
-        self.vbuf[:, :, self.n:need] = value_states
+        self.vbuf[:, :, self.n : need] = value_states
         self._set(self.kbuf, self.vbuf, need)
         return self.keys, self.values
 
@@ -137,8 +138,9 @@ def _shape(b: int, h: int, cap: int, d: int, transposed: bool) -> tuple[int, int
     return (b, h, d, cap) if transposed else (b, h, cap, d)
 
 
-def with_capacity(k: torch.Tensor, v: torch.Tensor, n: int, transposed: bool = False,
-                  cap: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def with_capacity(
+    k: torch.Tensor, v: torch.Tensor, n: int, transposed: bool = False, cap: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """New buffers with room to grow holding the first ``n`` positions of ``k`` and ``v``."""
     b, h, _, d = v.shape
     cap = cap or max(_MIN_CAPACITY, n + n // 2)

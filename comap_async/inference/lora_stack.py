@@ -56,8 +56,9 @@ class LoraStacks:
     def attach(self, module: Any, fallback: Any, enabled: Any) -> None:
         """Route a peft ``lora.Linear`` through the stacks (``fallback`` = its own forward, used when disabled)."""
         with self.lock:
-            stack = self.layers[id(module)] = self.by_base[id(module.base_layer)] = \
-                _LayerStack(module, self.capacity, self.rank)
+            stack = self.layers[id(module)] = self.by_base[id(module.base_layer)] = _LayerStack(
+                module, self.capacity, self.rank
+            )
             self.layout += 1
 
         def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -104,8 +105,10 @@ class LoraStacks:
         """Copy the slot's current peft weights (times its scaling) into its stack rows."""
         with self.lock, torch.no_grad():
             row = self.rows[slot]
-            need = max((s.module.lora_A[slot].weight.shape[0] for s in self.layers.values() if slot in s.module.lora_A),
-                       default=1)
+            need = max(
+                (s.module.lora_A[slot].weight.shape[0] for s in self.layers.values() if slot in s.module.lora_A),
+                default=1,
+            )
             if need > self.rank:
                 self.rank = need
                 for s in self.layers.values():

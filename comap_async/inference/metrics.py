@@ -24,8 +24,13 @@ def families(state: Any) -> list[Metric]:
     st = state.engine.stats
     reg = state.registry
     out: list[Metric] = []
-    _line(out, "http_requests_total", "counter", "HTTP requests by route and status.",
-          [({"route": r, "status": s}, n) for (r, s), n in sorted(state.requests.items())])
+    _line(
+        out,
+        "http_requests_total",
+        "counter",
+        "HTTP requests by route and status.",
+        [({"route": r, "status": s}, n) for (r, s), n in sorted(state.requests.items())],
+    )
     _line(
         out,
         "http_request_seconds_total",

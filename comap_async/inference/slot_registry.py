@@ -34,8 +34,16 @@ class Binding:
 
 
 class AdapterRegistry:
-    def __init__(self, engine: Engine, slots: SlotManager, root: Path, base_name: str, executor: Executor,
-                 log: Any = None, max_loaded: int = 32) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        slots: SlotManager,
+        root: Path,
+        base_name: str,
+        executor: Executor,
+        log: Any = None,
+        max_loaded: int = 32,
+    ) -> None:
         self.engine, self.slots, self.root, self.base_name = engine, slots, root, base_name
         self.max_loaded = max_loaded  # adapter names served at once (each holds an adapter's memory)
         self.executor, self.log = executor, log
@@ -77,8 +85,9 @@ class AdapterRegistry:
         if not isinstance(name, str) or not name.strip():
             raise RequestError("'lora_name' must be a non-empty string", param="lora_name")
         if len(name) > MAX_NAME or any(c.isspace() or not c.isprintable() for c in name):
-            raise RequestError(f"'lora_name' must be at most {MAX_NAME} printable characters without spaces",
-                               param="lora_name")
+            raise RequestError(
+                f"'lora_name' must be at most {MAX_NAME} printable characters without spaces", param="lora_name"
+            )
         if name == self.base_name:
             raise RequestError(f"'lora_name' {name!r} is the base model's name", param="lora_name")
         return name
@@ -89,11 +98,17 @@ class AdapterRegistry:
             raise RequestError("'load_inplace' must be true or false", param="load_inplace")
         async with self._locks[name]:
             if name in self.bindings and not load_inplace:
-                raise RequestError(f"The lora adapter '{name}' has already been loaded. If you want to load the "
-                                   "adapter in place, set 'load_inplace' to True.", param="lora_name")
+                raise RequestError(
+                    f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                    "adapter in place, set 'load_inplace' to True.",
+                    param="lora_name",
+                )
             if name not in self.bindings and len(self.bindings) >= self.max_loaded:
-                raise RequestError(f"{len(self.bindings)} adapters are loaded, the most this server holds "
-                                   f"(inference.max_loaded_adapters): unload one first", param="lora_name")
+                raise RequestError(
+                    f"{len(self.bindings)} adapters are loaded, the most this server holds "
+                    f"(inference.max_loaded_adapters): unload one first",
+                    param="lora_name",
+                )
             t0 = time.perf_counter()
             loop = asyncio.get_running_loop()
             # path checks and file reads hit the disk: both off the event loop

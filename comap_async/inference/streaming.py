@@ -20,8 +20,19 @@ from aiohttp import web
 
 from comap_async.inference.token_sampling import CompletionRequest, RequestError, parse_completion_request
 
-CHAT_FIELDS = ("model", "temperature", "top_p", "top_k", "n", "stop", "seed", "stop_token_ids", "ignore_eos",
-               "skip_special_tokens", "include_stop_str_in_output")
+CHAT_FIELDS = (
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "stop",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+)
 
 
 class TextDeltas:
@@ -44,7 +55,7 @@ class TextDeltas:
             text = text[: max(0, min(cut, len(text) - self.holdback))]
             while text.endswith("\ufffd"):  # half a UTF-8 character: wait for its other bytes
                 text = text[:-1]
-        out, self.sent = text[self.sent:], max(self.sent, len(text))
+        out, self.sent = text[self.sent :], max(self.sent, len(text))
         return out
 
 
@@ -58,8 +69,9 @@ async def _send(resp: web.StreamResponse, payload: Any) -> None:
     await resp.write(f"data: {json.dumps(payload) if not isinstance(payload, str) else payload}\n\n".encode())
 
 
-async def _stream(request: web.Request, state: Any, req: CompletionRequest, ids: list[list[int]],
-                  chunk: Any) -> web.StreamResponse:
+async def _stream(
+    request: web.Request, state: Any, req: CompletionRequest, ids: list[list[int]], chunk: Any
+) -> web.StreamResponse:
     """Generate and send ``chunk(index, text, finish_reason, stop_reason)`` events as tokens come."""
     from comap_async.inference.openai_api import finished, submit
 
@@ -96,13 +108,19 @@ async def _stream(request: web.Request, state: Any, req: CompletionRequest, ids:
     return resp
 
 
-async def stream_completions(request: web.Request, state: Any, req: CompletionRequest, ids: list[list[int]],
-                             name: str) -> web.StreamResponse:
+async def stream_completions(
+    request: web.Request, state: Any, req: CompletionRequest, ids: list[list[int]], name: str
+) -> web.StreamResponse:
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(i: int, text: str, finish: str | None, stop: Any) -> dict[str, Any]:
-        return {"id": cid, "object": "text_completion", "created": created, "model": name,
-                "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop}]}
+        return {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": name,
+            "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop}],
+        }
 
     return await _stream(request, state, req, ids, chunk)
 

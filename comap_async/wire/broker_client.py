@@ -45,9 +45,17 @@ DEFAULT_RETRY = RetryConfig(attempts=3, backoff_s=0.0, backoff_max_s=0.0)
 
 
 class BrokerClient:
-    def __init__(self, endpoint: str, *, timeout_s: float = 10.0, retry: RetryConfig | None = None,
-                 retries: int | None = None, client_keys: Any = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, ctx: zmq.asyncio.Context | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float = 10.0,
+        retry: RetryConfig | None = None,
+        retries: int | None = None,
+        client_keys: Any = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        ctx: zmq.asyncio.Context | None = None,
+    ) -> None:
         """``retry``: the policy for requests without a reply in ``timeout_s`` (default: 3 attempts, no
         wait beyond the timeout); ``retries`` (attempts after the first) overrides its ``attempts``."""
         self.endpoint = endpoint
@@ -76,8 +84,7 @@ class BrokerClient:
 
         endpoint, keys = client_connection(cfg, cfg.broker.learner_port, kw.pop("client_keys", None))
         kw.setdefault("retry", cfg.broker.client_retry)
-        return cls(endpoint, client_keys=keys,
-                   max_message_bytes=cfg.broker.max_message_bytes, **kw)
+        return cls(endpoint, client_keys=keys, max_message_bytes=cfg.broker.max_message_bytes, **kw)
 
     @property
     def retries(self) -> int:
@@ -112,12 +119,21 @@ class BrokerClient:
             raise BrokerError(f"broker answered sample with '{rep.__struct_config__.tag}', not a batch")
         return rep
 
-    async def announce(self, phase: str, versions: dict[str, int], adapters: dict[str, str], step: int,
-                       metrics: dict[str, float] | None = None) -> dict[str, Any]:
+    async def announce(
+        self,
+        phase: str,
+        versions: dict[str, int],
+        adapters: dict[str, str],
+        step: int,
+        metrics: dict[str, float] | None = None,
+    ) -> dict[str, Any]:
         """Replace the broker's registry (after the adapters are live on every inference server);
         ``metrics`` (numbers) are the learner's latest scalars, shown in the broker's /stats."""
-        return await self._data(lambda req: Announce(req=req, phase=phase, versions=versions, adapters=adapters,
-                                                     step=step, metrics=metrics or {}))
+        return await self._data(
+            lambda req: Announce(
+                req=req, phase=phase, versions=versions, adapters=adapters, step=step, metrics=metrics or {}
+            )
+        )
 
     async def report_eval(self, version: int, result: dict[str, Any]) -> dict[str, Any]:
         """Record the held-out result of an adapter version at the broker (``comap stats`` shows it)."""
@@ -154,9 +170,11 @@ class BrokerClient:
             try:
                 rep = await asyncio.wait_for(self._send_and_wait(data, fut), self.timeout_s)
             except TimeoutError:
-                last = (f"no reply from the broker at {self.endpoint} within {self.timeout_s}s "
-                        f"(attempt {n} of {self.retry.attempts}; is `comap broker` running there, "
-                        "with matching CURVE keys?)")
+                last = (
+                    f"no reply from the broker at {self.endpoint} within {self.timeout_s}s "
+                    f"(attempt {n} of {self.retry.attempts}; is `comap broker` running there, "
+                    "with matching CURVE keys?)"
+                )
                 if self.bad_replies:
                     last += f"; {self.bad_replies} undecodable replies, last: {self.last_bad_reply}"
                 raise _NoReply(last) from None

@@ -49,9 +49,9 @@ class ResponseParser:
                 self._parse_head(data[:i].decode("latin-1"))
                 end = i + 4 + self._need
                 if self._state == _LENGTH and len(data) >= end:
-                    self.body, self.leftover, self._state, self.done = data[i + 4:end], data[end:], _DONE, True
+                    self.body, self.leftover, self._state, self.done = data[i + 4 : end], data[end:], _DONE, True
                     return True
-                data = data[i + 4:]
+                data = data[i + 4 :]
         buf = self._buf
         buf += data
         while True:
@@ -63,12 +63,12 @@ class ResponseParser:
                         raise HttpProtocolError(f"response header block exceeds {MAX_HEAD} bytes")
                     return False
                 self._parse_head(buf[:i].decode("latin-1"))
-                del buf[:i + 4]
+                del buf[: i + 4]
             elif state == _LENGTH:
                 if len(buf) < self._need:
                     return False
-                self.body = bytes(buf[:self._need])
-                del buf[:self._need]
+                self.body = bytes(buf[: self._need])
+                del buf[: self._need]
                 self._state = _DONE
             elif state == _SIZE or state == _TRAILER:
                 i = buf.find(b"\r\n")
@@ -78,7 +78,7 @@ class ResponseParser:
                 if i < 0:
                     return False
                 line = bytes(buf[:i])
-                del buf[:i + 2]
+                del buf[: i + 2]
                 if state == _SIZE:
                     self._chunk_size(line)
                 elif not line:  # trailers carry nothing this client uses: skipped, only their size bounded
@@ -87,10 +87,10 @@ class ResponseParser:
                 end = self._need
                 if len(buf) < end + 2:
                     return False
-                if buf[end:end + 2] != b"\r\n":
+                if buf[end : end + 2] != b"\r\n":
                     raise HttpProtocolError("chunk data not followed by CRLF")
                 self._parts += buf[:end]
-                del buf[:end + 2]
+                del buf[: end + 2]
                 self._state = _SIZE
             elif state == _CLOSE:
                 self._parts += buf
@@ -108,16 +108,25 @@ class ResponseParser:
             self.body, self._state, self.done = bytes(self._parts), _DONE, True
         if self.done:
             return True
-        what = "without sending a response" if self._state == _HEAD and not self._buf else \
-            "before the response was complete"
+        what = (
+            "without sending a response"
+            if self._state == _HEAD and not self._buf
+            else "before the response was complete"
+        )
         raise HttpProtocolError(f"server closed the connection {what}")
 
     def _parse_head(self, head: str) -> None:
         lines = head.split("\r\n")
         version, _, rest = lines[0].partition(" ")
         code, _, reason = rest.partition(" ")
-        if (len(version) != 8 or not version.startswith("HTTP/1.") or version[7] not in "0123456789"
-                or len(code) != 3 or not code.isascii() or not code.isdigit()):
+        if (
+            len(version) != 8
+            or not version.startswith("HTTP/1.")
+            or version[7] not in "0123456789"
+            or len(code) != 3
+            or not code.isascii()
+            or not code.isdigit()
+        ):
             raise HttpProtocolError(f"malformed status line {lines[0][:100]!r}")
         status = int(code)
         headers: dict[str, str] = {}
@@ -259,8 +268,16 @@ class Http1Pool:
     def __init__(self) -> None:
         self._eps: dict[str, _Endpoint] = {}
 
-    async def request(self, endpoint: str, method: str, path: str, body: bytes | None, headers: dict[str, str],
-                      timeout_s: float, connect_timeout_s: float) -> tuple[int, bytes]:
+    async def request(
+        self,
+        endpoint: str,
+        method: str,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str],
+        timeout_s: float,
+        connect_timeout_s: float,
+    ) -> tuple[int, bytes]:
         """``(status, body)``; raises ``ConnectionError`` (incl. :class:`HttpProtocolError`) or ``TimeoutError``."""
         ep = self._eps.get(endpoint)
         if ep is None:
@@ -276,8 +293,10 @@ class Http1Pool:
         if body is None:
             data = f"{head}{extra}\r\n".encode("latin-1")
         else:
-            data = (f"{head}Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
-                    .encode("latin-1") + body)
+            data = (
+                f"{head}Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode("latin-1")
+                + body
+            )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         conn = ep.take()

@@ -93,10 +93,25 @@ class Completion(_Fields):
         choices = []
         for c in body.get("choices") or []:
             lp = c.get("logprobs")
-            logprobs = Logprobs(lp.get("tokens") or [], lp.get("token_logprobs") or [], lp.get("top_logprobs") or [],
-                                lp.get("text_offset") or []) if lp else None
-            choices.append(Choice(c.get("index", len(choices)), c.get("text", ""), c.get("finish_reason"),
-                                  c.get("stop_reason"), logprobs))
+            logprobs = (
+                Logprobs(
+                    lp.get("tokens") or [],
+                    lp.get("token_logprobs") or [],
+                    lp.get("top_logprobs") or [],
+                    lp.get("text_offset") or [],
+                )
+                if lp
+                else None
+            )
+            choices.append(
+                Choice(
+                    c.get("index", len(choices)),
+                    c.get("text", ""),
+                    c.get("finish_reason"),
+                    c.get("stop_reason"),
+                    logprobs,
+                )
+            )
         return cls(body.get("id", ""), body.get("model", ""), choices, body.get("usage") or {}, endpoint, body)
 
 
@@ -117,10 +132,21 @@ def _message(status: int, text: str) -> str:
 
 
 class InferenceClient:
-    def __init__(self, endpoints: list[str] | str, *, token: str | None = None, timeout_s: float = 120.0,
-                 retry: RetryConfig | None = None, retries: int | None = None, backoff_s: float | None = None,
-                 backoff_max_s: float | None = None, connect_timeout_s: float = 5.0,
-                 avoid_s: float = 2.0, seed: int | None = None, transport: str = "keepalive") -> None:
+    def __init__(
+        self,
+        endpoints: list[str] | str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 120.0,
+        retry: RetryConfig | None = None,
+        retries: int | None = None,
+        backoff_s: float | None = None,
+        backoff_max_s: float | None = None,
+        connect_timeout_s: float = 5.0,
+        avoid_s: float = 2.0,
+        seed: int | None = None,
+        transport: str = "keepalive",
+    ) -> None:
         """``retry``: the retry policy (default: ``RetryConfig()``, 6 attempts); ``retries`` (attempts
         after the first), ``backoff_s`` and ``backoff_max_s`` override single fields of it."""
         if transport not in ("keepalive", "aiohttp"):
@@ -133,8 +159,9 @@ class InferenceClient:
         self.transport = transport
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
-        self.retry = retry_policy.policy(retry, attempts=None if retries is None else retries + 1, backoff_s=backoff_s,
-                                         backoff_max_s=backoff_max_s)
+        self.retry = retry_policy.policy(
+            retry, attempts=None if retries is None else retries + 1, backoff_s=backoff_s, backoff_max_s=backoff_max_s
+        )
         self.avoid_s = avoid_s
         self.outstanding = {e: 0 for e in self.endpoints}
         self._avoid_until = {e: 0.0 for e in self.endpoints}

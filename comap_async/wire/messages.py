@@ -109,7 +109,8 @@ class Registry(Struct, forbid_unknown_fields=True, kw_only=True):
 
     phase: Phase = WARMUP
     versions: dict[Role, Annotated[int, Meta(ge=0, le=1 << 62)]] = msgspec.field(
-        default_factory=lambda: dict.fromkeys(ROLES, 0))
+        default_factory=lambda: dict.fromkeys(ROLES, 0)
+    )
     adapters: dict[Role, Annotated[str, Meta(min_length=1, max_length=ID_LEN)]] = msgspec.field(default_factory=dict)
     step: Int = 0
 
@@ -117,11 +118,15 @@ class Registry(Struct, forbid_unknown_fields=True, kw_only=True):
     def serving(cls, version: int, prefix: str = "") -> Registry:
         """Every role on its adapter ``version`` (``prefix``: served under other names, e.g. the
         evaluator's copies), or on the base model for version 0; the CoMap loop's phase."""
-        return cls(phase=COEVOLVE, versions=dict.fromkeys(ROLES, version),
-                   adapters={r: adapter_name(r, version, prefix) for r in ROLES} if version else {})
+        return cls(
+            phase=COEVOLVE,
+            versions=dict.fromkeys(ROLES, version),
+            adapters={r: adapter_name(r, version, prefix) for r in ROLES} if version else {},
+        )
 
 
 # ---- actor -> broker ---------------------------------------------------------------------------
+
 
 class Transition(Message, tag="transition", kw_only=True):
     """One environment step ``(s, a_draft, ŝ, a_exec, s')`` with the reflection and the gate inputs."""
@@ -244,6 +249,7 @@ ActorMessage = Union[Transition, Episode, Reflection, Imagined]
 
 # ---- broker -> actor ---------------------------------------------------------------------------
 
+
 class Ack(Message, tag="ack", kw_only=True):
     """Stored (after commit) or refused. ``retry`` (when not ok): True = temporary (storage refused;
     keep and resend later), False = the message itself is bad (resending cannot help)."""
@@ -256,6 +262,7 @@ class Ack(Message, tag="ack", kw_only=True):
 
 
 # ---- learner / evaluator <-> broker ------------------------------------------------------------
+
 
 class Sample(Message, tag="sample", kw_only=True):
     """Up to ``n`` items of a store; ``phases``: only items produced in these phases (default: all,

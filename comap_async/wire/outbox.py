@@ -86,9 +86,15 @@ class Outbox:
         from comap_async.wire.curve import client_connection
 
         endpoint, keys = client_connection(cfg, cfg.broker.actor_port, kw.pop("client_keys", None))
-        return cls(endpoint, max_pending=cfg.actor.outbox_max,
-                   ack_timeout_s=cfg.actor.ack_timeout_s, spill_dir=cfg.actor.spill_dir, client_keys=keys,
-                   max_message_bytes=cfg.broker.max_message_bytes, **kw)
+        return cls(
+            endpoint,
+            max_pending=cfg.actor.outbox_max,
+            ack_timeout_s=cfg.actor.ack_timeout_s,
+            spill_dir=cfg.actor.spill_dir,
+            client_keys=keys,
+            max_message_bytes=cfg.broker.max_message_bytes,
+            **kw,
+        )
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -109,9 +115,11 @@ class Outbox:
         self.sock = sock
         if self.spill_dir is not None:
             self._load_spill()
-        self._tasks = [asyncio.create_task(self._recv_loop(), name="outbox-recv"),
-                       asyncio.create_task(self._send_loop(), name="outbox-send"),
-                       asyncio.create_task(self._monitor_loop(mon), name="outbox-monitor")]
+        self._tasks = [
+            asyncio.create_task(self._recv_loop(), name="outbox-recv"),
+            asyncio.create_task(self._send_loop(), name="outbox-send"),
+            asyncio.create_task(self._monitor_loop(mon), name="outbox-monitor"),
+        ]
         return self
 
     async def close(self, flush_timeout: float | None = None) -> None:
@@ -122,8 +130,13 @@ class Outbox:
                 pass
         if self._pending:  # never silent: say how many and whether a restart will resend them
             kept = self.spill_dir is not None
-            self._log("warning", "outbox.close_unflushed", pending=len(self._pending),
-                      spilled_to=str(self.spill_dir) if kept else None, lost=0 if kept else len(self._pending))
+            self._log(
+                "warning",
+                "outbox.close_unflushed",
+                pending=len(self._pending),
+                spilled_to=str(self.spill_dir) if kept else None,
+                lost=0 if kept else len(self._pending),
+            )
         await cancel_and_wait(self._tasks)
         if self._mon is not None:  # closed here too: a task cancelled before it ran never closes it
             self._mon.close(linger=0)
@@ -155,8 +168,9 @@ class Outbox:
         seq = msg.seq = self._seq
         data = encode(msg)  # a bad message is the actor's bug: fail loudly here, not at the broker
         if len(data) > self.max_message_bytes:
-            raise ProtocolError(f"{message_type(msg)} {msg.id!r} is {len(data)} bytes, broker limit "
-                                f"{self.max_message_bytes}")
+            raise ProtocolError(
+                f"{message_type(msg)} {msg.id!r} is {len(data)} bytes, broker limit {self.max_message_bytes}"
+            )
         entry = _Entry(data, msg.id)
         if self.spill_dir is not None:
             entry.spill_path = self._spill(seq, data)
@@ -169,6 +183,7 @@ class Outbox:
 
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued message is acknowledged (TimeoutError after ``timeout``)."""
+
         async def wait_empty() -> None:
             while self._pending:
                 self._changed.clear()

@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 async def test_the_learner_trains_on_the_gpu_and_the_server_serves_what_it_published(
-        broker_factory, roomy_server, tiny_model_dir):
+    broker_factory, roomy_server, tiny_model_dir
+):
     broker = broker_factory()
     await fill(broker, dataset())
     cfg = learner_config(broker, roomy_server, tiny_model_dir, "learner.device=cuda", "learner.checkpoint_every=1000")

@@ -22,8 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def actor_config(broker, server, data, tiny_model_dir, *extra):
-    return load_config(REPO / "configs" / "test.yaml", system_overrides(
-        broker, server, tiny_model_dir, f"env.data_dir={data}", "env.split=valid_seen", *extra))
+    return load_config(
+        REPO / "configs" / "test.yaml",
+        system_overrides(broker, server, tiny_model_dir, f"env.data_dir={data}", "env.split=valid_seen", *extra),
+    )
 
 
 async def announce(broker, phase: str) -> None:
@@ -42,8 +44,9 @@ def check_contiguous(transitions: list[dict], episodes: list[dict]) -> None:
     assert len({tr["id"] for tr in transitions}) == len(transitions), "duplicate transition ids stored"
 
 
-async def test_coevolve_actor_stores_complete_gated_transitions(broker_factory, roomy_server, alfworld_data,
-                                                                 tiny_model_dir):
+async def test_coevolve_actor_stores_complete_gated_transitions(
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir
+):
     broker = broker_factory()
     await announce(broker, "coevolve")
     cfg = actor_config(broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=3")
@@ -68,8 +71,9 @@ async def test_coevolve_actor_stores_complete_gated_transitions(broker_factory, 
     assert {r["id"] for r in stored(broker, "reflections")} == readable
 
 
-async def test_warmup_expert_episodes_win_and_land_in_demos(broker_factory, roomy_server, alfworld_data,
-                                                            tiny_model_dir, valid_seen):
+async def test_warmup_expert_episodes_win_and_land_in_demos(
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen
+):
     broker = broker_factory()  # a fresh broker is in the warmup phase
     games = sorted(valid_seen, key=lambda g: g.name)[:3]
     cfg = actor_config(broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=50")

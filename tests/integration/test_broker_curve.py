@@ -47,8 +47,13 @@ async def _send_raw(endpoint: str, keys: ClientKeys | None, n: int = 3) -> int:
 
 async def test_curve_only_authorised_clients_store(broker_factory, tmp_path):
     keys_dir = tmp_path / "keys"
-    res = subprocess.run([sys.executable, "-m", "comap_async", "keys", "--out", str(keys_dir)], cwd=REPO,
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "comap_async", "keys", "--out", str(keys_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if res.returncode != 0 and "No module named comap_async.__main__" in res.stderr:  # pragma: no cover
         res = subprocess.run(["comap", "keys", "--out", str(keys_dir)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr

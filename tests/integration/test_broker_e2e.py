@@ -26,21 +26,36 @@ async def test_store_gates_registry_sampling_http(broker_factory):
     view = RegistryView()
     # warmup (expert executed), coevolve with an accepted revision, coevolve with a low-confidence one
     warm = [make_transition(i, phase="warmup", policy_version=0) for i in range(3)]
-    revised = make_transition(10, decision="REVISE", p_revise=0.9, q_ref=0.8, a_ref="open fridge 1",
-                              a_exec="open fridge 1", s_hat_exec="You open the fridge 1. The fridge 1 is open. "
-                              "In it, you see nothing.", s_hat_teacher="You open the fridge 1. The fridge 1 is open. "
-                              "In it, you see nothing.", s_next="You open the fridge 1. The fridge 1 is open. In it, "
-                              "you see a egg 1.", policy_version=3)
-    lowconf = make_transition(11, decision="REVISE", p_revise=0.9, q_ref=0.3, a_ref="open fridge 1",
-                              s_hat_teacher="Nothing happens.", policy_version=3)
+    revised = make_transition(
+        10,
+        decision="REVISE",
+        p_revise=0.9,
+        q_ref=0.8,
+        a_ref="open fridge 1",
+        a_exec="open fridge 1",
+        s_hat_exec="You open the fridge 1. The fridge 1 is open. In it, you see nothing.",
+        s_hat_teacher="You open the fridge 1. The fridge 1 is open. In it, you see nothing.",
+        s_next="You open the fridge 1. The fridge 1 is open. In it, you see a egg 1.",
+        policy_version=3,
+    )
+    lowconf = make_transition(
+        11,
+        decision="REVISE",
+        p_revise=0.9,
+        q_ref=0.3,
+        a_ref="open fridge 1",
+        s_hat_teacher="Nothing happens.",
+        policy_version=3,
+    )
     async with BrokerClient(bp.learner_endpoint, timeout_s=5) as client:
         out = await Outbox(bp.actor_endpoint, ack_timeout_s=1.0, on_registry=view.update).start()
         for m in [*warm, revised, lowconf, make_episode(0)]:
             await out.put(m)
         await out.flush(10)
         assert view.known and view.phase() == "warmup"
-        reg = await client.announce("coevolve", {"policy": 3, "wm": 2, "wm_teacher": 2},
-                                    {"policy": "policy-v3", "wm": "wm-v2"}, step=60)
+        reg = await client.announce(
+            "coevolve", {"policy": 3, "wm": 2, "wm_teacher": 2}, {"policy": "policy-v3", "wm": "wm-v2"}, step=60
+        )
         assert reg["versions"]["policy"] == 3
         await out.put(make_transition(12, policy_version=3))
         await out.flush(10)

@@ -70,8 +70,17 @@ def malformed_frames(rng: random.Random, n: int) -> list[list[bytes]]:
             out.append([b"x" + rng.randbytes(8), msgpack.packb(valid)])
         elif kind == 8:  # out-of-range ints, NaN/inf floats, binary strings, bad enum values
             m = dict(valid)
-            field, value = rng.choice([("t", 1 << 63), ("p_revise", float("nan")), ("q_ref", float("inf")),
-                                       ("decision", "MAYBE"), ("phase", "train"), ("s", b"bytes"), ("seq", 2**64 - 1)])
+            field, value = rng.choice(
+                [
+                    ("t", 1 << 63),
+                    ("p_revise", float("nan")),
+                    ("q_ref", float("inf")),
+                    ("decision", "MAYBE"),
+                    ("phase", "train"),
+                    ("s", b"bytes"),
+                    ("seq", 2**64 - 1),
+                ]
+            )
             m[field] = value
             out.append([msgpack.packb(m, use_bin_type=True)])
         else:  # msgpack ext types and invalid utf-8 in strings
@@ -99,9 +108,11 @@ async def test_fuzz_frames_are_rejected_counted_and_broker_survives(broker_facto
         await asyncio.wait_for(read, 60)
     except TimeoutError:  # say where the answers stopped: lost acks or a stalled broker
         st = bp.stats()
-        raise AssertionError(f"{len(acks)} of {N_FRAMES} error acks after 60 s; broker: rejects "
-                             f"{st['rejects']['total']}, pending {st['pending']}, counters "
-                             f"{ {k: v for k, v in st['counters'].items() if 'drop' in k or 'error' in k} }") from None
+        raise AssertionError(
+            f"{len(acks)} of {N_FRAMES} error acks after 60 s; broker: rejects "
+            f"{st['rejects']['total']}, pending {st['pending']}, counters "
+            f"{ {k: v for k, v in st['counters'].items() if 'drop' in k or 'error' in k} }"
+        ) from None
     assert all(not a["ok"] and a["retry"] is False and a["error"] for a in acks)
     assert all(a["type"] == "ack" and a["v"] == 1 for a in acks)
 
@@ -131,8 +142,16 @@ async def test_fuzz_frames_are_rejected_counted_and_broker_survives(broker_facto
         assert (await client.get_registry())["phase"] == "warmup"
     stats = bp.stats()
     assert stats["rejects"]["total"] == N_FRAMES + 500
-    for cat in ("not_msgpack", "bad_field", "bad_version", "unknown_type", "bad_frames", "wrong_socket", "not_a_map",
-                "empty"):
+    for cat in (
+        "not_msgpack",
+        "bad_field",
+        "bad_version",
+        "unknown_type",
+        "bad_frames",
+        "wrong_socket",
+        "not_a_map",
+        "empty",
+    ):
         assert stats["rejects"].get(cat, 0) > 0, cat
     assert stats["stores"]["transitions"]["count"] == 1
     assert stats["peers"].get("actor_disconnected", 0) >= 1
@@ -158,9 +177,19 @@ async def test_non_finite_numbers_in_free_form_maps_are_refused_and_http_stays_s
         assert not ack["ok"] and ack["retry"] is False and "non-finite" in ack["error"], ack
     lsock = ctx.socket(zmq.DEALER)
     lsock.connect(bp.learner_endpoint)
-    for req, msg in enumerate([{"type": "eval_result", "version": 1, "result": {"success_rate": float("nan")}},
-                               {"type": "announce", "phase": "warmup", "versions": {}, "adapters": {}, "step": 0,
-                                "metrics": {"wm/ce": float("inf")}}]):
+    for req, msg in enumerate(
+        [
+            {"type": "eval_result", "version": 1, "result": {"success_rate": float("nan")}},
+            {
+                "type": "announce",
+                "phase": "warmup",
+                "versions": {},
+                "adapters": {},
+                "step": 0,
+                "metrics": {"wm/ce": float("inf")},
+            },
+        ]
+    ):
         await lsock.send(msgpack.packb({"v": 1, "req": req, **msg}))
         reply = msgpack.unpackb(await asyncio.wait_for(lsock.recv(), 10))
         assert not reply["ok"] and "non-finite" in reply["error"], reply

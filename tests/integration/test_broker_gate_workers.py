@@ -31,8 +31,13 @@ def _alive(pid: int) -> bool:
 async def _send(bp, n: int, on_progress=None) -> Outbox:
     ob = await Outbox(bp.actor_endpoint, ack_timeout_s=1.0, max_pending=256).start()
     for i in range(n):
-        await ob.put(make_transition(i, text_len=300, s_hat_teacher="Nothing happens." if i % 3 else
-                                     "You pick up the apple 1 from the countertop 1."))
+        await ob.put(
+            make_transition(
+                i,
+                text_len=300,
+                s_hat_teacher="Nothing happens." if i % 3 else "You pick up the apple 1 from the countertop 1.",
+            )
+        )
         if on_progress is not None and i % 100 == 0:
             await on_progress(i)
     await ob.flush(60)
@@ -50,8 +55,14 @@ def _stored_records(bp) -> tuple[list[str], list[dict]]:
 
 
 async def test_killed_gate_worker_loses_nothing(broker_factory):
-    bp = broker_factory(["broker.gate_workers=1", "broker.group_commit=64",
-                         f"broker.capacity_transitions={2 * N}", f"broker.capacity_reflections={2 * N}"])
+    bp = broker_factory(
+        [
+            "broker.gate_workers=1",
+            "broker.group_commit=64",
+            f"broker.capacity_transitions={2 * N}",
+            f"broker.capacity_reflections={2 * N}",
+        ]
+    )
     first = bp.stats()["gate_workers"]["pids"]
     assert len(first) == 1 and _alive(first[0])
     killed = []
@@ -90,8 +101,14 @@ async def test_sigkilled_broker_takes_its_gate_workers_with_it(broker_factory):
 async def test_in_process_gating_stores_the_same_samples(broker_factory):
     results = []
     for workers in (0, 2):
-        bp = broker_factory([f"broker.gate_workers={workers}", "broker.group_commit=32",
-                             "broker.capacity_transitions=1000", "broker.capacity_reflections=1000"])
+        bp = broker_factory(
+            [
+                f"broker.gate_workers={workers}",
+                "broker.group_commit=32",
+                "broker.capacity_transitions=1000",
+                "broker.capacity_reflections=1000",
+            ]
+        )
         assert len(bp.stats()["gate_workers"]["pids"]) == workers
         ob = await _send(bp, 300)
         await ob.close()

@@ -14,15 +14,19 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def comap(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "comap_async", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "comap_async", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["actor", "--set", "env.data_dir=/no/such/alfworld"], "ALFWorld data root /no/such/alfworld does not exist"),
-    (["learner", "--set", "model.name_or_path=/no/such/model"], "model directory /no/such/model does not exist"),
-    (["serve", "--set", "model.name_or_path=org/not-cached-model"], "not in the Hugging Face cache"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["actor", "--set", "env.data_dir=/no/such/alfworld"], "ALFWorld data root /no/such/alfworld does not exist"),
+        (["learner", "--set", "model.name_or_path=/no/such/model"], "model directory /no/such/model does not exist"),
+        (["serve", "--set", "model.name_or_path=org/not-cached-model"], "not in the Hugging Face cache"),
+    ],
+)
 def test_expected_failures_are_one_line(args, message, tmp_path):
     from comap_async.ports import free_port
 
@@ -40,8 +44,10 @@ def test_a_busy_port_is_refused_before_the_model_loads(tmp_path):
         port = s.getsockname()[1]
         r = comap("serve", "--port", str(port), "--set", f"run.root={tmp_path}", timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1] == (f"comap serve: error: 127.0.0.1:{port} is in use (another comap "
-                                                 "process?); stop it or set inference.port (or --port)")
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"comap serve: error: 127.0.0.1:{port} is in use (another comap "
+        "process?); stop it or set inference.port (or --port)"
+    )
 
 
 def test_debug_shows_the_traceback(tmp_path):

@@ -25,13 +25,20 @@ STEPS = 3
 
 def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "COMAP_LOG_JSON": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_two_ranks_equal_one_process_at_the_same_global_batch(tiny_model_dir, tmp_path):
-    out = torchrun(str(REPO / "tests" / "fixtures" / "dp_trainer_worker.py"), str(tiny_model_dir), str(tmp_path),
-                   str(STEPS))
+    out = torchrun(
+        str(REPO / "tests" / "fixtures" / "dp_trainer_worker.py"), str(tiny_model_dir), str(tmp_path), str(STEPS)
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     # one process, both micro-batches accumulated in each step (the same global batch)
@@ -57,11 +64,28 @@ def test_torchrun_learner_rank_zero_alone_publishes(broker_factory, roomy_server
     broker = broker_factory()
     asyncio.run(fill(broker, warmup_transitions(8)))
     overrides = system_overrides(
-        broker, roomy_server, tiny_model_dir, "broker.max_staleness=1000", "learner.batch_size=2", "learner.lr=0.01",
-        "learner.lora_dropout=0.0", "learner.warmup_min_demos=4", "learner.warmup_steps=4",
-        "learner.warmup_publish_every=2", "learner.autocast=off")
-    out = torchrun("-m", "comap_async", "learner", "--config", str(REPO / "configs" / "test.yaml"), "--max-steps", "4",
-                   *[w for o in overrides for w in ("--set", o)])
+        broker,
+        roomy_server,
+        tiny_model_dir,
+        "broker.max_staleness=1000",
+        "learner.batch_size=2",
+        "learner.lr=0.01",
+        "learner.lora_dropout=0.0",
+        "learner.warmup_min_demos=4",
+        "learner.warmup_steps=4",
+        "learner.warmup_publish_every=2",
+        "learner.autocast=off",
+    )
+    out = torchrun(
+        "-m",
+        "comap_async",
+        "learner",
+        "--config",
+        str(REPO / "configs" / "test.yaml"),
+        "--max-steps",
+        "4",
+        *[w for o in overrides for w in ("--set", o)],
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     events = [json.loads(line) for line in (out.stdout + out.stderr).splitlines() if line.startswith("{")]
     publishes = [e for e in events if e.get("event") == "publish.done"]

@@ -15,9 +15,27 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_eval_writes_json_and_markdown(tmp_path, alfworld_data, model_cache):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "comap_async", "eval", "--config", "configs/test.yaml", "--split", "valid_seen",
-           "--games", "5", "--data", str(alfworld_data), "--out", str(out), "--reflection-metrics",
-           "--set", f"model.cache_dir={model_cache}", "--set", f"run.root={tmp_path / 'runs'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "comap_async",
+        "eval",
+        "--config",
+        "configs/test.yaml",
+        "--split",
+        "valid_seen",
+        "--games",
+        "5",
+        "--data",
+        str(alfworld_data),
+        "--out",
+        str(out),
+        "--reflection-metrics",
+        "--set",
+        f"model.cache_dir={model_cache}",
+        "--set",
+        f"run.root={tmp_path / 'runs'}",
+    ]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads((out / "eval.json").read_text())
@@ -36,9 +54,30 @@ def test_eval_writes_json_and_markdown(tmp_path, alfworld_data, model_cache):
 
 
 def test_eval_rejects_unknown_adapter_version(tmp_path, alfworld_data, model_cache):
-    cmd = [sys.executable, "-m", "comap_async", "eval", "--config", "configs/test.yaml", "--split", "valid_seen",
-           "--games", "1", "--data", str(alfworld_data), "--out", str(tmp_path / "o"), "--adapters", "7",
-           "--set", f"model.cache_dir={model_cache}", "--set", f"run.root={tmp_path / 'runs'}", "--serve", "never"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "comap_async",
+        "eval",
+        "--config",
+        "configs/test.yaml",
+        "--split",
+        "valid_seen",
+        "--games",
+        "1",
+        "--data",
+        str(alfworld_data),
+        "--out",
+        str(tmp_path / "o"),
+        "--adapters",
+        "7",
+        "--set",
+        f"model.cache_dir={model_cache}",
+        "--set",
+        f"run.root={tmp_path / 'runs'}",
+        "--serve",
+        "never",
+    ]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "comap eval: error: adapter version 7 not found" in r.stderr
     assert "Traceback" not in r.stderr
@@ -48,9 +87,29 @@ def test_eval_probes_end_with_the_probe_line(tmp_path, alfworld_data, model_cach
     """`comap eval --probes` (issue 14, acceptance 5): greedy probes along the walkthroughs of a
     seeded sample spread over task types; eval.json gets a probes section."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "comap_async", "eval", "--config", "configs/test.yaml", "--split", "valid_seen",
-           "--games", "3", "--data", str(alfworld_data), "--out", str(out), "--probes", "--adapters", "base",
-           "--set", f"model.cache_dir={model_cache}", "--set", f"run.root={tmp_path / 'runs'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "comap_async",
+        "eval",
+        "--config",
+        "configs/test.yaml",
+        "--split",
+        "valid_seen",
+        "--games",
+        "3",
+        "--data",
+        str(alfworld_data),
+        "--out",
+        str(out),
+        "--probes",
+        "--adapters",
+        "base",
+        "--set",
+        f"model.cache_dir={model_cache}",
+        "--set",
+        f"run.root={tmp_path / 'runs'}",
+    ]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     last = r.stdout.strip().splitlines()[-1]

@@ -25,12 +25,24 @@ MAX_STEPS = 4
 
 
 def play(method: str, roomy_server, alfworld_data, tiny_model_dir, tmp_path, *extra: str):
-    cfg = load_config(REPO / "configs" / "test.yaml", [
-        f"run.root={tmp_path}", f"model.name_or_path={tiny_model_dir}", f"inference.endpoints=['{roomy_server.url}']",
-        f"env.data_dir={alfworld_data}", "env.split=valid_seen", f"env.max_steps={MAX_STEPS}", *extra])
+    cfg = load_config(
+        REPO / "configs" / "test.yaml",
+        [
+            f"run.root={tmp_path}",
+            f"model.name_or_path={tiny_model_dir}",
+            f"inference.endpoints=['{roomy_server.url}']",
+            f"env.data_dir={alfworld_data}",
+            "env.split=valid_seen",
+            f"env.max_steps={MAX_STEPS}",
+            *extra,
+        ],
+    )
     games = spread_sample(games_from_config(cfg, "valid_seen"), 2, cfg.run.seed)
-    results = asyncio.run(asyncio.wait_for(
-        play_games(cfg, games, Registry.serving(0), configure_logging("eval-test"), envs=1, method=method), 300))
+    results = asyncio.run(
+        asyncio.wait_for(
+            play_games(cfg, games, Registry.serving(0), configure_logging("eval-test"), envs=1, method=method), 300
+        )
+    )
     assert len(results) == 2
     return [s for _, s in results]
 
@@ -60,8 +72,9 @@ def test_draft_only_executes_the_draft(recorded_calls, roomy_server, alfworld_da
     assert all(s.revisions == 0 for s in stats)
 
 
-def test_imagine_and_act_makes_no_action_gate_decision(recorded_calls, roomy_server, alfworld_data, tiny_model_dir,
-                                                       tmp_path):
+def test_imagine_and_act_makes_no_action_gate_decision(
+    recorded_calls, roomy_server, alfworld_data, tiny_model_dir, tmp_path
+):
     stats = play("imagine_and_act", roomy_server, alfworld_data, tiny_model_dir, tmp_path)
     n = sum(s.steps for s in stats)
     # per step: the draft, its imagined consequence, the chosen final action; no Decision prompt and no
@@ -71,8 +84,9 @@ def test_imagine_and_act_makes_no_action_gate_decision(recorded_calls, roomy_ser
     assert sum(s.revisions for s in stats) <= n
 
 
-def test_comap_drafts_imagines_reflects_and_gates(recorded_calls, roomy_server, alfworld_data, tiny_model_dir,
-                                                  tmp_path):
+def test_comap_drafts_imagines_reflects_and_gates(
+    recorded_calls, roomy_server, alfworld_data, tiny_model_dir, tmp_path
+):
     stats = play("comap", roomy_server, alfworld_data, tiny_model_dir, tmp_path)
     n = sum(s.steps for s in stats)
     steps = steps_of(recorded_calls, "draft")
@@ -80,34 +94,65 @@ def test_comap_drafts_imagines_reflects_and_gates(recorded_calls, roomy_server, 
     revised = 0
     for step in steps:  # the executed action is imagined again only when the gate revised the draft; a
         # reflection without a Final Action line is continued for its action (issue 25)
-        assert step[:3] == ["draft", "imagine", "reflect"] and step[3:] in ([], ["imagine"], ["continue"],
-                                                                             ["continue", "imagine"]), step
+        assert step[:3] == ["draft", "imagine", "reflect"] and step[3:] in (
+            [],
+            ["imagine"],
+            ["continue"],
+            ["continue", "imagine"],
+        ), step
         revised += step[-1] == "imagine" and len(step) > 3
     assert revised == sum(s.revisions for s in stats)
     assert all(c["logprobs"] for c in recorded_calls if c["kind"] == "reflect")  # p_revise from the decision token
 
 
-def test_evaluation_decodes_at_the_eval_temperature(recorded_calls, roomy_server, alfworld_data, tiny_model_dir,
-                                                    tmp_path):
+def test_evaluation_decodes_at_the_eval_temperature(
+    recorded_calls, roomy_server, alfworld_data, tiny_model_dir, tmp_path
+):
     play("comap", roomy_server, alfworld_data, tiny_model_dir, tmp_path)  # greedy unless set
     assert recorded_calls and {c["temperature"] for c in recorded_calls} == {0.0}
     recorded_calls.clear()
-    play("comap", roomy_server, alfworld_data, tiny_model_dir, tmp_path, "eval.temperature=0.7",
-         "actor.temperature=0.2")  # the actor's own setting is for training rollouts
+    play(
+        "comap", roomy_server, alfworld_data, tiny_model_dir, tmp_path, "eval.temperature=0.7", "actor.temperature=0.2"
+    )  # the actor's own setting is for training rollouts
     assert {c["temperature"] for c in recorded_calls if c["kind"] != "teacher"} == {0.7}
 
 
 def test_eval_cli_records_the_method(tmp_path, alfworld_data, model_cache):
     out = tmp_path / "out"
-    base = [sys.executable, "-m", "comap_async", "eval", "--config", "configs/test.yaml", "--split", "valid_seen",
-            "--data", str(alfworld_data), "--set", f"model.cache_dir={model_cache}",
-            "--set", f"run.root={tmp_path / 'runs'}", "--set", "env.max_steps=2"]
-    r = subprocess.run(base + ["--games", "1", "--method", "react", "--out", str(out)], cwd=REPO, capture_output=True,
-                       text=True, timeout=600)
+    base = [
+        sys.executable,
+        "-m",
+        "comap_async",
+        "eval",
+        "--config",
+        "configs/test.yaml",
+        "--split",
+        "valid_seen",
+        "--data",
+        str(alfworld_data),
+        "--set",
+        f"model.cache_dir={model_cache}",
+        "--set",
+        f"run.root={tmp_path / 'runs'}",
+        "--set",
+        "env.max_steps=2",
+    ]
+    r = subprocess.run(
+        base + ["--games", "1", "--method", "react", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads((out / "eval.json").read_text())
     assert report["method"] == "react" and report["games"] == 1
     assert "method react" in (out / "eval.md").read_text()
-    bad = subprocess.run(base + ["--games", "1", "--method", "react", "--probes", "--out", str(tmp_path / "o2"),
-                                 "--serve", "never"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        base + ["--games", "1", "--method", "react", "--probes", "--out", str(tmp_path / "o2"), "--serve", "never"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "do not apply to --method react" in bad.stderr and "Traceback" not in bad.stderr

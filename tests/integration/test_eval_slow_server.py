@@ -22,10 +22,29 @@ pytestmark = pytest.mark.alfworld
 def _args(tmp_path, alfworld_data, model_cache, extra: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     evaluate.add_arguments(p)
-    return p.parse_args(["--config", "configs/test.yaml", "--split", "valid_seen", "--games", "2",
-                         "--data", str(alfworld_data), "--out", str(tmp_path / "out"), "--serve", "always",
-                         "--set", f"model.cache_dir={model_cache}", "--set", f"run.root={tmp_path / 'runs'}",
-                         "--set", "env.max_steps=3", *extra])
+    return p.parse_args(
+        [
+            "--config",
+            "configs/test.yaml",
+            "--split",
+            "valid_seen",
+            "--games",
+            "2",
+            "--data",
+            str(alfworld_data),
+            "--out",
+            str(tmp_path / "out"),
+            "--serve",
+            "always",
+            "--set",
+            f"model.cache_dir={model_cache}",
+            "--set",
+            f"run.root={tmp_path / 'runs'}",
+            "--set",
+            "env.max_steps=3",
+            *extra,
+        ]
+    )
 
 
 def _delayed(delay_s: float | None):
@@ -57,8 +76,9 @@ def test_eval_waits_for_a_slow_server(tmp_path, alfworld_data, model_cache, tiny
     assert "steps=" in err  # the progress bar counts environment steps
 
 
-def test_eval_with_a_server_that_never_answers_ends_with_one_error_line(tmp_path, alfworld_data, model_cache,
-                                                                         monkeypatch, capsys):
+def test_eval_with_a_server_that_never_answers_ends_with_one_error_line(
+    tmp_path, alfworld_data, model_cache, monkeypatch, capsys
+):
     monkeypatch.setattr(eval_runner, "server_command", _delayed(None))
     code = evaluate.run(_args(tmp_path, alfworld_data, model_cache, ["--adapters", "base", "--serve-timeout", "4"]))
     err = capsys.readouterr().err

@@ -28,15 +28,30 @@ def server(tiny_model_dir, tmp_path):
     """The embedded server with prompts as long as the probes' (the shared fixture allows 512 tokens)."""
     root, port = tmp_path / "adapters", free_port()
     root.mkdir()
-    proc = start_server(["--set", f"model.name_or_path={tiny_model_dir}", "--set", f"inference.port={port}",
-                         "--set", f"inference.adapter_root={root}", "--set", f"inference.admin_token={ADMIN_TOKEN}",
-                         "--set", "inference.max_new_tokens=64"], port, tmp_path / "serve.log", timeout_s=90)
+    proc = start_server(
+        [
+            "--set",
+            f"model.name_or_path={tiny_model_dir}",
+            "--set",
+            f"inference.port={port}",
+            "--set",
+            f"inference.adapter_root={root}",
+            "--set",
+            f"inference.admin_token={ADMIN_TOKEN}",
+            "--set",
+            "inference.max_new_tokens=64",
+        ],
+        port,
+        tmp_path / "serve.log",
+        timeout_s=90,
+    )
     yield f"http://127.0.0.1:{port}", root
     stop_server(proc)
 
 
-async def test_evaluator_records_one_result_per_published_version(broker_factory, server, alfworld_data,
-                                                                    model_cache, tiny_model_dir, tmp_path):
+async def test_evaluator_records_one_result_per_published_version(
+    broker_factory, server, alfworld_data, model_cache, tiny_model_dir, tmp_path
+):
     from comap_async.wire.inference_client import InferenceClient
 
     url, adapter_root = server
@@ -47,19 +62,37 @@ async def test_evaluator_records_one_result_per_published_version(broker_factory
             factory.random(f"{role}-v{v}", seed=10 * v + i)
     async with BrokerClient(broker.learner_endpoint, timeout_s=10) as client:
         await client.announce("coevolve", dict.fromkeys(ROLES, 2), {r: f"{r}-v2" for r in ROLES}, step=8)
-    sets = [f"model.cache_dir={model_cache}", f"model.name_or_path={tiny_model_dir}", f"env.data_dir={alfworld_data}",
-            f"run.root={broker.run_root}", "run.name=t", f"broker.learner_port={broker.learner_port}",
-            f"broker.actor_port={broker.actor_port}", f"broker.http_port={broker.http_port}",
-            f"inference.endpoints=['{url}']", f"inference.admin_token={ADMIN_TOKEN}",
-            f"inference.adapter_root={adapter_root}"]
+    sets = [
+        f"model.cache_dir={model_cache}",
+        f"model.name_or_path={tiny_model_dir}",
+        f"env.data_dir={alfworld_data}",
+        f"run.root={broker.run_root}",
+        "run.name=t",
+        f"broker.learner_port={broker.learner_port}",
+        f"broker.actor_port={broker.actor_port}",
+        f"broker.http_port={broker.http_port}",
+        f"inference.endpoints=['{url}']",
+        f"inference.admin_token={ADMIN_TOKEN}",
+        f"inference.adapter_root={adapter_root}",
+    ]
     args = ["--config", "configs/test.yaml", *sum((["--set", s] for s in sets), [])]
-    r = subprocess.run([sys.executable, "-m", "comap_async", "evaluator", "--once", *args], cwd=REPO,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "comap_async", "evaluator", "--once", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     files = sorted((broker.run_root / "t" / "eval").glob("v*.json"))
     assert [f.name for f in files] == ["v0.json", "v1.json", "v2.json"]
-    out = subprocess.run([sys.executable, "-m", "comap_async", "stats", "--json", *args], cwd=REPO,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "comap_async", "stats", "--json", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     results = json.loads(out.stdout)["eval"]
     assert [e["version"] for e in results] == [0, 1, 2]
@@ -69,8 +102,9 @@ async def test_evaluator_records_one_result_per_published_version(broker_factory
         assert e["success_games"] == 1 and 0.0 <= e["success_rate"] <= 1.0 and e["failed_games"] == []
     # each version was served under the evaluator's own names, loaded from that version's files
     assert [e["adapters"].get("policy") for e in results] == [None, "eval-policy-v1", "eval-policy-v2"]
-    loaded = [json.loads(line) for line in (tmp_path / "serve.log").read_text().splitlines()
-              if '"adapter.loaded"' in line]
+    loaded = [
+        json.loads(line) for line in (tmp_path / "serve.log").read_text().splitlines() if '"adapter.loaded"' in line
+    ]
     for v in (1, 2):
         for role in ROLES:
             assert any(e["name"] == f"eval-{role}-v{v}" and e["path"].endswith(f"/{role}-v{v}") for e in loaded)
@@ -78,6 +112,11 @@ async def test_evaluator_records_one_result_per_published_version(broker_factory
         assert not [m for m in await c.models() if m.startswith("eval-")]  # unloaded again
     assert list((broker.run_root / "t" / "tensorboard").glob("*.evaluator"))  # eval/ scalars for TensorBoard
     # a second run finds nothing left to do
-    again = subprocess.run([sys.executable, "-m", "comap_async", "evaluator", "--once", *args], cwd=REPO,
-                           capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        [sys.executable, "-m", "comap_async", "evaluator", "--once", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 0 and "evaluator.result" not in again.stderr + again.stdout

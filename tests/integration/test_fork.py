@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 async def test_a_fork_resumes_at_the_forked_version_with_the_replay_of_then_and_its_own_switches(
-        broker_factory, roomy_server, tiny_model_dir, tmp_path):
+    broker_factory, roomy_server, tiny_model_dir, tmp_path
+):
     source = broker_factory()
     await fill(source, warmup_transitions(8))
     # warm-up publishes v1 at step 2 and v2 at step 4, where reflection-mode initialisation begins
@@ -59,8 +60,15 @@ async def test_a_fork_resumes_at_the_forked_version_with_the_replay_of_then_and_
     for name in [adapter_name(r, v) for r in ROLES for v in (1, 2)]:
         await client.unload_adapter(name, missing_ok=True)
     await client.close()
-    fork_cfg = config(target, roomy_server, tiny_model_dir, "learner.warmup_steps=4", "learner.warmup_publish_every=2",
-                      f"inference.adapter_root={fork_adapters}", "ablation.frozen_wm=true")
+    fork_cfg = config(
+        target,
+        roomy_server,
+        tiny_model_dir,
+        "learner.warmup_steps=4",
+        "learner.warmup_publish_every=2",
+        f"inference.adapter_root={fork_adapters}",
+        "ablation.frozen_wm=true",
+    )
     forked = Learner(fork_cfg, configure_logging("learner-test"))
     assert await asyncio.wait_for(forked.run(max_steps=2), 300) == 0
     assert forked.trainer.step == 4 and len(forked.history) == 2  # resumed at step 2, trained steps 3 and 4
@@ -71,12 +79,16 @@ async def test_a_fork_resumes_at_the_forked_version_with_the_replay_of_then_and_
 
 def test_fork_refuses_in_one_line(tmp_path):
     def fork(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "comap_async", "fork", *args, "--set", f"run.root={tmp_path}"],
-                              cwd=REPO, capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "comap_async", "fork", *args, "--set", f"run.root={tmp_path}"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     out = fork("nowhere", "--name", "new")
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "not a run directory" in out.stderr
     (tmp_path / "src" / "replay").mkdir(parents=True)
     out = fork("src", "--name", "new")
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "nothing to fork from" in out.stderr
-

@@ -26,8 +26,12 @@ from tests.fixtures.inference import AdapterFactory, Reference
 
 pytestmark = pytest.mark.timeout(180)
 
-PROMPTS = ["You arrive at countertop 1. On the countertop 1, you see a mug 2.", "go to fridge 1",
-           "Your task is to: put a clean apple in fridge. You open the fridge 1.", "look"]
+PROMPTS = [
+    "You arrive at countertop 1. On the countertop 1, you see a mug 2.",
+    "go to fridge 1",
+    "Your task is to: put a clean apple in fridge. You open the fridge 1.",
+    "look",
+]
 TIE_NATS, PICKED_NATS, MAX_TIES = 0.25, 0.4, 6
 
 
@@ -90,8 +94,9 @@ def test_fp32_prefill_continues_cached_keys_and_values(setup):
     cut = 7
     fused.forward(torch.tensor([ids[:cut]]), torch.arange(cut)[None], torch.ones(1, cut, dtype=torch.long), cache, rows)
     rest = torch.tensor([ids[cut:]])
-    logits = fused.forward(rest, torch.arange(cut, len(ids))[None], torch.ones(1, len(ids), dtype=torch.long), cache,
-                           rows, last_only=False)
+    logits = fused.forward(
+        rest, torch.arange(cut, len(ids))[None], torch.ones(1, len(ids), dtype=torch.long), cache, rows, last_only=False
+    )
     expect = _reference_logprobs(ref, ids, paths[1])[cut:]
     assert (torch.log_softmax(logits, -1) - expect).abs().max() < 1e-4
 
@@ -140,8 +145,14 @@ def test_bf16_logprobs_are_as_close_as_transformers_bf16(setup, tiny_model_dir):
         expect = ref.logprobs(ids, path)
         rows = slots.stacks.rows_for([slot], BASE)
         n = len(ids)
-        got = fused.forward(torch.tensor([ids]), torch.arange(n)[None], torch.ones(1, n, dtype=torch.long),
-                            BatchCache(len(fused.layers), transposed=True), rows, last_only=False)
+        got = fused.forward(
+            torch.tensor([ids]),
+            torch.arange(n)[None],
+            torch.ones(1, n, dtype=torch.long),
+            BatchCache(len(fused.layers), transposed=True),
+            rows,
+            last_only=False,
+        )
         worst_fused = max(worst_fused, float((torch.log_softmax(got, -1) - expect).abs().max()))
         m = hf16 if path is None else PeftModel.from_pretrained(hf16, str(path)).eval()
         with torch.inference_mode():
@@ -162,7 +173,8 @@ def test_adapter_the_fused_forward_cannot_apply_is_refused(tiny_model_dir, tmp_p
 
     base, _ = load_model_and_tokenizer(str(tiny_model_dir))
     get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"])).save_pretrained(
-        str(tmp_path / "head"))
+        str(tmp_path / "head")
+    )
     model, _ = load_model_and_tokenizer(str(tiny_model_dir))
     slots = SlotManager(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"), spares=0)
     assert build_fused(model, slots, InferenceConfig(forward="fused", dtype="float32")) is not None
@@ -185,6 +197,7 @@ def test_attend_equals_scaled_dot_product_attention():
     bias = attention_bias(mask, t).expand(b, hkv, hq // hkv, t, n).reshape(b * hkv, hq // hkv * t, n)
     got = attend(q, k.transpose(-1, -2), v, bias).view(b, t, hq, d)
     allowed = mask.bool()[:, None, None, :] & (torch.arange(n) <= n - t + torch.arange(t)[:, None])[None, None]
-    expect = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=allowed, scale=1.0,
-                                                              enable_gqa=True).transpose(1, 2)
+    expect = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=allowed, scale=1.0, enable_gqa=True
+    ).transpose(1, 2)
     assert (got - expect).abs().max() < 1e-5

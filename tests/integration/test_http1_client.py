@@ -18,10 +18,26 @@ from tests.fixtures.core import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
-COMPLETION = {"id": "cmpl-1", "object": "text_completion", "model": "m", "usage": {"completion_tokens": 2},
-              "choices": [{"index": 0, "text": " take apple", "finish_reason": "stop", "stop_reason": "\n",
-                           "logprobs": {"tokens": [" take", " apple"], "token_logprobs": [-0.1, -0.2],
-                                        "top_logprobs": [{" take": -0.1}, {" apple": -0.2}], "text_offset": [0, 5]}}]}
+COMPLETION = {
+    "id": "cmpl-1",
+    "object": "text_completion",
+    "model": "m",
+    "usage": {"completion_tokens": 2},
+    "choices": [
+        {
+            "index": 0,
+            "text": " take apple",
+            "finish_reason": "stop",
+            "stop_reason": "\n",
+            "logprobs": {
+                "tokens": [" take", " apple"],
+                "token_logprobs": [-0.1, -0.2],
+                "top_logprobs": [{" take": -0.1}, {" apple": -0.2}],
+                "text_offset": [0, 5],
+            },
+        }
+    ],
+}
 
 
 class Server:
@@ -39,8 +55,9 @@ class Server:
         self.peers.append(request.transport.get_extra_info("peername"))
         body = await request.read()
         self.seen.append((request.method, request.path, body, request.headers.get("Authorization")))
-        return web.Response(body=orjson.dumps({"path": request.path, "body": body.decode()}),
-                            content_type="application/json")
+        return web.Response(
+            body=orjson.dumps({"path": request.path, "body": body.decode()}), content_type="application/json"
+        )
 
     async def completions(self, request: web.Request) -> web.Response:
         self.peers.append(request.transport.get_extra_info("peername"))
@@ -120,8 +137,15 @@ class RawServer:
 
 
 async def get(pool: Http1Pool, url: str, path: str, body: bytes | None = None, timeout_s: float = 10.0, **kw):
-    return await pool.request(url, "POST" if body is not None else "GET", path, body, kw.get("headers", {}),
-                              timeout_s, kw.get("connect_timeout_s", 5.0))
+    return await pool.request(
+        url,
+        "POST" if body is not None else "GET",
+        path,
+        body,
+        kw.get("headers", {}),
+        timeout_s,
+        kw.get("connect_timeout_s", 5.0),
+    )
 
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"

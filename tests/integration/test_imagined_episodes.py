@@ -28,7 +28,8 @@ class QuietLog:
 
 
 async def test_imagined_steps_come_from_the_world_model_are_stored_apart_and_train_only_the_draft(
-        broker_factory, roomy_server, alfworld_data, tiny_model_dir, recorded_calls, monkeypatch):
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, recorded_calls, monkeypatch
+):
     env_steps = []
     real_step = AsyncTextEnv.step
 
@@ -39,8 +40,16 @@ async def test_imagined_steps_come_from_the_world_model_are_stored_apart_and_tra
     monkeypatch.setattr(AsyncTextEnv, "step", counted)
     broker = broker_factory()
     await announce(broker, "coevolve")
-    cfg = actor_config(broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=3",
-                       "actor.imagined_rollouts=2", "actor.imagined_depth=2", "actor.imagined_min_score=0")
+    cfg = actor_config(
+        broker,
+        roomy_server,
+        alfworld_data,
+        tiny_model_dir,
+        "env.max_steps=3",
+        "actor.imagined_rollouts=2",
+        "actor.imagined_depth=2",
+        "actor.imagined_min_score=0",
+    )
     worker = ActorWorker(cfg, configure_logging("actor-test"), envs=2, episodes=2)
     results = await asyncio.wait_for(worker.run(), timeout=300)
     real_steps = sum(s.steps for _, s in results)
@@ -71,7 +80,10 @@ async def test_imagined_steps_come_from_the_world_model_are_stored_apart_and_tra
 
     # the learner's co-evolution micro-batches: imagined steps stand in for demonstrations only
     assert [s for s, _, _ in store_requests("coevolve", 4, {"imagined": 0.0}, random.Random(0))] == [
-        "demos", "transitions", "reflections"]
+        "demos",
+        "transitions",
+        "reflections",
+    ]
     async with BrokerClient(broker.learner_endpoint) as bc:
         prefetch = Prefetcher(bc, LearnerState(phase="coevolve", version=0), 4, 1, 0, QuietLog(), {"imagined": 1.0})
         mb = await prefetch.fetch("coevolve")

@@ -13,10 +13,26 @@ from tests.fixtures.core import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
-OK = {"id": "cmpl-1", "object": "text_completion", "model": "m", "usage": {"completion_tokens": 1},
-      "choices": [{"index": 0, "text": " KEEP", "finish_reason": "length", "stop_reason": None,
-                   "logprobs": {"tokens": [" KEEP"], "token_logprobs": [-0.1], "top_logprobs": [{" KEEP": -0.1}],
-                                "text_offset": [0]}}]}
+OK = {
+    "id": "cmpl-1",
+    "object": "text_completion",
+    "model": "m",
+    "usage": {"completion_tokens": 1},
+    "choices": [
+        {
+            "index": 0,
+            "text": " KEEP",
+            "finish_reason": "length",
+            "stop_reason": None,
+            "logprobs": {
+                "tokens": [" KEEP"],
+                "token_logprobs": [-0.1],
+                "top_logprobs": [{" KEEP": -0.1}],
+                "text_offset": [0],
+            },
+        }
+    ],
+}
 
 
 class Fake:

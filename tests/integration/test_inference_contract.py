@@ -18,8 +18,10 @@ from comap_async.wire.inference_client import InferenceError
 
 pytestmark = pytest.mark.timeout(300)
 
-STATE = ("Task: put a clean apple in fridge.\nCurrent observation: You arrive at countertop 1. "
-         "On the countertop 1, you see a apple 1.\nAdmissible commands: take apple 1 from countertop 1, look")
+STATE = (
+    "Task: put a clean apple in fridge.\nCurrent observation: You arrive at countertop 1. "
+    "On the countertop 1, you see a apple 1.\nAdmissible commands: take apple 1 from countertop 1, look"
+)
 
 
 def token_ids(lp) -> list[int]:

@@ -41,9 +41,21 @@ def test_serve_loads_adapters_given_at_start(tiny_model_dir, tmp_path):
     root = tmp_path / "adapters"
     AdapterFactory(tiny_model_dir, root).random("policy-v1", seed=5)
     port = free_port()
-    proc = start_server(["--set", f"model.name_or_path={tiny_model_dir}", "--set", f"inference.port={port}",
-                         "--set", f"inference.adapter_root={root}", "--lora", "policy-v1=policy-v1"],
-                        port, tmp_path / "serve.log", timeout_s=90)
+    proc = start_server(
+        [
+            "--set",
+            f"model.name_or_path={tiny_model_dir}",
+            "--set",
+            f"inference.port={port}",
+            "--set",
+            f"inference.adapter_root={root}",
+            "--lora",
+            "policy-v1=policy-v1",
+        ],
+        port,
+        tmp_path / "serve.log",
+        timeout_s=90,
+    )
     try:
         import json
         import urllib.request
@@ -70,8 +82,9 @@ async def test_spare_slots_and_prefix_cache_follow_the_config(embedded_server, t
     # the shared server's spares are rebuilt in the background after earlier tests' loads (REFILL_DELAY_S,
     # then one slot at a time): wait for the pool to settle at its configured size
     deadline = time.monotonic() + 60
-    while (default := _metrics(embedded_server.url))["comap_inference_adapter_spare_slots"] != \
-            InferenceConfig().spare_adapter_slots and time.monotonic() < deadline:
+    while (default := _metrics(embedded_server.url))[
+        "comap_inference_adapter_spare_slots"
+    ] != InferenceConfig().spare_adapter_slots and time.monotonic() < deadline:
         await asyncio.sleep(0.5)
     assert (
         default["comap_inference_adapter_spare_slots"] == InferenceConfig().spare_adapter_slots

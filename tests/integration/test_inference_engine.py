@@ -17,8 +17,12 @@ from tests.fixtures.inference import AdapterFactory
 
 pytestmark = pytest.mark.timeout(120)
 
-PROMPTS = ["You arrive at countertop 1. On the countertop", "go to", "look",
-           "Your task is to: put a clean apple in fridge. You open the fridge 1. The fridge 1 is open."]
+PROMPTS = [
+    "You arrive at countertop 1. On the countertop",
+    "go to",
+    "look",
+    "Your task is to: put a clean apple in fridge. You open the fridge 1. The fridge 1 is open.",
+]
 
 
 def make_engine(tiny_model_dir, forward: str, dtype: str = "float32", **kw) -> Engine:
@@ -61,15 +65,23 @@ def run(eng: Engine, seqs: list[Sequence], stagger_s: float = 0.0) -> None:
 def test_staggered_batching_equals_generate(engine, tiny_model_dir):
     """8 greedy sequences of different lengths join and leave a batch of 3: same tokens as HF generate."""
     ref, tok = load_model_and_tokenizer(str(tiny_model_dir))
-    seqs = [Sequence(tok(p).input_ids, SamplingParams(max_tokens=5 + 4 * i, temperature=0.0, ignore_eos=True))
-            for i, p in enumerate(PROMPTS * 2)]
+    seqs = [
+        Sequence(tok(p).input_ids, SamplingParams(max_tokens=5 + 4 * i, temperature=0.0, ignore_eos=True))
+        for i, p in enumerate(PROMPTS * 2)
+    ]
     run(engine, seqs, stagger_s=0.003)
     assert engine.stats.batch_rows > engine.stats.steps  # rows were really batched
     for s in seqs:
         ids = torch.tensor([s.prompt_ids])
-        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=s.params.max_tokens,
-                           do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id)
-        assert s.out_ids == out[0, ids.shape[1]:].tolist()
+        out = ref.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=s.params.max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=tok.pad_token_id,
+        )
+        assert s.out_ids == out[0, ids.shape[1] :].tolist()
         assert s.finish_reason == "length" and s.text == tok.decode(s.out_ids, skip_special_tokens=True)
 
 

@@ -42,9 +42,18 @@ async def test_hot_swap_under_concurrent_load(inference_server, adapters, refere
             i = 0
             while not done.is_set() or i < 2:
                 try:
-                    results.append(await client.complete(
-                        prompt_ids, model="swap", max_tokens=16, temperature=1.0, seed=1000 * w + i, logprobs=0,
-                        ignore_eos=True, return_tokens_as_token_ids=True))
+                    results.append(
+                        await client.complete(
+                            prompt_ids,
+                            model="swap",
+                            max_tokens=16,
+                            temperature=1.0,
+                            seed=1000 * w + i,
+                            logprobs=0,
+                            ignore_eos=True,
+                            return_tokens_as_token_ids=True,
+                        )
+                    )
                 except Exception as exc:  # collected: the test asserts that there are none
                     errors.append(exc)
                 i += 1
@@ -95,8 +104,15 @@ async def test_in_place_reload_serves_the_new_weights(inference_server, adapters
         versions = []
         for path in (a, b, a):
             await client.load_adapter("inplace", str(path), load_inplace=True)
-            r = await client.complete(prompt_ids, model="inplace", max_tokens=8, temperature=0.0, logprobs=0,
-                                      ignore_eos=True, return_tokens_as_token_ids=True)
+            r = await client.complete(
+                prompt_ids,
+                model="inplace",
+                max_tokens=8,
+                temperature=0.0,
+                logprobs=0,
+                ignore_eos=True,
+                return_tokens_as_token_ids=True,
+            )
             lp = r.choices[0].logprobs
             out = _ids(lp.tokens)
             errs = {

@@ -35,8 +35,17 @@ def dataset() -> list[dict]:
     msgs = []
     for i in range(4):
         s = STATE.format(i=i)
-        msgs.append(make_transition(i, actor="demo", phase="warmup", s=s, a_exec=TARGET, expert_action=TARGET,
-                                    s_next="You pick up the mug 1 from the countertop 1."))
+        msgs.append(
+            make_transition(
+                i,
+                actor="demo",
+                phase="warmup",
+                s=s,
+                a_exec=TARGET,
+                expert_action=TARGET,
+                s_next="You pick up the mug 1 from the countertop 1.",
+            )
+        )
         msgs.append(
             make_transition(
                 i,

@@ -25,33 +25,82 @@ TARGET = "take mug 1 from countertop 1"
 
 def warmup_transitions(n: int) -> list[dict]:
     """Walkthrough steps as the warm-up actors send them: a demonstration each, no student rollout."""
-    return [make_transition(i, actor="demo", phase="warmup", s=STATE.format(i=i), a_draft=TARGET, a_ref=TARGET,
-                            a_exec=TARGET, expert_action=TARGET, s_hat="", s_hat_exec="", s_hat_teacher="",
-                            s_next="You pick up the mug 1 from the countertop 1.") for i in range(n)]
+    return [
+        make_transition(
+            i,
+            actor="demo",
+            phase="warmup",
+            s=STATE.format(i=i),
+            a_draft=TARGET,
+            a_ref=TARGET,
+            a_exec=TARGET,
+            expert_action=TARGET,
+            s_hat="",
+            s_hat_exec="",
+            s_hat_teacher="",
+            s_next="You pick up the mug 1 from the countertop 1.",
+        )
+        for i in range(n)
+    ]
 
 
 def coevolve_transitions(n: int) -> list[dict]:
     """The policy's own steps, with the student's rollout for the executed action."""
-    return [make_transition(i, actor="coev", phase="coevolve", s=STATE.format(i=i), a_exec="go to coffeemachine 1",
-                            s_next="You arrive at coffeemachine 1. On the coffeemachine 1, you see nothing.",
-                            s_hat_exec="You arrive at coffeemachine 1. On the coffeemachine 1, you see a mug 2.")
-            for i in range(n)]
+    return [
+        make_transition(
+            i,
+            actor="coev",
+            phase="coevolve",
+            s=STATE.format(i=i),
+            a_exec="go to coffeemachine 1",
+            s_next="You arrive at coffeemachine 1. On the coffeemachine 1, you see nothing.",
+            s_hat_exec="You arrive at coffeemachine 1. On the coffeemachine 1, you see a mug 2.",
+        )
+        for i in range(n)
+    ]
 
 
 def suffix_reflections(ids: range) -> list[dict]:
     """Reflection-initialisation samples as the actors send them (labelled by suffix rollouts)."""
-    return [{"v": 1, "type": "reflection", "id": f"r{i}", "actor": "refl", "game": "g", "s": STATE.format(i=i),
-             "a_draft": "go to fridge 1" if i % 2 else TARGET,
-             "s_bar": "You arrive at fridge 1." if i % 2 else "You pick up the mug 1.",
-             "target": TARGET, "y": i % 2, "policy_version": 1, "wm_version": 1, "ts": time.time(),
-             "label": "expert_better" if i % 2 else "equal_draft"} for i in ids]
+    return [
+        {
+            "v": 1,
+            "type": "reflection",
+            "id": f"r{i}",
+            "actor": "refl",
+            "game": "g",
+            "s": STATE.format(i=i),
+            "a_draft": "go to fridge 1" if i % 2 else TARGET,
+            "s_bar": "You arrive at fridge 1." if i % 2 else "You pick up the mug 1.",
+            "target": TARGET,
+            "y": i % 2,
+            "policy_version": 1,
+            "wm_version": 1,
+            "ts": time.time(),
+            "label": "expert_better" if i % 2 else "equal_draft",
+        }
+        for i in ids
+    ]
 
 
 def config(broker, server, tiny_model_dir, *extra):
-    return load_config(REPO / "configs" / "test.yaml", system_overrides(
-        broker, server, tiny_model_dir, "broker.max_staleness=1000", "learner.batch_size=2", "learner.lr=0.01",
-        "learner.lora_dropout=0.0", "learner.warmup_min_demos=4", "learner.prefetch=4",
-        "learner.publish_every=100", "learner.checkpoint_every=100", *extra))
+    return load_config(
+        REPO / "configs" / "test.yaml",
+        system_overrides(
+            broker,
+            server,
+            tiny_model_dir,
+            "broker.max_staleness=1000",
+            "learner.batch_size=2",
+            "learner.lr=0.01",
+            "learner.lora_dropout=0.0",
+            "learner.warmup_min_demos=4",
+            "learner.prefetch=4",
+            "learner.publish_every=100",
+            "learner.checkpoint_every=100",
+            *extra,
+        ),
+    )
 
 
 async def _until(cond, timeout_s: float, what: str) -> None:
@@ -66,8 +115,14 @@ async def test_every_reflect_init_step_trains_on_reflection_samples(broker_facto
     ``reflect_init_min_samples`` reflection samples, and each of its steps has reflection CE and BCE."""
     broker = broker_factory()
     await fill(broker, warmup_transitions(8))
-    cfg = config(broker, roomy_server, tiny_model_dir, "learner.warmup_steps=3", "learner.reflect_init_steps=3",
-                 "learner.reflect_init_min_samples=4")
+    cfg = config(
+        broker,
+        roomy_server,
+        tiny_model_dir,
+        "learner.warmup_steps=3",
+        "learner.reflect_init_steps=3",
+        "learner.reflect_init_min_samples=4",
+    )
     learner = Learner(cfg, configure_logging("learner-test"))
     run = asyncio.create_task(learner.run(max_steps=6))
     try:
@@ -98,8 +153,14 @@ async def test_coevolve_trains_the_world_model_on_coevolve_transitions(broker_fa
     student rollout (``wm/kl`` > 0); uniform sampling over the window almost never drew one."""
     broker = broker_factory()
     await fill(broker, warmup_transitions(150) + coevolve_transitions(2) + suffix_reflections(range(2)))
-    cfg = config(broker, roomy_server, tiny_model_dir, "learner.warmup_steps=0", "learner.reflect_init_steps=1",
-                 "learner.reflect_init_min_samples=2")
+    cfg = config(
+        broker,
+        roomy_server,
+        tiny_model_dir,
+        "learner.warmup_steps=0",
+        "learner.reflect_init_steps=1",
+        "learner.reflect_init_min_samples=2",
+    )
     learner = Learner(cfg, configure_logging("learner-test"))
     await asyncio.wait_for(learner.run(max_steps=4), 180)
     hist = learner.history

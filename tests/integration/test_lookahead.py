@@ -31,9 +31,23 @@ def critic_model(tmp_path_factory):
     not separate ' NO' and ' YES' at their first token), served by a real embedded server."""
     model = build_tiny_model(tmp_path_factory.mktemp("tiny-critic") / "m", extra_corpus="Answer: YES Answer: NO\n")
     root, port = tmp_path_factory.mktemp("adapters"), free_port()
-    proc = start_server(["--set", f"model.name_or_path={model}", "--set", f"inference.port={port}",
-                         "--set", f"inference.adapter_root={root}", "--set", f"inference.admin_token={ADMIN_TOKEN}",
-                         "--set", "inference.max_prompt_tokens=2048"], port, root / "serve.log", timeout_s=90)
+    proc = start_server(
+        [
+            "--set",
+            f"model.name_or_path={model}",
+            "--set",
+            f"inference.port={port}",
+            "--set",
+            f"inference.adapter_root={root}",
+            "--set",
+            f"inference.admin_token={ADMIN_TOKEN}",
+            "--set",
+            "inference.max_prompt_tokens=2048",
+        ],
+        port,
+        root / "serve.log",
+        timeout_s=90,
+    )
     yield model, f"http://127.0.0.1:{port}"
     stop_server(proc)
 

@@ -58,8 +58,13 @@ async def test_broker_metrics_parse(broker_factory):
     assert fams["comap_broker_store_items"].type == "gauge"
     assert _value(fams["comap_broker_writable"], "comap_broker_writable") == 1.0
     assert _value(fams["comap_broker_map_bytes"], "comap_broker_map_bytes", kind="size") > 0
-    assert {"comap_broker_rejects", "comap_broker_peer_events", "comap_broker_gate_action",
-            "comap_broker_registry_version", "comap_broker_ingest_rate"} <= set(fams)
+    assert {
+        "comap_broker_rejects",
+        "comap_broker_peer_events",
+        "comap_broker_gate_action",
+        "comap_broker_registry_version",
+        "comap_broker_ingest_rate",
+    } <= set(fams)
     assert fams["comap_broker_rejects"].type == "counter"
     assert bp.http("/metrics")[0] == 401  # the token still guards it
     assert bp.terminate() == 0
@@ -74,14 +79,27 @@ async def test_inference_metrics_parse(embedded_server):
     _no_created(fams)
     gen = fams["comap_inference_generation_tokens"]
     assert gen.type == "counter"
-    assert (_value(gen, "comap_inference_generation_tokens_total")
-            >= _value(before["comap_inference_generation_tokens"], "comap_inference_generation_tokens_total") + 4)
-    assert _value(fams["comap_inference_http_requests"], "comap_inference_http_requests_total",
-                  route="/v1/completions", status="200") >= 1
+    assert (
+        _value(gen, "comap_inference_generation_tokens_total")
+        >= _value(before["comap_inference_generation_tokens"], "comap_inference_generation_tokens_total") + 4
+    )
+    assert (
+        _value(
+            fams["comap_inference_http_requests"],
+            "comap_inference_http_requests_total",
+            route="/v1/completions",
+            status="200",
+        )
+        >= 1
+    )
     assert _value(fams["comap_inference_decode_steps"], "comap_inference_decode_steps_total") > 0
     assert fams["comap_inference_engine_alive"].type == "gauge"
     assert _value(fams["comap_inference_engine_alive"], "comap_inference_engine_alive") == 1.0
     assert _value(fams["comap_inference_uptime_seconds"], "comap_inference_uptime_seconds") > 0
     assert 0.0 <= _value(fams["comap_inference_idle_fraction"], "comap_inference_idle_fraction") <= 1.0
-    assert {"comap_inference_adapter_loads", "comap_inference_adapter_spare_slots",
-            "comap_inference_sequences_running", "comap_inference_prefill_seconds"} <= set(fams)
+    assert {
+        "comap_inference_adapter_loads",
+        "comap_inference_adapter_spare_slots",
+        "comap_inference_sequences_running",
+        "comap_inference_prefill_seconds",
+    } <= set(fams)

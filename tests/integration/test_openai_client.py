@@ -7,8 +7,10 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-MESSAGES = [{"role": "system", "content": "You are an agent in a text-based household environment."},
-            {"role": "user", "content": "Task: put a mug in the coffeemachine. What is your next action?"}]
+MESSAGES = [
+    {"role": "system", "content": "You are an agent in a text-based household environment."},
+    {"role": "user", "content": "Task: put a mug in the coffeemachine. What is your next action?"},
+]
 
 
 def client(server):
@@ -20,8 +22,12 @@ def test_chat_and_streamed_chat_say_the_same_greedily(embedded_server, adapters)
     c = client(embedded_server)
     import httpx
 
-    httpx.post(embedded_server.url + "/v1/load_lora_adapter", json={"lora_name": "chat-v1", "lora_path": str(path)},
-               headers={"Authorization": f"Bearer {embedded_server.token}"}, timeout=60).raise_for_status()
+    httpx.post(
+        embedded_server.url + "/v1/load_lora_adapter",
+        json={"lora_name": "chat-v1", "lora_path": str(path)},
+        headers={"Authorization": f"Bearer {embedded_server.token}"},
+        timeout=60,
+    ).raise_for_status()
     try:
         for model in (embedded_server.base_name, "chat-v1"):
             full = c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0.0)

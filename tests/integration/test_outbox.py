@@ -56,16 +56,27 @@ async def test_permanent_reject_is_dropped_and_temporary_refusal_is_resent():
     router.bind(f"tcp://127.0.0.1:{port}")
     rejected: list[tuple[str, str]] = []
     view = RegistryView()
-    out = await Outbox(f"tcp://127.0.0.1:{port}", ack_timeout_s=0.3, on_registry=view.update,
-                       on_reject=lambda i, e: rejected.append((i, e))).start()
+    out = await Outbox(
+        f"tcp://127.0.0.1:{port}",
+        ack_timeout_s=0.3,
+        on_registry=view.update,
+        on_reject=lambda i, e: rejected.append((i, e)),
+    ).start()
     await out.put(make_transition(0, actor="r"))
     reg = {**empty_registry(), "phase": "coevolve"}
 
     async def reply(ok: bool, retry: bool) -> int:
         ident, data = await asyncio.wait_for(router.recv_multipart(), 5)
         seq = msgpack.unpackb(data)["seq"]
-        ack = {"v": 1, "type": "ack", "seq": seq, "ok": ok, "error": None if ok else "nope", "registry": reg,
-               "retry": retry}
+        ack = {
+            "v": 1,
+            "type": "ack",
+            "seq": seq,
+            "ok": ok,
+            "error": None if ok else "nope",
+            "registry": reg,
+            "retry": retry,
+        }
         await router.send_multipart([ident, msgpack.packb(ack)])
         return seq
 

@@ -74,17 +74,32 @@ def test_the_embedded_server_serves_it_with_a_learner_adapter(offline_hub, tmp_p
     trainer.train_step([{"demos": [demo_record(0)]}])
     save_adapter(trainer.model, "policy", tmp_path / "adapters" / "policy-v1")
     port = free_port()
-    proc = start_server(["--set", f"model.name_or_path={REPO_ID}", "--set", f"inference.port={port}",
-                         "--set", f"inference.adapter_root={tmp_path / 'adapters'}",
-                         "--set", f"inference.admin_token={ADMIN_TOKEN}", "--set", "inference.max_prompt_tokens=512"],
-                        port, tmp_path / "serve.log", timeout_s=90)
+    proc = start_server(
+        [
+            "--set",
+            f"model.name_or_path={REPO_ID}",
+            "--set",
+            f"inference.port={port}",
+            "--set",
+            f"inference.adapter_root={tmp_path / 'adapters'}",
+            "--set",
+            f"inference.admin_token={ADMIN_TOKEN}",
+            "--set",
+            "inference.max_prompt_tokens=512",
+        ],
+        port,
+        tmp_path / "serve.log",
+        timeout_s=90,
+    )
     try:
+
         async def use() -> str:
             client = InferenceClient(f"http://127.0.0.1:{port}", token=ADMIN_TOKEN)
             try:
                 await client.load_adapter("policy-v1", str(tmp_path / "adapters" / "policy-v1"))
-                out = await client.complete("<|im_start|>user\nhi<|im_end|>\n", model="policy-v1", max_tokens=4,
-                                            temperature=0.0, logprobs=2)
+                out = await client.complete(
+                    "<|im_start|>user\nhi<|im_end|>\n", model="policy-v1", max_tokens=4, temperature=0.0, logprobs=2
+                )
                 return out.raw
             finally:
                 await client.close()

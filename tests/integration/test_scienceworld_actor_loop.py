@@ -55,8 +55,7 @@ async def test_warmup_gold_episodes_win_and_land_in_demos(broker_factory, roomy_
         assert next_state(frozenset(t["facts"]), t["s_next"]) is not None, t["s_next"][:200]
 
 
-async def test_coevolve_episodes_store_complete_scored_transitions(broker_factory, roomy_server, tiny_model_dir,
-                                                                   games):
+async def test_coevolve_episodes_store_complete_scored_transitions(broker_factory, roomy_server, tiny_model_dir, games):
     broker = broker_factory(ENV)
     await announce(broker, "coevolve")
     cfg = sw_config(broker, roomy_server, tiny_model_dir, "env.max_steps=3")
@@ -84,11 +83,36 @@ def test_comap_eval_reports_success_rate_and_mean_score(roomy_server, tiny_model
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "comap_async", "eval", "--config", "configs/test.yaml", "--split", "dev",
-           "--per-task", "1", "--games", "2", "--method", "draft_only", "--out", str(tmp_path / "out"),
-           "--serve", "never", "--adapters", "base"]
-    for o in [*ENV, f"env.tasks={SHORT}", "env.max_steps=3", f"model.name_or_path={tiny_model_dir}",
-              f"inference.endpoints=['{roomy_server.url}']", f"run.root={tmp_path / 'runs'}"]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "comap_async",
+        "eval",
+        "--config",
+        "configs/test.yaml",
+        "--split",
+        "dev",
+        "--per-task",
+        "1",
+        "--games",
+        "2",
+        "--method",
+        "draft_only",
+        "--out",
+        str(tmp_path / "out"),
+        "--serve",
+        "never",
+        "--adapters",
+        "base",
+    ]
+    for o in [
+        *ENV,
+        f"env.tasks={SHORT}",
+        "env.max_steps=3",
+        f"model.name_or_path={tiny_model_dir}",
+        f"inference.endpoints=['{roomy_server.url}']",
+        f"run.root={tmp_path / 'runs'}",
+    ]:
         cmd += ["--set", o]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -16,8 +16,9 @@ from comap_async.envs import get_next_state
 from comap_async.envs.pool import AsyncEnvPool
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(shutil.which("java") is None,
-                                reason="ScienceWorld needs Java 17 on PATH (bash .ci/install installs it)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("java") is None, reason="ScienceWorld needs Java 17 on PATH (bash .ci/install installs it)"
+)
 SHORT = ["lifespan-longest-lived", "find-plant"]  # gold sequences of a few to a dozen steps
 
 
@@ -96,8 +97,23 @@ def test_config_splits_per_environment_and_facts():
 
 
 def test_env_check_replays_gold_sequences():
-    cmd = [sys.executable, "-m", "comap_async", "env", "check", "--env", "scienceworld", "--split", "dev",
-           "--per-task", "1", "--tasks", ",".join(SHORT), "--workers", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "comap_async",
+        "env",
+        "check",
+        "--env",
+        "scienceworld",
+        "--split",
+        "dev",
+        "--per-task",
+        "1",
+        "--tasks",
+        ",".join(SHORT),
+        "--workers",
+        "1",
+    ]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()

@@ -13,8 +13,18 @@ from comap_async.envs.scienceworld_facts import next_state
 from comap_async.facts import fact_changes, state_delta_f1
 
 pytestmark = pytest.mark.skipif(shutil.which("java") is None, reason="ScienceWorld needs Java 17+ (.ci/install)")
-TASKS = ["find-living-thing", "find-non-living-thing", "find-plant", "find-animal", "lifespan-longest-lived",
-         "use-thermometer", "power-component", "chemistry-mix", "melt", "test-conductivity"]
+TASKS = [
+    "find-living-thing",
+    "find-non-living-thing",
+    "find-plant",
+    "find-animal",
+    "lifespan-longest-lived",
+    "use-thermometer",
+    "power-component",
+    "chemistry-mix",
+    "melt",
+    "test-conductivity",
+]
 
 
 def test_ten_gold_runs_real_next_state_scores_one_at_every_transition():

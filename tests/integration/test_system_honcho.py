@@ -30,14 +30,25 @@ class System:
         self.tmp = tmp
         self.http = free_port()
         overrides = [
-            f"run.root={tmp / 'runs'}", f"model.name_or_path={tiny_model_dir}", f"env.data_dir={data}",
-            f"broker.actor_port={free_port()}", f"broker.learner_port={free_port()}", f"broker.http_port={self.http}",
-            "inference.max_prompt_tokens=2048", "broker.max_staleness=100", "learner.publish_every=4",
+            f"run.root={tmp / 'runs'}",
+            f"model.name_or_path={tiny_model_dir}",
+            f"env.data_dir={data}",
+            f"broker.actor_port={free_port()}",
+            f"broker.learner_port={free_port()}",
+            f"broker.http_port={self.http}",
+            "inference.max_prompt_tokens=2048",
+            "broker.max_staleness=100",
+            "learner.publish_every=4",
         ]
         self.port = free_port()
         overrides += [f"inference.port={self.port}", f"inference.endpoints=['http://127.0.0.1:{self.port}']"]
-        self.env = {**os.environ, "COMAP_CONFIG": "configs/test.yaml", "COMAP_OVERRIDES": " ".join(overrides),
-                    "COMAP_LOG_JSON": "1", "PYTHONUNBUFFERED": "1"}
+        self.env = {
+            **os.environ,
+            "COMAP_CONFIG": "configs/test.yaml",
+            "COMAP_OVERRIDES": " ".join(overrides),
+            "COMAP_LOG_JSON": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
         self.proc: subprocess.Popen | None = None
         self.log_path: Path | None = None
 

@@ -47,8 +47,10 @@ def check_explore(transitions: list[dict]) -> tuple[list[dict], list[dict], list
 
 
 async def test_play_expert_explores_on_the_branch_reproducibly(alfworld_data, valid_seen):
-    cfg = load_config(REPO / "configs" / "test.yaml", [f"env.data_dir={alfworld_data}", "env.max_steps=50",
-                                                       "actor.warmup_explore=0.5"])
+    cfg = load_config(
+        REPO / "configs" / "test.yaml",
+        [f"env.data_dir={alfworld_data}", "env.max_steps=50", "actor.warmup_explore=0.5"],
+    )
     game = sorted(valid_seen, key=lambda g: g.name)[1]
 
     async def play(branch_too: bool) -> list[dict]:
@@ -74,13 +76,23 @@ async def test_play_expert_explores_on_the_branch_reproducibly(alfworld_data, va
     assert not any(m.get("explore") for m in plain)
 
 
-async def test_warmup_stores_explore_transitions_outside_demos(broker_factory, roomy_server, alfworld_data,
-                                                              tiny_model_dir, valid_seen):
+async def test_warmup_stores_explore_transitions_outside_demos(
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen
+):
     broker = broker_factory()  # a fresh broker is in the warmup phase
     games = sorted(valid_seen, key=lambda g: g.name)[:4]
-    cfg = load_config(REPO / "configs" / "test.yaml", system_overrides(
-        broker, roomy_server, tiny_model_dir, f"env.data_dir={alfworld_data}", "env.split=valid_seen",
-        "env.max_steps=50", "actor.warmup_explore=1.0"))  # these games are short: explore at every step
+    cfg = load_config(
+        REPO / "configs" / "test.yaml",
+        system_overrides(
+            broker,
+            roomy_server,
+            tiny_model_dir,
+            f"env.data_dir={alfworld_data}",
+            "env.split=valid_seen",
+            "env.max_steps=50",
+            "actor.warmup_explore=1.0",
+        ),
+    )  # these games are short: explore at every step
     worker = ActorWorker(cfg, configure_logging("actor-test"), envs=2, episodes=4, games=games)
     results = await asyncio.wait_for(worker.run(), timeout=300)
     assert [s.won for _, s in results] == [True] * 4 and worker.metrics.failures == 0

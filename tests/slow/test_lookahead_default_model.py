@@ -34,22 +34,46 @@ def default_model_server(tmp_path_factory):
         subprocess.run([sys.executable, "-m", "comap_async", "model", "prepare"], check=True, timeout=600)
         path = resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)
     root, port = tmp_path_factory.mktemp("adapters"), free_port()
-    proc = start_server(["--config", str(REPO / "configs" / "local.yaml"), "--set", f"inference.port={port}",
-                         "--set", f"inference.adapter_root={root}", "--set", f"inference.admin_token={ADMIN_TOKEN}"],
-                        port, root / "serve.log", timeout_s=300)
+    proc = start_server(
+        [
+            "--config",
+            str(REPO / "configs" / "local.yaml"),
+            "--set",
+            f"inference.port={port}",
+            "--set",
+            f"inference.adapter_root={root}",
+            "--set",
+            f"inference.admin_token={ADMIN_TOKEN}",
+        ],
+        port,
+        root / "serve.log",
+        timeout_s=300,
+    )
     yield path, f"http://127.0.0.1:{port}"
     stop_server(proc)
 
 
 def test_the_critic_scores_and_the_best_candidate_runs(default_model_server, alfworld_data, tmp_path):
     _, url = default_model_server
-    cfg = load_config(REPO / "configs" / "local.yaml", [
-        f"run.root={tmp_path}", f"inference.endpoints=['{url}']", f"inference.admin_token={ADMIN_TOKEN}",
-        f"env.data_dir={alfworld_data}", "env.split=valid_seen", "env.max_steps=3", "eval.lookahead_k=3",
-        "eval.lookahead_depth=1"])
+    cfg = load_config(
+        REPO / "configs" / "local.yaml",
+        [
+            f"run.root={tmp_path}",
+            f"inference.endpoints=['{url}']",
+            f"inference.admin_token={ADMIN_TOKEN}",
+            f"env.data_dir={alfworld_data}",
+            "env.split=valid_seen",
+            "env.max_steps=3",
+            "eval.lookahead_k=3",
+            "eval.lookahead_depth=1",
+        ],
+    )
     games = spread_sample(games_from_config(cfg, "valid_seen"), 2, cfg.run.seed)
-    results = asyncio.run(asyncio.wait_for(
-        play_games(cfg, games, Registry.serving(0), configure_logging("eval-test"), envs=2, method="lookahead"), 900))
+    results = asyncio.run(
+        asyncio.wait_for(
+            play_games(cfg, games, Registry.serving(0), configure_logging("eval-test"), envs=2, method="lookahead"), 900
+        )
+    )
     stats = [s for _, s in results]
     steps = [step for s in stats for step in s.lookahead]
     scores = [x for step in steps for x in step.scores]

@@ -20,9 +20,11 @@ ROLLOUT = "You arrive at fridge 1. The fridge 1 is open."
 
 
 def batch():
-    return {"transitions": [wm_record(i, rollout=ROLLOUT) for i in range(2)],
-            "demos": [demo_record(i) for i in range(2)],
-            "reflections": [reflection_record(1), reflection_record(0)]}
+    return {
+        "transitions": [wm_record(i, rollout=ROLLOUT) for i in range(2)],
+        "demos": [demo_record(i) for i in range(2)],
+        "reflections": [reflection_record(1), reflection_record(0)],
+    }
 
 
 # ------------------------------------------------------------------ config

@@ -62,15 +62,24 @@ def test_unparseable_prediction_uses_the_real_state():
     assert recs["reflections"]["ws_score"] == 0.0 and recs["reflections"]["s_bar"] == tr["s_next"]
 
 
-@pytest.mark.parametrize("p,q,a_ref,accepted,reason", [
-    (0.9, 0.8, "open fridge 1", True, "revised"),
-    (0.5, 0.9, "open fridge 1", False, "keep"),  # p must be strictly above 0.5
-    (0.9, 0.6, "open fridge 1", False, "low_confidence"),  # q must be strictly above 0.6
-    (0.9, 0.9, "Take apple 1 from countertop 1.", False, "same_action"),  # canonically the draft
-])
+@pytest.mark.parametrize(
+    "p,q,a_ref,accepted,reason",
+    [
+        (0.9, 0.8, "open fridge 1", True, "revised"),
+        (0.5, 0.9, "open fridge 1", False, "keep"),  # p must be strictly above 0.5
+        (0.9, 0.6, "open fridge 1", False, "low_confidence"),  # q must be strictly above 0.6
+        (0.9, 0.9, "Take apple 1 from countertop 1.", False, "same_action"),  # canonically the draft
+    ],
+)
 def test_action_gate_sets_target_and_label(p, q, a_ref, accepted, reason):
-    tr = make_transition(1, decision="REVISE", p_revise=p, q_ref=q, a_ref=a_ref,
-                         a_exec=a_ref if accepted else "take apple 1 from countertop 1")
+    tr = make_transition(
+        1,
+        decision="REVISE",
+        p_revise=p,
+        q_ref=q,
+        a_ref=a_ref,
+        a_exec=a_ref if accepted else "take apple 1 from countertop 1",
+    )
     item, recs, _ = prepare(tr)
     ref = recs["reflections"]
     assert ref["ag_reason"] == reason
@@ -99,9 +108,23 @@ def test_warmup_without_expert_field_uses_the_executed_action():
 
 def test_reflection_and_episode_messages():
     ing = Ingest(toy_parser, GateConfig())
-    refl = {"v": 1, "type": "reflection", "seq": 2, "id": "r1", "actor": "a0", "game": "g", "s": "s", "a_draft": "a",
-            "s_bar": "sb", "target": "t", "y": 1, "policy_version": 0, "wm_version": 0, "ts": 1.0,
-            "label": "expert_better"}
+    refl = {
+        "v": 1,
+        "type": "reflection",
+        "seq": 2,
+        "id": "r1",
+        "actor": "a0",
+        "game": "g",
+        "s": "s",
+        "a_draft": "a",
+        "s_bar": "sb",
+        "target": "t",
+        "y": 1,
+        "policy_version": 0,
+        "wm_version": 0,
+        "ts": 1.0,
+        "label": "expert_better",
+    }
     item = ing.prepare(validate(refl), b"")
     assert item.dedup_key == b"r:r1" and item.records[0][0] == "reflections"
     assert msgpack.unpackb(item.records[0][1])["source"] == "suffix"
@@ -140,8 +163,10 @@ def test_identical_predictions_shortcut_gives_the_full_gate_result():
         _, slow_recs, _ = prepare(tr, plain)
         _, fast_recs, _ = prepare(tr, fast)
         assert fast_recs["reflections"] == slow_recs["reflections"], facts
-    assert [prepare(make_transition(1, facts=f, s_hat_exec=p, s_hat_teacher=p), fast)[1]["reflections"]["ws_imagined"]
-            for f, p in cases] == [True, True, False, True]
+    assert [
+        prepare(make_transition(1, facts=f, s_hat_exec=p, s_hat_teacher=p), fast)[1]["reflections"]["ws_imagined"]
+        for f, p in cases
+    ] == [True, True, False, True]
 
 
 def test_readable_check_exception_counts_and_reads_as_unparseable():

@@ -14,11 +14,17 @@ from comap_async.wire.protocol import ProtocolError, decode, empty_registry
 from tests.fixtures.broker import REPO
 
 
-@pytest.mark.parametrize("frame,category", [
-    (b"", "empty"), (b"\xc1", "not_msgpack"), (b"\x93\x01\x02\x03", "not_a_map"),
-    (b"\x81\xa1v\x02", "bad_version"), (b"\x82\xa1v\x01\xa4type\xa3foo", "unknown_type"),
-    (b"\x82\xa1v\x01\xa4type\xa3ack", "bad_field"),
-])
+@pytest.mark.parametrize(
+    "frame,category",
+    [
+        (b"", "empty"),
+        (b"\xc1", "not_msgpack"),
+        (b"\x93\x01\x02\x03", "not_a_map"),
+        (b"\x81\xa1v\x02", "bad_version"),
+        (b"\x82\xa1v\x01\xa4type\xa3foo", "unknown_type"),
+        (b"\x82\xa1v\x01\xa4type\xa3ack", "bad_field"),
+    ],
+)
 def test_reject_categories(frame, category):
     with pytest.raises(ProtocolError) as exc:
         decode(frame)
@@ -30,12 +36,23 @@ def test_snapshot_and_prometheus_text():
     assert live.counters == {"reject_not_msgpack": 3}  # only loop-owned counters are restored
     live.reject("bad_field")
     live.seen_actor("a1")
-    state = {"rings": {"transitions": [2, 10], "reflections": [0, 0], "demos": [0, 0], "episodes": [0, 0]},
-             "evicted": {"transitions": 2, "reflections": 0, "demos": 0, "episodes": 0}, "dedup": [0, 8],
-             "counters": {"stored_transitions": 10, "gate_ws_total": 4, "gate_ws_imagined": 1, "gate_ag_total": 4,
-                          "gate_ag_open": 2, "gate_ag_revised": 2, "gate_ag_keep": 2}}
-    snap = build_snapshot(state, {"transitions": 8}, live, empty_registry(),
-                          {"writable": True, "map": {"map_size": 1, "map_used": 1}})
+    state = {
+        "rings": {"transitions": [2, 10], "reflections": [0, 0], "demos": [0, 0], "episodes": [0, 0]},
+        "evicted": {"transitions": 2, "reflections": 0, "demos": 0, "episodes": 0},
+        "dedup": [0, 8],
+        "counters": {
+            "stored_transitions": 10,
+            "gate_ws_total": 4,
+            "gate_ws_imagined": 1,
+            "gate_ag_total": 4,
+            "gate_ag_open": 2,
+            "gate_ag_revised": 2,
+            "gate_ag_keep": 2,
+        },
+    }
+    snap = build_snapshot(
+        state, {"transitions": 8}, live, empty_registry(), {"writable": True, "map": {"map_size": 1, "map_used": 1}}
+    )
     assert snap["stores"]["transitions"] == {"count": 8, "capacity": 8, "evicted": 2, "written": 10}
     assert snap["rejects"] == {"total": 4, "not_msgpack": 3, "bad_field": 1}
     assert snap["gates"]["world_state_adoption"] == 0.25 and snap["gates"]["action_adoption"] == 0.5

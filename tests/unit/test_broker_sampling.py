@@ -13,8 +13,12 @@ CAPS = {"transitions": 1000, "reflections": 1000, "demos": 1000, "episodes": 10}
 
 
 def fill(st: ReplayStore, store: str, versions: list[int]) -> None:
-    st.write([WriteItem(f"{store}:{i}".encode(),
-                        [(store, msgpack.packb({"id": i, "policy_version": v}))]) for i, v in enumerate(versions)])
+    st.write(
+        [
+            WriteItem(f"{store}:{i}".encode(), [(store, msgpack.packb({"id": i, "policy_version": v}))])
+            for i, v in enumerate(versions)
+        ]
+    )
 
 
 def test_lazy_permutation_is_a_permutation_and_seeded():

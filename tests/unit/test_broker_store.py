@@ -77,8 +77,12 @@ def test_everything_is_recovered_on_reopen(tmp_path):
 
 
 def test_map_grows_instead_of_failing(tmp_path):
-    st = ReplayStore(tmp_path, {"transitions": 10_000, "reflections": 5, "demos": 5, "episodes": 5},
-                     map_size_mb=1, max_map_size_mb=64)
+    st = ReplayStore(
+        tmp_path,
+        {"transitions": 10_000, "reflections": 5, "demos": 5, "episodes": 5},
+        map_size_mb=1,
+        max_map_size_mb=64,
+    )
     for b in range(10):  # 10 x 50 x 20 KB = 10 MB through a 1 MB map
         assert st.write([item(b * 50 + i, size=20_000) for i in range(50)]) == [STORED] * 50
     assert st.map_grown >= 3 and st.info()["map_size"] > 8 << 20
@@ -86,8 +90,9 @@ def test_map_grows_instead_of_failing(tmp_path):
 
 
 def test_map_limit_refuses_with_clear_error_and_changes_nothing(tmp_path):
-    st = ReplayStore(tmp_path, {"transitions": 10_000, "reflections": 5, "demos": 5, "episodes": 5},
-                     map_size_mb=1, max_map_size_mb=2)
+    st = ReplayStore(
+        tmp_path, {"transitions": 10_000, "reflections": 5, "demos": 5, "episodes": 5}, map_size_mb=1, max_map_size_mb=2
+    )
     stored = 0
     with pytest.raises(StoreRefused, match="max_map_size_mb"):
         for b in range(100):
@@ -97,8 +102,9 @@ def test_map_limit_refuses_with_clear_error_and_changes_nothing(tmp_path):
     assert st.count("transitions") == stored and len(ids(st, "transitions")) == stored
     assert st.last_error and "map is full" in st.last_error
     st.close()
-    st2 = ReplayStore(tmp_path, {"transitions": 10_000, "reflections": 5, "demos": 5, "episodes": 5},
-                      map_size_mb=1, max_map_size_mb=2)
+    st2 = ReplayStore(
+        tmp_path, {"transitions": 10_000, "reflections": 5, "demos": 5, "episodes": 5}, map_size_mb=1, max_map_size_mb=2
+    )
     assert st2.state == state and len(ids(st2, "transitions")) == stored  # intact, readable
 
 

@@ -18,26 +18,84 @@ from comap_async.wire.protocol import ProtocolError, as_map, decode, make, valid
 from tests.fixtures import protocol_v1
 from tests.fixtures.messages import transition
 
-BAD_VALUES = (None, 1.5, -0.0, "x", "", 7, -(1 << 62) - 1, 1 << 62, [1], [{"a": 1}], {"k": 1}, {1: 2}, True,
-              False, b"bytes", "y" * (protocol.TEXT_LEN + 1), "z" * (protocol.ID_LEN + 1), float("nan"),
-              float("inf"), "KEEP", "REVISE", "warmup", "demos", 0, 1, 2)
+BAD_VALUES = (
+    None,
+    1.5,
+    -0.0,
+    "x",
+    "",
+    7,
+    -(1 << 62) - 1,
+    1 << 62,
+    [1],
+    [{"a": 1}],
+    {"k": 1},
+    {1: 2},
+    True,
+    False,
+    b"bytes",
+    "y" * (protocol.TEXT_LEN + 1),
+    "z" * (protocol.ID_LEN + 1),
+    float("nan"),
+    float("inf"),
+    "KEEP",
+    "REVISE",
+    "warmup",
+    "demos",
+    0,
+    1,
+    2,
+)
 
 
 def _valid_examples() -> list[dict]:
-    return [as_map(m) if not isinstance(m, dict) else m for m in [
-        transition(3),
-        transition(4, expert_action=None, decision="REVISE", phase="warmup", reward=1, p_revise=0),
-        make("episode", seq=1, id="a:e", actor="a", env="alfworld", game="g", split="train", phase="coevolve",
-             eval=False, steps=7, won=True, reward=1.0, policy_version=2, wm_version=2, wall_s=3.5, ts=1.0,
-             metrics={"revision_rate": 0.25}),
-        make("reflection", seq=2, id="r", actor="a", game="g", s="s", a_draft="x", s_bar="y", target="z", y=1,
-             policy_version=0, wm_version=0, ts=0.0, label="expert_better"),
-        make("ack", seq=9, ok=True, error=None, registry=as_map(protocol.empty_registry()), retry=False),
-        make("sample", req=1, store="demos", n=8, seed=None),
-        make("batch", req=1, store="demos", items=[{"s": "x"}], stale_skipped=0, available=1),
-        make("announce", req=2, phase="coevolve", versions={"policy": 3}, adapters={"policy": "p"}, step=10),
-        make("reply", req=2, ok=False, error="nope", data={}),
-    ]]
+    return [
+        as_map(m) if not isinstance(m, dict) else m
+        for m in [
+            transition(3),
+            transition(4, expert_action=None, decision="REVISE", phase="warmup", reward=1, p_revise=0),
+            make(
+                "episode",
+                seq=1,
+                id="a:e",
+                actor="a",
+                env="alfworld",
+                game="g",
+                split="train",
+                phase="coevolve",
+                eval=False,
+                steps=7,
+                won=True,
+                reward=1.0,
+                policy_version=2,
+                wm_version=2,
+                wall_s=3.5,
+                ts=1.0,
+                metrics={"revision_rate": 0.25},
+            ),
+            make(
+                "reflection",
+                seq=2,
+                id="r",
+                actor="a",
+                game="g",
+                s="s",
+                a_draft="x",
+                s_bar="y",
+                target="z",
+                y=1,
+                policy_version=0,
+                wm_version=0,
+                ts=0.0,
+                label="expert_better",
+            ),
+            make("ack", seq=9, ok=True, error=None, registry=as_map(protocol.empty_registry()), retry=False),
+            make("sample", req=1, store="demos", n=8, seed=None),
+            make("batch", req=1, store="demos", items=[{"s": "x"}], stale_skipped=0, available=1),
+            make("announce", req=2, phase="coevolve", versions={"policy": 3}, adapters={"policy": "p"}, step=10),
+            make("reply", req=2, ok=False, error="nope", data={}),
+        ]
+    ]
 
 
 def _typed_accepts(msg: dict) -> bool:

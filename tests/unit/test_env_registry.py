@@ -25,11 +25,14 @@ def test_an_environment_config_takes_its_splits_from_the_entry():
         load_config(None, [f"env.name={TOY}", "env.split=valid_seen"])
 
 
-@pytest.mark.parametrize(("name", "message"), [
-    ("webshop", "unknown environment 'webshop'; known: alfworld, scienceworld"),
-    ("no_such_module:SPEC", "environment 'no_such_module:SPEC': cannot import it"),
-    ("comap_async.prompts:ALFWORLD", "is a Wording, not an EnvSpec"),
-])
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("webshop", "unknown environment 'webshop'; known: alfworld, scienceworld"),
+        ("no_such_module:SPEC", "environment 'no_such_module:SPEC': cannot import it"),
+        ("comap_async.prompts:ALFWORLD", "is a Wording, not an EnvSpec"),
+    ],
+)
 def test_a_name_that_is_no_environment_is_one_clear_line(name, message):
     with pytest.raises(ValueError, match=message):
         env_spec(name)
@@ -39,5 +42,13 @@ def test_a_name_that_is_no_environment_is_one_clear_line(name, message):
 
 def test_an_entry_whose_default_splits_are_not_its_own_is_refused():
     with pytest.raises(ValueError, match="must be among"):
-        EnvSpec(name="x", env="m:E", games="m:g", facts="m", splits=("a",), train_split="a", held_out_split="b",
-                wording=ALFWORLD)
+        EnvSpec(
+            name="x",
+            env="m:E",
+            games="m:g",
+            facts="m",
+            splits=("a",),
+            train_split="a",
+            held_out_split="b",
+            wording=ALFWORLD,
+        )

@@ -110,19 +110,41 @@ def _parse(state: frozenset[str], text: str):
 def test_derived_sample_imagined_state_and_accepted_revision():
     # the revised step: s_bar is the student's prediction for the *draft* (docs/design.md section 5),
     # while the gate still scores the executed action's predictions
-    tr = transition(1, o="O", s_hat="DRAFT IMAGINED", s_hat_exec="PICKED", s_hat_teacher="PICKED",
-                    s_next="REAL NEXT", a_draft="go to fridge 1", a_ref="take apple 1 from countertop 1",
-                    decision="REVISE", p_revise=0.8, q_ref=0.7, a_exec="take apple 1 from countertop 1",
-                    facts=sorted(PREV))
+    tr = transition(
+        1,
+        o="O",
+        s_hat="DRAFT IMAGINED",
+        s_hat_exec="PICKED",
+        s_hat_teacher="PICKED",
+        s_next="REAL NEXT",
+        a_draft="go to fridge 1",
+        a_ref="take apple 1 from countertop 1",
+        decision="REVISE",
+        p_revise=0.8,
+        q_ref=0.7,
+        a_exec="take apple 1 from countertop 1",
+        facts=sorted(PREV),
+    )
     d = derive_policy_sample(validate(tr), _parse)
     assert d.s_bar == "DRAFT IMAGINED" and d.ws_imagined and d.ws_score == 1.0
     assert d.target == "take apple 1 from countertop 1" and d.y == 1
 
 
 def test_derived_sample_real_state_and_kept_draft():
-    tr = transition(1, o="O", s_hat_exec="PICKED", s_hat_teacher="FRIDGE", s_next="REAL NEXT",
-                    a_draft="go to fridge 1", a_ref="take apple 1 from countertop 1", decision="REVISE",
-                    p_revise=0.8, q_ref=0.5, a_exec="go to fridge 1", facts=sorted(PREV))
+    tr = transition(
+        1,
+        o="O",
+        s_hat_exec="PICKED",
+        s_hat_teacher="FRIDGE",
+        s_next="REAL NEXT",
+        a_draft="go to fridge 1",
+        a_ref="take apple 1 from countertop 1",
+        decision="REVISE",
+        p_revise=0.8,
+        q_ref=0.5,
+        a_exec="go to fridge 1",
+        facts=sorted(PREV),
+    )
     d = derive_policy_sample(validate(tr), _parse)
     assert d.s_bar == "REAL NEXT" and not d.ws_imagined
     assert d.target == "go to fridge 1" and d.y == 0 and d.ag_reason == "low_confidence"
@@ -134,13 +156,26 @@ def test_derived_sample_unparseable_student_uses_real_state():
     assert d.s_bar == "REAL NEXT" and d.ws_score == 0.0
 
 
-_FACT_POOL = ["at(a 1)", "at(b 1)", "holding(x 1)", "holding(nothing)", "in(x 1, b 1)", "in(y 1, b 1)",
-              "open(b 1)", "closed(b 1)", "hot(x 1)", NO_CHANGE]
+_FACT_POOL = [
+    "at(a 1)",
+    "at(b 1)",
+    "holding(x 1)",
+    "holding(nothing)",
+    "in(x 1, b 1)",
+    "in(y 1, b 1)",
+    "open(b 1)",
+    "closed(b 1)",
+    "hot(x 1)",
+    NO_CHANGE,
+]
 
 
 @settings(max_examples=3000, deadline=None)
-@given(st.frozensets(st.sampled_from(_FACT_POOL)), st.frozensets(st.sampled_from(_FACT_POOL)),
-       st.frozensets(st.sampled_from(_FACT_POOL)))
+@given(
+    st.frozensets(st.sampled_from(_FACT_POOL)),
+    st.frozensets(st.sampled_from(_FACT_POOL)),
+    st.frozensets(st.sampled_from(_FACT_POOL)),
+)
 def test_changes_f1_equals_f1_of_the_change_sets(before, a, b):
     """The broker's fast path gives exactly (bit for bit) the reference definition's score."""
     assert changes_f1(before, a, b) == set_f1(fact_changes(before, a), fact_changes(before, b))
@@ -158,9 +193,18 @@ def test_world_state_gate_on_facts_matches_the_gate_on_changes():
 
 # ------------------------------------------------------------------ ablations of the world-state gate
 def _kept_step(teacher: str):
-    return validate(transition(1, o="O", s_hat_exec="PICKED", s_hat_teacher=teacher, s_next="REAL NEXT",
-                               a_draft="take apple 1 from countertop 1", a_exec="take apple 1 from countertop 1",
-                               facts=sorted(PREV)))
+    return validate(
+        transition(
+            1,
+            o="O",
+            s_hat_exec="PICKED",
+            s_hat_teacher=teacher,
+            s_next="REAL NEXT",
+            a_draft="take apple 1 from countertop 1",
+            a_exec="take apple 1 from countertop 1",
+            facts=sorted(PREV),
+        )
+    )
 
 
 @pytest.mark.parametrize("teacher, gate_picks", [("PICKED", "PICKED"), ("FRIDGE", "REAL NEXT")])
@@ -181,9 +225,22 @@ def test_ws_gate_ablations_fix_the_future_state(teacher, gate_picks):
 def test_no_action_gate_reads_every_real_revision_as_executed():
     """``ablation.no_action_gate`` at the broker: the policy sample's target is the executed
     reflected action even where the gate would have refused it (low q_ref here)."""
-    tr = validate(transition(1, o="O", s_hat_exec="PICKED", s_hat_teacher="PICKED", s_next="REAL NEXT",
-                             a_draft="go to fridge 1", a_ref="take apple 1 from countertop 1", decision="REVISE",
-                             p_revise=0.3, q_ref=0.1, a_exec="take apple 1 from countertop 1", facts=sorted(PREV)))
+    tr = validate(
+        transition(
+            1,
+            o="O",
+            s_hat_exec="PICKED",
+            s_hat_teacher="PICKED",
+            s_next="REAL NEXT",
+            a_draft="go to fridge 1",
+            a_ref="take apple 1 from countertop 1",
+            decision="REVISE",
+            p_revise=0.3,
+            q_ref=0.1,
+            a_exec="take apple 1 from countertop 1",
+            facts=sorted(PREV),
+        )
+    )
     gated = derive_policy_sample(tr, _parse)
     assert (gated.y, gated.ag_reason) == (0, "keep")
     d = derive_policy_sample(tr, _parse, action_gated=False)

@@ -17,7 +17,7 @@ def feed_split(raw: bytes, cuts: list[int], **kw) -> ResponseParser:
     return p
 
 
-CL = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 17\r\n\r\n{\"text\": \"hi\\n\"}!"
+CL = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 17\r\n\r\n{"text": "hi\\n"}!'
 
 
 def test_content_length_body_at_every_split():
@@ -34,8 +34,10 @@ def test_headers_are_case_insensitive_and_repeated_ones_joined():
     assert p.headers["x-a"] == "1, 2" and p.body == b"ok"
 
 
-CHUNKED = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-           b"5;name=value\r\nhello\r\n1A\r\n" + b"x" * 26 + b"\r\n0;last\r\nX-Trailer: t\r\nX-Other: u\r\n\r\n")
+CHUNKED = (
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"5;name=value\r\nhello\r\n1A\r\n" + b"x" * 26 + b"\r\n0;last\r\nX-Trailer: t\r\nX-Other: u\r\n\r\n"
+)
 
 
 def test_chunked_with_extensions_and_trailers_at_every_split():
@@ -91,22 +93,25 @@ def test_bytes_after_the_response_are_kept_apart():
     assert p.body == b"ok" and p.leftover == b"HTTP/1.1"
 
 
-@pytest.mark.parametrize("raw, message", [
-    (b"HTTP/2 200 OK\r\n\r\n", "malformed status line"),
-    (b"ICY 200 OK\r\n\r\n", "malformed status line"),
-    (b"HTTP/1.1 2000 OK\r\n\r\n", "malformed status line"),
-    (b"HTTP/1.1 OK\r\n\r\n", "malformed status line"),
-    (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "malformed header line"),
-    (b"HTTP/1.1 200 OK\r\nBad Name: x\r\n\r\n", "malformed header line"),
-    (b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n", "bad Content-Length '-5'"),
-    (b"HTTP/1.1 200 OK\r\nContent-Length: 12abc\r\n\r\n", "bad Content-Length '12abc'"),
-    (b"HTTP/1.1 200 OK\r\nContent-Length: 3, 4\r\n\r\n", "bad Content-Length"),
-    (b"HTTP/1.1 200 OK\r\nContent-Length: 999999999999\r\n\r\n", "exceeds"),
-    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "malformed chunk-size line"),
-    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabc\r\n", "not followed by CRLF"),
-    (b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 1\r\n\r\nx", "Content-Encoding"),
-    (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n", "unsupported status 101"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (b"HTTP/2 200 OK\r\n\r\n", "malformed status line"),
+        (b"ICY 200 OK\r\n\r\n", "malformed status line"),
+        (b"HTTP/1.1 2000 OK\r\n\r\n", "malformed status line"),
+        (b"HTTP/1.1 OK\r\n\r\n", "malformed status line"),
+        (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "malformed header line"),
+        (b"HTTP/1.1 200 OK\r\nBad Name: x\r\n\r\n", "malformed header line"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n", "bad Content-Length '-5'"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 12abc\r\n\r\n", "bad Content-Length '12abc'"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 3, 4\r\n\r\n", "bad Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 999999999999\r\n\r\n", "exceeds"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "malformed chunk-size line"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabc\r\n", "not followed by CRLF"),
+        (b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 1\r\n\r\nx", "Content-Encoding"),
+        (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n", "unsupported status 101"),
+    ],
+)
 def test_malformed_responses_raise_with_a_useful_message(raw, message):
     with pytest.raises(HttpProtocolError, match=message.replace("(", r"\(")):
         ResponseParser().feed(raw)

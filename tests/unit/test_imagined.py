@@ -36,14 +36,20 @@ class ScriptedLLM:
 
 def episode(steps: int):
     history = [(f"real {i}", f"You see thing {i}.") for i in range(steps)]
-    return SimpleNamespace(id="a:e1", task="put a mug on desk", history=history, game=SimpleNamespace(name="g"),
-                           stats=SimpleNamespace(steps=steps, imagined_kept=0, imagined_dropped=0),
-                           observation_at=lambda t: history[t - 1][1] if t else "You are in a room.")
+    return SimpleNamespace(
+        id="a:e1",
+        task="put a mug on desk",
+        history=history,
+        game=SimpleNamespace(name="g"),
+        stats=SimpleNamespace(steps=steps, imagined_kept=0, imagined_dropped=0),
+        observation_at=lambda t: history[t - 1][1] if t else "You are in a room.",
+    )
 
 
 async def play(min_score: float, scores: dict, steps: int = 5, rollouts: int = 3, depth: int = 2):
-    cfg = CoMapConfig.model_validate({"actor": {"imagined_rollouts": rollouts, "imagined_depth": depth,
-                                                "imagined_min_score": min_score}})
+    cfg = CoMapConfig.model_validate(
+        {"actor": {"imagined_rollouts": rollouts, "imagined_depth": depth, "imagined_min_score": min_score}}
+    )
     sent, llm = [], ScriptedLLM(scores)
 
     async def emit(msg):
@@ -62,8 +68,10 @@ async def test_every_imagined_episode_is_kept_without_a_critic_at_min_score_zero
     assert len(starts) == 3 and all(0 <= t < 5 for t in starts)
     first, second = sorted((m for m in sent if m.t == starts[0]), key=lambda m: m.k)
     # step 0 is the real state's; step 1's state ends with the world model's answer to step 0
-    assert second.s.rstrip().endswith(f"You arrive at desk {first.target.rsplit(' ', 1)[1]}.") or \
-        f"You arrive at desk {first.target.rsplit(' ', 1)[1]}." in second.s
+    assert (
+        second.s.rstrip().endswith(f"You arrive at desk {first.target.rsplit(' ', 1)[1]}.")
+        or f"You arrive at desk {first.target.rsplit(' ', 1)[1]}." in second.s
+    )
     assert first.target in second.s and first.target not in first.s
 
 
@@ -80,8 +88,22 @@ async def test_the_critic_keeps_what_it_scores_at_least_min_score_and_drops_unre
 def test_the_broker_files_an_imagined_step_in_its_own_store_as_draft_data():
     from broker.ingest import Ingest
 
-    msg = Imagined(seq=1, id="a:e1:2:i0", actor="a", game="g", episode="a:e1", t=2, k=0, goal="put a mug on desk",
-                   s="state", target="go to desk 1", score=0.8, policy_version=3, wm_version=3, ts=1.0)
+    msg = Imagined(
+        seq=1,
+        id="a:e1:2:i0",
+        actor="a",
+        game="g",
+        episode="a:e1",
+        t=2,
+        k=0,
+        goal="put a mug on desk",
+        s="state",
+        target="go to desk 1",
+        score=0.8,
+        policy_version=3,
+        wm_version=3,
+        ts=1.0,
+    )
     item = Ingest(next_state=lambda facts, text: facts, gates=CoMapConfig().gates).prepare(msg, b"raw")
     assert [store for store, _ in item.records] == ["imagined"] and item.counters == {"stored_imagined": 1}
     rec = msgpack.unpackb(item.records[0][1])

@@ -27,13 +27,22 @@ def test_defaults_follow_openai():
     assert req.params.logprobs == 0
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": "x", "max_tokens": 65}, "max_tokens"), ({"prompt": "x", "temperature": float("nan")}, "temperature"),
-    ({"prompt": "x", "top_p": 1.5}, "top_p"), ({"prompt": "x", "logprobs": True}, "logprobs"),
-    ({"prompt": "x", "seed": "1"}, "seed"), ({"prompt": []}, "prompt"), ({"prompt": [1, "a"]}, "prompt"),
-    ({"prompt": "x", "stop": [""]}, "stop"), ({"prompt": "x", "stream": "yes"}, "stream"),
-    ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"), ({"prompt": "x", "model": 3}, "model"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "x", "max_tokens": 65}, "max_tokens"),
+        ({"prompt": "x", "temperature": float("nan")}, "temperature"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"prompt": "x", "logprobs": True}, "logprobs"),
+        ({"prompt": "x", "seed": "1"}, "seed"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": "x", "stop": [""]}, "stop"),
+        ({"prompt": "x", "stream": "yes"}, "stream"),
+        ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
+        ({"prompt": "x", "model": 3}, "model"),
+    ],
+)
 def test_invalid_values_name_the_field(body, param):
     with pytest.raises(RequestError) as err:
         parse_completion_request(body, max_new_tokens=64)
@@ -74,8 +83,8 @@ def test_batch_cache_merges_left_padded_and_trims():
         k = torch.zeros(len(values), 1, n, 1)
         mask = torch.zeros(len(values), n, dtype=torch.long)
         for i, v in enumerate(values):
-            k[i, 0, n - len(v):, 0] = torch.tensor(v)
-            mask[i, n - len(v):] = 1
+            k[i, 0, n - len(v) :, 0] = torch.tensor(v)
+            mask[i, n - len(v) :] = 1
         for layer in c.layers:
             layer.update(k.clone(), k.clone())
         c.mask = mask
@@ -106,8 +115,16 @@ def test_adapter_paths_stay_inside_root(tmp_path):
     (root / "half" / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
     assert resolve_adapter_dir(root, "policy-v1") == (root / "policy-v1").resolve()
     assert resolve_adapter_dir(root, str(root / "policy-v1")) == (root / "policy-v1").resolve()
-    for bad, status in [(str(outside), 400), ("../outside", 400), ("policy-v1/../../outside", 400), ("link", 400),
-                        ("half", 400), ("missing", 404), ("", 400), (None, 400)]:
+    for bad, status in [
+        (str(outside), 400),
+        ("../outside", 400),
+        ("policy-v1/../../outside", 400),
+        ("link", 400),
+        ("half", 400),
+        ("missing", 404),
+        ("", 400),
+        (None, 400),
+    ]:
         with pytest.raises(RequestError) as err:
             resolve_adapter_dir(root, bad)
         assert err.value.status == status, bad
@@ -119,9 +136,16 @@ def test_vllm_command_from_config(monkeypatch):
     argv, env = vllm.build_command(cfg, "/models/smol", "/venv/bin/python", {"policy-v1": "/a/policy-v1"})
     assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     joined = " ".join(argv)
-    for part in ("--model /models/smol", "--served-model-name smollm2-135m-instruct", "--port 9001", "--enable-lora",
-                 "--max-lora-rank 16", "--api-key s3cret", "--lora-modules policy-v1=/a/policy-v1",
-                 "--generation-config vllm"):
+    for part in (
+        "--model /models/smol",
+        "--served-model-name smollm2-135m-instruct",
+        "--port 9001",
+        "--enable-lora",
+        "--max-lora-rank 16",
+        "--api-key s3cret",
+        "--lora-modules policy-v1=/a/policy-v1",
+        "--generation-config vllm",
+    ):
         assert part in joined
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     # vLLM's CPU backend would otherwise take ~92% of the host's memory for its KV cache
@@ -131,8 +155,14 @@ def test_vllm_command_from_config(monkeypatch):
     # every adapter that can be live at once fits a batch; the user's own options pass through, last
     assert "--max-loras 12 --max-cpu-loras 32 --tensor-parallel-size 1" in joined
     assert "--gpu-memory-utilization" not in joined
-    cfg = load_config(None, ["inference.tensor_parallel=2", "inference.gpu_memory_utilization=0.45",
-                             "inference.vllm_args=['--enforce-eager','--max-model-len','4096']"])
+    cfg = load_config(
+        None,
+        [
+            "inference.tensor_parallel=2",
+            "inference.gpu_memory_utilization=0.45",
+            "inference.vllm_args=['--enforce-eager','--max-model-len','4096']",
+        ],
+    )
     argv, _ = vllm.build_command(cfg, "/m", "/p")
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.45"
@@ -160,11 +190,21 @@ def test_top_p_top_k_sampling_picks_what_the_full_sort_picks(scale):
 
     torch.manual_seed(0)
     logits = torch.randn(6, 5000) * scale
-    params = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0, top_p=0.5),
-              SamplingParams(temperature=0.7, top_k=40), SamplingParams(temperature=1.3, top_p=0.95, top_k=300),
-              SamplingParams(temperature=0.7, top_p=0.99), SamplingParams(temperature=0.5, top_k=1)]
+    params = [
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=0.7, top_k=40),
+        SamplingParams(temperature=1.3, top_p=0.95, top_k=300),
+        SamplingParams(temperature=0.7, top_p=0.99),
+        SamplingParams(temperature=0.5, top_k=1),
+    ]
     for seed in range(60):
         got = sample_top(logits, params, [torch.Generator().manual_seed(seed + i) for i in range(6)])
-        expect = [_draw(torch.softmax(_filter_top(logits[i] / p.temperature, p.top_k, p.top_p), -1),
-                        torch.Generator().manual_seed(seed + i)) for i, p in enumerate(params)]
+        expect = [
+            _draw(
+                torch.softmax(_filter_top(logits[i] / p.temperature, p.top_k, p.top_p), -1),
+                torch.Generator().manual_seed(seed + i),
+            )
+            for i, p in enumerate(params)
+        ]
         assert got == expect

@@ -14,8 +14,16 @@ from learner.batches import Seq, pack
 from learner.peft_model import adapter_parameters, adapter_state, load_adapter_state
 from tests.fixtures.learner import demo_record, make_trainer, reflection_record, wm_record
 
-LOSSES = ("wm/ce", "wm/kl", "wm/change_nll", "policy/draft_ce", "policy/reflect_ce", "policy/bce", "wm/loss",
-          "policy/loss")
+LOSSES = (
+    "wm/ce",
+    "wm/kl",
+    "wm/change_nll",
+    "policy/draft_ce",
+    "policy/reflect_ce",
+    "policy/bce",
+    "wm/loss",
+    "policy/loss",
+)
 RTOL = 1e-4  # fp32: the two paths differ only in summation order
 
 
@@ -25,8 +33,10 @@ def mixed_batch() -> dict:
     long_state = "Task: cool a mug.\nCurrent observation: You arrive at countertop 1. " + "You see a mug 1. " * 6
     return {
         "transitions": [
-            {**wm_record(0, rollout="You arrive at fridge 1. The fridge 1 is open. In it, you see a egg 1."),
-             "o": "You are in the middle of a room."},
+            {
+                **wm_record(0, rollout="You arrive at fridge 1. The fridge 1 is open. In it, you see a egg 1."),
+                "o": "You are in the middle of a room.",
+            },
             {**wm_record(1, rollout="Nothing happens."), "s": long_state},
             {**wm_record(2, rollout=""), "o": "You arrive at fridge 1."},
         ],
@@ -120,8 +130,13 @@ def test_packed_attention_follows_the_layout_and_equals_the_dense_mask(tiny_mode
     enc = trainer.encoder
     rec = wm_record(0, rollout="You arrive at fridge 1. The fridge 1 is open.")
     s_seq, _ = enc.world_model_rollout(rec)
-    units = [[enc.world_model_ce(rec), s_seq], [enc.draft({"s": "Task: short.", "target": "look"})],
-             [enc.draft(demo_record(1))], [Seq(list(range(5, 25)), 15, 5)], [Seq(list(range(30, 40)), 6, 4)]]
+    units = [
+        [enc.world_model_ce(rec), s_seq],
+        [enc.draft({"s": "Task: short.", "target": "look"})],
+        [enc.draft(demo_record(1))],
+        [Seq(list(range(5, 25)), 15, 5)],
+        [Seq(list(range(30, 40)), 6, 4)],
+    ]
     p = pack(units, trainer.pad_id)
     assert len(p.layout) < len(units)  # some row holds two units
     decoder = trainer.model.get_base_model().get_decoder()
@@ -136,10 +151,16 @@ def test_packed_attention_follows_the_layout_and_equals_the_dense_mask(tiny_mode
 
     monkeypatch.setitem(AttentionInterface._global_mapping, model_mod.PACKED_ATTENTION, spy)
     with torch.no_grad():
-        dense = decoder(input_ids=p.input_ids, attention_mask=p.attention_mask, position_ids=p.position_ids,
-                        use_cache=False).last_hidden_state
-        packed = decoder(input_ids=p.input_ids, attention_mask=p.attention_mask, position_ids=p.position_ids,
-                         use_cache=False, packed_layout=p.layout).last_hidden_state
+        dense = decoder(
+            input_ids=p.input_ids, attention_mask=p.attention_mask, position_ids=p.position_ids, use_cache=False
+        ).last_hidden_state
+        packed = decoder(
+            input_ids=p.input_ids,
+            attention_mask=p.attention_mask,
+            position_ids=p.position_ids,
+            use_cache=False,
+            packed_layout=p.layout,
+        ).last_hidden_state
     assert calls and calls[0] is None and calls[-1] is p.layout
     real_positions = p.attention_mask[:, 0].sum(-1) > 1  # padding sees only itself
     real_positions[:, 0] = True

@@ -21,6 +21,7 @@ ROLLOUT = "You arrive at fridge 1. The fridge 1 is open."
 
 # ---------------------------------------------------------------- point 7: LR schedule per phase
 
+
 def _schedule(**cfg):
     from learner.trainer import PhaseSchedule
 
@@ -48,8 +49,9 @@ def test_each_phase_warms_up_to_the_peak_and_decays_over_its_own_budget():
 
 
 def test_train_step_uses_the_phase_schedule(tiny_model_dir):
-    trainer = make_trainer(tiny_model_dir, lr=1e-3, warmup_ratio=0.5, warmup_steps=4, reflect_init_steps=3,
-                           total_steps=8)
+    trainer = make_trainer(
+        tiny_model_dir, lr=1e-3, warmup_ratio=0.5, warmup_steps=4, reflect_init_steps=3, total_steps=8
+    )
     got = [trainer.train_step([{"demos": [demo_record(0)]}])["learner/lr"] for _ in range(4)]
     trainer.scheduler.enter("reflect_init", 4)
     got += [trainer.train_step([{"demos": [demo_record(0)]}])["learner/lr"] for _ in range(3)]
@@ -76,6 +78,7 @@ def test_a_resumed_trainer_gets_the_same_rate_as_an_uninterrupted_one(tiny_model
 
 # ---------------------------------------------------------------- point 7: clipping per role
 
+
 def _policy_grads_at_update(trainer, micro):
     from learner.peft_model import adapter_parameters
 
@@ -96,8 +99,9 @@ def test_a_large_world_model_gradient_does_not_scale_the_policy_gradient(tiny_mo
     """The world-model gradient (norm well above 1) is clipped to 1 on its own; the policy gradient
     is exactly what it is when the policy trains alone (joint clipping scaled it down)."""
     wm = [wm_record(i, rollout=ROLLOUT) for i in range(2)]
-    both, m = _policy_grads_at_update(make_trainer(tiny_model_dir, draft_weight=0.01),
-                                      [{"transitions": wm, "demos": [demo_record(0)]}])
+    both, m = _policy_grads_at_update(
+        make_trainer(tiny_model_dir, draft_weight=0.01), [{"transitions": wm, "demos": [demo_record(0)]}]
+    )
     alone, m_alone = _policy_grads_at_update(
         make_trainer(tiny_model_dir, draft_weight=0.01), [{"demos": [demo_record(0)]}]
     )

@@ -10,8 +10,12 @@ T0 = 1000.0
 
 
 def _snap(minute: float, transitions: int, tokens: int | None, step: int) -> dict:
-    return {"t": T0 + 60 * minute, "registry": {"step": step}, "written": {"transitions": transitions},
-            "learner_tokens_total": tokens}
+    return {
+        "t": T0 + 60 * minute,
+        "registry": {"step": step},
+        "written": {"transitions": transitions},
+        "learner_tokens_total": tokens,
+    }
 
 
 RESULTS = [
@@ -19,8 +23,13 @@ RESULTS = [
     {"version": 3, "ts": T0 + 60 * 30, "wm_delta_f1": 0.4, "draft_accuracy": 0.30, "success_rate": 0.0},
     {"version": 9, "ts": T0 + 60 * 70, "wm_delta_f1": 0.6, "draft_accuracy": 0.45, "success_rate": 1.0},
 ]
-PROGRESS = [_snap(10, 100, None, 0), _snap(30, 400, 30_000, 60), _snap(45, 600, 45_000, 90),
-            _snap(60, 900, 80_000, 120), _snap(90, 1500, 150_000, 200)]
+PROGRESS = [
+    _snap(10, 100, None, 0),
+    _snap(30, 400, 30_000, 60),
+    _snap(45, 600, 45_000, 90),
+    _snap(60, 900, 80_000, 120),
+    _snap(90, 1500, 150_000, 200),
+]
 
 
 def test_cut_uses_only_what_existed_by_then():
@@ -47,12 +56,20 @@ def test_gains_need_the_base_model():
 
 def test_cut_reports_coevolve_throughput_apart_from_warmup():
     def snap(minute: float, phase: str, transitions: int, tokens: int) -> dict:
-        return {"t": T0 + 60 * minute, "registry": {"phase": phase}, "written": {"transitions": transitions},
-                "learner_tokens_total": tokens}
+        return {
+            "t": T0 + 60 * minute,
+            "registry": {"phase": phase},
+            "written": {"transitions": transitions},
+            "learner_tokens_total": tokens,
+        }
 
-    progress = [snap(10, "warmup", 1000, 10_000), snap(20, "reflect_init", 1500, 20_000),
-                snap(30, "coevolve", 1600, 25_000), snap(40, "coevolve", 1720, 31_000),
-                snap(50, "coevolve", 1840, 37_000)]
+    progress = [
+        snap(10, "warmup", 1000, 10_000),
+        snap(20, "reflect_init", 1500, 20_000),
+        snap(30, "coevolve", 1600, 25_000),
+        snap(40, "coevolve", 1720, 31_000),
+        snap(50, "coevolve", 1840, 37_000),
+    ]
     at45 = cut([], progress, T0, 45)
     assert math.isclose(at45["coevolve_minutes"], 10.0)
     assert math.isclose(at45["coevolve_transitions_per_s"], 120 / 600)

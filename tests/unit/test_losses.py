@@ -77,8 +77,9 @@ def test_ema_after_one_step_and_frozen_base(tiny_trainer):
     old_teacher = {n: p.detach().clone() for n, p in adapter_parameters(model, "wm_teacher")}
     base_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
     assert base_before
-    tiny_trainer.train_step([{"transitions": [wm_record(0), wm_record(1)], "demos": [demo_record()],
-                              "reflections": [reflection_record(1)]}])
+    tiny_trainer.train_step(
+        [{"transitions": [wm_record(0), wm_record(1)], "demos": [demo_record()], "reflections": [reflection_record(1)]}]
+    )
     params = dict(model.named_parameters())
     checked = 0
     for name, old in old_teacher.items():

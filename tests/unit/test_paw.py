@@ -41,9 +41,17 @@ def test_adaptive_weight_tracks_the_policy_loss():
 
 
 def records():
-    return [wm_record(i, rollout="") | {"s_next": nxt} for i, nxt in enumerate(
-        ["You arrive at fridge 1. The fridge 1 is closed.", "Nothing happens.", "You open the fridge 1.",
-         "You pick up the mug 1 from the countertop 1."])]
+    return [
+        wm_record(i, rollout="") | {"s_next": nxt}
+        for i, nxt in enumerate(
+            [
+                "You arrive at fridge 1. The fridge 1 is closed.",
+                "Nothing happens.",
+                "You open the fridge 1.",
+                "You pick up the mug 1 from the countertop 1.",
+            ]
+        )
+    ]
 
 
 def test_off_by_default_and_on_with_its_switch(tiny_model_dir):

@@ -19,9 +19,11 @@ def _niceness_after(code: str) -> int:
 
 def test_lower_priority_raises_niceness_and_children_inherit_it():
     base = os.nice(0)
-    code = ("import os, subprocess, sys; from comap_async.priority import lower_priority; lower_priority(3); "
-            "print(subprocess.run([sys.executable, '-c', 'import os; print(os.nice(0))'], capture_output=True, "
-            "text=True).stdout.strip())")
+    code = (
+        "import os, subprocess, sys; from comap_async.priority import lower_priority; lower_priority(3); "
+        "print(subprocess.run([sys.executable, '-c', 'import os; print(os.nice(0))'], capture_output=True, "
+        "text=True).stdout.strip())"
+    )
     assert _niceness_after(code) == min(19, base + 3)
 
 

@@ -25,8 +25,8 @@ def lines(*overrides: str) -> dict[str, tuple[dict[str, str], list[str]]]:
     for line in render(plan(cfg), QWEN, list(overrides)).splitlines():
         name, rest = line.split(": ", 1)
         words = shlex.split(rest)
-        env = dict(w.split("=", 1) for w in words[:words.index("exec")])
-        out[name] = (env, words[words.index("exec") + 1:])
+        env = dict(w.split("=", 1) for w in words[: words.index("exec")])
+        out[name] = (env, words[words.index("exec") + 1 :])
     return out
 
 
@@ -88,22 +88,40 @@ def test_several_learner_gpus_are_torchrun_ranks():
     assert argv[6] == "learner"
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["inference.gpus=[]"], "inference.gpus is empty"),
-    (["inference.gpus=[0,0]"], "twice"),
-    (["inference.gpus=[0,1,2]", "inference.tensor_parallel=2"], "not a multiple"),
-    (["inference.gpus=[0]", "inference.backend=embedded"], "inference.backend: vllm"),
-    (["inference.gpus=[0]", "learner.gpus=[1]", "learner.device=cpu"], "learner.device: cuda"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["inference.gpus=[]"], "inference.gpus is empty"),
+        (["inference.gpus=[0,0]"], "twice"),
+        (["inference.gpus=[0,1,2]", "inference.tensor_parallel=2"], "not a multiple"),
+        (["inference.gpus=[0]", "inference.backend=embedded"], "inference.backend: vllm"),
+        (["inference.gpus=[0]", "learner.gpus=[1]", "learner.device=cpu"], "learner.device: cuda"),
+    ],
+)
 def test_a_plan_that_cannot_run_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         plan(load_config(QWEN, overrides))
 
 
 def test_the_command_prints_it_or_one_error_line():
-    out = subprocess.run([sys.executable, "-m", "comap_async", "procfile", "--config", QWEN,
-                          "--set", "inference.gpus=[0,1,2]", "--set", "learner.gpus=[3]"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "comap_async",
+            "procfile",
+            "--config",
+            QWEN,
+            "--set",
+            "inference.gpus=[0,1,2]",
+            "--set",
+            "learner.gpus=[3]",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("\n") == 7 and "inference2: CUDA_VISIBLE_DEVICES=2" in out.stdout
     out = subprocess.run(

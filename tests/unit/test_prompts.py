@@ -19,8 +19,11 @@ from comap_async.prompts import (
 
 
 def test_render_state_keeps_last_k_and_admissible():
-    hist = [("go to desk 1", "You arrive at desk 1."), ("open drawer 1", "You open the drawer 1."),
-            ("look", "You are facing the drawer 1.")]
+    hist = [
+        ("go to desk 1", "You arrive at desk 1."),
+        ("open drawer 1", "You open the drawer 1."),
+        ("look", "You are facing the drawer 1."),
+    ]
     s = render_state("put a pen in drawer.", hist, "Nothing happens.", ["look", "inventory"], k=2)
     assert "go to desk 1" not in s and "open drawer 1" in s and "look" in s
     assert s.startswith("Task: put a pen in drawer.") and "Admissible commands: look, inventory" in s
@@ -86,8 +89,11 @@ def test_chat_template_matches_transformers(tiny_model_dir):
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     chat = ChatTemplate.from_model_dir(tiny_model_dir)
-    for msgs in (prompts.draft_messages("Task: x"), prompts.teacher_messages("s", "a", "real"),
-                 [{"role": "user", "content": "no system message"}]):
+    for msgs in (
+        prompts.draft_messages("Task: x"),
+        prompts.teacher_messages("s", "a", "real"),
+        [{"role": "user", "content": "no system message"}],
+    ):
         assert chat.render(msgs) == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     p = Prompts(chat)
     assert p.reflect("s", "go to desk 1", "You arrive.").endswith("<|im_start|>assistant\nDecision:")

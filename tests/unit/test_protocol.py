@@ -18,20 +18,55 @@ N_FUZZ = 12_000
 
 def _valid_messages() -> list[dict]:
     """Wire maps of every message type."""
-    return [as_map(m) if not isinstance(m, dict) else m for m in [
-        transition(3),
-        transition(4, expert_action=None, decision="REVISE", phase="warmup"),
-        make("episode", seq=1, id="a:e", actor="a", env="alfworld", game="g", split="train", phase="coevolve",
-             eval=False, steps=7, won=True, reward=1.0, policy_version=2, wm_version=2, wall_s=3.5, ts=1.0,
-             metrics={"revision_rate": 0.25}),
-        make("reflection", seq=2, id="r", actor="a", game="g", s="s", a_draft="x", s_bar="y", target="z", y=1,
-             policy_version=0, wm_version=0, ts=0.0, label="expert_better"),
-        make("ack", seq=9, ok=True, error=None, registry=protocol.empty_registry()),
-        make("sample", req=1, store="demos", n=8, seed=3),
-        make("batch", req=1, store="demos", items=[{"s": "x", "target": "y"}], stale_skipped=0, available=1),
-        make("announce", req=2, phase="coevolve", versions={"policy": 3}, adapters={"policy": "policy-v3"}, step=10),
-        make("reply", req=2, ok=False, error="nope", data={}),
-    ]]
+    return [
+        as_map(m) if not isinstance(m, dict) else m
+        for m in [
+            transition(3),
+            transition(4, expert_action=None, decision="REVISE", phase="warmup"),
+            make(
+                "episode",
+                seq=1,
+                id="a:e",
+                actor="a",
+                env="alfworld",
+                game="g",
+                split="train",
+                phase="coevolve",
+                eval=False,
+                steps=7,
+                won=True,
+                reward=1.0,
+                policy_version=2,
+                wm_version=2,
+                wall_s=3.5,
+                ts=1.0,
+                metrics={"revision_rate": 0.25},
+            ),
+            make(
+                "reflection",
+                seq=2,
+                id="r",
+                actor="a",
+                game="g",
+                s="s",
+                a_draft="x",
+                s_bar="y",
+                target="z",
+                y=1,
+                policy_version=0,
+                wm_version=0,
+                ts=0.0,
+                label="expert_better",
+            ),
+            make("ack", seq=9, ok=True, error=None, registry=protocol.empty_registry()),
+            make("sample", req=1, store="demos", n=8, seed=3),
+            make("batch", req=1, store="demos", items=[{"s": "x", "target": "y"}], stale_skipped=0, available=1),
+            make(
+                "announce", req=2, phase="coevolve", versions={"policy": 3}, adapters={"policy": "policy-v3"}, step=10
+            ),
+            make("reply", req=2, ok=False, error="nope", data={}),
+        ]
+    ]
 
 
 def _mutate(data: bytes, rng: random.Random) -> bytes:
@@ -47,7 +82,7 @@ def _mutate(data: bytes, rng: random.Random) -> bytes:
         b[pos:pos] = rng.randbytes(rng.randint(1, 16))
     elif op == 3:  # duplicate a slice
         i = rng.randrange(len(b) + 1)
-        b += b[i: i + rng.randint(1, 32)]
+        b += b[i : i + rng.randint(1, 32)]
     elif op == 4 and b:  # overwrite a byte with a msgpack type marker
         b[rng.randrange(len(b))] = rng.choice([0xC0, 0xC1, 0xC4, 0xD9, 0xDC, 0xDE, 0xDF, 0xCB, 0x80, 0x90])
     else:  # append trailing data
@@ -121,8 +156,13 @@ text = st.text(max_size=200)
 
 @settings(max_examples=300, deadline=None)
 @given(
-    s=text, a=text, p=st.floats(0, 1), q=st.floats(0, 1), t=st.integers(0, 10_000),
-    expert=st.one_of(st.none(), text), done=st.booleans(),
+    s=text,
+    a=text,
+    p=st.floats(0, 1),
+    q=st.floats(0, 1),
+    t=st.integers(0, 10_000),
+    expert=st.one_of(st.none(), text),
+    done=st.booleans(),
 )
 def test_property_transitions_round_trip(s, a, p, q, t, expert, done):
     msg = transition(t, s=s, a_draft=a, p_revise=p, q_ref=q, expert_action=expert, done=done)

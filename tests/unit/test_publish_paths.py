@@ -15,8 +15,17 @@ async def test_relative_run_dir_publishes_absolute_paths(tiny_model_dir, tmp_pat
     assert cfg.adapter_root.is_absolute() and cfg.adapter_root == (tmp_path / "runs" / "x" / "adapters")
     trainer = make_trainer(tiny_model_dir)
     rec = RecordingEndpoint()
-    await publish_adapters(trainer.model, 1, "coevolve", 5, root=cfg.adapter_root, inference=rec,
-                           endpoints=["http://e"], broker=rec, log=QuietLog())
+    await publish_adapters(
+        trainer.model,
+        1,
+        "coevolve",
+        5,
+        root=cfg.adapter_root,
+        inference=rec,
+        endpoints=["http://e"],
+        broker=rec,
+        log=QuietLog(),
+    )
     assert [n for n, _, _ in rec.loads] == ["policy-v1", "wm-v1", "wm_teacher-v1"]
     for _, path, inplace in rec.loads:
         assert os.path.isabs(path) and os.path.isfile(os.path.join(path, "adapter_model.safetensors"))
@@ -32,8 +41,18 @@ async def test_every_published_version_records_its_ablation(tiny_model_dir, tmp_
     trainer = make_trainer(tiny_model_dir)
     rec = RecordingEndpoint()
     for version, ablation in ((1, None), (2, ["frozen_wm"])):
-        await publish_adapters(trainer.model, version, "coevolve", 5 * version, root=tmp_path, inference=rec,
-                               endpoints=["http://e"], broker=rec, log=QuietLog(), ablation=ablation)
+        await publish_adapters(
+            trainer.model,
+            version,
+            "coevolve",
+            5 * version,
+            root=tmp_path,
+            inference=rec,
+            endpoints=["http://e"],
+            broker=rec,
+            log=QuietLog(),
+            ablation=ablation,
+        )
         for role in ("policy", "wm", "wm_teacher"):
             meta = json.loads((tmp_path / f"{role}-v{version}" / VERSION_META).read_text())
             assert meta == {"version": version, "phase": "coevolve", "step": 5 * version, "ablation": ablation or []}

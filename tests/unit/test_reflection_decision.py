@@ -30,8 +30,18 @@ class ScriptedClient:
     async def complete(self, **kw):
         self.calls.append(kw)
         text, tokens, lps, top = self.answers.pop(0)
-        return {"choices": [{"text": text, "logprobs": {"tokens": tokens, "token_logprobs": lps,
-                                                        "top_logprobs": [top] + [{}] * (len(tokens) - 1)}}]}
+        return {
+            "choices": [
+                {
+                    "text": text,
+                    "logprobs": {
+                        "tokens": tokens,
+                        "token_logprobs": lps,
+                        "top_logprobs": [top] + [{}] * (len(tokens) - 1),
+                    },
+                }
+            ]
+        }
 
 
 def make_llm(client) -> AgentLLM:

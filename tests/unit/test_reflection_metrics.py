@@ -61,9 +61,17 @@ def test_degenerate_cases_give_zero_not_errors():
 
 
 def test_markdown_shows_the_reflection_table_only_when_measured():
-    report = {"split": "valid_seen", "adapter_version": 2, "games": 1, "success_rate": 1.0, "mean_steps": 3.0,
-              "delta_f1": None, "revision_rate": 0.5, "invalid_action_rate": 0.0,
-              "episodes": [{"game": "g", "won": True, "steps": 3, "revisions": 1}]}
+    report = {
+        "split": "valid_seen",
+        "adapter_version": 2,
+        "games": 1,
+        "success_rate": 1.0,
+        "mean_steps": 3.0,
+        "delta_f1": None,
+        "revision_rate": 0.5,
+        "invalid_action_rate": 0.0,
+        "episodes": [{"game": "g", "won": True, "steps": 3, "revisions": 1}],
+    }
     assert "URR" not in markdown(report)
     report["reflection"] = reflection_summary([(1, 0, 1), (0, 1, 1)], max_steps=50)
     assert report["reflection"]["sum_m_not_z_draft_z_ref"] == 1 and report["reflection"]["branch_max_steps"] == 50

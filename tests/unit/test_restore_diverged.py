@@ -81,14 +81,24 @@ def test_warmup_skips_the_exploration_of_a_diverged_restore_and_keeps_the_episod
         sent.append(msg)
 
     ctx = EpisodeContext("a", cfg, None, emit, lambda state, text: frozenset({text}), Registry)
-    stats = asyncio.run(play_expert(ctx, AsyncScripted(ScriptedEnv(wins_at=4)), Game(), "a:e1",
-                                    branch=AsyncScripted(ScriptedEnv(wins_at=4), diverges=True)))
+    stats = asyncio.run(
+        play_expert(
+            ctx,
+            AsyncScripted(ScriptedEnv(wins_at=4)),
+            Game(),
+            "a:e1",
+            branch=AsyncScripted(ScriptedEnv(wins_at=4), diverges=True),
+        )
+    )
     transitions = [m for m in sent if type(m).__name__ == "Transition"]
     assert stats.won and stats.steps == 4 and stats.restore_diverged == 4
     assert [t.a_exec for t in transitions] == PLAN and not any(t.explore for t in transitions)
     assert stats.metrics()["restore_diverged"] == 4.0
     # the same episode with a faithful branch explores at every step
     sent.clear()
-    stats = asyncio.run(play_expert(ctx, AsyncScripted(ScriptedEnv(wins_at=4)), Game(), "a:e1",
-                                    branch=AsyncScripted(ScriptedEnv(wins_at=9))))
+    stats = asyncio.run(
+        play_expert(
+            ctx, AsyncScripted(ScriptedEnv(wins_at=4)), Game(), "a:e1", branch=AsyncScripted(ScriptedEnv(wins_at=9))
+        )
+    )
     assert stats.restore_diverged == 0 and sum(bool(m.explore) for m in sent if hasattr(m, "explore")) == 4

@@ -198,7 +198,12 @@ async def test_load_everywhere_does_not_nest_retries(monkeypatch, sleeps, tmp_pa
     assert calls == {"http://a": 3, "http://b": 3}
     assert sleeps == pytest.approx([0.5, 0.75, 0.5, 0.75])  # per endpoint: one wait between its tries
     assert [(w["endpoint"], w["attempt"]) for w in log.warnings] == [
-        ("http://a", 1), ("http://a", 2), ("http://b", 1), ("http://b", 2), ("http://b", 3)]
+        ("http://a", 1),
+        ("http://a", 2),
+        ("http://b", 1),
+        ("http://b", 2),
+        ("http://b", 3),
+    ]
     await client.close()
 
 
@@ -216,8 +221,10 @@ async def test_load_everywhere_with_a_retry_count(monkeypatch, sleeps, tmp_path)
 def test_a_process_still_starting_is_a_wait_not_a_failure():
     from comap_async.waiting import waiting_reason
 
-    refused = RuntimeError("GET /v1/models failed after 6 attempts: http://127.0.0.1:8000: ConnectionError: cannot "
-                           "connect to 127.0.0.1:8000: [Errno 111] Connection refused")
+    refused = RuntimeError(
+        "GET /v1/models failed after 6 attempts: http://127.0.0.1:8000: ConnectionError: cannot "
+        "connect to 127.0.0.1:8000: [Errno 111] Connection refused"
+    )
     assert waiting_reason(refused) == "not accepting connections yet (still starting?)"
     assert waiting_reason(ConnectionRefusedError()) == "not accepting connections yet (still starting?)"
     assert waiting_reason(RuntimeError("HTTP 500: boom")) == "HTTP 500: boom"  # anything else is quoted

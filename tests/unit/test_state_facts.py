@@ -72,8 +72,10 @@ def test_take_and_put():
 def test_a_listing_replaces_the_remembered_contents():
     later = next_state(BEFORE, "You arrive at countertop 1. On the countertop 1, you see a mug 1.")
     assert "in(apple 1, countertop 1)" not in later and "in(mug 1, countertop 1)" in later
-    opened = next_state(next_state(BEFORE, "You arrive at drawer 1. The drawer 1 is closed."),
-                        "You open the drawer 1. The drawer 1 is open. In it, you see nothing.")
+    opened = next_state(
+        next_state(BEFORE, "You arrive at drawer 1. The drawer 1 is closed."),
+        "You open the drawer 1. The drawer 1 is open. In it, you see nothing.",
+    )
     assert {"open(drawer 1)", "empty(drawer 1)"} <= opened and "closed(drawer 1)" not in opened
 
 
@@ -97,8 +99,16 @@ def test_revised_step_reflects_on_the_drafts_imagined_state():
     """Revised: the real next state and the executed action's predictions describe the refined
     action, so s̄ is the student's prediction for the draft, whatever the world-state gate says."""
     for teacher in (PICK, "Nothing happens."):  # gate open (agreement), gate closed
-        tr = _step(decision="REVISE", a_ref="take apple 1 from countertop 1", p_revise=0.9, q_ref=0.9,
-                   a_exec="take apple 1 from countertop 1", s_hat_exec=PICK, s_hat_teacher=teacher, s_next=PICK)
+        tr = _step(
+            decision="REVISE",
+            a_ref="take apple 1 from countertop 1",
+            p_revise=0.9,
+            q_ref=0.9,
+            a_exec="take apple 1 from countertop 1",
+            s_hat_exec=PICK,
+            s_hat_teacher=teacher,
+            s_next=PICK,
+        )
         d = derive_policy_sample(validate(tr), next_state)
         assert d.s_bar == DRAFT_IMAGINED and d.y == 1 and d.target == "take apple 1 from countertop 1"
         assert d.ws_imagined == (teacher == PICK)  # the gate's score is still on the executed action

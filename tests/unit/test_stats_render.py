@@ -6,9 +6,14 @@ from comap_async.commands.stats import eval_points, render, summarize
 
 
 def _stats(learner: dict) -> dict:
-    return {"registry": {"phase": "coevolve", "versions": {"policy": 2}, "step": 40},
-            "stores": {"transitions": {"count": 3, "capacity": 10, "evicted": 0}},
-            "ingest": {"rate_per_s": 1.5}, "gates": {}, "stale_skipped": {}, "learner": learner}
+    return {
+        "registry": {"phase": "coevolve", "versions": {"policy": 2}, "step": 40},
+        "stores": {"transitions": {"count": 3, "capacity": 10, "evicted": 0}},
+        "ingest": {"rate_per_s": 1.5},
+        "gates": {},
+        "stale_skipped": {},
+        "learner": learner,
+    }
 
 
 def test_learner_scalars_are_shown_in_order():
@@ -23,8 +28,10 @@ def test_no_publish_yet_says_so():
 
 
 def test_reflect_init_label_distribution_is_shown():
-    stats = {**_stats({"policy/revise_label_share": 0.4}),
-             "reflect_init_labels": {"expert_better": 6, "equal_draft": 3, "not_better": 1}}
+    stats = {
+        **_stats({"policy/revise_label_share": 0.4}),
+        "reflect_init_labels": {"expert_better": 6, "equal_draft": 3, "not_better": 1},
+    }
     text = render(summarize(stats, [], []))
     line = next(x for x in text.splitlines() if x.startswith("reflect_init "))
     assert (

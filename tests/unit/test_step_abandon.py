@@ -25,8 +25,12 @@ async def test_abandoned_step_hands_back_its_error_without_a_callback_error():
     errors: list[dict] = []
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
-    fake = SimpleNamespace(trainer=AbortableTrainer(), stop=asyncio.Event(), step_thread=None,
-                           log=SimpleNamespace(info=lambda *a, **k: None))
+    fake = SimpleNamespace(
+        trainer=AbortableTrainer(),
+        stop=asyncio.Event(),
+        step_thread=None,
+        log=SimpleNamespace(info=lambda *a, **k: None),
+    )
     task = asyncio.ensure_future(Learner._step_or_stop(fake, []))
     await asyncio.sleep(0.05)
     fake.stop.set()

@@ -13,9 +13,11 @@ LOSSES = ("wm/ce", "wm/kl", "policy/draft_ce", "policy/reflect_ce", "policy/bce"
 
 
 def fixed_batch():
-    return {"transitions": [wm_record(i, rollout="You arrive at fridge 1. The fridge 1 is open.") for i in range(2)],
-            "demos": [demo_record(i) for i in range(2)],
-            "reflections": [reflection_record(1), reflection_record(0)]}
+    return {
+        "transitions": [wm_record(i, rollout="You arrive at fridge 1. The fridge 1 is open.") for i in range(2)],
+        "demos": [demo_record(i) for i in range(2)],
+        "reflections": [reflection_record(1), reflection_record(0)],
+    }
 
 
 def test_each_loss_falls_by_half(tiny_model_dir):
@@ -86,8 +88,11 @@ def test_padded_batch_losses_equal_per_sequence_losses(tiny_model_dir):
 
     trainer = make_trainer(tiny_model_dir)
     model, enc = trainer.model, trainer.encoder
-    seqs = [enc.draft(demo_record(0)), enc.draft({"s": "Task: short.", "target": "look"}),
-            enc.reflection(reflection_record(1))]
+    seqs = [
+        enc.draft(demo_record(0)),
+        enc.draft({"s": "Task: short.", "target": "look"}),
+        enc.reflection(reflection_record(1)),
+    ]
     assert len({len(s.ids) for s in seqs}) == 3
     from learner.peft_model import activate
 
@@ -102,7 +107,7 @@ def test_padded_batch_losses_equal_per_sequence_losses(tiny_model_dir):
             ids = torch.tensor([s.ids])
             full = model(input_ids=ids).logits
             labels = torch.full_like(ids, -100)
-            labels[0, s.start: s.start + s.n_target] = ids[0, s.start: s.start + s.n_target]
+            labels[0, s.start : s.start + s.n_target] = ids[0, s.start : s.start + s.n_target]
             total += losses.masked_token_ce(full, labels).item() * s.n_target
             count += s.n_target
     assert abs(batched - total / count) < 1e-4
@@ -157,7 +162,7 @@ def test_truncated_prompts_are_counted_per_step(tiny_model_dir):
     from learner.batches import KEEP_HEAD
 
     head = min(KEEP_HEAD, (256 - seq.n_target) // 2)
-    assert seq.ids[:head] == full[:head] and seq.ids[head:seq.start] == full[len(full) - (seq.start - head):]
+    assert seq.ids[:head] == full[:head] and seq.ids[head : seq.start] == full[len(full) - (seq.start - head) :]
 
 
 def test_change_token_nll_counts_only_tokens_new_to_the_previous_observation(tiny_model_dir):
@@ -172,7 +177,7 @@ def test_change_token_nll_counts_only_tokens_new_to_the_previous_observation(tin
     enc = trainer.encoder
     rec = {**wm_record(0), "o": "You arrive at countertop 1. On the countertop 1, you see a mug 1."}
     seq = enc.world_model_ce(rec)
-    target = seq.ids[seq.start: seq.start + seq.n_target]
+    target = seq.ids[seq.start : seq.start + seq.n_target]
     before = set(enc._ids(rec["o"]))
     assert seq.change == [t not in before and t != enc.tokenizer.eos_token_id for t in target]
     assert 0 < sum(seq.change) < len(target)  # "arrive at" is shared, "fridge ... closed" is new
@@ -180,8 +185,9 @@ def test_change_token_nll_counts_only_tokens_new_to_the_previous_observation(tin
     activate(trainer.model, "wm", trainable=False)
     with torch.no_grad():
         logits, win = trainer._logits(collate([seq], trainer.pad_id))
-        per_token = torch.nn.functional.cross_entropy(logits[0, :-1].float(), win["labels"][0, 1:].clamp(min=0),
-                                                      reduction="none")
+        per_token = torch.nn.functional.cross_entropy(
+            logits[0, :-1].float(), win["labels"][0, 1:].clamp(min=0), reduction="none"
+        )
         targets = win["labels"][0, 1:] != losses.IGNORE
         flags = torch.zeros_like(targets)
         flags[targets] = torch.tensor(seq.change)

@@ -58,8 +58,9 @@ async def test_wait_until_answers_gives_up_on_its_time_limit_or_a_gone_process()
         await wait_until_answers("x", refused, log, asyncio.Event(), "t.waiting", poll_s=0.01, timeout_s=0.05)
     assert lines and lines[0] == ("t.waiting", {"target": "x", "reason": "refused"})
     with pytest.raises(WaitAbandoned, match="exited with code 3"):
-        await wait_until_answers("x", refused, log, asyncio.Event(), "t.waiting", poll_s=0.01,
-                                 gone=lambda: "exited with code 3")
+        await wait_until_answers(
+            "x", refused, log, asyncio.Event(), "t.waiting", poll_s=0.01, gone=lambda: "exited with code 3"
+        )
     answers = iter([ConnectionError("not yet"), "ok"])
 
     async def later():

@@ -15,8 +15,19 @@ from comap_async.wire.protocol import validate
 from tests.fixtures.broker import make_transition
 
 # admissible commands of a real ALFWorld state (at desk 1, the alarm clock in hand)
-AT_DESK = ("examine alarmclock 2", "examine desk 1", "go to bed 1", "go to drawer 1", "go to desk 1", "help",
-           "inventory", "look", "move alarmclock 2 to desk 1", "take pen 1 from desk 1", "use desklamp 1")
+AT_DESK = (
+    "examine alarmclock 2",
+    "examine desk 1",
+    "go to bed 1",
+    "go to drawer 1",
+    "go to desk 1",
+    "help",
+    "inventory",
+    "look",
+    "move alarmclock 2 to desk 1",
+    "take pen 1 from desk 1",
+    "use desklamp 1",
+)
 START = ("go to bed 1", "go to desk 1", "go to drawer 1", "help", "inventory", "look")
 
 
@@ -50,8 +61,16 @@ def test_explore_share_is_configurable_with_a_default():
 
 def test_broker_stores_an_explore_transition_for_the_world_model_only():
     ingest = Ingest(lambda *args: None, GateConfig())
-    tr = make_transition(3, phase="warmup", id="a0:ep0:3:x", explore=True, a_draft="open apple 1",
-                         a_ref="open apple 1", a_exec="open apple 1", s_next="Nothing happens.")
+    tr = make_transition(
+        3,
+        phase="warmup",
+        id="a0:ep0:3:x",
+        explore=True,
+        a_draft="open apple 1",
+        a_ref="open apple 1",
+        a_exec="open apple 1",
+        s_next="Nothing happens.",
+    )
     raw = msgpack.packb({**tr, "seq": 1})
     item = ingest.prepare(validate({**tr, "seq": 1}), raw)
     assert [store for store, _ in item.records] == ["transitions"] and dict(item.records)["transitions"] == raw
