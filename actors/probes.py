@@ -90,8 +90,14 @@ def summarize_reflections(walk: Sequence[ProbeRow]) -> dict[str, Any]:
     reasons: dict[str, int] = {}
     for r in reflected:
         reasons[r.gate_reason] = reasons.get(r.gate_reason, 0) + 1
-    p_wrong = _mean([r.p_revise for r in reflected if r.p_revise is not None and not r.draft_match])
-    p_right = _mean([r.p_revise for r in reflected if r.p_revise is not None and r.draft_match])
+    read = [r for r in reflected if r.p_revise is not None]
+    right = [r.p_revise for r in read if r.draft_match]
+    wrong = [r for r in read if not r.draft_match]
+    # a wrong draft the game would refuse ("Nothing happens.") is one the imagined future can show
+    # as wrong; an admissible wrong one (another receptacle) looks like progress in imagination too
+    refused = [r.p_revise for r in wrong if not r.draft_admissible]
+    admitted = [r.p_revise for r in wrong if r.draft_admissible]
+    p_wrong, p_right = _mean([r.p_revise for r in wrong]), _mean(right)
     return {
         "reflections": len(reflected),
         "reflection_problem_rate": _mean([float(bool(r.reflection_problem)) for r in reflected]),
@@ -101,6 +107,9 @@ def summarize_reflections(walk: Sequence[ProbeRow]) -> dict[str, Any]:
         "p_wrong_draft": p_wrong,
         "p_right_draft": p_right,
         "p_discrimination": None if p_wrong is None or p_right is None else p_wrong - p_right,
+        "p_wrong_inadmissible": _mean(refused),
+        "p_wrong_admissible": _mean(admitted),
+        "p_states": {"right": len(right), "wrong_inadmissible": len(refused), "wrong_admissible": len(admitted)},
     }
 
 

@@ -89,3 +89,8 @@ def test_reflection_figures_of_hand_made_rows():
     assert s["p_discrimination"] == pytest.approx(0.5)
     assert "p_discrimination=0.5000" in probe_line(s)
     assert summarize_probes(rows[4:])["p_discrimination"] is None  # needs both kinds of drafts
+    # the wrong drafts split by whether the game would accept them: the 0.7 one is inadmissible here
+    refused = ProbeRow("g", 3, "walkthrough", 1.0, False, False, 0.7, False, "low_confidence")
+    s = summarize_probes([*rows[:3], refused])
+    assert (s["p_wrong_inadmissible"], s["p_wrong_admissible"]) == (pytest.approx(0.7), pytest.approx(0.9))
+    assert s["p_states"] == {"right": 2, "wrong_inadmissible": 1, "wrong_admissible": 1}
