@@ -19,7 +19,7 @@ from actors.imagined import emit_imagined
 from comap_async.diagnostics import branch_outcome, loop_steps, reflection_label
 from comap_async.envs.base import RestoreDiverged
 from comap_async.facts import Facts, NextState, state_delta_f1
-from comap_async.gates import ActionGateResult, action_gate, canonical_action, ungated_action
+from comap_async.method.gates import canonical_action, gate_reflection
 from comap_async.prompts import render_state
 from comap_async.wire.messages import (
     COEVOLVE,
@@ -472,16 +472,6 @@ async def avoid_repeat(ctx: EpisodeContext, ep: Episode, state: str, action: str
             ep.stats.guarded += 1
             return other
     return action
-
-
-def gate_reflection(cfg: Any, refl: Any, a_draft: str) -> ActionGateResult:
-    """The action gate on one reflection (:class:`actors.llm.Reflected`): closed when it could not be
-    read; under the ablation ``no_action_gate`` open for any different action; else CoMap's gate."""
-    if not refl.readable:
-        return ActionGateResult(False, "unreadable")
-    if cfg.ablation.no_action_gate:
-        return ungated_action(refl.a_ref, a_draft)
-    return action_gate(refl.p_revise, refl.q_ref, refl.a_ref, a_draft, cfg.gates.tau_p, cfg.gates.tau_q)
 
 
 async def _teach_and_emit(ctx: EpisodeContext, transition: Transition) -> None:

@@ -12,7 +12,7 @@ import random
 import re
 from collections.abc import Sequence
 
-from comap_async.gates import canonical_action
+from comap_async.method.gates import canonical_action
 
 _ENTITY = re.compile(r"[a-z][a-z]* \d+")
 _TAKE = re.compile(r"^take (?P<obj>.+?) from (?P<rec>.+)$")

@@ -24,7 +24,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from comap_async.gates import canonical_action
+from comap_async.method.gates import canonical_action
 from comap_async.prompts import render_state
 
 

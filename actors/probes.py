@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from comap_async.gates import canonical_action
+from comap_async.method.gates import canonical_action
 from comap_async.wire.messages import Registry
 
 
@@ -130,9 +130,10 @@ def probe_line(probes: dict[str, Any]) -> str:
 async def probe_game(ctx: Any, env: Any, branch: Any, game: Any, failures: int, seed: int) -> list[ProbeRow]:
     """The probes of one game: every walkthrough state, plus ``failures`` seeded failure transitions
     (executed on ``branch``, restored to the walkthrough state by replay)."""
-    from actors.episodes import Episode, gate_reflection
+    from actors.episodes import Episode
     from actors.explore import explore_action
     from comap_async.facts import state_delta_f1
+    from comap_async.method.gates import gate_reflection
 
     llm = ctx.llm
     ep = Episode(ctx, game, f"probe:{game.name}", await env.reset(game))

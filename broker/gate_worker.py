@@ -19,6 +19,7 @@ still needs them while it drains) and exit when told to, or when the broker proc
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import shutil
@@ -35,8 +36,8 @@ import zmq
 from broker.counters import reject_category
 from broker.ingest import Ingest, best_effort_int, load_next_state
 from broker.store import WriteItem
-from comap_async.config import GateConfig
 from comap_async.gctune import tune_gc_for_throughput
+from comap_async.method.gates import SampleRule
 from comap_async.wire.messages import ACTOR_TYPES
 from comap_async.wire.protocol import ProtocolError, decode, error_reason, message_type
 
@@ -167,17 +168,15 @@ def worker_main(
     endpoint: str,
     env_name: str,
     parser_override: str | None,
-    gates: dict[str, Any],
+    rule: dict[str, Any],
     max_bytes: int,
     learner_port: int,
     parent_pid: int,
-    future_state: str = "gate",
-    action_gated: bool = True,
 ) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
-    ingest = Ingest(load_next_state(env_name, parser_override), GateConfig(**gates), future_state, action_gated)
+    ingest = Ingest(load_next_state(env_name, parser_override), SampleRule(**rule))
     pack = msgpack.Packer(use_bin_type=True).pack
     ctx = zmq.Context(1)
     sock = ctx.socket(zmq.PAIR)
@@ -381,7 +380,5 @@ def pool_spec(cfg: Any, env_name: str, parser_override: str | None) -> dict[str,
     return {
         "env_name": env_name,
         "parser_override": parser_override,
-        "gates": cfg.gates.model_dump(),
-        "future_state": cfg.ablation.future_state,
-        "action_gated": not cfg.ablation.no_action_gate,
+        "rule": dataclasses.asdict(SampleRule.from_config(cfg)),
     }

@@ -7,7 +7,7 @@ Per message type:
   real transitions) and ``(s, expert action)`` to ``demos``; an ``explore`` transition (a
   non-expert action, for the world model to see failures) goes to ``transitions`` only.
 * ``transition`` in ``reflect_init``/``coevolve``: the raw transition goes to ``transitions`` and
-  the gated policy sample of :func:`comap_async.gates.derive_policy_sample` to ``reflections``;
+  the gated policy sample of :func:`comap_async.method.gates.derive_policy_sample` to ``reflections``;
   a transition whose reflection was unreadable (``reflection_readable`` false) derives no sample.
 * ``reflection`` (suffix-labelled in ``reflect_init``): to ``reflections`` as sent.
 * ``episode``: to ``episodes``.
@@ -26,9 +26,8 @@ import msgpack
 import msgspec
 
 from broker.store import WriteItem
-from comap_async.config import GateConfig
 from comap_async.facts import Facts
-from comap_async.gates import derive_policy_sample
+from comap_async.method.gates import SampleRule
 from comap_async.wire.messages import WARMUP, Demo, Episode, Imagined, Message, Reflection, Registry, Transition
 
 NextState = Callable[["Facts", str], "Facts | None"]
@@ -99,14 +98,11 @@ def strip_envelope(msg: Message) -> dict[str, Any]:
 class Ingest:
     """Turns validated actor messages into :class:`WriteItem`s (pure apart from counters)."""
 
-    def __init__(
-        self, next_state: NextState, gates: GateConfig, future_state: str = "gate", action_gated: bool = True
-    ) -> None:
-        """``future_state``: how ``s̄`` is chosen (``AblationConfig.future_state``; ``gate`` for CoMap);
-        ``action_gated``: False under ``ablation.no_action_gate``."""
+    def __init__(self, next_state: NextState, rule: SampleRule | None = None) -> None:
+        """``rule``: the gates' thresholds and ablations (:class:`~comap_async.method.gates.SampleRule`,
+        from the config; the default is CoMap's)."""
         self.parser = SafeStateFacts(next_state)
-        self.gates = gates
-        self.future_state, self.action_gated = future_state, action_gated
+        self.rule = rule or SampleRule()
         self._pack = msgspec.msgpack.Encoder().encode
 
     def prepare(self, msg: Message, raw: bytes) -> WriteItem:
@@ -161,17 +157,7 @@ class Ingest:
             return WriteItem(
                 key, [("transitions", raw)], {"stored_transitions": 1, "gate_ag_total": 1, "gate_ag_unreadable": 1}
             )
-        g = self.gates
-        sample = derive_policy_sample(
-            tr,
-            self.parser,
-            g.tau_p,
-            g.tau_q,
-            g.tau_ws,
-            readable=self.parser.readable,
-            future_state=self.future_state,
-            action_gated=self.action_gated,
-        )
+        sample = self.rule.derive(tr, self.parser, readable=self.parser.readable)
         counters = {
             "stored_transitions": 1,
             "stored_derived": 1,

@@ -23,6 +23,7 @@ from broker.gate_worker import GatePool
 from broker.ingest import Ingest, NextState, best_effort_int, checked_registry
 from broker.store import EVAL_KEY, ReplayStore, StoreRefused
 from comap_async.config import CoMapConfig
+from comap_async.method.gates import SampleRule
 from comap_async.waiting import cancel_and_wait
 from comap_async.wire.curve import ServerKeys
 from comap_async.wire.messages import (
@@ -83,7 +84,7 @@ class Broker:
             map_size_mb=b.map_size_mb,
             max_map_size_mb=b.max_map_size_mb,
         )
-        self.ingest = Ingest(next_state, cfg.gates, cfg.ablation.future_state, not cfg.ablation.no_action_gate)
+        self.ingest = Ingest(next_state, SampleRule.from_config(cfg))
         self.live = LiveStats(self.store.state["counters"])
         self.live.note_stored_total(stored_total(self.store.state["counters"]))
         self.gate_spec = gate_spec

@@ -560,11 +560,6 @@ class AblationConfig(_Section):
         """The switched-on ablations, by name ([] for CoMap itself)."""
         return [name for name, on in self.model_dump().items() if on]
 
-    @property
-    def future_state(self) -> Literal["gate", "real", "imagined"]:
-        """How ``s̄`` is chosen: by the world-state gate, or always real / always imagined."""
-        return "real" if self.no_ws_gate_real else "imagined" if self.no_ws_gate_imagined else "gate"
-
 
 EvalMethod = Literal["comap", "react", "imagine_and_act", "draft_only", "lookahead"]
 """How an evaluated agent acts (``actors/eval_methods.py``): ``comap`` (draft, imagine, reflect,

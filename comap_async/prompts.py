@@ -363,9 +363,11 @@ class Prompts:
         critic_answer: DecisionTokens | None = None,
     ) -> "Prompts":
         """The prompts a run uses: its environment's wording, its ablation's reflection prompt."""
+        from comap_async.method.routing import reflection_shows_future
+
         return cls(
             chat,
-            future_state=not cfg.ablation.no_future_state,
+            future_state=reflection_shows_future(cfg.ablation),
             wording=wording_for(cfg.env.name),
             decision=decision,
             critic_answer=critic_answer,

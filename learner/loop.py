@@ -21,85 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from comap_async.config import CoMapConfig
+from comap_async.method.routing import (
+    PHASE_REQUIRES,
+    after_warmup,
+    first_phase,
+    phase_stores,
+    store_requests,
+    world_model_frozen,
+)
 from comap_async.run_files import write_run_ablation
 from comap_async.waiting import cancel_and_wait, until_stopped, wait_until_answers
 from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
-
-PHASE_STORES = {
-    WARMUP: ("demos", "transitions"),
-    # the paper's reflection-mode initialisation trains the policy's reflection mode (the draft's
-    # demonstrations stay as its anchor); the world model rests until co-evolution, so a step's
-    # time goes to reflection samples (docs/running.md, "The reflection loop on the CPU default")
-    REFLECT_INIT: ("demos", "reflections"),
-    COEVOLVE: ("demos", "transitions", "reflections"),
-}
-# The store a micro-batch of a phase cannot do without: warm-up is SFT on demonstrations, and a
-# reflection-initialisation step without reflection samples trains nothing of the reflection mode.
-PHASE_REQUIRES = {WARMUP: "demos", REFLECT_INIT: "reflections"}
-# Which phases' items a store is sampled from, per phase (absent: any). Reflection-mode
-# initialisation trains on the suffix-labelled samples; co-evolution's world model on the policy's
-# own rollouts (the warm-up transitions come in only as ``learner.wm_anchor_share``).
-PHASE_FILTERS = {
-    (REFLECT_INIT, "reflections"): [REFLECT_INIT],
-    (COEVOLVE, "transitions"): [COEVOLVE],
-    (COEVOLVE, "reflections"): [COEVOLVE],
-}
-# ``coevolve`` mixes in items of an earlier phase, each with a configured probability: warm-up
-# transitions as the world model's anchor (``learner.wm_anchor_share``) and the suffix-labelled
-# reflection samples (``learner.reflect_init_share``).
-MIXED_IN = {"transitions": [WARMUP], "reflections": [REFLECT_INIT]}
-
-
-def phase_stores(phase: str, ablation: Any = None) -> tuple[str, ...]:
-    """The stores a micro-batch of ``phase`` samples, under ``ablation`` (an ``AblationConfig``):
-    ``no_wm_warmup`` and ``frozen_wm`` leave out the world model's transitions in warm-up and after
-    it respectively, ``no_expert_sft`` the demonstrations (the draft anchor) after warm-up."""
-    stores = PHASE_STORES[phase]
-    if ablation is None:
-        return stores
-    drop = set()
-    if (ablation.no_wm_warmup and phase == WARMUP) or (ablation.frozen_wm and phase != WARMUP):
-        drop.add("transitions")
-    if ablation.no_expert_sft and phase != WARMUP:
-        drop.add("demos")
-    return tuple(s for s in stores if s not in drop)
-
-
-def store_requests(
-    phase: str,
-    n: int,
-    shares: dict[str, float],
-    rng: random.Random,
-    ablation: Any = None,
-    sizes: dict[str, int] | None = None,
-) -> list[tuple[str, int, list[str] | None]]:
-    """The (store, n, phases) sample requests that make one micro-batch of ``phase``: ``n`` items of
-    each store, or ``sizes[store]`` where given.
-
-    In ``coevolve`` each of a store's ``n`` items comes from the earlier phase :data:`MIXED_IN`
-    names with probability ``shares[store]`` (so a small share still shows up at small batch
-    sizes), else from co-evolution itself.
-    """
-    reqs: list[tuple[str, int, list[str] | None]] = []
-    for store in phase_stores(phase, ablation):
-        n = (sizes or {}).get(store, n)
-        phases = PHASE_FILTERS.get((phase, store))
-        if store == "demos" and phase == COEVOLVE and shares.get("imagined", 0.0) > 0:
-            imagined = sum(rng.random() < shares["imagined"] for _ in range(n))
-            if imagined:  # the policy's own kept imagined steps stand in for demonstrations (draft loss only)
-                reqs.append(("imagined", imagined, None))
-            if n - imagined:
-                reqs.append((store, n - imagined, phases))
-            continue
-        mixed = 0
-        share = shares.get(store, 0.0) if phase == COEVOLVE else 0.0
-        if share > 0:
-            mixed = sum(rng.random() < share for _ in range(n))
-            if mixed:
-                reqs.append((store, mixed, MIXED_IN[store]))
-        if n - mixed:
-            reqs.append((store, n - mixed, phases))
-    return reqs
 
 
 @dataclass
@@ -217,7 +149,7 @@ class Learner:
             self.trainer.data_parallel = self.dp
             self.dp.sync_parameters([p for role in ROLES for _, p in adapter_parameters(model, role)])
             self.log = log.bind(rank=self.dp.rank)
-        first = WARMUP if lc.warmup_steps > 0 else COEVOLVE if cfg.ablation.no_reflect_init else REFLECT_INIT
+        first = first_phase(cfg)
         self.state = LearnerState(phase=first)
         self.trainer.scheduler.enter(self.state.phase, self.state.phase_start, self.state.phase_budget)
         self.run_dir = cfg.run.dir
@@ -266,7 +198,7 @@ class Learner:
         limit = {WARMUP: lc.warmup_max_minutes, REFLECT_INIT: lc.reflect_init_max_minutes}.get(s.phase)
         out_of_time = limit is not None and s.phase_seconds >= 60 * limit
         if s.phase == WARMUP and (step - s.phase_start >= (s.phase_budget or lc.warmup_steps) or out_of_time):
-            return REFLECT_INIT if lc.reflect_init_steps > 0 and not self.cfg.ablation.no_reflect_init else COEVOLVE
+            return after_warmup(self.cfg)
         if s.phase == REFLECT_INIT and (
             step - s.phase_start >= (s.phase_budget or lc.reflect_init_steps) or out_of_time
         ):
@@ -527,7 +459,7 @@ class Learner:
                 break
             data_wait = time.monotonic() - t_wait
             phase = self.state.phase
-            self.trainer.freeze_wm = self.cfg.ablation.frozen_wm and phase != WARMUP
+            self.trainer.freeze_wm = world_model_frozen(self.cfg, phase)
             metrics = await self._step_or_stop(micro)
             if metrics is None:  # SIGTERM during a step: checkpoint the last completed one, now
                 break

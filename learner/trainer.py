@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from comap_async.config import AblationConfig, LearnerConfig
+from comap_async.method.routing import world_model_terms
 from comap_async.models import cpu_has_native_bf16
 from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
 from learner import losses
@@ -268,11 +269,11 @@ class Trainer:
 
     def _wm_units(self, records: list[dict[str, Any]]) -> list[tuple[list[Seq], list[bool], Seq | None]]:
         """Per transition, its unit(s): (sequences, which are CE rows, the teacher's rollout sequence)."""
-        enc, ab = self.encoder, self.ablation
+        enc, (real_ce, distill) = self.encoder, world_model_terms(self.ablation)
         units: list[tuple[list[Seq], list[bool], Seq | None]] = []
         for r in records:
-            ce_seq = None if ab.no_real_ce else enc.world_model_ce(r)
-            pair = None if ab.no_wmsd else enc.world_model_rollout(r)
+            ce_seq = enc.world_model_ce(r) if real_ce else None
+            pair = enc.world_model_rollout(r) if distill else None
             if ce_seq is None:
                 if pair is not None:
                     units.append(([pair[0]], [False], pair[1]))
@@ -406,8 +407,9 @@ class Trainer:
 
     def _wm_metrics(self, ce: float, kl: float) -> dict[str, float]:
         """The world-model scalars; a term an ablation drops is not logged (it is not in the loss)."""
-        out = {} if self.ablation.no_real_ce else {"wm/ce": ce}
-        if not self.ablation.no_wmsd:
+        real_ce, distill = world_model_terms(self.ablation)
+        out = {"wm/ce": ce} if real_ce else {}
+        if distill:
             out["wm/kl"] = kl
         return out | {"wm/loss": ce + self.cfg.eta * kl}
 
@@ -466,9 +468,9 @@ class Trainer:
             part = self._wm_sums(units)
             change_nll = part["change"] / part["n_change"] if part["n_change"] else None
             return part["ce"] / max(part["n_ce"], 1), part["kl"] / max(part["n_kl"], 1), part["tokens"], change_nll
-        enc, ab = self.encoder, self.ablation
-        ce_seqs = [] if ab.no_real_ce else [enc.world_model_ce(r) for r in records]
-        pairs = [] if ab.no_wmsd else [p for p in (enc.world_model_rollout(r) for r in records) if p is not None]
+        enc, (real_ce, distill) = self.encoder, world_model_terms(self.ablation)
+        ce_seqs = [enc.world_model_ce(r) for r in records] if real_ce else []
+        pairs = [p for p in (enc.world_model_rollout(r) for r in records) if p is not None] if distill else []
         teacher_logits = self.teacher_logits([t for _, t in pairs]) if pairs else None
         activate(self.model, "wm", trainable=True)
         ce = kl = torch.zeros((), device=self.device)  # a dropped term (no gradient)

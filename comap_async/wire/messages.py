@@ -352,7 +352,7 @@ class Demo(Record, kw_only=True):
 
 class PolicySample(Record, kw_only=True):
     """The policy's reflection sample ``(s, a_draft, s̄, target, y)`` the two gates derive from a
-    transition (:func:`comap_async.gates.derive_policy_sample`); gate scores kept for analysis."""
+    transition (:func:`comap_async.method.gates.derive_policy_sample`); gate scores kept for analysis."""
 
     id: str
     game: str

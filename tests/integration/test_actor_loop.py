@@ -9,8 +9,8 @@ import pytest
 
 from actors.worker import ActorWorker
 from comap_async.config import load_config
-from comap_async.gates import action_gate
 from comap_async.logsetup import configure_logging
+from comap_async.method.gates import action_gate
 from comap_async.wire.broker_client import BrokerClient
 from comap_async.wire.messages import Transition
 from comap_async.wire.protocol import validate

@@ -12,7 +12,7 @@ import zmq.asyncio
 from actors.registry_view import RegistryView
 from broker.ingest import load_next_state
 from broker.store import ReplayStore
-from comap_async.gates import derive_policy_sample
+from comap_async.method.gates import derive_policy_sample
 from comap_async.wire.broker_client import BrokerClient, BrokerError
 from comap_async.wire.outbox import Outbox
 from comap_async.wire.protocol import validate

@@ -13,9 +13,10 @@ import pytest
 from actors.worker import ActorWorker
 from comap_async.envs.pool import AsyncTextEnv
 from comap_async.logsetup import configure_logging
+from comap_async.method.routing import store_requests
 from comap_async.prompts import parse_action
 from comap_async.wire.broker_client import BrokerClient
-from learner.loop import LearnerState, Prefetcher, store_requests
+from learner.loop import LearnerState, Prefetcher
 from tests.fixtures.broker import stored
 from tests.integration.test_actor_loop import actor_config, announce
 

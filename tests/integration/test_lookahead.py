@@ -13,8 +13,8 @@ from actors.eval_runner import play_games
 from comap_async.config import load_config
 from comap_async.envs import games_from_config
 from comap_async.envs.base import spread_sample
-from comap_async.gates import canonical_action
 from comap_async.logsetup import configure_logging
+from comap_async.method.gates import canonical_action
 from comap_async.models import build_tiny_model
 from comap_async.prompts import CRITIC_WORDS, DecisionTokens, revise_probability
 from comap_async.wire.messages import Registry

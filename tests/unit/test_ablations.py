@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from comap_async.config import AblationConfig, ConfigError, load_config
+from comap_async.method.gates import SampleRule
+from comap_async.method.routing import PHASE_STORES, phase_stores, store_requests
 from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, ROLES, WARMUP
-from learner.loop import PHASE_STORES, Learner, LearnerState, phase_stores, store_requests
+from learner.loop import Learner, LearnerState
 from learner.peft_model import adapter_state
 from tests.fixtures.learner import demo_record, make_trainer, reflection_record, wm_record
 
@@ -31,8 +33,11 @@ def batch():
 def test_ablation_config_names_what_is_on_and_refuses_contradictions():
     assert load_config(None).ablation.active == []
     cfg = load_config(None, ["ablation.frozen_wm=true", "ablation.no_ws_gate_real=true"])
-    assert cfg.ablation.active == ["frozen_wm", "no_ws_gate_real"] and cfg.ablation.future_state == "real"
-    assert AblationConfig(no_ws_gate_imagined=True).future_state == "imagined"
+    assert cfg.ablation.active == ["frozen_wm", "no_ws_gate_real"]
+    assert SampleRule.from_config(cfg).future_state == "real"
+    imagined = load_config(None, ["ablation.no_ws_gate_imagined=true"])
+    assert SampleRule.from_config(imagined).future_state == "imagined"
+    assert SampleRule.from_config(load_config(None)) == SampleRule()  # CoMap itself: the gates, the defaults
     with pytest.raises(ConfigError, match="leave the world model no loss"):
         load_config(None, ["ablation.no_wmsd=true", "ablation.no_real_ce=true"])
     with pytest.raises(ConfigError, match="contradict"):

@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from broker.ingest import Ingest, record_from_store
-from comap_async.config import GateConfig
+from comap_async.method.gates import SampleRule
 from comap_async.wire.protocol import decode, validate
 from tests.fixtures.broker import make_episode, make_transition
 
@@ -21,7 +21,7 @@ def toy_parser(state: frozenset[str], text: str) -> frozenset[str] | None:
 
 
 def prepare(tr: dict, ingest: Ingest | None = None):
-    ingest = ingest or Ingest(toy_parser, GateConfig())
+    ingest = ingest or Ingest(toy_parser, SampleRule())
     raw = msgpack.packb({**tr, "seq": 1})
     item = ingest.prepare(decode(raw), raw)
     recs = {store: msgpack.unpackb(v) for store, v in item.records}
@@ -52,7 +52,7 @@ def test_partial_agreement_against_threshold():
     tr = make_transition(1, **BASE, s_hat_exec="F: at(b); holding(x)", s_hat_teacher="F: at(b)")
     _, recs, _ = prepare(tr)
     assert recs["reflections"]["ws_score"] == pytest.approx(0.8) and recs["reflections"]["ws_imagined"]
-    _, recs, _ = prepare(tr, Ingest(toy_parser, GateConfig(tau_ws=0.9)))
+    _, recs, _ = prepare(tr, Ingest(toy_parser, SampleRule(tau_ws=0.9)))
     assert not recs["reflections"]["ws_imagined"] and recs["reflections"]["s_bar"] == tr["s_next"]
 
 
@@ -107,7 +107,7 @@ def test_warmup_without_expert_field_uses_the_executed_action():
 
 
 def test_reflection_and_episode_messages():
-    ing = Ingest(toy_parser, GateConfig())
+    ing = Ingest(toy_parser, SampleRule())
     refl = {
         "v": 1,
         "type": "reflection",
@@ -135,7 +135,7 @@ def test_reflection_and_episode_messages():
 
 
 def test_parser_exception_counts_and_reads_as_unparseable():
-    ing = Ingest(toy_parser, GateConfig())
+    ing = Ingest(toy_parser, SampleRule())
     tr = make_transition(1, **BASE, s_hat_exec="BOOM", s_hat_teacher="F: at(b)")
     _, recs, _ = prepare(tr, ing)
     assert ing.parser.errors == 1 and "parser bug" in ing.parser.last_error
@@ -155,8 +155,8 @@ def test_identical_predictions_shortcut_gives_the_full_gate_result():
         (at_counter, "You pick up the apple."),
         (at_counter, "Nothing happens."),
     ]
-    plain = Ingest(lambda state, text: next_state(state, text), GateConfig())  # no is_readable: full gate
-    fast = Ingest(next_state, GateConfig())
+    plain = Ingest(lambda state, text: next_state(state, text), SampleRule())  # no is_readable: full gate
+    fast = Ingest(next_state, SampleRule())
     assert plain.parser.readable is None and fast.parser.readable is not None
     for facts, pred in cases:
         tr = make_transition(1, facts=facts, s_hat_exec=pred, s_hat_teacher=pred, s_next=pick)
@@ -177,7 +177,7 @@ def test_readable_check_exception_counts_and_reads_as_unparseable():
         raise RuntimeError("readable bug")
 
     parser.is_readable = exploding
-    ing = Ingest(parser, GateConfig())
+    ing = Ingest(parser, SampleRule())
     tr = make_transition(1, **BASE, s_hat_exec="F: at(b)", s_hat_teacher="F: at(b)")
     _, recs, _ = prepare(tr, ing)
     assert ing.parser.errors >= 1 and "readable bug" in ing.parser.last_error

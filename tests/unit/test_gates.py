@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from comap_async.facts import NO_CHANGE, changes_f1, delta_f1, fact_changes, set_f1
-from comap_async.gates import (
+from comap_async.method.gates import (
     action_gate,
     canonical_action,
     derive_policy_sample,

@@ -207,7 +207,7 @@ def test_a_phases_filter_draws_in_proportion_to_n_when_half_match(tmp_path):
 
 
 def test_store_requests_filter_by_phase_and_draw_the_mixed_in_shares():
-    from learner.loop import store_requests
+    from comap_async.method.routing import store_requests
 
     rng = random.Random(0)
     shares = {"transitions": 0.5, "reflections": 0.5}

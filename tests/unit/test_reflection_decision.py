@@ -11,7 +11,8 @@ import torch
 
 from actors.llm import AgentLLM
 from broker.ingest import Ingest
-from comap_async.config import ActorConfig, GateConfig
+from comap_async.config import ActorConfig
+from comap_async.method.gates import SampleRule
 from comap_async.prompts import ChatTemplate, DecisionTokens, Prompts, reflection_target
 from comap_async.wire.protocol import decode
 from learner import losses
@@ -96,7 +97,7 @@ async def test_unreadable_reflections():
 
 
 def test_an_unreadable_reflection_is_never_stored_as_a_training_sample():
-    ingest = Ingest(lambda state, text: frozenset(), GateConfig())
+    ingest = Ingest(lambda state, text: frozenset(), SampleRule())
     for readable, stores in ((True, ["transitions", "reflections"]), (False, ["transitions"])):
         tr = make_transition(1, reflection_readable=readable)
         raw = msgpack.packb({**tr, "seq": 1})

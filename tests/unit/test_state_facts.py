@@ -9,7 +9,7 @@ import pytest
 from comap_async.envs import get_next_state
 from comap_async.envs.alfworld_facts import next_state, parse_facts
 from comap_async.facts import delta_f1, fact_changes, state_delta_f1
-from comap_async.gates import derive_policy_sample, future_context
+from comap_async.method.gates import derive_policy_sample, future_context
 from comap_async.wire.protocol import validate
 from tests.fixtures.messages import transition
 

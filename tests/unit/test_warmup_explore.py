@@ -9,8 +9,8 @@ import msgpack
 
 from actors.explore import entities, explore_action, inadmissible_candidates
 from broker.ingest import Ingest
-from comap_async.config import ActorConfig, GateConfig
-from comap_async.gates import canonical_action
+from comap_async.config import ActorConfig
+from comap_async.method.gates import SampleRule, canonical_action
 from comap_async.wire.protocol import validate
 from tests.fixtures.broker import make_transition
 
@@ -60,7 +60,7 @@ def test_explore_share_is_configurable_with_a_default():
 
 
 def test_broker_stores_an_explore_transition_for_the_world_model_only():
-    ingest = Ingest(lambda *args: None, GateConfig())
+    ingest = Ingest(lambda *args: None, SampleRule())
     tr = make_transition(
         3,
         phase="warmup",

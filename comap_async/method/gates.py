@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from comap_async.facts import Facts, NextState, changes_f1, set_f1
 from comap_async.wire.messages import PolicySample, Transition
@@ -158,3 +159,48 @@ def derive_policy_sample(
         wm_version=tr.wm_version,
         phase=tr.phase,
     )
+
+
+@dataclass(frozen=True)
+class SampleRule:
+    """Everything that decides a co-evolution transition's reflection sample, read from the config
+    once: the thresholds and the ablations that change the gates (the broker applies it; its gate
+    workers get it whole)."""
+
+    tau_p: float = 0.5
+    tau_q: float = 0.6
+    tau_ws: float = 0.6
+    future_state: str = "gate"
+    """``gate`` (CoMap: the world-state gate chooses ``s̄``), ``real`` or ``imagined`` (its ablations)."""
+    action_gated: bool = True
+    """False under ``no_action_gate``: any different reflected action counts as executed."""
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "SampleRule":
+        g, a = cfg.gates, cfg.ablation
+        future = "real" if a.no_ws_gate_real else "imagined" if a.no_ws_gate_imagined else "gate"
+        return cls(g.tau_p, g.tau_q, g.tau_ws, future, not a.no_action_gate)
+
+    def derive(
+        self, tr: Transition, next_state: NextState, readable: Callable[[str], bool] | None = None
+    ) -> PolicySample:
+        return derive_policy_sample(
+            tr,
+            next_state,
+            self.tau_p,
+            self.tau_q,
+            self.tau_ws,
+            readable=readable,
+            future_state=self.future_state,
+            action_gated=self.action_gated,
+        )
+
+
+def gate_reflection(cfg: Any, refl: Any, a_draft: str) -> ActionGateResult:
+    """The actor's action gate on one reflection (``actors.llm.Reflected``): closed when it could not
+    be read; under the ablation ``no_action_gate`` open for any different action; else CoMap's gate."""
+    if not refl.readable:
+        return ActionGateResult(False, "unreadable")
+    if cfg.ablation.no_action_gate:
+        return ungated_action(refl.a_ref, a_draft)
+    return action_gate(refl.p_revise, refl.q_ref, refl.a_ref, a_draft, cfg.gates.tau_p, cfg.gates.tau_q)

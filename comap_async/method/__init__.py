@@ -1,0 +1,16 @@
+"""The CoMap method in one place: what a process decides about learning, as pure functions.
+
+Read in this order:
+
+1. :mod:`comap_async.method.gates` - the action gate (execute the reflected action only when the
+   policy is confident it should revise, ``p > tau_p``, in an action it trusts, ``q > tau_q``, that
+   differs from the draft), the world-state gate (show the imagined next state only where the student
+   and the EMA teacher agree on the facts it changes, F1 >= ``tau_ws``), and the reflection sample a
+   co-evolution transition becomes (:class:`~comap_async.method.gates.SampleRule`);
+2. :mod:`comap_async.method.routing` - the phases and what each trains on: the stores, the phase
+   filters, the mixed-in shares, and the ablations that leave data or loss terms out.
+
+The losses themselves are in ``learner/losses.py`` (one small function per term, on tensors). The
+ablation flags and the gate thresholds are read here and nowhere else (``tests/unit/test_method_boundary.py``).
+The definitions follow docs/design.md section 11.
+"""
