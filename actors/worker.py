@@ -20,6 +20,7 @@ from actors.episodes import EpisodeContext, EpisodeStats, play_coevolve, play_ex
 from actors.eval_methods import play_method
 from actors.registry_view import RegistryView
 from comap_async.envs.pool import EnvPoolExhausted
+from comap_async.method.fingerprint import check_method
 from comap_async.waiting import cancel_and_wait, wait_until_answers
 from comap_async.wire.messages import COEVOLVE, POLICY, REFLECT_INIT, WARMUP, Registry
 
@@ -102,6 +103,8 @@ class ActorWorker:
     async def _episode_loop(self, ctx: EpisodeContext, pool: Any, games: list, rng: random.Random, index: int) -> None:
         env, branch = pool.env(), None
         while (episode_id := self._claim_episode()) is not None:
+            if not self.eval_mode:  # what the learner trains from this episode must be what it meant
+                check_method(self.cfg, self.registry.get().method, "the broker")
             game = games[index % len(games)] if self.eval_mode or self.games else rng.choice(games)
             index += self.n_envs
             phase, version = self.registry.phase(), self.registry.version(POLICY)

@@ -23,6 +23,7 @@ from broker.gate_worker import GatePool
 from broker.ingest import Ingest, NextState, best_effort_int, checked_registry
 from broker.store import EVAL_KEY, ReplayStore, StoreRefused
 from comap_async.config import CoMapConfig
+from comap_async.method.fingerprint import fingerprint
 from comap_async.method.gates import SampleRule
 from comap_async.waiting import cancel_and_wait
 from comap_async.wire.curve import ServerKeys
@@ -85,6 +86,9 @@ class Broker:
             max_map_size_mb=b.max_map_size_mb,
         )
         self.ingest = Ingest(next_state, SampleRule.from_config(cfg))
+        self.method = fingerprint(cfg)  # the run's reference: every ack's registry carries it
+        if self.store.registry.get("method") != self.method:
+            self.store.set_registry({**self.store.registry, "method": self.method})
         self.live = LiveStats(self.store.state["counters"])
         self.live.note_stored_total(stored_total(self.store.state["counters"]))
         self.gate_spec = gate_spec
@@ -264,7 +268,7 @@ class Broker:
         if isinstance(msg, EvalResult):
             return Reply(req=msg.req, ok=True, error=None, data=self._record_eval(msg.version, msg.result))
         if isinstance(msg, Announce):
-            registry = checked_registry(msg)
+            registry = {**checked_registry(msg), "method": self.method}
             old = self.store.registry
             self.store.set_registry(registry)
             if registry["versions"].get("policy", 0) < old["versions"].get("policy", 0):

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from comap_async.config import CoMapConfig
+from comap_async.method.fingerprint import check_method
 from comap_async.method.routing import (
     PHASE_REQUIRES,
     after_warmup,
@@ -240,6 +241,7 @@ class Learner:
             # and the next start reloads whatever the registry names
             self.log.info("learner.publish_abandoned", version=self.state.version)
             return {}
+        check_method(self.cfg, (result.get("registry") or {}).get("method"), "the broker")  # it may have restarted
         return {k: v for k, v in result.items() if k.startswith("learner/")}
 
     async def reload_live_adapters(self, inference: Any, registry: dict[str, Any]) -> None:
@@ -360,6 +362,7 @@ class Learner:
                 )
                 if registry is None:
                     return 0
+                check_method(self.cfg, registry.get("method"), "the broker")
                 for url in self.cfg.inference.endpoints:
                     await wait_until_answers(
                         f"inference {url}",
@@ -375,7 +378,10 @@ class Learner:
                 self.state.version = max(self.state.version, live)
                 if not resumed and registry.get("phase") != self.state.phase and self.leader:
                     await broker.announce(
-                        self.state.phase, registry.get("versions", {}), registry.get("adapters", {}), 0
+                        self.state.phase,
+                        registry.get("versions", {}),
+                        registry.get("adapters", {}),
+                        0,
                     )
                 if self.state.phase == WARMUP:
                     await self.wait_for_demos(broker)

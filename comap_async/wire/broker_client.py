@@ -131,7 +131,12 @@ class BrokerClient:
         ``metrics`` (numbers) are the learner's latest scalars, shown in the broker's /stats."""
         return await self._data(
             lambda req: Announce(
-                req=req, phase=phase, versions=versions, adapters=adapters, step=step, metrics=metrics or {}
+                req=req,
+                phase=phase,
+                versions=versions,
+                adapters=adapters,
+                step=step,
+                metrics=metrics or {},
             )
         )
 

@@ -113,6 +113,9 @@ class Registry(Struct, forbid_unknown_fields=True, kw_only=True):
     )
     adapters: dict[Role, Annotated[str, Meta(min_length=1, max_length=ID_LEN)]] = msgspec.field(default_factory=dict)
     step: Int = 0
+    method: Annotated[str, Meta(max_length=64)] = ""
+    """The broker's method fingerprint (:mod:`comap_async.method.fingerprint`): learner and actors
+    refuse to run against another; empty where no broker set it."""
 
     @classmethod
     def serving(cls, version: int, prefix: str = "") -> Registry:

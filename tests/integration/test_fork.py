@@ -40,7 +40,7 @@ async def test_a_fork_resumes_at_the_forked_version_with_the_replay_of_then_and_
     src = source.run_root / "t"
     assert sorted(forkable_versions(src, cfg.adapter_root)) == [1, 2]
 
-    target = broker_factory(start=False)
+    target = broker_factory(["ablation.frozen_wm=true"], start=False)  # a run's processes share its switches
     dst = target.run_root / "t"
     fork_adapters = roomy_server.adapter_root / "fork"  # its own adapter root, inside what the server may load
     with pytest.raises(ForkError, match="its own inference.adapter_root"):

@@ -1,0 +1,35 @@
+"""The method fingerprint (issue 30): what it covers, and the one line a mismatch gives."""
+
+from __future__ import annotations
+
+import pytest
+
+from comap_async.config import load_config
+from comap_async.errors import CommandError
+from comap_async.method.fingerprint import MethodMismatch, check_method, fingerprint
+
+
+def test_the_fingerprint_covers_the_gates_the_ablations_the_env_and_the_related_methods():
+    base = fingerprint(load_config(None))
+    assert base == fingerprint(load_config(None, ["learner.lr=0.5", "actor.envs=9"]))  # not the method's settings
+    others = [
+        ["gates.tau_p=0.7"],
+        ["gates.tau_ws=0.8"],
+        ["ablation.frozen_wm=true"],
+        ["ablation.no_ws_gate_real=true"],
+        ["env.name=scienceworld"],
+        ["actor.imagined_rollouts=2", "learner.imagined_share=0.5"],
+    ]
+    prints = [fingerprint(load_config(None, o)) for o in others]
+    assert base not in prints and len(set(prints)) == len(prints)
+
+
+def test_a_mismatch_is_one_line_naming_both_sides_and_an_unsaid_one_passes():
+    cfg = load_config(None, ["ablation.frozen_wm=true"])
+    check_method(cfg, fingerprint(cfg), "the broker")
+    check_method(cfg, "", "the broker")  # a peer that does not say (an older broker)
+    with pytest.raises(MethodMismatch) as err:
+        check_method(cfg, fingerprint(load_config(None)), "the broker")
+    text = str(err.value)
+    assert isinstance(err.value, CommandError) and "\n" not in text
+    assert f"the broker runs method {fingerprint(load_config(None))}" in text and "ablation frozen_wm" in text
