@@ -145,9 +145,9 @@ async def probe_game(ctx: Any, env: Any, branch: Any, game: Any, failures: int, 
         if ep.current.done:
             break
         s, before, admissible = ep.state(), ep.facts, ep.current.admissible
-        draft, _ = await llm.draft(s)
+        # independent calls go together: the server decodes them in one batch
+        (draft, _), s_hat = await asyncio.gather(llm.draft(s), llm.imagine(s, expert))
         match, ok = draft_scores(draft, expert, admissible)
-        s_hat = await llm.imagine(s, expert)
         reflected: dict[str, Any] = {}
         if draft is not None:  # the CoMap step on this state: imagine the draft, reflect, gate
             refl = await llm.reflect(s, draft, s_hat if match else await llm.imagine(s, draft))
