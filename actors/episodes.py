@@ -401,6 +401,9 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
     the episode ends (:func:`play_branch`); ``y = 1`` with the expert action as target only when
     the expert branch is strictly better (``expert_better``), else ``y = 0`` with the draft kept
     (``not_better``). ``s̄`` is the real observation right after the draft.
+
+    With ``actor.reflect_init_pairs`` every ``y = 1`` sample comes with its pair: the same state,
+    the expert's action as the draft, ``y = 0`` (an equal draft), ``s̄`` the real observation after it.
     """
     ep = Episode(ctx, game, episode_id, await env.reset(game))
     plan = await env.walkthrough()
@@ -443,6 +446,29 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
         )
         ep.stats.reflections += 1
         ep.stats.labels[label] = ep.stats.labels.get(label, 0) + 1
+        if y == 1 and ctx.cfg.actor.reflect_init_pairs:
+            # the same state with the expert's action as the draft: by the definition an equal draft
+            # is a keep sample, so the pair differs only in the draft and its outcome, and p must
+            # read them to tell the two apart (the state alone says nothing)
+            await ctx.emit(
+                Reflection(
+                    seq=0,
+                    id=f"{episode_id}:{t}:rp",
+                    actor=ctx.actor,
+                    game=game.name,
+                    s=s,
+                    a_draft=expert,
+                    s_bar=ep.current.observation,
+                    target=expert,
+                    y=0,
+                    label="equal_draft",
+                    policy_version=policy_v,
+                    wm_version=wm_v,
+                    ts=time.time(),
+                )
+            )
+            ep.stats.reflections += 1
+            ep.stats.labels["equal_draft"] = ep.stats.labels.get("equal_draft", 0) + 1
     return await ep.finish(REFLECT_INIT, False)
 
 

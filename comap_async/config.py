@@ -334,6 +334,12 @@ class ActorConfig(_Section):
     """After each exploratory action, the game's expert also acts from the off-path state it left,
     and that step is a demonstration (``recovery``) as well as a real transition: walkthroughs alone
     never show the policy a state one step off the path, so once off it the policy loops."""
+    reflect_init_pairs: bool = False
+    """Reflection-mode initialisation: each ``y = 1`` sample (the expert's action does better than
+    the draft) comes with a ``y = 0`` one on the same state whose draft is the expert's action (an
+    equal draft, which section 11 labels keep), ``s̄`` its real outcome. Without pairs the labels
+    are ~75 % ``y = 1`` on different states, and ``p`` learns the prior, not the draft (measured in
+    docs/running.md); with them a state is seen with both labels."""
     imagined_rollouts: int = Field(default=0, ge=0, le=16)
     """WebEvolver's world model as a virtual environment (arXiv 2504.21024; off: 0): after each
     co-evolution episode, this many imagined episodes start from its real states (drawn with the run

@@ -59,3 +59,31 @@ async def test_labels_follow_the_branches_to_the_episode_end(valid_seen, alfworl
             assert (r["y"], r["label"], r["target"], r["a_draft"]) == (1, "expert_better", plan[t], "look")
     assert stats.labels == {"equal_draft": (len(plan) + 1) // 2, "expert_better": len(plan) // 2}
     assert sent[-1]["type"] == "episode"
+
+
+async def test_with_pairs_each_revise_sample_comes_with_the_expert_draft_as_keep(valid_seen, alfworld_data):
+    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "actor.reflect_init_pairs=true"])
+    sent: list[dict] = []
+
+    async def emit(msg):
+        msg.seq = len(sent)
+        sent.append(as_map(validate(msg)))
+
+    async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=50) as pool:
+        env, branch = pool.env(), pool.env()
+        game = sorted(valid_seen, key=lambda g: g.name)[0]
+        await env.reset(game)
+        plan = await env.walkthrough()
+        ctx = EpisodeContext("test", cfg, AlternatingDrafts(plan), emit, next_state, Registry)
+        stats = await play_reflect_init(ctx, env, branch, game, "test:ri")
+        observations = [(await env.reset(game)).observation] + [(await env.step(a)).observation for a in plan]
+    samples = [m for m in sent if m["type"] == "reflection"]
+    revise = [r for r in samples if r["y"] == 1]
+    pairs = {r["id"]: r for r in samples if r["id"].endswith(":rp")}
+    assert revise and len(pairs) == len(revise)
+    for r in revise:  # the same state, the expert's action as the draft, its real outcome, keep
+        p = pairs[r["id"] + "p"]
+        t = int(r["id"].split(":")[-2])
+        assert (p["s"], p["a_draft"], p["target"], p["y"], p["label"]) == (r["s"], plan[t], plan[t], 0, "equal_draft")
+        assert p["s_bar"] == observations[t + 1] and r["a_draft"] == "look"
+    assert stats.labels == {"equal_draft": (len(plan) + 1) // 2 + len(revise), "expert_better": len(revise)}
