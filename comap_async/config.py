@@ -600,8 +600,8 @@ class EvalConfig(_Section):
     """Anti-loop guard of evaluation episodes: when the action about to be executed was already taken
     from the same state (the loop rate's definition: the same canonical facts and action), up to this
     many drafts are sampled at ``repeat_guard_temperature`` (concurrently) and the first one not yet
-    tried there is executed instead; none: the action stands. 0 = off (the paper's agents have none).
-    Measured on held-out games in docs/running.md."""
+    tried there is executed instead; none: the action stands. 0 = off (the paper's agents have none;
+    not yet measured on held-out games: docs/running.md)."""
     repeat_guard_temperature: float = Field(default=1.0, gt=0.0)
     """Temperature of the guard's alternative drafts."""
     react_max_tokens: int = Field(default=96, ge=8)
