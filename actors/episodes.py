@@ -427,48 +427,36 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
         if equal:
             y, label, s_bar = *reflection_label(True, None, None), ep.current.observation
         policy_v, wm_v = _versions(ctx.registry())
-        await ctx.emit(
-            Reflection(
-                seq=0,
-                id=f"{episode_id}:{t}:r",
-                actor=ctx.actor,
-                game=game.name,
-                s=s,
-                a_draft=draft,
-                s_bar=s_bar,
-                target=expert if y else draft,
-                y=y,
-                label=label,
-                policy_version=policy_v,
-                wm_version=wm_v,
-                ts=time.time(),
-            )
-        )
-        ep.stats.reflections += 1
-        ep.stats.labels[label] = ep.stats.labels.get(label, 0) + 1
-        if y == 1 and ctx.cfg.actor.reflect_init_pairs:
-            # the same state with the expert's action as the draft: by the definition an equal draft
-            # is a keep sample, so the pair differs only in the draft and its outcome, and p must
-            # read them to tell the two apart (the state alone says nothing)
+
+        async def emit_sample(sample_id: str, a_draft: str, s_bar: str, y: int, label: str) -> None:
             await ctx.emit(
                 Reflection(
                     seq=0,
-                    id=f"{episode_id}:{t}:rp",
+                    id=sample_id,
                     actor=ctx.actor,
                     game=game.name,
                     s=s,
-                    a_draft=expert,
-                    s_bar=ep.current.observation,
-                    target=expert,
-                    y=0,
-                    label="equal_draft",
+                    a_draft=a_draft,
+                    s_bar=s_bar,
+                    target=expert if y else a_draft,
+                    y=y,
+                    label=label,
                     policy_version=policy_v,
                     wm_version=wm_v,
                     ts=time.time(),
                 )
             )
             ep.stats.reflections += 1
-            ep.stats.labels["equal_draft"] = ep.stats.labels.get("equal_draft", 0) + 1
+            ep.stats.labels[label] = ep.stats.labels.get(label, 0) + 1
+
+        await emit_sample(f"{episode_id}:{t}:r", draft, s_bar, y, label)
+        if y == 1 and ctx.cfg.actor.reflect_init_pairs:
+            # the same state with the expert's action as the draft: by the definition an equal draft
+            # is a keep sample, so the pair differs only in the draft and its outcome, and p must
+            # read them to tell the two apart (the state alone says nothing)
+            await emit_sample(
+                f"{episode_id}:{t}:rp", expert, ep.current.observation, *reflection_label(True, None, None)
+            )
     return await ep.finish(REFLECT_INIT, False)
 
 

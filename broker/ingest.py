@@ -40,7 +40,9 @@ def load_next_state(env_name: str, override: str | None = None) -> NextState:
         module, _, attr = override.partition(":")
         if not module or not attr:
             raise ValueError(f"--state-facts {override!r}: expected module:function")
-        return getattr(importlib.import_module(module), attr)
+        from comap_async.envs.registry import load
+
+        return load(override)
     try:
         from comap_async.envs import get_next_state
     except ImportError:

@@ -57,9 +57,6 @@ class EnvSpec:
     def next_state(self) -> Callable[[frozenset[str], str], frozenset[str] | None]:
         return importlib.import_module(self.facts).next_state
 
-    def is_readable(self) -> Callable[[str], bool] | None:
-        return getattr(importlib.import_module(self.facts), "is_readable", None)
-
 
 ENVS: dict[str, EnvSpec] = {}
 

@@ -18,14 +18,10 @@ from comap_async.prompts import parse_action
 from comap_async.wire.broker_client import BrokerClient
 from learner.loop import LearnerState, Prefetcher
 from tests.fixtures.broker import stored
+from tests.fixtures.learner import QuietLog
 from tests.integration.test_actor_loop import actor_config, announce
 
 pytestmark = pytest.mark.alfworld
-
-
-class QuietLog:
-    def info(self, *a, **k):
-        pass
 
 
 async def test_imagined_steps_come_from_the_world_model_are_stored_apart_and_train_only_the_draft(
