@@ -19,7 +19,7 @@ from actors.imagined import emit_imagined
 from comap_async.diagnostics import branch_outcome, loop_steps, reflection_label
 from comap_async.envs.base import RestoreDiverged
 from comap_async.facts import Facts, NextState, state_delta_f1
-from comap_async.method.gates import canonical_action, gate_reflection
+from comap_async.method.gates import canonical_action, gate_reflection, world_state_score
 from comap_async.prompts import render_state
 from comap_async.wire.messages import (
     COEVOLVE,
@@ -278,44 +278,19 @@ async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str,
                 except RestoreDiverged:  # no faithful state to explore from: this step explores nothing
                     ep.stats.restore_diverged += 1
         ep.advance(action, await env.step(action))
-        await ctx.emit(
-            ep.transition(
-                WARMUP,
-                t,
-                o,
-                s,
-                a_draft=action,
-                s_hat="",
-                decision=KEEP,
-                a_ref=action,
-                p_revise=0.0,
-                q_ref=1.0,
-                a_exec=action,
-                s_hat_exec="",
-                s_hat_teacher="",
-                expert_action=label,
-            )
-        )
+        await ctx.emit(warmup_transition(ep, t, o, s, action, label))
         if explored is not None:  # emitted like step t's own transition, so it gets the same fields (facts)
             x_action, x = explored
             await ctx.emit(
-                ep.transition(
-                    WARMUP,
+                warmup_transition(
+                    ep,
                     t,
                     o,
                     s,
+                    x_action,
+                    label,
                     id=f"{ep.id}:{t}:x",
                     explore=True,
-                    a_draft=x_action,
-                    s_hat="",
-                    decision=KEEP,
-                    a_ref=x_action,
-                    p_revise=0.0,
-                    q_ref=1.0,
-                    a_exec=x_action,
-                    s_hat_exec="",
-                    s_hat_teacher="",
-                    expert_action=label,
                     s_next=x.observation,
                     reward=float(x.reward),
                     done=bool(x.done),
@@ -335,25 +310,29 @@ async def emit_recovery(ctx: EpisodeContext, ep: Episode, branch: Any, t: int, x
     off = ep.instead_of_last(x_action, x)
     o, s, expert = off.current.observation, off.state(), x.expert_action
     off.advance(expert, await branch.step(expert))
-    await ctx.emit(
-        off.transition(
-            WARMUP,
-            t,
-            o,
-            s,
-            id=f"{ep.id}:{t}:r",
-            recovery=True,
-            a_draft=expert,
-            s_hat="",
-            decision=KEEP,
-            a_ref=expert,
-            p_revise=0.0,
-            q_ref=1.0,
-            a_exec=expert,
-            s_hat_exec="",
-            s_hat_teacher="",
-            expert_action=expert,
-        )
+    await ctx.emit(warmup_transition(off, t, o, s, expert, expert, id=f"{ep.id}:{t}:r", recovery=True))
+
+
+def warmup_transition(ep: Episode, t: int, o: str, s: str, action: str, label: str | None, **extra: Any) -> Transition:
+    """A warm-up step's transition: ``action`` executed as its own draft and refinement (no model
+    ran: no predictions, KEEP with certainty); ``extra`` sets the id, the flags and, for a step
+    taken on another environment, its result."""
+    return ep.transition(
+        WARMUP,
+        t,
+        o,
+        s,
+        a_draft=action,
+        s_hat="",
+        decision=KEEP,
+        a_ref=action,
+        p_revise=0.0,
+        q_ref=1.0,
+        a_exec=action,
+        s_hat_exec="",
+        s_hat_teacher="",
+        expert_action=label,
+        **extra,
     )
 
 
@@ -489,8 +468,12 @@ async def avoid_repeat(ctx: EpisodeContext, ep: Episode, state: str, action: str
 
 
 async def _teach_and_emit(ctx: EpisodeContext, transition: Transition) -> None:
-    """The teacher's prediction of the observed next state (``s_next``), then the step's transition."""
+    """The teacher's prediction of the observed next state (``s_next``), the world-state gate's
+    reliability of the two predictions on this actor's fact state, then the step's transition."""
     transition.s_hat_teacher = await ctx.llm.teacher(transition.s, transition.a_exec, transition.s_next)
+    transition.ws_score = world_state_score(
+        ctx.next_state, frozenset(transition.facts), transition.s_hat_exec, transition.s_hat_teacher
+    )
     await ctx.emit(transition)
 
 

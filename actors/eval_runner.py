@@ -10,6 +10,7 @@ games through :func:`play_games`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import subprocess
 import sys
@@ -131,13 +132,21 @@ class EvalIncomplete(RuntimeError):
 
 
 def check_complete(results: list, games: list, what: str = "") -> None:
-    """Raise :class:`EvalIncomplete` when episodes failed (each is logged as ``actor.episode_failed``;
-    its game has no result), since a success rate over the rest would not be comparable."""
+    """Raise :class:`EvalIncomplete` unless each game has exactly one result: episodes that failed
+    (each is logged as ``actor.episode_failed``; its game has no result), or games played twice and
+    others never, make a success rate that is not comparable."""
+    prefix = f"{what + ': ' if what else ''}"
     if len(results) < len(games):
         raise EvalIncomplete(
-            f"{what + ': ' if what else ''}{len(games) - len(results)} of {len(games)} episodes "
-            "failed (see the actor.episode_failed lines); a success rate over the rest would not "
-            "be comparable"
+            f"{prefix}{len(games) - len(results)} of {len(games)} episodes failed (see the "
+            "actor.episode_failed lines); a success rate over the rest would not be comparable"
+        )
+    played = collections.Counter(game.name for game, _ in results)
+    if played != collections.Counter(game.name for game in games):
+        twice = sorted(name for name, n in played.items() if n > 1)
+        raise EvalIncomplete(
+            f"{prefix}the episodes did not play each game once ({len(twice)} played more than once, "
+            f"e.g. {twice[:1]}); a success rate over them would not be comparable"
         )
 
 

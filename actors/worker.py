@@ -90,6 +90,7 @@ class ActorWorker:
         self.stop = asyncio.Event()
         self._started = 0
         self._counter = 0
+        self._next_game = 0  # fixed games (evaluation): the next one to play
         self._warmup_played = 0
         self.registry = RegistryView()  # replaced in run(): the one view of the broker's registry
 
@@ -100,13 +101,18 @@ class ActorWorker:
         self._counter += 1
         return f"{self.actor_id}:e{self._counter}"
 
-    async def _episode_loop(self, ctx: EpisodeContext, pool: Any, games: list, rng: random.Random, index: int) -> None:
+    async def _episode_loop(self, ctx: EpisodeContext, pool: Any, games: list, rng: random.Random) -> None:
         env, branch = pool.env(), None
         while (episode_id := self._claim_episode()) is not None:
             if not self.eval_mode:  # what the learner trains from this episode must be what it meant
                 check_method(self.cfg, self.registry.get().method, "the broker")
-            game = games[index % len(games)] if self.eval_mode or self.games else rng.choice(games)
-            index += self.n_envs
+            if self.eval_mode or self.games:
+                # one cursor for all loops: a loop that finishes its games sooner takes the next game,
+                # so each game is played once per pass (a stride per loop replayed some, skipped others)
+                game = games[self._next_game % len(games)]
+                self._next_game += 1
+            else:
+                game = rng.choice(games)
             phase, version = self.registry.phase(), self.registry.version(POLICY)
             if phase == WARMUP and not self.eval_mode and self._warmup_played >= self.cfg.actor.max_warmup_episodes:
                 # enough demonstrations from this process: wait for the learner instead of burning a core
@@ -218,7 +224,7 @@ class ActorWorker:
                 self.actor_id, cfg, llm, outbox.put, get_next_state(cfg.env.name), self.registry.get, self.on_step
             )
             rng = random.Random(f"{cfg.run.seed}-{self.actor_id}")
-            loops = [asyncio.create_task(self._episode_loop(ctx, pool, games, rng, i)) for i in range(self.n_envs)]
+            loops = [asyncio.create_task(self._episode_loop(ctx, pool, games, rng)) for _ in range(self.n_envs)]
             stopper = asyncio.create_task(self.stop.wait())
             done, _ = await asyncio.wait([stopper, *loops], return_when=asyncio.FIRST_COMPLETED)
             failed = any(t is not stopper and not t.cancelled() and t.exception() is not None for t in done)

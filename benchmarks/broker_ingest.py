@@ -3,7 +3,8 @@ against a raw ZeroMQ-to-LMDB loop (no validation, no gates, same commit policy) 
 
 Both servers run as their own process and are fed by the same pipelined DEALER client (this
 process) with the same pre-encoded messages: ~2 KB of ALFWorld-like text per transition, phase
-``coevolve`` so both gates run with the real ALFWorld fact parser. The rate is messages acked
+``coevolve`` so both gates run (the world-state score measured on the real ALFWorld fact parser
+when the messages are made, as an actor does). The rate is messages acked
 per second, and the broker only acks after the LMDB commit that stored the message.
 
     python benchmarks/broker_ingest.py [--n 40000] [--group-commit 256] [--gate-workers 1] [--rounds 3]
@@ -57,9 +58,12 @@ def OBS_FACTS(text: str) -> frozenset[str]:  # noqa: N802 - a constant-like help
 
 
 def make_messages(n: int, text_bytes: int) -> list[bytes]:
+    from comap_async.envs.alfworld_facts import next_state
+    from comap_async.method.gates import world_state_score
+
     out = []
     for i in range(n):
-        # object numbers derived from i: every observation text is new, so the broker's parse
+        # object numbers derived from i: every observation text is new, so the parser's
         # cache only helps where a real stream would (identical student/teacher predictions)
         f = {c: i * 11 + j + 1 for j, c in enumerate("abcdefghijk")}
         o = OBS.format(**f)
@@ -112,6 +116,8 @@ def make_messages(n: int, text_bytes: int) -> list[bytes]:
             ts=time.time(),
             facts=facts,
         )
+        # the world-state score, as the actor measures it before sending (the broker parses no text)
+        msg.ws_score = world_state_score(next_state, frozenset(facts), msg.s_hat_exec, msg.s_hat_teacher)
         text = sum(len(v) for v in msgspec.structs.asdict(msg).values() if isinstance(v, str))
         if text < text_bytes:  # pad the rendered state up to the target text size
             msg.s += "\n" + "You see nothing special. " * ((text_bytes - text) // 25)

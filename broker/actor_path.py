@@ -281,10 +281,6 @@ class ActorPath:
                 self._send_nack(ident, delim, res.seq, res.reason, retry=False)
         for actor, n in per_actor.items():  # once per batch: last_seen is a clock read and a reorder
             self.live.seen_actor(actor, n)
-        if meta["parser_errors"]:  # counted and logged; the transition is kept, its text read as unparseable
-            self.live.bump("internal_errors_fact_parser", meta["parser_errors"])
-            if self.live.should_log("fact_parser"):
-                self.log.error("broker.fact_parser_failed", count=meta["parser_errors"], last=meta["last_error"])
         if not items:
             return
         try:

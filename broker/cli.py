@@ -13,17 +13,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_config_arguments(p)
     p.add_argument("--replay-dir", default=None, help="LMDB directory (default: <run dir>/replay)")
-    p.add_argument(
-        "--state-facts",
-        default=None,
-        metavar="MODULE:FUNCTION",
-        help="the fact-state update next_state(state, text) of the world-state gate (default: the one of env.name)",
-    )
 
 
 def run(args: argparse.Namespace) -> int:
     from broker.gate_worker import pool_spec
-    from broker.ingest import load_next_state
     from broker.server import Broker
     from comap_async.config import ConfigError, is_loopback, load_config
     from comap_async.gctune import tune_gc_for_throughput
@@ -42,21 +35,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         keys = load_server_keys(b.keys_dir) if b.curve else None
-        next_state = load_next_state(cfg.env.name, args.state_facts)
-    except (KeysError, RuntimeError, ValueError, ImportError, AttributeError) as exc:
+    except KeysError as exc:
         print(f"comap broker: error: {exc}", file=sys.stderr)
         return 2
 
     async def main() -> int:
         try:
-            broker = Broker(
-                cfg,
-                next_state,
-                log,
-                keys,
-                replay_dir=args.replay_dir,
-                gate_spec=pool_spec(cfg, cfg.env.name, args.state_facts),
-            )
+            broker = Broker(cfg, log, keys, replay_dir=args.replay_dir, gate_spec=pool_spec(cfg))
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, broker.stopping.set)

@@ -34,7 +34,7 @@ import msgspec
 import zmq
 
 from broker.counters import reject_category
-from broker.ingest import Ingest, best_effort_int, load_next_state
+from broker.ingest import Ingest, best_effort_int
 from broker.store import WriteItem
 from comap_async.gctune import tune_gc_for_throughput
 from comap_async.method.gates import SampleRule
@@ -128,16 +128,12 @@ def _prepare_one(raw: bytes, ingest: Ingest, max_bytes: int, learner_port: int, 
 def gate_batch(
     raws: list[bytes], ingest: Ingest, max_bytes: int, learner_port: int
 ) -> tuple[list[GateResult], dict[str, Any]]:
-    """:func:`prepare_frames` plus the batch's item shapes and fact-state errors (taken off
-    ``ingest``'s counter)."""
+    """:func:`prepare_frames` plus the batch's item shapes."""
     shapes: dict[tuple, int] = {}
     results = prepare_frames(raws, ingest, max_bytes, learner_port, shapes)
     meta = {
         "shapes": [[[list(rec) for rec in layout], dict(counters)] for layout, counters in shapes],
-        "parser_errors": ingest.parser.errors,
-        "last_error": ingest.parser.last_error,
     }
-    ingest.parser.errors = 0
     return results, meta
 
 
@@ -166,8 +162,6 @@ def _die_with_parent() -> None:
 
 def worker_main(
     endpoint: str,
-    env_name: str,
-    parser_override: str | None,
     rule: dict[str, Any],
     max_bytes: int,
     learner_port: int,
@@ -176,7 +170,7 @@ def worker_main(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
-    ingest = Ingest(load_next_state(env_name, parser_override), SampleRule(**rule))
+    ingest = Ingest(SampleRule(**rule))
     pack = msgpack.Packer(use_bin_type=True).pack
     ctx = zmq.Context(1)
     sock = ctx.socket(zmq.PAIR)
@@ -374,11 +368,7 @@ class GatePool:
         self.generation += 1
 
 
-def pool_spec(cfg: Any, env_name: str, parser_override: str | None) -> dict[str, Any]:
+def pool_spec(cfg: Any) -> dict[str, Any]:
     """What a worker needs to rebuild the broker's :class:`Ingest` (picklable; :class:`GatePool`
     adds the frame limit and the learner port it is given)."""
-    return {
-        "env_name": env_name,
-        "parser_override": parser_override,
-        "rule": dataclasses.asdict(SampleRule.from_config(cfg)),
-    }
+    return {"rule": dataclasses.asdict(SampleRule.from_config(cfg))}

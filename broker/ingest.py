@@ -13,80 +13,22 @@ Per message type:
 * ``episode``: to ``episodes``.
 
 The raw transition is stored as the exact bytes received; the derived sample keeps the gate
-scores, so an analysis can recompute both gates with other thresholds later.
+scores, so an analysis can recompute both gates with other thresholds later. The broker parses no
+environment text: the world-state gate's reliability comes measured by the actor (``ws_score``).
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import msgspec
 
 from broker.store import WriteItem
-from comap_async.facts import Facts
 from comap_async.method.gates import SampleRule
 from comap_async.wire.messages import WARMUP, Demo, Episode, Imagined, Message, Reflection, Registry, Transition
 
-NextState = Callable[["Facts", str], "Facts | None"]
 ENVELOPE = ("v", "type", "seq")
-
-
-def load_next_state(env_name: str, override: str | None = None) -> NextState:
-    """The environment's fact-state update (``comap_async.envs.get_next_state``) or ``module:attr``."""
-    if override:
-        module, _, attr = override.partition(":")
-        if not module or not attr:
-            raise ValueError(f"--state-facts {override!r}: expected module:function")
-        from comap_async.envs.registry import load
-
-        return load(override)
-    try:
-        from comap_async.envs import get_next_state
-    except ImportError:
-        # the same function by its module name (comap_async.envs.<env>_facts:next_state)
-        try:
-            return importlib.import_module(f"comap_async.envs.{env_name}_facts").next_state
-        except (ImportError, AttributeError) as exc:
-            raise RuntimeError(f"cannot load the fact state of env '{env_name}': {exc}") from None
-    return get_next_state(env_name)
-
-
-class SafeStateFacts:
-    """Wraps an environment's ``next_state`` so an exception on odd text reads as 'unparseable'
-    (counted), not a crash. The environment caches its own parsing (the same texts recur)."""
-
-    def __init__(self, next_state: NextState) -> None:
-        self._next_state = next_state
-        self.errors = 0
-        self.last_error: str | None = None
-
-        # ``next_state.is_readable`` (optional): ``next_state(s, text) is not None`` without building facts
-        check = getattr(next_state, "is_readable", None)
-        self.readable = self._safe_readable(check) if check is not None else None
-
-    def __call__(self, state: Facts, text: str) -> Facts | None:
-        try:
-            return self._next_state(state, text)
-        except Exception as exc:  # a parser bug must not lose the transition or kill the broker
-            self._failed(exc)
-            return None
-
-    def _safe_readable(self, check: Callable[[str], bool]) -> Callable[[str], bool]:
-        def readable(text: str) -> bool:
-            try:
-                return bool(check(text))
-            except Exception as exc:  # as in __call__: counted, read as unparseable
-                self._failed(exc)
-                return False
-
-        return readable
-
-    def _failed(self, exc: Exception) -> None:
-        self.errors += 1
-        self.last_error = f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
 def strip_envelope(msg: Message) -> dict[str, Any]:
@@ -100,10 +42,9 @@ def strip_envelope(msg: Message) -> dict[str, Any]:
 class Ingest:
     """Turns validated actor messages into :class:`WriteItem`s (pure apart from counters)."""
 
-    def __init__(self, next_state: NextState, rule: SampleRule | None = None) -> None:
+    def __init__(self, rule: SampleRule | None = None) -> None:
         """``rule``: the gates' thresholds and ablations (:class:`~comap_async.method.gates.SampleRule`,
         from the config; the default is CoMap's)."""
-        self.parser = SafeStateFacts(next_state)
         self.rule = rule or SampleRule()
         self._pack = msgspec.msgpack.Encoder().encode
 
@@ -159,7 +100,7 @@ class Ingest:
             return WriteItem(
                 key, [("transitions", raw)], {"stored_transitions": 1, "gate_ag_total": 1, "gate_ag_unreadable": 1}
             )
-        sample = self.rule.derive(tr, self.parser, readable=self.parser.readable)
+        sample = self.rule.derive(tr)
         counters = {
             "stored_transitions": 1,
             "stored_derived": 1,
@@ -169,6 +110,8 @@ class Ingest:
             "gate_ag_open": sample.y,
             f"gate_ag_{sample.ag_reason}": 1,
         }
+        if tr.ws_score is None:  # an actor that measured no reliability: the real future, and counted
+            counters["gate_ws_unscored"] = 1
         return WriteItem(key, [("transitions", raw), ("reflections", self._pack(sample))], counters)
 
 

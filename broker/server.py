@@ -20,7 +20,7 @@ from broker import replay_sampling
 from broker.actor_path import ActorPath
 from broker.counters import LiveStats, build_snapshot, reject_category, stored_total
 from broker.gate_worker import GatePool
-from broker.ingest import Ingest, NextState, best_effort_int, checked_registry
+from broker.ingest import Ingest, best_effort_int, checked_registry
 from broker.store import EVAL_KEY, ReplayStore, StoreRefused
 from comap_async.config import CoMapConfig
 from comap_async.method.fingerprint import fingerprint
@@ -62,14 +62,13 @@ class Broker:
     def __init__(
         self,
         cfg: CoMapConfig,
-        next_state: NextState,
         log: Any,
         server_keys: ServerKeys | None = None,
         replay_dir: str | Path | None = None,
         gate_spec: dict[str, Any] | None = None,
     ) -> None:
-        """``gate_spec`` (:func:`broker.gate_worker.pool_spec`) says how a worker process loads the
-        same fact-state update; without it the broker gates in its own process."""
+        """``gate_spec`` (:func:`broker.gate_worker.pool_spec`) says how a worker process rebuilds the
+        same gating; without it the broker gates in its own process."""
         b = cfg.broker
         self.cfg, self.b, self.log, self.server_keys = cfg, b, log, server_keys
         self.capacities = {
@@ -85,7 +84,7 @@ class Broker:
             map_size_mb=b.map_size_mb,
             max_map_size_mb=b.max_map_size_mb,
         )
-        self.ingest = Ingest(next_state, SampleRule.from_config(cfg))
+        self.ingest = Ingest(SampleRule.from_config(cfg))
         self.method = fingerprint(cfg)  # the run's reference: every ack's registry carries it
         if self.store.registry.get("method") != self.method:
             self.store.set_registry({**self.store.registry, "method": self.method})

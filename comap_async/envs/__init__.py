@@ -2,7 +2,7 @@
 (:mod:`comap_async.envs.registry`): ALFWorld and ScienceWorld.
 
 Light to import: the engines (alfworld, textworld, scienceworld) load only when an environment is created,
-and :func:`get_fact_parser` returns pure parsers, so the broker can use it without them.
+and :func:`get_fact_parser` returns pure parsers, so the actors and the metrics can use them without them.
 """
 
 from __future__ import annotations

@@ -103,42 +103,44 @@ def future_context(tr: Transition, use_imagined: bool, canon: Callable[[str], st
     return tr.s_hat_exec if use_imagined else tr.s_next
 
 
+def world_state_score(next_state: NextState, before: Facts, student: str, teacher: str) -> float:
+    """The world-state gate's reliability for one executed action: the F1 between the fact changes
+    the student's and the teacher's predictions make to the state before it (docs/design.md
+    section 11). An unreadable prediction scores 0; the same text, once readable, scores 1 without
+    building its changes. The actor computes it (it holds the environment's fact state); the
+    threshold is applied where the sample is derived (:func:`derive_policy_sample`)."""
+    if student == teacher:  # ``is_readable`` (optional): readable without building the facts
+        readable = getattr(next_state, "is_readable", None)
+        ok = readable(student) if readable is not None else next_state(before, student) is not None
+        return 1.0 if ok else 0.0
+    return world_state_gate_on_facts(before, next_state(before, student), next_state(before, teacher)).score
+
+
 def derive_policy_sample(
     tr: Transition,
-    next_state: NextState,
     tau_p: float = 0.5,
     tau_q: float = 0.6,
     tau_ws: float = 0.6,
     canon: Callable[[str], str] = canonical_action,
-    readable: Callable[[str], bool] | None = None,
     future_state: str = "gate",
     action_gated: bool = True,
 ) -> PolicySample:
     """The policy reflection sample ``(s, a_draft, s̄, target, y)`` for one stored transition.
 
-    The world-state gate scores the executed action (student vs teacher): the agreement of the
-    changes each prediction makes to the state before the action (``tr.facts``, the actor's
-    fact state, docs/design.md section 11). ``s̄`` is :func:`future_context`; ``target = a_exec`` and
-    ``y = 1`` when the action gate executed the revision, else ``a_draft`` and ``y = 0``. Gate
-    inputs and scores are kept so an analysis can recompute them.
-
-    ``readable(text)`` (``next_state(state, text) is not None``, cheaper) serves the common case
-    of a teacher that predicted the student's very text: the same text changes the state the same
-    way (score 1) as soon as it is readable, so no facts need building.
+    The world-state gate trusts the imagined state when the actor's reliability score
+    (``tr.ws_score``, :func:`world_state_score`) is at least ``tau_ws``; a transition without one is
+    never trusted. ``s̄`` is :func:`future_context`; ``target = a_exec`` and ``y = 1`` when the
+    action gate executed the revision, else ``a_draft`` and ``y = 0``. Gate inputs and scores are
+    kept so an analysis can recompute them with other thresholds.
 
     ``future_state`` (the ablations ``no_ws_gate_real`` / ``no_ws_gate_imagined``): ``real`` or
-    ``imagined`` replace the gate's choice of ``s̄`` (its score is still computed and kept);
+    ``imagined`` replace the gate's choice of ``s̄`` (its score is still kept);
     ``action_gated=False`` (``no_action_gate``) reads the executed choice as :func:`ungated_action`.
     """
     if future_state not in ("gate", "real", "imagined"):
         raise ValueError(f"future_state must be 'gate', 'real' or 'imagined', got {future_state!r}")
-    student, teacher = tr.s_hat_exec, tr.s_hat_teacher
-    if readable is not None and student == teacher:
-        agree = readable(student)
-        ws = WorldStateGateResult(agree and 1.0 >= tau_ws, 1.0 if agree else 0.0)
-    else:
-        before = frozenset(tr.facts)
-        ws = world_state_gate_on_facts(before, next_state(before, student), next_state(before, teacher), tau_ws)
+    score = 0.0 if tr.ws_score is None else tr.ws_score
+    ws = WorldStateGateResult(tr.ws_score is not None and score >= tau_ws, score)
     if action_gated:
         ag = action_gate(tr.p_revise, tr.q_ref, tr.a_ref, tr.a_draft, tau_p, tau_q, canon)
     else:
@@ -164,8 +166,8 @@ def derive_policy_sample(
 @dataclass(frozen=True)
 class SampleRule:
     """Everything that decides a co-evolution transition's reflection sample, read from the config
-    once: the thresholds and the ablations that change the gates (the broker applies it; its gate
-    workers get it whole)."""
+    once: the thresholds and the ablations that change the gates (the broker applies it to the
+    scores the actor measured; its gate workers get it whole)."""
 
     tau_p: float = 0.5
     tau_q: float = 0.6
@@ -181,18 +183,9 @@ class SampleRule:
         future = "real" if a.no_ws_gate_real else "imagined" if a.no_ws_gate_imagined else "gate"
         return cls(g.tau_p, g.tau_q, g.tau_ws, future, not a.no_action_gate)
 
-    def derive(
-        self, tr: Transition, next_state: NextState, readable: Callable[[str], bool] | None = None
-    ) -> PolicySample:
+    def derive(self, tr: Transition) -> PolicySample:
         return derive_policy_sample(
-            tr,
-            next_state,
-            self.tau_p,
-            self.tau_q,
-            self.tau_ws,
-            readable=readable,
-            future_state=self.future_state,
-            action_gated=self.action_gated,
+            tr, self.tau_p, self.tau_q, self.tau_ws, future_state=self.future_state, action_gated=self.action_gated
         )
 
 

@@ -179,6 +179,10 @@ class Transition(Message, tag="transition", kw_only=True):
     reflection_readable: bool = True
     """False: the policy's reflection gave no decision probability or no final action (the draft was
     executed); the broker stores the transition for the world model and derives no reflection sample."""
+    ws_score: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    """The world-state gate's reliability of the executed action, measured by the actor on its fact
+    state (:func:`comap_async.method.gates.world_state_score`); None where no teacher predicted
+    (warm-up). The broker applies the threshold, so it never parses environment text."""
 
 
 class Episode(_FiniteMaps, Message, tag="episode", kw_only=True):

@@ -9,8 +9,9 @@ import pytest
 
 from actors.worker import ActorWorker
 from comap_async.config import load_config
+from comap_async.envs.alfworld_facts import next_state
 from comap_async.logsetup import configure_logging
-from comap_async.method.gates import action_gate
+from comap_async.method.gates import action_gate, world_state_score
 from comap_async.wire.broker_client import BrokerClient
 from comap_async.wire.messages import Transition
 from comap_async.wire.protocol import validate
@@ -65,10 +66,18 @@ async def test_coevolve_actor_stores_complete_gated_transitions(
         assert tr["a_exec"] == (tr["a_ref"] if opened else tr["a_draft"]), tr["id"]
         if not opened:
             assert tr["s_hat_exec"] == tr["s_hat"]
+        # the world-state score is the actor's, measured on its fact state before the action
+        before = frozenset(tr["facts"])
+        assert tr["ws_score"] == world_state_score(next_state, before, tr["s_hat_exec"], tr["s_hat_teacher"])
     check_contiguous(transitions, episodes)
     # the broker derived one reflection sample per transition whose reflection could be read, none from the rest
     readable = {tr["id"] for tr in transitions if tr["reflection_readable"]}
-    assert {r["id"] for r in stored(broker, "reflections")} == readable
+    samples = stored(broker, "reflections")
+    assert {r["id"] for r in samples} == readable
+    by_id = {tr["id"]: tr for tr in transitions}
+    for r in samples:  # the broker applied the threshold to the actor's score, nothing else
+        assert r["ws_score"] == by_id[r["id"]]["ws_score"]
+        assert r["ws_imagined"] == (r["ws_score"] >= cfg.gates.tau_ws)
 
 
 async def test_warmup_expert_episodes_win_and_land_in_demos(

@@ -10,7 +10,6 @@ import zmq
 import zmq.asyncio
 
 from actors.registry_view import RegistryView
-from broker.ingest import load_next_state
 from broker.store import ReplayStore
 from comap_async.method.gates import derive_policy_sample
 from comap_async.wire.broker_client import BrokerClient, BrokerError
@@ -70,9 +69,8 @@ async def test_store_gates_registry_sampling_http(broker_factory):
         # warmup transitions (policy v0) derive no reflection sample; v3 samples are fresh
         by_id = {r["id"]: r for r in refl.items}
         assert set(by_id) == {revised["id"], lowconf["id"], "a0:ep0:12"}
-        parser = load_next_state("alfworld")
         for tr in (revised, lowconf):
-            want = derive_policy_sample(validate({**tr, "seq": 0}), parser, 0.5, 0.6, 0.6)
+            want = derive_policy_sample(validate({**tr, "seq": 0}), 0.5, 0.6, 0.6)
             got = by_id[tr["id"]]
             for k in ("s_bar", "target", "y", "ws_score", "ws_imagined", "ag_reason"):
                 assert got[k] == getattr(want, k), k

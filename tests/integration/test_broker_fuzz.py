@@ -42,7 +42,8 @@ def malformed_frames(rng: random.Random, n: int) -> list[list[bytes]]:
         elif kind == 2:  # a field of the wrong type (chosen from the schema so it is really wrong)
             m = dict(valid)
             name = rng.choice(keys[2:])
-            m[name] = rng.choice(WRONG[SCHEMAS["transition"][name].kind])
+            spec = SCHEMAS["transition"][name]
+            m[name] = rng.choice([v for v in WRONG[spec.kind] if not (v is None and spec.nullable)])
             out.append([msgpack.packb(m, use_bin_type=True)])
         elif kind == 3:  # a huge string (above the field limit, below the frame limit)
             m = dict(valid)

@@ -120,9 +120,10 @@ async def test_in_process_gating_stores_the_same_samples(broker_factory):
     assert {r["ws_imagined"] for r in results[0]} == {True, False}
 
 
-async def test_broker_gates_batches_itself_while_its_worker_is_busy(broker_factory):
-    """With the worker's queue full and nothing to commit, the broker process gates batches too;
-    every message is still stored exactly once, with the samples the worker would have made."""
+async def test_broker_gates_batches_itself_while_its_worker_is_stopped(broker_factory):
+    """With its worker stopped (SIGSTOP) and its queue full, the broker process gates the batches
+    that keep coming itself; once the worker runs again it returns its own. Every message is still stored exactly once,
+    with the samples the worker would have made."""
     n = 640
     bp = broker_factory(
         [
@@ -130,21 +131,33 @@ async def test_broker_gates_batches_itself_while_its_worker_is_busy(broker_facto
             "broker.group_commit=32",
             "broker.capacity_transitions=1000",
             "broker.capacity_reflections=1000",
-        ],
-        args=["--state-facts", "tests.fixtures.slow_parser:next_state"],
+        ]
     )
+    (worker,) = bp.stats()["gate_workers"]["pids"]
     ob = await Outbox(bp.actor_endpoint, ack_timeout_s=5.0, max_pending=512).start()
-    for i in range(n):  # new texts per message: the parser's cache cannot hide its cost
-        pick = f"You pick up the apple {i + 1} from the countertop {i + 1}."
-        await ob.put(
-            make_transition(
-                i,
-                o=f"You arrive at countertop {i + 1}.",
-                s_hat_exec=pick,
-                s_hat_teacher=pick if i % 2 else "Nothing happens.",
-                s_next=pick,
+    os.kill(worker, signal.SIGSTOP)
+
+    async def put_all() -> None:
+        for i in range(n):
+            pick = f"You pick up the apple {i + 1} from the countertop {i + 1}."
+            await ob.put(
+                make_transition(
+                    i,
+                    o=f"You arrive at countertop {i + 1}.",
+                    s_hat_exec=pick,
+                    s_hat_teacher=pick if i % 2 else "Nothing happens.",
+                    s_next=pick,
+                )
             )
-        )
+
+    sending = asyncio.ensure_future(put_all())
+    try:
+        # the worker holds the first batches; commits wait for them (they are stored in order), and
+        # meanwhile the broker gates what the outbox keeps sending
+        await asyncio.sleep(3.0)
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    await sending
     await ob.flush(120)
     stats = bp.stats()
     await ob.close()

@@ -13,9 +13,10 @@ from comap_async.method.gates import (
     derive_policy_sample,
     world_state_gate,
     world_state_gate_on_facts,
+    world_state_score,
 )
 from comap_async.wire.protocol import validate
-from tests.fixtures.messages import transition
+from tests.fixtures.messages import transition as _transition
 
 PREV = frozenset({"at(countertop 1)", "in(apple 1, countertop 1)"})
 REAL = frozenset({"at(countertop 1)", "holding(apple 1)"})  # picked the apple up
@@ -107,6 +108,13 @@ def _parse(state: frozenset[str], text: str):
     return _FACTS.get(text)  # the state after each text, whatever it was; unknown text is unparseable
 
 
+def transition(*args, **over):
+    """A transition scored as an actor with :func:`_parse` scores it (``ws_score``)."""
+    msg = _transition(*args, **over)
+    msg["ws_score"] = world_state_score(_parse, frozenset(msg["facts"]), msg["s_hat_exec"], msg["s_hat_teacher"])
+    return msg
+
+
 def test_derived_sample_imagined_state_and_accepted_revision():
     # the revised step: s_bar is the student's prediction for the *draft* (docs/design.md section 5),
     # while the gate still scores the executed action's predictions
@@ -125,7 +133,7 @@ def test_derived_sample_imagined_state_and_accepted_revision():
         a_exec="take apple 1 from countertop 1",
         facts=sorted(PREV),
     )
-    d = derive_policy_sample(validate(tr), _parse)
+    d = derive_policy_sample(validate(tr))
     assert d.s_bar == "DRAFT IMAGINED" and d.ws_imagined and d.ws_score == 1.0
     assert d.target == "take apple 1 from countertop 1" and d.y == 1
 
@@ -145,14 +153,14 @@ def test_derived_sample_real_state_and_kept_draft():
         a_exec="go to fridge 1",
         facts=sorted(PREV),
     )
-    d = derive_policy_sample(validate(tr), _parse)
+    d = derive_policy_sample(validate(tr))
     assert d.s_bar == "REAL NEXT" and not d.ws_imagined
     assert d.target == "go to fridge 1" and d.y == 0 and d.ag_reason == "low_confidence"
 
 
 def test_derived_sample_unparseable_student_uses_real_state():
     tr = transition(1, o="O", s_hat_exec="gibberish", s_hat_teacher="PICKED", s_next="REAL NEXT", facts=sorted(PREV))
-    d = derive_policy_sample(validate(tr), _parse)
+    d = derive_policy_sample(validate(tr))
     assert d.s_bar == "REAL NEXT" and d.ws_score == 0.0
 
 
@@ -212,14 +220,14 @@ def test_ws_gate_ablations_fix_the_future_state(teacher, gate_picks):
     """``no_ws_gate_real`` / ``no_ws_gate_imagined`` (issue 17): s̄ is the real / the imagined next
     state whatever the gate says; the gate's own score is still computed and kept."""
     tr = _kept_step(teacher)
-    gated = derive_policy_sample(tr, _parse)
+    gated = derive_policy_sample(tr)
     assert gated.s_bar == gate_picks
     for future_state, s_bar in (("real", "REAL NEXT"), ("imagined", "PICKED")):
-        d = derive_policy_sample(tr, _parse, future_state=future_state)
+        d = derive_policy_sample(tr, future_state=future_state)
         assert d.s_bar == s_bar, future_state
         assert (d.ws_score, d.ws_imagined, d.target, d.y) == (gated.ws_score, gated.ws_imagined, gated.target, gated.y)
     with pytest.raises(ValueError, match="future_state"):
-        derive_policy_sample(tr, _parse, future_state="teacher")
+        derive_policy_sample(tr, future_state="teacher")
 
 
 def test_no_action_gate_reads_every_real_revision_as_executed():
@@ -241,9 +249,9 @@ def test_no_action_gate_reads_every_real_revision_as_executed():
             facts=sorted(PREV),
         )
     )
-    gated = derive_policy_sample(tr, _parse)
+    gated = derive_policy_sample(tr)
     assert (gated.y, gated.ag_reason) == (0, "keep")
-    d = derive_policy_sample(tr, _parse, action_gated=False)
+    d = derive_policy_sample(tr, action_gated=False)
     assert (d.target, d.y, d.ag_reason) == ("take apple 1 from countertop 1", 1, "revised")
     same = validate(transition(1, a_ref="Go to fridge 1.", a_draft="go to fridge 1", a_exec="go to fridge 1"))
-    assert derive_policy_sample(same, _parse, action_gated=False).y == 0  # the same action is no revision
+    assert derive_policy_sample(same, action_gated=False).y == 0  # the same action is no revision

@@ -104,7 +104,7 @@ def test_the_broker_files_an_imagined_step_in_its_own_store_as_draft_data():
         wm_version=3,
         ts=1.0,
     )
-    item = Ingest(lambda facts, text: facts).prepare(msg, b"raw")
+    item = Ingest().prepare(msg, b"raw")
     assert [store for store, _ in item.records] == ["imagined"] and item.counters == {"stored_imagined": 1}
     rec = msgpack.unpackb(item.records[0][1])
     assert (rec["s"], rec["target"], rec["source"], rec["policy_version"]) == ("state", "go to desk 1", "imagined", 3)

@@ -121,3 +121,17 @@ async def test_the_repeat_guard_keeps_the_action_when_every_sample_repeats_and_i
     quiet = ScriptedDrafts("look", ["go to shelf 1"])
     off, ctx_off = _episode(0, quiet)
     assert await avoid_repeat(ctx_off, off, "s", "look") == "look" and quiet.sampled_at == []
+
+
+def test_an_evaluation_that_played_a_game_twice_and_another_never_is_incomplete():
+    """Each game exactly once: four results for four games are not enough when one game was played
+    twice (the per-loop stride of an older worker did that when loops finished at different times)."""
+    from actors.eval_runner import EvalIncomplete, check_complete
+
+    games = [SimpleNamespace(name=f"g{i}") for i in range(4)]
+    stats = EpisodeStats()
+    check_complete([(g, stats) for g in reversed(games)], games)  # any order, each once: complete
+    with pytest.raises(EvalIncomplete, match="each game once"):
+        check_complete([(games[0], stats), (games[1], stats), (games[2], stats), (games[0], stats)], games)
+    with pytest.raises(EvalIncomplete, match="1 of 4 episodes failed"):
+        check_complete([(g, stats) for g in games[:3]], games)

@@ -97,7 +97,7 @@ async def test_unreadable_reflections():
 
 
 def test_an_unreadable_reflection_is_never_stored_as_a_training_sample():
-    ingest = Ingest(lambda state, text: frozenset(), SampleRule())
+    ingest = Ingest(SampleRule())
     for readable, stores in ((True, ["transitions", "reflections"]), (False, ["transitions"])):
         tr = make_transition(1, reflection_readable=readable)
         raw = msgpack.packb({**tr, "seq": 1})

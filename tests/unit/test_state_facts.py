@@ -109,7 +109,7 @@ def test_revised_step_reflects_on_the_drafts_imagined_state():
             s_hat_teacher=teacher,
             s_next=PICK,
         )
-        d = derive_policy_sample(validate(tr), next_state)
+        d = derive_policy_sample(validate(tr))
         assert d.s_bar == DRAFT_IMAGINED and d.y == 1 and d.target == "take apple 1 from countertop 1"
         assert d.ws_imagined == (teacher == PICK)  # the gate's score is still on the executed action
 
@@ -124,9 +124,9 @@ def test_kept_step_uses_the_gate():
         s_hat_exec=DRAFT_IMAGINED,
         s_next="You arrive at drawer 3. The drawer 3 is open. In it, you see nothing.",
     )
-    agree = derive_policy_sample(validate(_step(**kept, s_hat_teacher=DRAFT_IMAGINED)), next_state)
+    agree = derive_policy_sample(validate(_step(**kept, s_hat_teacher=DRAFT_IMAGINED)))
     assert agree.ws_imagined and agree.s_bar == DRAFT_IMAGINED
-    disagree = derive_policy_sample(validate(_step(**kept, s_hat_teacher="Nothing happens.")), next_state)
+    disagree = derive_policy_sample(validate(_step(**kept, s_hat_teacher="Nothing happens.")))
     assert not disagree.ws_imagined and disagree.s_bar == kept["s_next"]
     # a refined action that is the draft in other spelling was not a revision
     same = _step(**{**kept, "a_exec": "Go to drawer 3."}, s_hat_teacher=DRAFT_IMAGINED)

@@ -60,7 +60,7 @@ def test_explore_share_is_configurable_with_a_default():
 
 
 def test_broker_stores_an_explore_transition_for_the_world_model_only():
-    ingest = Ingest(lambda *args: None, SampleRule())
+    ingest = Ingest(SampleRule())
     tr = make_transition(
         3,
         phase="warmup",

@@ -1,0 +1,228 @@
+"""The whole system on the vLLM backend (issue 27, point 6): broker + vLLM + learner + one actor
+with the default model, each its own process as the Procfile starts it. Opt-in (marker ``vllm``):
+vLLM's CPU build in its own virtualenv (``COMAP_VLLM_PYTHON``, docs/inference.md).
+
+What it shows: a warm-up publish reaches vLLM (loaded under its new name, announced), the actor's
+next episode is played by vLLM with that version, and a learner stopped and started again reloads
+the registry's adapters in place and publishes the next version. Figures (publish-to-live, tokens/s
+before and right after a publish) are printed and, with ``COMAP_E2E_FIGURES=path``, written as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from tests.fixtures.core import free_port
+
+pytestmark = [pytest.mark.vllm, pytest.mark.alfworld, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+PROMPT = "You are in the middle of a room. Looking quickly around you, you see a cabinet 1, a desk 1."
+
+
+def _vllm_python() -> str:
+    python = os.environ.get("COMAP_VLLM_PYTHON")
+    if not python:
+        pytest.skip("set COMAP_VLLM_PYTHON to a vLLM virtualenv's python (docs/inference.md)")
+    return python
+
+
+class Run:
+    """One run's processes, started one by one (so the learner alone can be stopped and restarted)."""
+
+    def __init__(self, tmp: Path, data: Path) -> None:
+        self.tmp = tmp
+        self.port, self.http = free_port(), free_port()
+        overrides = [
+            f"run.root={tmp / 'runs'}",
+            "run.name=vllm-e2e",
+            f"env.data_dir={data}",
+            "env.split=valid_seen",
+            "env.max_steps=4",
+            f"broker.actor_port={free_port()}",
+            f"broker.learner_port={free_port()}",
+            f"broker.http_port={self.http}",
+            "inference.backend=vllm",
+            f"inference.port={self.port}",
+            f"inference.endpoints=['http://127.0.0.1:{self.port}']",
+            "inference.max_prompt_tokens=1536",
+            "actor.envs=1",
+            # a short warm-up: a publish after 2 steps, co-evolution after 4 (no reflection-mode init)
+            "learner.warmup_steps=4",
+            "learner.warmup_epochs=null",
+            "learner.warmup_min_demos=4",
+            "learner.warmup_publish_every=2",
+            "learner.batch_size=1",
+            "learner.max_seq_len=512",
+            "learner.publish_every=2",
+            "learner.checkpoint_every=1",
+            "ablation.no_reflect_init=true",
+            "broker.max_staleness=100",
+        ]
+        self.env = {
+            **os.environ,
+            "COMAP_CONFIG": "configs/local.yaml",
+            "COMAP_OVERRIDES": " ".join(overrides),
+            "COMAP_LOG_JSON": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+
+    def start(self, role: str, tag: str = "") -> None:
+        self.logs[role] = self.tmp / f"{role}{tag}.log"
+        self.procs[role] = subprocess.Popen(
+            [sys.executable, "-m", "comap_async", role],
+            stdout=open(self.logs[role], "wb"),
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            cwd=REPO,
+            start_new_session=True,
+        )
+
+    def stop(self, role: str, timeout: float = 120) -> int:
+        proc = self.procs.pop(role)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                return proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return -9
+        return proc.returncode
+
+    def stop_all(self) -> None:
+        for role in list(self.procs):
+            self.stop(role, 60)
+
+    def events(self, role: str, name: str) -> list[dict]:
+        out = []
+        for line in self.logs[role].read_text(errors="replace").splitlines():
+            if f'"{name}"' in line:
+                try:
+                    out.append(json.loads(line[line.index("{") :]))
+                except ValueError:
+                    continue
+        return out
+
+    def wait(self, what: str, cond, timeout: float):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for role, proc in self.procs.items():
+                tail = self.logs[role].read_text(errors="replace")[-3000:]
+                assert proc.poll() is None, f"{role} exited while waiting for {what}:\n{tail}"
+            value = cond()
+            if value:
+                return value
+            time.sleep(2)
+        tails = {r: p.read_text(errors="replace")[-2000:] for r, p in self.logs.items()}
+        raise AssertionError(f"timed out waiting for {what}: {tails}")
+
+    def models(self) -> set[str]:
+        with urllib.request.urlopen(self.url + "/v1/models", timeout=10) as r:
+            return {m["id"] for m in json.loads(r.read())["data"]}
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def tokens_per_s(self, model: str, n: int = 4, max_tokens: int = 32) -> float:
+        """``n`` concurrent greedy completions of ``max_tokens`` tokens: generated tokens per second."""
+
+        def one(_: int) -> int:
+            body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            req = urllib.request.Request(
+                self.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return json.loads(r.read())["usage"]["completion_tokens"]
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(n) as pool:
+            tokens = sum(pool.map(one, range(n)))
+        return tokens / (time.perf_counter() - t0)
+
+    def episodes(self) -> list[dict]:
+        from broker.store import ReplayStore
+
+        replay = self.tmp / "runs" / "vllm-e2e" / "replay"
+        if not replay.is_dir():
+            return []
+        rs = ReplayStore(replay, {"episodes": 1, "transitions": 1}, readonly=True)
+        try:
+            return [msgpack.unpackb(v) for v in rs.iter_store("episodes")]
+        finally:
+            rs.close()
+
+
+def test_the_system_runs_on_vllm_publishes_and_resumes(tmp_path, alfworld_data):
+    from comap_async.models import DEFAULT_MODEL, ModelError, resolve_model
+
+    os.environ.setdefault("COMAP_VLLM_PYTHON", _vllm_python())
+    try:
+        resolve_model(DEFAULT_MODEL, "~/.cache/comap-async/models")
+    except ModelError as exc:
+        pytest.skip(f"needs the default model: {exc}")
+    run = Run(tmp_path, alfworld_data)
+    figures: dict[str, float | int] = {}
+    try:
+        t0 = time.monotonic()
+        run.start("serve")
+        run.start("broker")
+        run.wait("vLLM to answer", run.healthy, 900)
+        figures["vllm_start_s"] = round(time.monotonic() - t0)
+        base = next(iter(run.models()))
+        figures["tokens_per_s_base"] = round(run.tokens_per_s(base), 2)
+        run.start("learner")
+        run.start("actor")
+
+        # a warm-up publish: saved, loaded into vLLM under its new name, announced
+        first = run.wait("a warm-up publish", lambda: [e for e in run.events("learner", "publish.done")], 1200)[0]
+        assert first["phase"] == "warmup" and first["version"] == 1
+        figures["publish_live_ms"] = first["publish_live_ms"]
+        assert {"policy-v1", "wm-v1", "wm_teacher-v1"} <= run.models()
+        figures["tokens_per_s_after_publish"] = round(run.tokens_per_s("policy-v1"), 2)
+
+        # co-evolution: the actor's next episode is played by vLLM with the newest warm-up version
+        def coevolve_episode():
+            return [e for e in run.episodes() if e["phase"] == "coevolve"]
+
+        ep = run.wait("a co-evolution episode", coevolve_episode, 1800)[0]
+        assert ep["policy_version"] >= first["version"] and ep["steps"] >= 1, ep
+
+        # the learner stopped and started again: the registry's adapters reloaded in place, then a new version
+        before = max(e["version"] for e in run.events("learner", "publish.done"))
+        assert run.stop("learner") == 0
+        run.start("learner", tag="-resumed")
+        reloaded = run.wait(
+            "the resumed learner's reload", lambda: run.events("learner", "learner.live_adapters_reloaded"), 600
+        )[0]
+        assert reloaded["adapters"]["policy"] == f"policy-v{before}"
+        after = run.wait(
+            "a publish after the resume",
+            lambda: [e for e in run.events("learner", "publish.done") if e["version"] > before],
+            1200,
+        )[0]
+        assert after["version"] == before + 1 and f"policy-v{after['version']}" in run.models()
+        figures["publish_live_ms_resumed"] = after["publish_live_ms"]
+        figures["wall_s"] = round(time.monotonic() - t0)
+    finally:
+        run.stop_all()
+        print("vllm_e2e " + json.dumps(figures))
+        if os.environ.get("COMAP_E2E_FIGURES"):
+            Path(os.environ["COMAP_E2E_FIGURES"]).write_text(json.dumps(figures, indent=1) + "\n")
