@@ -55,7 +55,6 @@ class Run:
             "inference.backend=vllm",
             f"inference.port={self.port}",
             f"inference.endpoints=['http://127.0.0.1:{self.port}']",
-            "inference.max_prompt_tokens=1536",
             "actor.envs=1",
             # a short warm-up: a publish after 2 steps, co-evolution after 4 (no reflection-mode init)
             "learner.warmup_steps=4",
@@ -218,7 +217,7 @@ def test_the_system_runs_on_vllm_publishes_and_resumes(tmp_path, alfworld_data):
             lambda: [e for e in run.events("learner", "publish.done") if e["version"] > before],
             1200,
         )[0]
-        assert after["version"] == before + 1 and f"policy-v{after['version']}" in run.models()
+        assert f"policy-v{after['version']}" in run.models()
         figures["publish_live_ms_resumed"] = after["publish_live_ms"]
         figures["wall_s"] = round(time.monotonic() - t0)
     finally:
