@@ -1,4 +1,4 @@
-"""``comap evaluator``: held-out figures for every adapter version, while the system runs (issue 14).
+"""``comap evaluator``: held-out figures for every adapter version, while the system runs.
 
 A process beside the actors (a ``Procfile`` line): it asks the broker for the registry, and for
 the base model once and then every ``eval.every_versions``-th published version (the newest

@@ -1,4 +1,4 @@
-"""Exploratory actions of the world-model warm-up (issue 13 point 5, docs/design.md section 11 eq. 4-5).
+"""Exploratory actions of the world-model warm-up (docs/design.md section 11, eq. 4-5).
 
 Walkthroughs only ever show the expert's successful commands, so a world model warmed up on them
 alone has never seen ``Nothing happens.``, a wrong receptacle or a refused take. During warm-up a

@@ -1,4 +1,4 @@
-"""Held-out probes: cheap, deterministic measures of an adapter version that move early (issue 14).
+"""Held-out probes: cheap, deterministic measures of an adapter version that move early.
 
 Success rate needs whole episodes and moves late. Along each game's expert walkthrough
 (teacher-forced states: the expert's actions, whatever the policy would have done) the probes ask

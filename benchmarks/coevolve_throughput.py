@@ -2,7 +2,7 @@
 in alternating rounds on one machine:
 
 * ``reference``: ``inference.forward=transformers``, ``inference.top_p_candidates=0`` (top-p sampling
-  sorts the vocabulary), ``actor.overlap_teacher=false``: the path before issue 15;
+  sorts the vocabulary), ``actor.overlap_teacher=false``: the path before the fused forward and the overlapped teacher;
 * ``fused``: the fused forward alone (sampling and actor as the reference);
 * ``fast``: the defaults: fused forward, top-p from the top candidates, the teacher overlapped with
   the next draft.

@@ -1,4 +1,4 @@
-"""What the evaluator costs the actors (issue 14, acceptance 4): actor env steps/s with and without
+"""What the evaluator costs the actors: actor env steps/s with and without
 an evaluation running, interleaved, on one machine.
 
     python benchmarks/evaluator_cost.py [--config configs/local.yaml] [--window 180] [--rounds 2]

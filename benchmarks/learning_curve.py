@@ -1,5 +1,5 @@
 """A held-out learning curve from an empty run directory: the system under honcho for a wall-clock
-budget, the evaluator measuring every adapter version on held-out games (issue 14, point 6).
+budget, the evaluator measuring every adapter version on held-out games.
 
     python benchmarks/learning_curve.py [--minutes 90] [--split valid_seen] [--data DIR] [--games 10]
                                         [--config configs/local.yaml] [--set learner.schedule=rounds] [--out DIR]

@@ -1,4 +1,4 @@
-"""The method table (issue 26): CoMap against its ablations from one warm-up, and the prompting
+"""The method table: CoMap against its ablations from one warm-up, and the prompting
 methods on the warm-up's version, on the same held-out games.
 
     python benchmarks/method_table.py SOURCE_RUN --version N --variants comap,frozen_wm,no_action_gate \\

@@ -1,5 +1,5 @@
 """Does the revise probability ``p`` learn to discriminate? Reflection-mode training variants on a
-run's own suffix-labelled samples, scored on games held out from training (issue 25).
+run's own suffix-labelled samples, scored on games held out from training.
 
 A run's replay holds the reflection-mode initialisation samples (``source: suffix``): a state, the
 policy's draft, the real observation after it, and the outcome label ``y`` (1: the expert's action

@@ -2,8 +2,9 @@
 
 Why: per stored transition the broker spent more CPU in ``msgpack`` decoding, validation and the
 gates than in ZeroMQ and LMDB together (measured: ~45 us against ~25 us for a 2 KB transition,
-when the broker still parsed the world-state gate's facts; the actor does that now). One Python process can use one core, so that work runs in worker
-processes while the event loop's process keeps the sockets, the LMDB transactions and the acks.
+when the broker still parsed the world-state gate's facts; the actor does that now). One Python
+process can use one core, so that work runs in worker processes while the event loop's process
+keeps the sockets, the LMDB transactions and the acks.
 Batches are pipelined: while a worker gates batch k+1 the broker commits batch k, and a broker
 with nothing to commit while its workers' queues are full gates a batch itself (``/stats``
 ``gate_workers.batches_gated_in_broker``).
