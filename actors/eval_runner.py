@@ -143,10 +143,14 @@ def check_complete(results: list, games: list, what: str = "") -> None:
         )
     played = collections.Counter(game.name for game, _ in results)
     if played != collections.Counter(game.name for game in games):
+        asked = {game.name for game in games}
+        never = sorted(asked - set(played))
         twice = sorted(name for name, n in played.items() if n > 1)
+        other = sorted(set(played) - asked)
         raise EvalIncomplete(
-            f"{prefix}the episodes did not play each game once ({len(twice)} played more than once, "
-            f"e.g. {twice[:1]}); a success rate over them would not be comparable"
+            f"{prefix}the episodes did not play each game once ({len(never)} never played, "
+            f"{len(twice)} more than once, {len(other)} not asked for, e.g. {(never + twice + other)[0]}); "
+            "a success rate over them would not be comparable"
         )
 
 

@@ -20,9 +20,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import msgpack
 import pytest
 
+from tests.fixtures.broker import stored
 from tests.fixtures.core import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.alfworld, pytest.mark.slow, pytest.mark.timeout(3000)]  # minutes on 2 cores
@@ -30,11 +30,10 @@ REPO = Path(__file__).resolve().parents[2]
 PROMPT = "You are in the middle of a room. Looking quickly around you, you see a cabinet 1, a desk 1."
 
 
-def _vllm_python() -> str:
-    python = os.environ.get("COMAP_VLLM_PYTHON")
-    if not python:
+def _require_vllm() -> None:
+    """Skip unless ``COMAP_VLLM_PYTHON`` names a vLLM virtualenv's python (the processes inherit it)."""
+    if not os.environ.get("COMAP_VLLM_PYTHON"):
         pytest.skip("set COMAP_VLLM_PYTHON to a vLLM virtualenv's python (docs/inference.md)")
-    return python
 
 
 class Run:
@@ -120,8 +119,9 @@ class Run:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for role, proc in self.procs.items():
-                tail = self.logs[role].read_text(errors="replace")[-3000:]
-                assert proc.poll() is None, f"{role} exited while waiting for {what}:\n{tail}"
+                if proc.poll() is not None:
+                    tail = self.logs[role].read_text(errors="replace")[-3000:]
+                    raise AssertionError(f"{role} exited while waiting for {what}:\n{tail}")
             value = cond()
             if value:
                 return value
@@ -157,22 +157,14 @@ class Run:
         return tokens / (time.perf_counter() - t0)
 
     def episodes(self) -> list[dict]:
-        from broker.store import ReplayStore
-
         replay = self.tmp / "runs" / "vllm-e2e" / "replay"
-        if not replay.is_dir():
-            return []
-        rs = ReplayStore(replay, {"episodes": 1, "transitions": 1}, readonly=True)
-        try:
-            return [msgpack.unpackb(v) for v in rs.iter_store("episodes")]
-        finally:
-            rs.close()
+        return stored(replay, "episodes") if replay.is_dir() else []
 
 
 def test_the_system_runs_on_vllm_publishes_and_resumes(tmp_path, alfworld_data):
     from comap_async.models import DEFAULT_MODEL, ModelError, resolve_model
 
-    os.environ.setdefault("COMAP_VLLM_PYTHON", _vllm_python())
+    _require_vllm()
     try:
         resolve_model(DEFAULT_MODEL, "~/.cache/comap-async/models")
     except ModelError as exc:
