@@ -10,6 +10,7 @@ sample on any file system (alfworld itself keeps ``os.walk`` order).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -116,14 +117,16 @@ def default_archive_dir() -> Path:
 
 
 def _marker(to: Path, archive: Path) -> Path:
-    st = archive.stat()
-    return to / f".extracted-{archive.name}-{st.st_size}-{int(st.st_mtime)}"
+    # by content, not mtime: the same archives copied afresh (a new checkout, a CI clone) are not
+    # extracted again (hashing the 6 MB of archives takes milliseconds; extracting them, minutes)
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()[:16]
+    return to / f".extracted-{archive.name}-{digest}"
 
 
 def extract_archives(archives: Sequence[str | os.PathLike[str]], to: str | os.PathLike[str]) -> list[Path]:
     """Extract ALFWorld archives into ``to`` once; returns the archives actually extracted now.
 
-    A marker per archive (name, size, mtime) makes a second run a no-op; it is written only
+    A marker per archive (its name and a hash of its content) makes a second run a no-op; it is written only
     after a complete extraction, so an interrupted run extracts again.
     """
     dest = Path(to).expanduser()

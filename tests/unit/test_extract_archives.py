@@ -1,0 +1,37 @@
+"""The ALFWorld archives are extracted once per content: a fresh copy of the same archives (a new
+checkout of ../shared, a CI clone) is not extracted again; a changed archive is."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tarfile
+import time
+
+from comap_async.envs.alfworld_games import extract_archives
+
+
+def make_archive(path, text: str):
+    src = path.parent / "src"
+    (src / "json_2.1.1" / "valid_seen").mkdir(parents=True)
+    (src / "json_2.1.1" / "valid_seen" / "game.txt").write_text(text)
+    with tarfile.open(path, "w:xz") as tar:
+        tar.add(src / "json_2.1.1", arcname="json_2.1.1")
+    return path
+
+
+def test_a_copy_of_the_same_archive_is_not_extracted_again_and_a_changed_one_is(tmp_path):
+    dest = tmp_path / "cache"
+    first = make_archive(tmp_path / "a.tar.xz", "one")
+    assert extract_archives([first], dest) == [first]
+    copy = tmp_path / "elsewhere" / "a.tar.xz"
+    copy.parent.mkdir()
+    shutil.copy(first, copy)
+    later = time.time() + 3600
+    os.utime(copy, (later, later))  # a new mtime, as a fresh copy has
+    assert extract_archives([copy], dest) == []
+    (dest / "json_2.1.1" / "valid_seen" / "game.txt").unlink()
+    (tmp_path / "b").mkdir()
+    changed = make_archive(tmp_path / "b" / "a.tar.xz", "two")
+    assert extract_archives([changed], dest) == [changed]
+    assert (dest / "json_2.1.1" / "valid_seen" / "game.txt").read_text() == "two"
