@@ -4,17 +4,21 @@ base model, played on the same games of one split; one Markdown table and one ba
 Each run is evaluated as it trained: its ``ablation.json`` is applied (``no_action_gate`` and
 ``no_future_state`` change how the agent acts). The runs' adapters are copied under
 ``OUT/adapters`` with a prefix per run (``r1-policy-v7``), the adapter root of the embedded server
-this command starts, so versions of different runs never share a name.
+this command starts, so versions of different runs never share a name. Each row's report is stored
+under ``OUT/cells`` as soon as it is measured, so a comparison stopped half-way (a table on a CPU
+takes hours) goes on with ``--resume``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import shutil
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="how long to wait for the embedded server this command starts (default 600 s)",
     )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse the rows OUT/cells already holds for the same adapters, method, games and settings "
+        "(each row is stored there as soon as it is measured); no server is started when all are held",
+    )
 
 
 def stage_run(
@@ -84,81 +94,156 @@ def stage_run(
     return version, ablation, prefix
 
 
-async def compare(
-    cfg: Any,
-    runs: list[Path],
-    methods: list[str],
-    split: str,
-    n_games: int | None,
-    envs: int | None,
-    server: Any,
-    serve_timeout: float,
-    log: Any,
-    staged: list[tuple[int, list[str], str]],
-    methods_from: tuple[str, int, str] | None = None,
-) -> tuple[list[dict[str, Any]], int]:
-    """Play every method (the base model, or ``methods_from``'s staged adapters: (its name, version,
-    prefix)) and every staged run on the same games; the rows and the game count."""
-    from actors.compare_report import METHOD_LABELS, row, run_label
-    from actors.eval_report import summarize
-    from actors.eval_runner import check_complete, play_games, wait_for_server
-    from comap_async.config import AblationConfig
+@dataclass
+class Cell:
+    """One row of the table still to be played, or read back: ``key`` says what it measured."""
+
+    what: str
+    label: str
+    kind: str
+    method: str
+    registry: Any
+    key: dict[str, Any]
+    run: str | None = None
+    ablation: list[str] = field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        return json.dumps(self.key, sort_keys=True)
+
+
+def cell_key(cfg: Any, source: str, version: int, method: str, split: str, games: list) -> dict[str, Any]:
+    """What a row's figures depend on: the adapters (run directory and version), the method, the
+    games, and the settings that change how an episode is played (not where files or servers are)."""
+    settings = cfg.model_dump(mode="json", include={"env", "eval", "gates", "actor", "model", "ablation"})
+    settings["env"].pop("data_dir", None)
+    settings["model"].pop("cache_dir", None)
+    settings["seed"] = cfg.run.seed
+    settings["inference"] = cfg.model_dump(mode="json", include={"inference": {"forward", "dtype"}})["inference"]
+    return {
+        "source": source,
+        "version": version,
+        "method": method,
+        "split": split,
+        "games": [game.name for game in games],
+        "settings": settings,
+    }
+
+
+class CellStore:
+    """``OUT/cells``: each row's evaluation report as soon as it is measured, under a name hashed from
+    its key, so ``--resume`` plays only the rows a stopped comparison had not finished."""
+
+    def __init__(self, out: Path) -> None:
+        self.root = out / "cells"
+
+    def _path(self, key: dict[str, Any]) -> Path:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+        return self.root / f"{digest}.json"
+
+    def load(self, key: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            stored = json.loads(self._path(key).read_text())
+        except FileNotFoundError:
+            return None
+        except ValueError:  # a file cut short is not a result: the row is played again
+            return None
+        return stored["report"] if stored.get("key") == key else None
+
+    def save(self, key: dict[str, Any], report: dict[str, Any]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self._path(key)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "report": report}, indent=2))
+        tmp.replace(path)
+
+
+def split_games(cfg: Any, split: str, n_games: int | None) -> list:
+    """The games every row plays: ``n_games`` of ``split`` drawn with ``run.seed``; ValueError when none."""
     from comap_async.envs import games_from_config
     from comap_async.envs.base import spread_sample
-    from comap_async.run_files import read_run_methods
-    from comap_async.wire.inference_client import InferenceClient
-    from comap_async.wire.messages import Registry
 
     games = games_from_config(cfg.model_copy(update={"env": cfg.env.model_copy(update={"max_games": None})}), split)
     games = spread_sample(games, n_games, cfg.run.seed)
     if not games:
         raise ValueError(f"no games in split {split!r}")
+    return games
+
+
+def plan_cells(
+    cfg: Any,
+    runs: list[Path],
+    methods: list[str],
+    split: str,
+    games: list,
+    staged: list[tuple[int, list[str], str]],
+    methods_from: tuple[Path, int, str] | None = None,
+) -> list[Cell]:
+    """The rows in table order: every prompting method (the base model, or ``methods_from``'s staged
+    adapters: (its directory, version, prefix)), then every staged run with the CoMap loop."""
+    from actors.compare_report import METHOD_LABELS, run_label
+    from comap_async.config import AblationConfig
+    from comap_async.run_files import read_run_methods
+    from comap_async.wire.messages import Registry
+
+    cells = []
+    if methods_from is None:
+        base, source, adapters = Registry.serving(0), "base", "base model"
+    else:
+        base = Registry.serving(methods_from[1], methods_from[2])
+        source, adapters = str(methods_from[0].resolve()), f"{methods_from[0].name} v{methods_from[1]}"
+    for method in methods:
+        key = cell_key(cfg, source, base.versions["policy"], method, split, games)
+        cells.append(Cell(method, f"{METHOD_LABELS[method]} ({adapters})", "method", method, base, key))
+    for run_dir, (version, ablation, prefix) in zip(runs, staged):
+        run_cfg = cfg.model_copy(update={"ablation": AblationConfig(**dict.fromkeys(ablation, True))})
+        label = run_label(ablation, run_dir.name, read_run_methods(run_dir))
+        key = cell_key(run_cfg, str(run_dir.resolve()), version, "comap", split, games)
+        registry = Registry.serving(version, prefix)
+        cells.append(Cell(str(run_dir), label, "run", "comap", registry, key, str(run_dir), ablation))
+    return cells
+
+
+async def play_cells(
+    cfg: Any,
+    cells: list[Cell],
+    games: list,
+    envs: int | None,
+    server: Any,
+    serve_timeout: float,
+    log: Any,
+    store: CellStore,
+) -> dict[str, dict[str, Any]]:
+    """Play each cell on the same games against the server this command started; each report is
+    stored as soon as it is complete. Returns the reports by :attr:`Cell.id`."""
+    from actors.eval_report import summarize
+    from actors.eval_runner import check_complete, play_games, wait_for_server
+    from comap_async.config import AblationConfig
+    from comap_async.wire.inference_client import InferenceClient
+
     await wait_for_server(cfg, server, serve_timeout, log)
-
-    async def play(run_cfg: Any, registry: Registry, method: str, what: str) -> dict[str, Any]:
-        t0 = time.time()
-        results = await play_games(run_cfg, games, registry, log, envs=envs, method=method)
-        check_complete(results, games, what)
-        report = summarize(results, split, registry.versions.get("policy", 0), time.time() - t0)
-        log.info("compare.row", what=what, success_rate=report["success_rate"], delta_f1=report["delta_f1"])
-        return report
-
-    rows = []
+    reports = {}
     async with InferenceClient.from_config(cfg) as client:
-        base = Registry.serving(0)
-        if methods_from is not None:
-            base = Registry.serving(methods_from[1], methods_from[2])
-            for name in base.adapters.values():
+        for cell in cells:
+            for name in cell.registry.adapters.values():
                 await client.load_adapter(name, str(cfg.adapter_root / name))
-        adapters = "base model" if methods_from is None else f"{methods_from[0]} v{methods_from[1]}"
-        for method in methods:
-            rows.append(
-                row(f"{METHOD_LABELS[method]} ({adapters})", "method", method, await play(cfg, base, method, method))
-            )
-        for name in base.adapters.values():
-            await client.unload_adapter(name, missing_ok=True)
-        for run_dir, (version, ablation, prefix) in zip(runs, staged):
-            registry = Registry.serving(version, prefix)
-            for name in registry.adapters.values():
-                await client.load_adapter(name, str(cfg.adapter_root / name))
-            run_cfg = cfg.model_copy(update={"ablation": AblationConfig(**dict.fromkeys(ablation, True))})
-            rows.append(
-                row(
-                    run_label(ablation, run_dir.name, read_run_methods(run_dir)),
-                    "run",
-                    "comap",
-                    await play(run_cfg, registry, "comap", str(run_dir)),
-                    run=str(run_dir),
-                    ablation=ablation,
-                )
-            )
-            for name in registry.adapters.values():
+            run_cfg = cfg  # a run is played with its own ablation, a prompting method with the config's
+            if cell.run is not None:
+                run_cfg = cfg.model_copy(update={"ablation": AblationConfig(**dict.fromkeys(cell.ablation, True))})
+            t0 = time.time()
+            results = await play_games(run_cfg, games, cell.registry, log, envs=envs, method=cell.method)
+            check_complete(results, games, cell.what)
+            report = summarize(results, cell.key["split"], cell.registry.versions.get("policy", 0), time.time() - t0)
+            store.save(cell.key, report)
+            log.info("compare.row", what=cell.what, success_rate=report["success_rate"], delta_f1=report["delta_f1"])
+            reports[cell.id] = report
+            for name in cell.registry.adapters.values():
                 await client.unload_adapter(name, missing_ok=True)
-    return rows, len(games)
+    return reports
 
 
 def run(args: argparse.Namespace) -> int:
-    from actors.compare_report import bar_chart, markdown
+    from actors.compare_report import bar_chart, markdown, row
     from actors.eval_runner import EvalIncomplete, ServerStartError, start_server, stop_server
     from comap_async.config import EVAL_METHODS, load_config
     from comap_async.logsetup import configure_logging
@@ -192,35 +277,34 @@ def run(args: argparse.Namespace) -> int:
         if args.methods_from:
             source, _, spec = args.methods_from.partition(":")
             version, _, prefix = stage_run(Path(source), "m", adapter_root, spec or "latest", with_ablation=False)
-            methods_from = (Path(source).name, version, prefix)
+            methods_from = (Path(source), version, prefix)
+        games = split_games(cfg, args.split, args.games)
     except ValueError as exc:
         return fail(str(exc))
-    cfg, server = start_server(args.config, overrides, log)
-    try:
-        rows, n_games = asyncio.run(
-            compare(
-                cfg,
-                runs,
-                methods,
-                args.split,
-                args.games,
-                args.envs,
-                server,
-                args.serve_timeout,
-                log,
-                staged,
-                methods_from,
-            )
-        )
-    except (ValueError, ServerStartError, EvalIncomplete) as exc:
-        return fail(str(exc))
-    finally:
-        stop_server(server)
-    report = {"split": args.split, "games": n_games, "rows": rows}
+    cells = plan_cells(cfg, runs, methods, args.split, games, staged, methods_from)
+    store = CellStore(out)
+    reports = {c.id: r for c in cells if args.resume and (r := store.load(c.key)) is not None}
+    for cell in cells:
+        if cell.id in reports:
+            log.info("compare.row_reused", what=cell.what, cells=str(store.root))
+    todo = [c for c in cells if c.id not in reports]
+    if todo:
+        cfg, server = start_server(args.config, overrides, log)
+        try:
+            reports |= asyncio.run(play_cells(cfg, todo, games, args.envs, server, args.serve_timeout, log, store))
+        except (ValueError, ServerStartError, EvalIncomplete) as exc:
+            return fail(str(exc))
+        finally:
+            stop_server(server)
+    rows = [
+        row(c.label, c.kind, c.method, reports[c.id], **({"run": c.run, "ablation": c.ablation} if c.run else {}))
+        for c in cells
+    ]
+    report = {"split": args.split, "games": len(games), "rows": rows}
     (out / "compare.json").write_text(json.dumps(report, indent=2))
-    table = markdown(rows, args.split, n_games)
+    table = markdown(rows, args.split, len(games))
     (out / "compare.md").write_text(table)
-    chart = bar_chart(rows, out / "compare.png", f"{args.split}, {n_games} games")
+    chart = bar_chart(rows, out / "compare.png", f"{args.split}, {len(games)} games")
     print(table)
-    log.info("compare.done", out=str(out), rows=len(rows), chart=str(chart))
+    log.info("compare.done", out=str(out), rows=len(rows), reused=len(cells) - len(todo), chart=str(chart))
     return 0

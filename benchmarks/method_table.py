@@ -19,6 +19,12 @@ methods on the warm-up's version, on the same held-out games.
 
 Writes ``OUT/method_table.md`` (the table with the fork point and each fork's wall time),
 ``OUT/compare.json`` and ``OUT/compare.png``. Last line: ``method_table_rows=K out=OUT``.
+
+On a 2-core CPU a table of 20 games is many hours (a CoMap row alone is over an hour), more than
+one sitting: ``OUT/forks.json`` records each fork and its training time and ``OUT/cells`` each
+measured row, so ``--resume`` goes on where a stopped table was (a fork whose training was cut
+short is forked and trained again; a row cut short is played again). ``--train-only`` stops after
+the forks have trained.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,6 +61,20 @@ def variant_overrides(variant: str) -> list[str]:
             f"method_table: unknown ablation {', '.join(unknown)}; known: {', '.join(AblationConfig.model_fields)}"
         )
     return [f"ablation.{n}=true" for n in names] + settings
+
+
+def plan_forks(variants: list[str], source: str, done: dict[str, dict]) -> list[tuple[str, str, str]]:
+    """``(run name, variant, action)`` per variant: ``keep`` a fork the ledger ``done`` records as
+    trained, ``refork`` one forked but not trained to the end (so every fork trains alike), else
+    ``fork``. A variant named twice (``--repeat``) gets a second run, ``<name>-again``."""
+    plan: list[tuple[str, str, str]] = []
+    for variant in variants:
+        name = f"{source}-" + "".join(c if c.isalnum() or c in "_-" else "-" for c in variant)
+        if any(name == n for n, _, _ in plan):
+            name += "-again"
+        action = "fork" if name not in done else ("keep" if "wall_s" in done[name] else "refork")
+        plan.append((name, variant, action))
+    return plan
 
 
 def train(name: str, variant: str, config: str | None, overrides: list[str], minutes: float, log_dir: Path) -> float:
@@ -99,9 +120,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--config", default=None)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on from OUT: forks already trained (OUT/forks.json) are kept, a fork whose training was cut "
+        "short is forked again, and rows already measured (OUT/cells) are not played again",
+    )
+    ap.add_argument("--train-only", action="store_true", help="fork and train, then stop (then --resume evaluates)")
     args = ap.parse_args()
 
-    from broker.fork import fork_run
+    from broker.fork import ForkError, fork_run
     from comap_async.config import load_config
 
     cfg = load_config(args.config, args.overrides)
@@ -111,23 +139,33 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for variant in variants:
         variant_overrides(variant)  # refuse an unknown name before any run starts
+    ledger = args.out / "forks.json"  # what was forked and trained, so --resume goes on from there
+    done = {f["name"]: f for f in json.loads(ledger.read_text())} if args.resume and ledger.exists() else {}
     forks: list = []
-    for variant in variants:
-        name = f"{source.name}-" + "".join(c if c.isalnum() or c in "_-" else "-" for c in variant)
-        if any(name == n for n, _, _ in forks):
-            name += "-again"
-        record = fork_run(source, root / name, args.version)
+    for name, variant, action in plan_forks(variants, source.name, done):
+        if action == "keep":
+            record = done[name]
+        else:
+            if action == "refork":
+                shutil.rmtree(root / name)
+            try:
+                record = {"name": name, "variant": variant, **fork_run(source, root / name, args.version)}
+            except ForkError as exc:
+                raise SystemExit(f"method_table: {exc} (--resume goes on from {ledger})") from None
+            done[name] = record
+            ledger.write_text(json.dumps(list(done.values()), indent=2))
+            print(json.dumps({"forked": name, **{k: record[k] for k in ("version", "step", "phase")}}), flush=True)
         forks.append((name, variant, record))
-        print(
-            json.dumps(
-                {"forked": name, "version": record["version"], "step": record["step"], "phase": record["phase"]}
-            ),
-            flush=True,
-        )
     walls = {}
-    for name, variant, _ in forks:
-        walls[name] = train(name, variant, args.config, args.overrides, args.minutes, args.out)
-        print(json.dumps({"trained": name, "wall_s": round(walls[name])}), flush=True)
+    for name, variant, record in forks:
+        if "wall_s" not in record:
+            record["wall_s"] = round(train(name, variant, args.config, args.overrides, args.minutes, args.out))
+            ledger.write_text(json.dumps(list(done.values()), indent=2))
+            print(json.dumps({"trained": name, "wall_s": record["wall_s"]}), flush=True)
+        walls[name] = record["wall_s"]
+    if args.train_only:
+        print(f"method_table_trained={len(forks)} out={args.out}")
+        return
     version = forks[0][2]["version"]
     cmd = [
         sys.executable,
@@ -145,6 +183,7 @@ def main() -> None:
         f"{source}:{version}",
         "--out",
         str(args.out),
+        *(["--resume"] if args.resume else []),
         *(["--config", args.config] if args.config else []),
         *sum((["--set", o] for o in args.overrides), []),
     ]

@@ -155,6 +155,11 @@ async def test_the_baselines_can_play_with_a_runs_adapters(tmp_path, tiny_model_
     assert [(row["method"], row["adapter_version"]) for row in rows] == [("draft_only", 1), ("comap", 2)]
     assert rows[0]["label"] == "Draft only (source v1)" and rows[0]["loop_rate"] is not None
     assert "| loop rate |" in (out / "compare.md").read_text()
+    # every row is held in OUT/cells: --resume plays nothing and starts no server
+    again = subprocess.run([*cmd, "--resume"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count("compare.row_reused") == 2 and "eval.started_server" not in again.stderr
+    assert json.loads((out / "compare.json").read_text())["rows"] == rows
     r = subprocess.run(
         [*cmd[: cmd.index("--methods-from") + 1], f"{tmp_path / 'source'}:7", *cmd[cmd.index("--methods-from") + 2 :]],
         cwd=REPO,
