@@ -15,6 +15,7 @@ import json
 import os
 import random
 import tarfile
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -138,9 +139,18 @@ def extract_archives(archives: Sequence[str | os.PathLike[str]], to: str | os.Pa
         marker = _marker(dest, archive)
         if marker.exists():
             continue
-        with tarfile.open(archive) as tar:
-            # the "data" filter refuses absolute paths, links out of the tree and device files
-            tar.extractall(dest, filter="data")
+        # into a scratch folder first, then each file renamed into place: an extraction cut short
+        # (a killed test, a full disk) never leaves a truncated game where a complete one was
+        with tempfile.TemporaryDirectory(dir=dest, prefix=".extracting-") as scratch:
+            with tarfile.open(archive) as tar:
+                # the "data" filter refuses absolute paths, links out of the tree and device files
+                tar.extractall(scratch, filter="data")
+            for path in sorted(Path(scratch).rglob("*")):
+                target = dest / path.relative_to(scratch)
+                if path.is_dir():
+                    target.mkdir(exist_ok=True)
+                else:
+                    os.replace(path, target)
         marker.touch()
         done.append(archive)
     return done

@@ -3,10 +3,13 @@ checkout of ../shared, a CI clone) is not extracted again; a changed archive is.
 
 from __future__ import annotations
 
+import lzma
 import os
 import shutil
 import tarfile
 import time
+
+import pytest
 
 from comap_async.envs.alfworld_games import extract_archives
 
@@ -35,3 +38,17 @@ def test_a_copy_of_the_same_archive_is_not_extracted_again_and_a_changed_one_is(
     changed = make_archive(tmp_path / "b" / "a.tar.xz", "two")
     assert extract_archives([changed], dest) == [changed]
     assert (dest / "json_2.1.1" / "valid_seen" / "game.txt").read_text() == "two"
+
+
+def test_an_extraction_cut_short_leaves_the_games_already_there_whole(tmp_path):
+    dest = tmp_path / "cache"
+    whole = os.urandom(200_000).hex()  # incompressible: the cut falls inside the game's data
+    good = make_archive(tmp_path / "a.tar.xz", whole)
+    extract_archives([good], dest)
+    (tmp_path / "b").mkdir()
+    newer = make_archive(tmp_path / "b" / "a.tar.xz", os.urandom(200_000).hex())
+    newer.write_bytes(newer.read_bytes()[: newer.stat().st_size // 2])  # a download or copy cut short
+    with pytest.raises((tarfile.TarError, EOFError, lzma.LZMAError)):
+        extract_archives([newer], dest)
+    assert (dest / "json_2.1.1" / "valid_seen" / "game.txt").read_text() == whole
+    assert not list(dest.glob(".extracting-*"))
