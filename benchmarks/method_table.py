@@ -147,7 +147,7 @@ def main() -> None:
             record = done[name]
         else:
             if action == "refork":
-                shutil.rmtree(root / name)
+                shutil.rmtree(root / name, ignore_errors=True)
             try:
                 record = {"name": name, "variant": variant, **fork_run(source, root / name, args.version)}
             except ForkError as exc:
