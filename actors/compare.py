@@ -109,7 +109,19 @@ class Cell:
 
     @property
     def id(self) -> str:
-        return json.dumps(self.key, sort_keys=True)
+        return key_digest(self.key)
+
+
+def key_digest(key: dict[str, Any]) -> str:
+    """A short stable name for a cell's key (its stored file, its place among the reports)."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def with_ablation(cfg: Any, ablation: list[str]) -> Any:
+    """``cfg`` with exactly the switches ``ablation`` on (how a run is played: as it trained)."""
+    from comap_async.config import AblationConfig
+
+    return cfg.model_copy(update={"ablation": AblationConfig(**dict.fromkeys(ablation, True))})
 
 
 def cell_key(cfg: Any, source: str, version: int, method: str, split: str, games: list) -> dict[str, Any]:
@@ -138,15 +150,12 @@ class CellStore:
         self.root = out / "cells"
 
     def _path(self, key: dict[str, Any]) -> Path:
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-        return self.root / f"{digest}.json"
+        return self.root / f"{key_digest(key)}.json"
 
     def load(self, key: dict[str, Any]) -> dict[str, Any] | None:
         try:
             stored = json.loads(self._path(key).read_text())
-        except FileNotFoundError:
-            return None
-        except ValueError:  # a file cut short is not a result: the row is played again
+        except (FileNotFoundError, ValueError):  # none yet, or a file cut short: the row is played
             return None
         return stored["report"] if stored.get("key") == key else None
 
@@ -182,7 +191,6 @@ def plan_cells(
     """The rows in table order: every prompting method (the base model, or ``methods_from``'s staged
     adapters: (its directory, version, prefix)), then every staged run with the CoMap loop."""
     from actors.compare_report import METHOD_LABELS, run_label
-    from comap_async.config import AblationConfig
     from comap_async.run_files import read_run_methods
     from comap_async.wire.messages import Registry
 
@@ -196,9 +204,8 @@ def plan_cells(
         key = cell_key(cfg, source, base.versions["policy"], method, split, games)
         cells.append(Cell(method, f"{METHOD_LABELS[method]} ({adapters})", "method", method, base, key))
     for run_dir, (version, ablation, prefix) in zip(runs, staged):
-        run_cfg = cfg.model_copy(update={"ablation": AblationConfig(**dict.fromkeys(ablation, True))})
         label = run_label(ablation, run_dir.name, read_run_methods(run_dir))
-        key = cell_key(run_cfg, str(run_dir.resolve()), version, "comap", split, games)
+        key = cell_key(with_ablation(cfg, ablation), str(run_dir.resolve()), version, "comap", split, games)
         registry = Registry.serving(version, prefix)
         cells.append(Cell(str(run_dir), label, "run", "comap", registry, key, str(run_dir), ablation))
     return cells
@@ -218,7 +225,6 @@ async def play_cells(
     stored as soon as it is complete. Returns the reports by :attr:`Cell.id`."""
     from actors.eval_report import summarize
     from actors.eval_runner import check_complete, play_games, wait_for_server
-    from comap_async.config import AblationConfig
     from comap_async.wire.inference_client import InferenceClient
 
     await wait_for_server(cfg, server, serve_timeout, log)
@@ -227,9 +233,8 @@ async def play_cells(
         for cell in cells:
             for name in cell.registry.adapters.values():
                 await client.load_adapter(name, str(cfg.adapter_root / name))
-            run_cfg = cfg  # a run is played with its own ablation, a prompting method with the config's
-            if cell.run is not None:
-                run_cfg = cfg.model_copy(update={"ablation": AblationConfig(**dict.fromkeys(cell.ablation, True))})
+            # a run is played with its own ablation, a prompting method with the config's
+            run_cfg = cfg if cell.run is None else with_ablation(cfg, cell.ablation)
             t0 = time.time()
             results = await play_games(run_cfg, games, cell.registry, log, envs=envs, method=cell.method)
             check_complete(results, games, cell.what)

@@ -141,6 +141,10 @@ def main() -> None:
         variant_overrides(variant)  # refuse an unknown name before any run starts
     ledger = args.out / "forks.json"  # what was forked and trained, so --resume goes on from there
     done = {f["name"]: f for f in json.loads(ledger.read_text())} if args.resume and ledger.exists() else {}
+
+    def save_ledger() -> None:
+        ledger.write_text(json.dumps(list(done.values()), indent=2))
+
     forks: list = []
     for name, variant, action in plan_forks(variants, source.name, done):
         if action == "keep":
@@ -153,16 +157,14 @@ def main() -> None:
             except ForkError as exc:
                 raise SystemExit(f"method_table: {exc} (--resume goes on from {ledger})") from None
             done[name] = record
-            ledger.write_text(json.dumps(list(done.values()), indent=2))
+            save_ledger()
             print(json.dumps({"forked": name, **{k: record[k] for k in ("version", "step", "phase")}}), flush=True)
         forks.append((name, variant, record))
-    walls = {}
     for name, variant, record in forks:
         if "wall_s" not in record:
             record["wall_s"] = round(train(name, variant, args.config, args.overrides, args.minutes, args.out))
-            ledger.write_text(json.dumps(list(done.values()), indent=2))
+            save_ledger()
             print(json.dumps({"trained": name, "wall_s": record["wall_s"]}), flush=True)
-        walls[name] = record["wall_s"]
     if args.train_only:
         print(f"method_table_trained={len(forks)} out={args.out}")
         return
@@ -193,7 +195,7 @@ def main() -> None:
         f"# Method table: {len(forks)} forks of {source.name} at version {version} "
         f"(step {forks[0][2]['step']}, {forks[0][2]['phase']})",
         "",
-        *[f"- `{n}` ({v}): trained {walls[n] / 60:.1f} minutes of wall time" for n, v, _ in forks],
+        *[f"- `{n}` ({v}): trained {r['wall_s'] / 60:.1f} minutes of wall time" for n, v, r in forks],
         "",
     ]
     (args.out / "method_table.md").write_text("\n".join(head) + (args.out / "compare.md").read_text())
