@@ -4,9 +4,9 @@ base model, played on the same games of one split; one Markdown table and one ba
 Each run is evaluated as it trained: its ``ablation.json`` is applied (``no_action_gate`` and
 ``no_future_state`` change how the agent acts). The runs' adapters are copied under
 ``OUT/adapters`` with a prefix per run (``r1-policy-v7``), the adapter root of the embedded server
-this command starts, so versions of different runs never share a name. Each row's report is stored
-under ``OUT/cells`` as soon as it is measured, so a comparison stopped half-way (a table on a CPU
-takes hours) goes on with ``--resume``.
+this command starts, so versions of different runs never share a name. Each finished episode, and
+each row's report, is stored under ``OUT/cells`` as soon as it exists, so a comparison stopped
+half-way (a table on a CPU takes hours) goes on with ``--resume`` from the next unplayed game.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="reuse the rows OUT/cells already holds for the same adapters, method, games and settings "
-        "(each row is stored there as soon as it is measured); no server is started when all are held",
+        help="reuse the rows and episodes OUT/cells already holds for the same adapters, method, games and "
+        "settings (each episode is stored there as soon as it ends); no server is started when all rows are held",
     )
 
 
@@ -144,7 +144,8 @@ def cell_key(cfg: Any, source: str, version: int, method: str, split: str, games
 
 class CellStore:
     """``OUT/cells``: each row's evaluation report as soon as it is measured, under a name hashed from
-    its key, so ``--resume`` plays only the rows a stopped comparison had not finished."""
+    its key, and a row's finished episodes while it is played, so ``--resume`` plays only the games
+    a stopped comparison had not finished."""
 
     def __init__(self, out: Path) -> None:
         self.root = out / "cells"
@@ -160,10 +161,29 @@ class CellStore:
         return stored["report"] if stored.get("key") == key else None
 
     def save(self, key: dict[str, Any], report: dict[str, Any]) -> None:
+        self._write(self._path(key), {"key": key, "report": report})
+        self._partial_path(key).unlink(missing_ok=True)
+
+    def _partial_path(self, key: dict[str, Any]) -> Path:
+        return self.root / f"{key_digest(key)}.partial.json"
+
+    def load_partial(self, key: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], float]:
+        """The episodes a row cut short had finished (by game name) and the wall time they took."""
+        try:
+            stored = json.loads(self._partial_path(key).read_text())
+        except (FileNotFoundError, ValueError):
+            return {}, 0.0
+        if stored.get("key") != key:
+            return {}, 0.0
+        return {r["game"]: r for r in stored["episodes"]}, float(stored["wall_s"])
+
+    def save_partial(self, key: dict[str, Any], episodes: list[dict[str, Any]], wall_s: float) -> None:
+        self._write(self._partial_path(key), {"key": key, "episodes": episodes, "wall_s": wall_s})
+
+    def _write(self, path: Path, content: dict[str, Any]) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        path = self._path(key)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "report": report}, indent=2))
+        tmp.write_text(json.dumps(content, indent=2))
         tmp.replace(path)
 
 
@@ -220,10 +240,15 @@ async def play_cells(
     serve_timeout: float,
     log: Any,
     store: CellStore,
+    resume: bool = False,
 ) -> dict[str, dict[str, Any]]:
-    """Play each cell on the same games against the server this command started; each report is
-    stored as soon as it is complete. Returns the reports by :attr:`Cell.id`."""
-    from actors.eval_report import summarize
+    """Play each cell on the same games against the server this command started; each finished
+    episode is stored at once, and each report as soon as it is complete (``resume``: a row's
+    episodes already stored are kept and only its other games played). Returns the reports by
+    :attr:`Cell.id`."""
+    from tqdm import tqdm
+
+    from actors.eval_report import episode_record, summarize_records
     from actors.eval_runner import check_complete, play_games, wait_for_server
     from comap_async.wire.inference_client import InferenceClient
 
@@ -231,14 +256,36 @@ async def play_cells(
     reports = {}
     async with InferenceClient.from_config(cfg) as client:
         for cell in cells:
+            held, wall_before = store.load_partial(cell.key) if resume else ({}, 0.0)
+            todo = [g for g in games if g.name not in held]
+            if held:
+                log.info("compare.row_resumed", what=cell.what, episodes_kept=len(held), games_left=len(todo))
+            t0 = time.time()
+            bar = tqdm(total=len(games), initial=len(games) - len(todo), desc=cell.label, unit="game", file=sys.stderr)
+
+            def on_result(game: Any, stats: Any, key: dict[str, Any] = cell.key) -> None:
+                held[game.name] = episode_record(game, stats)
+                store.save_partial(key, list(held.values()), wall_before + time.time() - t0)
+                bar.update(1)
+
             for name in cell.registry.adapters.values():
                 await client.load_adapter(name, str(cfg.adapter_root / name))
             # a run is played with its own ablation, a prompting method with the config's
             run_cfg = cfg if cell.run is None else with_ablation(cfg, cell.ablation)
-            t0 = time.time()
-            results = await play_games(run_cfg, games, cell.registry, log, envs=envs, method=cell.method)
-            check_complete(results, games, cell.what)
-            report = summarize(results, cell.key["split"], cell.registry.versions.get("policy", 0), time.time() - t0)
+            try:  # every game may be held already (stopped between its last episode and its report)
+                results = (
+                    await play_games(
+                        run_cfg, todo, cell.registry, log, envs=envs, method=cell.method, on_result=on_result
+                    )
+                    if todo
+                    else []
+                )
+            finally:
+                bar.close()
+            check_complete(results, todo, cell.what)
+            version = cell.registry.versions.get("policy", 0)
+            records = [held[g.name] for g in games]
+            report = summarize_records(records, cell.key["split"], version, wall_before + time.time() - t0)
             store.save(cell.key, report)
             log.info("compare.row", what=cell.what, success_rate=report["success_rate"], delta_f1=report["delta_f1"])
             reports[cell.id] = report
@@ -296,7 +343,9 @@ def run(args: argparse.Namespace) -> int:
     if todo:
         cfg, server = start_server(args.config, overrides, log)
         try:
-            reports |= asyncio.run(play_cells(cfg, todo, games, args.envs, server, args.serve_timeout, log, store))
+            reports |= asyncio.run(
+                play_cells(cfg, todo, games, args.envs, server, args.serve_timeout, log, store, args.resume)
+            )
         except (ValueError, ServerStartError, EvalIncomplete) as exc:
             return fail(str(exc))
         finally:

@@ -26,41 +26,50 @@ def label_counts(results: list[tuple[Any, Any]]) -> dict[str, int]:
     return counts
 
 
+def episode_record(game: Any, stats: Any) -> dict[str, Any]:
+    """What the report keeps of one episode (JSON-ready): enough to rebuild the summary, so a
+    comparison stopped between games keeps the episodes it had played (``actors.compare``)."""
+    return {
+        "game": game.name,
+        "task_type": game.task_type,
+        "won": bool(stats.won),
+        "steps": stats.steps,
+        "score": 100.0 * stats.reward,
+        "revisions": stats.revisions,
+        "invalid": stats.invalid,
+        "loops": stats.loops,
+        "guarded": stats.guarded,
+        "delta_f1": list(stats.delta_f1),
+    }
+
+
 def summarize(results: list[tuple[Any, Any]], split: str, version: int, wall_s: float) -> dict[str, Any]:
-    n = len(results)
-    steps = [s.steps for _, s in results]
+    return summarize_records([episode_record(g, s) for g, s in results], split, version, wall_s)
+
+
+def summarize_records(records: list[dict[str, Any]], split: str, version: int, wall_s: float) -> dict[str, Any]:
+    """The report over :func:`episode_record` records (its ``episodes`` without the per-step Delta-F1)."""
+    n = len(records)
+    steps = [r["steps"] for r in records]
     total_steps = max(1, sum(steps))
-    f1 = [x for _, s in results for x in s.delta_f1]
+    f1 = [x for r in records for x in r["delta_f1"]]
     return {
         "split": split,
         "adapter_version": version,
         "games": n,
-        "success_rate": sum(s.won for _, s in results) / n if n else 0.0,
+        "success_rate": sum(r["won"] for r in records) / n if n else 0.0,
         "mean_steps": sum(steps) / n if n else 0.0,
         # 100 x an episode's return: ScienceWorld's task score (0-100; rewards are score changes / 100),
         # ALFWorld's 100 for a win
-        "mean_score": 100.0 * sum(s.reward for _, s in results) / n if n else 0.0,
+        "mean_score": sum(r["score"] for r in records) / n if n else 0.0,
         "delta_f1": sum(f1) / len(f1) if f1 else None,
         "delta_f1_transitions": len(f1),
-        "revision_rate": sum(s.revisions for _, s in results) / total_steps,
-        "invalid_action_rate": sum(s.invalid for _, s in results) / total_steps,
-        "loop_rate": sum(s.loops for _, s in results) / total_steps,
-        "guard_rate": sum(s.guarded for _, s in results) / total_steps,
+        "revision_rate": sum(r["revisions"] for r in records) / total_steps,
+        "invalid_action_rate": sum(r["invalid"] for r in records) / total_steps,
+        "loop_rate": sum(r["loops"] for r in records) / total_steps,
+        "guard_rate": sum(r["guarded"] for r in records) / total_steps,
         "wall_s": round(wall_s, 2),
-        "episodes": [
-            {
-                "game": g.name,
-                "task_type": g.task_type,
-                "won": s.won,
-                "steps": s.steps,
-                "score": round(100.0 * s.reward, 2),
-                "revisions": s.revisions,
-                "invalid": s.invalid,
-                "loops": s.loops,
-                "guarded": s.guarded,
-            }
-            for g, s in results
-        ],
+        "episodes": [{k: round(v, 2) if k == "score" else v for k, v in r.items() if k != "delta_f1"} for r in records],
     }
 
 

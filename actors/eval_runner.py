@@ -100,11 +100,12 @@ async def play_games(
     reflection_metrics: bool = False,
     phase: str = COEVOLVE,
     method: str = "comap",
+    on_result: Callable[[Any, Any], None] | None = None,
 ) -> list:
     """Play each game once with the adapters ``registry`` names, at ``eval.temperature`` (``phase``: the CoMap loop, or
     reflection-mode initialisation for its labels; ``method``: the CoMap loop or a baseline of
     :mod:`actors.eval_methods`); nothing is stored. Returns the
-    ``(game, EpisodeStats)`` results."""
+    ``(game, EpisodeStats)`` results (``on_result`` is also called with each as its episode ends)."""
     from actors.worker import ActorWorker
 
     t = cfg.eval.temperature
@@ -120,6 +121,7 @@ async def play_games(
         eval_phase=phase,
         on_step=on_step,
         eval_method=method,
+        on_result=on_result,
     )
     return await worker.run(outbox=_Recorder(on_game), registry=registry)
 

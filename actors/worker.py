@@ -73,6 +73,7 @@ class ActorWorker:
         eval_phase: str = COEVOLVE,
         on_step: Any = None,
         eval_method: str = "comap",
+        on_result: Any = None,
     ) -> None:
         self.cfg, self.log = cfg, log
         self.n_envs = envs or cfg.actor.envs
@@ -82,6 +83,7 @@ class ActorWorker:
         self.eval_phase = eval_phase  # evaluation plays the CoMap loop, or reflection-mode initialisation
         self.eval_method = eval_method  # evaluation: the CoMap loop or a baseline (actors/eval_methods.py)
         self.on_step = on_step  # called after every environment step (evaluation's progress bar)
+        self.on_result = on_result  # called with (game, stats) as each episode ends (a resumable comparison)
         self.split = split
         self.games = games
         self.actor_id = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns() % 10**9}"
@@ -153,6 +155,8 @@ class ActorWorker:
                 continue
             self.metrics.add(stats, version)
             self.results.append((game, stats))
+            if self.on_result is not None:
+                self.on_result(game, stats)
             self.log.info(
                 "actor.episode",
                 episode=episode_id,

@@ -168,3 +168,67 @@ async def test_the_baselines_can_play_with_a_runs_adapters(tmp_path, tiny_model_
         timeout=120,
     )
     assert r.returncode == 2 and "adapter version 7 not found" in r.stderr
+
+
+async def test_a_comparison_killed_between_games_resumes_at_the_next_game(
+    tmp_path, tiny_model_dir, model_cache, alfworld_data
+):
+    """A row's finished episodes are stored as they end: after a real SIGKILL mid-row, ``--resume``
+    keeps them as stored and plays only the row's other games."""
+    import os
+    import signal
+    import time
+
+    await make_run(tmp_path / "source", tiny_model_dir, [])
+    out = tmp_path / "cmp"
+    cmd = [
+        sys.executable,
+        "-m",
+        "comap_async",
+        "compare",
+        str(tmp_path / "source"),
+        "--config",
+        "configs/test.yaml",
+        "--split",
+        "valid_seen",
+        "--games",
+        "3",
+        "--envs",
+        "1",
+        "--data",
+        str(alfworld_data),
+        "--methods",
+        "draft_only",
+        "--out",
+        str(out),
+        "--set",
+        f"model.cache_dir={model_cache}",
+        "--set",
+        f"run.root={tmp_path / 'runs'}",
+        "--set",
+        "env.max_steps=10",
+    ]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 300
+    while not list((out / "cells").glob("*.partial.json")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)  # the command and the server it started
+    proc.wait()
+    (partial,) = (out / "cells").glob("*.partial.json")
+    kept = json.loads(partial.read_text())["episodes"]
+    assert 1 <= len(kept) < 3 and not list((out / "cells").glob("*.tmp"))
+
+    again = subprocess.run([*cmd, "--resume"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f'"episodes_kept": {len(kept)}, "games_left": {3 - len(kept)}' in again.stderr
+    played = again.stderr.count('"event": "actor.episode"')
+    assert played == 3 - len(kept) + 3  # the rest of the first row, then the run's row
+    rows = json.loads((out / "compare.json").read_text())["rows"]
+    assert [row["games"] for row in rows] == [3, 3]
+    (row_file,) = [
+        c for c in (out / "cells").glob("*.json") if json.loads(c.read_text())["key"]["method"] == "draft_only"
+    ]
+    by_game = {e["game"]: e for e in json.loads(row_file.read_text())["report"]["episodes"]}
+    for record in kept:  # the stored episodes are in the report as they were played before the kill
+        assert by_game[record["game"]] == {k: v for k, v in record.items() if k != "delta_f1"}
+    assert not list((out / "cells").glob("*.partial.json"))

@@ -3,6 +3,10 @@ settings; where files and servers live does not count, and a file cut short is m
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from actors.compare import CellStore, cell_key
 from comap_async.config import load_config
 from comap_async.envs.base import GameInfo
@@ -46,3 +50,29 @@ def test_a_row_file_cut_short_is_measured_again(tmp_path):
     (path,) = store.root.glob("*.json")
     path.write_text(path.read_text()[:20])
     assert store.load(key()) is None
+
+
+def test_a_rows_finished_episodes_are_read_back_for_its_own_key_until_the_row_is_saved(tmp_path):
+    store = CellStore(tmp_path)
+    assert store.load_partial(key()) == ({}, 0.0)
+    episodes = [{"game": "valid_seen/g0/t0", "won": True, "steps": 5}]
+    store.save_partial(key(), episodes, 12.5)
+    assert store.load_partial(key()) == ({"valid_seen/g0/t0": episodes[0]}, 12.5)
+    assert store.load_partial(key("eval.repeat_guard=4")) == ({}, 0.0)
+    store.save(key(), {"success_rate": 1.0})
+    assert store.load_partial(key()) == ({}, 0.0) and store.load(key()) == {"success_rate": 1.0}
+
+
+def test_the_report_from_stored_records_equals_the_report_from_episodes():
+    from actors.episodes import EpisodeStats
+    from actors.eval_report import episode_record, summarize, summarize_records
+
+    results = [
+        (GAMES[0], EpisodeStats(steps=6, won=True, reward=1.0, revisions=1, invalid=2, delta_f1=[0.5, 1.0])),
+        (GAMES[1], EpisodeStats(steps=50, reward=0.333, guarded=3, delta_f1=[0.25])),
+    ]
+    stored = [json.loads(json.dumps(episode_record(g, s))) for g, s in results]  # through a file
+    assert summarize_records(stored, "valid_seen", 7, 3.0) == summarize(results, "valid_seen", 7, 3.0)
+    report = summarize(results, "valid_seen", 7, 3.0)
+    assert report["mean_score"] == pytest.approx(66.65) and report["delta_f1"] == pytest.approx(0.5833333)
+    assert report["episodes"][1]["score"] == 33.3 and "delta_f1" not in report["episodes"][0]
