@@ -130,6 +130,7 @@ def cell_key(cfg: Any, source: str, version: int, method: str, split: str, games
     settings = cfg.model_dump(mode="json", include={"env", "eval", "gates", "actor", "model", "ablation"})
     settings["env"].pop("data_dir", None)
     settings["model"].pop("cache_dir", None)
+    settings["model"].pop("torch_threads", None)  # how many cores play it, not how it is played
     settings["seed"] = cfg.run.seed
     settings["inference"] = cfg.model_dump(mode="json", include={"inference": {"forward", "dtype"}})["inference"]
     return {

@@ -19,7 +19,13 @@ def key(*overrides: str, source: str = "/runs/a", version: int = 7, method: str 
 
 
 def test_the_key_ignores_where_things_live_and_sees_what_changes_play():
-    assert key() == key("env.data_dir=/elsewhere", "model.cache_dir=/cache", "inference.port=9999", "run.name=x")
+    assert key() == key(
+        "env.data_dir=/elsewhere",
+        "model.cache_dir=/cache",
+        "inference.port=9999",
+        "run.name=x",
+        "model.torch_threads=2",
+    )
     for other in (
         key("eval.repeat_guard=4"),
         key("env.max_steps=30"),
