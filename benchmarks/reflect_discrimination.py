@@ -9,7 +9,10 @@ other, teacher-forced, the figures the evaluator's probe reports for ``p``:
 
 * ``p_discrimination``: mean ``p`` on ``y = 1`` samples minus mean ``p`` on ``y = 0`` samples;
 * ``auc``: the chance that a ``y = 1`` sample gets a higher ``p`` than a ``y = 0`` one (0.5: none);
-* ``p_mean``: where ``p`` sits (the label prior it may have learned instead).
+* ``p_mean``: where ``p`` sits (the label prior it may have learned instead);
+* with ``--draft-doubt``, ``draft_doubt_auc``: the same AUC for the starting policy's own doubt in
+  its draft (its tokens' mean negative log-probability), what the policy knows before any
+  reflection training: a reference for what ``p`` could learn.
 
 Variants (``--variants``, run one after the other from the same starting adapter and seed):
 ``plain`` (the BCE as a run trains it) and ``balanced`` (``learner.bce_balance``: each label's
@@ -96,6 +99,37 @@ def score(trainer: Any, samples: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def draft_doubts(trainer: Any, samples: list[dict[str, Any]]) -> list[float]:
+    """Per sample, the policy's doubt in its own draft: minus the mean log-probability of the
+    draft's tokens (end-of-turn included), teacher-forced on the draft prompt."""
+    import torch
+
+    from learner.batches import pack
+    from learner.peft_model import activate
+
+    enc = trainer.encoder
+    doubt: list[float] = []
+    activate(trainer.model, "policy", trainable=False)
+    with torch.no_grad():
+        for i in range(0, len(samples), 4):
+            seqs = [enc.draft({"s": r["s"], "target": r["a_draft"]}) for r in samples[i : i + 4]]
+            packed = pack([[q] for q in seqs], trainer.pad_id, trainer.device)
+            logp = torch.log_softmax(trainer._target_logits(packed), dim=-1)
+            token = logp.gather(1, packed.targets.unsqueeze(1)).squeeze(1)
+            total = torch.zeros(len(seqs)).index_add_(0, packed.owner, token)
+            doubt.extend((-total / torch.tensor(packed.counts, dtype=torch.float)).tolist())
+    return doubt
+
+
+def draft_doubt(trainer: Any, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the policy already knows about its drafts, as a reference for ``p``: the AUC of its
+    doubt in each draft (:func:`draft_doubts`) for telling ``y = 1`` samples from ``y = 0`` ones."""
+    doubt = draft_doubts(trainer, samples)
+    pos = [d for d, r in zip(doubt, samples) if r["y"] == 1]
+    neg = [d for d, r in zip(doubt, samples) if r["y"] == 0]
+    return {"draft_doubt_auc": auc(pos, neg), "n": len(doubt)}
+
+
 def build_trainer(cfg: Any, adapter: Path, overrides: dict[str, Any], budget: int) -> Any:
     import torch
     from safetensors.torch import load_file
@@ -129,6 +163,9 @@ def run_variant(name: str, cfg: Any, args: argparse.Namespace, train: list, test
     budget = args.epochs * math.ceil(len(train) / bs)
     trainer = build_trainer(cfg, args.adapter, {**VARIANTS[name], "lr": args.lr or cfg.learner.lr}, budget)
     out = {"variant": name, "before": score(trainer, test), "epochs": []}
+    if args.draft_doubt:
+        out["draft_doubt"] = draft_doubt(trainer, test)
+        print(json.dumps({"variant": name, "reference": "draft_doubt", **out["draft_doubt"]}), flush=True)
     print(json.dumps({"variant": name, "epoch": 0, **out["before"]}), flush=True)
     rng = random.Random(args.seed)
     for epoch in range(1, args.epochs + 1):
@@ -155,6 +192,11 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--draft-doubt",
+        action="store_true",
+        help="also score the starting policy's doubt in its own drafts on the held-out samples (a reference for p)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the full results as JSON here")
     args = ap.parse_args()
 

@@ -1,0 +1,35 @@
+"""``benchmarks/reflect_discrimination.py``: the AUC, and the policy's doubt in its own drafts
+(the reference ``p`` is compared with) computed as a plain forward pass would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.reflect_discrimination import auc, draft_doubt, draft_doubts
+from tests.fixtures.learner import make_trainer, reflection_record
+
+
+def test_auc_counts_pairs_and_ties():
+    assert auc([0.9, 0.8], [0.1, 0.2]) == 1.0
+    assert auc([0.1], [0.9]) == 0.0
+    assert auc([0.5, 0.9], [0.5]) == 0.75
+    assert auc([], [0.3]) is None
+
+
+def test_draft_doubt_is_the_drafts_mean_negative_log_probability(tiny_model_dir):
+    trainer = make_trainer(tiny_model_dir)
+    samples = [reflection_record(1), reflection_record(0), {**reflection_record(1), "a_draft": "look"}]
+    model, enc = trainer.model, trainer.encoder
+    expected = []
+    with torch.no_grad():
+        for r in samples:
+            seq = enc.draft({"s": r["s"], "target": r["a_draft"]})
+            logits = model(input_ids=torch.tensor([seq.ids])).logits[0].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            targets = seq.ids[seq.start : seq.start + seq.n_target]
+            nll = [-logp[seq.start - 1 + k, t].item() for k, t in enumerate(targets)]
+            expected.append(sum(nll) / len(nll))
+    assert draft_doubts(trainer, samples) == pytest.approx(expected, rel=1e-4)
+    got = draft_doubt(trainer, samples)
+    assert got["n"] == 3 and got["draft_doubt_auc"] == auc([expected[0], expected[2]], [expected[1]])
