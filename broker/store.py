@@ -104,10 +104,14 @@ class ReplayStore:
             readahead=False,
             meminit=False,
         )
-        self._dbs = {
-            name: self.env.open_db(name.encode(), create=not readonly)
-            for name in (*STORES, "dedup", "dedup_order", "meta")
-        }
+        self._dbs = {}
+        for name in (*STORES, "dedup", "dedup_order", "meta"):
+            try:
+                self._dbs[name] = self.env.open_db(name.encode(), create=not readonly)
+            except lmdb.NotFoundError:  # read-only, a replay written before this store existed: it is empty
+                if name not in STORES:
+                    raise
+        self._missing = frozenset(STORES) - set(self._dbs)
         self.last_error: str | None = None
         self.map_grown = 0
         with self.env.begin() as txn:
@@ -133,12 +137,16 @@ class ReplayStore:
         return tail, head
 
     def get_many(self, store: str, indices: Iterable[int]) -> list[bytes | None]:
+        if store in self._missing:
+            return [None for _ in indices]
         db = self._dbs[store]
         with self.env.begin(buffers=False) as txn:
             return [txn.get(_KEY.pack(i), db=db) for i in indices]
 
     def iter_store(self, store: str) -> Iterable[bytes]:
         """Every record of a store, oldest first (for analysis and tests)."""
+        if store in self._missing:
+            return
         with self.env.begin() as txn:
             for _, value in txn.cursor(db=self._dbs[store]):
                 yield bytes(value)

@@ -142,3 +142,26 @@ def test_disk_full_refuses_then_recovers(tmp_path):
 def test_unknown_store_name_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="unknown stores"):
         ReplayStore(tmp_path, {"transitionz": 3})
+
+
+def test_a_replay_written_before_a_store_existed_opens_read_only_with_that_store_empty(tmp_path):
+    """A run's replay from before the ``imagined`` store (``benchmarks/reflect_discrimination.py``
+    reads old runs read-only): the stores it holds read as written, the new one as empty."""
+    import lmdb
+
+    from broker.store import _KEY, ReplayStore
+    from comap_async.wire.messages import STORES
+
+    env = lmdb.open(str(tmp_path), max_dbs=16)
+    dbs = {n: env.open_db(n.encode()) for n in (*STORES, "dedup", "dedup_order", "meta") if n != "imagined"}
+    with env.begin(write=True) as txn:
+        txn.put(_KEY.pack(0), b"reflection 0", db=dbs["reflections"])
+    env.close()
+
+    store = ReplayStore(tmp_path, {"reflections": 10}, readonly=True)
+    try:
+        assert list(store.iter_store("reflections")) == [b"reflection 0"]
+        assert list(store.iter_store("imagined")) == [] and store.get_many("imagined", [0, 1]) == [None, None]
+        assert store.count("imagined") == 0
+    finally:
+        store.close()
