@@ -3,6 +3,7 @@ rate and world-model Delta-F1) and its ablation figure (bars), from pure functio
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,17 @@ def run_label(ablation: list[str], name: str, methods: list[str] | None = None) 
     return f"{head}{''.join(f' + {m}' for m in methods or [])} ({name})"
 
 
+def wilson_interval(wins: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95 % Wilson score interval of a success rate of ``wins`` in ``n`` games: how far the rate
+    of 20 games moves by chance alone (0 of 20 is still compatible with up to 0.16)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = wins / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def row(
     label: str,
     kind: str,
@@ -40,7 +52,10 @@ def row(
         "ablation": list(ablation or []),
         "adapter_version": report["adapter_version"],
         "games": report["games"],
+        "wins": round(report["success_rate"] * report["games"]),
         "success_rate": report["success_rate"],
+        "success_interval": list(wilson_interval(round(report["success_rate"] * report["games"]), report["games"])),
+        "mean_score": report.get("mean_score"),
         "delta_f1": report["delta_f1"],
         "delta_f1_transitions": report["delta_f1_transitions"],
         "mean_steps": report["mean_steps"],
@@ -57,18 +72,27 @@ def markdown(rows: list[dict[str, Any]], split: str, games: int) -> str:
     lines = [
         f"# Comparison on {split} ({games} games, the same for every row)",
         "",
-        "| method / run | adapters | success rate | world-model Delta-F1 | mean steps | revision rate "
-        "| invalid-action rate | loop rate |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| method / run | adapters | success rate | won (95 % interval) | mean score | world-model Delta-F1 "
+        "| mean steps | revision rate | invalid-action rate | loop rate |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         adapters = "base" if r["adapter_version"] == 0 else f"v{r['adapter_version']}"
+        low, high = r["success_interval"]
+        score = "n/a" if r.get("mean_score") is None else f"{r['mean_score']:.1f}"
         lines.append(
-            f"| {r['label']} | {adapters} | {num(r['success_rate'])} | {num(r['delta_f1'])} | "
+            f"| {r['label']} | {adapters} | {num(r['success_rate'])} | {r['wins']}/{r['games']} "
+            f"({low:.2f}-{high:.2f}) | {score} | {num(r['delta_f1'])} | "
             f"{r['mean_steps']:.1f} | {num(r['revision_rate'])} | {num(r['invalid_action_rate'])} | "
             f"{num(r.get('loop_rate'))} |"
         )
-    lines += ["", "Delta-F1 is n/a where a method never imagines the executed action (ReAct, Draft only)."]
+    lines += [
+        "",
+        "Delta-F1 is n/a where a method never imagines the executed action (ReAct, Draft only). The "
+        "interval is the success rate's 95 % Wilson interval over the games: two rows whose intervals "
+        "overlap are not shown apart by this many games. Mean score: 100 per won game on ALFWorld, "
+        "the task score (0-100) on ScienceWorld.",
+    ]
     return "\n".join(lines) + "\n"
 
 

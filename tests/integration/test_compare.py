@@ -87,7 +87,9 @@ async def test_compare_writes_one_table_and_a_png(tmp_path, tiny_model_dir, mode
     assert [row["adapter_version"] for row in report["rows"]] == [0, 0, 2, 2]
     assert report["rows"][0]["delta_f1"] is None and report["rows"][2]["delta_f1"] is not None
     table = (out / "compare.md").read_text()
-    assert "| method / run | adapters | success rate | world-model Delta-F1 |" in table
+    assert (
+        "| method / run | adapters | success rate | won (95 % interval) | mean score | world-model Delta-F1 |" in table
+    )
     assert "ablation frozen_wm (frozen)" in table and "CoMap (comap)" in table and "ReAct (base model)" in table
     from PIL import Image
 

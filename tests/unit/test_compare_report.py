@@ -1,0 +1,33 @@
+"""``actors.compare_report``: the success rate's interval and the table's columns."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.compare_report import markdown, row, wilson_interval
+
+
+def test_wilson_interval_matches_the_textbook_values():
+    assert wilson_interval(0, 20) == pytest.approx((0.0, 0.1611), abs=1e-4)
+    assert wilson_interval(1, 20) == pytest.approx((0.0089, 0.2361), abs=1e-4)
+    assert wilson_interval(10, 20) == pytest.approx((0.2993, 0.7007), abs=1e-4)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_a_row_shows_its_wins_interval_and_mean_score():
+    report = {
+        "adapter_version": 12,
+        "games": 20,
+        "success_rate": 0.15,
+        "mean_score": 15.0,
+        "delta_f1": 0.65,
+        "delta_f1_transitions": 900,
+        "mean_steps": 47.0,
+        "revision_rate": 0.08,
+        "invalid_action_rate": 0.2,
+        "loop_rate": 0.06,
+    }
+    r = row("CoMap (r27-comap)", "run", "comap", report)
+    assert r["wins"] == 3 and r["mean_score"] == 15.0
+    table = markdown([r], "valid_seen", 20)
+    assert "| CoMap (r27-comap) | v12 | 0.150 | 3/20 (0.05-0.36) | 15.0 | 0.650 | 47.0 |" in table
