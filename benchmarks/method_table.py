@@ -2,7 +2,8 @@
 methods on the warm-up's version, on the same held-out games.
 
     python benchmarks/method_table.py SOURCE_RUN --version N --variants comap,frozen_wm,no_action_gate \\
-        --minutes 30 --games 20 --out method-table/ [--repeat comap] [--config configs/local.yaml] [--set ...]
+        --minutes 30 --games 20 --out method-table/ [--repeat comap] [--config configs/local.yaml] [--set ...] \\
+        [--eval-set model.torch_threads=2] [--resume] [--train-only]
 
 1. ``comap fork`` makes one run per variant from run ``SOURCE_RUN`` at version ``N`` (a warmed-up
    version: its checkpoint, adapters and replay; ``--version`` default: the newest forkable). A
@@ -22,9 +23,10 @@ Writes ``OUT/method_table.md`` (the table with the fork point and each fork's wa
 
 On a 2-core CPU a table of 20 games is many hours (a CoMap row alone is over an hour), more than
 one sitting: ``OUT/forks.json`` records each fork and its training time and ``OUT/cells`` each
-measured row, so ``--resume`` goes on where a stopped table was (a fork whose training was cut
-short is forked and trained again; a row cut short is played again). ``--train-only`` stops after
-the forks have trained.
+measured row and episode, so ``--resume`` goes on where a stopped table was (a fork whose training
+was cut short is forked and trained again; a row cut short keeps its finished episodes and plays
+its other games). ``--train-only`` stops after the forks have trained; ``--eval-set`` sets what
+only the evaluation uses (``model.torch_threads=2``: the server has the cores to itself then).
 """
 
 from __future__ import annotations
@@ -121,6 +123,15 @@ def main() -> None:
     ap.add_argument("--config", default=None)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument(
+        "--eval-set",
+        dest="eval_overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting for the evaluation only, after --set (e.g. model.torch_threads=2: the server alone on the "
+        "cores once the forks have trained)",
+    )
+    ap.add_argument(
         "--resume",
         action="store_true",
         help="go on from OUT: forks already trained (OUT/forks.json) are kept, a fork whose training was cut "
@@ -187,7 +198,7 @@ def main() -> None:
         str(args.out),
         *(["--resume"] if args.resume else []),
         *(["--config", args.config] if args.config else []),
-        *sum((["--set", o] for o in args.overrides), []),
+        *sum((["--set", o] for o in args.overrides + args.eval_overrides), []),
     ]
     subprocess.run(cmd, cwd=ROOT, check=True)
     report = json.loads((args.out / "compare.json").read_text())
