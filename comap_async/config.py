@@ -227,7 +227,9 @@ class InferenceConfig(_Section):
     """Embedded server: adapter names loaded at once (a publish keeps 3 roles x 3 versions, the
     evaluator 3 more); a load beyond it is refused with 400 until one is unloaded."""
     prefix_cache_mb: int = Field(default=256, ge=0)
-    """Embedded server: memory for the KV of shared prompt prefixes (0 turns the cache off)."""
+    """Embedded server: memory for the KV of shared prompt prefixes (0 turns the cache off). vLLM:
+    0 passes ``--no-enable-prefix-caching``, else ``--enable-prefix-caching`` (its automatic prefix
+    caching, sized by its KV cache)."""
     max_new_tokens: int = Field(default=256, ge=1)
     """Upper bound on ``max_tokens`` per request."""
     forward: Literal["fused", "transformers"] = "fused"

@@ -82,6 +82,10 @@ def build_command(
         "--tensor-parallel-size",
         str(inf.tensor_parallel),
     ]
+    # a step's draft and reflection share the policy's prompt up to the draft: vLLM reuses that
+    # prefix's KV across requests of one adapter (on by default in recent vLLM; said here so the
+    # one knob, prefix_cache_mb 0, turns it off on both backends)
+    argv.append("--enable-prefix-caching" if inf.prefix_cache_mb > 0 else "--no-enable-prefix-caching")
     if inf.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
     if inf.admin_token:

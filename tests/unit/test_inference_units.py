@@ -145,6 +145,7 @@ def test_vllm_command_from_config(monkeypatch):
         "--api-key s3cret",
         "--lora-modules policy-v1=/a/policy-v1",
         "--generation-config vllm",
+        "--enable-prefix-caching",
     ):
         assert part in joined
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
@@ -168,6 +169,8 @@ def test_vllm_command_from_config(monkeypatch):
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.45"
     assert argv[-3:] == ["--enforce-eager", "--max-model-len", "4096"]
     assert vllm.max_lora_rank(8) == 8 and vllm.max_lora_rank(9) == 16
+    argv, _ = vllm.build_command(load_config(None, ["inference.prefix_cache_mb=0"]), "/m", "/p")
+    assert "--no-enable-prefix-caching" in argv and "--enable-prefix-caching" not in argv
     with pytest.raises(ValueError):
         vllm.max_lora_rank(1000)
 
