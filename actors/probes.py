@@ -197,7 +197,7 @@ async def run_probes(
     from comap_async.envs import env_pool_from_config, get_next_state
     from comap_async.models import resolve_model
     from comap_async.prompts import Prompts
-    from comap_async.wire.inference_client import InferenceClient
+    from comap_async.wire.inference_client import InferenceClient, affinity
 
     prompts = Prompts.for_model(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir), cfg)
     greedy = cfg.actor.model_copy(update={"temperature": 0.0, "wm_temperature": 0.0})
@@ -222,6 +222,7 @@ async def run_probes(
                 env, branch = pool.env(), pool.env()
                 while not queue.empty():
                     game = queue.get_nowait()
+                    affinity.set(f"probe:{game.name}")  # one game's prompts share prefixes: one server's cache
                     try:
                         rows.extend(await probe_game(ctx, env, branch, game, failures_per_game, cfg.run.seed))
                     except Exception as exc:  # noqa: BLE001 - one game's failure is counted, not fatal

@@ -22,6 +22,7 @@ from actors.registry_view import RegistryView
 from comap_async.envs.pool import EnvPoolExhausted
 from comap_async.method.fingerprint import check_method
 from comap_async.waiting import cancel_and_wait, wait_until_answers
+from comap_async.wire.inference_client import affinity
 from comap_async.wire.messages import COEVOLVE, POLICY, REFLECT_INIT, WARMUP, Registry
 
 
@@ -106,6 +107,7 @@ class ActorWorker:
     async def _episode_loop(self, ctx: EpisodeContext, pool: Any, games: list, rng: random.Random) -> None:
         env, branch = pool.env(), None
         while (episode_id := self._claim_episode()) is not None:
+            affinity.set(episode_id)  # the episode's requests share prefixes: one server's cache holds them
             if not self.eval_mode:  # what the learner trains from this episode must be what it meant
                 check_method(self.cfg, self.registry.get().method, "the broker")
             if self.eval_mode or self.games:

@@ -1,7 +1,10 @@
 """Async client of the OpenAI-compatible inference API (embedded server or vLLM), used by actors and learner.
 
 * Completions go to the endpoint with the fewest requests in flight (ties broken at random), so
-  several servers share the load and a slow one gets less.
+  several servers share the load and a slow one gets less; requests made under one
+  :data:`affinity` key (an episode) stay on the endpoint its first request went to while that one
+  is not much busier than the least busy (``affinity_slack``), so the prompts' shared prefixes are
+  in that server's prefix cache.
 * Connection errors, timeouts, 429 and 5xx are retried under the client's retry policy
   (:mod:`comap_async.retry`, ``inference.retry``: exponential backoff with full jitter by default,
   so many actors do not retry in lockstep), on another endpoint when there is one; an endpoint
@@ -17,6 +20,8 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextvars
 import json
 import random
 import time
@@ -131,6 +136,13 @@ def _message(status: int, text: str) -> str:
     return text.strip()[:500]
 
 
+affinity: contextvars.ContextVar[str | None] = contextvars.ContextVar("inference_affinity", default=None)
+"""The unit of work the current task's requests belong to (an episode: set by the actor's episode
+loop and the probes per game); tasks started from it inherit it."""
+
+AFFINITY_KEYS = 4096  # the newest keys remembered: many actors' episodes, bounded memory
+
+
 class InferenceClient:
     def __init__(
         self,
@@ -146,6 +158,7 @@ class InferenceClient:
         avoid_s: float = 2.0,
         seed: int | None = None,
         transport: str = "keepalive",
+        affinity_slack: int = 4,
     ) -> None:
         """``retry``: the retry policy (default: ``RetryConfig()``, 6 attempts); ``retries`` (attempts
         after the first), ``backoff_s`` and ``backoff_max_s`` override single fields of it."""
@@ -166,6 +179,8 @@ class InferenceClient:
         self.outstanding = {e: 0 for e in self.endpoints}
         self._avoid_until = {e: 0.0 for e in self.endpoints}
         self._rng = random.Random(seed)
+        self.affinity_slack = affinity_slack
+        self._sticky: collections.OrderedDict[str, str] = collections.OrderedDict()  # affinity key -> endpoint
         self._session: aiohttp.ClientSession | None = None
         self._pool = Http1Pool()
         self._lean: dict[str, bool] = {}
@@ -206,13 +221,26 @@ class InferenceClient:
 
     # ---------------------------------------------------------------- endpoint choice and retries
     def pick(self, exclude: str | None = None) -> str:
-        """Least outstanding requests; endpoints that failed a moment ago only when nothing else is left."""
+        """Least outstanding requests (or the :data:`affinity` key's endpoint, see the module's
+        docstring); endpoints that failed a moment ago only when nothing else is left."""
         now = time.monotonic()
         pool = [e for e in self.endpoints if e != exclude and self._avoid_until[e] <= now]
         if not pool:
             pool = [e for e in self.endpoints if e != exclude] or self.endpoints
         least = min(self.outstanding[e] for e in pool)
-        return self._rng.choice([e for e in pool if self.outstanding[e] == least])
+        key = affinity.get() if len(self.endpoints) > 1 else None
+        if key is not None:
+            held = self._sticky.get(key)
+            if held in pool and self.outstanding[held] <= least + self.affinity_slack:
+                self._sticky.move_to_end(key)
+                return held
+        choice = self._rng.choice([e for e in pool if self.outstanding[e] == least])
+        if key is not None:
+            self._sticky[key] = choice
+            self._sticky.move_to_end(key)
+            if len(self._sticky) > AFFINITY_KEYS:
+                self._sticky.popitem(last=False)
+        return choice
 
     @property
     def retries(self) -> int:

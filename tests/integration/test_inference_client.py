@@ -8,7 +8,7 @@ import time
 import pytest
 from aiohttp import web
 
-from comap_async.wire.inference_client import InferenceClient, InferenceError
+from comap_async.wire.inference_client import InferenceClient, InferenceError, affinity
 from tests.fixtures.core import free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -135,6 +135,54 @@ async def test_least_outstanding_spreads_concurrent_requests():
         hold.set()
         await asyncio.gather(*tasks)
     assert len(a.calls) == len(b.calls) == 3
+
+
+async def test_an_episodes_requests_stay_on_one_server_while_episodes_spread():
+    """Each episode (an :data:`affinity` key, inherited by the tasks it starts) keeps its server,
+    where its prompts' prefixes are cached; different episodes still spread by load."""
+    async with Fake() as a, Fake() as b, client([a.url, b.url], seed=3) as c:
+
+        async def episode(i: int) -> list[str]:
+            affinity.set(f"e{i}")
+            seen = []
+            for _ in range(4):  # sequential steps, then a step with concurrent calls
+                seen.append((await c.complete(f"episode {i}")).endpoint)
+            both = await asyncio.gather(c.complete(f"episode {i}"), c.complete(f"episode {i}"))
+            return seen + [r.endpoint for r in both]
+
+        served = await asyncio.gather(*(episode(i) for i in range(8)))
+    assert all(len(set(eps)) == 1 for eps in served)
+    assert {eps[0] for eps in served} == {a.url, b.url}
+    assert affinity.get() is None  # the tasks' keys stayed in the tasks
+
+
+def test_an_episode_leaves_its_server_when_that_one_is_much_busier():
+    a, b = "http://127.0.0.1:1", "http://127.0.0.1:2"
+    c = InferenceClient([a, b], affinity_slack=2)
+    affinity.set("e0")
+    try:
+        c.outstanding = {a: 0, b: 0}
+        first = c.pick()
+        other = b if first == a else a
+        c.outstanding = {first: 2, other: 0}  # within the slack: the episode stays
+        assert c.pick() == first
+        c.outstanding = {first: 3, other: 0}  # beyond it: the episode moves, and stays there
+        assert c.pick() == other
+        c.outstanding = {first: 0, other: 1}
+        assert c.pick() == other
+    finally:
+        affinity.set(None)
+
+
+def test_the_affinity_map_is_bounded():
+    from comap_async.wire import inference_client as ic
+
+    c = InferenceClient(["http://127.0.0.1:1", "http://127.0.0.1:2"])
+    for i in range(ic.AFFINITY_KEYS + 50):
+        affinity.set(f"e{i}")
+        c.pick()
+    affinity.set(None)
+    assert len(c._sticky) == ic.AFFINITY_KEYS and "e0" not in c._sticky
 
 
 async def test_admin_calls_reach_every_endpoint_and_report_failures():
