@@ -130,7 +130,11 @@ def cell_key(cfg: Any, source: str, version: int, method: str, split: str, games
     settings = cfg.model_dump(mode="json", include={"env", "eval", "gates", "actor", "model", "ablation"})
     settings["env"].pop("data_dir", None)
     settings["model"].pop("cache_dir", None)
-    settings["model"].pop("torch_threads", None)  # how many cores play it, not how it is played
+    # how many cores and games at once play it, not how it is played
+    settings["model"].pop("torch_threads", None)
+    for name in ("envs", "env_workers"):
+        settings["actor"].pop(name, None)
+    settings["eval"].pop("envs", None)
     settings["seed"] = cfg.run.seed
     settings["inference"] = cfg.model_dump(mode="json", include={"inference": {"forward", "dtype"}})["inference"]
     return {

@@ -25,6 +25,9 @@ def test_the_key_ignores_where_things_live_and_sees_what_changes_play():
         "inference.port=9999",
         "run.name=x",
         "model.torch_threads=2",
+        "actor.envs=8",
+        "actor.env_workers=2",
+        "eval.envs=8",
     )
     for other in (
         key("eval.repeat_guard=4"),
