@@ -268,10 +268,16 @@ async def play_cells(
             t0 = time.time()
             bar = tqdm(total=len(games), initial=len(games) - len(todo), desc=cell.label, unit="game", file=sys.stderr)
 
+            steps = [0]
+
             def on_result(game: Any, stats: Any, key: dict[str, Any] = cell.key) -> None:
                 held[game.name] = episode_record(game, stats)
                 store.save_partial(key, list(held.values()), wall_before + time.time() - t0)
                 bar.update(1)
+
+            def on_step() -> None:  # a game is minutes on a CPU: the bar moves with environment steps too
+                steps[0] += 1
+                bar.set_postfix_str(f"steps={steps[0]} ({steps[0] / max(time.time() - t0, 1e-9):.2f}/s)")
 
             for name in cell.registry.adapters.values():
                 await client.load_adapter(name, str(cfg.adapter_root / name))
@@ -280,7 +286,14 @@ async def play_cells(
             try:  # every game may be held already (stopped between its last episode and its report)
                 results = (
                     await play_games(
-                        run_cfg, todo, cell.registry, log, envs=envs, method=cell.method, on_result=on_result
+                        run_cfg,
+                        todo,
+                        cell.registry,
+                        log,
+                        envs=envs,
+                        method=cell.method,
+                        on_result=on_result,
+                        on_step=on_step,
                     )
                     if todo
                     else []
