@@ -109,6 +109,22 @@ def train(name: str, variant: str, config: str | None, overrides: list[str], min
     return time.time() - t0
 
 
+def trained_to(run_dir: Path, record: dict) -> str:
+    """``, v7 -> v12 (learner steps 107 -> 157)``: where a fork's training got in its wall time (a
+    variant with less to train, e.g. ``frozen_wm``, takes more steps in the same time)."""
+    from actors.eval_runner import resolve_version
+    from comap_async.run_files import VERSION_META
+    from comap_async.wire.messages import POLICY, adapter_name
+
+    adapters = run_dir / "adapters"
+    version = resolve_version("latest", adapters) if adapters.is_dir() else 0
+    meta = adapters / adapter_name(POLICY, version) / VERSION_META
+    if not version or not meta.is_file():
+        return ""
+    step = json.loads(meta.read_text()).get("step")
+    return f", v{record['version']} -> v{version} (learner steps {record['step']} -> {step})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("source", help="the warmed-up run (its run.name under run.root, or its directory)")
@@ -206,7 +222,10 @@ def main() -> None:
         f"# Method table: {len(forks)} forks of {source.name} at version {version} "
         f"(step {forks[0][2]['step']}, {forks[0][2]['phase']})",
         "",
-        *[f"- `{n}` ({v}): trained {r['wall_s'] / 60:.1f} minutes of wall time" for n, v, r in forks],
+        *[
+            f"- `{n}` ({v}): trained {r['wall_s'] / 60:.1f} minutes of wall time{trained_to(root / n, r)}"
+            for n, v, r in forks
+        ],
         "",
     ]
     (args.out / "method_table.md").write_text("\n".join(head) + (args.out / "compare.md").read_text())

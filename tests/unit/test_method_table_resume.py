@@ -26,3 +26,20 @@ def test_a_variant_is_its_ablations_and_settings():
     ]
     with pytest.raises(SystemExit, match="unknown ablation frozen"):
         variant_overrides("frozen")
+
+
+def test_the_table_says_how_far_each_fork_trained(tmp_path):
+    import json
+
+    from benchmarks.method_table import trained_to
+    from comap_async.wire.messages import ROLES, adapter_name
+
+    run = tmp_path / "r27-frozen_wm"
+    for version, step in ((7, 107), (13, 167)):
+        for role in ROLES:
+            d = run / "adapters" / adapter_name(role, version)
+            d.mkdir(parents=True)
+            (d / "comap.json").write_text(json.dumps({"version": version, "step": step}))
+    record = {"version": 7, "step": 107}
+    assert trained_to(run, record) == ", v7 -> v13 (learner steps 107 -> 167)"
+    assert trained_to(tmp_path / "gone", record) == ""
