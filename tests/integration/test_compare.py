@@ -19,6 +19,34 @@ pytestmark = pytest.mark.alfworld
 REPO = Path(__file__).resolve().parents[2]
 
 
+def compare_cmd(runs: list[Path], out: Path, games: int, methods: str, env: dict, *more: str) -> list[str]:
+    """``comap compare`` on real valid_seen games with the tiny model (``env``: the fixtures' paths)."""
+    return [
+        sys.executable,
+        "-m",
+        "comap_async",
+        "compare",
+        *map(str, runs),
+        "--config",
+        "configs/test.yaml",
+        "--split",
+        "valid_seen",
+        "--games",
+        str(games),
+        "--data",
+        str(env["data"]),
+        "--methods",
+        methods,
+        "--out",
+        str(out),
+        "--set",
+        f"model.cache_dir={env['cache']}",
+        "--set",
+        f"run.root={env['root']}",
+        *more,
+    ]
+
+
 async def make_run(run_dir: Path, tiny_model_dir: Path, ablation: list[str]) -> None:
     """Three training steps (the world model frozen after the first under ``frozen_wm``), published as v2."""
     trainer = make_trainer(tiny_model_dir)
@@ -47,32 +75,9 @@ async def test_compare_writes_one_table_and_a_png(tmp_path, tiny_model_dir, mode
     for name, ablation in runs.items():
         await make_run(tmp_path / name, tiny_model_dir, ablation)
     out = tmp_path / "cmp"
-    cmd = [
-        sys.executable,
-        "-m",
-        "comap_async",
-        "compare",
-        str(tmp_path / "comap"),
-        str(tmp_path / "frozen"),
-        "--config",
-        "configs/test.yaml",
-        "--split",
-        "valid_seen",
-        "--games",
-        "2",
-        "--data",
-        str(alfworld_data),
-        "--methods",
-        "react,imagine_and_act",
-        "--out",
-        str(out),
-        "--set",
-        f"model.cache_dir={model_cache}",
-        "--set",
-        f"run.root={tmp_path / 'runs'}",
-        "--set",
-        "env.max_steps=3",
-    ]
+    env = {"data": alfworld_data, "cache": model_cache, "root": tmp_path / "runs"}
+    runs_dirs = [tmp_path / "comap", tmp_path / "frozen"]
+    cmd = compare_cmd(runs_dirs, out, 2, "react,imagine_and_act", env, "--set", "env.max_steps=3")
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads((out / "compare.json").read_text())
@@ -124,33 +129,11 @@ async def test_the_baselines_can_play_with_a_runs_adapters(tmp_path, tiny_model_
     await make_run(tmp_path / "source", tiny_model_dir, [])
     await make_run(tmp_path / "fork", tiny_model_dir, ["frozen_wm"])
     out = tmp_path / "cmp"
-    cmd = [
-        sys.executable,
-        "-m",
-        "comap_async",
-        "compare",
-        str(tmp_path / "fork"),
-        "--config",
-        "configs/test.yaml",
-        "--split",
-        "valid_seen",
-        "--games",
-        "1",
-        "--data",
-        str(alfworld_data),
-        "--methods",
-        "draft_only",
-        "--methods-from",
-        f"{tmp_path / 'source'}:1",
-        "--out",
-        str(out),
-        "--set",
-        f"model.cache_dir={model_cache}",
-        "--set",
-        f"run.root={tmp_path / 'runs'}",
-        "--set",
-        "env.max_steps=3",
-    ]
+    env = {"data": alfworld_data, "cache": model_cache, "root": tmp_path / "runs"}
+    source = f"{tmp_path / 'source'}:1"
+    cmd = compare_cmd(
+        [tmp_path / "fork"], out, 1, "draft_only", env, "--methods-from", source, "--set", "env.max_steps=3"
+    )
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads((out / "compare.json").read_text())["rows"]
@@ -183,33 +166,8 @@ async def test_a_comparison_killed_between_games_resumes_at_the_next_game(
 
     await make_run(tmp_path / "source", tiny_model_dir, [])
     out = tmp_path / "cmp"
-    cmd = [
-        sys.executable,
-        "-m",
-        "comap_async",
-        "compare",
-        str(tmp_path / "source"),
-        "--config",
-        "configs/test.yaml",
-        "--split",
-        "valid_seen",
-        "--games",
-        "3",
-        "--envs",
-        "1",
-        "--data",
-        str(alfworld_data),
-        "--methods",
-        "draft_only",
-        "--out",
-        str(out),
-        "--set",
-        f"model.cache_dir={model_cache}",
-        "--set",
-        f"run.root={tmp_path / 'runs'}",
-        "--set",
-        "env.max_steps=10",
-    ]
+    env = {"data": alfworld_data, "cache": model_cache, "root": tmp_path / "runs"}
+    cmd = compare_cmd([tmp_path / "source"], out, 3, "draft_only", env, "--envs", "1", "--set", "env.max_steps=10")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.time() + 300
     while not list((out / "cells").glob("*.partial.json")) and time.time() < deadline and proc.poll() is None:
