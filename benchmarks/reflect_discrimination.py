@@ -101,7 +101,8 @@ def score(trainer: Any, samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 def draft_doubts(trainer: Any, samples: list[dict[str, Any]]) -> list[float]:
     """Per sample, the policy's doubt in its own draft: minus the mean log-probability of the
-    draft's tokens (end-of-turn included), teacher-forced on the draft prompt."""
+    draft's tokens (as the actor reads them from its sampled draft: no end-of-turn), teacher-forced
+    on the draft prompt."""
     import torch
 
     from learner.batches import pack
@@ -112,7 +113,7 @@ def draft_doubts(trainer: Any, samples: list[dict[str, Any]]) -> list[float]:
     activate(trainer.model, "policy", trainable=False)
     with torch.no_grad():
         for i in range(0, len(samples), 4):
-            seqs = [enc.draft({"s": r["s"], "target": r["a_draft"]}) for r in samples[i : i + 4]]
+            seqs = [enc.seq(enc.prompts.draft(r["s"]), r["a_draft"], add_eos=False) for r in samples[i : i + 4]]
             packed = pack([[q] for q in seqs], trainer.pad_id, trainer.device)
             logp = torch.log_softmax(trainer._target_logits(packed), dim=-1)
             token = logp.gather(1, packed.targets.unsqueeze(1)).squeeze(1)
@@ -162,6 +163,10 @@ def run_variant(name: str, cfg: Any, args: argparse.Namespace, train: list, test
     bs = cfg.learner.batch_size
     budget = args.epochs * math.ceil(len(train) / bs)
     trainer = build_trainer(cfg, args.adapter, {**VARIANTS[name], "lr": args.lr or cfg.learner.lr}, budget)
+    if args.confidence:  # the reflection prompts show the starting policy's confidence in each draft
+        for rows in (train, test):
+            for r, doubt in zip(rows, draft_doubts(trainer, rows)):
+                r["draft_confidence"] = math.exp(-doubt)
     out = {"variant": name, "before": score(trainer, test), "epochs": []}
     if args.draft_doubt:
         out["draft_doubt"] = draft_doubt(trainer, test)
@@ -192,6 +197,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--confidence",
+        action="store_true",
+        help="show the draft's confidence (the starting policy's geometric-mean token probability, as a word) "
+        "in every reflection prompt, trained and scored (actor.reflect_confidence)",
+    )
     ap.add_argument(
         "--draft-doubt",
         action="store_true",

@@ -91,15 +91,28 @@ def draft_messages(state: str, wording: Wording = ALFWORLD) -> list[dict[str, st
     ]
 
 
-def reflect_messages(state: str, a_draft: str, s_hat: str | None, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
-    """``s_hat`` None: the reflection without the imagined state (ablation ``no_future_state``)."""
+CONFIDENCE_WORDS = ((0.9, "high"), (0.6, "medium"), (0.0, "low"))
+"""``draft_confidence`` (the draft's geometric-mean token probability) in words: a small model reads
+a word more easily than a number."""
+
+
+def confidence_word(confidence: float) -> str:
+    return next(word for floor, word in CONFIDENCE_WORDS if confidence >= floor)
+
+
+def reflect_messages(
+    state: str, a_draft: str, s_hat: str | None, wording: Wording = ALFWORLD, confidence: float | None = None
+) -> list[dict[str, str]]:
+    """``s_hat`` None: the reflection without the imagined state (ablation ``no_future_state``);
+    ``confidence``: the draft's own token probability, shown as a word (``actor.reflect_confidence``)."""
     imagined = "" if s_hat is None else f"Imagined result of the draft: {s_hat.strip()}\n"
+    shown = "" if confidence is None else f"Your confidence in the draft: {confidence_word(confidence)}\n"
     return [
         {"role": "system", "content": wording.agent},
         {
             "role": "user",
             "content": (
-                f"{state}\n\nYour draft action: {a_draft.strip()}\n{imagined}\n"
+                f"{state}\n\nYour draft action: {a_draft.strip()}\n{shown}{imagined}\n"
                 "Does the draft move you towards the task? Answer exactly in this form:\n"
                 f"{DECISION_PREFIX} KEEP or REVISE\n{FINAL_PREFIX} <one command>"
             ),
@@ -387,10 +400,11 @@ class Prompts:
     def draft(self, state: str) -> str:
         return self.chat.render(draft_messages(state, self.wording))
 
-    def reflect(self, state: str, a_draft: str, s_hat: str) -> str:
+    def reflect(self, state: str, a_draft: str, s_hat: str, confidence: float | None = None) -> str:
         # The decision word is the first generated token, so its logprobs give p_revise.
         shown = s_hat if self.future_state else None
-        return self.chat.render(reflect_messages(state, a_draft, shown, self.wording)) + DECISION_PREFIX
+        messages = reflect_messages(state, a_draft, shown, self.wording, confidence)
+        return self.chat.render(messages) + DECISION_PREFIX
 
     def world_model(self, state: str, action: str) -> str:
         return self.chat.render(world_model_messages(state, action, self.wording))

@@ -98,9 +98,8 @@ class Encoder:
 
     def reflection(self, r: dict[str, Any]) -> Seq:
         decision = "REVISE" if int(r["y"]) == 1 else "KEEP"
-        return self.seq(
-            self.prompts.reflect(r["s"], r["a_draft"], r["s_bar"]), reflection_target(decision, r["target"])
-        )
+        prompt = self.prompts.reflect(r["s"], r["a_draft"], r["s_bar"], r.get("draft_confidence"))
+        return self.seq(prompt, reflection_target(decision, r["target"]))
 
 
 def collate(seqs: list[Seq], pad_id: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:

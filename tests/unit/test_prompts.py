@@ -178,3 +178,22 @@ def test_environments_share_prompts_and_differ_only_in_the_system_messages():
         assert a.split("[user]", 1)[1] == s.split("[user]", 1)[1]  # the rest is shared word for word
     with pytest.raises(ValueError, match="unknown environment 'webshop'; known: alfworld, scienceworld"):
         prompts.wording_for("webshop")
+
+
+def test_the_drafts_confidence_is_shown_as_a_word_only_when_given():
+    from comap_async.prompts import confidence_word, reflect_messages
+
+    assert [confidence_word(c) for c in (0.97, 0.9, 0.75, 0.6, 0.59, 0.0)] == [
+        "high",
+        "high",
+        "medium",
+        "medium",
+        "low",
+        "low",
+    ]
+    plain = reflect_messages("Task: x", "go to desk 1", "You arrive at desk 1.")[1]["content"]
+    shown = reflect_messages("Task: x", "go to desk 1", "You arrive at desk 1.", confidence=0.42)[1]["content"]
+    assert "confidence" not in plain
+    assert shown == plain.replace(
+        "Your draft action: go to desk 1\n", "Your draft action: go to desk 1\nYour confidence in the draft: low\n"
+    )

@@ -24,7 +24,7 @@ def test_draft_doubt_is_the_drafts_mean_negative_log_probability(tiny_model_dir)
     expected = []
     with torch.no_grad():
         for r in samples:
-            seq = enc.draft({"s": r["s"], "target": r["a_draft"]})
+            seq = enc.seq(enc.prompts.draft(r["s"]), r["a_draft"], add_eos=False)
             logits = model(input_ids=torch.tensor([seq.ids])).logits[0].float()
             logp = torch.log_softmax(logits, dim=-1)
             targets = seq.ids[seq.start : seq.start + seq.n_target]
@@ -33,3 +33,11 @@ def test_draft_doubt_is_the_drafts_mean_negative_log_probability(tiny_model_dir)
     assert draft_doubts(trainer, samples) == pytest.approx(expected, rel=1e-4)
     got = draft_doubt(trainer, samples)
     assert got["n"] == 3 and got["draft_doubt_auc"] == auc([expected[0], expected[2]], [expected[1]])
+
+
+def test_the_learner_renders_a_records_draft_confidence_in_its_reflection_prompt(tiny_model_dir):
+    enc = make_trainer(tiny_model_dir).encoder
+    r = reflection_record(1)
+    plain = enc.tokenizer.decode(enc.reflection(r).ids)
+    shown = enc.tokenizer.decode(enc.reflection({**r, "draft_confidence": 0.95}).ids)
+    assert "confidence" not in plain and "Your confidence in the draft: high\n" in shown
