@@ -267,12 +267,11 @@ async def play_cells(
                 log.info("compare.row_resumed", what=cell.what, episodes_kept=len(held), games_left=len(todo))
             t0 = time.time()
             bar = tqdm(total=len(games), initial=len(games) - len(todo), desc=cell.label, unit="game", file=sys.stderr)
-
             steps = [0]
 
-            def on_result(game: Any, stats: Any, key: dict[str, Any] = cell.key) -> None:
+            def on_result(game: Any, stats: Any) -> None:  # called while this cell is played
                 held[game.name] = episode_record(game, stats)
-                store.save_partial(key, list(held.values()), wall_before + time.time() - t0)
+                store.save_partial(cell.key, list(held.values()), wall_before + time.time() - t0)
                 bar.update(1)
 
             def on_step() -> None:  # a game is minutes on a CPU: the bar moves with environment steps too

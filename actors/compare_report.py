@@ -44,6 +44,7 @@ def row(
     ablation: list[str] | None = None,
 ) -> dict[str, Any]:
     """One line of the comparison from an evaluation report (:func:`actors.eval_report.summarize`)."""
+    wins = round(report["success_rate"] * report["games"])
     return {
         "label": label,
         "kind": kind,
@@ -52,9 +53,9 @@ def row(
         "ablation": list(ablation or []),
         "adapter_version": report["adapter_version"],
         "games": report["games"],
-        "wins": round(report["success_rate"] * report["games"]),
+        "wins": wins,
         "success_rate": report["success_rate"],
-        "success_interval": list(wilson_interval(round(report["success_rate"] * report["games"]), report["games"])),
+        "success_interval": list(wilson_interval(wins, report["games"])),
         "mean_score": report.get("mean_score"),
         "delta_f1": report["delta_f1"],
         "delta_f1_transitions": report["delta_f1_transitions"],

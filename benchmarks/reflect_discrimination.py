@@ -122,10 +122,11 @@ def draft_doubts(trainer: Any, samples: list[dict[str, Any]]) -> list[float]:
     return doubt
 
 
-def draft_doubt(trainer: Any, samples: list[dict[str, Any]]) -> dict[str, Any]:
+def draft_doubt(trainer: Any, samples: list[dict[str, Any]], doubt: list[float] | None = None) -> dict[str, Any]:
     """What the policy already knows about its drafts, as a reference for ``p``: the AUC of its
-    doubt in each draft (:func:`draft_doubts`) for telling ``y = 1`` samples from ``y = 0`` ones."""
-    doubt = draft_doubts(trainer, samples)
+    doubt in each draft (:func:`draft_doubts`, or ``doubt`` already computed for ``samples``) for
+    telling ``y = 1`` samples from ``y = 0`` ones."""
+    doubt = draft_doubts(trainer, samples) if doubt is None else doubt
     pos = [d for d, r in zip(doubt, samples) if r["y"] == 1]
     neg = [d for d, r in zip(doubt, samples) if r["y"] == 0]
     return {"draft_doubt_auc": auc(pos, neg), "n": len(doubt)}
@@ -163,13 +164,15 @@ def run_variant(name: str, cfg: Any, args: argparse.Namespace, train: list, test
     bs = cfg.learner.batch_size
     budget = args.epochs * math.ceil(len(train) / bs)
     trainer = build_trainer(cfg, args.adapter, {**VARIANTS[name], "lr": args.lr or cfg.learner.lr}, budget)
+    # the starting policy's doubt in each held-out draft: the reference, and the confidence shown
+    test_doubts = draft_doubts(trainer, test) if args.confidence or args.draft_doubt else None
     if args.confidence:  # the reflection prompts show the starting policy's confidence in each draft
-        for rows in (train, test):
-            for r, doubt in zip(rows, draft_doubts(trainer, rows)):
+        for rows, doubts in ((train, draft_doubts(trainer, train)), (test, test_doubts)):
+            for r, doubt in zip(rows, doubts):
                 r["draft_confidence"] = math.exp(-doubt)
     out = {"variant": name, "before": score(trainer, test), "epochs": []}
     if args.draft_doubt:
-        out["draft_doubt"] = draft_doubt(trainer, test)
+        out["draft_doubt"] = draft_doubt(trainer, test, test_doubts)
         print(json.dumps({"variant": name, "reference": "draft_doubt", **out["draft_doubt"]}), flush=True)
     print(json.dumps({"variant": name, "epoch": 0, **out["before"]}), flush=True)
     rng = random.Random(args.seed)
@@ -201,7 +204,7 @@ def main() -> None:
         "--confidence",
         action="store_true",
         help="show the draft's confidence (the starting policy's geometric-mean token probability, as a word) "
-        "in every reflection prompt, trained and scored (actor.reflect_confidence)",
+        "in every reflection prompt, trained and scored (the prompt's optional confidence line)",
     )
     ap.add_argument(
         "--draft-doubt",
