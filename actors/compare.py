@@ -106,6 +106,8 @@ class Cell:
     key: dict[str, Any]
     run: str | None = None
     ablation: list[str] = field(default_factory=list)
+    methods: list[str] = field(default_factory=list)
+    """The run's related methods' switches (``ablation.json``)."""
 
     @property
     def id(self) -> str:
@@ -117,11 +119,14 @@ def key_digest(key: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def with_ablation(cfg: Any, ablation: list[str]) -> Any:
-    """``cfg`` with exactly the switches ``ablation`` on (how a run is played: as it trained)."""
+def with_ablation(cfg: Any, ablation: list[str], methods: list[str] | tuple[str, ...] = ()) -> Any:
+    """``cfg`` with exactly the switches ``ablation`` on, and the related methods' switches among
+    ``methods`` that change how an episode is played (``reflect_confidence``): how a run is played,
+    as it trained."""
     from comap_async.config import AblationConfig
 
-    return cfg.model_copy(update={"ablation": AblationConfig(**dict.fromkeys(ablation, True))})
+    actor = cfg.actor.model_copy(update={"reflect_confidence": "reflect_confidence" in methods})
+    return cfg.model_copy(update={"ablation": AblationConfig(**dict.fromkeys(ablation, True)), "actor": actor})
 
 
 def cell_key(cfg: Any, source: str, version: int, method: str, split: str, games: list) -> dict[str, Any]:
@@ -134,6 +139,9 @@ def cell_key(cfg: Any, source: str, version: int, method: str, split: str, games
     settings["model"].pop("torch_threads", None)
     for name in ("envs", "env_workers"):
         settings["actor"].pop(name, None)
+    # a switch added after rows were stored: off, it keeps their keys (and so --resume) as they were
+    if not settings["actor"].get("reflect_confidence"):
+        settings["actor"].pop("reflect_confidence", None)
     settings["eval"].pop("envs", None)
     settings["seed"] = cfg.run.seed
     settings["inference"] = cfg.model_dump(mode="json", include={"inference": {"forward", "dtype"}})["inference"]
@@ -229,10 +237,13 @@ def plan_cells(
         key = cell_key(cfg, source, base.versions["policy"], method, split, games)
         cells.append(Cell(method, f"{METHOD_LABELS[method]} ({adapters})", "method", method, base, key))
     for run_dir, (version, ablation, prefix) in zip(runs, staged):
-        label = run_label(ablation, run_dir.name, read_run_methods(run_dir))
-        key = cell_key(with_ablation(cfg, ablation), str(run_dir.resolve()), version, "comap", split, games)
+        run_methods = read_run_methods(run_dir)
+        label = run_label(ablation, run_dir.name, run_methods)
+        key = cell_key(
+            with_ablation(cfg, ablation, run_methods), str(run_dir.resolve()), version, "comap", split, games
+        )
         registry = Registry.serving(version, prefix)
-        cells.append(Cell(str(run_dir), label, "run", "comap", registry, key, str(run_dir), ablation))
+        cells.append(Cell(str(run_dir), label, "run", "comap", registry, key, str(run_dir), ablation, run_methods))
     return cells
 
 
@@ -281,7 +292,7 @@ async def play_cells(
             for name in cell.registry.adapters.values():
                 await client.load_adapter(name, str(cfg.adapter_root / name))
             # a run is played with its own ablation, a prompting method with the config's
-            run_cfg = cfg if cell.run is None else with_ablation(cfg, cell.ablation)
+            run_cfg = cfg if cell.run is None else with_ablation(cfg, cell.ablation, cell.methods)
             try:  # every game may be held already (stopped between its last episode and its report)
                 results = (
                     await play_games(

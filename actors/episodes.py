@@ -388,7 +388,8 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
     plan = await env.walkthrough()
     while not ep.current.done and (expert := expert_plan_action(ep, plan)) is not None:
         s, t, prefix = ep.state(), ep.stats.steps, list(ep.actions)
-        draft, problem = await ctx.llm.draft(s)
+        drafted = await ctx.llm.draft_scored(s)
+        draft, problem = drafted.action, drafted.problem
         ep.stats.parse_problems += problem == "empty"
         equal = draft is not None and canonical_action(draft) == canonical_action(expert)
         s_bar = None
@@ -407,7 +408,9 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
             y, label, s_bar = *reflection_label(True, None, None), ep.current.observation
         policy_v, wm_v = _versions(ctx.registry())
 
-        async def emit_sample(sample_id: str, a_draft: str, s_bar: str, y: int, label: str) -> None:
+        async def emit_sample(
+            sample_id: str, a_draft: str, s_bar: str, y: int, label: str, confidence: float | None
+        ) -> None:
             await ctx.emit(
                 Reflection(
                     seq=0,
@@ -420,6 +423,7 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
                     target=expert if y else a_draft,
                     y=y,
                     label=label,
+                    draft_confidence=confidence,
                     policy_version=policy_v,
                     wm_version=wm_v,
                     ts=time.time(),
@@ -428,13 +432,13 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
             ep.stats.reflections += 1
             ep.stats.labels[label] = ep.stats.labels.get(label, 0) + 1
 
-        await emit_sample(f"{episode_id}:{t}:r", draft, s_bar, y, label)
+        await emit_sample(f"{episode_id}:{t}:r", draft, s_bar, y, label, drafted.confidence)
         if y == 1 and ctx.cfg.actor.reflect_init_pairs:
             # the same state with the expert's action as the draft: by the definition an equal draft
             # is a keep sample, so the pair differs only in the draft and its outcome, and p must
             # read them to tell the two apart (the state alone says nothing)
             await emit_sample(
-                f"{episode_id}:{t}:rp", expert, ep.current.observation, *reflection_label(True, None, None)
+                f"{episode_id}:{t}:rp", expert, ep.current.observation, *reflection_label(True, None, None), None
             )
     return await ep.finish(REFLECT_INIT, False)
 
@@ -495,17 +499,18 @@ async def play_coevolve(
             o, s, t, expert = ep.current.observation, ep.state(), ep.stats.steps, ep.current.expert_action
             admissible = ep.current.admissible
             if previous is not None:  # its teacher call shares the server with this draft
-                (a_draft, problem), _ = await asyncio.gather(llm.draft(s), previous)
+                drafted, _ = await asyncio.gather(llm.draft_scored(s), previous)
                 previous = None
             else:
-                a_draft, problem = await llm.draft(s)
+                drafted = await llm.draft_scored(s)
+            a_draft, confidence = drafted.action, drafted.confidence
             policy_v = llm.last_version("policy")  # the adapters that generated this step's fields
             if a_draft is None:  # unparseable draft: fall back to a harmless command, as the paper's agents do
                 ep.stats.parse_problems += 1
                 a_draft = FALLBACK_ACTION
             s_hat = await llm.imagine(s, a_draft)
             wm_v = llm.last_version("wm")
-            refl = await llm.reflect(s, a_draft, s_hat)
+            refl = await llm.reflect(s, a_draft, s_hat, confidence)
             ep.stats.parse_problems += refl.problem is not None
             ep.stats.reflection_problems += refl.problem is not None
             ep.stats.unreadable_reflections += not refl.readable
@@ -550,6 +555,7 @@ async def play_coevolve(
                     policy_version=policy_v,
                     wm_version=wm_v,
                     reflection_readable=refl.readable,
+                    draft_confidence=confidence,
                 ),
             )
             if overlap:

@@ -117,6 +117,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"comap eval: error: {exc}", file=sys.stderr)
         return 2
     try:
+        if cfg.inference.adapter_root is None:  # the run's own adapters: played as they trained
+            from comap_async.run_files import check_played_as_trained
+
+            check_played_as_trained(cfg, cfg.run.dir)
         report = run_eval(
             cfg, spec, log, config=args.config, overrides=overrides, serve=args.serve, serve_timeout=args.serve_timeout
         )

@@ -43,6 +43,16 @@ _LAST_MODEL: ContextVar[dict[str, str]] = ContextVar("comap_last_model", default
 
 
 @dataclass(frozen=True, slots=True)
+class Draft:
+    action: str | None
+    """None when the output had no usable line."""
+    problem: str | None
+    confidence: float | None = None
+    """The draft's geometric-mean token probability (``actor.reflect_confidence``; else None): the
+    reflection prompt shows it as a word (:func:`comap_async.prompts.confidence_word`)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Reflected:
     decision: str  # KEEP or REVISE (KEEP when unreadable)
     a_ref: str  # refined action (the draft when unreadable)
@@ -74,6 +84,18 @@ def action_token_spans(text: str, tokens: list[str]) -> list[tuple[int, int]]:
         # a token counts when it carries action characters (not only the spaces after the colon)
         if tok_start < end and offset > start and text[max(tok_start, start) : min(offset, end)].strip():
             out.append((i, min(offset, end)))
+    return out
+
+
+def draft_token_logprobs(text: str, tokens: list[str], token_logprobs: list[float | None]) -> list[float]:
+    """Logprobs of the tokens that spell a draft's first line: a token counts when it carries
+    characters of that line (not a stop or end-of-turn token past the text, not the newline)."""
+    line = text.split("\n", 1)[0].rstrip()
+    out, offset = [], 0
+    for tok, lp in zip(tokens, token_logprobs):
+        tok_start, offset = offset, offset + len(tok)
+        if tok_start < len(line) and text[tok_start : min(offset, len(line))].strip() and lp is not None:
+            out.append(lp)
     return out
 
 
@@ -141,15 +163,28 @@ class AgentLLM:
     async def draft(self, state: str, temperature: float | None = None) -> tuple[str | None, str | None]:
         """(action, problem); action None when the output had no usable line. ``temperature``: this
         call's, instead of ``actor.temperature`` (the look-ahead's sampled candidates)."""
+        d = await self.draft_scored(state, temperature, confidence=False)
+        return d.action, d.problem
+
+    async def draft_scored(self, state: str, temperature: float | None = None, confidence: bool | None = None) -> Draft:
+        """The draft with its confidence when ``confidence`` (default ``actor.reflect_confidence``):
+        the tokens' logprobs come with the same call, so the confidence is that of the sampled text."""
+        scored = self.cfg.reflect_confidence if confidence is None else confidence
         c = await self._complete(
             POLICY,
             self.prompts.draft(state),
             self.cfg.max_draft_tokens,
             STOP_ACTION,
             self.cfg.temperature if temperature is None else temperature,
+            1 if scored else None,
         )
         parsed = parse_action(c["text"])
-        return parsed.value, parsed.problem
+        if not scored or parsed.value is None:
+            return Draft(parsed.value, parsed.problem)
+        lp = c.get("logprobs") or {}
+        tokens, token_lps = lp.get("tokens") or [], lp.get("token_logprobs") or []
+        lps = draft_token_logprobs(c["text"], tokens[: len(token_lps)], token_lps)
+        return Draft(parsed.value, parsed.problem, sequence_confidence(lps) if lps else None)
 
     async def critic(self, state: str, trajectory: list[tuple[str, str]]) -> float | None:
         """The policy's judgement of an imagined continuation of ``state``: P(YES) over the critic's
@@ -205,8 +240,9 @@ class AgentLLM:
         )
         return c["text"].strip()
 
-    async def reflect(self, state: str, a_draft: str, s_hat: str) -> Reflected:
+    async def reflect(self, state: str, a_draft: str, s_hat: str, confidence: float | None = None) -> Reflected:
         """Decision, refined action, ``p`` and ``q`` of one reflection; always an action when ``p`` can be read.
+        ``confidence``: the draft's (:meth:`draft_scored`), shown in the prompt; None shows nothing.
 
         ``p`` is read at the first generated token (the decision position). When the model's text has
         no ``Final Action:`` line, the reflection is continued from ``Decision: <X>\\nFinal Action:``
@@ -215,7 +251,7 @@ class AgentLLM:
         decision_tokens = self.prompts.decision
         if decision_tokens is None:
             raise ValueError("Prompts.decision is not set: build the prompts with Prompts.for_model(model_dir, cfg)")
-        prompt = self.prompts.reflect(state, a_draft, s_hat)
+        prompt = self.prompts.reflect(state, a_draft, s_hat, confidence)
         c = await self._complete(
             POLICY, prompt, self.cfg.max_reflection_tokens, ["<|im_end|>"], self.cfg.temperature, self.cfg.logprobs
         )

@@ -146,11 +146,13 @@ async def probe_game(ctx: Any, env: Any, branch: Any, game: Any, failures: int, 
             break
         s, before, admissible = ep.state(), ep.facts, ep.current.admissible
         # independent calls go together: the server decodes them in one batch
-        (draft, _), s_hat = await asyncio.gather(llm.draft(s), llm.imagine(s, expert))
+        drafted, s_hat = await asyncio.gather(llm.draft_scored(s), llm.imagine(s, expert))
+        draft = drafted.action
         match, ok = draft_scores(draft, expert, admissible)
         reflected: dict[str, Any] = {}
         if draft is not None:  # the CoMap step on this state: imagine the draft, reflect, gate
-            refl = await llm.reflect(s, draft, s_hat if match else await llm.imagine(s, draft))
+            s_hat_draft = s_hat if match else await llm.imagine(s, draft)
+            refl = await llm.reflect(s, draft, s_hat_draft, drafted.confidence)
             gate = gate_reflection(ctx.cfg, refl, draft)
             reflected = {
                 "p_revise": refl.p_revise if refl.readable else None,

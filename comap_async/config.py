@@ -342,6 +342,13 @@ class ActorConfig(_Section):
     equal draft, which section 11 labels keep), ``s̄`` its real outcome. Without pairs the labels
     are ~75 % ``y = 1`` on different states, and ``p`` learns the prior, not the draft (measured in
     docs/running.md); with them a state is seen with both labels."""
+    reflect_confidence: bool = False
+    """The reflection prompt shows the draft's own confidence (its geometric-mean token probability,
+    read from the draft call's logprobs) as a word: high, medium or low
+    (:func:`comap_async.prompts.confidence_word`). Offline the policy's doubt in its drafts ranked
+    wrong ones above right ones (AUC 0.77) where ``p`` did not (0.48), docs/running.md. Every
+    reflection of the run is rendered so (actors, probes, the learner from each record's
+    ``draft_confidence``); recorded with the run as the method switch ``reflect_confidence``."""
     imagined_rollouts: int = Field(default=0, ge=0, le=16)
     """WebEvolver's world model as a virtual environment (arXiv 2504.21024; off: 0): after each
     co-evolution episode, this many imagined episodes start from its real states (drawn with the run
@@ -658,12 +665,15 @@ class CoMapConfig(_Section):
     def method_switches(self) -> list[str]:
         """The related methods' training switches that are on (recorded with the run, like the
         ablations): ``imagined_episodes`` (WebEvolver's virtual environment: imagined steps are
-        sent and trained), ``paw`` (the policy's auxiliary next-observation loss)."""
+        sent and trained), ``paw`` (the policy's auxiliary next-observation loss),
+        ``reflect_confidence`` (the draft's confidence shown in the reflection prompt)."""
         on = []
         if self.actor.imagined_rollouts > 0 and self.learner.imagined_share > 0:
             on.append("imagined_episodes")
         if self.learner.policy_wm_aux > 0:
             on.append("paw")
+        if self.actor.reflect_confidence:
+            on.append("reflect_confidence")
         return on
 
     @model_validator(mode="after")

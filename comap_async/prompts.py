@@ -104,8 +104,8 @@ def reflect_messages(
     state: str, a_draft: str, s_hat: str | None, wording: Wording = ALFWORLD, confidence: float | None = None
 ) -> list[dict[str, str]]:
     """``s_hat`` None: the reflection without the imagined state (ablation ``no_future_state``);
-    ``confidence``: the draft's own token probability, shown as a word (no actor sends it yet: the
-    learner renders a record's ``draft_confidence``, ``benchmarks/reflect_discrimination.py --confidence``)."""
+    ``confidence``: the draft's own token probability, shown as a word (``actor.reflect_confidence``:
+    the actors and probes from the draft call's logprobs, the learner from a record's ``draft_confidence``)."""
     imagined = "" if s_hat is None else f"Imagined result of the draft: {s_hat.strip()}\n"
     shown = "" if confidence is None else f"Your confidence in the draft: {confidence_word(confidence)}\n"
     return [

@@ -47,3 +47,23 @@ def read_run_ablation(run_dir: Path) -> list[str]:
     if not isinstance(active, list) or not all(isinstance(a, str) for a in active):
         raise ValueError(f"{path}: 'ablation' must be a list of names, got {active!r}")
     return active
+
+
+def check_played_as_trained(cfg: object, run_dir: Path) -> None:
+    """ValueError in one line when ``cfg`` would play ``run_dir``'s adapters with another method than
+    they trained under: other ablations, or other related methods' switches (``reflect_confidence``
+    changes the reflection prompt). A directory without ``ablation.json`` (no learner started
+    there yet) passes."""
+    if not (Path(run_dir) / RUN_ABLATION).exists():
+        return
+    trained = (sorted(read_run_ablation(run_dir)), sorted(read_run_methods(run_dir)))
+    played = (sorted(cfg.ablation.active), sorted(cfg.method_switches))  # type: ignore[attr-defined]
+    if trained != played:
+
+        def say(ablation: list[str], methods: list[str]) -> str:
+            return f"ablation {'+'.join(ablation) or 'none'}, methods {'+'.join(methods) or 'none'}"
+
+        raise ValueError(
+            f"{run_dir} trained with {say(*trained)}; this config plays it with {say(*played)}: "
+            "evaluate with the run's own config (or its --set switches)"
+        )

@@ -160,6 +160,7 @@ def derive_policy_sample(
         policy_version=tr.policy_version,
         wm_version=tr.wm_version,
         phase=tr.phase,
+        draft_confidence=tr.draft_confidence,
     )
 
 

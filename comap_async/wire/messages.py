@@ -71,6 +71,8 @@ Id = Annotated[str, Meta(max_length=ID_LEN)]
 Text = Annotated[str, Meta(max_length=TEXT_LEN)]
 Int = Annotated[int, Meta(ge=-(1 << 62), le=1 << 62)]
 Num = Annotated[float, Meta(ge=-_MAX_FLOAT, le=_MAX_FLOAT)]  # finite: NaN and infinities fail the bounds
+Confidence = Annotated[float, Meta(ge=0.0, le=1.0)]
+"""A probability-like score in [0, 1]."""
 Map = Annotated[dict[str, Any], Meta(max_length=MAX_ITEMS)]
 Facts = Annotated[list[Id], Meta(max_length=MAX_ITEMS)]
 
@@ -179,7 +181,10 @@ class Transition(Message, tag="transition", kw_only=True):
     reflection_readable: bool = True
     """False: the policy's reflection gave no decision probability or no final action (the draft was
     executed); the broker stores the transition for the world model and derives no reflection sample."""
-    ws_score: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    draft_confidence: Confidence | None = None
+    """The draft's geometric-mean token probability, shown in the reflection prompt
+    (``actor.reflect_confidence``); None: not measured, the prompt shows nothing."""
+    ws_score: Confidence | None = None
     """The world-state gate's reliability of the executed action, measured by the actor on its fact
     state (:func:`comap_async.method.gates.world_state_score`); None where no teacher predicted
     (warm-up). The broker applies the threshold, so it never parses environment text."""
@@ -223,6 +228,8 @@ class Reflection(Message, tag="reflection", kw_only=True):
     wm_version: Int
     ts: Num
     label: ReflectionLabel
+    draft_confidence: Confidence | None = None
+    """As :attr:`Transition.draft_confidence` (None on a pair's expert-action draft: not sampled)."""
 
 
 class Imagined(Message, tag="imagined", kw_only=True):
@@ -375,3 +382,5 @@ class PolicySample(Record, kw_only=True):
     wm_version: int
     source: Literal["gate"] = "gate"
     phase: str = ""
+    draft_confidence: float | None = None
+    """The transition's (:attr:`Transition.draft_confidence`)."""

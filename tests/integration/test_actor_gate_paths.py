@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from actors.episodes import EpisodeContext, play_coevolve
-from actors.llm import Reflected
+from actors.llm import Draft, Reflected
 from comap_async.config import load_config
 from comap_async.envs.alfworld_facts import next_state
 from comap_async.envs.pool import AsyncEnvPool
@@ -28,6 +28,9 @@ class ScriptedLLM:
     async def draft(self, state):
         return "look", None
 
+    async def draft_scored(self, state):
+        return Draft(*await self.draft(state))
+
     async def imagine(self, state, action):
         self.imagined.append(action)
         return f"You imagine doing {action}."
@@ -40,7 +43,7 @@ class ScriptedLLM:
         # a newer world model (its index), so a transition must name the call behind each field
         return {"policy": 7, "wm": len(self.imagined)}.get(role)
 
-    async def reflect(self, state, a_draft, s_hat):
+    async def reflect(self, state, a_draft, s_hat, confidence=None):
         t, self.t = self.t, self.t + 1
         target = self.plan[min(t, len(self.plan) - 1)]
         if t == 5:  # nothing readable even after the continuation: the draft runs, nothing is learned
@@ -108,13 +111,16 @@ class PlanFollower:
     async def draft(self, state):
         return ("look" if self.revise_to_plan else self._next()), None
 
+    async def draft_scored(self, state):
+        return Draft(*await self.draft(state))
+
     async def imagine(self, state, action):
         return "Nothing happens."
 
     async def teacher(self, state, action, real_next):
         return real_next
 
-    async def reflect(self, state, a_draft, s_hat):
+    async def reflect(self, state, a_draft, s_hat, confidence=None):
         target, self.t = self._next(), self.t + 1
         if self.revise_to_plan:  # a confident revision to the walkthrough: executed
             return Reflected("REVISE", target, 0.9, 0.95, None)

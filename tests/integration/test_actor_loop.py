@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from actors.episodes import FALLBACK_ACTION
 from actors.worker import ActorWorker
 from comap_async.config import load_config
 from comap_async.envs.alfworld_facts import next_state
@@ -45,12 +46,14 @@ def check_contiguous(transitions: list[dict], episodes: list[dict]) -> None:
     assert len({tr["id"] for tr in transitions}) == len(transitions), "duplicate transition ids stored"
 
 
+@pytest.mark.parametrize("confidence", [False, True], ids=["plain", "reflect_confidence"])
 async def test_coevolve_actor_stores_complete_gated_transitions(
-    broker_factory, roomy_server, alfworld_data, tiny_model_dir
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, confidence
 ):
-    broker = broker_factory()
+    switch = [f"actor.reflect_confidence={str(confidence).lower()}"]
+    broker = broker_factory(switch)  # the broker refuses an actor of another method
     await announce(broker, "coevolve")
-    cfg = actor_config(broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=3")
+    cfg = actor_config(broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=3", *switch)
     worker = ActorWorker(cfg, configure_logging("actor-test"), envs=4, episodes=4)
     results = await asyncio.wait_for(worker.run(), timeout=300)
     assert len(results) == 4 and worker.metrics.failures == 0
@@ -78,6 +81,15 @@ async def test_coevolve_actor_stores_complete_gated_transitions(
     for r in samples:  # the broker applied the threshold to the actor's score, nothing else
         assert r["ws_score"] == by_id[r["id"]]["ws_score"]
         assert r["ws_imagined"] == (r["ws_score"] >= cfg.gates.tau_ws)
+        assert r["draft_confidence"] == by_id[r["id"]]["draft_confidence"]  # what the learner renders
+    # the draft's confidence, read from the draft call's logprobs, only with the switch
+    scored = [tr["draft_confidence"] for tr in transitions if tr["draft_confidence"] is not None]
+    if confidence:
+        assert scored and all(0.0 < c <= 1.0 for c in scored)
+        # only a draft the actor could not parse (the fallback command ran) goes without one
+        assert all(tr["a_draft"] == FALLBACK_ACTION for tr in transitions if tr["draft_confidence"] is None)
+    else:
+        assert not scored
 
 
 async def test_warmup_expert_episodes_win_and_land_in_demos(

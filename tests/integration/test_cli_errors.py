@@ -37,6 +37,30 @@ def test_expected_failures_are_one_line(args, message, tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def test_eval_refuses_to_play_a_run_with_another_method_than_it_trained_under(tmp_path):
+    from comap_async.run_files import write_run_ablation
+
+    write_run_ablation(tmp_path / "r1", ["frozen_wm"], ["reflect_confidence"])
+    r = comap(
+        "eval",
+        "--split",
+        "valid_seen",
+        "--out",
+        str(tmp_path / "out"),
+        "--set",
+        f"run.root={tmp_path}",
+        "--set",
+        "run.name=r1",
+    )
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert lines[-1] == (
+        f"comap eval: error: {tmp_path / 'r1'} trained with ablation frozen_wm, methods reflect_confidence; "
+        "this config plays it with ablation none, methods none: evaluate with the run's own config "
+        "(or its --set switches)"
+    )
+
+
 def test_a_busy_port_is_refused_before_the_model_loads(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

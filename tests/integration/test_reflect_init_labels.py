@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from actors.episodes import EpisodeContext, play_reflect_init
+from actors.llm import Draft
 from comap_async.config import load_config
 from comap_async.envs.alfworld_facts import next_state
 from comap_async.envs.pool import AsyncEnvPool
@@ -27,6 +28,9 @@ class AlternatingDrafts:
     async def draft(self, state):
         t, self.t = self.t, self.t + 1
         return (self.plan[t] if t % 2 == 0 else "look"), None
+
+    async def draft_scored(self, state):
+        return Draft(*await self.draft(state))
 
 
 async def test_labels_follow_the_branches_to_the_episode_end(valid_seen, alfworld_data):
