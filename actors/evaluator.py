@@ -36,6 +36,8 @@ SCALARS = (
     "unreadable_rate",
     "gate_open_rate",
     "p_discrimination",
+    "p_auc",
+    "confidence_auc",
     "loop_rate",
 )
 

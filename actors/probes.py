@@ -50,6 +50,8 @@ class ProbeRow:
     """Walkthrough rows: the reflection's text could not be read as written."""
     gate_reason: str | None = None
     """Walkthrough rows: the action gate's reason (``revised`` when it opens, ``unreadable``...)."""
+    draft_confidence: float | None = None
+    """Walkthrough rows with ``actor.reflect_confidence``: the draft's confidence shown to the reflection."""
 
 
 def draft_scores(draft: str | None, expert: str, admissible: Sequence[str]) -> tuple[bool, bool]:
@@ -84,6 +86,14 @@ def summarize_probes(rows: Sequence[ProbeRow]) -> dict[str, Any]:
     }
 
 
+def auc(pos: Sequence[float], neg: Sequence[float]) -> float | None:
+    """P(a positive scores above a negative), ties half (None without both)."""
+    if not pos or not neg:
+        return None
+    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
+    return wins / (len(pos) * len(neg))
+
+
 def summarize_reflections(walk: Sequence[ProbeRow]) -> dict[str, Any]:
     """The reflection figures of the walkthrough rows (those with a draft to reflect on)."""
     reflected = [r for r in walk if r.gate_reason is not None]
@@ -98,6 +108,10 @@ def summarize_reflections(walk: Sequence[ProbeRow]) -> dict[str, Any]:
     refused = [r.p_revise for r in wrong if not r.draft_admissible]
     admitted = [r.p_revise for r in wrong if r.draft_admissible]
     p_wrong, p_right = _mean([r.p_revise for r in wrong]), _mean(right)
+    # what the reflection was shown (actor.reflect_confidence): does the draft's own confidence
+    # already tell wrong drafts from right ones, whatever p makes of it?
+    conf_wrong = [r.draft_confidence for r in reflected if not r.draft_match and r.draft_confidence is not None]
+    conf_right = [r.draft_confidence for r in reflected if r.draft_match and r.draft_confidence is not None]
     return {
         "reflections": len(reflected),
         "reflection_problem_rate": _mean([float(bool(r.reflection_problem)) for r in reflected]),
@@ -107,9 +121,13 @@ def summarize_reflections(walk: Sequence[ProbeRow]) -> dict[str, Any]:
         "p_wrong_draft": p_wrong,
         "p_right_draft": p_right,
         "p_discrimination": None if p_wrong is None or p_right is None else p_wrong - p_right,
+        "p_auc": auc([r.p_revise for r in wrong], right),
         "p_wrong_inadmissible": _mean(refused),
         "p_wrong_admissible": _mean(admitted),
         "p_states": {"right": len(right), "wrong_inadmissible": len(refused), "wrong_admissible": len(admitted)},
+        "confidence_wrong_draft": _mean(conf_wrong),
+        "confidence_right_draft": _mean(conf_right),
+        "confidence_auc": auc([1.0 - c for c in conf_wrong], [1.0 - c for c in conf_right]),
     }
 
 
@@ -158,6 +176,7 @@ async def probe_game(ctx: Any, env: Any, branch: Any, game: Any, failures: int, 
                 "p_revise": refl.p_revise if refl.readable else None,
                 "reflection_problem": refl.problem is not None,
                 "gate_reason": gate.reason,
+                "draft_confidence": drafted.confidence,
             }
         ep.advance(expert, await env.step(expert))
         rows.append(

@@ -40,6 +40,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from actors.probes import auc  # noqa: E402  (the probes' figure, the same function)
+
 VARIANTS = {"plain": {"bce_balance": False}, "balanced": {"bce_balance": True}}
 
 
@@ -58,13 +60,6 @@ def load_samples(replay: Path) -> list[dict[str, Any]]:
 
 def held_out(game: str, share: float) -> bool:
     return int(hashlib.sha256(game.encode()).hexdigest()[:8], 16) / 16**8 < share
-
-
-def auc(pos: list[float], neg: list[float]) -> float | None:
-    if not pos or not neg:
-        return None
-    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
-    return wins / (len(pos) * len(neg))
 
 
 def score(trainer: Any, samples: list[dict[str, Any]]) -> dict[str, Any]:

@@ -94,3 +94,18 @@ def test_reflection_figures_of_hand_made_rows():
     s = summarize_probes([*rows[:3], refused])
     assert (s["p_wrong_inadmissible"], s["p_wrong_admissible"]) == (pytest.approx(0.7), pytest.approx(0.9))
     assert s["p_states"] == {"right": 2, "wrong_inadmissible": 1, "wrong_admissible": 1}
+
+
+def test_the_rank_figures_of_p_and_of_the_drafts_confidence():
+    def row(t, match, p, confidence):
+        return ProbeRow("g", t, "walkthrough", 1.0, match, True, p, False, "keep", confidence)
+
+    # of the 4 (wrong, right) pairs p ranks 1 the right way (0.5 over 0.2) and ties 1: AUC 1.5 / 4
+    rows = [row(0, True, 0.5, 0.95), row(1, True, 0.2, 0.7), row(2, False, 0.5, 0.3), row(3, False, 0.1, None)]
+    s = summarize_probes(rows)
+    assert s["p_auc"] == pytest.approx(1.5 / 4)
+    # the confidence shown: lower on the wrong draft (0.3) than on both right ones: doubt ranks it first
+    assert s["confidence_wrong_draft"] == pytest.approx(0.3) and s["confidence_right_draft"] == pytest.approx(0.825)
+    assert s["confidence_auc"] == 1.0
+    plain = summarize_probes([row(0, True, 0.5, None), row(2, False, 0.5, None)])  # the switch off
+    assert plain["confidence_auc"] is None and plain["confidence_wrong_draft"] is None and plain["p_auc"] == 0.5

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.reflect_discrimination import auc, draft_doubt, draft_doubts
+from actors.probes import auc
+from benchmarks.reflect_discrimination import draft_doubt, draft_doubts
 from tests.fixtures.learner import make_trainer, reflection_record
 
 
