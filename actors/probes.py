@@ -21,6 +21,7 @@ prediction when it differs, the reflection) and one per failure transition; no t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -259,4 +260,5 @@ async def run_probes(
     log.info("eval.probes_done", games=len(games), rows=len(rows), failed=len(failed))
     if failed and len(failed) == len(games):
         raise RuntimeError(f"every probed game failed (first: {failed[0]}); see the eval.probe_failed log lines")
-    return {**summarize_probes(rows), "failed_games": failed}
+    # the rows too: a figure added later (p_auc was) can be recomputed on an old report
+    return {**summarize_probes(rows), "failed_games": failed, "rows": [dataclasses.asdict(r) for r in rows]}

@@ -100,6 +100,7 @@ async def test_evaluator_records_one_result_per_published_version(
         assert e["split"] == "valid_seen" and e["games"] == 2 and e["walkthrough_states"] > 0
         assert 0.0 <= e["wm_delta_f1"] <= 1.0 and 0.0 <= e["draft_accuracy"] <= 1.0
         assert e["success_games"] == 1 and 0.0 <= e["success_rate"] <= 1.0 and e["failed_games"] == []
+        assert len(e["rows"]) == e["walkthrough_states"] + e["failure_transitions"]  # kept for re-analysis
     # each version was served under the evaluator's own names, loaded from that version's files
     assert [e["adapters"].get("policy") for e in results] == [None, "eval-policy-v1", "eval-policy-v2"]
     loaded = [
