@@ -17,24 +17,10 @@ from comap_async.method.gates import SampleRule
 from comap_async.prompts import ChatTemplate, DecisionTokens, Prompts
 from comap_async.wire.protocol import ProtocolError, decode
 from tests.fixtures.broker import make_transition
+from tests.fixtures.calls import ScriptedClient
 
 DECISION = DecisionTokens(" KE", " RE", 0, 1)
 SHOWN = "Your confidence in the draft:"
-
-
-class ScriptedClient:
-    """Answers each completion with the next scripted (text, tokens, token logprobs, first top-k)."""
-
-    def __init__(self, *answers):
-        self.answers, self.calls = list(answers), []
-
-    async def complete(self, **kw):
-        self.calls.append(kw)
-        text, tokens, lps, top = self.answers.pop(0)
-        tops = [top] + [{}] * (len(tokens) - 1)
-        return {
-            "choices": [{"text": text, "logprobs": {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops}}]
-        }
 
 
 def make_llm(client, on: bool) -> AgentLLM:

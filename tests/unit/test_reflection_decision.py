@@ -17,32 +17,10 @@ from comap_async.prompts import ChatTemplate, DecisionTokens, Prompts, reflectio
 from comap_async.wire.protocol import decode
 from learner import losses
 from tests.fixtures.broker import make_transition
+from tests.fixtures.calls import ScriptedClient
 from tests.fixtures.learner import make_trainer, reflection_record
 
 DECISION = DecisionTokens(" KE", " RE", 0, 1)
-
-
-class ScriptedClient:
-    """Answers each completion with the next scripted (text, tokens, token logprobs, first top-k)."""
-
-    def __init__(self, *answers):
-        self.answers, self.calls = list(answers), []
-
-    async def complete(self, **kw):
-        self.calls.append(kw)
-        text, tokens, lps, top = self.answers.pop(0)
-        return {
-            "choices": [
-                {
-                    "text": text,
-                    "logprobs": {
-                        "tokens": tokens,
-                        "token_logprobs": lps,
-                        "top_logprobs": [top] + [{}] * (len(tokens) - 1),
-                    },
-                }
-            ]
-        }
 
 
 def make_llm(client) -> AgentLLM:
