@@ -61,8 +61,9 @@ class Reflected:
     problem: str | None
     """What the model's own text lacked (``no_final_action``...), None when it was read as written."""
     readable: bool = True
-    """False: no decision probability or no final action even after the continuation; the draft is
-    executed and the step trains no reflection sample."""
+    """False: no decision probability, or a REVISE with no final action even after the
+    continuation; the draft is executed and the step trains no reflection sample. (A KEEP with no
+    action keeps the draft: that is what KEEP means, and the ``y = 0`` target by definition.)"""
 
 
 def _choice(resp: dict[str, Any]) -> dict[str, Any]:
@@ -285,7 +286,9 @@ class AgentLLM:
         full = head + c["text"]  # the continuation's tokens are the action's, as after a Final Action: line
         action = parse_action(c["text"]).value
         if action is None:
-            return Reflected(decision, a_draft, p_revise, 0.0, problem, readable=False)
+            # the model copies the prompt's "<one command>" after KEEP when it has no other action:
+            # a KEEP names its action (the draft); only a REVISE without one says nothing usable
+            return Reflected(decision, a_draft, p_revise, 0.0, problem, readable=decision == "KEEP")
         tokens, token_lps = lp.get("tokens") or [], lp.get("token_logprobs") or []
         # the head as one pseudo-token before the generated ones: spans index the generated tokens from 1
         spans = action_token_spans(full, [head] + tokens[: len(token_lps)])

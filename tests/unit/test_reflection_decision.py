@@ -11,8 +11,8 @@ import torch
 
 from actors.llm import AgentLLM
 from broker.ingest import Ingest
-from comap_async.config import ActorConfig
-from comap_async.method.gates import SampleRule
+from comap_async.config import ActorConfig, CoMapConfig
+from comap_async.method.gates import SampleRule, gate_reflection
 from comap_async.prompts import ChatTemplate, DecisionTokens, Prompts, reflection_target
 from comap_async.wire.protocol import decode
 from learner import losses
@@ -68,10 +68,22 @@ async def test_unreadable_reflections():
     client = ScriptedClient(("maybe", ["maybe"], [-0.1], {"maybe": -0.1}))
     r = await make_llm(client).reflect("state", "look", "s")
     assert not r.readable and r.a_ref == "look" and len(client.calls) == 1
-    # a decision, but the continuation writes no action either
-    client = ScriptedClient((" KEEP", [" KE", "EP"], [-0.1, -0.1], {" KE": -0.1}), ("", [], [], {}))
+    # REVISE, but the continuation writes no action either (the prompt's placeholder copied back)
+    revise = (" REVISE\nFinal Action: <one command>", [" RE", "VISE"], [-0.1, -0.1], {" RE": -0.1, " KE": -3.0})
+    client = ScriptedClient(revise, (" <one command>", [" <", "one"], [-0.1, -0.1], {}))
     r = await make_llm(client).reflect("state", "look", "s")
-    assert not r.readable and r.a_ref == "look"
+    assert not r.readable and r.a_ref == "look" and len(client.calls) == 2
+
+
+async def test_a_keep_without_an_action_keeps_the_draft():
+    # what a fork's policy wrote on 31 of 36 probe states: KEEP, then the prompt's placeholder
+    keep = (" KEEP\nFinal Action: <one command>", [" KE", "EP"], [-0.2, -0.1], {" KE": -0.2, " RE": -1.8})
+    client = ScriptedClient(keep, (" <one command>", [" <", "one"], [-0.1, -0.1], {}))
+    r = await make_llm(client).reflect("state", "go to desk 1", "s")
+    # readable: KEEP names its action, the draft (the y = 0 target); still counted as a parse problem
+    assert r.readable and r.decision == "KEEP" and r.a_ref == "go to desk 1" and r.problem is not None
+    assert r.p_revise == pytest.approx(math.exp(-1.8) / (math.exp(-1.8) + math.exp(-0.2)))
+    assert gate_reflection(CoMapConfig(), r, "go to desk 1").reason == "keep"  # the draft runs
 
 
 def test_an_unreadable_reflection_is_never_stored_as_a_training_sample():
