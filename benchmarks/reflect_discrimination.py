@@ -19,7 +19,7 @@ Variants (``--variants``, run one after the other from the same starting adapter
 samples weigh as much in total as the other's).
 
     python benchmarks/reflect_discrimination.py --replay RUN/replay --adapter RUN/adapters/policy-v5 \\
-        [--epochs 2] [--holdout 0.3] [--variants plain,balanced] [--max-train 200]
+        [--epochs 2] [--holdout 0.3] [--variants plain,balanced] [--max-train 200] [--set learner.bce_weight=1.0]
 
 Last line: ``plain_discrimination=X balanced_discrimination=Y`` (the held-out ``p_discrimination``
 after the last epoch of each variant).
@@ -207,11 +207,20 @@ def main() -> None:
         help="also score the starting policy's doubt in its own drafts on the held-out samples (a reference for p)",
     )
     ap.add_argument("--out", type=Path, default=None, help="write the full results as JSON here")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config field, as the commands' --set (e.g. learner.bce_weight=1.0, "
+        "learner.gradient_checkpointing=false: 8 minutes an epoch of 65 labels with it on)",
+    )
     args = ap.parse_args()
 
     from comap_async.config import load_config
 
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, args.overrides)
     samples = load_samples(args.replay)
     test = [r for r in samples if held_out(r["game"], args.holdout)]
     train = [r for r in samples if not held_out(r["game"], args.holdout)]
