@@ -70,40 +70,44 @@ def _choice(resp: dict[str, Any]) -> dict[str, Any]:
     return resp["choices"][0]
 
 
-def action_token_spans(text: str, tokens: list[str]) -> list[tuple[int, int]]:
-    """(index, end offset in ``text``) of each token that spells the action after ``Final Action:``
-    (up to the line end); the end offset is clipped to the line end."""
-    at = text.find(FINAL_PREFIX)
-    if at < 0:
-        return []
-    start = at + len(FINAL_PREFIX)
-    end = text.find("\n", start)
-    end = len(text) if end < 0 else end
+def token_spans(text: str, tokens: list[str], start: int, end: int) -> list[tuple[int, int]]:
+    """(index, end offset in ``text``, clipped to ``end``) of each token that carries characters of
+    ``text[start:end]`` other than spaces (not the spaces after a colon, not a stop or end-of-turn
+    token reported past the text)."""
     out, offset = [], 0
     for i, tok in enumerate(tokens):
         tok_start, offset = offset, offset + len(tok)
-        # a token counts when it carries action characters (not only the spaces after the colon)
         if tok_start < end and offset > start and text[max(tok_start, start) : min(offset, end)].strip():
             out.append((i, min(offset, end)))
     return out
 
 
+def _line_end(text: str, start: int) -> int:
+    end = text.find("\n", start)
+    return len(text) if end < 0 else end
+
+
+def action_token_spans(text: str, tokens: list[str]) -> list[tuple[int, int]]:
+    """:func:`token_spans` of the action after ``Final Action:`` (up to the line end)."""
+    at = text.find(FINAL_PREFIX)
+    if at < 0:
+        return []
+    start = at + len(FINAL_PREFIX)
+    return token_spans(text, tokens, start, _line_end(text, start))
+
+
+def _logprobs_at(spans: list[tuple[int, int]], token_logprobs: list[float | None]) -> list[float]:
+    return [lp for i, _ in spans if (lp := token_logprobs[i]) is not None]
+
+
 def draft_token_logprobs(text: str, tokens: list[str], token_logprobs: list[float | None]) -> list[float]:
-    """Logprobs of the tokens that spell a draft's first line: a token counts when it carries
-    characters of that line (not a stop or end-of-turn token past the text, not the newline)."""
-    line = text.split("\n", 1)[0].rstrip()
-    out, offset = [], 0
-    for tok, lp in zip(tokens, token_logprobs):
-        tok_start, offset = offset, offset + len(tok)
-        if tok_start < len(line) and text[tok_start : min(offset, len(line))].strip() and lp is not None:
-            out.append(lp)
-    return out
+    """Logprobs of the tokens that spell a draft's first line (:func:`token_spans`)."""
+    return _logprobs_at(token_spans(text, tokens[: len(token_logprobs)], 0, _line_end(text, 0)), token_logprobs)
 
 
 def action_token_logprobs(text: str, tokens: list[str], token_logprobs: list[float | None]) -> list[float]:
     """Logprobs of the tokens that spell the action after ``Final Action:`` (up to the line end)."""
-    spans = action_token_spans(text, tokens[: len(token_logprobs)])
-    return [lp for i, _ in spans if (lp := token_logprobs[i]) is not None]
+    return _logprobs_at(action_token_spans(text, tokens[: len(token_logprobs)]), token_logprobs)
 
 
 class AgentLLM:

@@ -108,7 +108,8 @@ def summarize_reflections(walk: Sequence[ProbeRow]) -> dict[str, Any]:
     # as wrong; an admissible wrong one (another receptacle) looks like progress in imagination too
     refused = [r.p_revise for r in wrong if not r.draft_admissible]
     admitted = [r.p_revise for r in wrong if r.draft_admissible]
-    p_wrong, p_right = _mean([r.p_revise for r in wrong]), _mean(right)
+    p_of_wrong = [r.p_revise for r in wrong]
+    p_wrong, p_right = _mean(p_of_wrong), _mean(right)
     # what the reflection was shown (actor.reflect_confidence): does the draft's own confidence
     # already tell wrong drafts from right ones, whatever p makes of it?
     conf_wrong = [r.draft_confidence for r in reflected if not r.draft_match and r.draft_confidence is not None]
@@ -122,13 +123,14 @@ def summarize_reflections(walk: Sequence[ProbeRow]) -> dict[str, Any]:
         "p_wrong_draft": p_wrong,
         "p_right_draft": p_right,
         "p_discrimination": None if p_wrong is None or p_right is None else p_wrong - p_right,
-        "p_auc": auc([r.p_revise for r in wrong], right),
+        "p_auc": auc(p_of_wrong, right),
         "p_wrong_inadmissible": _mean(refused),
         "p_wrong_admissible": _mean(admitted),
         "p_states": {"right": len(right), "wrong_inadmissible": len(refused), "wrong_admissible": len(admitted)},
         "confidence_wrong_draft": _mean(conf_wrong),
         "confidence_right_draft": _mean(conf_right),
-        "confidence_auc": auc([1.0 - c for c in conf_wrong], [1.0 - c for c in conf_right]),
+        # a right draft's confidence above a wrong one's: the same chance as a wrong one's doubt above
+        "confidence_auc": auc(conf_right, conf_wrong),
     }
 
 
