@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.eval_report import label_counts, reflection_summary, summarize
+from comap_async.lifetime import tied_env
 from comap_async.ports import free_port
 from comap_async.wire.messages import (
     COEVOLVE,
@@ -227,7 +228,8 @@ def start_server(config: str | None, overrides: list[str], log: Any) -> tuple[An
     cfg = load_config(
         config, overrides + [f"inference.port={port}", f"inference.endpoints=['http://127.0.0.1:{port}']"]
     )
-    server = subprocess.Popen(server_command(config, overrides, port))
+    # a command killed by a signal runs no finally: the server stops when this process dies
+    server = subprocess.Popen(server_command(config, overrides, port), env=tied_env())
     log.info("eval.started_server", port=port, pid=server.pid)
     return cfg, server
 

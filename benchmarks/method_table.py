@@ -155,6 +155,9 @@ def main() -> None:
     )
     ap.add_argument("--train-only", action="store_true", help="fork and train, then stop (then --resume evaluates)")
     args = ap.parse_args()
+    # stopped with SIGTERM, the finally blocks run: a fork's system is stopped (and checkpoints), and the
+    # comparison, started tied to this process, stops with it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     from broker.fork import ForkError, fork_run
     from comap_async.config import load_config
@@ -216,7 +219,9 @@ def main() -> None:
         *(["--config", args.config] if args.config else []),
         *sum((["--set", o] for o in args.overrides + args.eval_overrides), []),
     ]
-    subprocess.run(cmd, cwd=ROOT, check=True)
+    from comap_async.lifetime import tied_env
+
+    subprocess.run(cmd, cwd=ROOT, check=True, env=tied_env())
     report = json.loads((args.out / "compare.json").read_text())
     head = [
         f"# Method table: {len(forks)} forks of {source.name} at version {version} "

@@ -38,6 +38,7 @@ from broker.counters import reject_category
 from broker.ingest import Ingest, best_effort_int
 from broker.store import WriteItem
 from comap_async.gctune import tune_gc_for_throughput
+from comap_async.lifetime import die_with_parent
 from comap_async.method.gates import SampleRule
 from comap_async.wire.messages import ACTOR_TYPES
 from comap_async.wire.protocol import ProtocolError, decode, error_reason, message_type
@@ -151,16 +152,6 @@ def to_write_item(result: Gated, raw: bytes, shapes: list[list]) -> WriteItem:
 # ---- the worker process ----------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the broker dies (a SIGKILLed broker cannot say stop)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the parent check in worker_main's poll loop covers it within a second
-
-
 def worker_main(
     endpoint: str,
     rule: dict[str, Any],
@@ -170,7 +161,8 @@ def worker_main(
 ) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    # a SIGKILLed broker cannot say stop; off Linux the parent check in the poll loop covers it within a second
+    die_with_parent(signal.SIGKILL)
     ingest = Ingest(SampleRule(**rule))
     pack = msgpack.Packer(use_bin_type=True).pack
     ctx = zmq.Context(1)

@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     missing data or model, a busy port...) end with one line on stderr and exit 2, with the
     traceback only under ``--debug`` or ``COMAP_DEBUG=1``."""
     from comap_async.errors import CommandError
+    from comap_async.lifetime import tie_to_parent_from_env
 
+    tie_to_parent_from_env()
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv or os.environ.get("COMAP_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]

@@ -192,3 +192,49 @@ async def test_a_comparison_killed_between_games_resumes_at_the_next_game(
     for record in kept:  # the stored episodes are in the report as they were played before the kill
         assert by_game[record["game"]] == {k: v for k, v in record.items() if k != "delta_f1"}
     assert not list((out / "cells").glob("*.partial.json"))
+
+
+async def test_the_server_a_comparison_started_stops_when_the_comparison_is_killed(
+    tmp_path, tiny_model_dir, model_cache, alfworld_data
+):
+    """A command SIGKILLed runs no ``finally``: the embedded server it started must not be left
+    holding the cores (it is tied to the command: ``comap_async.lifetime``)."""
+    import os
+    import re
+    import signal
+    import time
+
+    await make_run(tmp_path / "source", tiny_model_dir, [])
+    env = {"data": alfworld_data, "cache": model_cache, "root": tmp_path / "runs"}
+    cmd = compare_cmd([tmp_path / "source"], tmp_path / "cmp", 3, "draft_only", env, "--envs", "1")
+    err = tmp_path / "compare.err"
+    with err.open("wb") as sink:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=sink, start_new_session=True)
+    try:
+        deadline, server = time.time() + 120, None
+        while server is None and time.time() < deadline and proc.poll() is None:
+            found = re.search(r'"pid": (\d+), "event": "eval.started_server"', err.read_text(errors="replace"))
+            server = int(found.group(1)) if found else None
+            time.sleep(0.05)
+        assert server is not None, err.read_text()[-3000:]
+        os.kill(proc.pid, signal.SIGKILL)  # the command alone, not its process group
+        proc.wait()
+        deadline = time.time() + 60
+        while time.time() < deadline and os.path.exists(f"/proc/{server}") and "Z" not in state(server):
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{server}") or "Z" in state(server), "the server outlived its command"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left, so a failure leaks nothing
+        except ProcessLookupError:
+            pass
+
+
+def state(pid: int) -> str:
+    """The process's state letter from /proc (``Z``: exited, not yet reaped by its new parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return "Z"
