@@ -121,12 +121,12 @@ def key_digest(key: dict[str, Any]) -> str:
 
 def with_ablation(cfg: Any, ablation: list[str], methods: list[str] | tuple[str, ...] = ()) -> Any:
     """``cfg`` with exactly the switches ``ablation`` on, and the related methods' switches among
-    ``methods`` that change how an episode is played (``reflect_confidence``): how a run is played,
+    ``methods`` that change how an episode is played (``config.PLAY_SWITCHES``): how a run is played,
     as it trained."""
     from comap_async.config import AblationConfig
 
-    actor = cfg.actor.model_copy(update={"reflect_confidence": "reflect_confidence" in methods})
-    return cfg.model_copy(update={"ablation": AblationConfig(**dict.fromkeys(ablation, True)), "actor": actor})
+    played = cfg.playing(methods)
+    return played.model_copy(update={"ablation": AblationConfig(**dict.fromkeys(ablation, True))})
 
 
 def cell_key(cfg: Any, source: str, version: int, method: str, split: str, games: list) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -639,6 +640,11 @@ class EvalConfig(_Section):
     yield the CPU to the learner and the actors (the CPU default sets 10)."""
 
 
+PLAY_SWITCHES: dict[str, tuple[str, str]] = {"reflect_confidence": ("actor", "reflect_confidence")}
+"""The method switches that change how an episode is played, not only what is trained: name ->
+(section, field). A run's ``ablation.json`` names them; ``comap compare`` plays each run with its own."""
+
+
 class CoMapConfig(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     """Run identity and directory."""
@@ -672,9 +678,17 @@ class CoMapConfig(_Section):
             on.append("imagined_episodes")
         if self.learner.policy_wm_aux > 0:
             on.append("paw")
-        if self.actor.reflect_confidence:
-            on.append("reflect_confidence")
+        on.extend(name for name, (section, key) in PLAY_SWITCHES.items() if getattr(getattr(self, section), key))
         return on
+
+    def playing(self, methods: Sequence[str]) -> "CoMapConfig":
+        """This config with exactly the switches of :data:`PLAY_SWITCHES` named in ``methods`` on:
+        a run evaluated as it trained (``comap compare`` from its ``ablation.json``)."""
+        update: dict[str, Any] = {}
+        for name, (section, key) in PLAY_SWITCHES.items():
+            current = update.get(section, getattr(self, section))
+            update[section] = current.model_copy(update={key: name in methods})
+        return self.model_copy(update=update)
 
     @model_validator(mode="after")
     def check_invariants(self) -> "CoMapConfig":

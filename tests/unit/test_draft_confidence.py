@@ -11,7 +11,7 @@ import pytest
 from actors.compare import cell_key, with_ablation
 from actors.llm import AgentLLM, draft_token_logprobs
 from broker.ingest import Ingest, record_from_store
-from comap_async.config import ActorConfig, CoMapConfig
+from comap_async.config import PLAY_SWITCHES, ActorConfig, CoMapConfig
 from comap_async.method.fingerprint import fingerprint
 from comap_async.method.gates import SampleRule
 from comap_async.prompts import ChatTemplate, DecisionTokens, Prompts
@@ -95,6 +95,9 @@ def test_the_switch_is_part_of_the_method_and_of_how_compare_plays_a_run():
     # a run trained with it is played with it, one trained without it without it
     assert with_ablation(off, [], ["reflect_confidence"]).actor.reflect_confidence
     assert not with_ablation(on, [], []).actor.reflect_confidence
+    # one table names the play switches: what playing() sets, method_switches reads back
+    for name in PLAY_SWITCHES:
+        assert name in off.playing([name]).method_switches and name not in on.playing([]).method_switches
     # rows stored before the switch existed keep their keys (and so --resume) while it is off
     key_off = cell_key(off, "src", 7, "comap", "valid_seen", [])
     assert "reflect_confidence" not in key_off["settings"]["actor"]
