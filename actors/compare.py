@@ -132,6 +132,8 @@ def with_ablation(cfg: Any, ablation: list[str], methods: list[str] | tuple[str,
 def cell_key(cfg: Any, source: str, version: int, method: str, split: str, games: list) -> dict[str, Any]:
     """What a row's figures depend on: the adapters (run directory and version), the method, the
     games, and the settings that change how an episode is played (not where files or servers are)."""
+    from comap_async.config import PLAY_SWITCHES
+
     settings = cfg.model_dump(mode="json", include={"env", "eval", "gates", "actor", "model", "ablation"})
     settings["env"].pop("data_dir", None)
     settings["model"].pop("cache_dir", None)
@@ -139,9 +141,10 @@ def cell_key(cfg: Any, source: str, version: int, method: str, split: str, games
     settings["model"].pop("torch_threads", None)
     for name in ("envs", "env_workers"):
         settings["actor"].pop(name, None)
-    # a switch added after rows were stored: off, it keeps their keys (and so --resume) as they were
-    if not settings["actor"].get("reflect_confidence"):
-        settings["actor"].pop("reflect_confidence", None)
+    # play switches came after rows were stored: one that is off keeps their keys (and so --resume) as they were
+    for section, key in PLAY_SWITCHES.values():
+        if not settings[section].get(key):
+            settings[section].pop(key, None)
     settings["eval"].pop("envs", None)
     settings["seed"] = cfg.run.seed
     settings["inference"] = cfg.model_dump(mode="json", include={"inference": {"forward", "dtype"}})["inference"]
