@@ -173,10 +173,16 @@ class _Worker:
     def stop(self, timeout: float = 5.0) -> None:
         """Wait for the worker to end after :meth:`ask_to_stop`; kill it after ``timeout``."""
         self.process.join(timeout)
-        if self.process.is_alive():  # stuck in a step: it ignores SIGTERM (see _worker_main)
+        self.kill()
+
+    def kill(self) -> None:
+        """End it now (stuck in a step, it ignores SIGTERM: see _worker_main) and reap it; SIGKILL
+        takes effect at once, so the join is short."""
+        if self.process.is_alive():
             self.process.kill()
-            self.process.join(timeout)
-        self.conn.close()
+        self.process.join()
+        if self.loop is not None:  # else a start-up thread may still be reading it; it reads EOF now
+            self.conn.close()
 
 
 class AsyncTextEnv:
@@ -242,7 +248,14 @@ class AsyncEnvPool:
 
     async def start(self) -> "AsyncEnvPool":
         self._workers = [_Worker(self._ctx, self.env_name, self.env_kwargs) for _ in range(self.num_workers)]
-        await asyncio.gather(*(w.wait_ready() for w in self._workers))
+        try:
+            await asyncio.gather(*(w.wait_ready() for w in self._workers))
+        except BaseException:  # cancelled or failed: no worker may outlive a pool nobody will close
+            workers, self._workers = self._workers, []
+            for w in workers:
+                w.detach()
+                w.kill()
+            raise
         return self
 
     async def _replacement(self, dead: _Worker) -> _Worker:
@@ -274,13 +287,21 @@ class AsyncEnvPool:
         return AsyncTextEnv(self, self._workers[env_id % len(self._workers)], env_id)
 
     async def close(self, timeout: float = 5.0) -> None:
-        """Stop the workers; one still busy after ``timeout`` (in a long reset, say) is killed."""
+        """Stop the workers; one still busy after ``timeout`` (in a long reset, say) is killed, and
+        so is every one left when the close itself is cancelled: a shutdown that will not wait
+        (the evaluator's, under honcho's 5 s grace) must not leave a worker or a thread behind."""
         workers, self._workers = self._workers, []
         for w in workers:
             w.detach()
             w.ask_to_stop()  # all at once: they wind down in parallel
-        if workers:
-            await asyncio.get_running_loop().run_in_executor(None, lambda: [w.stop(timeout) for w in workers])
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            while any(w.process.is_alive() for w in workers) and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+        finally:
+            for w in workers:
+                w.kill()
 
     async def __aenter__(self) -> "AsyncEnvPool":
         return await self.start()
