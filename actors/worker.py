@@ -95,6 +95,7 @@ class ActorWorker:
         self._counter = 0
         self._next_game = 0  # fixed games (evaluation): the next one to play
         self._warmup_played = 0
+        self._labels_sent = 0  # reflection-mode initialisation's labels from this process
         self.registry = RegistryView()  # replaced in run(): the one view of the broker's registry
 
     def _claim_episode(self) -> str | None:
@@ -118,11 +119,11 @@ class ActorWorker:
             else:
                 game = rng.choice(games)
             phase, version = self.registry.phase(), self.registry.version(POLICY)
-            if phase == WARMUP and not self.eval_mode and self._warmup_played >= self.cfg.actor.max_warmup_episodes:
-                # enough demonstrations from this process: wait for the learner instead of burning a core
+            if not self.eval_mode and self._has_its_share(phase):
+                # enough of this phase's data from this process: wait for the learner instead of burning a core
                 self._started -= 1
                 self._counter -= 1
-                await self._idle_until_phase_changes()
+                await self._idle_until_phase_changes(phase)
                 continue
             if phase == WARMUP and not self.eval_mode:
                 self._warmup_played += 1
@@ -156,6 +157,8 @@ class ActorWorker:
                 await asyncio.sleep(1.0)
                 continue
             self.metrics.add(stats, version)
+            if phase == REFLECT_INIT and not self.eval_mode:
+                self._labels_sent += sum(stats.labels.values())
             self.results.append((game, stats))
             if self.on_result is not None:
                 self.on_result(game, stats)
@@ -170,12 +173,22 @@ class ActorWorker:
                 **stats.metrics(),
             )
 
-    async def _idle_until_phase_changes(self) -> None:
+    def _has_its_share(self, phase: str) -> bool:
+        """Whether this process has played its share of ``phase`` (warm-up demonstrations, reflection
+        labels): the learner then needs the CPU more than more of the same data."""
+        a = self.cfg.actor
+        if phase == WARMUP:
+            return self._warmup_played >= a.max_warmup_episodes
+        if phase == REFLECT_INIT:
+            return a.max_reflect_init_labels is not None and self._labels_sent >= a.max_reflect_init_labels
+        return False
+
+    async def _idle_until_phase_changes(self, phase: str) -> None:
         if not self.registry.can_refresh:  # no broker to ask (evaluation): nothing to wait for
             self.stop.set()
             return
         try:
-            if (await self.registry.refresh()).phase != WARMUP:
+            if (await self.registry.refresh()).phase != phase:
                 return
         except Exception as exc:  # broker briefly away: ask again on the next round
             self.log.info("actor.waiting", target="broker", reason=str(exc)[:200])

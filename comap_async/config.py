@@ -296,6 +296,11 @@ class ActorConfig(_Section):
     max_warmup_episodes: int = Field(default=100, ge=1)
     """Expert episodes one actor process plays in ``warmup``; then it idles (polling the registry)
     until the learner moves on, leaving the CPU to the learner."""
+    max_reflect_init_labels: int | None = Field(default=None, ge=1)
+    """Suffix-labelled reflection samples one actor process sends in ``reflect_init``; then it idles
+    as after its warm-up share (the learner sized the phase by the labels held when it started, so
+    later ones only add variety, and rolling them out takes the learner's CPU). At least
+    ``learner.reflect_init_min_samples``, so one actor alone lets the phase start. ``None``: no cap."""
     env_workers: int = Field(default=1, ge=1)
     """Worker processes hosting this actor's environments (several environments each)."""
     env_restarts: int = Field(default=5, ge=0)
@@ -707,6 +712,12 @@ class CoMapConfig(_Section):
                 raise ValueError(
                     f"broker.capacity_{store} ({cap}) must be larger than learner.batch_size ({lr.batch_size})"
                 )
+        cap = self.actor.max_reflect_init_labels
+        if cap is not None and cap < lr.reflect_init_min_samples:
+            raise ValueError(
+                f"actor.max_reflect_init_labels ({cap}) must be at least learner.reflect_init_min_samples "
+                f"({lr.reflect_init_min_samples}): the phase would wait for labels no actor sends"
+            )
         if b.window < lr.batch_size:
             raise ValueError(f"broker.window ({b.window}) must be at least learner.batch_size ({lr.batch_size})")
         ports = {
