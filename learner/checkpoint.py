@@ -34,8 +34,12 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
-def save_checkpoint(root: Path, trainer: Any, extra: dict[str, Any], keep: int = 3) -> Path:
-    """Write ``root/step-N`` atomically and keep the newest ``keep`` checkpoints."""
+PINNED = "pinned"
+
+
+def save_checkpoint(root: Path, trainer: Any, extra: dict[str, Any], keep: int = 3, pin: bool = False) -> Path:
+    """Write ``root/step-N`` atomically and keep the newest ``keep`` checkpoints, and every pinned
+    one (``pin``: the first step of a phase, where a fork redoes that phase with other settings)."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
@@ -50,6 +54,8 @@ def save_checkpoint(root: Path, trainer: Any, extra: dict[str, Any], keep: int =
                 "extra": extra,
             }
         torch.save(state, tmp / _FILE)
+        if pin:
+            (tmp / PINNED).touch()
         final = root / f"step-{state['step']:08d}"
         with open(tmp / _FILE, "rb") as fh:
             os.fsync(fh.fileno())
@@ -58,7 +64,7 @@ def save_checkpoint(root: Path, trainer: Any, extra: dict[str, Any], keep: int =
         os.replace(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for old in sorted(root.glob("step-*"))[:-keep]:
+    for old in [p for p in sorted(root.glob("step-*")) if not (p / PINNED).exists()][:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

@@ -174,12 +174,12 @@ class Learner:
         self.log.info("learner.resumed", checkpoint=str(path), step=self.trainer.step, **self.state.as_dict())
         return True
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, pin: bool = False) -> None:
         from learner.checkpoint import save_checkpoint
 
         if not self.leader:  # every rank holds the same weights: rank 0 writes them
             return
-        path = save_checkpoint(self.ckpt_dir, self.trainer, {"state": self.state.as_dict()})
+        path = save_checkpoint(self.ckpt_dir, self.trainer, {"state": self.state.as_dict()}, pin=pin)
         self.log.info("learner.checkpoint", path=str(path), step=self.trainer.step)
 
     def scalars(self, metrics: dict[str, float]) -> None:
@@ -499,7 +499,9 @@ class Learner:
             # every publish is also a checkpoint: a learner killed after announcing version N resumes
             # with version N's weights, not behind the adapters the actors are already using
             if published or step % lc.checkpoint_every == 0:
-                self.checkpoint()
+                # a phase's first checkpoint is kept for good: `comap fork --version` of it redoes the
+                # phase (reflection-mode initialisation with other switches) from the same warm-up
+                self.checkpoint(pin=nxt is not None)
             self.scalars(metrics)
             self.history.append({**metrics, "phase": phase})
             self.log.info(

@@ -139,6 +139,8 @@ async def test_every_reflect_init_step_trains_on_reflection_samples(broker_facto
         await asyncio.gather(run, return_exceptions=True)
     hist = learner.history
     assert len(hist) == 6
+    # reflect_init's first checkpoint (step 3) is pinned: a fork can redo the phase from it
+    assert [p.parent.name for p in learner.ckpt_dir.glob("step-*/pinned")] == ["step-00000003"]
     for i, h in enumerate(hist[:3], 1):
         assert h["phase"] == "warmup" and h["policy/draft_ce"] > 0, (i, h)
     for i, h in enumerate(hist[3:], 4):

@@ -80,6 +80,16 @@ def test_interrupted_checkpoint_is_ignored(tiny_model_dir, tmp_path):
     assert latest(tmp_path).name == "step-00000001"
 
 
+def test_a_pinned_checkpoint_outlives_the_rotation(tiny_model_dir, tmp_path):
+    """A phase's first checkpoint stays (a fork redoes the phase from it); the others rotate."""
+    a = make_trainer(tiny_model_dir)
+    for step in range(1, 7):
+        a.step = step  # the rotation reads only the step's number
+        save_checkpoint(tmp_path, a, {}, keep=2, pin=step == 2)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002", "step-00000005", "step-00000006"]
+    assert latest(tmp_path).name == "step-00000006"
+
+
 def test_padded_batch_losses_equal_per_sequence_losses(tiny_model_dir):
     """Left padding, position ids and the logits window change nothing: a batch of mixed lengths
     gives the token-weighted mean of each sequence's own unpadded loss."""
