@@ -145,51 +145,34 @@ async def test_actor_survives_broker_outage_without_loss_or_duplicates(
     check_contiguous(transitions, episodes)
 
 
-async def test_actor_idles_after_its_warmup_share_until_the_phase_moves_on(
-    broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen
+@pytest.mark.parametrize(
+    "phase, share",
+    [
+        ("warmup", ["actor.max_warmup_episodes=1"]),
+        ("reflect_init", ["actor.max_reflect_init_labels=1", "learner.reflect_init_min_samples=1"]),
+    ],
+)
+async def test_actor_idles_after_its_share_of_a_phase_until_the_phase_moves_on(
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen, phase, share
 ):
+    """One warm-up episode, or one reflection-init episode's labels, is this actor's share: it plays
+    no second episode of the phase and goes on once the learner announces the next one."""
     broker = broker_factory()
     games = sorted(valid_seen, key=lambda g: g.name)[:3]
-    cfg = actor_config(
-        broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=3", "actor.max_warmup_episodes=1"
-    )
+    cfg = actor_config(broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=3", *share)
+    if phase != "warmup":  # warm-up is where a fresh broker starts
+        await announce(broker, phase)
     worker = ActorWorker(cfg, configure_logging("actor-test"), envs=1, episodes=3, games=games)
     run = asyncio.create_task(worker.run())
     while not broker.stats()["stores"]["episodes"]["count"]:
         await asyncio.sleep(0.2)
-    await asyncio.sleep(3)  # idle: no second warm-up episode
-    assert len(stored(broker, "episodes")) == 1 and not run.done()
+    await asyncio.sleep(3)  # idle: no second episode of the phase
+    assert [e["phase"] for e in stored(broker, "episodes")] == [phase] and not run.done()
+    if phase == "reflect_init":
+        assert len(stored(broker, "reflections")) >= 1
     await announce(broker, "coevolve")
     await asyncio.wait_for(run, timeout=300)
-    phases = [e["phase"] for e in stored(broker, "episodes")]
-    assert phases == ["warmup", "coevolve", "coevolve"]
-
-
-async def test_actor_idles_after_its_reflection_labels_until_the_phase_moves_on(
-    broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen
-):
-    broker = broker_factory()
-    games = sorted(valid_seen, key=lambda g: g.name)[:3]
-    cfg = actor_config(
-        broker,
-        roomy_server,
-        alfworld_data,
-        tiny_model_dir,
-        "env.max_steps=3",
-        "actor.max_reflect_init_labels=1",
-        "learner.reflect_init_min_samples=1",
-    )
-    await announce(broker, "reflect_init")
-    worker = ActorWorker(cfg, configure_logging("actor-test"), envs=1, episodes=3, games=games)
-    run = asyncio.create_task(worker.run())
-    while not broker.stats()["stores"]["episodes"]["count"]:
-        await asyncio.sleep(0.2)
-    await asyncio.sleep(3)  # idle: its labels are sent, no second reflection-init episode
-    assert [e["phase"] for e in stored(broker, "episodes")] == ["reflect_init"] and not run.done()
-    assert len(stored(broker, "reflections")) >= 1
-    await announce(broker, "coevolve")
-    await asyncio.wait_for(run, timeout=300)
-    assert [e["phase"] for e in stored(broker, "episodes")] == ["reflect_init", "coevolve", "coevolve"]
+    assert [e["phase"] for e in stored(broker, "episodes")] == [phase, "coevolve", "coevolve"]
 
 
 def test_a_label_cap_below_the_phase_minimum_is_refused():

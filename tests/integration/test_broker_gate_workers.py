@@ -15,17 +15,9 @@ import msgpack
 from broker.store import ReplayStore
 from comap_async.wire.outbox import Outbox
 from tests.fixtures.broker import make_transition
+from tests.fixtures.processes import alive
 
 N = 3000
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purpose
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 async def _send(bp, n: int, on_progress=None) -> Outbox:
@@ -64,7 +56,7 @@ async def test_killed_gate_worker_loses_nothing(broker_factory):
         ]
     )
     first = bp.stats()["gate_workers"]["pids"]
-    assert len(first) == 1 and _alive(first[0])
+    assert len(first) == 1 and alive(first[0])
     killed = []
 
     async def kill_once(i: int) -> None:
@@ -78,10 +70,10 @@ async def test_killed_gate_worker_loses_nothing(broker_factory):
     assert killed and ob.stats["acked"] == N and ob.stats["rejected"] == 0
     assert stats["gate_workers"]["restarts"] == 1
     (second,) = stats["gate_workers"]["pids"]
-    assert second != first[0] and _alive(second)
+    assert second != first[0] and alive(second)
     assert "broker.gate_worker_died" in bp.log_text()
     assert bp.terminate() == 0
-    assert not _alive(second), "the broker left its gate worker behind on SIGTERM"
+    assert not alive(second), "the broker left its gate worker behind on SIGTERM"
     ids, refl = _stored_records(bp)
     assert collections.Counter(ids) == collections.Counter(f"a0:ep0:{i}" for i in range(N))
     assert sorted(r["id"] for r in refl) == sorted(ids)
@@ -90,12 +82,12 @@ async def test_killed_gate_worker_loses_nothing(broker_factory):
 async def test_sigkilled_broker_takes_its_gate_workers_with_it(broker_factory):
     bp = broker_factory(["broker.gate_workers=2"])
     pids = bp.stats()["gate_workers"]["pids"]
-    assert len(pids) == 2 and all(map(_alive, pids))
+    assert len(pids) == 2 and all(map(alive, pids))
     bp.kill()
     deadline = time.monotonic() + 5
-    while any(map(_alive, pids)) and time.monotonic() < deadline:
+    while any(map(alive, pids)) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    assert not any(map(_alive, pids)), "gate workers outlived a SIGKILLed broker"
+    assert not any(map(alive, pids)), "gate workers outlived a SIGKILLed broker"
 
 
 async def test_in_process_gating_stores_the_same_samples(broker_factory):

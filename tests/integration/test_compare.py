@@ -14,6 +14,7 @@ import pytest
 from comap_async.run_files import write_run_ablation
 from learner.publish import publish_adapters
 from tests.fixtures.learner import QuietLog, RecordingEndpoint, demo_record, make_trainer, reflection_record, wm_record
+from tests.fixtures.processes import process_state
 
 pytestmark = pytest.mark.alfworld
 REPO = Path(__file__).resolve().parents[2]
@@ -220,20 +221,11 @@ async def test_the_server_a_comparison_started_stops_when_the_comparison_is_kill
         os.kill(proc.pid, signal.SIGKILL)  # the command alone, not its process group
         proc.wait()
         deadline = time.time() + 60
-        while time.time() < deadline and state(server) != "Z":
+        while time.time() < deadline and process_state(server) != "Z":
             time.sleep(0.1)
-        assert state(server) == "Z", "the server outlived its command"
+        assert process_state(server) == "Z", "the server outlived its command"
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left, so a failure leaks nothing
         except ProcessLookupError:
             pass
-
-
-def state(pid: int) -> str:
-    """The process's state letter from /proc; ``Z`` also for one already gone (exited: reaped, or not yet
-    by its new parent)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return "Z"

@@ -12,14 +12,7 @@ from pathlib import Path
 
 from comap_async.envs.pool import AsyncEnvPool
 from comap_async.waiting import cancel_and_wait
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+from tests.fixtures.processes import alive
 
 
 async def _cancel_during_a_reset(marker: Path) -> float:
@@ -43,7 +36,7 @@ def test_a_run_cancelled_in_a_busy_reset_ends_at_once_and_kills_its_worker(tmp_p
     ended_s = time.monotonic() - t0  # asyncio.run has also waited for its executor's threads
     worker = int(marker.read_text())
     assert ended_s < 2.5, f"the run took {ended_s:.1f} s to end after the cancel"
-    assert not _alive(worker), f"worker {worker} outlived its pool"
+    assert not alive(worker), f"worker {worker} outlived its pool"
     assert worker != os.getpid()
 
 
@@ -65,6 +58,6 @@ def test_a_pool_cancelled_while_starting_leaves_no_worker_and_no_waiting_thread(
     spawned = [
         pid
         for pid in ({int(p) for p in os.listdir("/proc") if p.isdigit()} - before)
-        if _alive(pid) and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        if alive(pid) and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
     ]
     assert not spawned, f"workers {spawned} outlived a pool that never started"
