@@ -23,7 +23,7 @@ ROLLOUT = "You arrive at fridge 1. The fridge 1 is open."
 
 
 def _schedule(**cfg):
-    from learner.trainer import PhaseSchedule
+    from learner.schedule import PhaseSchedule
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     return PhaseSchedule(opt, LearnerConfig(**cfg))

@@ -11,7 +11,7 @@ import torch
 
 from comap_async.config import load_config
 from learner.loop import Learner, LearnerState
-from learner.trainer import PhaseSchedule
+from learner.schedule import PhaseSchedule
 
 
 def _next(cfg, state: LearnerState, step: int):
