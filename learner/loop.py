@@ -1,6 +1,6 @@
 """The learner process: fetch batches, learn, publish, checkpoint; phases warmup -> reflect_init -> coevolve.
 
-Act / learn / get-batch are kept apart: a :class:`Prefetcher` task keeps micro-batches queued
+Act / learn / get-batch are kept apart: a :class:`learner.prefetch.Prefetcher` task keeps micro-batches queued
 from the broker while the learn step runs in a worker thread, so the model waits on the network
 only when there is no data (and says so). Each micro-batch carries the phase it was fetched for;
 one left in the queue when the phase changes is dropped (``learner/phase_dropped``), never
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
 import signal
 import threading
 import time
@@ -22,25 +21,11 @@ from typing import Any
 
 from comap_async.config import CoMapConfig
 from comap_async.method.fingerprint import check_method
-from comap_async.method.routing import (
-    PHASE_REQUIRES,
-    after_warmup,
-    first_phase,
-    phase_stores,
-    store_requests,
-    world_model_frozen,
-)
+from comap_async.method.routing import after_warmup, first_phase, world_model_frozen
 from comap_async.run_files import write_run_ablation
 from comap_async.waiting import cancel_and_wait, until_stopped, wait_until_answers
 from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
-
-
-@dataclass
-class MicroBatch:
-    """Records per store, and the phase they were fetched for."""
-
-    phase: str
-    stores: dict[str, list]
+from learner.prefetch import Prefetcher
 
 
 @dataclass
@@ -55,66 +40,6 @@ class LearnerState:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-
-class Prefetcher:
-    """Keeps up to ``depth`` micro-batches ready, each tagged with the phase it was fetched for;
-    stores and phase filters follow the current phase (:func:`store_requests`)."""
-
-    def __init__(
-        self,
-        broker: Any,
-        state: LearnerState,
-        batch_size: int,
-        depth: int,
-        seed: int,
-        log: Any,
-        shares: dict[str, float] | None = None,
-        ablation: Any = None,
-        sizes: dict[str, dict[str, int]] | None = None,
-    ) -> None:
-        self.broker, self.state, self.batch_size, self.log = broker, state, batch_size, log
-        self.sizes = sizes or {}  # per phase, per store: items per micro-batch other than batch_size
-        self.ablation = ablation
-        self.queue: asyncio.Queue = asyncio.Queue(maxsize=depth)
-        self.seed = seed
-        self.shares = shares or {}
-        self.rng = random.Random(seed)
-        self.draws = 0
-        self.waited_s = 0.0
-
-    async def fetch(self, phase: str) -> dict[str, list]:
-        """One micro-batch's records for ``phase`` (stores without items are left out)."""
-        mb: dict[str, list] = {}
-        for store, n, phases in store_requests(
-            phase, self.batch_size, self.shares, self.rng, self.ablation, self.sizes.get(phase)
-        ):
-            self.draws += 1
-            batch = await self.broker.sample(store, n, seed=self.seed * 1_000_003 + self.draws, phases=phases)
-            if batch.items:  # imagined steps train the draft as demonstrations do, and nothing else
-                mb.setdefault("demos" if store == "imagined" else store, []).extend(batch.items)
-        return mb
-
-    async def run(self) -> None:
-        last_note = 0.0
-        while True:
-            phase = self.state.phase
-            mb = await self.fetch(phase)
-            required = PHASE_REQUIRES.get(phase)
-            if not mb or (required is not None and required not in mb):
-                if time.monotonic() - last_note > 10:
-                    self.log.info(
-                        "learner.waiting_for_data",
-                        phase=phase,
-                        stores=list(phase_stores(phase, self.ablation)),
-                        required=required,
-                    )
-                    last_note = time.monotonic()
-                await asyncio.sleep(0.5)
-                continue
-            t0 = time.monotonic()
-            await self.queue.put(MicroBatch(phase, mb))
-            self.waited_s += time.monotonic() - t0
 
 
 class Learner:

@@ -16,7 +16,8 @@ from comap_async.logsetup import configure_logging
 from comap_async.method.routing import store_requests
 from comap_async.prompts import parse_action
 from comap_async.wire.broker_client import BrokerClient
-from learner.loop import LearnerState, Prefetcher
+from learner.loop import LearnerState
+from learner.prefetch import Prefetcher
 from tests.fixtures.broker import stored
 from tests.fixtures.learner import QuietLog
 from tests.integration.test_actor_loop import actor_config, announce

@@ -328,7 +328,8 @@ class FakeBroker:
 
 
 async def test_the_prefetcher_tags_micro_batches_and_reflect_init_needs_reflections():
-    from learner.loop import LearnerState, Prefetcher
+    from learner.loop import LearnerState
+    from learner.prefetch import Prefetcher
 
     class Log:
         def info(self, *a, **kw):
