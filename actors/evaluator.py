@@ -105,17 +105,20 @@ class Evaluator:
 
     @functools.cached_property
     def games(self) -> tuple[list, list]:
-        """(probe games, success games): the same seeded, task-spread sample for every version (the
-        split is read once)."""
+        """(probe games, success games): seeded, task-spread samples of the split, the same for every
+        version (the split is read once). Both are drawn from the whole split, so ``eval.success_games``
+        above ``eval.games`` plays that many games (a draw is the prefix of a larger one with the same
+        seed: the probe games are among the success games, or the other way round)."""
         from comap_async.envs import games_from_config
         from comap_async.envs.base import spread_sample
 
         e = self.cfg.eval
         cfg = self.cfg.model_copy(update={"env": self.cfg.env.model_copy(update={"max_games": None})})
-        games = spread_sample(games_from_config(cfg, e.split), e.games, self.cfg.run.seed)
+        split = games_from_config(cfg, e.split)
+        games = spread_sample(split, e.games, self.cfg.run.seed)
         if not games:
             raise ValueError(f"no games in split {e.split!r}")
-        return games, spread_sample(games, e.success_games, self.cfg.run.seed) if e.success_games else []
+        return games, spread_sample(split, e.success_games, self.cfg.run.seed) if e.success_games else []
 
     async def evaluate(self, client: Any, version: int, registry: dict[str, Any]) -> dict[str, Any]:
         from actors.eval_report import summarize

@@ -121,3 +121,20 @@ async def test_evaluator_records_one_result_per_published_version(
         timeout=120,
     )
     assert again.returncode == 0 and "evaluator.result" not in again.stderr + again.stdout
+
+
+def test_success_games_are_drawn_from_the_split_not_capped_by_the_probe_games(alfworld_data, tmp_path):
+    """10 success games with 6 probe games played 6 (they were drawn from the probe games): the CPU
+    default's success rate then rested on 6 games where its config asks for 10."""
+    from types import SimpleNamespace
+
+    from actors.evaluator import Evaluator
+    from comap_async.config import load_config
+
+    overrides = [f"run.root={tmp_path}", f"env.data_dir={alfworld_data}", "eval.split=valid_seen"]
+    log = SimpleNamespace(info=lambda *a, **k: None, error=lambda *a, **k: None)
+    probes, success = Evaluator(load_config(None, overrides + ["eval.games=3", "eval.success_games=7"]), log).games
+    assert len(probes) == 3 and len(success) == 7 and len({g.name for g in success}) == 7
+    assert {g.name for g in probes} <= {g.name for g in success}
+    fewer = Evaluator(load_config(None, overrides + ["eval.games=5", "eval.success_games=2"]), log).games
+    assert len(fewer[0]) == 5 and {g.name for g in fewer[1]} <= {g.name for g in fewer[0]}
