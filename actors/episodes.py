@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.cycles import cycle_stop_for
 from actors.explore import explore_action
 from actors.imagined import emit_imagined
 from comap_async.diagnostics import branch_outcome, loop_steps, reflection_label
@@ -89,6 +90,12 @@ class EpisodeStats:
     """Evaluation with ``eval.repeat_guard``: steps whose repeated action was replaced (:func:`avoid_repeat`)."""
     judged_steps: list[tuple[int, int, int]] = field(default_factory=list)
     """Evaluation with reflection metrics: per step, ``(m, z_draft, z_ref)`` (docs/design.md section 11)."""
+    cycle_projected: int = 0
+    """Evaluation with ``eval.cycle_stop``: steps not played because the episode had entered a cycle,
+    counted in every figure as they would have gone (:mod:`actors.cycles`)."""
+    cycle_check: dict[str, Any] | None = None
+    """``eval.cycle_stop_check``: how the projection at the first recurrence compared with the episode
+    played to its end (:func:`actors.cycles.compare`)."""
 
     @property
     def loops(self) -> int:
@@ -114,6 +121,8 @@ class EpisodeStats:
             out["imagined_dropped"] = float(self.imagined_dropped)
         if self.guarded:
             out["guard_rate"] = self.guarded / n
+        if self.cycle_projected:
+            out["cycle_projected_steps"] = float(self.cycle_projected)
         if self.lookahead:  # how often the look-ahead overruled the first sampled candidate
             out["lookahead_switch_rate"] = sum(step.chosen > 0 for step in self.lookahead) / len(self.lookahead)
         if self.gate_reasons:
@@ -493,10 +502,13 @@ async def play_coevolve(
     overlap = ctx.cfg.actor.overlap_teacher and not eval_mode
     ep = Episode(ctx, game, episode_id, await env.reset(game))
     plan = await env.walkthrough() if branch is not None else []
+    cycles = cycle_stop_for(ctx.cfg, "comap") if eval_mode else None
     previous: Any = None  # the last step's teacher request and transition, still to be sent
     try:
         while not ep.current.done:
             o, s, t, expert = ep.current.observation, ep.state(), ep.stats.steps, ep.current.expert_action
+            if cycles is not None and cycles.stop(s, ep.stats):
+                break
             admissible = ep.current.admissible
             if previous is not None:  # its teacher call shares the server with this draft
                 drafted, _ = await asyncio.gather(llm.draft_scored(s), previous)
@@ -574,4 +586,6 @@ async def play_coevolve(
         await previous
     if not eval_mode and ctx.cfg.actor.imagined_rollouts > 0:
         await emit_imagined(ctx, ep)
+    if cycles is not None:
+        cycles.finish(ep.stats)
     return await ep.finish(COEVOLVE, eval_mode)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from actors import lookahead
+from actors.cycles import cycle_stop_for
 from actors.episodes import FALLBACK_ACTION, Episode, EpisodeContext, EpisodeStats, avoid_repeat
 from comap_async.facts import state_delta_f1
 from comap_async.wire.messages import COEVOLVE
@@ -56,8 +57,11 @@ async def _act(ctx: EpisodeContext, ep: Episode, method: str, s: str) -> tuple[s
 async def play_method(ctx: EpisodeContext, env: Any, game: Any, episode_id: str, method: str) -> EpisodeStats:
     """One evaluation episode of ``method`` (``react``, ``imagine_and_act``, ``draft_only`` or ``lookahead``)."""
     ep = Episode(ctx, game, episode_id, await env.reset(game))
+    cycles = cycle_stop_for(ctx.cfg, method)
     while not ep.current.done:
         s, admissible = ep.state(), ep.current.admissible
+        if cycles is not None and cycles.stop(s, ep.stats):
+            break
         action, s_hat = await _act(ctx, ep, method, s)
         if action is None:
             ep.stats.parse_problems += 1
@@ -71,4 +75,6 @@ async def play_method(ctx: EpisodeContext, env: Any, game: Any, episode_id: str,
             score = state_delta_f1(ctx.next_state, ep.facts_before, s_hat, ep.current.observation)
             if score is not None:
                 ep.stats.delta_f1.append(score)
+    if cycles is not None:
+        cycles.finish(ep.stats)
     return await ep.finish(COEVOLVE, eval_mode=True)

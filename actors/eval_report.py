@@ -40,6 +40,8 @@ def episode_record(game: Any, stats: Any) -> dict[str, Any]:
         "loops": stats.loops,
         "guarded": stats.guarded,
         "delta_f1": list(stats.delta_f1),
+        **({"cycle_projected": stats.cycle_projected} if stats.cycle_projected else {}),
+        **({"cycle_check": stats.cycle_check} if stats.cycle_check is not None else {}),
     }
 
 
@@ -68,6 +70,8 @@ def summarize_records(records: list[dict[str, Any]], split: str, version: int, w
         "invalid_action_rate": sum(r["invalid"] for r in records) / total_steps,
         "loop_rate": sum(r["loops"] for r in records) / total_steps,
         "guard_rate": sum(r["guarded"] for r in records) / total_steps,
+        # eval.cycle_stop: steps counted above but not played (the episode had entered a cycle)
+        "cycle_projected_steps": sum(r.get("cycle_projected", 0) for r in records),
         "wall_s": round(wall_s, 2),
         "episodes": [{k: round(v, 2) if k == "score" else v for k, v in r.items() if k != "delta_f1"} for r in records],
     }

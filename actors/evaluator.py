@@ -161,6 +161,7 @@ class Evaluator:
                         "mean_steps": s["mean_steps"],
                         "invalid_action_rate": s["invalid_action_rate"],
                         "loop_rate": s["loop_rate"],
+                        "cycle_projected_steps": s["cycle_projected_steps"],
                         "coevolve_delta_f1": s["delta_f1"],
                     }
         finally:

@@ -619,6 +619,22 @@ class EvalConfig(_Section):
     not yet measured on held-out games: docs/running.md)."""
     repeat_guard_temperature: float = Field(default=1.0, gt=0.0)
     """Temperature of the guard's alternative drafts."""
+    cycle_stop: int = Field(default=0, ge=0)
+    """End a greedy evaluation episode (``temperature`` 0, no repeat guard, not ``lookahead``) when its
+    textual state occurs this many times (0 = off; at least 2): the steps since the previous
+    occurrence would repeat to ``env.max_steps``, so the game is lost and every figure of the episode
+    is extended as those steps would have gone (:mod:`actors.cycles`)."""
+    cycle_stop_check: bool = False
+    """With ``cycle_stop``: play each episode to its end anyway and record whether the projection was
+    exact (``benchmarks/cycle_stop.py`` measures the premise this way)."""
+
+    @field_validator("cycle_stop")
+    @classmethod
+    def _cycle_needs_a_repeat(cls, v: int) -> int:
+        if v == 1:
+            raise ValueError("cycle_stop is 0 (off) or at least 2 (a state must recur before a cycle is known)")
+        return v
+
     react_max_tokens: int = Field(default=96, ge=8)
     """Tokens of a ReAct answer (a one-sentence thought and the action line)."""
     games: int = Field(default=10, ge=1)
