@@ -76,7 +76,6 @@ class CycleStop:
     marks: list[_Mark] = field(default_factory=list)
     predicted: Any = None
     """In ``check`` mode: the statistics the projection gave at the first recurrence."""
-    predicted_at: int = 0
 
     def __post_init__(self) -> None:
         if self.occurrences < 2:
@@ -91,7 +90,7 @@ class CycleStop:
             self.project(state, stats)
             return True
         if self.predicted is None:
-            self.predicted, self.predicted_at = copy.deepcopy(stats), stats.steps
+            self.predicted = copy.deepcopy(stats)
             self.project(state, self.predicted)
         return False
 
@@ -99,7 +98,8 @@ class CycleStop:
         """At the episode's end, in ``check`` mode: ``stats.cycle_check`` compares what was played
         with what the projection said (None when no state recurred)."""
         if self.check and self.predicted is not None:
-            stats.cycle_check = compare(self.predicted, stats, self.predicted_at)
+            at = self.predicted.steps - self.predicted.cycle_projected  # where the stop would have ended it
+            stats.cycle_check = compare(self.predicted, stats, at)
 
     def recurs(self, state: str, stats: Any) -> bool:
         """True when ``state`` (the textual state of the step about to be played) has now occurred

@@ -4,55 +4,37 @@ end (measured in the same test with ``eval.cycle_stop_check``), and fewer enviro
 
 from __future__ import annotations
 
-import asyncio
-from pathlib import Path
-
 import pytest
 
-from actors.eval_runner import play_games
-from comap_async.config import load_config
-from comap_async.envs import games_from_config
-from comap_async.envs.base import spread_sample
-from comap_async.logsetup import configure_logging
-from comap_async.wire.messages import Registry
+from tests.fixtures.alfworld import play_valid_seen
 
 pytestmark = pytest.mark.alfworld
-REPO = Path(__file__).resolve().parents[2]
 MAX_STEPS = 12
+NO_HISTORY = "env.history_k=0"
+"""The state is then the task, the observation and the commands: a repeated "Nothing happens."
+recurs at once, as a trained policy's take/move loop does over a longer cycle."""
 
 
 def play(method: str, server, alfworld_data, tiny_model_dir, tmp_path, *extra: str):
-    cfg = load_config(
-        REPO / "configs" / "test.yaml",
-        [
-            f"run.root={tmp_path}",
-            f"model.name_or_path={tiny_model_dir}",
-            f"inference.endpoints=['{server.url}']",
-            f"env.data_dir={alfworld_data}",
-            "env.split=valid_seen",
-            f"env.max_steps={MAX_STEPS}",
-            "eval.temperature=0",
-            "env.history_k=0",  # the state is then the task, the observation and the commands: a repeated
-            # "Nothing happens." recurs at once, as a trained policy's take/move loop does over a longer cycle
-            *extra,
-        ],
-    )
-    games = spread_sample(games_from_config(cfg, "valid_seen"), 2, cfg.run.seed)
+    """The two games' statistics and the environment steps actually taken."""
     env_steps = [0]
 
     def on_step() -> None:
         env_steps[0] += 1
 
-    results = asyncio.run(
-        asyncio.wait_for(
-            play_games(
-                cfg, games, Registry.serving(0), configure_logging("cycle-test"), envs=1, method=method, on_step=on_step
-            ),
-            300,
-        )
+    stats = play_valid_seen(
+        method,
+        server,
+        alfworld_data,
+        tiny_model_dir,
+        tmp_path,
+        MAX_STEPS,
+        "eval.temperature=0",
+        NO_HISTORY,
+        *extra,
+        on_step=on_step,
     )
-    by_game = {g.name: s for g, s in results}
-    return [by_game[g.name] for g in games], env_steps[0]
+    return stats, env_steps[0]
 
 
 def figures(s) -> tuple:

@@ -4,7 +4,6 @@ calls the inference client recorded."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -12,12 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.eval_runner import play_games
-from comap_async.config import load_config
-from comap_async.envs import games_from_config
-from comap_async.envs.base import spread_sample
-from comap_async.logsetup import configure_logging
-from comap_async.wire.messages import Registry
+from tests.fixtures.alfworld import play_valid_seen
 
 pytestmark = pytest.mark.alfworld
 REPO = Path(__file__).resolve().parents[2]
@@ -25,26 +19,7 @@ MAX_STEPS = 4
 
 
 def play(method: str, roomy_server, alfworld_data, tiny_model_dir, tmp_path, *extra: str):
-    cfg = load_config(
-        REPO / "configs" / "test.yaml",
-        [
-            f"run.root={tmp_path}",
-            f"model.name_or_path={tiny_model_dir}",
-            f"inference.endpoints=['{roomy_server.url}']",
-            f"env.data_dir={alfworld_data}",
-            "env.split=valid_seen",
-            f"env.max_steps={MAX_STEPS}",
-            *extra,
-        ],
-    )
-    games = spread_sample(games_from_config(cfg, "valid_seen"), 2, cfg.run.seed)
-    results = asyncio.run(
-        asyncio.wait_for(
-            play_games(cfg, games, Registry.serving(0), configure_logging("eval-test"), envs=1, method=method), 300
-        )
-    )
-    assert len(results) == 2
-    return [s for _, s in results]
+    return play_valid_seen(method, roomy_server, alfworld_data, tiny_model_dir, tmp_path, MAX_STEPS, *extra)
 
 
 def steps_of(calls: list[dict], first: str) -> list[list[str]]:
