@@ -16,6 +16,9 @@ the models greedily:
 
 Three or four model calls per walkthrough state (draft, the expert action's prediction, the draft's
 prediction when it differs, the reflection) and one per failure transition; no teacher.
+The walkthrough is teacher-forced, so each game's states are stepped first and their calls then go
+to the server together (``eval.probe_states`` states at a time over all games): an evaluation is
+paced by batched decoding, not by one state's chain of calls after another.
 """
 
 from __future__ import annotations
@@ -148,61 +151,96 @@ def probe_line(probes: dict[str, Any]) -> str:
     )
 
 
-async def probe_game(ctx: Any, env: Any, branch: Any, game: Any, failures: int, seed: int) -> list[ProbeRow]:
-    """The probes of one game: every walkthrough state, plus ``failures`` seeded failure transitions
-    (executed on ``branch``, restored to the walkthrough state by replay)."""
+@dataclass(frozen=True, slots=True)
+class ProbeState:
+    """One walkthrough state, stepped before any model call: the walkthrough is teacher-forced, so
+    its states do not depend on what the models answer."""
+
+    t: int
+    expert: str
+    s: str
+    before: Any
+    admissible: Sequence[str]
+    observation: str
+    """The real observation after the expert's action."""
+    failure: tuple[str, str] | None
+    """A seeded non-expert action taken here on the branch, and its real observation."""
+
+
+async def walkthrough_states(ctx: Any, env: Any, branch: Any, game: Any, failures: int, seed: int) -> list[ProbeState]:
+    """Every walkthrough state of ``game`` and its seeded failure transitions (executed on
+    ``branch``, restored to the walkthrough state by replay): environment steps only."""
     from actors.episodes import Episode
     from actors.explore import explore_action
-    from comap_async.facts import state_delta_f1
-    from comap_async.method.gates import gate_reflection
 
-    llm = ctx.llm
     ep = Episode(ctx, game, f"probe:{game.name}", await env.reset(game))
     plan = await env.walkthrough()
     rng = random.Random(f"probe:{seed}:{game.name}")
     failure_at = set(rng.sample(range(len(plan)), min(failures, len(plan))))
-    rows: list[ProbeRow] = []
+    states: list[ProbeState] = []
     for t, expert in enumerate(plan):
         if ep.current.done:
             break
         s, before, admissible = ep.state(), ep.facts, ep.current.admissible
-        # independent calls go together: the server decodes them in one batch
-        drafted, s_hat = await asyncio.gather(llm.draft_scored(s), llm.imagine(s, expert))
-        draft = drafted.action
-        match, ok = draft_scores(draft, expert, admissible)
-        reflected: dict[str, Any] = {}
-        if draft is not None:  # the CoMap step on this state: imagine the draft, reflect, gate
-            s_hat_draft = s_hat if match else await llm.imagine(s, draft)
-            refl = await llm.reflect(s, draft, s_hat_draft, drafted.confidence)
-            gate = gate_reflection(ctx.cfg, refl, draft)
-            reflected = {
-                "p_revise": refl.p_revise if refl.readable else None,
-                "reflection_problem": refl.problem is not None,
-                "gate_reason": gate.reason,
-                "draft_confidence": drafted.confidence,
-            }
-        ep.advance(expert, await env.step(expert))
-        rows.append(
-            ProbeRow(
-                game.name,
-                t,
-                "walkthrough",
-                state_delta_f1(ctx.next_state, before, s_hat, ep.current.observation),
-                match,
-                ok,
-                **reflected,
-            )
-        )
+        failure = None
         if t in failure_at:
             action = explore_action(rng, admissible, expert, invalid_share=0.5)
             if action is not None:
                 await branch.restore(game, plan[:t])
-                real = await branch.step(action)
-                x_hat = await llm.imagine(s, action)
-                rows.append(
-                    ProbeRow(game.name, t, "failure", state_delta_f1(ctx.next_state, before, x_hat, real.observation))
-                )
+                failure = (action, (await branch.step(action)).observation)
+        ep.advance(expert, await env.step(expert))
+        states.append(ProbeState(t, expert, s, before, admissible, ep.current.observation, failure))
+    return states
+
+
+async def probe_state(ctx: Any, game: Any, st: ProbeState) -> list[ProbeRow]:
+    """The model calls of one walkthrough state: the CoMap step on it (draft, imagine, reflect,
+    gate) and the prediction of its failure transition."""
+    from comap_async.facts import state_delta_f1
+    from comap_async.method.gates import gate_reflection
+
+    llm = ctx.llm
+    # independent calls go together: the server decodes them in one batch
+    drafted, s_hat = await asyncio.gather(llm.draft_scored(st.s), llm.imagine(st.s, st.expert))
+    draft = drafted.action
+    match, ok = draft_scores(draft, st.expert, st.admissible)
+    reflected: dict[str, Any] = {}
+    if draft is not None:
+        s_hat_draft = s_hat if match else await llm.imagine(st.s, draft)
+        refl = await llm.reflect(st.s, draft, s_hat_draft, drafted.confidence)
+        gate = gate_reflection(ctx.cfg, refl, draft)
+        reflected = {
+            "p_revise": refl.p_revise if refl.readable else None,
+            "reflection_problem": refl.problem is not None,
+            "gate_reason": gate.reason,
+            "draft_confidence": drafted.confidence,
+        }
+    f1 = state_delta_f1(ctx.next_state, st.before, s_hat, st.observation)
+    rows = [ProbeRow(game.name, st.t, "walkthrough", f1, match, ok, **reflected)]
+    if st.failure is not None:
+        action, real = st.failure
+        x_hat = await llm.imagine(st.s, action)
+        rows.append(ProbeRow(game.name, st.t, "failure", state_delta_f1(ctx.next_state, st.before, x_hat, real)))
     return rows
+
+
+async def probe_game(
+    ctx: Any, env: Any, branch: Any, game: Any, failures: int, seed: int, slots: asyncio.Semaphore | None = None
+) -> list[ProbeRow]:
+    """The probes of one game: every walkthrough state, plus ``failures`` seeded failure transitions.
+
+    The environment walks the whole walkthrough first; then the states' model calls go out
+    together, at most ``slots`` states at a time (one state at a time without it: the calls of a
+    state still go in order)."""
+    states = await walkthrough_states(ctx, env, branch, game, failures, seed)
+    if slots is None:
+        return [row for st in states for row in await probe_state(ctx, game, st)]
+
+    async def one(st: ProbeState) -> list[ProbeRow]:
+        async with slots:
+            return await probe_state(ctx, game, st)
+
+    return [row for rows in await asyncio.gather(*(one(st) for st in states)) for row in rows]
 
 
 async def run_probes(
@@ -238,6 +276,7 @@ async def run_probes(
             queue.put_nowait(g)
         rows: list[ProbeRow] = []
         failed: list[str] = []
+        slots = asyncio.Semaphore(cfg.eval.probe_states) if cfg.eval.probe_states else None
         pool = env_pool_from_config(cfg, workers=cfg.actor.env_workers)
         await pool.start()
         try:
@@ -248,7 +287,7 @@ async def run_probes(
                     game = queue.get_nowait()
                     affinity.set(f"probe:{game.name}")  # one game's prompts share prefixes: one server's cache
                     try:
-                        rows.extend(await probe_game(ctx, env, branch, game, failures_per_game, cfg.run.seed))
+                        rows.extend(await probe_game(ctx, env, branch, game, failures_per_game, cfg.run.seed, slots))
                     except Exception as exc:  # noqa: BLE001 - one game's failure is counted, not fatal
                         failed.append(game.name)
                         log.warning("eval.probe_failed", game=game.name, error=repr(exc)[:300])

@@ -642,6 +642,10 @@ class EvalConfig(_Section):
     run seed and spread over the task types; the same games for every version."""
     failures_per_game: int = Field(default=2, ge=0)
     """Seeded non-expert transitions per probed game (the world model's failure cases)."""
+    probe_states: int = Field(default=8, ge=0)
+    """Walkthrough states whose model calls are in flight at once, over all probed games (the
+    walkthrough is teacher-forced, so every state is known before the first call); 0 = one state at
+    a time per game, in order (the path before, kept for comparison)."""
     success_games: int = Field(default=10, ge=0)
     """Games played with the full CoMap loop for the success rate (``eval.envs`` at a time; slow on a
     CPU: a game is up to ``env.max_steps`` steps of 4-5 model calls); 0 = probes only. Fewer than
