@@ -97,8 +97,10 @@ class ScalarWriter:
 
 
 class Evaluator:
-    def __init__(self, cfg: Any, log: Any) -> None:
+    def __init__(self, cfg: Any, log: Any, prefix: str = EVAL_PREFIX) -> None:
         self.cfg, self.log = cfg, log
+        self.prefix = prefix
+        """Of the adapter names it loads: another measurement beside it (a benchmark) takes its own."""
         self.stop = asyncio.Event()
         self.eval_dir = cfg.run.dir / "eval"
         self.results: list[dict[str, Any]] = []
@@ -125,7 +127,7 @@ class Evaluator:
         from actors.eval_runner import EvalIncomplete, check_complete, play_games
         from actors.probes import run_probes
 
-        eval_registry = Registry.serving(version, prefix=EVAL_PREFIX)
+        eval_registry = Registry.serving(version, prefix=self.prefix)
         names = dict(eval_registry.adapters)
         for role, name in names.items():
             await client.load_adapter(name, str(self.cfg.adapter_root / adapter_name(role, version)))
@@ -142,6 +144,7 @@ class Evaluator:
                 **await run_probes(
                     cfg, probe_games, eval_registry, self.log, failures_per_game=self.cfg.eval.failures_per_game
                 ),
+                "probe_s": round(time.time() - t0, 1),
             }
             if success_games:
                 played = await play_games(
