@@ -122,7 +122,10 @@ class Evaluator:
             raise ValueError(f"no games in split {e.split!r}")
         return games, spread_sample(split, e.success_games, self.cfg.run.seed) if e.success_games else []
 
-    async def evaluate(self, client: Any, version: int, registry: dict[str, Any]) -> dict[str, Any]:
+    async def evaluate(
+        self, client: Any, version: int, registry: dict[str, Any], adapter_dir: Path | None = None
+    ) -> dict[str, Any]:
+        """``adapter_dir``: where the version's adapters are (default the run's adapter root; inside it)."""
         from actors.eval_report import summarize
         from actors.eval_runner import EvalIncomplete, check_complete, play_games
         from actors.probes import run_probes
@@ -130,7 +133,7 @@ class Evaluator:
         eval_registry = Registry.serving(version, prefix=self.prefix)
         names = dict(eval_registry.adapters)
         for role, name in names.items():
-            await client.load_adapter(name, str(self.cfg.adapter_root / adapter_name(role, version)))
+            await client.load_adapter(name, str((adapter_dir or self.cfg.adapter_root) / adapter_name(role, version)))
         t0 = time.time()
         cfg = self.cfg.model_copy(update={"actor": self.cfg.actor.model_copy(update={"envs": self.cfg.eval.envs})})
         probe_games, success_games = self.games
