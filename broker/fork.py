@@ -115,7 +115,7 @@ def _copy(
         source_env.close()
     store = ReplayStore(dst / "replay", dict.fromkeys(STORES, 1 << 40))
     try:
-        removed = store.cut_after(cut_ts)
+        removed = store.cut_after(cut_ts, version)
         store.set_registry(msgspec_registry(meta["phase"], version, int(meta["step"])))
         results = store.get_meta(EVAL_KEY, {})
         store.put_meta(EVAL_KEY, {v: r for v, r in results.items() if int(v) <= version})

@@ -303,10 +303,18 @@ class ReplayStore:
         )
         raise StoreRefused(self.last_error) from None
 
-    def cut_after(self, ts_limit: float) -> dict[str, int]:
+    def cut_after(self, ts_limit: float, version_limit: int | None = None) -> dict[str, int]:
         """Drop, per store, the records from the first one stamped after ``ts_limit`` onwards (a
         fork keeps what its source had stored up to its fork point); returns how many each lost.
-        Records are appended in arrival order, so what came later is a suffix of each ring."""
+        Records are appended in arrival order, so what came later is a suffix of each ring. A
+        record without a stamp (reflection samples stored before they carried one) counts as later
+        when its ``policy_version`` is above ``version_limit``."""
+
+        def later(rec: dict[str, Any]) -> bool:
+            if rec.get("ts"):
+                return float(rec["ts"]) > ts_limit
+            return version_limit is not None and int(rec.get("policy_version", 0)) > version_limit
+
         removed: dict[str, int] = {}
         with self.env.begin(write=True) as txn:
             for store, db in ((s, self._dbs[s]) for s in STORES):
@@ -314,7 +322,7 @@ class ReplayStore:
                 cut = head
                 for i in range(tail, head):
                     raw = txn.get(_KEY.pack(i), db=db)
-                    if raw is not None and float(_unpack(raw).get("ts", 0.0)) > ts_limit:
+                    if raw is not None and later(_unpack(raw)):
                         cut = i
                         break
                 for i in range(cut, head):

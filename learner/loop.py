@@ -26,6 +26,7 @@ from comap_async.run_files import write_run_ablation
 from comap_async.waiting import cancel_and_wait, until_stopped, wait_until_answers
 from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
 from learner.prefetch import Prefetcher
+from learner.schedule import phase_bce_weight
 
 
 @dataclass
@@ -391,6 +392,7 @@ class Learner:
             data_wait = time.monotonic() - t_wait
             phase = self.state.phase
             self.trainer.freeze_wm = world_model_frozen(self.cfg, phase)
+            self.trainer.bce_weight = phase_bce_weight(lc, phase)
             metrics = await self._step_or_stop(micro)
             if metrics is None:  # SIGTERM during a step: checkpoint the last completed one, now
                 break

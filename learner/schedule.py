@@ -84,3 +84,11 @@ def clip_per_role(role_params: dict[str, list[torch.nn.Parameter]], max_norm: fl
         grads = [p for p in params if p.grad is not None]
         norms[role] = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
     return norms
+
+
+def phase_bce_weight(cfg: LearnerConfig, phase: str) -> float:
+    """The BCE's weight in ``phase``: ``coevolve_bce_weight`` in co-evolution when set (its labels
+    are the action gate's own decisions there), else ``bce_weight``."""
+    if phase == COEVOLVE and cfg.coevolve_bce_weight is not None:
+        return cfg.coevolve_bce_weight
+    return cfg.bce_weight

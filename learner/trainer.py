@@ -98,6 +98,9 @@ class Trainer:
     """A :class:`learner.distributed.DataParallel` under torchrun: gradients and label counts are
     averaged/summed over the ranks before each optimizer step."""
     freeze_wm: bool = False
+    bce_weight: float | None = None
+    """The BCE's weight in the phase being trained (the loop sets it: :func:`learner.schedule.phase_bce_weight`);
+    None: ``cfg.bce_weight``."""
     """Set per step by the learner (``ablation.frozen_wm`` after warm-up): the world model is not
     trained (its records are ignored) and the EMA teacher is not updated."""
 
@@ -341,6 +344,10 @@ class Trainer:
             out["wm/kl"] = kl
         return out | {"wm/loss": ce + self.cfg.eta * kl}
 
+    @property
+    def _bce_w(self) -> float:
+        return self.cfg.bce_weight if self.bce_weight is None else self.bce_weight
+
     def _policy_step(
         self, demos: list[dict[str, Any]], reflections: list[dict[str, Any]], scale: float
     ) -> tuple[dict[str, float], int]:
@@ -348,7 +355,7 @@ class Trainer:
         c = self.cfg
         if not self.fast:
             draft_ce, reflect_ce, bce, n = self.policy_losses(demos, reflections)
-            loss = losses.policy_loss(draft_ce, reflect_ce, bce, c.draft_weight, c.reflect_weight, c.bce_weight)
+            loss = losses.policy_loss(draft_ce, reflect_ce, bce, c.draft_weight, c.reflect_weight, self._bce_w)
             (loss * scale).backward()
             return {
                 "policy/draft_ce": float(draft_ce.detach()),
@@ -371,13 +378,13 @@ class Trainer:
                 part["bce"] / n_bce,
                 c.draft_weight,
                 c.reflect_weight,
-                c.bce_weight,
+                self._bce_w,
             )
             (loss * scale).backward()
             for k in total:
                 total[k] += float(part[k].detach()) if isinstance(part[k], torch.Tensor) else part[k]
         draft_ce, reflect_ce, bce = total["draft"] / n_draft, total["reflect"] / n_reflect, total["bce"] / n_bce
-        loss = c.draft_weight * draft_ce + c.reflect_weight * reflect_ce + c.bce_weight * bce
+        loss = c.draft_weight * draft_ce + c.reflect_weight * reflect_ce + self._bce_w * bce
         return {
             "policy/draft_ce": draft_ce,
             "policy/reflect_ce": reflect_ce,

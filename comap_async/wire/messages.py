@@ -384,3 +384,6 @@ class PolicySample(Record, kw_only=True):
     phase: str = ""
     draft_confidence: float | None = None
     """The transition's (:attr:`Transition.draft_confidence`)."""
+    ts: float = 0.0
+    """The transition's stamp: ``comap fork`` keeps what was stored up to its fork point by it
+    (0.0: a sample stored before samples carried one)."""

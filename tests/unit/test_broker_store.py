@@ -165,3 +165,26 @@ def test_a_replay_written_before_a_store_existed_opens_read_only_with_that_store
         assert store.count("imagined") == 0
     finally:
         store.close()
+
+
+def test_a_fork_cut_drops_later_records_stamped_or_by_version(tmp_path):
+    """``cut_after``: stamped records after the limit go, and so do unstamped ones (reflection
+    samples stored before they carried a stamp) from a policy version above the fork's."""
+    st = ReplayStore(tmp_path, {"transitions": 10, "reflections": 10, "demos": 3, "episodes": 2})
+
+    def put(i: int, store: str, **fields) -> WriteItem:
+        return WriteItem(f"{store}:{i}".encode(), [(store, msgpack.packb({"id": f"{store}{i}", **fields}))], {})
+
+    st.write([put(i, "transitions", ts=100.0 + i) for i in range(4)])
+    reflections = [put(0, "reflections", ts=99.0, policy_version=4), put(1, "reflections", policy_version=19)]
+    reflections += [put(2, "reflections", policy_version=20), put(3, "reflections", ts=0.0, policy_version=21)]
+    st.write(reflections)
+    assert st.cut_after(101.5, version_limit=19) == {
+        "transitions": 2,
+        "reflections": 2,
+        "demos": 0,
+        "episodes": 0,
+        "imagined": 0,
+    }
+    assert ids(st, "transitions") == ["transitions0", "transitions1"]
+    assert ids(st, "reflections") == ["reflections0", "reflections1"]

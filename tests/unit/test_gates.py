@@ -136,6 +136,8 @@ def test_derived_sample_imagined_state_and_accepted_revision():
     d = derive_policy_sample(validate(tr))
     assert d.s_bar == "DRAFT IMAGINED" and d.ws_imagined and d.ws_score == 1.0
     assert d.target == "take apple 1 from countertop 1" and d.y == 1
+    t = validate(tr).ts
+    assert d.ts == t > 0  # the transition's stamp: a fork's cut keeps it only up to the fork point
 
 
 def test_derived_sample_real_state_and_kept_draft():
