@@ -471,7 +471,7 @@ class LearnerConfig(_Section):
     """The BCE's weight in co-evolution, where ``y`` is the action gate's own decision (None:
     ``bce_weight``). A weight raised so that reflection-mode initialisation moves ``p`` within a
     short phase also lets the gate's self-labels pull ``p`` below ``tau_p`` within a few versions,
-    after which every label is KEEP (docs/running.md, "The gate shuts itself in co-evolution")."""
+    after which every label is KEEP (docs/running.md, "Co-evolution goes on")."""
     policy_wm_aux: float = Field(default=0.0, ge=0.0)
     """PaW (``learner/paw.py``): the policy adapter also predicts the next observation of the real
     transitions where its action entropy is highest; the term is kept at this fraction of the
