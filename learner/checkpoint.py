@@ -69,6 +69,11 @@ def save_checkpoint(root: Path, trainer: Any, extra: dict[str, Any], keep: int =
     return final
 
 
+def pinned_steps(root: Path) -> set[int]:
+    """The steps of the pinned checkpoints under ``root`` (each phase's first)."""
+    return {int(p.name.split("-")[1]) for p in root.glob("step-*") if (p / PINNED).exists()}
+
+
 def latest(root: Path) -> Path | None:
     done = sorted(p for p in root.glob("step-*") if (p / _FILE).is_file())
     return done[-1] if done else None

@@ -140,6 +140,7 @@ class Learner:
         return lc.publish_every
 
     async def publish(self, inference: Any, broker: Any, metrics: dict[str, float] | None = None) -> dict[str, Any]:
+        from learner.checkpoint import pinned_steps
         from learner.publish import publish_adapters
 
         self.state.version += 1
@@ -158,6 +159,7 @@ class Learner:
                 log=self.log,
                 retries=self.cfg.inference.retries,
                 metrics=metrics,
+                keep_steps=pinned_steps(self.ckpt_dir),
                 ablation=self.cfg.ablation.active,
             ),
             self.stop,

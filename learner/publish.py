@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,23 @@ def _version_dirs(root: Path, role: str) -> list[Path]:
     """``role``'s saved versions under ``root``, oldest first."""
     dirs = [p for p in root.iterdir() if p.is_dir() and p.name == adapter_name(role, adapter_version(p.name))]
     return sorted(dirs, key=lambda p: adapter_version(p.name))
+
+
+def rotate_adapter_dirs(root: Path, keep_dirs: int, keep_steps: Collection[int] = ()) -> None:
+    """Delete all but the newest ``keep_dirs`` versions of each role, except those published at one of
+    ``keep_steps`` (the pinned checkpoints' steps: a fork from a phase's first version needs its
+    checkpoint and its adapters both)."""
+
+    def step_of(path: Path) -> int | None:
+        try:
+            return int(json.loads((path / VERSION_META).read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    for role in ROLES:
+        for old_dir in _version_dirs(root, role)[:-keep_dirs]:
+            if step_of(old_dir) not in keep_steps:
+                shutil.rmtree(old_dir, ignore_errors=True)
 
 
 async def load_everywhere(
@@ -135,8 +153,10 @@ async def publish_adapters(
     keep_dirs: int = 5,
     metrics: dict[str, float] | None = None,
     ablation: list[str] | None = None,
+    keep_steps: Collection[int] = (),
 ) -> dict[str, Any]:
     """Save, load everywhere, announce, unload old; returns the new registry and timings.
+    ``keep_steps``: versions published at these steps outlive the rotation (:func:`rotate_adapter_dirs`).
 
     Each saved adapter directory gets ``comap.json`` (version, phase, step and the run's
     ``ablation`` list), so a version says what produced it wherever it is copied."""
@@ -162,9 +182,7 @@ async def publish_adapters(
     for old in range(max(1, version - 6), version - 2):
         for role in ROLES:
             await unload_everywhere(inference, endpoints, adapter_name(role, old), log)
-    for role in ROLES:
-        for old_dir in _version_dirs(root, role)[:-keep_dirs]:
-            shutil.rmtree(old_dir, ignore_errors=True)
+    rotate_adapter_dirs(root, keep_dirs, keep_steps)
     (root / "latest.json").write_text(json.dumps(meta))
     timings = {
         "learner/publish_s": time.perf_counter() - t0,

@@ -90,6 +90,29 @@ def test_a_pinned_checkpoint_outlives_the_rotation(tiny_model_dir, tmp_path):
     assert latest(tmp_path).name == "step-00000006"
 
 
+def test_the_pinned_checkpoints_version_keeps_its_adapters(tiny_model_dir, tmp_path):
+    """The adapters published at a pinned checkpoint's step outlive the adapters' rotation too: a
+    fork from that version needs both (r31's v19 had lost its adapters, its checkpoint kept)."""
+    import json
+
+    from learner.checkpoint import pinned_steps
+    from learner.publish import rotate_adapter_dirs
+
+    a = make_trainer(tiny_model_dir)
+    ckpts, adapters = tmp_path / "checkpoints", tmp_path / "adapters"
+    for version in range(1, 9):
+        a.step = 10 * version
+        save_checkpoint(ckpts, a, {}, keep=2, pin=version == 3)
+        for role in ROLES:
+            d = adapters / f"{role}-v{version}"
+            d.mkdir(parents=True)
+            (d / "comap.json").write_text(json.dumps({"version": version, "step": a.step}))
+        rotate_adapter_dirs(adapters, keep_dirs=2, keep_steps=pinned_steps(ckpts))
+    assert pinned_steps(ckpts) == {30}
+    assert sorted(p.name for p in adapters.glob("policy-v*")) == ["policy-v3", "policy-v7", "policy-v8"]
+    assert len(list(adapters.iterdir())) == 3 * len(ROLES)
+
+
 def test_padded_batch_losses_equal_per_sequence_losses(tiny_model_dir):
     """Left padding, position ids and the logits window change nothing: a batch of mixed lengths
     gives the token-weighted mean of each sequence's own unpadded loss."""
