@@ -29,6 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.learner_throughput import OBS  # noqa: E402 - the repo must be on sys.path first
+from comap_async.commands.procfile import SHARED_GPU_MEMORY  # noqa: E402
+
 # Qwen3's published configurations (config.json of Qwen/Qwen3-4B and Qwen/Qwen3-8B)
 SHAPES = {
     "qwen3-4b": dict(
@@ -62,11 +65,6 @@ SHAPES = {
         tie_word_embeddings=True,
     ),
 }
-OBS = (
-    "You arrive at countertop 1. On the countertop 1, you see a apple 1, a bread 1, a butterknife 2, "
-    "a cup 1, a dishsponge 1, a egg 2, a knife 1, a lettuce 1, a mug 2, a peppershaker 1, and a spatula 1."
-)
-SHARED_GPU_MEMORY_FALLBACK = 0.45  # comap procfile's share for vLLM on a card the learner shares
 
 
 def shape_of(model_name: str) -> str:
@@ -115,7 +113,7 @@ def budget_gb(cfg, total_gb: float) -> tuple[float, str]:
     shared = set(cfg.learner.gpus) & set(cfg.inference.gpus)
     if not shared:
         return total_gb, "the whole card (no inference server on it)"
-    util = cfg.inference.gpu_memory_utilization or SHARED_GPU_MEMORY_FALLBACK
+    util = cfg.inference.gpu_memory_utilization or SHARED_GPU_MEMORY
     return total_gb * (1.0 - util), f"the card less vLLM's {util:.2f}"
 
 

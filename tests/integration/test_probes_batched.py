@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from tests.fixtures.alfworld import REPO
+from tests.fixtures.alfworld import valid_seen_config
 
 pytestmark = pytest.mark.alfworld
 
@@ -18,23 +18,13 @@ def probe(monkeypatch, server, alfworld_data, tiny_model_dir, tmp_path, probe_st
     """The probe rows of two spread valid_seen games, one game at a time, and the most drafts in flight."""
     from actors.llm import AgentLLM
     from actors.probes import run_probes
-    from comap_async.config import load_config
     from comap_async.envs import games_from_config
     from comap_async.envs.base import spread_sample
     from comap_async.logsetup import configure_logging
     from comap_async.wire.messages import Registry
 
-    cfg = load_config(
-        REPO / "configs" / "test.yaml",
-        [
-            f"run.root={tmp_path}",
-            f"model.name_or_path={tiny_model_dir}",
-            f"inference.endpoints=['{server.url}']",
-            f"env.data_dir={alfworld_data}",
-            "env.split=valid_seen",
-            "actor.envs=1",
-            f"eval.probe_states={probe_states}",
-        ],
+    cfg = valid_seen_config(
+        server, alfworld_data, tiny_model_dir, tmp_path, "actor.envs=1", f"eval.probe_states={probe_states}"
     )
     games = spread_sample(games_from_config(cfg, "valid_seen"), 2, cfg.run.seed)
     in_flight, most = [0], [0]
