@@ -472,6 +472,13 @@ class LearnerConfig(_Section):
     ``bce_weight``). A weight raised so that reflection-mode initialisation moves ``p`` within a
     short phase also lets the gate's self-labels pull ``p`` below ``tau_p`` within a few versions,
     after which every label is KEEP (docs/running.md, "Co-evolution goes on")."""
+    bce_gate_labels: bool = True
+    """Whether the action gate's own decisions (the co-evolution samples' ``y``) train ``p`` through
+    the BCE. False: only the suffix-labelled samples (reflection-mode initialisation's branch outcomes,
+    mixed in at ``reflect_init_share``) do; the gate's samples still train the reflection's text. A
+    label that is the gate's output teaches ``p`` its own threshold: a state whose ``p`` is under
+    ``tau_p`` is labelled KEEP, which pulls ``p`` further down (docs/running.md, "Co-evolution goes
+    on"). The paper trains on both (True)."""
     policy_wm_aux: float = Field(default=0.0, ge=0.0)
     """PaW (``learner/paw.py``): the policy adapter also predicts the next observation of the real
     transitions where its action entropy is highest; the term is kept at this fraction of the

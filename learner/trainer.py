@@ -249,22 +249,34 @@ class Trainer:
             out["n_kl"] = sum(counts)
         return out
 
-    def _policy_sums(self, items: list[tuple[Seq, int | None]]) -> dict[str, Any]:
-        """The policy terms summed over ``items`` (a draft: ``(seq, None)``; a reflection: ``(seq, y)``)."""
+    def _in_bce(self, record: dict[str, Any]) -> bool:
+        """Whether a reflection sample's ``y`` trains ``p`` (``learner.bce_gate_labels``)."""
+        return self.cfg.bce_gate_labels or record.get("source") == "suffix"
+
+    def _policy_items(self, demos: list[dict[str, Any]], reflections: list[dict[str, Any]]) -> list[tuple]:
+        """``(seq, None, False)`` per demonstration, ``(seq, y, in the BCE)`` per reflection sample."""
+        enc = self.encoder
+        return [(enc.draft(r), None, False) for r in demos] + [
+            (enc.reflection(r), int(r["y"]), self._in_bce(r)) for r in reflections
+        ]
+
+    def _policy_sums(self, items: list[tuple[Seq, int | None, bool]]) -> dict[str, Any]:
+        """The policy terms summed over ``items`` (:meth:`_policy_items`)."""
         activate(self.model, "policy", trainable=True)
-        packed = pack([[seq] for seq, _ in items], self.pad_id, self.device)
+        packed = pack([[seq] for seq, *_ in items], self.pad_id, self.device)
         logits = self._target_logits(packed)
-        is_draft = torch.tensor([y is None for _, y in items], device=logits.device)[packed.owner]
+        is_draft = torch.tensor([y is None for _, y, _ in items], device=logits.device)[packed.owner]
         n_draft = int(is_draft.sum())
         n_reflect = len(packed.targets) - n_draft
-        refl = [i for i, (_, y) in enumerate(items) if y is not None]
+        refl = [i for i, (_, y, _) in enumerate(items) if y is not None]
         # the decision position predicts the reflection's first target token (`` KEEP``/`` REVISE``):
         # the BCE trains the choice there, the reflection's text term only that a decision word comes
         at = torch.tensor([packed.first[i] for i in refl], dtype=torch.long, device=logits.device)
         decision_logits = logits[at]
-        y = torch.tensor([items[i][1] for i in refl], device=logits.device)
+        labelled = [j for j, i in enumerate(refl) if items[i][2]]
+        y = torch.tensor([items[refl[j]][1] for j in labelled], device=logits.device)
         keep_id, revise_id = self.encoder.keep_id, self.encoder.revise_id
-        bce = losses.revise_bce(decision_logits, keep_id, revise_id, y, self._bce_weights(y))
+        bce = losses.revise_bce(decision_logits[labelled], keep_id, revise_id, y, self._bce_weights(y))
         text = ~is_draft
         text[at] = False
         n_text = int(text.sum())
@@ -277,8 +289,8 @@ class Trainer:
             "n_draft": n_draft,
             "reflect": reflect,
             "n_reflect": n_reflect,
-            "bce": bce * len(refl),
-            "n_bce": len(refl),
+            "bce": bce * len(labelled),
+            "n_bce": len(labelled),
             "tokens": packed.tokens,
         }
 
@@ -363,11 +375,10 @@ class Trainer:
                 "policy/bce": float(bce.detach()),
                 "policy/loss": float(loss.detach()),
             }, n
-        enc = self.encoder
-        items = [(enc.draft(r), None) for r in demos] + [(enc.reflection(r), int(r["y"])) for r in reflections]
-        n_draft = max(1, sum(seq.n_target for seq, y in items if y is None))
-        n_reflect = max(1, sum(seq.n_target for seq, y in items if y is not None))
-        n_bce = max(1, len(reflections))
+        items = self._policy_items(demos, reflections)
+        n_draft = max(1, sum(seq.n_target for seq, y, _ in items if y is None))
+        n_reflect = max(1, sum(seq.n_target for seq, y, _ in items if y is not None))
+        n_bce = max(1, sum(self._in_bce(r) for r in reflections))
         total = {"draft": 0.0, "reflect": 0.0, "bce": 0.0, "tokens": 0}
         for chunk in self._chunks(items, lambda item: len(item[0].ids)):
             self._check_abort()
@@ -452,9 +463,7 @@ class Trainer:
         """(draft CE, reflection CE, revise BCE, tokens processed) with the policy adapter."""
         enc = self.encoder
         if self.fast:  # one pass (a training step goes through _policy_step's chunks)
-            part = self._policy_sums(
-                [(enc.draft(r), None) for r in demos] + [(enc.reflection(r), int(r["y"])) for r in reflections]
-            )
+            part = self._policy_sums(self._policy_items(demos, reflections))
             return (
                 part["draft"] / max(part["n_draft"], 1),
                 part["reflect"] / max(part["n_reflect"], 1),
@@ -478,8 +487,9 @@ class Trainer:
         fmt = losses.decision_format_nll(decision_logits, enc.keep_id, enc.revise_id).sum()
         n_reflect = n_text + len(reflections)
         reflect_ce = (text_ce * n_text + fmt) / n_reflect if n_reflect else losses._zero(logits)
-        y = torch.tensor([int(r["y"]) for r in reflections], device=logits.device)
-        bce = losses.revise_bce(decision_logits, enc.keep_id, enc.revise_id, y, self._bce_weights(y))
+        labelled = [j for j, r in enumerate(reflections) if self._in_bce(r)]
+        y = torch.tensor([int(reflections[j]["y"]) for j in labelled], device=logits.device)
+        bce = losses.revise_bce(decision_logits[labelled], enc.keep_id, enc.revise_id, y, self._bce_weights(y))
         return draft_ce, reflect_ce, bce, int(batch["attention_mask"].sum())
 
     # ------------------------------------------------------------------ the step
@@ -498,7 +508,8 @@ class Trainer:
         labels = [0, 0]  # reflection samples trained with y = 0, y = 1
         for mb in micro_batches:
             for r in mb.get("reflections") or []:
-                labels[int(r["y"])] += 1
+                if self._in_bce(r):
+                    labels[int(r["y"])] += 1
         # counted before the loss, over every rank's samples: the step's own samples weigh in its balance
         seen = self.data_parallel.sum(labels) if self.data_parallel is not None else labels
         self.label_counts = [self.label_counts[0] + seen[0], self.label_counts[1] + seen[1]]

@@ -135,3 +135,27 @@ def test_trainer_balances_the_bce_by_the_labels_it_has_trained_on(tiny_trainer, 
     tiny_trainer.label_counts = [0, 0]
     load_checkpoint(path, tiny_trainer)
     assert tiny_trainer.label_counts == [1, 3]  # resumed, the balance goes on where it was
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_gates_own_labels_leave_the_bce_when_switched_off(tiny_trainer, fast):
+    """``learner.bce_gate_labels`` false: only suffix-labelled samples train ``p``; the gate's samples
+    still train the reflection's text, and the label counts (``bce_balance``) leave them out too."""
+    suffix = [dict(reflection_record(1), source="suffix"), dict(reflection_record(0), source="suffix")]
+    gate = [dict(reflection_record(0), source="gate"), dict(reflection_record(0), source="gate")]
+    tiny_trainer.fast = fast
+    tiny_trainer.cfg = tiny_trainer.cfg.model_copy(update={"bce_balance": False, "bce_gate_labels": True})
+    _, reflect_all, bce_all, _ = tiny_trainer.policy_losses([], suffix + gate)
+    _, _, bce_suffix, _ = tiny_trainer.policy_losses([], suffix)
+    _, _, bce_gate, _ = tiny_trainer.policy_losses([], gate)
+    assert float(bce_all) == pytest.approx((float(bce_suffix) + float(bce_gate)) / 2, rel=1e-4)
+    tiny_trainer.cfg = tiny_trainer.cfg.model_copy(update={"bce_gate_labels": False})
+    _, reflect_off, bce_off, _ = tiny_trainer.policy_losses([], suffix + gate)
+    assert float(bce_off) == pytest.approx(float(bce_suffix), rel=1e-4)
+    assert float(bce_off) != pytest.approx(float(bce_all), rel=1e-3)
+    assert float(reflect_off) == pytest.approx(float(reflect_all), rel=1e-5)  # the text is trained alike
+    _, _, bce_none, _ = tiny_trainer.policy_losses([], gate)
+    assert float(bce_none) == 0.0  # no sample carries a label p may learn from
+    tiny_trainer.label_counts = [0, 0]
+    tiny_trainer.train_step([{"reflections": suffix + gate}])
+    assert tiny_trainer.label_counts == [1, 1]
