@@ -95,6 +95,7 @@ def _copy(
 ) -> dict[str, Any]:
     import lmdb
 
+    from broker.ingest import record_counters
     from broker.store import EVAL_KEY, ReplayStore
     from comap_async.wire.messages import STORES
 
@@ -115,7 +116,7 @@ def _copy(
         source_env.close()
     store = ReplayStore(dst / "replay", dict.fromkeys(STORES, 1 << 40))
     try:
-        removed = store.cut_after(cut_ts, version)
+        removed = store.cut_after(cut_ts, version, uncount=record_counters)
         store.set_registry(msgspec_registry(meta["phase"], version, int(meta["step"])))
         results = store.get_meta(EVAL_KEY, {})
         store.put_meta(EVAL_KEY, {v: r for v, r in results.items() if int(v) <= version})

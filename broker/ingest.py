@@ -115,6 +115,37 @@ class Ingest:
         return WriteItem(key, [("transitions", raw), ("reflections", self._pack(sample))], counters)
 
 
+def record_counters(store: str, rec: dict[str, Any]) -> dict[str, int]:
+    """The counters one stored record stands for: over the records :meth:`Ingest.prepare` writes for a
+    message they sum to its counters (``tests/unit/test_ingest_counters.py``), so a fork that cuts
+    records can take their counts back out (``ReplayStore.cut_after``'s ``uncount``)."""
+    if store == "transitions":
+        out = {"stored_transitions": 1}
+        if rec.get("phase") == WARMUP:
+            if rec.get("explore"):
+                return out | {"stored_explore": 1}
+            return out | {"stored_demos": 1} | ({"stored_recovery": 1} if rec.get("recovery") else {})
+        if not rec.get("reflection_readable", True):
+            return out | {"gate_ag_total": 1, "gate_ag_unreadable": 1}
+        return out | ({"gate_ws_unscored": 1} if rec.get("ws_score") is None else {})
+    if store == "reflections":
+        if rec.get("source") == "suffix":
+            return {"stored_reflection_msgs": 1, f"reflect_label_{rec['label']}": 1}
+        return {
+            "stored_derived": 1,
+            "gate_ws_total": 1,
+            "gate_ws_imagined": int(rec["ws_imagined"]),
+            "gate_ag_total": 1,
+            "gate_ag_open": int(rec["y"]),
+            f"gate_ag_{rec['ag_reason']}": 1,
+        }
+    if store == "imagined":
+        return {"stored_imagined": 1}
+    if store == "episodes":
+        return {"stored_episodes": 1}
+    return {}  # demos: counted with their warm-up transition
+
+
 def record_from_store(store: str, value: bytes) -> dict[str, Any]:
     """A stored value -> the item served to learners (raw transitions lose their wire envelope)."""
     rec = msgpack.unpackb(value, raw=False)

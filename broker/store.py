@@ -22,7 +22,7 @@ import copy
 import os
 import shutil
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -303,12 +303,18 @@ class ReplayStore:
         )
         raise StoreRefused(self.last_error) from None
 
-    def cut_after(self, ts_limit: float, version_limit: int | None = None) -> dict[str, int]:
+    def cut_after(
+        self,
+        ts_limit: float,
+        version_limit: int | None = None,
+        uncount: Callable[[str, dict[str, Any]], dict[str, int]] | None = None,
+    ) -> dict[str, int]:
         """Drop, per store, the records from the first one stamped after ``ts_limit`` onwards (a
         fork keeps what its source had stored up to its fork point); returns how many each lost.
         Records are appended in arrival order, so what came later is a suffix of each ring. A
         record without a stamp (reflection samples stored before they carried one) counts as later
-        when its ``policy_version`` is above ``version_limit``."""
+        when its ``policy_version`` is above ``version_limit``. ``uncount(store, record)``: the
+        counters a dropped record stands for, taken back out of the persisted counters."""
 
         def later(rec: dict[str, Any]) -> bool:
             if rec.get("ts"):
@@ -316,6 +322,7 @@ class ReplayStore:
             return version_limit is not None and int(rec.get("policy_version", 0)) > version_limit
 
         removed: dict[str, int] = {}
+        counters = self.state["counters"]
         with self.env.begin(write=True) as txn:
             for store, db in ((s, self._dbs[s]) for s in STORES):
                 tail, head = self.state["rings"][store]
@@ -326,6 +333,10 @@ class ReplayStore:
                         cut = i
                         break
                 for i in range(cut, head):
+                    raw = txn.get(_KEY.pack(i), db=db)
+                    if uncount is not None and raw is not None:
+                        for k, v in uncount(store, _unpack(raw)).items():
+                            counters[k] = counters.get(k, 0) - v
                     txn.delete(_KEY.pack(i), db=db)
                 self.state["rings"][store] = [tail, cut]
                 removed[store] = head - cut
