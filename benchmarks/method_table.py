@@ -79,8 +79,40 @@ def plan_forks(variants: list[str], source: str, done: dict[str, dict]) -> list[
     return plan
 
 
-def train(name: str, variant: str, config: str | None, overrides: list[str], minutes: float, log_dir: Path) -> float:
-    """Run the forked run ``name`` for ``minutes``; returns the wall time it ran."""
+def wait_with_bar(proc: subprocess.Popen, name: str, minutes: float, run_dir: Path) -> None:
+    """Wait up to ``minutes`` for ``proc`` (``TimeoutExpired`` when it is still running then), with a bar
+    over the wall time that shows the fork's newest published version."""
+    from tqdm import tqdm
+
+    latest = run_dir / "adapters" / "latest.json"
+    deadline = time.monotonic() + 60 * minutes
+    with tqdm(total=round(60 * minutes), desc=name, unit="s", file=sys.stderr) as bar:
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                proc.wait(timeout=max(0.0, min(10.0, left)))
+                return
+            except subprocess.TimeoutExpired:
+                if left <= 10.0:
+                    raise
+            bar.n = round(60 * minutes - max(0.0, deadline - time.monotonic()))
+            try:
+                bar.set_postfix_str(f"v{json.loads(latest.read_text())['version']}")
+            except (OSError, ValueError, KeyError):  # not published yet, or mid-write
+                pass
+            bar.refresh()
+
+
+def train(
+    name: str,
+    variant: str,
+    config: str | None,
+    overrides: list[str],
+    minutes: float,
+    log_dir: Path,
+    run_dir: Path,
+) -> float:
+    """Run the forked run ``name`` (in ``run_dir``) for ``minutes``; returns the wall time it ran."""
     env = {**os.environ, "COMAP_OVERRIDES": shlex.join([f"run.name={name}", *overrides, *variant_overrides(variant)])}
     if config:
         env["COMAP_CONFIG"] = config
@@ -90,7 +122,7 @@ def train(name: str, variant: str, config: str | None, overrides: list[str], min
         ["honcho", "start", *TRAINING], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
-        proc.wait(timeout=60 * minutes)
+        wait_with_bar(proc, name, minutes, run_dir)
         raise SystemExit(
             f"method_table: {name}'s system stopped by itself after {time.time() - t0:.0f} s "
             f"(see {log_dir / f'{name}.log'})"
@@ -192,7 +224,8 @@ def main() -> None:
         forks.append((name, variant, record))
     for name, variant, record in forks:
         if "wall_s" not in record:
-            record["wall_s"] = round(train(name, variant, args.config, args.overrides, args.minutes, args.out))
+            wall = train(name, variant, args.config, args.overrides, args.minutes, args.out, root / name)
+            record["wall_s"] = round(wall)
             save_ledger()
             print(json.dumps({"trained": name, "wall_s": record["wall_s"]}), flush=True)
     if args.train_only:

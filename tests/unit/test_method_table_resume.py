@@ -43,3 +43,26 @@ def test_the_table_says_how_far_each_fork_trained(tmp_path):
     record = {"version": 7, "step": 107}
     assert trained_to(run, record) == ", v7 -> v13 (learner steps 107 -> 167)"
     assert trained_to(tmp_path / "gone", record) == ""
+
+
+def test_a_forks_training_wait_ends_at_its_time_or_when_the_system_stops(tmp_path):
+    import subprocess
+    import time
+
+    import pytest
+
+    from benchmarks.method_table import wait_with_bar
+
+    running = subprocess.Popen(["sleep", "30"])
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(subprocess.TimeoutExpired):  # still running at the end of its time: train() stops it
+            wait_with_bar(running, "fork", 0.05, tmp_path)
+        assert 2.5 < time.monotonic() - t0 < 10
+    finally:
+        running.kill()
+        running.wait()
+    stopped = subprocess.Popen(["true"])
+    t0 = time.monotonic()
+    wait_with_bar(stopped, "fork", 0.5, tmp_path)  # stopped by itself: returns at once (train() says so)
+    assert time.monotonic() - t0 < 5
