@@ -6,6 +6,9 @@ in alternating rounds on one machine:
 * ``fused``: the fused forward alone (sampling and actor as the reference);
 * ``fast``: the defaults: fused forward, top-p from the top candidates, the teacher overlapped with
   the next draft.
+* ``fast_cache``: ``fast`` with a 2 GB prefix cache (256 MB by default);
+* ``fast_history``: ``fast_cache`` with the whole interaction history as the state
+  (``env.history_k=50``, the paper's state) instead of the last 3 pairs.
 
     python benchmarks/coevolve_throughput.py [--config configs/local.yaml] [--steps 40] [--rounds 2]
 
@@ -17,7 +20,10 @@ the window is the time to store the next ``--steps`` transitions; model calls pe
 server's completion requests in the window over those transitions.
 
 Last line: ``coevolve_env_steps_per_s=X model_calls_per_step=Y`` (``fast``, medians over rounds),
-after one line per setting and ``coevolve_speedup_vs_reference=Z`` (fast / reference).
+after one line per setting (with the prompt tokens prefilled per env step, those the prefix cache
+did not serve) and ``coevolve_speedup_vs_reference=Z`` (fast / reference) or the other settings'
+ratios to ``fast``. ``fast_cache`` and ``fast_history`` (the whole history as the state) need a
+window long enough for histories to grow (``--steps 200``: four 50-step episodes).
 """
 
 from __future__ import annotations
@@ -51,6 +57,15 @@ SETTINGS = {
         "inference.top_p_candidates=256",
         "actor.overlap_teacher=true",
         "inference.prefix_cache_mb=2048",
+    ],
+    # the whole interaction history as the state (the paper's; the window is 3 pairs): a step's prompt
+    # then starts with the previous step's up to its current observation, so the cache serves it
+    "fast_history": [
+        "inference.forward=fused",
+        "inference.top_p_candidates=256",
+        "actor.overlap_teacher=true",
+        "inference.prefix_cache_mb=2048",
+        "env.history_k=50",
     ],
 }
 
@@ -185,9 +200,9 @@ def main() -> int:
                     stop_group(serve, 60)
                 d = {k: c1[k] - c0[k] for k in c1}
                 rate, calls = (n1 - n0) / (t1 - t0), d["completions"] / (n1 - n0)
-                results[forward].append((rate, calls))
                 steps = max(1.0, d["decode_steps"])
                 computed = max(1.0, d["prompt_tokens"] - d["prefix_cache_hit_tokens"])
+                results[forward].append((rate, calls, computed / (n1 - n0)))
                 print(
                     f"round {r} {forward:9s}: {rate:.3f} env steps/s, {calls:.2f} model calls per step; server: "
                     f"decode {d['decode_seconds'] / (t1 - t0):.0%} of the window "
@@ -196,18 +211,23 @@ def main() -> int:
                     f"({1000 * d['prefill_seconds'] / computed:.2f} ms per computed token, "
                     f"{d['prompt_tokens'] / max(1.0, d['completions']):.0f} prompt tokens per call, "
                     f"{d['prefix_cache_hit_tokens'] / max(1.0, d['prompt_tokens']):.0%} from the prefix cache), "
-                    f"{d['generation_tokens'] / max(1.0, d['completions']):.0f} tokens generated per call",
+                    f"{d['generation_tokens'] / max(1.0, d['completions']):.0f} tokens generated per call, "
+                    f"{computed / (n1 - n0):.0f} prompt tokens prefilled per env step",
                     flush=True,
                 )
     finally:
         stop_group(broker, 60)
-    med = {f: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for f, v in results.items()}
+    med = {f: tuple(statistics.median(x[i] for x in v) for i in range(3)) for f, v in results.items()}
     for f in settings:
-        print(f"{f}: coevolve_env_steps_per_s={med[f][0]:.3f} model_calls_per_step={med[f][1]:.2f}")
+        print(
+            f"{f}: coevolve_env_steps_per_s={med[f][0]:.3f} model_calls_per_step={med[f][1]:.2f} "
+            f"prefill_tokens_per_step={med[f][2]:.0f}"
+        )
     if "reference" in med:
         print(f"coevolve_speedup_vs_reference={med['fast'][0] / med['reference'][0]:.2f}")
-    if "fast_cache" in med:
-        print(f"coevolve_fast_cache_vs_fast={med['fast_cache'][0] / med['fast'][0]:.2f}")
+    for other in ("fast_cache", "fast_history"):
+        if other in med:
+            print(f"coevolve_{other}_vs_fast={med[other][0] / med['fast'][0]:.2f}")
     print(f"coevolve_env_steps_per_s={med['fast'][0]:.3f} model_calls_per_step={med['fast'][1]:.2f}")
     return 0
 

@@ -31,6 +31,20 @@ def test_render_state_keeps_last_k_and_admissible():
     assert "Recent history" not in render_state("t", hist, "o", k=0)
 
 
+def test_a_whole_history_state_extends_the_previous_steps_up_to_its_current_observation():
+    """With a window as long as the episode (``env.history_k`` >= steps), step t+1's state starts with
+    step t's up to ``Current observation``: the prefix cache serves that part of each prompt
+    (``benchmarks/coevolve_throughput.py``, ``fast_history``). With the 3-pair window it stops once
+    the window slides."""
+    hist = [(f"go to desk {i}", f"You arrive at desk {i}.") for i in range(1, 8)]
+    for k in (50, 3):
+        for t in range(2, len(hist)):
+            before = render_state("put a pen in drawer.", hist[:t], hist[t - 1][1], ["look"], k=k)
+            after = render_state("put a pen in drawer.", hist[: t + 1], hist[t][1], ["inventory"], k=k)
+            head = before[: before.index("Current observation:")]
+            assert after.startswith(head) is (t + 1 <= k), (k, t)
+
+
 @pytest.mark.parametrize(
     "text, value",
     [
