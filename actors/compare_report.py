@@ -63,7 +63,18 @@ def row(
         "revision_rate": report["revision_rate"],
         "invalid_action_rate": report["invalid_action_rate"],
         "loop_rate": report.get("loop_rate"),
+        "wall_s_per_step": wall_per_step(report),
     }
+
+
+def wall_per_step(report: dict[str, Any]) -> float | None:
+    """The evaluation's wall seconds per environment step it played (the steps ``eval.cycle_stop``
+    projected were not played): a row's cost, comparable between rows played alike (the same
+    server, threads and concurrent games). None for a report without its wall time."""
+    if not report.get("wall_s"):
+        return None
+    played = report["mean_steps"] * report["games"] - report.get("cycle_projected_steps", 0)
+    return report["wall_s"] / max(1.0, played)
 
 
 def markdown(rows: list[dict[str, Any]], split: str, games: int) -> str:
@@ -74,25 +85,27 @@ def markdown(rows: list[dict[str, Any]], split: str, games: int) -> str:
         f"# Comparison on {split} ({games} games, the same for every row)",
         "",
         "| method / run | adapters | success rate | won (95 % interval) | mean score | world-model Delta-F1 "
-        "| mean steps | revision rate | invalid-action rate | loop rate |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| mean steps | revision rate | invalid-action rate | loop rate | wall s per played step |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         adapters = "base" if r["adapter_version"] == 0 else f"v{r['adapter_version']}"
         low, high = r["success_interval"]
         score = "n/a" if r.get("mean_score") is None else f"{r['mean_score']:.1f}"
+        cost = "n/a" if r.get("wall_s_per_step") is None else f"{r['wall_s_per_step']:.1f}"
         lines.append(
             f"| {r['label']} | {adapters} | {num(r['success_rate'])} | {r['wins']}/{r['games']} "
             f"({low:.2f}-{high:.2f}) | {score} | {num(r['delta_f1'])} | "
             f"{r['mean_steps']:.1f} | {num(r['revision_rate'])} | {num(r['invalid_action_rate'])} | "
-            f"{num(r.get('loop_rate'))} |"
+            f"{num(r.get('loop_rate'))} | {cost} |"
         )
     lines += [
         "",
         "Delta-F1 is n/a where a method never imagines the executed action (ReAct, Draft only). The "
         "interval is the success rate's 95 % Wilson interval over the games: two rows whose intervals "
         "overlap are not shown apart by this many games. Mean score: 100 per won game on ALFWorld, "
-        "the task score (0-100) on ScienceWorld.",
+        "the task score (0-100) on ScienceWorld. Wall s per played step: the row's evaluation time over "
+        "the environment steps it played (its games concurrent on one server), its cost per step.",
     ]
     return "\n".join(lines) + "\n"
 

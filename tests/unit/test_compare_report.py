@@ -26,8 +26,13 @@ def test_a_row_shows_its_wins_interval_and_mean_score():
         "revision_rate": 0.08,
         "invalid_action_rate": 0.2,
         "loop_rate": 0.06,
+        "wall_s": 1800.0,
+        "cycle_projected_steps": 340,
     }
     r = row("CoMap (r27-comap)", "run", "comap", report)
     assert r["wins"] == 3 and r["mean_score"] == 15.0
+    assert r["wall_s_per_step"] == pytest.approx(1800 / (20 * 47 - 340))  # the projected steps cost nothing
     table = markdown([r], "valid_seen", 20)
     assert "| CoMap (r27-comap) | v12 | 0.150 | 3/20 (0.05-0.36) | 15.0 | 0.650 | 47.0 |" in table
+    assert table.rstrip().splitlines()[4].endswith("| 0.060 | 3.0 |")
+    assert row("x", "method", "react", {**report, "wall_s": 0.0})["wall_s_per_step"] is None
