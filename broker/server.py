@@ -348,6 +348,7 @@ class Broker:
             self.live,
             self.store.registry,
             {
+                "run": self.cfg.run.name,
                 "writable": path.writable_error is None,
                 "last_error": path.writable_error,
                 "map": path.map_info,

@@ -97,6 +97,7 @@ def summarize(
     current = int((reg.get("versions") or {}).get("policy", 0))
     learner = stats.get("learner") or {}
     return {
+        "run": stats.get("run"),
         "registry": reg,
         "stores": stats.get("stores", {}),
         "episodes_by_version": by_version(episodes),
@@ -213,6 +214,7 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
 def render(s: dict[str, Any]) -> str:
     reg = s["registry"]
     out = [
+        f"run        {s.get('run') or '(a broker that does not say)'}",
         f"registry   phase={reg.get('phase')} versions={reg.get('versions')} learner_step={reg.get('step')}",
         "",
         "stores     "
@@ -327,6 +329,12 @@ def run(args: argparse.Namespace) -> int:
     base = (args.url or f"http://{host}:{cfg.broker.http_port}").rstrip("/")
     token = cfg.broker.http_token
     stats = _get(f"{base}/stats", token)
+    asked = next((o.split("=", 1)[1] for o in reversed(args.overrides) if o.startswith("run.name=")), None)
+    if asked and stats.get("run") and stats["run"] != asked:
+        raise SystemExit(
+            f"comap stats: the broker at {base} serves run {stats['run']!r}, not {asked!r}: comap stats reads "
+            f"a running broker, and {asked!r}'s is not the one on that port"
+        )
     episodes = _get(f"{base}/records?store=episodes&limit={args.limit}", token)["items"]
     reflections = _get(f"{base}/records?store=reflections&limit={args.limit}", token)["items"]
     summary = summarize(stats, episodes, reflections)
