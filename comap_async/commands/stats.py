@@ -11,7 +11,7 @@ import argparse
 import json
 import urllib.error
 import urllib.request
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,8 @@ def by_version(episodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def gates_by_version(reflections: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """World-state gate adoption (imagined s̄) and accepted revisions (y=1) per policy version."""
+    """World-state gate adoption (imagined s̄), accepted revisions (y=1) and the action gate's reasons
+    (``revised``, ``keep``, ``low_confidence``, ``same_action``) per policy version."""
     groups: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in reflections:
         if r.get("source") == "gate":
@@ -67,6 +68,7 @@ def gates_by_version(reflections: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "samples": len(rs),
             "ws_adoption": sum(bool(r.get("ws_imagined")) for r in rs) / len(rs),
             "revision_accepted": sum(int(r.get("y", 0)) for r in rs) / len(rs),
+            "reasons": dict(sorted(Counter(str(r.get("ag_reason", "?")) for r in rs).items())),
         }
         for v, rs in sorted(groups.items())
     ]
@@ -237,10 +239,11 @@ def render(s: dict[str, Any]) -> str:
     out += [
         "",
         "gates by adapter version (reflection samples derived by the broker)",
-        f"  {'ver':>4} {'samples':>8} {'ws_adoption':>12} {'revision_accepted':>18}",
+        f"  {'ver':>4} {'samples':>8} {'ws_adoption':>12} {'revision_accepted':>18}  reasons",
     ]
     out += [
-        f"  {g['version']:>4} {g['samples']:>8} {g['ws_adoption']:>12.3f} {g['revision_accepted']:>18.3f}"
+        f"  {g['version']:>4} {g['samples']:>8} {g['ws_adoption']:>12.3f} {g['revision_accepted']:>18.3f}  "
+        + " ".join(f"{k}={n}" for k, n in (g.get("reasons") or {}).items())
         for g in s["gates_by_version"]
     ] or ["  (no gated samples yet)"]
     out += ["", "reflect_init " + label_line(s.get("reflect_init_labels") or {})]

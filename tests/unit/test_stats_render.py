@@ -51,3 +51,22 @@ def test_eval_points_are_in_version_order_whatever_the_input_order():
         {"version": 3, "ts": 1000.0},
     ]
     assert eval_points(results, "wm_delta_f1") == [(0, 0.0, 0.0), (1, 5.0, 0.2), (2, 10.0, 0.4), (10, 30.0, 0.7)]
+
+
+def test_the_action_gates_reasons_are_counted_per_version():
+    from comap_async.commands.stats import gates_by_version
+
+    refl = [
+        {"source": "gate", "policy_version": 20, "y": 1, "ag_reason": "revised", "ws_imagined": True},
+        {"source": "gate", "policy_version": 20, "y": 0, "ag_reason": "keep", "ws_imagined": False},
+        {"source": "gate", "policy_version": 20, "y": 0, "ag_reason": "keep", "ws_imagined": False},
+        {"source": "gate", "policy_version": 21, "y": 0, "ag_reason": "same_action", "ws_imagined": False},
+        {"source": "suffix", "policy_version": 4, "y": 1, "label": "expert_better"},  # not the gate's
+    ]
+    rows = gates_by_version(refl)
+    assert [(g["version"], g["samples"], g["reasons"]) for g in rows] == [
+        (20, 3, {"keep": 2, "revised": 1}),
+        (21, 1, {"same_action": 1}),
+    ]
+    text = render(summarize({**_stats({}), "gates": {}}, [], refl))
+    assert "keep=2 revised=1" in next(x for x in text.splitlines() if x.strip().startswith("20 "))
