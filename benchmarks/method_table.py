@@ -157,6 +157,37 @@ def trained_to(run_dir: Path, record: dict) -> str:
     return f", v{record['version']} -> v{version} (learner steps {record['step']} -> {step})"
 
 
+def gate_by_version(run_dir: Path, since_ts: float) -> list[tuple[int, int, int]]:
+    """``(policy version, samples whose reflected action the action gate executed, gated samples)``
+    over the gate's samples the fork stored itself (stamped after ``since_ts``, its fork point): a
+    CoMap row is CoMap only while its gate opens."""
+    from broker.ingest import record_from_store
+    from broker.store import ReplayStore
+    from comap_async.wire.messages import STORES
+
+    counts: dict[int, list[int]] = {}
+    store = ReplayStore(run_dir / "replay", dict.fromkeys(STORES, 1 << 40), readonly=True)
+    try:
+        for raw in store.iter_store("reflections"):
+            rec = record_from_store("reflections", raw)
+            if rec.get("source") == "gate" and float(rec.get("ts") or 0.0) > since_ts:
+                c = counts.setdefault(int(rec["policy_version"]), [0, 0])
+                c[0] += int(rec["y"])
+                c[1] += 1
+    finally:
+        store.close()
+    return [(v, opened, n) for v, (opened, n) in sorted(counts.items())]
+
+
+def gate_line(rows: list[tuple[int, int, int]]) -> str:
+    """``; action gate opened on 26 of 136 samples (v19 24/50, v20 0/52, v21 2/34)``"""
+    if not rows:
+        return ""
+    opened, n = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    each = ", ".join(f"v{v} {o}/{k}" for v, o, k in rows)
+    return f"; action gate opened on {opened} of {n} samples ({each})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("source", help="the warmed-up run (its run.name under run.root, or its directory)")
@@ -262,6 +293,7 @@ def main() -> None:
         "",
         *[
             f"- `{n}` ({v}): trained {r['wall_s'] / 60:.1f} minutes of wall time{trained_to(root / n, r)}"
+            f"{gate_line(gate_by_version(root / n, r['cut_ts']))}"
             for n, v, r in forks
         ],
         "",

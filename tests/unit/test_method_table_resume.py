@@ -66,3 +66,28 @@ def test_a_forks_training_wait_ends_at_its_time_or_when_the_system_stops(tmp_pat
     t0 = time.monotonic()
     wait_with_bar(stopped, "fork", 0.5, tmp_path)  # stopped by itself: returns at once (train() says so)
     assert time.monotonic() - t0 < 5
+
+
+def test_the_table_says_how_often_each_forks_action_gate_opened(tmp_path):
+    """Counted over the gate's samples the fork stored itself (after its fork point), by version."""
+    import msgpack
+
+    from benchmarks.method_table import gate_by_version, gate_line
+    from broker.ingest import Ingest
+    from broker.store import ReplayStore
+    from comap_async.wire.protocol import decode
+    from tests.fixtures.broker import make_transition
+
+    revised = dict(decision="REVISE", a_ref="go to fridge 1", a_exec="go to fridge 1", p_revise=0.9, q_ref=0.9)
+    steps = [(1, 18, 5.0, {}), (2, 19, 50.0, revised), (3, 19, 51.0, {}), (4, 20, 52.0, {}), (5, 20, 53.0, {})]
+    ingest, items = Ingest(), []
+    for i, version, ts, over in steps:
+        raw = msgpack.packb({**make_transition(i, policy_version=version, ts=ts, **over), "seq": i})
+        items.append(ingest.prepare(decode(raw), raw))
+    store = ReplayStore(tmp_path / "replay", {"transitions": 10, "reflections": 10})
+    store.write(items)
+    store.close()
+    rows = gate_by_version(tmp_path, since_ts=10.0)  # the version-18 sample is the source's
+    assert rows == [(19, 1, 2), (20, 0, 2)]
+    assert gate_line(rows) == "; action gate opened on 1 of 4 samples (v19 1/2, v20 0/2)"
+    assert gate_line([]) == ""
