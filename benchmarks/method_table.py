@@ -106,7 +106,7 @@ def wait_with_bar(proc: subprocess.Popen, name: str, minutes: float, run_dir: Pa
 def train(
     name: str,
     variant: str,
-    config: str | None,
+    config: str,
     overrides: list[str],
     minutes: float,
     log_dir: Path,
@@ -114,8 +114,7 @@ def train(
 ) -> float:
     """Run the forked run ``name`` (in ``run_dir``) for ``minutes``; returns the wall time it ran."""
     env = {**os.environ, "COMAP_OVERRIDES": shlex.join([f"run.name={name}", *overrides, *variant_overrides(variant)])}
-    if config:
-        env["COMAP_CONFIG"] = config
+    env["COMAP_CONFIG"] = config  # the same config as the evaluation's (honcho's Procfile reads it)
     log = open(log_dir / f"{name}.log", "wb")
     t0 = time.time()
     proc = subprocess.Popen(
@@ -188,6 +187,32 @@ def gate_line(rows: list[tuple[int, int, int]]) -> str:
     return f"; action gate opened on {opened} of {n} samples ({each})"
 
 
+def compare_command(args: argparse.Namespace, runs: list[Path], source: Path, version: int) -> list[str]:
+    """``comap compare`` over the trained forks and the prompting methods on the source's version N,
+    with the config and settings the forks trained under (and ``--eval-set``)."""
+    return [
+        sys.executable,
+        "-m",
+        "comap_async",
+        "compare",
+        *[str(r) for r in runs],
+        "--split",
+        args.split,
+        "--games",
+        str(args.games),
+        "--methods",
+        args.methods,
+        "--methods-from",
+        f"{source}:{version}",
+        "--out",
+        str(args.out),
+        *(["--resume"] if args.resume else []),
+        "--config",
+        args.config,
+        *sum((["--set", o] for o in args.overrides + args.eval_overrides), []),
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("source", help="the warmed-up run (its run.name under run.root, or its directory)")
@@ -199,7 +224,12 @@ def main() -> None:
     ap.add_argument("--split", default="valid_seen")
     ap.add_argument("--methods", default="draft_only,react,imagine_and_act")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--config", default=None)
+    ap.add_argument(
+        "--config",
+        default=os.environ.get("COMAP_CONFIG") or str(ROOT / "configs" / "local.yaml"),
+        help="the config of the forks' training and of the evaluation (default: $COMAP_CONFIG, else the "
+        "Procfile's configs/local.yaml)",
+    )
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument(
         "--eval-set",
@@ -225,6 +255,7 @@ def main() -> None:
     from broker.fork import ForkError, fork_run
     from comap_async.config import load_config
 
+    args.config = str(Path(args.config).resolve())  # the forks and the comparison run from the repository
     cfg = load_config(args.config, args.overrides)
     root = Path(cfg.run.root).expanduser()
     source = Path(args.source) if (Path(args.source) / "replay").is_dir() else root / args.source
@@ -263,29 +294,12 @@ def main() -> None:
         print(f"method_table_trained={len(forks)} out={args.out}")
         return
     version = forks[0][2]["version"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "comap_async",
-        "compare",
-        *[str(root / n) for n, _, _ in forks],
-        "--split",
-        args.split,
-        "--games",
-        str(args.games),
-        "--methods",
-        args.methods,
-        "--methods-from",
-        f"{source}:{version}",
-        "--out",
-        str(args.out),
-        *(["--resume"] if args.resume else []),
-        *(["--config", args.config] if args.config else []),
-        *sum((["--set", o] for o in args.overrides + args.eval_overrides), []),
-    ]
+    cmd = compare_command(args, [root / n for n, _, _ in forks], source, version)
     from comap_async.lifetime import tied_env
 
-    subprocess.run(cmd, cwd=ROOT, check=True, env=tied_env())
+    rc = subprocess.run(cmd, cwd=ROOT, env=tied_env()).returncode
+    if rc != 0:
+        raise SystemExit(f"method_table: comap compare stopped with exit {rc} (its error is above); --resume goes on")
     report = json.loads((args.out / "compare.json").read_text())
     head = [
         f"# Method table: {len(forks)} forks of {source.name} at version {version} "

@@ -91,3 +91,22 @@ def test_the_table_says_how_often_each_forks_action_gate_opened(tmp_path):
     assert rows == [(19, 1, 2), (20, 0, 2)]
     assert gate_line(rows) == "; action gate opened on 1 of 4 samples (v19 1/2, v20 0/2)"
     assert gate_line([]) == ""
+
+
+def test_the_comparison_plays_under_the_forks_config_and_settings(tmp_path):
+    """The forks train under ``--config`` (honcho's ``COMAP_CONFIG``); the comparison must read the same
+    file (a session's table once trained on configs/local.yaml and compared on the built-in defaults,
+    which name no ALFWorld data), then ``--set`` and ``--eval-set`` in that order."""
+    import argparse
+
+    from benchmarks.method_table import compare_command
+
+    args = argparse.Namespace(
+        split="valid_seen", games=20, methods="draft_only", out=tmp_path, resume=True,
+        config="/repo/configs/local.yaml", overrides=["run.root=/runs"], eval_overrides=["model.torch_threads=2"],
+    )  # fmt: skip
+    cmd = compare_command(args, [tmp_path / "r-comap"], tmp_path / "r", 19)
+    assert cmd[cmd.index("--config") + 1] == "/repo/configs/local.yaml"
+    assert cmd[cmd.index("--methods-from") + 1] == f"{tmp_path / 'r'}:19" and "--resume" in cmd
+    sets = [cmd[i + 1] for i, x in enumerate(cmd) if x == "--set"]
+    assert sets == ["run.root=/runs", "model.torch_threads=2"]
