@@ -475,10 +475,12 @@ class LearnerConfig(_Section):
     bce_gate_labels: bool = True
     """Whether the action gate's own decisions (the co-evolution samples' ``y``) train ``p`` through
     the BCE. False: only the suffix-labelled samples (reflection-mode initialisation's branch outcomes,
-    mixed in at ``reflect_init_share``) do; the gate's samples still train the reflection's text. A
-    label that is the gate's output teaches ``p`` its own threshold: a state whose ``p`` is under
-    ``tau_p`` is labelled KEEP, which pulls ``p`` further down (docs/running.md, "Co-evolution goes
-    on"). The paper trains on both (True)."""
+    mixed in at ``reflect_init_share``) do, and only they are counted for ``bce_balance``; the gate's
+    samples still train the reflection's text. A label that is the gate's output teaches ``p`` its own
+    threshold: a state whose ``p`` is under ``tau_p`` is labelled KEEP, which pulls ``p`` further
+    down; with ``bce_balance`` weighing labels by the initialisation's REVISE-heavy counts the gate
+    shut within one version (docs/running.md, "The table from r31's v19"). The paper trains on both
+    (True)."""
     policy_wm_aux: float = Field(default=0.0, ge=0.0)
     """PaW (``learner/paw.py``): the policy adapter also predicts the next observation of the real
     transitions where its action entropy is highest; the term is kept at this fraction of the
