@@ -9,7 +9,7 @@ import pytest
 from broker.ingest import Ingest, record_from_store
 from comap_async.method.gates import SampleRule, world_state_score
 from comap_async.wire.protocol import decode, validate
-from tests.fixtures.broker import make_episode, make_transition
+from tests.fixtures.broker import make_episode, make_reflection, make_transition
 
 
 def toy_parser(state: frozenset[str], text: str) -> frozenset[str] | None:
@@ -115,23 +115,7 @@ def test_warmup_without_expert_field_uses_the_executed_action():
 
 def test_reflection_and_episode_messages():
     ing = Ingest(SampleRule())
-    refl = {
-        "v": 1,
-        "type": "reflection",
-        "seq": 2,
-        "id": "r1",
-        "actor": "a0",
-        "game": "g",
-        "s": "s",
-        "a_draft": "a",
-        "s_bar": "sb",
-        "target": "t",
-        "y": 1,
-        "policy_version": 0,
-        "wm_version": 0,
-        "ts": 1.0,
-        "label": "expert_better",
-    }
+    refl = {**make_reflection(), "seq": 2}
     item = ing.prepare(validate(refl), b"")
     assert item.dedup_key == b"r:r1" and item.records[0][0] == "reflections"
     assert msgpack.unpackb(item.records[0][1])["source"] == "suffix"

@@ -12,24 +12,9 @@ from broker.store import ReplayStore
 from comap_async.method.gates import SampleRule
 from comap_async.wire.messages import Imagined
 from comap_async.wire.protocol import decode, validate
-from tests.fixtures.broker import make_episode, make_transition
+from tests.fixtures.broker import make_episode, make_reflection, make_transition
 
-REFLECTION = {
-    "v": 1,
-    "type": "reflection",
-    "id": "r1",
-    "actor": "a0",
-    "game": "g",
-    "s": "s",
-    "a_draft": "a",
-    "s_bar": "sb",
-    "target": "t",
-    "y": 1,
-    "policy_version": 0,
-    "wm_version": 0,
-    "ts": 1.0,
-    "label": "expert_better",
-}
+REFLECTION = make_reflection()
 IMAGINED = Imagined(
     seq=1, id="a:e1:2:i0", actor="a", game="g", episode="a:e1", t=2, k=0, goal="g", s="s",
     target="go to desk 1", score=0.8, policy_version=3, wm_version=3, ts=1.0,
