@@ -14,7 +14,8 @@ methods on the warm-up's version, on the same held-out games.
    inference learner actor`` with ``run.name`` and the variant's ablations in ``COMAP_OVERRIDES``
    (no evaluator: the table evaluates every fork afterwards on the same games), then SIGINT.
 3. ``comap compare`` plays every fork's newest version (its ablation applied) and the prompting
-   methods with the source's version N (``--methods``, default ``draft_only,react,imagine_and_act``)
+   methods with the source's version N (``--methods``, default ``draft_only,react,imagine_and_act``;
+   ``--methods ""`` plays the forks' rows only, and a later ``--resume`` with methods adds theirs)
    on ``--games`` games of ``--split``: success rate, world-model Delta-F1 on the executed
    (on-policy) transitions, mean steps, revision, invalid-action and loop rates; one table, one PNG.
 
