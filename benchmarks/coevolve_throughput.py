@@ -45,28 +45,18 @@ from benchmarks._inference import start_comap, stop_group, stored_transitions, w
 from comap_async.ports import free_port  # noqa: E402
 from comap_async.wire.messages import COEVOLVE, ROLES, adapter_name  # noqa: E402
 
+FAST = ["inference.forward=fused", "inference.top_p_candidates=256", "actor.overlap_teacher=true"]
 SETTINGS = {
     "reference": ["inference.forward=transformers", "inference.top_p_candidates=0", "actor.overlap_teacher=false"],
     "fused": ["inference.forward=fused", "inference.top_p_candidates=0", "actor.overlap_teacher=false"],
-    "fast": ["inference.forward=fused", "inference.top_p_candidates=256", "actor.overlap_teacher=true"],
+    "fast": FAST,
     # the fast path with a prefix cache that holds every in-flight episode's prompts (a step's
     # reflection shares its draft's prompt up to the state's end; 256 MB holds ~5.8k fp32 tokens of
     # SmolLM2-135M, fewer than 4 environments' calls between one draft and its reflection)
-    "fast_cache": [
-        "inference.forward=fused",
-        "inference.top_p_candidates=256",
-        "actor.overlap_teacher=true",
-        "inference.prefix_cache_mb=2048",
-    ],
+    "fast_cache": [*FAST, "inference.prefix_cache_mb=2048"],
     # the whole interaction history as the state (the paper's; the window is 3 pairs): a step's prompt
     # then starts with the previous step's up to its current observation, so the cache serves it
-    "fast_history": [
-        "inference.forward=fused",
-        "inference.top_p_candidates=256",
-        "actor.overlap_teacher=true",
-        "inference.prefix_cache_mb=2048",
-        "env.history_k=50",
-    ],
+    "fast_history": [*FAST, "inference.prefix_cache_mb=2048", "env.history_k=50"],
 }
 
 

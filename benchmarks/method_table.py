@@ -163,20 +163,16 @@ def gate_by_version(run_dir: Path, since_ts: float) -> list[tuple[int, int, int]
     CoMap row is CoMap only while its gate opens."""
     from broker.ingest import record_from_store
     from broker.store import ReplayStore
+    from comap_async.commands.stats import gates_by_version
     from comap_async.wire.messages import STORES
 
-    counts: dict[int, list[int]] = {}
     store = ReplayStore(run_dir / "replay", dict.fromkeys(STORES, 1 << 40), readonly=True)
     try:
-        for raw in store.iter_store("reflections"):
-            rec = record_from_store("reflections", raw)
-            if rec.get("source") == "gate" and float(rec.get("ts") or 0.0) > since_ts:
-                c = counts.setdefault(int(rec["policy_version"]), [0, 0])
-                c[0] += int(rec["y"])
-                c[1] += 1
+        records = [record_from_store("reflections", raw) for raw in store.iter_store("reflections")]
     finally:
         store.close()
-    return [(v, opened, n) for v, (opened, n) in sorted(counts.items())]
+    own = [rec for rec in records if float(rec.get("ts") or 0.0) > since_ts]
+    return [(g["version"], round(g["revision_accepted"] * g["samples"]), g["samples"]) for g in gates_by_version(own)]
 
 
 def gate_line(rows: list[tuple[int, int, int]]) -> str:

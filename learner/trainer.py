@@ -378,7 +378,7 @@ class Trainer:
         items = self._policy_items(demos, reflections)
         n_draft = max(1, sum(seq.n_target for seq, y, _ in items if y is None))
         n_reflect = max(1, sum(seq.n_target for seq, y, _ in items if y is not None))
-        n_bce = max(1, sum(self._in_bce(r) for r in reflections))
+        n_bce = max(1, sum(in_bce for _, y, in_bce in items if y is not None))
         total = {"draft": 0.0, "reflect": 0.0, "bce": 0.0, "tokens": 0}
         for chunk in self._chunks(items, lambda item: len(item[0].ids)):
             self._check_abort()
