@@ -347,12 +347,12 @@ class ActorConfig(_Section):
     the draft) comes with a ``y = 0`` one on the same state whose draft is the expert's action (an
     equal draft, which section 11 labels keep), ``s̄`` its real outcome. Without pairs the labels
     are ~75 % ``y = 1`` on different states, and ``p`` learns the prior, not the draft (measured in
-    docs/running.md); with them a state is seen with both labels."""
+    docs/reflection-loop.md); with them a state is seen with both labels."""
     reflect_confidence: bool = False
     """The reflection prompt shows the draft's own confidence (its geometric-mean token probability,
     read from the draft call's logprobs) as a word: high, medium or low
     (:func:`comap_async.prompts.confidence_word`). Offline the policy's doubt in its drafts ranked
-    wrong ones above right ones (AUC 0.77) where ``p`` did not (0.48), docs/running.md. Every
+    wrong ones above right ones (AUC 0.77) where ``p`` did not (0.48), docs/reflection-loop.md. Every
     reflection of the run is rendered so (actors, probes, the learner from each record's
     ``draft_confidence``); recorded with the run as the method switch ``reflect_confidence``."""
     imagined_rollouts: int = Field(default=0, ge=0, le=16)
@@ -471,7 +471,7 @@ class LearnerConfig(_Section):
     """The BCE's weight in co-evolution, where ``y`` is the action gate's own decision (None:
     ``bce_weight``). A weight raised so that reflection-mode initialisation moves ``p`` within a
     short phase also lets the gate's self-labels pull ``p`` below ``tau_p`` within a few versions,
-    after which every label is KEEP (docs/running.md, "Co-evolution goes on")."""
+    after which every label is KEEP (docs/reflection-loop.md, "Co-evolution goes on")."""
     bce_gate_labels: bool = True
     """Whether the action gate's own decisions (the co-evolution samples' ``y``) train ``p`` through
     the BCE. False: only the suffix-labelled samples (reflection-mode initialisation's branch outcomes,
@@ -479,7 +479,7 @@ class LearnerConfig(_Section):
     samples still train the reflection's text. A label that is the gate's output teaches ``p`` its own
     threshold: a state whose ``p`` is under ``tau_p`` is labelled KEEP, which pulls ``p`` further
     down; with ``bce_balance`` weighing labels by the initialisation's REVISE-heavy counts the gate
-    shut within one version (docs/running.md, "The table from r31's v19"). The paper trains on both
+    shut within one version (docs/method-table.md, "The table from r31's v19"). The paper trains on both
     (True)."""
     policy_wm_aux: float = Field(default=0.0, ge=0.0)
     """PaW (``learner/paw.py``): the policy adapter also predicts the next observation of the real
@@ -630,7 +630,7 @@ class EvalConfig(_Section):
     from the same state (the loop rate's definition: the same canonical facts and action), up to this
     many drafts are sampled at ``repeat_guard_temperature`` (concurrently) and the first one not yet
     tried there is executed instead; none: the action stands. 0 = off (the paper's agents have none;
-    not yet measured on held-out games: docs/running.md)."""
+    measured on held-out games: docs/reflection-loop.md, "The anti-loop guard")."""
     repeat_guard_temperature: float = Field(default=1.0, gt=0.0)
     """Temperature of the guard's alternative drafts."""
     cycle_stop: int = Field(default=0, ge=0)
