@@ -3,8 +3,13 @@ methods on the warm-up's version, on the same held-out games.
 
     python benchmarks/method_table.py SOURCE_RUN --version N --variants comap,frozen_wm,no_action_gate \\
         --minutes 30 --games 20 --out method-table/ [--repeat comap] [--config configs/local.yaml] [--set ...] \\
-        [--eval-set model.torch_threads=2] [--resume] [--train-only]
+        [--eval-set model.torch_threads=2] [--resume] [--train-only] [--from-empty]
 
+0. With ``--from-empty``, ``SOURCE_RUN`` is first trained from empty (or resumed): the whole system but the
+   evaluator runs until it publishes its first co-evolution version (warm-up SFT and reflection-mode
+   initialisation done), which is the fork point unless ``--version`` says otherwise
+   (``OUT/source.json``: its wall time). One command then makes a table from nothing, e.g. ScienceWorld's:
+   ``COMAP_CONFIG=configs/scienceworld-local.yaml python benchmarks/method_table.py sw --from-empty ...``.
 1. ``comap fork`` makes one run per variant from run ``SOURCE_RUN`` at version ``N`` (a warmed-up
    version: its checkpoint, adapters and replay; ``--version`` default: the newest forkable). A
    variant is ``comap`` (the method itself) or ablation names joined by ``+``, and may carry config
@@ -42,6 +47,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -80,9 +86,12 @@ def plan_forks(variants: list[str], source: str, done: dict[str, dict]) -> list[
     return plan
 
 
-def wait_with_bar(proc: subprocess.Popen, name: str, minutes: float, run_dir: Path) -> None:
+def wait_with_bar(
+    proc: subprocess.Popen, name: str, minutes: float, run_dir: Path, until: Callable[[], bool] | None = None
+) -> bool:
     """Wait up to ``minutes`` for ``proc`` (``TimeoutExpired`` when it is still running then), with a bar
-    over the wall time that shows the fork's newest published version."""
+    over the wall time that shows the run's newest published version. True when ``until()`` held
+    (checked every 10 s), False when the process stopped by itself."""
     from tqdm import tqdm
 
     latest = run_dir / "adapters" / "latest.json"
@@ -92,8 +101,10 @@ def wait_with_bar(proc: subprocess.Popen, name: str, minutes: float, run_dir: Pa
             left = deadline - time.monotonic()
             try:
                 proc.wait(timeout=max(0.0, min(10.0, left)))
-                return
+                return False
             except subprocess.TimeoutExpired:
+                if until is not None and until():
+                    return True
                 if left <= 10.0:
                     raise
             bar.n = round(60 * minutes - max(0.0, deadline - time.monotonic()))
@@ -102,6 +113,89 @@ def wait_with_bar(proc: subprocess.Popen, name: str, minutes: float, run_dir: Pa
             except (OSError, ValueError, KeyError):  # not published yet, or mid-write
                 pass
             bar.refresh()
+
+
+def run_system(
+    name: str,
+    config: str,
+    overrides: list[str],
+    minutes: float,
+    log_dir: Path,
+    run_dir: Path,
+    until: Callable[[], bool] | None = None,
+) -> tuple[float, bool]:
+    """Run run ``name`` (in ``run_dir``; a run already there resumes) for ``minutes`` or until
+    ``until()``, then stop it (SIGINT: the learner checkpoints); returns the wall time it ran and whether
+    ``until()`` held. A system that stops by itself is an error."""
+    env = {**os.environ, "COMAP_OVERRIDES": shlex.join([f"run.name={name}", *overrides])}
+    env["COMAP_CONFIG"] = config  # the same config as the evaluation's (honcho's Procfile reads it)
+    log = open(log_dir / f"{name}.log", "ab")
+    t0 = time.time()
+    proc = subprocess.Popen(
+        ["honcho", "start", *TRAINING], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        if wait_with_bar(proc, name, minutes, run_dir, until):
+            return time.time() - t0, True
+        raise SystemExit(
+            f"method_table: {name}'s system stopped by itself after {time.time() - t0:.0f} s "
+            f"(see {log_dir / f'{name}.log'})"
+        )
+    except subprocess.TimeoutExpired:
+        return time.time() - t0, False
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # honcho stops every process; the learner checkpoints
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+
+
+def first_coevolution_version(run_dir: Path) -> dict | None:
+    """The run's first forkable co-evolution version (``version``, ``step``, ``phase``), or None while
+    it has none: the warmed-up point a table forks (warm-up SFT and reflection-mode initialisation done)."""
+    from broker.fork import forkable_versions
+    from comap_async.wire.messages import COEVOLVE
+
+    found = {v: m for v, m in forkable_versions(run_dir).items() if m.get("phase") == COEVOLVE}
+    if not found:
+        return None
+    version = min(found)
+    return {"version": version, "step": int(found[version]["step"]), "phase": COEVOLVE}
+
+
+def warm_up(name: str, args: argparse.Namespace, root: Path) -> dict:
+    """``--from-empty``: run the source ``name`` (the whole system but the evaluator) until it publishes its
+    first co-evolution version; a source stopped earlier resumes, its wall time added up in
+    ``OUT/source.json``."""
+    ledger = args.out / "source.json"
+    record = json.loads(ledger.read_text()) if ledger.exists() else {"name": name, "wall_s": 0}
+    reached = first_coevolution_version(root / name)
+    if reached is None:
+        wall, _ = run_system(
+            name,
+            args.config,
+            args.overrides,
+            args.warm_up_max_minutes,
+            args.out,
+            root / name,
+            until=lambda: first_coevolution_version(root / name) is not None,
+        )
+        record["wall_s"] = round(record["wall_s"] + wall)
+        ledger.write_text(json.dumps(record, indent=2))
+        reached = first_coevolution_version(root / name)
+        if reached is None:
+            raise SystemExit(
+                f"method_table: {name} published no co-evolution version in {args.warm_up_max_minutes:.0f} "
+                f"minutes (see {args.out / f'{name}.log'}); --resume goes on from its checkpoint"
+            )
+    record.update(reached)
+    ledger.write_text(json.dumps(record, indent=2))
+    print(json.dumps({"warmed_up": name, **record}), flush=True)
+    return record
 
 
 def train(
@@ -114,31 +208,8 @@ def train(
     run_dir: Path,
 ) -> float:
     """Run the forked run ``name`` (in ``run_dir``) for ``minutes``; returns the wall time it ran."""
-    env = {**os.environ, "COMAP_OVERRIDES": shlex.join([f"run.name={name}", *overrides, *variant_overrides(variant)])}
-    env["COMAP_CONFIG"] = config  # the same config as the evaluation's (honcho's Procfile reads it)
-    log = open(log_dir / f"{name}.log", "wb")
-    t0 = time.time()
-    proc = subprocess.Popen(
-        ["honcho", "start", *TRAINING], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        wait_with_bar(proc, name, minutes, run_dir)
-        raise SystemExit(
-            f"method_table: {name}'s system stopped by itself after {time.time() - t0:.0f} s "
-            f"(see {log_dir / f'{name}.log'})"
-        )
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)  # honcho stops every process; the learner checkpoints
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
-    return time.time() - t0
+    wall, _ = run_system(name, config, [*overrides, *variant_overrides(variant)], minutes, log_dir, run_dir)
+    return wall
 
 
 def trained_to(run_dir: Path, record: dict) -> str:
@@ -244,6 +315,13 @@ def main() -> None:
         "short is forked again, and rows already measured (OUT/cells) are not played again",
     )
     ap.add_argument("--train-only", action="store_true", help="fork and train, then stop (then --resume evaluates)")
+    ap.add_argument(
+        "--from-empty",
+        action="store_true",
+        help="SOURCE_RUN is a run name to train first: the system (no evaluator) runs from empty (or resumes) "
+        "until it publishes its first co-evolution version, which is then forked",
+    )
+    ap.add_argument("--warm-up-max-minutes", type=float, default=240.0, help="--from-empty's limit")
     args = ap.parse_args()
     # stopped with SIGTERM, the finally blocks run: a fork's system is stopped (and checkpoints), and the
     # comparison, started tied to this process, stops with it
@@ -256,6 +334,12 @@ def main() -> None:
     cfg = load_config(args.config, args.overrides)
     root = Path(cfg.run.root).expanduser()
     source = Path(args.source) if (Path(args.source) / "replay").is_dir() else root / args.source
+    warmed = None
+    if args.from_empty:
+        args.out.mkdir(parents=True, exist_ok=True)
+        warmed = warm_up(source.name, args, root)
+        if args.version is None:
+            args.version = warmed["version"]
     variants = [v for v in args.variants.split(",") if v] + ([args.repeat] if args.repeat else [])
     args.out.mkdir(parents=True, exist_ok=True)
     for variant in variants:
@@ -276,7 +360,8 @@ def main() -> None:
             try:
                 record = {"name": name, "variant": variant, **fork_run(source, root / name, args.version)}
             except ForkError as exc:
-                raise SystemExit(f"method_table: {exc} (--resume goes on from {ledger})") from None
+                hint = "" if args.from_empty else "; --from-empty trains a source from empty first"
+                raise SystemExit(f"method_table: {exc} (--resume goes on from {ledger}{hint})") from None
             done[name] = record
             save_ledger()
             print(json.dumps({"forked": name, **{k: record[k] for k in ("version", "step", "phase")}}), flush=True)
@@ -302,6 +387,14 @@ def main() -> None:
         f"# Method table: {len(forks)} forks of {source.name} at version {version} "
         f"(step {forks[0][2]['step']}, {forks[0][2]['phase']})",
         "",
+        *(
+            [
+                f"- `{source.name}` from empty to its first co-evolution version {warmed['version']} in "
+                f"{warmed['wall_s'] / 60:.1f} minutes of wall time (no evaluator running)"
+            ]
+            if warmed
+            else []
+        ),
         *[
             f"- `{n}` ({v}): trained {r['wall_s'] / 60:.1f} minutes of wall time{trained_to(root / n, r)}"
             f"{gate_line(gate_by_version(root / n, r['cut_ts']))}"
