@@ -93,7 +93,7 @@ def revise_bce(
     return (per_sample if weight is None else per_sample * weight).mean()
 
 
-def label_balance_weights(y: torch.Tensor, counts: tuple[int, int]) -> torch.Tensor:
+def label_balance_weights(y: torch.Tensor, counts: tuple[float, float]) -> torch.Tensor:
     """Per-sample BCE weights under which the labels seen so far (``counts``: y = 0, y = 1) weigh
     alike: ``n / (2 n_y)``, 1 for both when they are equally frequent. Without them a skewed label
     mix (72 % REVISE in a CPU run's reflection-mode initialisation) is learned as a prior, the same
