@@ -1,4 +1,6 @@
-"""One episode per phase: expert warm-up, reflection-mode initialisation, the CoMap loop, evaluation.
+"""An episode's state and figures, and the CoMap loop (draft, imagine, reflect, action gate, act) in
+co-evolution and evaluation. The expert's phases (warm-up, reflection-mode initialisation) are in
+:mod:`actors.expert_play`, the branches that label and judge steps in :mod:`actors.branches`.
 
 Each runner plays a game on an :class:`~comap_async.envs.pool.AsyncTextEnv` and hands every
 message to ``ctx.emit`` (the outbox, or nothing in evaluation), so the loops read top to bottom.
@@ -8,29 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.branches import judge_step
 from actors.cycles import cycle_stop_for
-from actors.explore import explore_action
 from actors.imagined import emit_imagined
-from comap_async.diagnostics import branch_outcome, loop_steps, reflection_label
-from comap_async.envs.base import RestoreDiverged
+from comap_async.diagnostics import loop_steps
 from comap_async.facts import Facts, NextState, state_delta_f1
 from comap_async.method.gates import canonical_action, gate_reflection, world_state_score
 from comap_async.prompts import render_state
 from comap_async.wire.messages import (
     COEVOLVE,
-    KEEP,
     POLICY,
-    REFLECT_INIT,
-    WARMUP,
     WM,
     ActorMessage,
-    Reflection,
     Registry,
     Transition,
 )
@@ -132,7 +128,7 @@ class EpisodeStats:
         return out
 
 
-def _versions(registry: Registry) -> tuple[int, int]:
+def registry_versions(registry: Registry) -> tuple[int, int]:
     return registry.versions.get(POLICY, 0), registry.versions.get(WM, 0)
 
 
@@ -201,7 +197,7 @@ class Episode:
     ) -> Transition:
         """``policy_version``/``wm_version``: the adapters that generated the step's fields (the draft
         call's, the call that produced ``s_hat_exec``: ``AgentLLM.last_version``); None = the registry's."""
-        policy_v, wm_v = _versions(self.ctx.registry())
+        policy_v, wm_v = registry_versions(self.ctx.registry())
         policy_v = policy_v if policy_version is None else policy_version
         wm_v = wm_v if wm_version is None else wm_version
         nxt = self.current
@@ -233,7 +229,7 @@ class Episode:
         )
 
     async def finish(self, phase: str, eval_mode: bool) -> EpisodeStats:
-        policy_v, wm_v = _versions(self.ctx.registry())
+        policy_v, wm_v = registry_versions(self.ctx.registry())
         await self.ctx.emit(
             EpisodeMessage(
                 seq=0,
@@ -255,213 +251,6 @@ class Episode:
             )
         )
         return self.stats
-
-
-async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str, branch: Any = None) -> EpisodeStats:
-    """Warm-up: replay the game's winning walkthrough (the handcoded expert where there is none);
-    every step is a demonstration and a real transition, labelled with the expert's own action.
-
-    With a ``branch`` environment, a share ``actor.warmup_explore`` of the steps (seeded by the run
-    seed and the episode id) also executes a non-expert action (:func:`actors.explore.explore_action`)
-    on ``branch``, restored by replay to the expert path, and records that real transition for the
-    world model only: ``explore: True``, id ``{episode}:{t}:x``, the same ``s``/``o`` as step t (the
-    broker stores no demonstration for it). The expert path continues unchanged on ``env``."""
-    a = ctx.cfg.actor
-    rng = random.Random(f"{ctx.cfg.run.seed}-{episode_id}")
-    ep = Episode(ctx, game, episode_id, await env.reset(game))
-    plan = await env.walkthrough()
-    while not ep.current.done:
-        t = ep.stats.steps
-        action = expert_plan_action(ep, plan)
-        if action is None:  # no plan left and the handcoded expert gave up: counted as unsolved
-            ep.stats.parse_problems += 1
-            break
-        o, s, label = ep.current.observation, ep.state(), ep.current.expert_action
-        explored = None
-        if branch is not None and a.warmup_explore > 0 and rng.random() < a.warmup_explore:
-            x_action = explore_action(rng, ep.current.admissible, action, a.warmup_explore_invalid)
-            if x_action is not None:
-                try:
-                    await branch.restore(game, [taken for taken, _ in ep.history])
-                    explored = x_action, await branch.step(x_action)
-                except RestoreDiverged:  # no faithful state to explore from: this step explores nothing
-                    ep.stats.restore_diverged += 1
-        ep.advance(action, await env.step(action))
-        await ctx.emit(warmup_transition(ep, t, o, s, action, label))
-        if explored is not None:  # emitted like step t's own transition, so it gets the same fields (facts)
-            x_action, x = explored
-            await ctx.emit(
-                warmup_transition(
-                    ep,
-                    t,
-                    o,
-                    s,
-                    x_action,
-                    label,
-                    id=f"{ep.id}:{t}:x",
-                    explore=True,
-                    s_next=x.observation,
-                    reward=float(x.reward),
-                    done=bool(x.done),
-                    won=bool(x.won),
-                )
-            )
-            if a.warmup_recovery and not x.done and x.expert_action:
-                await emit_recovery(ctx, ep, branch, t, x_action, x)
-    return await ep.finish(WARMUP, False)
-
-
-async def emit_recovery(ctx: EpisodeContext, ep: Episode, branch: Any, t: int, x_action: str, x: Any) -> None:
-    """A recovery demonstration: on ``branch``, left in the off-path state by the exploratory action
-    ``x_action`` (its result ``x``), the handcoded expert acts; that real step is sent as a warm-up
-    transition with ``recovery`` set (the broker stores it as a demonstration too). The state the
-    policy sees is :meth:`Episode.instead_of_last`'s; ``ep`` itself is unchanged."""
-    off = ep.instead_of_last(x_action, x)
-    o, s, expert = off.current.observation, off.state(), x.expert_action
-    off.advance(expert, await branch.step(expert))
-    await ctx.emit(warmup_transition(off, t, o, s, expert, expert, id=f"{ep.id}:{t}:r", recovery=True))
-
-
-def warmup_transition(ep: Episode, t: int, o: str, s: str, action: str, label: str | None, **extra: Any) -> Transition:
-    """A warm-up step's transition: ``action`` executed as its own draft and refinement (no model
-    ran: no predictions, KEEP with certainty); ``extra`` sets the id, the flags and, for a step
-    taken on another environment, its result."""
-    return ep.transition(
-        WARMUP,
-        t,
-        o,
-        s,
-        a_draft=action,
-        s_hat="",
-        decision=KEEP,
-        a_ref=action,
-        p_revise=0.0,
-        q_ref=1.0,
-        a_exec=action,
-        s_hat_exec="",
-        s_hat_teacher="",
-        expert_action=label,
-        **extra,
-    )
-
-
-async def play_branch(env: Any, game: Any, prefix: list[str], first: str, plan: list[str]) -> tuple[Any, str]:
-    """One branch (docs/design.md section 11): restore the state after ``prefix`` on ``env``, take
-    ``first``, then continue under the continuation policy, the game's expert, until the episode
-    ends (won, or ``env.max_steps`` counted from the start of the episode). The expert is
-    walkthrough-consistent: while the branch has followed the game's walkthrough ``plan`` exactly
-    it takes the walkthrough's next command, off it the handcoded expert's (which never begins
-    with its reset-time ``look``). Returns the :class:`~comap_async.diagnostics.BranchResult` and
-    the real observation right after ``first``."""
-    await env.restore(game, prefix)
-    r = await env.step(first)
-    after, steps = r.observation, 1
-    taken = [*prefix, first]
-    on_plan = taken == plan[: len(taken)]
-    while not r.done:
-        if on_plan and len(taken) < len(plan):
-            action = plan[len(taken)]
-        else:
-            on_plan, action = False, r.expert_action
-        if action is None:  # the expert gave up: the branch ends unsolved
-            break
-        r = await env.step(action)
-        taken.append(action)
-        steps += 1
-    return branch_outcome(r.won, steps), after
-
-
-def expert_plan_action(ep: "Episode", plan: list[str]) -> str | None:
-    """The demonstration's action at the episode's current state: the walkthrough while the episode
-    follows it, then the handcoded expert (as in warm-up; no leading ``look``)."""
-    t = ep.stats.steps
-    if t < len(plan) and ep.actions == plan[:t]:
-        return plan[t]
-    return ep.current.expert_action
-
-
-async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: Any, episode_id: str) -> EpisodeStats:
-    """Reflection-mode initialisation on demonstration states (suffix-labelled reflection samples).
-
-    At each state of the expert's path the policy drafts. A draft canonically equal to the expert
-    action is a keep sample (``y = 0``, label ``equal_draft``). Otherwise a draft branch and an
-    expert branch are rolled out from the restored state under the same continuation policy until
-    the episode ends (:func:`play_branch`); ``y = 1`` with the expert action as target only when
-    the expert branch is strictly better (``expert_better``), else ``y = 0`` with the draft kept
-    (``not_better``). ``s̄`` is the real observation right after the draft.
-
-    With ``actor.reflect_init_pairs`` every ``y = 1`` sample comes with its pair: the same state,
-    the expert's action as the draft, ``y = 0`` (an equal draft), ``s̄`` the real observation after it.
-    """
-    ep = Episode(ctx, game, episode_id, await env.reset(game))
-    plan = await env.walkthrough()
-    while not ep.current.done and (expert := expert_plan_action(ep, plan)) is not None:
-        s, t, prefix = ep.state(), ep.stats.steps, list(ep.actions)
-        drafted = await ctx.llm.draft_scored(s)
-        draft, problem = drafted.action, drafted.problem
-        ep.stats.parse_problems += problem == "empty"
-        equal = draft is not None and canonical_action(draft) == canonical_action(expert)
-        s_bar = None
-        if draft is not None and not equal:
-            try:
-                d_result, s_bar = await play_branch(branch, game, prefix, draft, plan)
-                e_result, _ = await play_branch(branch, game, prefix, expert, plan)
-                y, label = reflection_label(False, e_result, d_result)
-            except RestoreDiverged:  # the branches would not start from this state: no sample here
-                ep.stats.restore_diverged += 1
-                draft = None
-        ep.advance(expert, await env.step(expert))
-        if draft is None:
-            continue
-        if equal:
-            y, label, s_bar = *reflection_label(True, None, None), ep.current.observation
-        policy_v, wm_v = _versions(ctx.registry())
-
-        async def emit_sample(
-            sample_id: str, a_draft: str, s_bar: str, y: int, label: str, confidence: float | None
-        ) -> None:
-            await ctx.emit(
-                Reflection(
-                    seq=0,
-                    id=sample_id,
-                    actor=ctx.actor,
-                    game=game.name,
-                    s=s,
-                    a_draft=a_draft,
-                    s_bar=s_bar,
-                    target=expert if y else a_draft,
-                    y=y,
-                    label=label,
-                    draft_confidence=confidence,
-                    policy_version=policy_v,
-                    wm_version=wm_v,
-                    ts=time.time(),
-                )
-            )
-            ep.stats.reflections += 1
-            ep.stats.labels[label] = ep.stats.labels.get(label, 0) + 1
-
-        await emit_sample(f"{episode_id}:{t}:r", draft, s_bar, y, label, drafted.confidence)
-        if y == 1 and ctx.cfg.actor.reflect_init_pairs:
-            # the same state with the expert's action as the draft: by the definition an equal draft
-            # is a keep sample, so the pair differs only in the draft and its outcome, and p must
-            # read them to tell the two apart (the state alone says nothing)
-            await emit_sample(
-                f"{episode_id}:{t}:rp", expert, ep.current.observation, *reflection_label(True, None, None), None
-            )
-    return await ep.finish(REFLECT_INIT, False)
-
-
-async def judge_step(
-    branch: Any, game: Any, prefix: list[str], a_draft: str, a_ref: str, plan: list[str]
-) -> tuple[int, int]:
-    """``(z_draft, z_ref)`` of one evaluated state: whether the branch started by the draft / by the
-    reflected action wins (same continuation, same horizon; one rollout when they are equal)."""
-    d_result, _ = await play_branch(branch, game, prefix, a_draft, plan)
-    if not a_ref.strip() or canonical_action(a_ref) == canonical_action(a_draft):
-        return int(d_result.won), int(d_result.won)
-    r_result, _ = await play_branch(branch, game, prefix, a_ref, plan)
-    return int(d_result.won), int(r_result.won)
 
 
 async def avoid_repeat(ctx: EpisodeContext, ep: Episode, state: str, action: str) -> str:
@@ -496,7 +285,7 @@ async def play_coevolve(
     """The CoMap step: draft -> imagine -> reflect -> action gate -> act -> teacher -> transition.
 
     With a ``branch`` environment (evaluation with reflection metrics), every step is judged by
-    :func:`judge_step` before it is taken: ``(m, z_draft, z_ref)`` for URR, HRR and BRP.
+    :func:`actors.branches.judge_step` before it is taken: ``(m, z_draft, z_ref)`` for URR, HRR and BRP.
     """
     llm = ctx.llm
     overlap = ctx.cfg.actor.overlap_teacher and not eval_mode

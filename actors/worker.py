@@ -16,8 +16,9 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from actors.episodes import EpisodeContext, EpisodeStats, play_coevolve, play_expert, play_reflect_init
+from actors.episodes import EpisodeContext, EpisodeStats, play_coevolve
 from actors.eval_methods import play_method
+from actors.expert_play import play_expert, play_reflect_init
 from actors.registry_view import RegistryView
 from comap_async.envs.pool import EnvPoolExhausted
 from comap_async.method.fingerprint import check_method

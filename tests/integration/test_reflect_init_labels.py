@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.episodes import EpisodeContext, play_reflect_init
+from actors.episodes import EpisodeContext
+from actors.expert_play import play_reflect_init
 from actors.llm import Draft
 from comap_async.config import load_config
 from comap_async.envs.alfworld_facts import next_state

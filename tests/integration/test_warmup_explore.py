@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.episodes import EpisodeContext, play_expert
+from actors.episodes import EpisodeContext
+from actors.expert_play import play_expert
 from actors.worker import ActorWorker
 from comap_async.config import load_config
 from comap_async.envs.alfworld_facts import next_state

@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from actors.episodes import EpisodeContext, play_expert
+from actors.episodes import EpisodeContext
+from actors.expert_play import play_expert
 from comap_async.config import load_config
 from comap_async.envs.base import RestoreDiverged, StepResult, replay
 from comap_async.wire.messages import Registry

@@ -1,0 +1,177 @@
+"""The expert's phases: warm-up (the walkthrough replayed, with exploratory and recovery steps on a
+branch environment) and reflection-mode initialisation (suffix-labelled reflection samples on the
+expert's states). The CoMap loop itself is :func:`actors.episodes.play_coevolve`."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+from actors.branches import expert_plan_action, play_branch
+from actors.episodes import Episode, EpisodeContext, EpisodeStats, registry_versions
+from actors.explore import explore_action
+from comap_async.diagnostics import reflection_label
+from comap_async.envs.base import RestoreDiverged
+from comap_async.method.gates import canonical_action
+from comap_async.wire.messages import KEEP, REFLECT_INIT, WARMUP, Reflection, Transition
+
+
+async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str, branch: Any = None) -> EpisodeStats:
+    """Warm-up: replay the game's winning walkthrough (the handcoded expert where there is none);
+    every step is a demonstration and a real transition, labelled with the expert's own action.
+
+    With a ``branch`` environment, a share ``actor.warmup_explore`` of the steps (seeded by the run
+    seed and the episode id) also executes a non-expert action (:func:`actors.explore.explore_action`)
+    on ``branch``, restored by replay to the expert path, and records that real transition for the
+    world model only: ``explore: True``, id ``{episode}:{t}:x``, the same ``s``/``o`` as step t (the
+    broker stores no demonstration for it). The expert path continues unchanged on ``env``."""
+    a = ctx.cfg.actor
+    rng = random.Random(f"{ctx.cfg.run.seed}-{episode_id}")
+    ep = Episode(ctx, game, episode_id, await env.reset(game))
+    plan = await env.walkthrough()
+    while not ep.current.done:
+        t = ep.stats.steps
+        action = expert_plan_action(ep, plan)
+        if action is None:  # no plan left and the handcoded expert gave up: counted as unsolved
+            ep.stats.parse_problems += 1
+            break
+        o, s, label = ep.current.observation, ep.state(), ep.current.expert_action
+        explored = None
+        if branch is not None and a.warmup_explore > 0 and rng.random() < a.warmup_explore:
+            x_action = explore_action(rng, ep.current.admissible, action, a.warmup_explore_invalid)
+            if x_action is not None:
+                try:
+                    await branch.restore(game, [taken for taken, _ in ep.history])
+                    explored = x_action, await branch.step(x_action)
+                except RestoreDiverged:  # no faithful state to explore from: this step explores nothing
+                    ep.stats.restore_diverged += 1
+        ep.advance(action, await env.step(action))
+        await ctx.emit(warmup_transition(ep, t, o, s, action, label))
+        if explored is not None:  # emitted like step t's own transition, so it gets the same fields (facts)
+            x_action, x = explored
+            await ctx.emit(
+                warmup_transition(
+                    ep,
+                    t,
+                    o,
+                    s,
+                    x_action,
+                    label,
+                    id=f"{ep.id}:{t}:x",
+                    explore=True,
+                    s_next=x.observation,
+                    reward=float(x.reward),
+                    done=bool(x.done),
+                    won=bool(x.won),
+                )
+            )
+            if a.warmup_recovery and not x.done and x.expert_action:
+                await emit_recovery(ctx, ep, branch, t, x_action, x)
+    return await ep.finish(WARMUP, False)
+
+
+async def emit_recovery(ctx: EpisodeContext, ep: Episode, branch: Any, t: int, x_action: str, x: Any) -> None:
+    """A recovery demonstration: on ``branch``, left in the off-path state by the exploratory action
+    ``x_action`` (its result ``x``), the handcoded expert acts; that real step is sent as a warm-up
+    transition with ``recovery`` set (the broker stores it as a demonstration too). The state the
+    policy sees is :meth:`Episode.instead_of_last`'s; ``ep`` itself is unchanged."""
+    off = ep.instead_of_last(x_action, x)
+    o, s, expert = off.current.observation, off.state(), x.expert_action
+    off.advance(expert, await branch.step(expert))
+    await ctx.emit(warmup_transition(off, t, o, s, expert, expert, id=f"{ep.id}:{t}:r", recovery=True))
+
+
+def warmup_transition(ep: Episode, t: int, o: str, s: str, action: str, label: str | None, **extra: Any) -> Transition:
+    """A warm-up step's transition: ``action`` executed as its own draft and refinement (no model
+    ran: no predictions, KEEP with certainty); ``extra`` sets the id, the flags and, for a step
+    taken on another environment, its result."""
+    return ep.transition(
+        WARMUP,
+        t,
+        o,
+        s,
+        a_draft=action,
+        s_hat="",
+        decision=KEEP,
+        a_ref=action,
+        p_revise=0.0,
+        q_ref=1.0,
+        a_exec=action,
+        s_hat_exec="",
+        s_hat_teacher="",
+        expert_action=label,
+        **extra,
+    )
+
+
+async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: Any, episode_id: str) -> EpisodeStats:
+    """Reflection-mode initialisation on demonstration states (suffix-labelled reflection samples).
+
+    At each state of the expert's path the policy drafts. A draft canonically equal to the expert
+    action is a keep sample (``y = 0``, label ``equal_draft``). Otherwise a draft branch and an
+    expert branch are rolled out from the restored state under the same continuation policy until
+    the episode ends (:func:`play_branch`); ``y = 1`` with the expert action as target only when
+    the expert branch is strictly better (``expert_better``), else ``y = 0`` with the draft kept
+    (``not_better``). ``s̄`` is the real observation right after the draft.
+
+    With ``actor.reflect_init_pairs`` every ``y = 1`` sample comes with its pair: the same state,
+    the expert's action as the draft, ``y = 0`` (an equal draft), ``s̄`` the real observation after it.
+    """
+    ep = Episode(ctx, game, episode_id, await env.reset(game))
+    plan = await env.walkthrough()
+    while not ep.current.done and (expert := expert_plan_action(ep, plan)) is not None:
+        s, t, prefix = ep.state(), ep.stats.steps, list(ep.actions)
+        drafted = await ctx.llm.draft_scored(s)
+        draft, problem = drafted.action, drafted.problem
+        ep.stats.parse_problems += problem == "empty"
+        equal = draft is not None and canonical_action(draft) == canonical_action(expert)
+        s_bar = None
+        if draft is not None and not equal:
+            try:
+                d_result, s_bar = await play_branch(branch, game, prefix, draft, plan)
+                e_result, _ = await play_branch(branch, game, prefix, expert, plan)
+                y, label = reflection_label(False, e_result, d_result)
+            except RestoreDiverged:  # the branches would not start from this state: no sample here
+                ep.stats.restore_diverged += 1
+                draft = None
+        ep.advance(expert, await env.step(expert))
+        if draft is None:
+            continue
+        if equal:
+            y, label, s_bar = *reflection_label(True, None, None), ep.current.observation
+        policy_v, wm_v = registry_versions(ctx.registry())
+
+        async def emit_sample(
+            sample_id: str, a_draft: str, s_bar: str, y: int, label: str, confidence: float | None
+        ) -> None:
+            await ctx.emit(
+                Reflection(
+                    seq=0,
+                    id=sample_id,
+                    actor=ctx.actor,
+                    game=game.name,
+                    s=s,
+                    a_draft=a_draft,
+                    s_bar=s_bar,
+                    target=expert if y else a_draft,
+                    y=y,
+                    label=label,
+                    draft_confidence=confidence,
+                    policy_version=policy_v,
+                    wm_version=wm_v,
+                    ts=time.time(),
+                )
+            )
+            ep.stats.reflections += 1
+            ep.stats.labels[label] = ep.stats.labels.get(label, 0) + 1
+
+        await emit_sample(f"{episode_id}:{t}:r", draft, s_bar, y, label, drafted.confidence)
+        if y == 1 and ctx.cfg.actor.reflect_init_pairs:
+            # the same state with the expert's action as the draft: by the definition an equal draft
+            # is a keep sample, so the pair differs only in the draft and its outcome, and p must
+            # read them to tell the two apart (the state alone says nothing)
+            await emit_sample(
+                f"{episode_id}:{t}:rp", expert, ep.current.observation, *reflection_label(True, None, None), None
+            )
+    return await ep.finish(REFLECT_INIT, False)
