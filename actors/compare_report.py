@@ -63,6 +63,7 @@ def row(
         "revision_rate": report["revision_rate"],
         "invalid_action_rate": report["invalid_action_rate"],
         "loop_rate": report.get("loop_rate"),
+        "parse_problem_rate": report.get("parse_problem_rate"),
         "wall_s_per_step": wall_per_step(report),
     }
 
@@ -85,8 +86,9 @@ def markdown(rows: list[dict[str, Any]], split: str, games: int) -> str:
         f"# Comparison on {split} ({games} games, the same for every row)",
         "",
         "| method / run | adapters | success rate | won (95 % interval) | mean score | world-model Delta-F1 "
-        "| mean steps | revision rate | invalid-action rate | loop rate | wall s per played step |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| mean steps | revision rate | invalid-action rate | loop rate | unreadable answers "
+        "| wall s per played step |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         adapters = "base" if r["adapter_version"] == 0 else f"v{r['adapter_version']}"
@@ -97,7 +99,7 @@ def markdown(rows: list[dict[str, Any]], split: str, games: int) -> str:
             f"| {r['label']} | {adapters} | {num(r['success_rate'])} | {r['wins']}/{r['games']} "
             f"({low:.2f}-{high:.2f}) | {score} | {num(r['delta_f1'])} | "
             f"{r['mean_steps']:.1f} | {num(r['revision_rate'])} | {num(r['invalid_action_rate'])} | "
-            f"{num(r.get('loop_rate'))} | {cost} |"
+            f"{num(r.get('loop_rate'))} | {num(r.get('parse_problem_rate'))} | {cost} |"
         )
     lines += [
         "",
@@ -105,7 +107,10 @@ def markdown(rows: list[dict[str, Any]], split: str, games: int) -> str:
         "interval is the success rate's 95 % Wilson interval over the games: two rows whose intervals "
         "overlap are not shown apart by this many games. Mean score: 100 per won game on ALFWorld, "
         "the task score (0-100) on ScienceWorld. Wall s per played step: the row's evaluation time over "
-        "the environment steps it played (its games concurrent on one server), its cost per step.",
+        "the environment steps it played (its games concurrent on one server), its cost per step. "
+        "Unreadable answers: the share of steps with a model answer that could not be read (a draft, ReAct or "
+        "final-action answer: the fallback action ran instead; a reflection: the draft ran; n/a for rows "
+        "measured before it was counted).",
     ]
     return "\n".join(lines) + "\n"
 

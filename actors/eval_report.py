@@ -37,6 +37,7 @@ def episode_record(game: Any, stats: Any) -> dict[str, Any]:
         "score": 100.0 * stats.reward,
         "revisions": stats.revisions,
         "invalid": stats.invalid,
+        "parse_problems": stats.parse_problems,
         "loops": stats.loops,
         "guarded": stats.guarded,
         "delta_f1": list(stats.delta_f1),
@@ -69,6 +70,13 @@ def summarize_records(records: list[dict[str, Any]], split: str, version: int, w
         "revision_rate": sum(r["revisions"] for r in records) / total_steps,
         "invalid_action_rate": sum(r["invalid"] for r in records) / total_steps,
         "loop_rate": sum(r["loops"] for r in records) / total_steps,
+        # steps whose answer could not be read (the fallback action ran instead): a row where most are is
+        # the prompt's format failing, not the method acting; None where an older record lacks the count
+        "parse_problem_rate": (
+            sum(r["parse_problems"] for r in records) / total_steps
+            if all("parse_problems" in r for r in records)
+            else None
+        ),
         "guard_rate": sum(r["guarded"] for r in records) / total_steps,
         # eval.cycle_stop: steps counted above but not played (the episode had entered a cycle)
         "cycle_projected_steps": sum(r.get("cycle_projected", 0) for r in records),
@@ -88,11 +96,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"method {report.get('method', 'comap')})",
         "",
         "| games | success rate | mean score | mean steps | world-model Delta-F1 | revision rate | invalid-action rate "
-        "| loop rate |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| loop rate | unreadable answers |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         f"| {report['games']} | {report['success_rate']:.3f} | {report.get('mean_score', 0.0):.1f} | "
         f"{report['mean_steps']:.1f} | {f1} | "
-        f"{report['revision_rate']:.3f} | {report['invalid_action_rate']:.3f} | {num(report.get('loop_rate'))} |",
+        f"{report['revision_rate']:.3f} | {report['invalid_action_rate']:.3f} | {num(report.get('loop_rate'))} | "
+        f"{num(report.get('parse_problem_rate'))} |",
         "",
         "| game | won | score | steps | revisions |",
         "| --- | :---: | ---: | ---: | ---: |",

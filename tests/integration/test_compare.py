@@ -140,7 +140,8 @@ async def test_the_baselines_can_play_with_a_runs_adapters(tmp_path, tiny_model_
     rows = json.loads((out / "compare.json").read_text())["rows"]
     assert [(row["method"], row["adapter_version"]) for row in rows] == [("draft_only", 1), ("comap", 2)]
     assert rows[0]["label"] == "Draft only (source v1)" and rows[0]["loop_rate"] is not None
-    assert "| loop rate |" in (out / "compare.md").read_text()
+    assert "| loop rate | unreadable answers |" in (out / "compare.md").read_text()
+    assert all(0.0 <= row["parse_problem_rate"] <= 1.0 for row in rows)
     # every row is held in OUT/cells: --resume plays nothing and starts no server
     again = subprocess.run([*cmd, "--resume"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]

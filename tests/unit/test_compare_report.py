@@ -26,6 +26,7 @@ def test_a_row_shows_its_wins_interval_and_mean_score():
         "revision_rate": 0.08,
         "invalid_action_rate": 0.2,
         "loop_rate": 0.06,
+        "parse_problem_rate": 0.25,
         "wall_s": 1800.0,
         "cycle_projected_steps": 340,
     }
@@ -34,5 +35,24 @@ def test_a_row_shows_its_wins_interval_and_mean_score():
     assert r["wall_s_per_step"] == pytest.approx(1800 / (20 * 47 - 340))  # the projected steps cost nothing
     table = markdown([r], "valid_seen", 20)
     assert "| CoMap (r27-comap) | v12 | 0.150 | 3/20 (0.05-0.36) | 15.0 | 0.650 | 47.0 |" in table
-    assert table.rstrip().splitlines()[4].endswith("| 0.060 | 3.0 |")
+    assert table.rstrip().splitlines()[4].endswith("| 0.060 | 0.250 | 3.0 |")
+    older = {k: v for k, v in report.items() if k != "parse_problem_rate"}  # a cell measured before the count
+    assert (
+        markdown([row("x", "run", "comap", older)], "valid_seen", 20).splitlines()[4].endswith("| 0.060 | n/a | 3.0 |")
+    )
     assert row("x", "method", "react", {**report, "wall_s": 0.0})["wall_s_per_step"] is None
+
+
+def test_a_rows_unreadable_answers_are_counted_over_its_steps():
+    """A row whose answers the parser could not read ran the fallback action: the report says how often,
+    so such a row is not read as the method acting (a cell recorded before the count says n/a)."""
+    from actors.eval_report import summarize_records
+
+    def episode(steps, parse_problems=None):
+        rec = {"game": "g", "won": False, "steps": steps, "score": 0.0, "revisions": 0, "invalid": 0}
+        rec |= {"loops": 0, "guarded": 0, "delta_f1": []}
+        return rec if parse_problems is None else {**rec, "parse_problems": parse_problems}
+
+    report = summarize_records([episode(50, 50), episode(30, 10)], "valid_seen", 19, 1.0)
+    assert report["parse_problem_rate"] == pytest.approx(60 / 80)
+    assert summarize_records([episode(50, 50), episode(30)], "valid_seen", 19, 1.0)["parse_problem_rate"] is None
