@@ -154,26 +154,29 @@ def run_system(
         log.close()
 
 
-def first_coevolution_version(run_dir: Path) -> dict | None:
-    """The run's first forkable co-evolution version (``version``, ``step``, ``phase``), or None while
-    it has none: the warmed-up point a table forks (warm-up SFT and reflection-mode initialisation done)."""
+def first_version_in_phase(run_dir: Path, phase: str) -> dict | None:
+    """The run's first forkable version published in ``phase`` (``version``, ``step``, ``phase``), or None
+    while it has none. The learner publishes (and pins a checkpoint) as each phase begins, so the first
+    ``coevolve`` version is the warmed-up point a table forks (warm-up SFT and reflection-mode initialisation
+    done) and the first ``reflect_init`` one is warm-up SFT's end."""
     from broker.fork import forkable_versions
-    from comap_async.wire.messages import COEVOLVE
 
-    found = {v: m for v, m in forkable_versions(run_dir).items() if m.get("phase") == COEVOLVE}
+    found = {v: m for v, m in forkable_versions(run_dir).items() if m.get("phase") == phase}
     if not found:
         return None
     version = min(found)
-    return {"version": version, "step": int(found[version]["step"]), "phase": COEVOLVE}
+    return {"version": version, "step": int(found[version]["step"]), "phase": phase}
 
 
 def warm_up(name: str, args: argparse.Namespace, root: Path) -> dict:
     """``--from-empty``: run the source ``name`` (the whole system but the evaluator) until it publishes its
     first co-evolution version; a source stopped earlier resumes, its wall time added up in
     ``OUT/source.json``."""
+    from comap_async.wire.messages import COEVOLVE
+
     ledger = args.out / "source.json"
     record = json.loads(ledger.read_text()) if ledger.exists() else {"name": name, "wall_s": 0}
-    reached = first_coevolution_version(root / name)
+    reached = first_version_in_phase(root / name, COEVOLVE)
     if reached is None:
         wall, _ = run_system(
             name,
@@ -182,11 +185,11 @@ def warm_up(name: str, args: argparse.Namespace, root: Path) -> dict:
             args.warm_up_max_minutes,
             args.out,
             root / name,
-            until=lambda: first_coevolution_version(root / name) is not None,
+            until=lambda: first_version_in_phase(root / name, COEVOLVE) is not None,
         )
         record["wall_s"] = round(record["wall_s"] + wall)
         ledger.write_text(json.dumps(record, indent=2))
-        reached = first_coevolution_version(root / name)
+        reached = first_version_in_phase(root / name, COEVOLVE)
         if reached is None:
             raise SystemExit(
                 f"method_table: {name} published no co-evolution version in {args.warm_up_max_minutes:.0f} "
