@@ -168,36 +168,34 @@ def first_version_in_phase(run_dir: Path, phase: str) -> dict | None:
     return {"version": version, "step": int(found[version]["step"]), "phase": phase}
 
 
-def warm_up(name: str, args: argparse.Namespace, root: Path) -> dict:
-    """``--from-empty``: run the source ``name`` (the whole system but the evaluator) until it publishes its
-    first co-evolution version; a source stopped earlier resumes, its wall time added up in
-    ``OUT/source.json``."""
-    from comap_async.wire.messages import COEVOLVE
-
-    ledger = args.out / "source.json"
+def run_to_phase(
+    name: str, phase: str, config: str, overrides: list[str], max_minutes: float, out: Path, root: Path, ledger: Path
+) -> dict:
+    """Run run ``name`` (the whole system but the evaluator; from empty, or resuming one stopped earlier)
+    until it publishes its first version in ``phase``, and stop it. The wall time adds up over sittings in
+    ``ledger``; returns its record with the version reached (:func:`first_version_in_phase`)."""
     record = json.loads(ledger.read_text()) if ledger.exists() else {"name": name, "wall_s": 0}
-    reached = first_version_in_phase(root / name, COEVOLVE)
+    reached = first_version_in_phase(root / name, phase)
     if reached is None:
         wall, _ = run_system(
             name,
-            args.config,
-            args.overrides,
-            args.warm_up_max_minutes,
-            args.out,
+            config,
+            overrides,
+            max_minutes,
+            out,
             root / name,
-            until=lambda: first_version_in_phase(root / name, COEVOLVE) is not None,
+            until=lambda: first_version_in_phase(root / name, phase) is not None,
         )
         record["wall_s"] = round(record["wall_s"] + wall)
         ledger.write_text(json.dumps(record, indent=2))
-        reached = first_version_in_phase(root / name, COEVOLVE)
+        reached = first_version_in_phase(root / name, phase)
         if reached is None:
             raise SystemExit(
-                f"method_table: {name} published no co-evolution version in {args.warm_up_max_minutes:.0f} "
-                f"minutes (see {args.out / f'{name}.log'}); --resume goes on from its checkpoint"
+                f"{Path(sys.argv[0]).stem}: {name} published no {phase} version in {max_minutes:.0f} minutes "
+                f"(see {out / f'{name}.log'}); --resume goes on from its checkpoint"
             )
     record.update(reached)
     ledger.write_text(json.dumps(record, indent=2))
-    print(json.dumps({"warmed_up": name, **record}), flush=True)
     return record
 
 
@@ -340,7 +338,13 @@ def main() -> None:
     warmed = None
     if args.from_empty:
         args.out.mkdir(parents=True, exist_ok=True)
-        warmed = warm_up(source.name, args, root)
+        from comap_async.wire.messages import COEVOLVE
+
+        ledger = args.out / "source.json"
+        warmed = run_to_phase(
+            source.name, COEVOLVE, args.config, args.overrides, args.warm_up_max_minutes, args.out, root, ledger
+        )
+        print(json.dumps({"warmed_up": source.name, **warmed}), flush=True)
         if args.version is None:
             args.version = warmed["version"]
     variants = [v for v in args.variants.split(",") if v] + ([args.repeat] if args.repeat else [])

@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true")
     args = ap.parse_args()
 
-    from benchmarks.method_table import first_version_in_phase, run_system
+    from benchmarks.method_table import run_to_phase
     from comap_async.config import load_config
     from comap_async.wire.messages import REFLECT_INIT
 
@@ -125,33 +125,21 @@ def main() -> None:
         run_dir, ledger = root / name, args.out / f"{name}.json"
         if (run_dir / "replay").exists() and not args.resume:
             raise SystemExit(f"warmup_switch: {run_dir} exists: --resume goes on with it, or remove it")
-        record = json.loads(ledger.read_text()) if ledger.exists() else {"name": name, "wall_s": 0}
-        reached = first_version_in_phase(run_dir, REFLECT_INIT)
-        if reached is None:
-            wall, _ = run_system(
-                name,
-                args.config,
-                [*args.overrides, override],
-                args.warm_up_max_minutes,
-                args.out,
-                run_dir,
-                until=lambda: first_version_in_phase(run_dir, REFLECT_INIT) is not None,
-            )
-            record["wall_s"] = round(record["wall_s"] + wall)
-            ledger.write_text(json.dumps(record, indent=2))
-            reached = first_version_in_phase(run_dir, REFLECT_INIT)
-            if reached is None:
-                raise SystemExit(
-                    f"warmup_switch: {name} did not finish warm-up in {args.warm_up_max_minutes:.0f} minutes "
-                    f"(see {args.out / f'{name}.log'}); --resume goes on from its checkpoint"
-                )
-        record.update(reached)
-        ledger.write_text(json.dumps(record, indent=2))
+        record = run_to_phase(
+            name,
+            REFLECT_INIT,
+            args.config,
+            [*args.overrides, override],
+            args.warm_up_max_minutes,
+            args.out,
+            root,
+            ledger,
+        )
         out = args.out / f"{name}-eval"
         if not (out / "eval.json").exists():
             with open(args.out / f"{name}-eval.log", "ab") as log:
                 rc = subprocess.run(
-                    eval_command(args, run_dir, override, reached["version"], out),
+                    eval_command(args, run_dir, override, record["version"], out),
                     cwd=ROOT,
                     stdout=log,
                     stderr=subprocess.STDOUT,

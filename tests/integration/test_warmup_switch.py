@@ -11,25 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.core import free_port
+from tests.fixtures.system import honcho_settings
 
 pytestmark = [pytest.mark.alfworld, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_each_value_warms_up_from_empty_and_its_drafts_are_evaluated(tmp_path, tiny_model_dir, alfworld_data):
-    port = free_port()
-    settings = [
-        f"run.root={tmp_path / 'runs'}",
-        f"model.name_or_path={tiny_model_dir}",
-        f"env.data_dir={alfworld_data}",
-        f"broker.actor_port={free_port()}",
-        f"broker.learner_port={free_port()}",
-        f"broker.http_port={free_port()}",
-        f"inference.port={port}",
-        f"inference.endpoints=['http://127.0.0.1:{port}']",
-        "inference.max_prompt_tokens=2048",
-    ]
+    settings = honcho_settings(tmp_path, tiny_model_dir, alfworld_data)
     out = tmp_path / "switch"
     cmd = [sys.executable, "benchmarks/warmup_switch.py", "env.history_k", "--values", "1,2", "--games", "2"]
     cmd += ["--out", str(out), "--config", "configs/test.yaml", *sum((["--set", s] for s in settings), [])]
