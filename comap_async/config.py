@@ -498,7 +498,8 @@ class LearnerConfig(_Section):
     co-evolution run weighs its labels by reflection-mode initialisation's mix (171 KEEP / 429 REVISE
     at r31's v19: a KEEP label 1.75, a REVISE one 0.70), which pulled ``p`` under ``tau_p`` as soon as
     co-evolution's labels were less REVISE-heavy (docs/method-table.md, "The table from r31's v19");
-    a half-life lets the balance follow the mix the learner trains on now."""
+    a half-life lets the balance follow the mix the learner trains on now. Measured at 10 (r31's v19 fork):
+    it delays the gate's shutting by a version or two, not more (docs/reflection-loop.md)."""
     schedule: Literal["async", "rounds"] = "async"
     """``async``: train continuously and publish every ``publish_every`` steps;
     ``rounds``: the paper's collect-train-publish loop."""
