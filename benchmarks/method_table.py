@@ -72,13 +72,18 @@ def variant_overrides(variant: str) -> list[str]:
     return [f"ablation.{n}=true" for n in names] + settings
 
 
+def run_slug(text: str) -> str:
+    """``learner.bce_gate_labels=false`` -> ``learner-bce_gate_labels-false``: a setting as part of a run name."""
+    return "".join(c if c.isalnum() or c in "_-" else "-" for c in text)
+
+
 def plan_forks(variants: list[str], source: str, done: dict[str, dict]) -> list[tuple[str, str, str]]:
     """``(run name, variant, action)`` per variant: ``keep`` a fork the ledger ``done`` records as
     trained, ``refork`` one forked but not trained to the end (so every fork trains alike), else
     ``fork``. A variant named twice (``--repeat``) gets a second run, ``<name>-again``."""
     plan: list[tuple[str, str, str]] = []
     for variant in variants:
-        name = f"{source}-" + "".join(c if c.isalnum() or c in "_-" else "-" for c in variant)
+        name = f"{source}-{run_slug(variant)}"
         if any(name == n for n, _, _ in plan):
             name += "-again"
         action = "fork" if name not in done else ("keep" if "wall_s" in done[name] else "refork")
@@ -123,10 +128,10 @@ def run_system(
     log_dir: Path,
     run_dir: Path,
     until: Callable[[], bool] | None = None,
-) -> tuple[float, bool]:
+) -> float:
     """Run run ``name`` (in ``run_dir``; a run already there resumes) for ``minutes`` or until
-    ``until()``, then stop it (SIGINT: the learner checkpoints); returns the wall time it ran and whether
-    ``until()`` held. A system that stops by itself is an error."""
+    ``until()``, then stop it (SIGINT: the learner checkpoints); returns the wall time it ran. A system
+    that stops by itself is an error."""
     env = {**os.environ, "COMAP_OVERRIDES": shlex.join([f"run.name={name}", *overrides])}
     env["COMAP_CONFIG"] = config  # the same config as the evaluation's (honcho's Procfile reads it)
     log = open(log_dir / f"{name}.log", "ab")
@@ -136,13 +141,13 @@ def run_system(
     )
     try:
         if wait_with_bar(proc, name, minutes, run_dir, until):
-            return time.time() - t0, True
+            return time.time() - t0
         raise SystemExit(
             f"method_table: {name}'s system stopped by itself after {time.time() - t0:.0f} s "
             f"(see {log_dir / f'{name}.log'})"
         )
     except subprocess.TimeoutExpired:
-        return time.time() - t0, False
+        return time.time() - t0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)  # honcho stops every process; the learner checkpoints
@@ -177,7 +182,7 @@ def run_to_phase(
     record = json.loads(ledger.read_text()) if ledger.exists() else {"name": name, "wall_s": 0}
     reached = first_version_in_phase(root / name, phase)
     if reached is None:
-        wall, _ = run_system(
+        wall = run_system(
             name,
             config,
             overrides,
@@ -187,15 +192,14 @@ def run_to_phase(
             until=lambda: first_version_in_phase(root / name, phase) is not None,
         )
         record["wall_s"] = round(record["wall_s"] + wall)
-        ledger.write_text(json.dumps(record, indent=2))
         reached = first_version_in_phase(root / name, phase)
-        if reached is None:
-            raise SystemExit(
-                f"{Path(sys.argv[0]).stem}: {name} published no {phase} version in {max_minutes:.0f} minutes "
-                f"(see {out / f'{name}.log'}); --resume goes on from its checkpoint"
-            )
-    record.update(reached)
-    ledger.write_text(json.dumps(record, indent=2))
+    record.update(reached or {})
+    ledger.write_text(json.dumps(record, indent=2))  # the wall time so far also when it fell short
+    if reached is None:
+        raise SystemExit(
+            f"{Path(sys.argv[0]).stem}: {name} published no {phase} version in {max_minutes:.0f} minutes "
+            f"(see {out / f'{name}.log'}); --resume goes on from its checkpoint"
+        )
     return record
 
 
@@ -209,8 +213,7 @@ def train(
     run_dir: Path,
 ) -> float:
     """Run the forked run ``name`` (in ``run_dir``) for ``minutes``; returns the wall time it ran."""
-    wall, _ = run_system(name, config, [*overrides, *variant_overrides(variant)], minutes, log_dir, run_dir)
-    return wall
+    return run_system(name, config, [*overrides, *variant_overrides(variant)], minutes, log_dir, run_dir)
 
 
 def trained_to(run_dir: Path, record: dict) -> str:
@@ -335,22 +338,27 @@ def main() -> None:
     cfg = load_config(args.config, args.overrides)
     root = Path(cfg.run.root).expanduser()
     source = Path(args.source) if (Path(args.source) / "replay").is_dir() else root / args.source
+    variants = [v for v in args.variants.split(",") if v] + ([args.repeat] if args.repeat else [])
+    args.out.mkdir(parents=True, exist_ok=True)
+    for variant in variants:
+        variant_overrides(variant)  # refuse an unknown name before any run starts (a warm-up takes hours)
     warmed = None
     if args.from_empty:
-        args.out.mkdir(parents=True, exist_ok=True)
         from comap_async.wire.messages import COEVOLVE
 
-        ledger = args.out / "source.json"
         warmed = run_to_phase(
-            source.name, COEVOLVE, args.config, args.overrides, args.warm_up_max_minutes, args.out, root, ledger
+            source.name,
+            COEVOLVE,
+            args.config,
+            args.overrides,
+            args.warm_up_max_minutes,
+            args.out,
+            root,
+            args.out / "source.json",
         )
         print(json.dumps({"warmed_up": source.name, **warmed}), flush=True)
         if args.version is None:
             args.version = warmed["version"]
-    variants = [v for v in args.variants.split(",") if v] + ([args.repeat] if args.repeat else [])
-    args.out.mkdir(parents=True, exist_ok=True)
-    for variant in variants:
-        variant_overrides(variant)  # refuse an unknown name before any run starts
     ledger = args.out / "forks.json"  # what was forked and trained, so --resume goes on from there
     done = {f["name"]: f for f in json.loads(ledger.read_text())} if args.resume and ledger.exists() else {}
 

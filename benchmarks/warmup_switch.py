@@ -28,11 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def run_name(setting: str, value: str) -> str:
-    """``ws-actor-warmup_recovery-false``: a run name from a setting and its value."""
-    return "ws-" + "".join(c if c.isalnum() or c in "_-" else "-" for c in f"{setting}-{value}")
-
-
 def eval_command(args: argparse.Namespace, run_dir: Path, override: str, version: int, out: Path) -> list[str]:
     """``comap eval`` of the run's end-of-warm-up drafts, with the run's value and ``--eval-set``."""
     sets = [*args.overrides, override, f"inference.adapter_root={run_dir / 'adapters'}", *args.eval_overrides]
@@ -109,7 +104,7 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true")
     args = ap.parse_args()
 
-    from benchmarks.method_table import run_to_phase
+    from benchmarks.method_table import run_slug, run_to_phase
     from comap_async.config import load_config
     from comap_async.wire.messages import REFLECT_INIT
 
@@ -121,7 +116,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for value in values:
-        name, override = run_name(args.setting, value), f"{args.setting}={value}"
+        name, override = f"ws-{run_slug(f'{args.setting}-{value}')}", f"{args.setting}={value}"
         run_dir, ledger = root / name, args.out / f"{name}.json"
         if (run_dir / "replay").exists() and not args.resume:
             raise SystemExit(f"warmup_switch: {run_dir} exists: --resume goes on with it, or remove it")
