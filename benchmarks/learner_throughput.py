@@ -6,6 +6,12 @@ activation checkpointing, full-vocabulary logits over a window, one pass per kin
     python benchmarks/learner_throughput.py [--model smollm2-135m-instruct|tiny|DIR] [--steps 3] [--rounds 2]
     python benchmarks/learner_throughput.py --variants reference,new --rounds 1 --steps 1   # quick look
     python benchmarks/learner_throughput.py --qwen3-4b-shape   # random Qwen3-4B-shaped model, GPU only
+    python benchmarks/learner_throughput.py --warmup --headline new,detached   # issue 29: warm-up SFT's steps
+
+``--warmup`` times warm-up SFT's step (demonstrations and transitions without a student rollout,
+so no KL; no reflection samples) and
+reports demonstrations trained per learner hour; ``--headline A,B`` alternates those two variants
+(default ``reference,new``) and ends with ``speedup`` of B over A.
 
 Every variant runs in its own child process (its peak RSS is its own); the reference and the new
 path alternate round by round, so a machine that gets busier or quieter affects both alike.
@@ -48,6 +54,7 @@ VARIANTS = {
     ),
     "new": ({}, 1, "the learner as configured"),
     "new-2-threads": ({}, 2, "as configured, 2 torch threads (not in the headline)"),
+    "detached": ({"prompt_grad": False}, 1, "as configured, prompts' keys and values without gradient"),
 }
 HEADLINE = ("reference", "new")
 LOSSES = ("wm/ce", "wm/kl", "policy/draft_ce", "policy/reflect_ce", "policy/bce")
@@ -145,6 +152,9 @@ def child(args: argparse.Namespace) -> None:
     )
     rows = [records(i) for i in range(args.batch_size)]
     mb = {"transitions": [r[0] for r in rows], "demos": [r[1] for r in rows], "reflections": [r[2] for r in rows]}
+    if args.warmup:  # warm-up SFT's micro-batch: expert transitions carry no student rollout (no KL)
+        mb["reflections"] = []
+        mb["transitions"] = [{**t, "s_hat_exec": ""} for t in mb["transitions"]]
     # the warm-up step (allocations, lazy init): the adapters' B matrices are still zero, so its
     # losses are the base model's, the same in every variant up to the matmul precision
     first = trainer.train_step([mb])
@@ -176,24 +186,28 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run_child(args: argparse.Namespace, variant: str) -> dict:
-    cmd = [
-        sys.executable,
-        __file__,
-        "--child",
-        variant,
-        "--model",
-        args.model,
-        "--cache-dir",
-        args.cache_dir,
-        "--batch-size",
-        str(args.batch_size),
-        "--steps",
-        str(args.steps),
-        "--device",
-        args.device,
-        "--config",
-        args.config,
-    ] + (["--qwen3-4b-shape"] if args.qwen3_4b_shape else [])
+    cmd = (
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            variant,
+            "--model",
+            args.model,
+            "--cache-dir",
+            args.cache_dir,
+            "--batch-size",
+            str(args.batch_size),
+            "--steps",
+            str(args.steps),
+            "--device",
+            args.device,
+            "--config",
+            args.config,
+        ]
+        + (["--qwen3-4b-shape"] if args.qwen3_4b_shape else [])
+        + (["--warmup"] if args.warmup else [])
+    )
     threads = str(VARIANTS[variant][1])
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -221,6 +235,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if gpu_shape else "cpu")
     ap.add_argument("--qwen3-4b-shape", action="store_true", help="random model with Qwen3-4B's shapes (needs a GPU)")
     ap.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    ap.add_argument("--warmup", action="store_true", help="time warm-up SFT's step (no reflection samples)")
+    ap.add_argument("--headline", default=",".join(HEADLINE), help="the two variants alternated and compared: A,B")
     args = ap.parse_args()
     if args.child:
         return child(args)
@@ -229,12 +245,16 @@ def main() -> None:
 
         if not torch.cuda.is_available():
             raise SystemExit("--qwen3-4b-shape needs a GPU")
+    pair = [v.strip() for v in args.headline.split(",") if v.strip()]
+    if len(pair) != 2:
+        raise SystemExit(f"--headline takes two variants A,B, not {args.headline!r}")
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
+    wanted += [v for v in pair if v not in wanted]
     unknown = [v for v in wanted if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     results: dict[str, list[dict]] = {v: [] for v in wanted}
-    headline = [v for v in HEADLINE if v in wanted]
+    headline = pair
     for r in range(args.rounds):  # reference and new alternate; the order flips every round
         for v in headline if r % 2 == 0 else headline[::-1]:
             results[v].append(run_child(args, v))
@@ -259,9 +279,13 @@ def main() -> None:
         print(
             f"variant={v} tokens_per_s={rate[v]:.1f} step_s={seconds / steps:.2f} tokens_per_step={tokens // steps} "
             f"{mem}={max(y['peak_gb'] for y in res):.2f} threads={x['threads']} precision={x['autocast']} "
-            f"fast_path={x['fast_path']} checkpointing={x['checkpointing']} runs={len(res)} first_step: {losses}"
+            f"fast_path={x['fast_path']} checkpointing={x['checkpointing']} runs={len(res)} "
+            f"demos_per_hour={args.batch_size * 3600 * steps / seconds:.0f} first_step: {losses}"
         )
-    if "reference" in rate and "new" in rate:
+    if pair != list(HEADLINE):
+        a, b = pair
+        print(f"{a}_tokens_per_s={rate[a]:.1f} {b}_tokens_per_s={rate[b]:.1f} speedup={rate[b] / rate[a]:.2f}")
+    elif "reference" in rate and "new" in rate:
         print(
             f"learner_tokens_per_s={rate['new']:.1f} reference_tokens_per_s={rate['reference']:.1f} "
             f"speedup={rate['new'] / rate['reference']:.2f}"

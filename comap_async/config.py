@@ -440,6 +440,14 @@ class LearnerConfig(_Section):
     sequences are packed by length. Same losses and gradients as the reference path
     (``false``: full-vocabulary logits over a window, one pass per kind of row), checked by
     tests/unit/test_learner_fast_path.py."""
+    prompt_grad: bool = True
+    """Fast path: ``false`` computes each sequence's prompt (all but its last token) in a pass
+    without gradient and trains the targets against those keys and values (a second pass over
+    the last prompt token and the targets). The loss is the same; the gradient leaves out the
+    path through the prompt's keys and values, and a step costs about a forward of the prompt
+    instead of a forward and backward (a ~600-token prompt for a ~5-token action in warm-up).
+    ``benchmarks/learner_throughput.py`` measures the speed, held-out draft accuracy decides
+    (docs/running.md, "Learner")."""
     chunk_tokens: int = Field(default=1024, ge=0)
     """Fast path: a micro-batch's sequences go through the model in chunks of at most this many
     tokens (at least one sequence each), each chunk's backward right after its forward, so only

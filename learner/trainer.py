@@ -38,7 +38,7 @@ from comap_async.config import AblationConfig, LearnerConfig
 from comap_async.method.routing import world_model_terms
 from comap_async.models import cpu_has_native_bf16
 from learner import losses
-from learner.batches import Encoder, Packed, Seq, collate, logits_window, pack
+from learner.batches import Encoder, Packed, Seq, collate, detach_prompts, logits_window, pack
 from learner.ema import copy_student_to_teacher, ema_update, paired_lora_tensors
 from learner.paw import AdaptiveWeight, policy_wm_aux_step
 from learner.peft_model import (
@@ -169,6 +169,8 @@ class Trainer:
     def _target_logits(self, packed: Packed) -> torch.Tensor:
         """The fast path's forward: the decoder's hidden states over the packed rows, then the
         vocabulary projection (fp32) of the positions that predict a target token only: [N, V]."""
+        if not self.cfg.prompt_grad and torch.is_grad_enabled() and min(u[0].start for u in packed.units) > 1:
+            return self._detached_prompt_logits(packed)
         base = self.model.get_base_model()
         layout = {"packed_layout": packed.layout} if self.packed_attention else {}
         with self._amp():
@@ -181,6 +183,33 @@ class Trainer:
             ).last_hidden_state
         head = base.get_output_embeddings()
         h = hidden[packed.rows, packed.cols]
+        return torch.nn.functional.linear(h.to(head.weight.dtype), head.weight, head.bias).float()
+
+    def _detached_prompt_logits(self, packed: Packed) -> torch.Tensor:
+        """:meth:`_target_logits` with ``learner.prompt_grad: false``: the prompts' keys and values
+        from a pass without gradient, then the targets' pass against them (:func:`detach_prompts`).
+        The same logits; no gradient through the prompts' keys and values."""
+        det = detach_prompts(packed.units, self.pad_id, self.device)
+        base = self.model.get_base_model()
+        decoder = base.get_decoder()
+        with torch.no_grad(), self._amp():
+            cache = decoder(
+                input_ids=det.context_ids,
+                attention_mask=det.context_mask,
+                position_ids=det.context_pos,
+                use_cache=True,
+            ).cache
+        cache.batch_select_indices(det.unit_of)  # one context row per sequence of the unit
+        with self._amp():
+            hidden = decoder(
+                input_ids=det.tail_ids,
+                attention_mask=det.tail_mask,
+                position_ids=det.tail_pos,
+                cache=cache,
+                use_cache=True,
+            ).last_hidden_state
+        head = base.get_output_embeddings()
+        h = hidden[det.rows, det.cols]
         return torch.nn.functional.linear(h.to(head.weight.dtype), head.weight, head.bias).float()
 
     @staticmethod

@@ -232,3 +232,42 @@ def test_autocast_auto_follows_the_hardware(monkeypatch):
     assert trainer_mod.resolve_autocast("auto", "cpu") == torch.bfloat16
     monkeypatch.setattr(trainer_mod, "cpu_has_native_bf16", lambda: False)
     assert trainer_mod.resolve_autocast("auto", "cpu") is None
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 400])
+def test_detached_prompts_give_the_reference_losses_and_other_gradients(tiny_model_dir, chunk_tokens):
+    """``learner.prompt_grad: false``: the prompts' keys and values come from a pass without
+    gradient, so every loss equals the reference path's (the same forward: positions, masks, the
+    context rows of a unit's two targets) while the gradient leaves out the path through the
+    prompt: it differs, and still reaches every LoRA tensor."""
+    ref, fast = pair(tiny_model_dir, chunk_tokens=chunk_tokens, prompt_grad=False)
+    (ma, ga), (mb, gb) = step_with_grads(ref, mixed_batch()), step_with_grads(fast, mixed_batch())
+    for name in LOSSES:
+        assert abs(ma[name] - mb[name]) / max(abs(ma[name]), 1e-3) < RTOL, name
+    assert ma["learner/tokens"] == mb["learner/tokens"]
+    assert ga.keys() == gb.keys() and len(ga) > 0
+    assert all(torch.isfinite(g).all() and g.abs().max() > 0 for g in gb.values())
+    flat_a = torch.cat([ga[n].flatten() for n in sorted(ga)])
+    flat_b = torch.cat([gb[n].flatten() for n in sorted(gb)])
+    assert (flat_a - flat_b).abs().max() > 100 * RTOL * flat_a.abs().max()
+    assert torch.nn.functional.cosine_similarity(flat_a, flat_b, dim=0) > 0.3
+
+
+def test_detach_prompts_lays_out_contexts_and_tails():
+    from learner.batches import detach_prompts
+
+    prompt = [5, 6, 7]
+    ce, rollout = Seq(prompt + [8, 9], 3, 2), Seq(prompt + [10, 11, 12, 13], 3, 3)
+    short = Seq([20, 21, 22], 2, 1)
+    d = detach_prompts([[ce, rollout], [short]], pad_id=0)
+    assert d.context_ids.tolist() == [[5, 6], [0, 20]]  # all but the prompt's last token, left-padded
+    assert d.context_pos.tolist() == [[0, 1], [0, 0]]
+    assert d.tail_ids.tolist() == [[7, 8, 0], [7, 10, 11], [21, 0, 0]]  # last prompt token + targets but the last
+    assert d.tail_pos[:2].tolist() == [[2, 3, 0], [2, 3, 4]] and d.tail_pos[2, 0] == 1
+    assert d.unit_of.tolist() == [0, 0, 1]
+    assert list(zip(d.rows.tolist(), d.cols.tolist())) == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 0)]
+    m = d.tail_mask[:, 0]
+    assert m[2, 0].tolist() == [False, True, True, False, False]  # the short unit's context, not its padding
+    assert m[1, 2].tolist() == [True, True, True, True, True]
+    assert m[0, 0].tolist() == [True, True, True, False, False]
+    assert d.context_mask[1, 0, 0].tolist() == [True, False]  # padding sees itself only
