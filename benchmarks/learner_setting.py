@@ -1,0 +1,247 @@
+"""One learner setting against another on the same stored samples of a run: samples trained per
+learner hour, then the held-out probes of each trained policy (issue 29, acceptance 3: a faster
+learner is kept only if it learns as well from the same data).
+
+    python benchmarks/learner_setting.py --replay /work/runs/r31/replay --samples 200 --steps 100 \
+        --variants prompt_grad=true,prompt_grad=false --out /tmp/ls                  # warm-up SFT
+    python benchmarks/learner_setting.py --phase reflect_init --init-adapter DIR/policy-v1 ...  # reflection init
+
+Each variant trains the policy adapter (from the base model, or from ``--init-adapter``, a peft
+adapter directory such as an end-of-warm-up ``policy-vN``) with the same seed on the same
+``--samples`` samples of the run's replay, ``--steps`` steps in the same order, with the learner
+section of ``--config`` plus the variant's ``learner.*`` setting. ``--phase warmup``: a step is
+``learner.batch_size`` demonstrations (warm-up SFT's draft loss; the world model, which the
+draft accuracy does not read, is left at the base model). ``--phase reflect_init``: a step is
+``learner.reflect_init_batch_size`` suffix-labelled reflection samples and ``learner.batch_size``
+demonstrations (reflection-mode initialisation's micro-batch and losses). Then ``comap eval
+--probes`` on ``--games`` held-out games: draft accuracy, and for ``reflect_init`` how ``p``
+ranks wrong drafts above right ones (``p_auc``, discrimination) and unreadable reflections. The
+variants train one after the other in child processes, one torch thread each; run nothing else
+beside it if the speed is to be read.
+
+Last line: ``learner_setting A -> B: draft_accuracy X -> Y [p_auc ...] speedup=S`` (B's samples per
+hour over A's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+PROBE_FIGURES = {
+    "warmup": ("draft_accuracy",),
+    "reflect_init": ("draft_accuracy", "p_auc", "p_discrimination", "reflection_problem_rate", "gate_open_rate"),
+}
+
+
+def read_store(replay: Path, store_name: str, n: int | None, seed: int, keep: Any = None) -> list[dict]:
+    """``n`` records of one store of the replay (all if None) that ``keep`` accepts, shuffled with
+    ``seed``: the same list for every variant."""
+    import msgpack
+
+    from broker.store import ReplayStore
+    from comap_async.wire.protocol import STORES
+
+    store = ReplayStore(replay, {s: 1 for s in STORES}, readonly=True)
+    try:
+        records = [msgpack.unpackb(raw, raw=False) for raw in store.iter_store(store_name)]
+    finally:
+        store.close()
+    records = [r for r in records if keep is None or keep(r)]
+    if n is not None and len(records) < n:
+        raise SystemExit(f"{replay} holds {len(records)} {store_name} samples to train, fewer than --samples {n}")
+    random.Random(seed).shuffle(records)
+    return records if n is None else records[:n]
+
+
+def is_suffix(record: dict) -> bool:
+    return record.get("source") == "suffix"
+
+
+def training_data(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """(demonstrations, reflection samples) the phase trains: ``--samples`` of its own kind."""
+    replay = Path(args.replay)
+    if args.phase == "warmup":
+        return read_store(replay, "demos", args.samples, args.seed), []
+    return read_store(replay, "demos", None, args.seed), read_store(
+        replay, "reflections", args.samples, args.seed, is_suffix
+    )
+
+
+def child(args: argparse.Namespace) -> None:
+    """Train one variant and save its adapters as version 1 under ``--child-out``; print RESULT."""
+    import torch
+    import yaml
+
+    from comap_async.config import LearnerConfig
+    from comap_async.models import load_model_and_tokenizer, resolve_model
+    from comap_async.prompts import ChatTemplate, Prompts
+    from comap_async.wire.messages import ROLES, adapter_name
+    from learner.batches import Encoder
+    from learner.peft_model import build_peft_model
+    from learner.publish import save_adapter
+    from learner.schedule import phase_bce_weight
+    from learner.trainer import Trainer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    section = (yaml.safe_load(Path(args.config).read_text()) or {}).get("learner") or {}
+    key, _, value = args.child.partition("=")
+    cfg = LearnerConfig(**{**section, "device": "cpu", key: yaml.safe_load(value)})
+    path = resolve_model(args.model, args.cache_dir)
+    base, tok = load_model_and_tokenizer(path, device="cpu")
+    model = build_peft_model(
+        base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.gradient_checkpointing
+    )
+    trainer = Trainer(model, Encoder(tok, Prompts(ChatTemplate.from_model_dir(path)), cfg.max_seq_len), cfg, "cpu")
+    if args.init_adapter:
+        from peft.utils import load_peft_weights
+
+        from learner.peft_model import load_adapter_state
+
+        load_adapter_state(trainer.model, "policy", load_peft_weights(args.init_adapter, device="cpu"))
+    trainer.scheduler.enter(args.phase, 0, args.steps)
+    trainer.bce_weight = phase_bce_weight(cfg, args.phase)
+    demos, reflections = training_data(args)
+    n_refl = (cfg.reflect_init_batch_size or cfg.batch_size) if args.phase == "reflect_init" else 0
+    losses, seconds, trained = [], 0.0, 0
+    loss_name = "policy/draft_ce" if args.phase == "warmup" else "policy/loss"
+    for step in range(args.steps):
+        mb = {
+            "demos": [demos[(step * cfg.batch_size + i) % len(demos)] for i in range(cfg.batch_size)],
+            "reflections": [reflections[(step * n_refl + i) % len(reflections)] for i in range(n_refl)],
+            "transitions": [],
+        }
+        t0 = time.perf_counter()
+        metrics = trainer.train_step([mb])
+        seconds += time.perf_counter() - t0
+        trained += len(mb["reflections"] if n_refl else mb["demos"])
+        losses.append(metrics[loss_name])
+        if step % 10 == 0 or step == args.steps - 1:
+            print(
+                f"  {args.child} step {step + 1}/{args.steps} {loss_name}={losses[-1]:.3f} {seconds:.0f}s", flush=True
+            )
+    out = Path(args.child_out)
+    for role in ROLES:
+        save_adapter(trainer.model, "policy" if role == "policy" else "wm", out / adapter_name(role, 1))
+    first, last = sum(losses[:10]) / min(10, len(losses)), sum(losses[-10:]) / min(10, len(losses))
+    print("RESULT " + json.dumps({"seconds": seconds, "samples": trained, "loss_first10": first, "loss_last10": last}))
+
+
+def run_child(args: argparse.Namespace, variant: str, out: Path) -> dict:
+    cmd = [sys.executable, __file__, *args.argv_common, "--child", variant, "--child-out", str(out / "adapters")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = None
+    with open(out / "train.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT)
+        for line in proc.stdout:  # the child's progress as it trains
+            if line.startswith("RESULT "):
+                result = json.loads(line[len("RESULT ") :])
+            else:
+                print(line, end="", flush=True)
+        proc.wait()
+    if result is None:
+        raise SystemExit(f"variant {variant} failed (exit {proc.returncode}); see {out / 'train.log'}")
+    return result
+
+
+def probes(args: argparse.Namespace, out: Path) -> dict:
+    """``comap eval --probes`` of the variant's version 1: its report."""
+    cmd = [
+        sys.executable, "-m", "comap_async", "eval", "--config", args.config,
+        "--set", f"inference.adapter_root={out / 'adapters'}", *sum((["--set", s] for s in args.eval_overrides), []),
+        "--adapters", "1", "--probes", "--split", args.split, "--games", str(args.games),
+        "--serve", "always", "--out", str(out / "eval"),
+    ]  # fmt: skip
+    with open(out / "eval.log", "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"comap eval failed (exit {proc.returncode}); see {out / 'eval.log'}")
+    return json.loads((out / "eval" / "eval.json").read_text())["probes"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--replay", required=True, help="a run's replay directory (its stores are read)")
+    ap.add_argument("--phase", choices=list(PROBE_FIGURES), default="warmup")
+    ap.add_argument("--samples", type=int, default=200, help="demonstrations (warmup) or suffix reflections")
+    ap.add_argument("--init-adapter", help="a policy adapter directory to start from (default: the base model)")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--variants", default="prompt_grad=true,prompt_grad=false", help="two learner settings A,B")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--games", type=int, default=6, help="held-out games whose walkthrough states are probed")
+    ap.add_argument("--split", default="valid_seen")
+    ap.add_argument("--config", default=os.environ.get("COMAP_CONFIG", "configs/local.yaml"))
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--cache-dir", default="~/.cache/comap-async/models")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-set", dest="eval_overrides", action="append", default=[], help="KEY=VALUE for comap eval")
+    ap.add_argument("--resume", action="store_true", help="keep a variant whose probes are already in --out")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if len(variants) != 2 or any("=" not in v for v in variants):
+        raise SystemExit(f"--variants takes two learner settings KEY=VALUE,KEY=VALUE, not {args.variants!r}")
+    from comap_async.config import LearnerConfig
+
+    for v in variants:
+        if v.partition("=")[0] not in LearnerConfig.model_fields:
+            raise SystemExit(f"--variants: {v.partition('=')[0]!r} is not a learner setting")
+    if args.init_adapter and not (Path(args.init_adapter) / "adapter_model.safetensors").is_file():
+        raise SystemExit(f"--init-adapter {args.init_adapter}: no adapter_model.safetensors there")
+    training_data(args)  # refuse a short replay before training anything
+    args.argv_common = [
+        "--replay", args.replay, "--phase", args.phase, "--samples", str(args.samples), "--steps", str(args.steps),
+        *(["--init-adapter", args.init_adapter] if args.init_adapter else []), "--config", args.config,
+        "--model", args.model, "--cache-dir", args.cache_dir, "--seed", str(args.seed), "--out", args.out,
+    ]  # fmt: skip
+    root = Path(args.out)
+    rows = {}
+    for v in variants:
+        out = root / v.replace("=", "-")
+        done = out / "result.json"
+        if args.resume and done.exists():
+            rows[v] = json.loads(done.read_text())
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        trained = run_child(args, v, out)
+        report = probes(args, out)
+        rows[v] = {
+            **trained,
+            **{k: report.get(k) for k in PROBE_FIGURES[args.phase]},
+            "states": report["walkthrough_states"],
+        }
+        done.write_text(json.dumps(rows[v], indent=1))
+
+    def fig(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.3f}"
+
+    for v, r in rows.items():
+        r["per_hour"] = r["samples"] * 3600 / r["seconds"]
+        figures = " ".join(f"{k}={fig(r.get(k))}" for k in PROBE_FIGURES[args.phase])
+        print(
+            f"learner_setting {args.phase} {v}: samples={r['samples']} per_hour={r['per_hour']:.0f} "
+            f"loss first10={r['loss_first10']:.3f} last10={r['loss_last10']:.3f} {figures} "
+            f"({r['states']} held-out states)"
+        )
+    a, b = variants
+    change = " ".join(f"{k} {fig(rows[a].get(k))} -> {fig(rows[b].get(k))}" for k in PROBE_FIGURES[args.phase])
+    print(f"learner_setting {a} -> {b}: {change} speedup={rows[b]['per_hour'] / rows[a]['per_hour']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

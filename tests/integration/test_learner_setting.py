@@ -1,0 +1,84 @@
+"""``benchmarks/learner_setting.py``: two learner settings train a policy on the same samples read from
+a real LMDB replay (tiny model), warm-up SFT from the base model and reflection-mode initialisation
+from the warm-up's adapter; each version is probed on real held-out games, ``--resume`` trains
+nothing again, and a replay too small is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from broker.store import ReplayStore, WriteItem
+from comap_async.wire.protocol import STORES
+from tests.fixtures.system import honcho_settings
+
+pytestmark = [pytest.mark.alfworld, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_samples(path: Path, n: int) -> None:
+    """``n`` demonstrations, ``n`` suffix-labelled reflection samples and one the action gate labelled."""
+    state = "Task: put a mug in the fridge.\nCurrent observation: You see a mug {}."
+    demos = [{"s": state.format(i), "target": "take mug 1"} for i in range(n)]
+    refl = [
+        {"s": state.format(i), "a_draft": "look", "s_bar": "Nothing happens.", "target": "take mug 1", "y": i % 2}
+        for i in range(n + 1)
+    ]
+    for i, r in enumerate(refl):
+        r["source"] = "suffix" if i < n else "gate"
+    items = [WriteItem(f"d{i}".encode(), [("demos", msgpack.packb(d))]) for i, d in enumerate(demos)]
+    items += [WriteItem(f"r{i}".encode(), [("reflections", msgpack.packb(r))]) for i, r in enumerate(refl)]
+    store = ReplayStore(path, {s: 100 for s in STORES})
+    try:
+        store.write(items)
+    finally:
+        store.close()
+
+
+def test_two_settings_train_the_same_demos_and_are_probed(tmp_path, tiny_model_dir, alfworld_data):
+    write_samples(tmp_path / "replay", 6)
+    out = tmp_path / "sft"
+    evals = sum((["--eval-set", s] for s in honcho_settings(tmp_path, tiny_model_dir, alfworld_data)), [])
+    cmd = [sys.executable, "benchmarks/learner_setting.py", "--replay", str(tmp_path / "replay"), "--samples", "4"]
+    cmd += ["--steps", "3", "--games", "1", "--model", str(tiny_model_dir), "--config", "configs/test.yaml"]
+    cmd += ["--out", str(out), *evals]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+    for variant in ("prompt_grad-true", "prompt_grad-false"):
+        result = json.loads((out / variant / "result.json").read_text())
+        assert result["samples"] == 3 * 2  # steps x configs/test.yaml's batch size
+        assert result["states"] > 0 and 0 <= result["draft_accuracy"] <= 1
+        assert (out / variant / "adapters" / "policy-v1" / "adapter_model.safetensors").exists()
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("learner_setting prompt_grad=true -> prompt_grad=false: draft_accuracy")
+    assert "speedup=" in last
+
+    before = (out / "prompt_grad-true" / "result.json").stat().st_mtime_ns
+    again = subprocess.run([*cmd, "--resume"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (out / "prompt_grad-true" / "result.json").stat().st_mtime_ns == before
+
+    short = [*cmd[:5], "50", *cmd[6:]]
+    refused = subprocess.run(short, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "holds 6 demos samples to train, fewer than --samples 50" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+    # reflection-mode initialisation from the warm-up's adapter, on the 6 suffix samples (not the gate's)
+    init = out / "prompt_grad-true" / "adapters" / "policy-v1"
+    refl = [*cmd[:6], "--phase", "reflect_init", "--init-adapter", str(init), *cmd[6:]]
+    refl[refl.index("--out") + 1] = str(tmp_path / "refl")
+    done = subprocess.run(refl, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "refl" / "prompt_grad-false" / "result.json").read_text())
+    assert result["samples"] == 3 * 2  # steps x reflect_init_batch_size (configs/test.yaml: batch_size's 2)
+    assert "p_auc" in result and result["reflection_problem_rate"] is not None
+    assert "p_auc" in done.stdout.strip().splitlines()[-1]
+    too_many = [*refl[:5], "7", *refl[6:]]
+    refused = subprocess.run(too_many, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "holds 6 reflections samples to train, fewer than --samples 7" in refused.stderr
