@@ -9,7 +9,8 @@ learner is kept only if it learns as well from the same data).
 Each variant trains the policy adapter (from the base model, or from ``--init-adapter``, a peft
 adapter directory such as an end-of-warm-up ``policy-vN``) with the same seed on the same
 ``--samples`` samples of the run's replay, ``--steps`` steps in the same order, with the learner
-section of ``--config`` plus the variant's ``learner.*`` setting. ``--phase warmup``: a step is
+section of ``--config`` plus the variant's ``learner.*`` settings (``KEY=VALUE``, several joined by
+``+``). ``--phase warmup``: a step is
 ``learner.batch_size`` demonstrations (warm-up SFT's draft loss; the world model, which the
 draft accuracy does not read, is left at the base model). ``--phase reflect_init``: a step is
 ``learner.reflect_init_batch_size`` suffix-labelled reflection samples and ``learner.batch_size``
@@ -82,9 +83,7 @@ def training_data(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
 def child(args: argparse.Namespace) -> None:
     """Train one variant and save its adapters as version 1 under ``--child-out``; print RESULT."""
     import torch
-    import yaml
 
-    from comap_async.config import LearnerConfig
     from comap_async.models import load_model_and_tokenizer, resolve_model
     from comap_async.prompts import ChatTemplate, Prompts
     from comap_async.wire.messages import ROLES, adapter_name
@@ -96,9 +95,7 @@ def child(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
-    section = (yaml.safe_load(Path(args.config).read_text()) or {}).get("learner") or {}
-    key, _, value = args.child.partition("=")
-    cfg = LearnerConfig(**{**section, "device": "cpu", key: yaml.safe_load(value)})
+    cfg = variant_config(args.config, args.child)
     path = resolve_model(args.model, args.cache_dir)
     base, tok = load_model_and_tokenizer(path, device="cpu")
     model = build_peft_model(
@@ -137,6 +134,26 @@ def child(args: argparse.Namespace) -> None:
         save_adapter(trainer.model, "policy" if role == "policy" else "wm", out / adapter_name(role, 1))
     first, last = sum(losses[:10]) / min(10, len(losses)), sum(losses[-10:]) / min(10, len(losses))
     print("RESULT " + json.dumps({"seconds": seconds, "samples": trained, "loss_first10": first, "loss_last10": last}))
+
+
+def variant_config(config: str, variant: str) -> Any:
+    """The learner section of ``config`` with the variant's settings (``KEY=VALUE[+KEY=VALUE...]``)."""
+    import yaml
+    from pydantic import ValidationError
+
+    from comap_async.config import LearnerConfig
+
+    section = (yaml.safe_load(Path(config).read_text()) or {}).get("learner") or {}
+    settings = {}
+    for part in variant.split("+"):
+        key, eq, value = part.partition("=")
+        if not eq or key not in LearnerConfig.model_fields:
+            raise SystemExit(f"--variants: {part!r} is not a learner setting KEY=VALUE")
+        settings[key] = yaml.safe_load(value)
+    try:
+        return LearnerConfig(**{**section, "device": "cpu", **settings})
+    except ValidationError as exc:
+        raise SystemExit(f"--variants {variant}: {exc.errors()[0]['msg']}") from None
 
 
 def run_child(args: argparse.Namespace, variant: str, out: Path) -> dict:
@@ -194,13 +211,12 @@ def main() -> None:
     if args.child:
         return child(args)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if len(variants) != 2 or any("=" not in v for v in variants):
-        raise SystemExit(f"--variants takes two learner settings KEY=VALUE,KEY=VALUE, not {args.variants!r}")
-    from comap_async.config import LearnerConfig
-
+    if len(variants) != 2:
+        raise SystemExit(
+            f"--variants takes two learner settings A,B (each KEY=VALUE[+KEY=VALUE]), not {args.variants!r}"
+        )
     for v in variants:
-        if v.partition("=")[0] not in LearnerConfig.model_fields:
-            raise SystemExit(f"--variants: {v.partition('=')[0]!r} is not a learner setting")
+        variant_config(args.config, v)  # a setting the config refuses stops here, before any training
     if args.init_adapter and not (Path(args.init_adapter) / "adapter_model.safetensors").is_file():
         raise SystemExit(f"--init-adapter {args.init_adapter}: no adapter_model.safetensors there")
     training_data(args)  # refuse a short replay before training anything
@@ -212,7 +228,7 @@ def main() -> None:
     root = Path(args.out)
     rows = {}
     for v in variants:
-        out = root / v.replace("=", "-")
+        out = root / v.replace("=", "-").replace("+", "_")
         done = out / "result.json"
         if args.resume and done.exists():
             rows[v] = json.loads(done.read_text())
