@@ -39,10 +39,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from comap_async.wire.messages import REFLECT_INIT, WARMUP  # noqa: E402
 
 PROBE_FIGURES = {
-    "warmup": ("draft_accuracy",),
-    "reflect_init": ("draft_accuracy", "p_auc", "p_discrimination", "reflection_problem_rate", "gate_open_rate"),
+    WARMUP: ("draft_accuracy",),
+    REFLECT_INIT: ("draft_accuracy", "p_auc", "p_discrimination", "reflection_problem_rate", "gate_open_rate"),
 }
 
 
@@ -73,7 +74,7 @@ def is_suffix(record: dict) -> bool:
 def training_data(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     """(demonstrations, reflection samples) the phase trains: ``--samples`` of its own kind."""
     replay = Path(args.replay)
-    if args.phase == "warmup":
+    if args.phase == WARMUP:
         return read_store(replay, "demos", args.samples, args.seed), []
     return read_store(replay, "demos", None, args.seed), read_store(
         replay, "reflections", args.samples, args.seed, is_suffix
@@ -111,9 +112,9 @@ def child(args: argparse.Namespace) -> None:
     trainer.scheduler.enter(args.phase, 0, args.steps)
     trainer.bce_weight = phase_bce_weight(cfg, args.phase)
     demos, reflections = training_data(args)
-    n_refl = (cfg.reflect_init_batch_size or cfg.batch_size) if args.phase == "reflect_init" else 0
+    n_refl = (cfg.reflect_init_batch_size or cfg.batch_size) if args.phase == REFLECT_INIT else 0
     losses, seconds, trained = [], 0.0, 0
-    loss_name = "policy/draft_ce" if args.phase == "warmup" else "policy/loss"
+    loss_name = "policy/draft_ce" if args.phase == WARMUP else "policy/loss"
     for step in range(args.steps):
         mb = {
             "demos": [demos[(step * cfg.batch_size + i) % len(demos)] for i in range(cfg.batch_size)],
@@ -191,7 +192,7 @@ def probes(args: argparse.Namespace, out: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--replay", required=True, help="a run's replay directory (its stores are read)")
-    ap.add_argument("--phase", choices=list(PROBE_FIGURES), default="warmup")
+    ap.add_argument("--phase", choices=list(PROBE_FIGURES), default=WARMUP)
     ap.add_argument("--samples", type=int, default=200, help="demonstrations (warmup) or suffix reflections")
     ap.add_argument("--init-adapter", help="a policy adapter directory to start from (default: the base model)")
     ap.add_argument("--steps", type=int, default=100)
