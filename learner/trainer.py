@@ -171,18 +171,24 @@ class Trainer:
         vocabulary projection (fp32) of the positions that predict a target token only: [N, V]."""
         if not self.cfg.prompt_grad and torch.is_grad_enabled() and min(u[0].start for u in packed.units) > 1:
             return self._detached_prompt_logits(packed)
-        base = self.model.get_base_model()
         layout = {"packed_layout": packed.layout} if self.packed_attention else {}
         with self._amp():
-            hidden = base.get_decoder()(
-                input_ids=packed.input_ids,
-                attention_mask=packed.attention_mask,
-                position_ids=packed.position_ids,
-                use_cache=False,
-                **layout,
-            ).last_hidden_state
-        head = base.get_output_embeddings()
-        h = hidden[packed.rows, packed.cols]
+            hidden = (
+                self.model.get_base_model()
+                .get_decoder()(
+                    input_ids=packed.input_ids,
+                    attention_mask=packed.attention_mask,
+                    position_ids=packed.position_ids,
+                    use_cache=False,
+                    **layout,
+                )
+                .last_hidden_state
+            )
+        return self._vocabulary(hidden[packed.rows, packed.cols])
+
+    def _vocabulary(self, h: torch.Tensor) -> torch.Tensor:
+        """The output embeddings' projection (fp32 logits) of the hidden states that predict targets."""
+        head = self.model.get_base_model().get_output_embeddings()
         return torch.nn.functional.linear(h.to(head.weight.dtype), head.weight, head.bias).float()
 
     def _detached_prompt_logits(self, packed: Packed) -> torch.Tensor:
@@ -190,8 +196,7 @@ class Trainer:
         from a pass without gradient, then the targets' pass against them (:func:`detach_prompts`).
         The same logits; no gradient through the prompts' keys and values."""
         det = detach_prompts(packed.units, self.pad_id, self.device)
-        base = self.model.get_base_model()
-        decoder = base.get_decoder()
+        decoder = self.model.get_base_model().get_decoder()
         with torch.no_grad(), self._amp():
             cache = decoder(
                 input_ids=det.context_ids,
@@ -208,9 +213,7 @@ class Trainer:
                 cache=cache,
                 use_cache=True,
             ).last_hidden_state
-        head = base.get_output_embeddings()
-        h = hidden[det.rows, det.cols]
-        return torch.nn.functional.linear(h.to(head.weight.dtype), head.weight, head.bias).float()
+        return self._vocabulary(hidden[det.rows, det.cols])
 
     @staticmethod
     def _per_sequence(flat: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
