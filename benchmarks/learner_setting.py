@@ -48,16 +48,15 @@ PROBE_FIGURES = {
 
 
 def read_store(replay: Path, store_name: str, n: int | None, seed: int, keep: Any = None) -> list[dict]:
-    """``n`` records of one store of the replay (all if None) that ``keep`` accepts, shuffled with
-    ``seed``: the same list for every variant."""
-    import msgpack
-
+    """``n`` records of one store of the replay (all if None), as the broker serves them to the
+    learner, that ``keep`` accepts, shuffled with ``seed``: the same list for every variant."""
+    from broker.ingest import record_from_store
     from broker.store import ReplayStore
     from comap_async.wire.protocol import STORES
 
     store = ReplayStore(replay, {s: 1 for s in STORES}, readonly=True)
     try:
-        records = [msgpack.unpackb(raw, raw=False) for raw in store.iter_store(store_name)]
+        records = [record_from_store(store_name, raw) for raw in store.iter_store(store_name)]
     finally:
         store.close()
     records = [r for r in records if keep is None or keep(r)]
@@ -85,39 +84,23 @@ def child(args: argparse.Namespace) -> None:
     """Train one variant and save its adapters as version 1 under ``--child-out``; print RESULT."""
     import torch
 
-    from comap_async.models import load_model_and_tokenizer, resolve_model
-    from comap_async.prompts import ChatTemplate, Prompts
+    from benchmarks.reflect_discrimination import build_trainer
     from comap_async.wire.messages import ROLES, adapter_name
-    from learner.batches import Encoder
-    from learner.peft_model import build_peft_model
     from learner.publish import save_adapter
     from learner.schedule import phase_bce_weight
-    from learner.trainer import Trainer
 
     torch.set_num_threads(1)
-    torch.manual_seed(args.seed)
-    cfg = variant_config(args.config, args.child)
-    path = resolve_model(args.model, args.cache_dir)
-    base, tok = load_model_and_tokenizer(path, device="cpu")
-    model = build_peft_model(
-        base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.gradient_checkpointing
-    )
-    trainer = Trainer(model, Encoder(tok, Prompts(ChatTemplate.from_model_dir(path)), cfg.max_seq_len), cfg, "cpu")
-    if args.init_adapter:
-        from peft.utils import load_peft_weights
-
-        from learner.peft_model import load_adapter_state
-
-        load_adapter_state(trainer.model, "policy", load_peft_weights(args.init_adapter, device="cpu"))
-    trainer.scheduler.enter(args.phase, 0, args.steps)
-    trainer.bce_weight = phase_bce_weight(cfg, args.phase)
+    cfg = variant_config(args, args.child)
+    lc = cfg.learner
+    trainer = build_trainer(cfg, Path(args.init_adapter) if args.init_adapter else None, {}, args.steps, args.phase)
+    trainer.bce_weight = phase_bce_weight(lc, args.phase)
     demos, reflections = training_data(args)
-    n_refl = (cfg.reflect_init_batch_size or cfg.batch_size) if args.phase == REFLECT_INIT else 0
+    n_refl = (lc.reflect_init_batch_size or lc.batch_size) if args.phase == REFLECT_INIT else 0
     losses, seconds, trained = [], 0.0, 0
     loss_name = "policy/draft_ce" if args.phase == WARMUP else "policy/loss"
     for step in range(args.steps):
         mb = {
-            "demos": [demos[(step * cfg.batch_size + i) % len(demos)] for i in range(cfg.batch_size)],
+            "demos": [demos[(step * lc.batch_size + i) % len(demos)] for i in range(lc.batch_size)],
             "reflections": [reflections[(step * n_refl + i) % len(reflections)] for i in range(n_refl)],
             "transitions": [],
         }
@@ -137,24 +120,26 @@ def child(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps({"seconds": seconds, "samples": trained, "loss_first10": first, "loss_last10": last}))
 
 
-def variant_config(config: str, variant: str) -> Any:
-    """The learner section of ``config`` with the variant's settings (``KEY=VALUE[+KEY=VALUE...]``)."""
-    import yaml
-    from pydantic import ValidationError
+def model_overrides(args: argparse.Namespace) -> list[str]:
+    """``--model`` and ``--cache-dir`` as config overrides (training and probes alike); none: the config's."""
+    out = []
+    if args.model:
+        out.append(f"model.name_or_path={args.model}")
+    if args.cache_dir:
+        out.append(f"model.cache_dir={args.cache_dir}")
+    return out
 
-    from comap_async.config import LearnerConfig
 
-    section = (yaml.safe_load(Path(config).read_text()) or {}).get("learner") or {}
-    settings = {}
-    for part in variant.split("+"):
-        key, eq, value = part.partition("=")
-        if not eq or key not in LearnerConfig.model_fields:
-            raise SystemExit(f"--variants: {part!r} is not a learner setting KEY=VALUE")
-        settings[key] = yaml.safe_load(value)
+def variant_config(args: argparse.Namespace, variant: str) -> Any:
+    """``--config`` with the variant's learner settings (``KEY=VALUE[+KEY=VALUE...]``), loaded and
+    checked as a run's config is."""
+    from comap_async.config import ConfigError, load_config
+
+    settings = [f"learner.{part}" for part in variant.split("+")]
     try:
-        return LearnerConfig(**{**section, "device": "cpu", **settings})
-    except ValidationError as exc:
-        raise SystemExit(f"--variants {variant}: {exc.errors()[0]['msg']}") from None
+        return load_config(args.config, [*settings, *model_overrides(args), f"run.seed={args.seed}"])
+    except ConfigError as exc:
+        raise SystemExit(f"--variants {variant}: {exc}") from None
 
 
 def run_child(args: argparse.Namespace, variant: str, out: Path) -> dict:
@@ -178,7 +163,8 @@ def probes(args: argparse.Namespace, out: Path) -> dict:
     """``comap eval --probes`` of the variant's version 1: its report."""
     cmd = [
         sys.executable, "-m", "comap_async", "eval", "--config", args.config,
-        "--set", f"inference.adapter_root={out / 'adapters'}", *sum((["--set", s] for s in args.eval_overrides), []),
+        "--set", f"inference.adapter_root={out / 'adapters'}",
+        *sum((["--set", s] for s in [*model_overrides(args), *args.eval_overrides]), []),
         "--adapters", "1", "--probes", "--split", args.split, "--games", str(args.games),
         "--serve", "always", "--out", str(out / "eval"),
     ]  # fmt: skip
@@ -201,8 +187,8 @@ def main() -> None:
     ap.add_argument("--games", type=int, default=6, help="held-out games whose walkthrough states are probed")
     ap.add_argument("--split", default="valid_seen")
     ap.add_argument("--config", default=os.environ.get("COMAP_CONFIG", "configs/local.yaml"))
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--cache-dir", default="~/.cache/comap-async/models")
+    ap.add_argument("--model", help="model.name_or_path for training and probes (default: the config's)")
+    ap.add_argument("--cache-dir", help="model.cache_dir (default: the config's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-set", dest="eval_overrides", action="append", default=[], help="KEY=VALUE for comap eval")
     ap.add_argument("--resume", action="store_true", help="keep a variant whose probes are already in --out")
@@ -217,14 +203,15 @@ def main() -> None:
             f"--variants takes two learner settings A,B (each KEY=VALUE[+KEY=VALUE]), not {args.variants!r}"
         )
     for v in variants:
-        variant_config(args.config, v)  # a setting the config refuses stops here, before any training
+        variant_config(args, v)  # a setting the config refuses stops here, before any training
     if args.init_adapter and not (Path(args.init_adapter) / "adapter_model.safetensors").is_file():
         raise SystemExit(f"--init-adapter {args.init_adapter}: no adapter_model.safetensors there")
     training_data(args)  # refuse a short replay before training anything
     args.argv_common = [
         "--replay", args.replay, "--phase", args.phase, "--samples", str(args.samples), "--steps", str(args.steps),
         *(["--init-adapter", args.init_adapter] if args.init_adapter else []), "--config", args.config,
-        "--model", args.model, "--cache-dir", args.cache_dir, "--seed", str(args.seed), "--out", args.out,
+        *(["--model", args.model] if args.model else []), *(["--cache-dir", args.cache_dir] if args.cache_dir else []),
+        "--seed", str(args.seed), "--out", args.out,
     ]  # fmt: skip
     root = Path(args.out)
     rows = {}

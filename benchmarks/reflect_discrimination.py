@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from actors.probes import auc  # noqa: E402  (the probes' figure, the same function)
+from comap_async.wire.messages import REFLECT_INIT  # noqa: E402
 
 VARIANTS = {"plain": {"bce_balance": False}, "balanced": {"bce_balance": True}}
 
@@ -127,13 +128,14 @@ def draft_doubt(trainer: Any, samples: list[dict[str, Any]], doubt: list[float] 
     return {"draft_doubt_auc": auc(pos, neg), "n": len(doubt)}
 
 
-def build_trainer(cfg: Any, adapter: Path, overrides: dict[str, Any], budget: int) -> Any:
+def build_trainer(cfg: Any, adapter: Path | None, overrides: dict[str, Any], budget: int, phase: str) -> Any:
+    """The learner's trainer as a run builds it (config, prompts, LoRA adapters), its policy adapter
+    loaded from ``adapter`` (None: the base model's), in ``phase`` with ``budget`` steps of schedule."""
     import torch
     from safetensors.torch import load_file
 
     from comap_async.models import load_model_and_tokenizer, resolve_model
     from comap_async.prompts import Prompts
-    from comap_async.wire.messages import REFLECT_INIT
     from learner.batches import Encoder
     from learner.peft_model import build_peft_model, load_adapter_state
     from learner.trainer import Trainer
@@ -145,10 +147,10 @@ def build_trainer(cfg: Any, adapter: Path, overrides: dict[str, Any], budget: in
     model = build_peft_model(
         base, lc.lora_r, lc.lora_alpha, lc.lora_dropout, lc.target_modules, lc.gradient_checkpointing
     )
-    state = load_file(str(adapter / "adapter_model.safetensors"))
-    load_adapter_state(model, "policy", state)
+    if adapter is not None:
+        load_adapter_state(model, "policy", load_file(str(Path(adapter) / "adapter_model.safetensors")))
     trainer = Trainer(model, Encoder(tok, Prompts.for_model(path, cfg), lc.max_seq_len), lc, lc.device)
-    trainer.scheduler.enter(REFLECT_INIT, 0, budget)  # one warm-up and cosine over all the epochs
+    trainer.scheduler.enter(phase, 0, budget)  # one warm-up and cosine over the whole budget
     return trainer
 
 
@@ -158,7 +160,8 @@ def run_variant(name: str, cfg: Any, args: argparse.Namespace, train: list, test
     torch.set_num_threads(args.threads)
     bs = cfg.learner.batch_size
     budget = args.epochs * math.ceil(len(train) / bs)
-    trainer = build_trainer(cfg, args.adapter, {**VARIANTS[name], "lr": args.lr or cfg.learner.lr}, budget)
+    overrides = {**VARIANTS[name], "lr": args.lr or cfg.learner.lr}
+    trainer = build_trainer(cfg, args.adapter, overrides, budget, REFLECT_INIT)
     # the starting policy's doubt in each held-out draft: the reference, and the confidence shown
     test_doubts = draft_doubts(trainer, test) if args.confidence or args.draft_doubt else None
     if args.confidence:  # the reflection prompts show the starting policy's confidence in each draft
