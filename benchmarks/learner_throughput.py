@@ -54,7 +54,14 @@ VARIANTS = {
     ),
     "new": ({}, 1, "the learner as configured"),
     "new-2-threads": ({}, 2, "as configured, 2 torch threads (not in the headline)"),
-    "detached": ({"prompt_grad": False}, 1, "as configured, prompts' keys and values without gradient"),
+    "new-no-ckpt": ({"gradient_checkpointing": False}, 1, "as configured, without activation checkpointing"),
+    # prompt_grad: false runs without checkpointing (config.py): compare it with new-no-ckpt where
+    # the config checkpoints (the GPU configs)
+    "detached": (
+        {"prompt_grad": False, "gradient_checkpointing": False},
+        1,
+        "as configured, prompts' keys and values without gradient",
+    ),
 }
 HEADLINE = ("reference", "new")
 LOSSES = ("wm/ce", "wm/kl", "policy/draft_ce", "policy/reflect_ce", "policy/bce")
@@ -142,7 +149,8 @@ def child(args: argparse.Namespace) -> None:
             head_dim=128,
             vocab_size=len(tok),
         )
-        base = AutoModelForCausalLM.from_config(cfg4b, dtype=torch.bfloat16).to(args.device)
+        with torch.device(args.device):  # initialised on the card: a 4B model's CPU init takes a minute
+            base = AutoModelForCausalLM.from_config(cfg4b, dtype=torch.bfloat16)
     cfg = learner_config(args, overrides)
     model = build_peft_model(
         base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.gradient_checkpointing

@@ -317,6 +317,15 @@ def inference_dtype(setting: str) -> Any:
     return getattr(torch, setting)
 
 
+def kv_cache_argument(module: Any) -> str:
+    """The name under which ``module``'s forward takes, and its output returns, the key/value cache:
+    ``cache`` from transformers 5.24 (``past_key_values`` deprecated there, to go in 5.40),
+    ``past_key_values`` before (the GPU image's 5.17)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
 def load_model_and_tokenizer(path: str, dtype: str = "float32", device: str = "cpu") -> tuple[Any, Any]:
     """Load a resolved model for inference or training (the one code path for real and tiny models)."""
     import torch

@@ -36,7 +36,7 @@ import torch
 
 from comap_async.config import AblationConfig, LearnerConfig
 from comap_async.method.routing import world_model_terms
-from comap_async.models import cpu_has_native_bf16
+from comap_async.models import cpu_has_native_bf16, kv_cache_argument
 from learner import losses
 from learner.batches import Encoder, Packed, Seq, collate, detach_prompts, logits_window, pack
 from learner.ema import copy_student_to_teacher, ema_update, paired_lora_tensors
@@ -197,21 +197,23 @@ class Trainer:
         The same logits; no gradient through the prompts' keys and values."""
         det = detach_prompts(packed.units, self.pad_id, self.device)
         decoder = self.model.get_base_model().get_decoder()
+        cache_arg = kv_cache_argument(decoder)
         with torch.no_grad(), self._amp():
-            cache = decoder(
+            context = decoder(
                 input_ids=det.context_ids,
                 attention_mask=det.context_mask,
                 position_ids=det.context_pos,
                 use_cache=True,
-            ).cache
+            )
+        cache = getattr(context, cache_arg)
         cache.batch_select_indices(det.unit_of)  # one context row per sequence of the unit
         with self._amp():
             hidden = decoder(
                 input_ids=det.tail_ids,
                 attention_mask=det.tail_mask,
                 position_ids=det.tail_pos,
-                cache=cache,
                 use_cache=True,
+                **{cache_arg: cache},
             ).last_hidden_state
         return self._vocabulary(hidden[det.rows, det.cols])
 

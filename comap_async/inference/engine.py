@@ -27,6 +27,7 @@ from comap_async.inference.fused import FusedLlama
 from comap_async.inference.kvcache import BatchCache, with_capacity
 from comap_async.inference.prefix import PrefixCache
 from comap_async.inference.token_sampling import SamplingParams, StepOutput, sample_step
+from comap_async.models import kv_cache_argument
 
 
 @dataclass(eq=False)
@@ -86,6 +87,7 @@ class Engine:
         # the fused forward keeps keys transposed in its KV cache; transformers' forward cannot read them
         self.fused = fused
         self.key_dim = 3 if fused is not None else 2
+        self.cache_arg = kv_cache_argument(slots.forward_model)
         self.top_candidates = top_candidates
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_ms / 1000.0
@@ -228,8 +230,8 @@ class Engine:
                 input_ids=input_ids,
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=cache,
                 use_cache=True,
+                **{self.cache_arg: cache},
                 **kw,
             )
         finally:

@@ -48,6 +48,25 @@ def test_fast_path_equals_the_reference_path_on_the_gpu(model_dir):
     assert worst_difference(a, b) < RTOL
 
 
+def test_detached_prompts_on_the_gpu_give_the_reference_losses_and_train_in_bf16(model_dir):
+    """``learner.prompt_grad: false`` on the card: the prompts' keys and values from a pass without
+    gradient give the reference path's losses (fp32), and under bf16 autocast the path trains."""
+    ref = make_trainer(model_dir, CUDA, fast_path=False, gradient_checkpointing=True, autocast="off")
+    kw = dict(fast_path=True, prompt_grad=False, gradient_checkpointing=False)  # the path's settings
+    detached = make_trainer(model_dir, CUDA, autocast="off", **kw)
+    for role, state in randomize_adapters(ref).items():
+        load_adapter_state(detached.model, role, state)
+    (ma, _), (mb, gb) = step_with_grads(ref, mixed_batch()), step_with_grads(detached, mixed_batch())
+    for name in LOSSES:
+        assert abs(ma[name] - mb[name]) / max(abs(ma[name]), 1e-3) < RTOL, name
+    assert all(g.device.type == CUDA and torch.isfinite(g).all() and g.abs().max() > 0 for g in gb.values())
+    bf16 = make_trainer(model_dir, CUDA, autocast="bf16", **kw)
+    assert bf16.amp_dtype == torch.bfloat16
+    history = [bf16.train_step([mixed_batch()]) for _ in range(30)]
+    for name in ("wm/ce", "policy/draft_ce", "policy/reflect_ce"):
+        assert history[-1][name] < 0.75 * history[0][name], f"{name}: {history[0][name]:.3f} -> {history[-1][name]:.3f}"
+
+
 def test_bf16_autocast_on_the_gpu_lowers_the_losses_and_keeps_adapters_fp32(model_dir):
     trainer = make_trainer(model_dir, CUDA, fast_path=True, autocast="auto")  # the GPU configs' setting
     assert trainer.amp_dtype == torch.bfloat16
