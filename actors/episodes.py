@@ -17,7 +17,7 @@ from typing import Any
 
 from actors.branches import judge_step
 from actors.cycles import cycle_stop_for
-from actors.imagined import emit_imagined
+from actors.imagined import ImaginedRollouts
 from comap_async.diagnostics import loop_steps
 from comap_async.facts import Facts, NextState, state_delta_f1
 from comap_async.method.gates import canonical_action, gate_reflection, world_state_score
@@ -293,11 +293,14 @@ async def play_coevolve(
     plan = await env.walkthrough() if branch is not None else []
     cycles = cycle_stop_for(ctx.cfg, "comap") if eval_mode else None
     previous: Any = None  # the last step's teacher request and transition, still to be sent
+    imagined = ImaginedRollouts(ctx, ep) if not eval_mode and ctx.cfg.actor.imagined_rollouts > 0 else None
     try:
         while not ep.current.done:
             o, s, t, expert = ep.current.observation, ep.state(), ep.stats.steps, ep.current.expert_action
             if cycles is not None and cycles.stop(s, ep.stats):
                 break
+            if imagined is not None:
+                imagined.at(t)
             admissible = ep.current.admissible
             if previous is not None:  # its teacher call shares the server with this draft
                 drafted, _ = await asyncio.gather(llm.draft_scored(s), previous)
@@ -366,15 +369,19 @@ async def play_coevolve(
     except asyncio.CancelledError:
         if previous is not None:
             previous.cancel()
+        if imagined is not None:
+            imagined.cancel()
         raise
     except Exception:
+        if imagined is not None:
+            imagined.cancel()
         if previous is not None:  # the step before the failure is complete: its transition still goes out
             await asyncio.gather(previous, return_exceptions=True)
         raise
     if previous is not None:
         await previous
-    if not eval_mode and ctx.cfg.actor.imagined_rollouts > 0:
-        await emit_imagined(ctx, ep)
+    if imagined is not None:
+        await imagined.finish()
     if cycles is not None:
         cycles.finish(ep.stats)
     return await ep.finish(COEVOLVE, eval_mode)

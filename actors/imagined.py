@@ -1,11 +1,15 @@
 """The world model as a virtual environment (WebEvolver, arXiv 2504.21024, its
 ``data/traj_synthesizing_world_model.py``): imagined episodes that become policy training data.
 
-After a co-evolution episode, ``actor.imagined_rollouts`` of its real states (drawn with the run
-seed) each start an imagined episode of up to ``actor.imagined_depth`` steps: the policy drafts
+In each co-evolution episode, ``actor.imagined_rollouts`` of its real states (steps drawn with the
+run seed) each start an imagined episode of up to ``actor.imagined_depth`` steps: the policy drafts
 from the state, the student world model answers, and the answer becomes the next state's
 observation (the real history, then the imagined pairs; no admissible list, as the environment has
-not said what it would accept there). No environment step is taken.
+not said what it would accept there). No environment step is taken. A rollout starts when the real
+episode reaches its drawn step and runs beside it (their calls share the server's batches), and
+its steps go out when it ends: on a CPU a 50-step episode takes longer than a 20-minute fork, and
+rollouts held back to the episode's end reached no learner there. Steps drawn past an episode that
+ended early start, at its end, from played steps not used yet.
 
 The filter (the issue's "stated rule"): the policy, as critic (the look-ahead's prompt: "does this
 continuation bring the task closer to done?"), scores the whole imagined episode from its real
@@ -58,35 +62,71 @@ async def _one(ctx: Any, ep: Any, t: int) -> tuple[int, list[tuple[str, str, str
     return t, steps, score, score is not None and score >= a.imagined_min_score
 
 
+class ImaginedRollouts:
+    """The imagined episodes of one real episode: :meth:`at` each real step, :meth:`finish` at its
+    end (before the episode's own message, whose metrics count them), :meth:`cancel` if it fails."""
+
+    def __init__(self, ctx: Any, ep: Any) -> None:
+        self.ctx, self.ep = ctx, ep
+        self.rng = random.Random(f"{ctx.cfg.run.seed}-{ep.id}-imagined")
+        horizon = ctx.cfg.env.max_steps
+        self.planned = set(self.rng.sample(range(horizon), min(ctx.cfg.actor.imagined_rollouts, horizon)))
+        self.started: set[int] = set()
+        self.tasks: list[asyncio.Future] = []
+
+    def at(self, t: int) -> None:
+        """The real episode is at step ``t``: its state is known, its action not yet taken."""
+        if t in self.planned and t not in self.started:
+            self._start(t)
+
+    def _start(self, t: int) -> None:
+        self.started.add(t)
+        self.tasks.append(asyncio.ensure_future(_play_and_emit(self.ctx, self.ep, t)))
+
+    async def finish(self) -> None:
+        late = len(self.planned - self.started)
+        free = [t for t in range(self.ep.stats.steps) if t not in self.started]
+        for t in sorted(self.rng.sample(free, min(late, len(free)))):
+            self._start(t)
+        try:
+            await asyncio.gather(*self.tasks)
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+
 async def emit_imagined(ctx: Any, ep: Any) -> None:
-    """Play ``actor.imagined_rollouts`` imagined episodes from ``ep``'s real states (concurrently:
-    their calls share the server's batches) and emit the kept ones' steps."""
-    a = ctx.cfg.actor
-    rng = random.Random(f"{ctx.cfg.run.seed}-{ep.id}-imagined")
-    starts = sorted(rng.sample(range(ep.stats.steps), min(a.imagined_rollouts, ep.stats.steps)))
-    results = await asyncio.gather(*(_one(ctx, ep, t) for t in starts))
+    """All of a played episode's imagined episodes at once (concurrently), as :class:`ImaginedRollouts`
+    starts those whose steps it did not see."""
+    await ImaginedRollouts(ctx, ep).finish()
+
+
+async def _play_and_emit(ctx: Any, ep: Any, t: int) -> None:
+    _, steps, score, kept = await _one(ctx, ep, t)
+    if not kept:
+        ep.stats.imagined_dropped += 1
+        return
+    ep.stats.imagined_kept += 1
     policy_v, wm_v = ctx.llm.last_version(POLICY) or 0, ctx.llm.last_version(WM) or 0
-    for t, steps, score, kept in results:
-        if not kept:
-            ep.stats.imagined_dropped += 1
-            continue
-        ep.stats.imagined_kept += 1
-        for k, (state, action, _) in enumerate(steps):
-            await ctx.emit(
-                Imagined(
-                    seq=0,
-                    id=f"{ep.id}:{t}:i{k}",
-                    actor=ctx.actor,
-                    game=ep.game.name,
-                    episode=ep.id,
-                    t=t,
-                    k=k,
-                    goal=ep.task,
-                    s=state,
-                    target=action,
-                    score=score,
-                    policy_version=policy_v,
-                    wm_version=wm_v,
-                    ts=time.time(),
-                )
+    for k, (state, action, _) in enumerate(steps):
+        await ctx.emit(
+            Imagined(
+                seq=0,
+                id=f"{ep.id}:{t}:i{k}",
+                actor=ctx.actor,
+                game=ep.game.name,
+                episode=ep.id,
+                t=t,
+                k=k,
+                goal=ep.task,
+                s=state,
+                target=action,
+                score=score,
+                policy_version=policy_v,
+                wm_version=wm_v,
+                ts=time.time(),
             )
+        )

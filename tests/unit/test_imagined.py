@@ -3,11 +3,12 @@ is kept, the broker files the kept steps in their own store as the policy's draf
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import msgpack
 
-from actors.imagined import emit_imagined
+from actors.imagined import ImaginedRollouts, emit_imagined
 from comap_async.config import CoMapConfig
 from comap_async.wire.messages import Imagined
 
@@ -83,6 +84,37 @@ async def test_the_critic_keeps_what_it_scores_at_least_min_score_and_drops_unre
     assert sorted(m.target for m in sent) == ["go to desk 1", "go to desk 2"]
     assert {m.score for m in sent} == {0.9, 0.6}
     assert (ep.stats.imagined_kept, ep.stats.imagined_dropped) == (2, 1)
+
+
+async def test_a_rollout_goes_out_while_its_episode_is_still_running_and_a_short_episode_keeps_its_count():
+    """On a CPU a 50-step episode outlasts a 20-minute fork: rollouts start when the real episode
+    reaches their drawn steps and are sent when they end, not held back to the episode's end."""
+    cfg = CoMapConfig.model_validate(
+        {"env": {"max_steps": 6}, "actor": {"imagined_rollouts": 6, "imagined_depth": 1, "imagined_min_score": 0}}
+    )
+    sent = []
+
+    async def emit(msg):
+        sent.append(msg)
+
+    ep = episode(6)
+    ep.stats.steps = 0
+    rollouts = ImaginedRollouts(SimpleNamespace(cfg=cfg, llm=ScriptedLLM({}), emit=emit, actor="a"), ep)
+    for t in range(3):  # the real episode's first three steps; every step is drawn (6 of 6)
+        rollouts.at(t)
+        ep.stats.steps = t + 1
+        await asyncio.sleep(0)
+    assert sorted(m.t for m in sent) == [0, 1, 2]  # out before the episode's end
+    await rollouts.finish()  # it ended after 3 steps: the 3 drawn past it start from played steps not used
+    assert sorted(m.t for m in sent) == [0, 1, 2] and ep.stats.imagined_kept == 3
+
+    ep, sent[:] = episode(6), []
+    ep.stats.steps = 2
+    cut = ImaginedRollouts(SimpleNamespace(cfg=cfg, llm=ScriptedLLM({}), emit=emit, actor="a"), ep)
+    cut.at(0)
+    cut.cancel()  # the episode failed before its rollout's first await: nothing of it goes out
+    await asyncio.sleep(0)
+    assert sent == [] and all(task.cancelled() for task in cut.tasks)
 
 
 def test_the_broker_files_an_imagined_step_in_its_own_store_as_draft_data():
