@@ -158,6 +158,9 @@ def cell_key(cfg: Any, source: str, version: int, method: str, split: str, games
     }
 
 
+STALE = "measured before its adapters were written (a run forked again under its name?): played again"
+
+
 class CellStore:
     """``OUT/cells``: each row's evaluation report as soon as it is measured, under a name hashed from
     its key, and a row's finished episodes while it is played, so ``--resume`` plays only the games
@@ -165,16 +168,40 @@ class CellStore:
 
     def __init__(self, out: Path) -> None:
         self.root = out / "cells"
+        self.stale: list[str] = []  # cells older than their adapters, moved aside (compare logs them)
 
     def _path(self, key: dict[str, Any]) -> Path:
         return self.root / f"{key_digest(key)}.json"
 
-    def load(self, key: dict[str, Any]) -> dict[str, Any] | None:
+    @staticmethod
+    def published_at(key: dict[str, Any]) -> float:
+        """When the adapters a key names were written (newest file of ``SOURCE/adapters/*-vN``; 0 for
+        the base model). A key names a run directory and a version, not weights: a run forked again
+        under the same name reaches the same versions with other weights."""
+        adapters = Path(key["source"]) / "adapters"
+        if key["source"] == "base" or not adapters.is_dir():
+            return 0.0
+        files = [f for d in adapters.glob(f"*-v{key['version']}") if d.is_dir() for f in d.iterdir()]
+        return max((f.stat().st_mtime for f in files), default=0.0)
+
+    def _read(self, path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
+        """The stored cell for ``key``, if measured after its adapters were written; a stale one is
+        moved aside (``*.stale``), not deleted, and its row played again."""
         try:
-            stored = json.loads(self._path(key).read_text())
+            stored = json.loads(path.read_text())
         except (FileNotFoundError, ValueError):  # none yet, or a file cut short: the row is played
             return None
-        return stored["report"] if stored.get("key") == key else None
+        if stored.get("key") != key:
+            return None
+        if path.stat().st_mtime < self.published_at(key):
+            path.replace(path.with_name(path.name + ".stale"))
+            self.stale.append(path.name)
+            return None
+        return stored
+
+    def load(self, key: dict[str, Any]) -> dict[str, Any] | None:
+        stored = self._read(self._path(key), key)
+        return stored["report"] if stored is not None else None
 
     def save(self, key: dict[str, Any], report: dict[str, Any]) -> None:
         self._write(self._path(key), {"key": key, "report": report})
@@ -185,11 +212,8 @@ class CellStore:
 
     def load_partial(self, key: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], float]:
         """The episodes a row cut short had finished (by game name) and the wall time they took."""
-        try:
-            stored = json.loads(self._partial_path(key).read_text())
-        except (FileNotFoundError, ValueError):
-            return {}, 0.0
-        if stored.get("key") != key:
+        stored = self._read(self._partial_path(key), key)
+        if stored is None:
             return {}, 0.0
         return {r["game"]: r for r in stored["episodes"]}, float(stored["wall_s"])
 
@@ -275,7 +299,10 @@ async def play_cells(
     reports = {}
     async with InferenceClient.from_config(cfg) as client:
         for cell in cells:
+            stale_before = len(store.stale)
             held, wall_before = store.load_partial(cell.key) if resume else ({}, 0.0)
+            if len(store.stale) > stale_before:
+                log.warning("compare.row_stale", what=cell.what, cell=store.stale[-1], why=STALE)
             todo = [g for g in games if g.name not in held]
             if held:
                 log.info("compare.row_resumed", what=cell.what, episodes_kept=len(held), games_left=len(todo))
@@ -370,6 +397,8 @@ def run(args: argparse.Namespace) -> int:
     for cell in cells:
         if cell.id in reports:
             log.info("compare.row_reused", what=cell.what, cells=str(store.root))
+    for name in store.stale:
+        log.warning("compare.row_stale", cell=name, why=STALE)
     todo = [c for c in cells if c.id not in reports]
     if todo:
         cfg, server = start_server(args.config, overrides, log)

@@ -72,6 +72,32 @@ def test_a_rows_finished_episodes_are_read_back_for_its_own_key_until_the_row_is
     assert store.load_partial(key()) == ({}, 0.0) and store.load(key()) == {"success_rate": 1.0}
 
 
+def test_a_row_measured_before_its_adapters_were_written_is_played_again(tmp_path):
+    """A key names a run directory and version, not weights: a run forked again under the same name
+    reaches the same versions with other adapters, and its old rows must not stand for them."""
+    import os
+
+    run = tmp_path / "runs" / "a"
+    (run / "adapters" / "policy-v7").mkdir(parents=True)
+    (run / "adapters" / "policy-v7" / "adapter_model.safetensors").write_bytes(b"old")
+    (run / "adapters" / "policy-v8").mkdir()  # another version: does not count
+    store = CellStore(tmp_path / "out")
+    k = key(source=str(run))
+    store.save(k, {"success_rate": 0.15})
+    store.save_partial(key("eval.repeat_guard=4", source=str(run)), [{"game": "g0"}], 3.0)
+    assert store.load(k) == {"success_rate": 0.15} and store.stale == []
+    (run / "adapters" / "policy-v8" / "adapter_model.safetensors").write_bytes(b"later, another version")
+    assert store.load(k) == {"success_rate": 0.15}
+    newer = max(p.stat().st_mtime for p in store.root.iterdir()) + 10
+    weights = run / "adapters" / "policy-v7" / "adapter_model.safetensors"
+    weights.write_bytes(b"new")  # the run forked again and published v7 anew
+    os.utime(weights, (newer, newer))
+    assert store.load(k) is None
+    assert store.load_partial(key("eval.repeat_guard=4", source=str(run))) == ({}, 0.0)
+    assert len(store.stale) == 2 and len(list(store.root.glob("*.stale"))) == 2  # kept aside, not deleted
+    assert store.load(key(source="base")) is None and CellStore.published_at(key(source="base")) == 0.0
+
+
 def test_the_report_from_stored_records_equals_the_report_from_episodes():
     from actors.episodes import EpisodeStats
     from actors.eval_report import episode_record, summarize, summarize_records
