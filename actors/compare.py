@@ -166,9 +166,10 @@ class CellStore:
     its key, and a row's finished episodes while it is played, so ``--resume`` plays only the games
     a stopped comparison had not finished."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, log: Any = None) -> None:
         self.root = out / "cells"
-        self.stale: list[str] = []  # cells older than their adapters, moved aside (compare logs them)
+        self.log = log
+        self.stale: list[str] = []  # cells older than their adapters, moved aside
 
     def _path(self, key: dict[str, Any]) -> Path:
         return self.root / f"{key_digest(key)}.json"
@@ -196,6 +197,15 @@ class CellStore:
         if path.stat().st_mtime < self.published_at(key):
             path.replace(path.with_name(path.name + ".stale"))
             self.stale.append(path.name)
+            if self.log is not None:
+                self.log.warning(
+                    "compare.row_stale",
+                    cell=path.name,
+                    source=key["source"],
+                    version=key["version"],
+                    method=key["method"],
+                    why=STALE,
+                )
             return None
         return stored
 
@@ -299,10 +309,7 @@ async def play_cells(
     reports = {}
     async with InferenceClient.from_config(cfg) as client:
         for cell in cells:
-            stale_before = len(store.stale)
             held, wall_before = store.load_partial(cell.key) if resume else ({}, 0.0)
-            if len(store.stale) > stale_before:
-                log.warning("compare.row_stale", what=cell.what, cell=store.stale[-1], why=STALE)
             todo = [g for g in games if g.name not in held]
             if held:
                 log.info("compare.row_resumed", what=cell.what, episodes_kept=len(held), games_left=len(todo))
@@ -392,13 +399,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(str(exc))
     cells = plan_cells(cfg, runs, methods, args.split, games, staged, methods_from)
-    store = CellStore(out)
+    store = CellStore(out, log)
     reports = {c.id: r for c in cells if args.resume and (r := store.load(c.key)) is not None}
     for cell in cells:
         if cell.id in reports:
             log.info("compare.row_reused", what=cell.what, cells=str(store.root))
-    for name in store.stale:
-        log.warning("compare.row_stale", cell=name, why=STALE)
     todo = [c for c in cells if c.id not in reports]
     if todo:
         cfg, server = start_server(args.config, overrides, log)

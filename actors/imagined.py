@@ -51,17 +51,6 @@ async def imagine_from(ctx: Any, ep: Any, t: int, depth: int) -> list[tuple[str,
     return steps
 
 
-async def _one(ctx: Any, ep: Any, t: int) -> tuple[int, list[tuple[str, str, str]], float | None, bool]:
-    a = ctx.cfg.actor
-    steps = await imagine_from(ctx, ep, t, a.imagined_depth)
-    if not steps:
-        return t, steps, None, False
-    if a.imagined_min_score <= 0:
-        return t, steps, None, True
-    score = await ctx.llm.critic(steps[0][0], [(action, answer) for _, action, answer in steps])
-    return t, steps, score, score is not None and score >= a.imagined_min_score
-
-
 class ImaginedRollouts:
     """The imagined episodes of one real episode: :meth:`at` each real step, :meth:`finish` at its
     end (before the episode's own message, whose metrics count them), :meth:`cancel` if it fails."""
@@ -98,14 +87,14 @@ class ImaginedRollouts:
             task.cancel()
 
 
-async def emit_imagined(ctx: Any, ep: Any) -> None:
-    """All of a played episode's imagined episodes at once (concurrently), as :class:`ImaginedRollouts`
-    starts those whose steps it did not see."""
-    await ImaginedRollouts(ctx, ep).finish()
-
-
 async def _play_and_emit(ctx: Any, ep: Any, t: int) -> None:
-    _, steps, score, kept = await _one(ctx, ep, t)
+    """One imagined episode from real step ``t``; its steps go out if the filter keeps it."""
+    a = ctx.cfg.actor
+    steps = await imagine_from(ctx, ep, t, a.imagined_depth)
+    score = None
+    if steps and a.imagined_min_score > 0:
+        score = await ctx.llm.critic(steps[0][0], [(action, answer) for _, action, answer in steps])
+    kept = bool(steps) and (a.imagined_min_score <= 0 or (score is not None and score >= a.imagined_min_score))
     if not kept:
         ep.stats.imagined_dropped += 1
         return

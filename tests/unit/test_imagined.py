@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import msgpack
 
-from actors.imagined import ImaginedRollouts, emit_imagined
+from actors.imagined import ImaginedRollouts
 from comap_async.config import CoMapConfig
 from comap_async.wire.messages import Imagined
 
@@ -57,7 +57,7 @@ async def play(min_score: float, scores: dict, steps: int = 5, rollouts: int = 3
         sent.append(msg)
 
     ep = episode(steps)
-    await emit_imagined(SimpleNamespace(cfg=cfg, llm=llm, emit=emit, actor="a"), ep)
+    await ImaginedRollouts(SimpleNamespace(cfg=cfg, llm=llm, emit=emit, actor="a"), ep).finish()  # after the episode
     return sent, ep, llm
 
 
