@@ -31,8 +31,10 @@ On a 2-core CPU a table of 20 games is many hours (a CoMap row alone is over an 
 one sitting: ``OUT/forks.json`` records each fork and its training time and ``OUT/cells`` each
 measured row and episode, so ``--resume`` goes on where a stopped table was (a fork whose training
 was cut short is forked and trained again; a row cut short keeps its finished episodes and plays
-its other games). ``--train-only`` stops after the forks have trained; ``--eval-set`` sets what
-only the evaluation uses (``model.torch_threads=2``: the server has the cores to itself then).
+its other games); ``--resume --refork RUN`` forks and trains a finished fork again (its code or
+settings changed), keeping the old run directory beside it. ``--train-only`` stops after the forks
+have trained; ``--eval-set`` sets what only the evaluation uses (``model.torch_threads=2``: the
+server has the cores to itself then).
 """
 
 from __future__ import annotations
@@ -77,18 +79,42 @@ def run_slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in "_-" else "-" for c in text)
 
 
-def plan_forks(variants: list[str], source: str, done: dict[str, dict]) -> list[tuple[str, str, str]]:
+def plan_forks(
+    variants: list[str], source: str, done: dict[str, dict], replace: frozenset[str] = frozenset()
+) -> list[tuple[str, str, str]]:
     """``(run name, variant, action)`` per variant: ``keep`` a fork the ledger ``done`` records as
-    trained, ``refork`` one forked but not trained to the end (so every fork trains alike), else
+    trained, ``refork`` one forked but not trained to the end (so every fork trains alike), ``replace``
+    a trained one whose run name is in ``replace`` (``--refork``: its code or settings changed), else
     ``fork``. A variant named twice (``--repeat``) gets a second run, ``<name>-again``."""
     plan: list[tuple[str, str, str]] = []
     for variant in variants:
         name = f"{source}-{run_slug(variant)}"
         if any(name == n for n, _, _ in plan):
             name += "-again"
-        action = "fork" if name not in done else ("keep" if "wall_s" in done[name] else "refork")
+        if name not in done:
+            action = "fork"
+        elif "wall_s" not in done[name]:
+            action = "refork"
+        else:
+            action = "replace" if name in replace else "keep"
         plan.append((name, variant, action))
+    unknown = sorted(replace - {n for n, _, _ in plan})
+    if unknown:
+        raise SystemExit(
+            f"method_table: --refork {', '.join(unknown)} names no fork of this table; its forks: "
+            f"{', '.join(n for n, _, _ in plan)}"
+        )
     return plan
+
+
+def set_aside(run_dir: Path) -> Path | None:
+    """Move a replaced fork's run directory to ``<name>.replaced-<time>`` beside it (kept, not deleted:
+    its rows were measured on it); None when there was none."""
+    if not run_dir.exists():
+        return None
+    aside = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.rename(aside)
+    return aside
 
 
 def wait_with_bar(
@@ -318,6 +344,14 @@ def main() -> None:
         help="go on from OUT: forks already trained (OUT/forks.json) are kept, a fork whose training was cut "
         "short is forked again, and rows already measured (OUT/cells) are not played again",
     )
+    ap.add_argument(
+        "--refork",
+        default="",
+        metavar="RUN[,RUN]",
+        help="with --resume: these forks (run names, e.g. r31-comap) are forked and trained again although "
+        "trained (their old run directory is kept beside as RUN.replaced-TIME; their rows are played again, "
+        "being older than the new adapters)",
+    )
     ap.add_argument("--train-only", action="store_true", help="fork and train, then stop (then --resume evaluates)")
     ap.add_argument(
         "--from-empty",
@@ -366,12 +400,17 @@ def main() -> None:
         ledger.write_text(json.dumps(list(done.values()), indent=2))
 
     forks: list = []
-    for name, variant, action in plan_forks(variants, source.name, done):
+    replace = frozenset(n for n in args.refork.split(",") if n)
+    if replace and not args.resume:
+        raise SystemExit("method_table: --refork replaces forks of a table being resumed; add --resume")
+    for name, variant, action in plan_forks(variants, source.name, done, replace):
         if action == "keep":
             record = done[name]
         else:
             if action == "refork":
                 shutil.rmtree(root / name, ignore_errors=True)
+            elif action == "replace":
+                print(json.dumps({"replaced": name, "kept_at": str(set_aside(root / name))}), flush=True)
             try:
                 record = {"name": name, "variant": variant, **fork_run(source, root / name, args.version)}
             except ForkError as exc:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.method_table import plan_forks, variant_overrides
+from benchmarks.method_table import plan_forks, set_aside, variant_overrides
 
 
 def test_a_trained_fork_is_kept_and_one_cut_short_is_forked_again():
@@ -110,3 +110,24 @@ def test_the_comparison_plays_under_the_forks_config_and_settings(tmp_path):
     assert cmd[cmd.index("--methods-from") + 1] == f"{tmp_path / 'r'}:19" and "--resume" in cmd
     sets = [cmd[i + 1] for i, x in enumerate(cmd) if x == "--set"]
     assert sets == ["run.root=/runs", "model.torch_threads=2"]
+
+
+def test_refork_replaces_a_trained_fork_and_refuses_a_name_the_table_lacks():
+    done = {
+        "r27-comap": {"name": "r27-comap", "wall_s": 1800},
+        "r27-frozen_wm": {"name": "r27-frozen_wm", "wall_s": 1200},
+    }
+    plan = plan_forks(["comap", "frozen_wm"], "r27", done, frozenset({"r27-frozen_wm"}))
+    assert plan == [("r27-comap", "comap", "keep"), ("r27-frozen_wm", "frozen_wm", "replace")]
+    with pytest.raises(SystemExit, match="--refork r27-no_wmsd names no fork"):
+        plan_forks(["comap", "frozen_wm"], "r27", done, frozenset({"r27-no_wmsd"}))
+
+
+def test_a_replaced_forks_run_directory_is_kept_beside_it(tmp_path):
+    run = tmp_path / "r27-comap"
+    (run / "adapters").mkdir(parents=True)
+    (run / "adapters" / "latest.json").write_text("{}")
+    aside = set_aside(run)
+    assert not run.exists()
+    assert aside.name.startswith("r27-comap.replaced-") and (aside / "adapters" / "latest.json").is_file()
+    assert set_aside(run) is None
