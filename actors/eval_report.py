@@ -41,6 +41,9 @@ def episode_record(game: Any, stats: Any) -> dict[str, Any]:
         "loops": stats.loops,
         "guarded": stats.guarded,
         "delta_f1": list(stats.delta_f1),
+        # the actions executed, canonical, in order: what a lost game did (its loops, its invalid commands)
+        # can be read after the fact without playing it again
+        "actions": [action for _, action in stats.state_actions],
         **({"cycle_projected": stats.cycle_projected} if stats.cycle_projected else {}),
         **({"cycle_check": stats.cycle_check} if stats.cycle_check is not None else {}),
     }

@@ -111,3 +111,17 @@ def test_the_report_from_stored_records_equals_the_report_from_episodes():
     report = summarize(results, "valid_seen", 7, 3.0)
     assert report["mean_score"] == pytest.approx(66.65) and report["delta_f1"] == pytest.approx(0.5833333)
     assert report["episodes"][1]["score"] == 33.3 and "delta_f1" not in report["episodes"][0]
+
+
+def test_an_episodes_record_keeps_the_actions_it_executed_in_order():
+    from actors.episodes import EpisodeStats
+    from actors.eval_report import episode_record, summarize
+
+    stats = EpisodeStats(steps=3)
+    stats.state_actions = [
+        (frozenset({"a"}), "go to desk 1"),
+        (frozenset({"b"}), "take pen 1"),
+        (frozenset({"b"}), "look"),
+    ]
+    assert episode_record(GAMES[0], stats)["actions"] == ["go to desk 1", "take pen 1", "look"]
+    assert summarize([(GAMES[0], stats)], "valid_seen", 7, 1.0)["episodes"][0]["actions"][1] == "take pen 1"
