@@ -208,16 +208,20 @@ def run_to_phase(
     record = json.loads(ledger.read_text()) if ledger.exists() else {"name": name, "wall_s": 0}
     reached = first_version_in_phase(root / name, phase)
     if reached is None:
-        wall = run_system(
-            name,
-            config,
-            overrides,
-            max_minutes,
-            out,
-            root / name,
-            until=lambda: first_version_in_phase(root / name, phase) is not None,
-        )
-        record["wall_s"] = round(record["wall_s"] + wall)
+        t0 = time.time()
+        try:
+            run_system(
+                name,
+                config,
+                overrides,
+                max_minutes,
+                out,
+                root / name,
+                until=lambda: first_version_in_phase(root / name, phase) is not None,
+            )
+        finally:  # a sitting stopped by a signal counts too: the run resumes from its checkpoint next time
+            record["wall_s"] = round(record["wall_s"] + time.time() - t0)
+            ledger.write_text(json.dumps(record, indent=2))
         reached = first_version_in_phase(root / name, phase)
     record.update(reached or {})
     ledger.write_text(json.dumps(record, indent=2))  # the wall time so far also when it fell short

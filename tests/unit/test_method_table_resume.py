@@ -131,3 +131,22 @@ def test_a_replaced_forks_run_directory_is_kept_beside_it(tmp_path):
     assert not run.exists()
     assert aside.name.startswith("r27-comap.replaced-") and (aside / "adapters" / "latest.json").is_file()
     assert set_aside(run) is None
+
+
+def test_a_warm_up_sitting_stopped_by_a_signal_still_counts_its_wall_time(tmp_path, monkeypatch):
+    import json
+    import time
+
+    import benchmarks.method_table as mt
+
+    def stopped(*args, **kwargs):
+        time.sleep(1.1)
+        raise SystemExit(143)  # SIGTERM's handler in main()
+
+    monkeypatch.setattr(mt, "run_system", stopped)
+    monkeypatch.setattr(mt, "first_version_in_phase", lambda run_dir, phase: None)
+    ledger = tmp_path / "source.json"
+    ledger.write_text(json.dumps({"name": "sw", "wall_s": 600}))
+    with pytest.raises(SystemExit):
+        mt.run_to_phase("sw", "coevolve", "cfg.yaml", [], 1.0, tmp_path, tmp_path, ledger)
+    assert json.loads(ledger.read_text())["wall_s"] == 601
