@@ -423,7 +423,8 @@ def run(args: argparse.Namespace) -> int:
     (out / "compare.json").write_text(json.dumps(report, indent=2))
     table = markdown(rows, args.split, len(games))
     (out / "compare.md").write_text(table)
-    chart = bar_chart(rows, out / "compare.png", f"{args.split}, {len(games)} games")
+    scored = cfg.env.name == "scienceworld"  # a task score (0-100) that moves before success does
+    chart = bar_chart(rows, out / "compare.png", f"{args.split}, {len(games)} games", scored=scored)
     print(table)
     log.info("compare.done", out=str(out), rows=len(rows), reused=len(cells) - len(todo), chart=str(chart))
     return 0

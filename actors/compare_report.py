@@ -65,7 +65,69 @@ def row(
         "loop_rate": report.get("loop_rate"),
         "parse_problem_rate": report.get("parse_problem_rate"),
         "wall_s_per_step": wall_per_step(report),
+        # per game, its score (ALFWorld: 100 for a win): what pairs two rows game by game (:func:`paired_difference`)
+        "game_scores": {e["game"]: e["score"] for e in report.get("episodes", [])},
     }
+
+
+def paired_difference(
+    a: dict[str, float], b: dict[str, float], resamples: int = 4000, seed: int = 0
+) -> tuple[float, float, float, int] | None:
+    """Row ``b``'s mean score minus row ``a``'s over the games both played, with a 95 % bootstrap
+    interval (games resampled with replacement, a fixed seed so a table reads the same twice):
+    ``(difference, low, high, games)``, None when they share no game. Pairing by game removes how
+    hard each game is from the comparison, which two separate intervals cannot; an interval that
+    excludes 0 is a difference these games show."""
+    import random
+
+    shared = sorted(set(a) & set(b))
+    if not shared:
+        return None
+    diffs = [b[g] - a[g] for g in shared]
+    n = len(diffs)
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(resamples))
+    return sum(diffs) / n, means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1], n
+
+
+def reference_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The row the others are paired with: the first run of the method itself (no ablation)."""
+    return next((r for r in rows if r["kind"] == "run" and not r["ablation"]), None)
+
+
+def paired_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """``- <row>: +5.0 (-10.0 to +20.0) over 20 games`` per row against :func:`reference_row`."""
+    ref = reference_row(rows)
+    if ref is None or not ref.get("game_scores"):
+        return []
+    lines = [
+        "",
+        f"Paired with {ref['label']} game by game (mean score difference, 95 % bootstrap interval over the "
+        "games both played; an interval that excludes 0 is a difference these games show):",
+        "",
+    ]
+    for r in rows:
+        if r is ref or not r.get("game_scores"):
+            continue
+        d = paired_difference(ref["game_scores"], r["game_scores"])
+        if d is not None:
+            lines.append(f"- {r['label']}: {d[0]:+.1f} ({d[1]:+.1f} to {d[2]:+.1f}) over {d[3]} games")
+    return lines
+
+
+def won_by(rows: list[dict[str, Any]], games: int) -> list[str]:
+    """Per game any row won (ALFWorld: score 100), the rows that won it: whether rows win the same
+    games or different ones."""
+    won: dict[str, list[str]] = {}
+    for r in rows:
+        for game, score in (r.get("game_scores") or {}).items():
+            if score >= 100.0:
+                won.setdefault(game, []).append(r["label"])
+    if not won:
+        return []
+    return ["", f"Games won ({len(won)} of {games}), by which rows:", ""] + [
+        f"- `{game}`: {'; '.join(labels)}" for game, labels in sorted(won.items())
+    ]
 
 
 def wall_per_step(report: dict[str, Any]) -> float | None:
@@ -112,11 +174,22 @@ def markdown(rows: list[dict[str, Any]], split: str, games: int) -> str:
         "final-action answer: the fallback action ran instead; a reflection: the draft ran; n/a for rows "
         "measured before it was counted).",
     ]
+    lines += paired_lines(rows) + won_by(rows, games)
     return "\n".join(lines) + "\n"
 
 
-def bar_chart(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
-    """Two panels of horizontal bars (success rate, Delta-F1), one bar per row, as a PNG."""
+def chart_panels(rows: list[dict[str, Any]], scored: bool) -> list[tuple[str, list[float | None]]]:
+    """The chart's two panels, (axis name, one value in 0-1 per row; None: n/a)."""
+    if scored:
+        first = ("mean score / 100", [None if r.get("mean_score") is None else r["mean_score"] / 100 for r in rows])
+    else:
+        first = ("success rate", [r["success_rate"] for r in rows])
+    return [first, ("world-model Delta-F1", [r["delta_f1"] for r in rows])]
+
+
+def bar_chart(rows: list[dict[str, Any]], path: Path, title: str, scored: bool = False) -> Path:
+    """Two panels of horizontal bars (success rate, or the mean score / 100 where the environment
+    scores partial progress (``scored``: ScienceWorld); Delta-F1), one bar per row, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -125,11 +198,10 @@ def bar_chart(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     labels = [r["label"] for r in rows]
     colours = ["#4c72b0" if r["kind"] == "run" else "#999999" for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.55 * len(rows) + 1.6), sharey=True)
-    for ax, key, name in ((axes[0], "success_rate", "success rate"), (axes[1], "delta_f1", "world-model Delta-F1")):
-        values = [r[key] if r[key] is not None else 0.0 for r in rows]
-        ax.barh(range(len(rows)), values, color=colours)
-        for i, r in enumerate(rows):
-            ax.text(values[i], i, " n/a" if r[key] is None else f" {r[key]:.2f}", va="center", fontsize=8)
+    for ax, (name, values) in zip(axes, chart_panels(rows, scored)):
+        ax.barh(range(len(rows)), [0.0 if v is None else v for v in values], color=colours)
+        for i, v in enumerate(values):
+            ax.text(v or 0.0, i, " n/a" if v is None else f" {v:.2f}", va="center", fontsize=8)
         ax.set_xlim(0, 1.05)
         ax.set_xlabel(name)
     axes[0].set_yticks(range(len(rows)), labels)

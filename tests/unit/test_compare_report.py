@@ -56,3 +56,56 @@ def test_a_rows_unreadable_answers_are_counted_over_its_steps():
     report = summarize_records([episode(50, 50), episode(30, 10)], "valid_seen", 19, 1.0)
     assert report["parse_problem_rate"] == pytest.approx(60 / 80)
     assert summarize_records([episode(50, 50), episode(30)], "valid_seen", 19, 1.0)["parse_problem_rate"] is None
+
+
+def _report(scores: dict[str, float]) -> dict:
+    n = len(scores)
+    return {
+        "adapter_version": 3,
+        "games": n,
+        "success_rate": sum(s >= 100 for s in scores.values()) / n,
+        "mean_score": sum(scores.values()) / n,
+        "delta_f1": None,
+        "delta_f1_transitions": 0,
+        "mean_steps": 30.0,
+        "revision_rate": 0.0,
+        "invalid_action_rate": 0.0,
+        "episodes": [{"game": g, "score": s} for g, s in scores.items()],
+    }
+
+
+def test_rows_are_paired_game_by_game_with_the_methods_own_run():
+    from actors.compare_report import paired_difference
+
+    games = [f"g{i}" for i in range(10)]
+    comap = row("CoMap (r-comap)", "run", "comap", _report(dict(zip(games, [10.0] * 10))), run="r", ablation=[])
+    better = row("ablation x (r-x)", "run", "comap", _report(dict(zip(games, [30.0] * 10))), run="r-x", ablation=["x"])
+    mixed = row("Draft only", "method", "draft_only", _report(dict(zip(games, [0.0, 20.0] * 5))))
+    assert comap["game_scores"]["g3"] == 10.0
+    assert paired_difference(comap["game_scores"], better["game_scores"]) == (20.0, 20.0, 20.0, 10)
+    d, low, high, n = paired_difference(comap["game_scores"], mixed["game_scores"])
+    assert d == 0.0 and low < 0 < high and n == 10  # half the games 10 points worse, half 10 better
+    assert paired_difference(comap["game_scores"], {"other": 5.0}) is None
+    table = markdown([mixed, comap, better], "dev", 10)
+    assert "Paired with CoMap (r-comap) game by game" in table
+    assert "- ablation x (r-x): +20.0 (+20.0 to +20.0) over 10 games" in table
+    assert "- Draft only: +0.0 (" in table and "- CoMap (r-comap): " not in table
+
+
+def test_the_table_says_which_rows_won_each_game():
+    comap = row("CoMap (r)", "run", "comap", _report({"a": 100.0, "b": 0.0}), run="r", ablation=[])
+    draft = row("Draft only", "method", "draft_only", _report({"a": 100.0, "b": 100.0}))
+    table = markdown([comap, draft], "valid_seen", 2)
+    assert "Games won (2 of 2), by which rows:" in table
+    assert "- `a`: CoMap (r); Draft only" in table and "- `b`: Draft only" in table
+    nothing = markdown([row("CoMap (r)", "run", "comap", _report({"a": 40.0}), run="r", ablation=[])], "dev", 1)
+    assert "Games won" not in nothing
+
+
+def test_a_scored_environments_chart_shows_the_mean_score(tmp_path):
+    from actors.compare_report import bar_chart, chart_panels
+
+    rows = [row("CoMap (r)", "run", "comap", _report({"a": 40.0, "b": 10.0}), run="r", ablation=[])]
+    assert chart_panels(rows, scored=True) == [("mean score / 100", [0.25]), ("world-model Delta-F1", [None])]
+    assert chart_panels(rows, scored=False)[0] == ("success rate", [0.0])
+    assert bar_chart(rows, tmp_path / "c.png", "dev, 2 games", scored=True).stat().st_size > 1000
