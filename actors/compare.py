@@ -363,6 +363,7 @@ def run(args: argparse.Namespace) -> int:
     from actors.compare_report import bar_chart, markdown, row
     from actors.eval_runner import EvalIncomplete, ServerStartError, start_server, stop_server
     from comap_async.config import EVAL_METHODS, load_config
+    from comap_async.envs.registry import env_spec
     from comap_async.logsetup import configure_logging
 
     out = Path(args.out)
@@ -423,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
     (out / "compare.json").write_text(json.dumps(report, indent=2))
     table = markdown(rows, args.split, len(games))
     (out / "compare.md").write_text(table)
-    scored = cfg.env.name == "scienceworld"  # a task score (0-100) that moves before success does
+    scored = env_spec(cfg.env.name).scored
     chart = bar_chart(rows, out / "compare.png", f"{args.split}, {len(games)} games", scored=scored)
     print(table)
     log.info("compare.done", out=str(out), rows=len(rows), reused=len(cells) - len(todo), chart=str(chart))

@@ -67,6 +67,7 @@ def row(
         "wall_s_per_step": wall_per_step(report),
         # per game, its score (ALFWorld: 100 for a win): what pairs two rows game by game (:func:`paired_difference`)
         "game_scores": {e["game"]: e["score"] for e in report.get("episodes", [])},
+        "games_won": sorted(e["game"] for e in report.get("episodes", []) if e["won"]),
     }
 
 
@@ -116,13 +117,11 @@ def paired_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def won_by(rows: list[dict[str, Any]], games: int) -> list[str]:
-    """Per game any row won (ALFWorld: score 100), the rows that won it: whether rows win the same
-    games or different ones."""
+    """Per game any row won, the rows that won it: whether rows win the same games or different ones."""
     won: dict[str, list[str]] = {}
     for r in rows:
-        for game, score in (r.get("game_scores") or {}).items():
-            if score >= 100.0:
-                won.setdefault(game, []).append(r["label"])
+        for game in r.get("games_won") or []:
+            won.setdefault(game, []).append(r["label"])
     if not won:
         return []
     return ["", f"Games won ({len(won)} of {games}), by which rows:", ""] + [

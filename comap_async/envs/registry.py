@@ -14,7 +14,9 @@ The parts (docs/design.md section 8):
   behind Delta-F1 and the world-state gate; ``None`` means unreadable) and, where the environment can
   tell cheaply, ``is_readable(text)``;
 * ``splits``, the one actors train on by default and the held-out one the evaluator measures;
-* ``wording``: the prompts' two system messages (:class:`comap_async.prompts.Wording`).
+* ``wording``: the prompts' two system messages (:class:`comap_async.prompts.Wording`);
+* ``scored``: whether an episode's return is a partial-progress score (0-100) that moves before
+  success does, so comparisons chart the mean score rather than the success rate.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class EnvSpec:
     train_split: str
     held_out_split: str
     wording: Wording
+    scored: bool = False
 
     def __post_init__(self) -> None:
         if self.train_split not in self.splits or self.held_out_split not in self.splits:
@@ -123,5 +126,6 @@ register(
                 "Given the current state and an action, you write the exact observation the environment returns."
             ),
         ),
+        scored=True,
     )
 )

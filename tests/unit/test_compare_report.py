@@ -70,7 +70,7 @@ def _report(scores: dict[str, float]) -> dict:
         "mean_steps": 30.0,
         "revision_rate": 0.0,
         "invalid_action_rate": 0.0,
-        "episodes": [{"game": g, "score": s} for g, s in scores.items()],
+        "episodes": [{"game": g, "score": s, "won": s >= 100} for g, s in scores.items()],
     }
 
 
@@ -109,3 +109,6 @@ def test_a_scored_environments_chart_shows_the_mean_score(tmp_path):
     assert chart_panels(rows, scored=True) == [("mean score / 100", [0.25]), ("world-model Delta-F1", [None])]
     assert chart_panels(rows, scored=False)[0] == ("success rate", [0.0])
     assert bar_chart(rows, tmp_path / "c.png", "dev, 2 games", scored=True).stat().st_size > 1000
+    from comap_async.envs.registry import env_spec
+
+    assert env_spec("scienceworld").scored and not env_spec("alfworld").scored  # what comap compare charts
