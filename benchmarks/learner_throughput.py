@@ -55,7 +55,7 @@ VARIANTS = {
     "new": ({}, 1, "the learner as configured"),
     "new-2-threads": ({}, 2, "as configured, 2 torch threads (not in the headline)"),
     "new-no-ckpt": ({"gradient_checkpointing": False}, 1, "as configured, without activation checkpointing"),
-    # prompt_grad: false runs without checkpointing (config.py): compare it with new-no-ckpt where
+    # prompt_grad: false runs without checkpointing (config/learner.py): compare it with new-no-ckpt where
     # the config checkpoints (the GPU configs)
     "detached": (
         {"prompt_grad": False, "gradient_checkpointing": False},

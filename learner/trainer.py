@@ -99,11 +99,11 @@ class Trainer:
     """A :class:`learner.distributed.DataParallel` under torchrun: gradients and label counts are
     averaged/summed over the ranks before each optimizer step."""
     freeze_wm: bool = False
+    """Set per step by the learner (``ablation.frozen_wm`` after warm-up): the world model is not
+    trained (its records are ignored) and the EMA teacher is not updated."""
     bce_weight: float | None = None
     """The BCE's weight in the phase being trained (the loop sets it: :func:`learner.schedule.phase_bce_weight`);
     None: ``cfg.bce_weight``."""
-    """Set per step by the learner (``ablation.frozen_wm`` after warm-up): the world model is not
-    trained (its records are ignored) and the EMA teacher is not updated."""
 
     def __post_init__(self) -> None:
         self.role_params = {role: [p for _, p in adapter_parameters(self.model, role)] for role in TRAINED}

