@@ -163,7 +163,7 @@ def main() -> None:
     print(
         f"config={Path(args.config).name} shape={shape} params_b={params:.2f} dtype={cfg.model.dtype} "
         f"batch_size={lc.batch_size} grad_accum={lc.grad_accum} max_seq_len={lc.max_seq_len} "
-        f"checkpointing={lc.gradient_checkpointing} fast_path={lc.fast_path} autocast={trainer.amp_dtype} "
+        f"checkpointing={lc.gradient_checkpointing} fast_path={lc.fast_path} autocast={trainer.forward.amp_dtype} "
         f"card_gb={total:.1f} budget_gb={budget:.1f} ({why}) built_s={time.perf_counter() - t0:.1f}",
         flush=True,
     )

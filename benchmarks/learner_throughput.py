@@ -183,7 +183,9 @@ def child(args: argparse.Namespace) -> None:
                 "steps": args.steps,
                 "peak_gb": peak,
                 "threads": threads,
-                "autocast": str(trainer.amp_dtype).replace("torch.", "") if trainer.amp_dtype else "fp32",
+                "autocast": str(trainer.forward.amp_dtype).replace("torch.", "")
+                if trainer.forward.amp_dtype
+                else "fp32",
                 "fast_path": cfg.fast_path,
                 "checkpointing": cfg.gradient_checkpointing,
                 "losses": {k: first[k] for k in LOSSES if k in first},

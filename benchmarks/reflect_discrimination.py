@@ -78,7 +78,7 @@ def score(trainer: Any, samples: list[dict[str, Any]]) -> dict[str, Any]:
         for i in range(0, len(samples), 4):
             part = samples[i : i + 4]
             packed = pack([[enc.reflection(r)] for r in part], trainer.pad_id, trainer.device)
-            logits = trainer._target_logits(packed)
+            logits = trainer.forward.target_logits(packed)
             at = torch.tensor(packed.first, dtype=torch.long)
             ps.extend(losses.revise_probability(logits[at].float(), enc.keep_id, enc.revise_id).tolist())
     pos = [p for p, r in zip(ps, samples) if r["y"] == 1]
@@ -111,7 +111,7 @@ def draft_doubts(trainer: Any, samples: list[dict[str, Any]]) -> list[float]:
         for i in range(0, len(samples), 4):
             seqs = [enc.seq(enc.prompts.draft(r["s"]), r["a_draft"], add_eos=False) for r in samples[i : i + 4]]
             packed = pack([[q] for q in seqs], trainer.pad_id, trainer.device)
-            logp = torch.log_softmax(trainer._target_logits(packed), dim=-1)
+            logp = torch.log_softmax(trainer.forward.target_logits(packed), dim=-1)
             token = logp.gather(1, packed.targets.unsqueeze(1)).squeeze(1)
             total = torch.zeros(len(seqs)).index_add_(0, packed.owner, token)
             doubt.extend((-total / torch.tensor(packed.counts, dtype=torch.float)).tolist())

@@ -343,3 +343,20 @@ def detach_prompts(units: Sequence[Sequence[Seq]], pad_id: int, device: str | to
         rows=torch.tensor(rows, device=device),
         cols=torch.tensor(cols, device=device),
     )
+
+
+def chunk_by_tokens(budget: int, units: list, length: Any) -> list[list]:
+    """``units`` in groups of at most ``budget`` tokens (``learner.chunk_tokens``; longest first, so a
+    chunk's rows are alike); one group when it is 0."""
+    if budget <= 0:
+        return [units]
+    chunks: list[list] = []
+    size = 0
+    for unit in sorted(units, key=length, reverse=True):
+        n = length(unit)
+        if not chunks or size + n > budget:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(unit)
+        size += n
+    return chunks

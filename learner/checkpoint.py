@@ -24,6 +24,16 @@ from learner.peft_model import adapter_state, load_adapter_state
 _FILE = CHECKPOINT_STATE
 
 
+def rng_state() -> dict[str, Any]:
+    """The RNG states a step's dropout and sampling draw from (a checkpoint restores them)."""
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():  # dropout masks on a GPU draw from its own generators
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
 def _set_rng_state(state: dict[str, Any]) -> None:
     import numpy as np
 

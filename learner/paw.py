@@ -78,19 +78,19 @@ def policy_wm_aux_step(
     if not usable:
         return {}
     activate(trainer.model, "policy", trainable=False)
-    with torch.no_grad(), trainer._amp():
+    with torch.no_grad(), trainer.forward.amp():
         packed = pack(
             [[enc.draft({"s": r["s"], "target": r["a_exec"]})] for r in usable], trainer.pad_id, trainer.device
         )
-        ent = token_entropy(trainer._target_logits(packed))
+        ent = token_entropy(trainer.forward.target_logits(packed))
         owner = torch.as_tensor(packed.owner, device=ent.device)
         per_row = torch.zeros(len(usable), device=ent.device).index_add_(0, owner, ent)
         per_row = per_row / torch.bincount(owner, minlength=len(usable)).clamp(min=1)
     chosen = select_by_entropy(per_row.cpu(), cfg.policy_wm_aux_share)
     activate(trainer.model, "policy", trainable=True)
     packed = pack([[enc.world_model_ce(usable[i])] for i in chosen], trainer.pad_id, trainer.device)
-    with trainer._amp():
-        loss = generalized_ce(trainer._target_logits(packed), packed.targets, cfg.policy_wm_aux_q)
+    with trainer.forward.amp():
+        loss = generalized_ce(trainer.forward.target_logits(packed), packed.targets, cfg.policy_wm_aux_q)
     weight = trainer.paw_weight.update(policy_loss, float(loss.detach()))
     (weight * loss * scale).backward()
     return {

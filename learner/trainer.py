@@ -19,13 +19,12 @@ target and its rollout share one pass over their prompt; attention per unit,
 token, and goes through a micro-batch in chunks of ``learner.chunk_tokens`` whose backward runs
 right after their forward (each term is a sum over the chunk divided by the micro-batch's count,
 so loss and gradient are the whole micro-batch's). On CPU its LoRA dropout draws cheaper masks
-(:class:`learner.peft_model.FastDropout`). ``learner.autocast`` adds bf16 matmuls on hardware that has
-them (:func:`resolve_autocast`).
+(:class:`learner.peft_model.FastDropout`). The forward passes of both paths, and ``learner.autocast``'s
+bf16, are :class:`learner.forward.Forward`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import time
@@ -36,49 +35,22 @@ import torch
 
 from comap_async.config import AblationConfig, LearnerConfig
 from comap_async.method.routing import world_model_terms
-from comap_async.models import cpu_has_native_bf16, kv_cache_argument
 from learner import losses
-from learner.batches import Encoder, Packed, Seq, collate, detach_prompts, logits_window, pack
+from learner.batches import Encoder, Seq, chunk_by_tokens, collate, pack
+from learner.checkpoint import rng_state
 from learner.ema import copy_student_to_teacher, ema_update, paired_lora_tensors
+from learner.forward import Forward, per_sequence
 from learner.paw import AdaptiveWeight, policy_wm_aux_step
 from learner.peft_model import (
     TRAINED,
     activate,
     adapter_parameters,
-    cast_frozen_base,
-    use_fast_dropout,
-    use_packed_attention,
 )
 from learner.schedule import MAX_GRAD_NORM, PhaseSchedule, clip_per_role
 
 
 class StepAborted(RuntimeError):
     """A step stopped before its update because the learner is shutting down."""
-
-
-def resolve_autocast(mode: str, device: str | torch.device) -> torch.dtype | None:
-    """``learner.autocast`` -> the autocast dtype of the learner's forward passes (None: fp32)."""
-    if mode == "off":
-        return None
-    if mode == "bf16":
-        return torch.bfloat16
-    kind = torch.device(device).type
-    if kind == "cuda":
-        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else None
-    if kind == "cpu":
-        return torch.bfloat16 if cpu_has_native_bf16() else None
-    return None
-
-
-def rng_state() -> dict[str, Any]:
-    import random
-
-    import numpy as np
-
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():  # dropout masks on a GPU draw from its own generators
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
 
 
 @dataclass
@@ -122,19 +94,7 @@ class Trainer:
         if self.cfg.policy_wm_aux > 0 and not self.fast:
             raise ValueError("learner.policy_wm_aux (PaW) is computed on the fast path: set learner.fast_path: true")
         self.paw_weight = AdaptiveWeight(self.cfg.policy_wm_aux)
-        self.amp_dtype = resolve_autocast(self.cfg.autocast, self.device)
-        if self.amp_dtype is not None:
-            cast_frozen_base(self.model, self.amp_dtype)
-        self.packed_attention = False
-        if self.fast:
-            if getattr(self.model.get_base_model().config, "final_logit_softcapping", None):
-                raise ValueError(
-                    "learner.fast_path projects hidden states with the output embeddings only; "
-                    "this model soft-caps its logits: set learner.fast_path: false"
-                )
-            self.packed_attention = use_packed_attention(self.model)
-            if torch.device(self.device).type == "cpu":
-                use_fast_dropout(self.model)
+        self.forward = Forward(self.model, self.cfg, self.pad_id, self.device)
 
     def start_teacher(self) -> None:
         """Make the EMA teacher a copy of the student. Co-evolution calls it when it begins: the paper
@@ -142,91 +102,6 @@ class Trainer:
         student with a teacher that lags it by the EMA's ~100 steps."""
         with self.update_lock:
             copy_student_to_teacher(self._pairs)
-
-    def _amp(self) -> contextlib.AbstractContextManager:
-        """The autocast context of every forward pass (a no-op in fp32)."""
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=torch.device(self.device).type, dtype=self.amp_dtype)
-
-    # ------------------------------------------------------------------ forward passes
-    def _logits(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Logits of the last ``keep`` positions only, and the batch's labels/starts shifted to match."""
-        keep = logits_window(batch)
-        with self._amp():
-            logits = self.model(
-                input_ids=batch["input_ids"],
-                attention_mask=batch["attention_mask"],
-                position_ids=batch["position_ids"],
-                logits_to_keep=keep,
-            ).logits
-        offset = batch["input_ids"].shape[1] - keep
-        win = {"labels": batch["labels"][:, offset:], "starts": batch["starts"] - offset, "lengths": batch["lengths"]}
-        if "change_labels" in batch:
-            win["change_labels"] = batch["change_labels"][:, offset:]
-        return logits, win
-
-    def _target_logits(self, packed: Packed) -> torch.Tensor:
-        """The fast path's forward: the decoder's hidden states over the packed rows, then the
-        vocabulary projection (fp32) of the positions that predict a target token only: [N, V]."""
-        if not self.cfg.prompt_grad and torch.is_grad_enabled() and min(u[0].start for u in packed.units) > 1:
-            return self._detached_prompt_logits(packed)
-        layout = {"packed_layout": packed.layout} if self.packed_attention else {}
-        with self._amp():
-            hidden = (
-                self.model.get_base_model()
-                .get_decoder()(
-                    input_ids=packed.input_ids,
-                    attention_mask=packed.attention_mask,
-                    position_ids=packed.position_ids,
-                    use_cache=False,
-                    **layout,
-                )
-                .last_hidden_state
-            )
-        return self._vocabulary(hidden[packed.rows, packed.cols])
-
-    def _vocabulary(self, h: torch.Tensor) -> torch.Tensor:
-        """The output embeddings' projection (fp32 logits) of the hidden states that predict targets."""
-        head = self.model.get_base_model().get_output_embeddings()
-        return torch.nn.functional.linear(h.to(head.weight.dtype), head.weight, head.bias).float()
-
-    def _detached_prompt_logits(self, packed: Packed) -> torch.Tensor:
-        """:meth:`_target_logits` with ``learner.prompt_grad: false``: the prompts' keys and values
-        from a pass without gradient, then the targets' pass against them (:func:`detach_prompts`).
-        The same logits; no gradient through the prompts' keys and values."""
-        det = detach_prompts(packed.units, self.pad_id, self.device)
-        decoder = self.model.get_base_model().get_decoder()
-        cache_arg = kv_cache_argument(decoder)
-        with torch.no_grad(), self._amp():
-            context = decoder(
-                input_ids=det.context_ids,
-                attention_mask=det.context_mask,
-                position_ids=det.context_pos,
-                use_cache=True,
-            )
-        cache = getattr(context, cache_arg)
-        cache.batch_select_indices(det.unit_of)  # one context row per sequence of the unit
-        with self._amp():
-            hidden = decoder(
-                input_ids=det.tail_ids,
-                attention_mask=det.tail_mask,
-                position_ids=det.tail_pos,
-                use_cache=True,
-                **{cache_arg: cache},
-            ).last_hidden_state
-        return self._vocabulary(hidden[det.rows, det.cols])
-
-    @staticmethod
-    def _per_sequence(flat: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[N, V] rows of consecutive sequences -> ([B, L, V] zero-padded, [B, L] validity mask):
-        the layout of :func:`losses.rollout_positions` and :func:`losses.self_distillation_kl`."""
-        lengths = torch.tensor(counts, device=flat.device)
-        width = max(counts) if counts else 0
-        mask = torch.arange(width, device=flat.device).unsqueeze(0) < lengths.unsqueeze(1)
-        out = flat.new_zeros((len(counts), width, flat.shape[-1]))
-        out[mask] = flat
-        return out, mask
 
     # ------------------------------------------------------------------ the fast path's sums
     # Each fast-path term is summed over a chunk of sequences (one forward), then divided by the
@@ -257,7 +132,7 @@ class Trainer:
         teacher_logits = self.teacher_logits(teachers) if teachers else None
         activate(self.model, "wm", trainable=True)
         packed = pack([seqs for seqs, _, _ in units], self.pad_id, self.device)
-        logits = self._target_logits(packed)
+        logits = self.forward.target_logits(packed)
         is_ce = [flag for _, flags, _ in units for flag in flags]
         ce_rows = torch.tensor(is_ce, device=logits.device)[packed.owner]
         n_ce = int(ce_rows.sum())
@@ -279,7 +154,7 @@ class Trainer:
                     out["n_change"] = n
         if teachers:
             counts = [c for c, flag in zip(packed.counts, is_ce) if not flag]
-            student, mask = self._per_sequence(logits[~ce_rows], counts)
+            student, mask = per_sequence(logits[~ce_rows], counts)
             out["kl"] = losses.self_distillation_kl(student, teacher_logits, mask) * sum(counts)
             out["n_kl"] = sum(counts)
         return out
@@ -299,7 +174,7 @@ class Trainer:
         """The policy terms summed over ``items`` (:meth:`_policy_items`)."""
         activate(self.model, "policy", trainable=True)
         packed = pack([[seq] for seq, *_ in items], self.pad_id, self.device)
-        logits = self._target_logits(packed)
+        logits = self.forward.target_logits(packed)
         is_draft = torch.tensor([y is None for _, y, _ in items], device=logits.device)[packed.owner]
         n_draft = int(is_draft.sum())
         n_reflect = len(packed.targets) - n_draft
@@ -334,23 +209,6 @@ class Trainer:
             return None
         return losses.label_balance_weights(y, (self.label_counts[0], self.label_counts[1]))
 
-    def _chunks(self, units: list, length: Any) -> list[list]:
-        """``units`` in groups of at most ``learner.chunk_tokens`` tokens (longest first, so a
-        chunk's rows are alike); one group when it is 0."""
-        budget = self.cfg.chunk_tokens
-        if budget <= 0:
-            return [units]
-        chunks: list[list] = []
-        size = 0
-        for unit in sorted(units, key=length, reverse=True):
-            n = length(unit)
-            if not chunks or size + n > budget:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(unit)
-            size += n
-        return chunks
-
     def _check_abort(self) -> None:
         if self.abort:
             self.optimizer.zero_grad(set_to_none=True)
@@ -372,7 +230,9 @@ class Trainer:
         n_ce = sum(seq.n_target for seqs, flags, _ in units for seq, flag in zip(seqs, flags) if flag)
         n_kl = sum(seq.n_target for seqs, flags, _ in units for seq, flag in zip(seqs, flags) if not flag)
         total = {"ce": 0.0, "kl": 0.0, "change": 0.0, "n_change": 0, "tokens": 0}
-        for chunk in self._chunks(units, lambda u: u[0][0].start + sum(seq.n_target for seq in u[0])):
+        for chunk in chunk_by_tokens(
+            self.cfg.chunk_tokens, units, lambda u: u[0][0].start + sum(seq.n_target for seq in u[0])
+        ):
             self._check_abort()
             part = self._wm_sums(chunk)
             loss = losses.world_model_loss(part["ce"] / max(n_ce, 1), part["kl"] / max(n_kl, 1), self.cfg.eta)
@@ -415,7 +275,7 @@ class Trainer:
         n_reflect = max(1, sum(seq.n_target for seq, y, _ in items if y is not None))
         n_bce = max(1, sum(in_bce for _, y, in_bce in items if y is not None))
         total = {"draft": 0.0, "reflect": 0.0, "bce": 0.0, "tokens": 0}
-        for chunk in self._chunks(items, lambda item: len(item[0].ids)):
+        for chunk in chunk_by_tokens(self.cfg.chunk_tokens, items, lambda item: len(item[0].ids)):
             self._check_abort()
             part = self._policy_sums(chunk)
             loss = losses.policy_loss(
@@ -458,7 +318,7 @@ class Trainer:
         change_nll, tokens = None, 0
         if ce_seqs:
             batch = collate(ce_seqs, self.pad_id, self.device)
-            logits, win = self._logits(batch)
+            logits, win = self.forward.window_logits(batch)
             ce = losses.masked_token_ce(logits, win["labels"])
             if "change_labels" in win and bool((win["change_labels"] != losses.IGNORE).any()):
                 with torch.no_grad():
@@ -467,7 +327,7 @@ class Trainer:
         if pairs:
             # the student's rollout rows go in their own forward: their windows differ from the CE rows'
             s_batch = collate([s for s, _ in pairs], self.pad_id, self.device)
-            s_logits, s_win = self._logits(s_batch)
+            s_logits, s_win = self.forward.window_logits(s_batch)
             pos, mask = losses.rollout_positions(s_win["starts"], s_win["lengths"], s_logits.shape[1])
             kl = losses.self_distillation_kl(losses.gather_positions(s_logits, pos), teacher_logits, mask)
             tokens += int(s_batch["attention_mask"].sum())
@@ -486,9 +346,9 @@ class Trainer:
             with torch.no_grad():
                 if self.fast:
                     packed = pack([[s] for s in seqs], self.pad_id, self.device)
-                    return self._per_sequence(self._target_logits(packed), packed.counts)[0]
+                    return per_sequence(self.forward.target_logits(packed), packed.counts)[0]
                 t_batch = collate(seqs, self.pad_id, self.device)
-                t_all, t_win = self._logits(t_batch)
+                t_all, t_win = self.forward.window_logits(t_batch)
         finally:
             self.model.train(was_training)
         pos, _ = losses.rollout_positions(t_win["starts"], t_win["lengths"], t_all.shape[1])
@@ -508,7 +368,7 @@ class Trainer:
         seqs = [enc.draft(r) for r in demos] + [enc.reflection(r) for r in reflections]
         activate(self.model, "policy", trainable=True)
         batch = collate(seqs, self.pad_id, self.device)
-        logits, win = self._logits(batch)
+        logits, win = self.forward.window_logits(batch)
         nd = len(demos)
         draft_ce = losses.masked_token_ce(logits[:nd], win["labels"][:nd])
         rows = torch.arange(len(reflections), device=logits.device)

@@ -61,7 +61,7 @@ def test_detached_prompts_on_the_gpu_give_the_reference_losses_and_train_in_bf16
         assert abs(ma[name] - mb[name]) / max(abs(ma[name]), 1e-3) < RTOL, name
     assert all(g.device.type == CUDA and torch.isfinite(g).all() and g.abs().max() > 0 for g in gb.values())
     bf16 = make_trainer(model_dir, CUDA, autocast="bf16", **kw)
-    assert bf16.amp_dtype == torch.bfloat16
+    assert bf16.forward.amp_dtype == torch.bfloat16
     history = [bf16.train_step([mixed_batch()]) for _ in range(30)]
     for name in ("wm/ce", "policy/draft_ce", "policy/reflect_ce"):
         assert history[-1][name] < 0.75 * history[0][name], f"{name}: {history[0][name]:.3f} -> {history[-1][name]:.3f}"
@@ -69,7 +69,7 @@ def test_detached_prompts_on_the_gpu_give_the_reference_losses_and_train_in_bf16
 
 def test_bf16_autocast_on_the_gpu_lowers_the_losses_and_keeps_adapters_fp32(model_dir):
     trainer = make_trainer(model_dir, CUDA, fast_path=True, autocast="auto")  # the GPU configs' setting
-    assert trainer.amp_dtype == torch.bfloat16
+    assert trainer.forward.amp_dtype == torch.bfloat16
     history = [trainer.train_step([mixed_batch()]) for _ in range(30)]
     for name in LOSSES:
         if name == "wm/kl":  # to the EMA teacher, which moves with the student: finite, not falling

@@ -126,7 +126,7 @@ def test_packed_attention_follows_the_layout_and_equals_the_dense_mask(tiny_mode
     from learner.peft_model import activate
 
     trainer = make_trainer(tiny_model_dir, fast_path=True)
-    assert trainer.packed_attention
+    assert trainer.forward.packed_attention
     enc = trainer.encoder
     rec = wm_record(0, rollout="You arrive at fridge 1. The fridge 1 is open.")
     s_seq, _ = enc.world_model_rollout(rec)
@@ -224,14 +224,14 @@ def test_bf16_autocast_stays_close_to_fp32(tiny_model_dir):
 
 
 def test_autocast_auto_follows_the_hardware(monkeypatch):
-    import learner.trainer as trainer_mod
+    import learner.forward as forward_mod
 
-    assert trainer_mod.resolve_autocast("off", "cpu") is None
-    assert trainer_mod.resolve_autocast("bf16", "cpu") == torch.bfloat16
-    monkeypatch.setattr(trainer_mod, "cpu_has_native_bf16", lambda: True)
-    assert trainer_mod.resolve_autocast("auto", "cpu") == torch.bfloat16
-    monkeypatch.setattr(trainer_mod, "cpu_has_native_bf16", lambda: False)
-    assert trainer_mod.resolve_autocast("auto", "cpu") is None
+    assert forward_mod.resolve_autocast("off", "cpu") is None
+    assert forward_mod.resolve_autocast("bf16", "cpu") == torch.bfloat16
+    monkeypatch.setattr(forward_mod, "cpu_has_native_bf16", lambda: True)
+    assert forward_mod.resolve_autocast("auto", "cpu") == torch.bfloat16
+    monkeypatch.setattr(forward_mod, "cpu_has_native_bf16", lambda: False)
+    assert forward_mod.resolve_autocast("auto", "cpu") is None
 
 
 @pytest.mark.parametrize("chunk_tokens", [0, 400])

@@ -137,7 +137,7 @@ def test_teacher_logits_inside_a_train_step_are_an_eval_mode_forward(tiny_model_
     activate(trainer.model, "wm_teacher", trainable=False)
     trainer.model.eval()
     with torch.no_grad():
-        logits, win = trainer._logits(collate([t_seq], trainer.pad_id))
+        logits, win = trainer.forward.window_logits(collate([t_seq], trainer.pad_id))
         pos, _ = losses.rollout_positions(win["starts"], win["lengths"], logits.shape[1])
         expected = losses.gather_positions(logits, pos)
 

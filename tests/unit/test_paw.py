@@ -76,10 +76,10 @@ def test_it_trains_on_the_transitions_the_policy_is_least_sure_of(tiny_model_dir
         entropies = []
         for r in recs:
             seq = enc.draft({"s": r["s"], "target": r["a_exec"]})
-            entropies.append(float(token_entropy(trainer._target_logits(pack([[seq]], trainer.pad_id))).mean()))
+            entropies.append(float(token_entropy(trainer.forward.target_logits(pack([[seq]], trainer.pad_id))).mean()))
         top = sorted(range(len(recs)), key=lambda i: -entropies[i])[:2]
         packed = pack([[enc.world_model_ce(recs[i])] for i in top], trainer.pad_id)
-        expected = generalized_ce(trainer._target_logits(packed), packed.targets, 0.7).item()
+        expected = generalized_ce(trainer.forward.target_logits(packed), packed.targets, 0.7).item()
     metrics = trainer.train_step([{"transitions": recs, "demos": [demo_record(0)]}])
     assert metrics["policy/wm_aux"] == pytest.approx(expected, rel=1e-4)
     assert metrics["policy/wm_aux_entropy"] == pytest.approx(sum(entropies) / 4, rel=1e-4)

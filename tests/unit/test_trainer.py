@@ -132,7 +132,7 @@ def test_padded_batch_losses_equal_per_sequence_losses(tiny_model_dir):
     activate(model, "policy", trainable=False)
     with torch.no_grad():
         batch = collate(seqs, trainer.pad_id)
-        logits, win = trainer._logits(batch)
+        logits, win = trainer.forward.window_logits(batch)
         assert logits.shape[1] < batch["input_ids"].shape[1]  # only the window was projected
         batched = losses.masked_token_ce(logits, win["labels"]).item()
         total, count = 0.0, 0
@@ -217,7 +217,7 @@ def test_change_token_nll_counts_only_tokens_new_to_the_previous_observation(tin
 
     activate(trainer.model, "wm", trainable=False)
     with torch.no_grad():
-        logits, win = trainer._logits(collate([seq], trainer.pad_id))
+        logits, win = trainer.forward.window_logits(collate([seq], trainer.pad_id))
         per_token = torch.nn.functional.cross_entropy(
             logits[0, :-1].float(), win["labels"][0, 1:].clamp(min=0), reduction="none"
         )
