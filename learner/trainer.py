@@ -11,7 +11,7 @@ own step budget. Gradients are clipped per role, so a large world-model gradient
 the policy's update (or the other way round).
 
 Two code paths compute the same losses (``learner.fast_path``; tests/unit/test_learner_fast_path.py
-compares them). The reference path runs the causal LM over left-padded batches, one pass per
+compares them). The reference path (learner/reference_path.py) runs the causal LM over left-padded batches, one pass per
 kind of row, and projects a window of final positions onto the whole vocabulary. The fast path
 (the default) runs the decoder over packed rows (:func:`learner.batches.pack`: a transition's CE
 target and its rollout share one pass over their prompt; attention per unit,
@@ -35,7 +35,7 @@ import torch
 
 from comap_async.config import AblationConfig, LearnerConfig
 from comap_async.method.routing import world_model_terms
-from learner import losses
+from learner import losses, reference_path
 from learner.batches import Encoder, Seq, chunk_by_tokens, collate, pack
 from learner.checkpoint import rng_state
 from learner.ema import copy_student_to_teacher, ema_update, paired_lora_tensors
@@ -159,7 +159,7 @@ class Trainer:
             out["n_kl"] = sum(counts)
         return out
 
-    def _in_bce(self, record: dict[str, Any]) -> bool:
+    def in_bce(self, record: dict[str, Any]) -> bool:
         """Whether a reflection sample's ``y`` trains ``p`` (``learner.bce_gate_labels``)."""
         return self.cfg.bce_gate_labels or record.get("source") == "suffix"
 
@@ -167,7 +167,7 @@ class Trainer:
         """``(seq, None, False)`` per demonstration, ``(seq, y, in the BCE)`` per reflection sample."""
         enc = self.encoder
         return [(enc.draft(r), None, False) for r in demos] + [
-            (enc.reflection(r), int(r["y"]), self._in_bce(r)) for r in reflections
+            (enc.reflection(r), int(r["y"]), self.in_bce(r)) for r in reflections
         ]
 
     def _policy_sums(self, items: list[tuple[Seq, int | None, bool]]) -> dict[str, Any]:
@@ -186,7 +186,7 @@ class Trainer:
         labelled = [j for j, i in enumerate(refl) if items[i][2]]
         y = torch.tensor([items[refl[j]][1] for j in labelled], device=logits.device)
         keep_id, revise_id = self.encoder.keep_id, self.encoder.revise_id
-        bce = losses.revise_bce(decision_logits[labelled], keep_id, revise_id, y, self._bce_weights(y))
+        bce = losses.revise_bce(decision_logits[labelled], keep_id, revise_id, y, self.bce_weights(y))
         text = ~is_draft
         text[at] = False
         n_text = int(text.sum())
@@ -204,7 +204,8 @@ class Trainer:
             "tokens": packed.tokens,
         }
 
-    def _bce_weights(self, y: torch.Tensor) -> torch.Tensor | None:
+    def bce_weights(self, y: torch.Tensor) -> torch.Tensor | None:
+        """Per reflection sample, its BCE weight under ``learner.bce_balance`` (None: unweighted)."""
         if not self.cfg.bce_balance:
             return None
         return losses.label_balance_weights(y, (self.label_counts[0], self.label_counts[1]))
@@ -309,29 +310,7 @@ class Trainer:
             part = self._wm_sums(units)
             change_nll = part["change"] / part["n_change"] if part["n_change"] else None
             return part["ce"] / max(part["n_ce"], 1), part["kl"] / max(part["n_kl"], 1), part["tokens"], change_nll
-        enc, (real_ce, distill) = self.encoder, world_model_terms(self.ablation)
-        ce_seqs = [enc.world_model_ce(r) for r in records] if real_ce else []
-        pairs = [p for p in (enc.world_model_rollout(r) for r in records) if p is not None] if distill else []
-        teacher_logits = self.teacher_logits([t for _, t in pairs]) if pairs else None
-        activate(self.model, "wm", trainable=True)
-        ce = kl = torch.zeros((), device=self.device)  # a dropped term (no gradient)
-        change_nll, tokens = None, 0
-        if ce_seqs:
-            batch = collate(ce_seqs, self.pad_id, self.device)
-            logits, win = self.forward.window_logits(batch)
-            ce = losses.masked_token_ce(logits, win["labels"])
-            if "change_labels" in win and bool((win["change_labels"] != losses.IGNORE).any()):
-                with torch.no_grad():
-                    change_nll = float(losses.masked_token_ce(logits.detach(), win["change_labels"]))
-            tokens = int(batch["attention_mask"].sum())
-        if pairs:
-            # the student's rollout rows go in their own forward: their windows differ from the CE rows'
-            s_batch = collate([s for s, _ in pairs], self.pad_id, self.device)
-            s_logits, s_win = self.forward.window_logits(s_batch)
-            pos, mask = losses.rollout_positions(s_win["starts"], s_win["lengths"], s_logits.shape[1])
-            kl = losses.self_distillation_kl(losses.gather_positions(s_logits, pos), teacher_logits, mask)
-            tokens += int(s_batch["attention_mask"].sum())
-        return ce, kl, tokens, change_nll
+        return reference_path.world_model_losses(self, records)
 
     def teacher_logits(self, seqs: list) -> torch.Tensor:
         """The EMA teacher's logits on its rollout tokens [B, L, V], without gradient or dropout.
@@ -356,7 +335,6 @@ class Trainer:
 
     def policy_losses(self, demos: list[dict[str, Any]], reflections: list[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
         """(draft CE, reflection CE, revise BCE, tokens processed) with the policy adapter."""
-        enc = self.encoder
         if self.fast:  # one pass (a training step goes through _policy_step's chunks)
             part = self._policy_sums(self._policy_items(demos, reflections))
             return (
@@ -365,27 +343,7 @@ class Trainer:
                 part["bce"] / max(part["n_bce"], 1),
                 part["tokens"],
             )
-        seqs = [enc.draft(r) for r in demos] + [enc.reflection(r) for r in reflections]
-        activate(self.model, "policy", trainable=True)
-        batch = collate(seqs, self.pad_id, self.device)
-        logits, win = self.forward.window_logits(batch)
-        nd = len(demos)
-        draft_ce = losses.masked_token_ce(logits[:nd], win["labels"][:nd])
-        rows = torch.arange(len(reflections), device=logits.device)
-        decision_pos = win["starts"][nd:] - 1
-        decision_logits = logits[nd:][rows, decision_pos]
-        # the decision word's own token: the format term instead of its cross-entropy (see _policy_sums)
-        text_labels = win["labels"][nd:].clone()
-        text_labels[rows, win["starts"][nd:]] = losses.IGNORE
-        n_text = int((text_labels[:, 1:] != losses.IGNORE).sum())
-        text_ce = losses.masked_token_ce(logits[nd:], text_labels)
-        fmt = losses.decision_format_nll(decision_logits, enc.keep_id, enc.revise_id).sum()
-        n_reflect = n_text + len(reflections)
-        reflect_ce = (text_ce * n_text + fmt) / n_reflect if n_reflect else losses._zero(logits)
-        labelled = [j for j, r in enumerate(reflections) if self._in_bce(r)]
-        y = torch.tensor([int(reflections[j]["y"]) for j in labelled], device=logits.device)
-        bce = losses.revise_bce(decision_logits[labelled], enc.keep_id, enc.revise_id, y, self._bce_weights(y))
-        return draft_ce, reflect_ce, bce, int(batch["attention_mask"].sum())
+        return reference_path.policy_losses(self, demos, reflections)
 
     # ------------------------------------------------------------------ the step
     def train_step(self, micro_batches: list[dict[str, list[dict[str, Any]]]]) -> dict[str, float]:
@@ -403,7 +361,7 @@ class Trainer:
         labels = [0, 0]  # reflection samples trained with y = 0, y = 1
         for mb in micro_batches:
             for r in mb.get("reflections") or []:
-                if self._in_bce(r):
+                if self.in_bce(r):
                     labels[int(r["y"])] += 1
         # counted before the loss, over every rank's samples: the step's own samples weigh in its balance
         seen = self.data_parallel.sum(labels) if self.data_parallel is not None else labels
