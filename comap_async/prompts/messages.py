@@ -1,0 +1,188 @@
+"""The prompts' words: system prompts per environment, the state's rendering, each role's chat messages,
+the reflection's target text."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SYSTEM_AGENT = (
+    "You are an agent in a text-based household environment. "
+    "You act with short commands such as 'go to cabinet 1', 'open fridge 1', 'take apple 1 from countertop 1', "
+    "'move apple 1 to countertop 1', 'heat egg 1 with microwave 1'."
+)
+SYSTEM_WORLD = (
+    "You are a world model of a text-based household environment. "
+    "Given the current state and an action, you write the exact observation the environment returns."
+)
+
+
+@dataclass(frozen=True)
+class Wording:
+    """What differs between environments in the prompts: the two system messages (what kind of
+    world, and a few of its commands, which a small model needs to see once). Everything else
+    (task, recent history, observation, admissible commands, the answer formats) is shared."""
+
+    agent: str
+    world: str
+
+
+ALFWORLD = Wording(agent=SYSTEM_AGENT, world=SYSTEM_WORLD)
+
+
+def wording_for(env_name: str) -> Wording:
+    """The environment's prompt wording, from its registry entry."""
+    from comap_async.envs.registry import env_spec
+
+    return env_spec(env_name).wording
+
+
+DECISION_PREFIX = "Decision:"
+FINAL_PREFIX = "Final Action:"
+THOUGHT_PREFIX = "Thought:"
+REACT_ACTION_PREFIX = "Action:"
+
+
+# ---------------------------------------------------------------- textual state s_t
+def render_state(
+    task: str,
+    history: Sequence[tuple[str, str]],
+    observation: str,
+    admissible: Sequence[str] | None = None,
+    k: int = 3,
+    show_admissible: bool = True,
+) -> str:
+    """``s_t``: the task, the last ``k`` (action, observation) pairs and the current observation."""
+    parts = [f"Task: {task.strip()}"]
+    recent = list(history)[-k:] if k > 0 else []
+    if recent:
+        parts.append("Recent history:")
+        parts.extend(f"> {a.strip()}\n{o.strip()}" for a, o in recent)
+    parts.append(f"Current observation: {observation.strip()}")
+    if show_admissible and admissible:
+        parts.append("Admissible commands: " + ", ".join(a.strip() for a in admissible))
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------- messages per role
+def draft_messages(state: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": wording.agent},
+        {"role": "user", "content": f"{state}\n\nWhat is your next action? Answer with one command only."},
+    ]
+
+
+CONFIDENCE_WORDS = ((0.9, "high"), (0.6, "medium"), (0.0, "low"))
+"""``draft_confidence`` (the draft's geometric-mean token probability) in words: a small model reads
+a word more easily than a number."""
+
+
+def confidence_word(confidence: float) -> str:
+    return next(word for floor, word in CONFIDENCE_WORDS if confidence >= floor)
+
+
+def reflect_messages(
+    state: str, a_draft: str, s_hat: str | None, wording: Wording = ALFWORLD, confidence: float | None = None
+) -> list[dict[str, str]]:
+    """``s_hat`` None: the reflection without the imagined state (ablation ``no_future_state``);
+    ``confidence``: the draft's own token probability, shown as a word (``actor.reflect_confidence``:
+    the actors and probes from the draft call's logprobs, the learner from a record's ``draft_confidence``)."""
+    imagined = "" if s_hat is None else f"Imagined result of the draft: {s_hat.strip()}\n"
+    shown = "" if confidence is None else f"Your confidence in the draft: {confidence_word(confidence)}\n"
+    return [
+        {"role": "system", "content": wording.agent},
+        {
+            "role": "user",
+            "content": (
+                f"{state}\n\nYour draft action: {a_draft.strip()}\n{shown}{imagined}\n"
+                "Does the draft move you towards the task? Answer exactly in this form:\n"
+                f"{DECISION_PREFIX} KEEP or REVISE\n{FINAL_PREFIX} <one command>"
+            ),
+        },
+    ]
+
+
+def react_messages(state: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
+    """ReAct (the paper's prompting baseline): a short thought, then the action, from the state alone."""
+    return [
+        {"role": "system", "content": wording.agent},
+        {
+            "role": "user",
+            "content": (
+                f"{state}\n\nThink briefly about what to do next, then act. Answer exactly in "
+                f"this form:\n{THOUGHT_PREFIX} <one sentence>\n{REACT_ACTION_PREFIX} <one command>"
+            ),
+        },
+    ]
+
+
+def choose_messages(state: str, a_draft: str, s_hat: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
+    """Imagine-and-Act (the paper's prompting baseline): pick the final action after seeing the
+    imagined consequence of a candidate; no KEEP/REVISE decision, so no action gate."""
+    return [
+        {"role": "system", "content": wording.agent},
+        {
+            "role": "user",
+            "content": (
+                f"{state}\n\nCandidate action: {a_draft.strip()}\n"
+                f"Imagined result of the candidate: {s_hat.strip()}\n\n"
+                "Choose your final action: the candidate, or a better command. Answer with one command only."
+            ),
+        },
+    ]
+
+
+def critic_messages(
+    state: str, trajectory: Sequence[tuple[str, str]], wording: Wording = ALFWORLD
+) -> list[dict[str, str]]:
+    """The look-ahead critic (WebEvolver's imagination engine): the policy judges an imagined
+    continuation of the state, the actions with the world model's answers."""
+    steps = "\n".join(f"> {a.strip()}\n{o.strip()}" for a, o in trajectory)
+    return [
+        {"role": "system", "content": wording.agent},
+        {
+            "role": "user",
+            "content": (
+                f"{state}\n\nImagined continuation:\n{steps}\n\n"
+                "Does this continuation bring the task closer to done? Answer YES or NO."
+            ),
+        },
+    ]
+
+
+def world_model_messages(state: str, action: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": wording.world},
+        {"role": "user", "content": f"{state}\n\nAction: {action.strip()}\nWhat does the environment answer?"},
+    ]
+
+
+def teacher_messages(state: str, action: str, real_next: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
+    """The EMA teacher's context: the world-model prompt plus the real next observation (hindsight)."""
+    return [
+        {"role": "system", "content": wording.world},
+        {
+            "role": "user",
+            "content": (
+                f"{state}\n\nAction: {action.strip()}\n"
+                f"(Hindsight: the environment actually answered: {real_next.strip()})\n"
+                "What does the environment answer?"
+            ),
+        },
+    ]
+
+
+def reflection_head(decision: str) -> str:
+    """What follows ``Decision:`` up to the final action: the decision word and the ``Final Action:``
+    prefix. The actor continues a reflection from here when the model left the line out."""
+    return f" {decision}\n{FINAL_PREFIX}"
+
+
+def reflection_target(decision: str, action: str) -> str:
+    """The assistant text after the ``Decision:`` prefix, as trained and as generated."""
+    return f"{reflection_head(decision)} {action.strip()}"
+
+
+CRITIC_WORDS = (" NO", " YES")
+"""The look-ahead critic's answers: its score is P(YES) / (P(YES) + P(NO)) at the first answer token."""
+CRITIC_PREFIX = "Answer:"

@@ -1,0 +1,250 @@
+"""A model's chat template rendered with jinja2 the way transformers does, the decision position's two
+tokens, and the prompt strings per role (:class:`Prompts`)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from comap_async.prompts.messages import (
+    ALFWORLD,
+    CRITIC_PREFIX,
+    CRITIC_WORDS,
+    DECISION_PREFIX,
+    FINAL_PREFIX,
+    THOUGHT_PREFIX,
+    Wording,
+    choose_messages,
+    critic_messages,
+    draft_messages,
+    react_messages,
+    reflect_messages,
+    teacher_messages,
+    wording_for,
+    world_model_messages,
+)
+
+
+@dataclass(frozen=True)
+class DecisionTokens:
+    """The two outcomes of the decision position (the first token after ``Decision:``): the first
+    token of `` KEEP`` and of `` REVISE`` in one model's tokenizer, as text (what a server's logprobs
+    name) and as ids (what the learner's logits index).
+
+    ``p`` (:func:`revise_probability`) is read from these two tokens only, by the actor (the server's
+    logprobs), the learner (its logits), the probes and the metrics alike (docs/design.md section 6)."""
+
+    keep: str
+    revise: str
+    keep_id: int
+    revise_id: int
+
+    @classmethod
+    def from_tokenizer(
+        cls,
+        encode: Callable[[str], list[int]],
+        decode: Callable[[int], str],
+        words: tuple[str, str] = (" KEEP", " REVISE"),
+    ) -> "DecisionTokens":
+        """From a tokenizer's ``encode(text) -> ids`` (no special tokens) and ``decode(id) -> text``.
+        ``words``: the (negative, positive) answers; another pair serves another yes/no question
+        (the look-ahead critic's :data:`CRITIC_WORDS`), ``p`` then being the positive one's share."""
+        keep, revise = encode(words[0]), encode(words[1])
+        if not keep or not revise or keep[0] == revise[0]:
+            raise ValueError(f"the tokenizer does not separate {words[0]!r} and {words[1]!r} at their first token")
+        return cls(decode(keep[0]), decode(revise[0]), keep[0], revise[0])
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path, words: tuple[str, str] = (" KEEP", " REVISE")) -> "DecisionTokens":
+        """From the model directory's ``tokenizer.json`` (the ``tokenizers`` library: no torch)."""
+        file = Path(path) / "tokenizer.json"
+        if not file.is_file():
+            raise ValueError(f"{path}: no tokenizer.json (needed to read the decision tokens)")
+        tok = _tokenizer_file(str(file), file.stat().st_mtime_ns)
+        return cls.from_tokenizer(
+            lambda text: tok.encode(text, add_special_tokens=False).ids,
+            lambda i: tok.decode([i], skip_special_tokens=False),
+            words,
+        )
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_file(file: str, mtime_ns: int) -> Any:
+    """One parse of a ``tokenizer.json`` (as of ``mtime_ns``) for all the token pairs read from it."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(file)
+
+
+# ---------------------------------------------------------------- chat template
+_NO_SKELETON = object()
+_VERIFY = 3  # full renders a skeleton is checked against before it is trusted
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+TEMPLATE_VARIABLES: dict[str, Any] = {"enable_thinking": False}
+"""Extra variables every chat template is rendered with (``apply_chat_template``'s keyword
+arguments). Qwen3 runs in non-thinking mode, as in the paper: its template then closes an empty
+``<think></think>`` block in the generation prompt, so drafts do not begin with ``<think>``.
+Templates that do not read a variable ignore it."""
+
+
+@dataclass
+class ChatTemplate:
+    """A model's chat template rendered with jinja2 the way transformers does."""
+
+    template: str
+    special: dict[str, str] = field(default_factory=dict)
+    variables: dict[str, Any] = field(default_factory=lambda: dict(TEMPLATE_VARIABLES))
+    """Template variables beyond ``messages``/``add_generation_prompt`` (default: non-thinking mode)."""
+
+    def __post_init__(self) -> None:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+            x, indent=indent, ensure_ascii=ensure_ascii
+        )
+        env.globals["raise_exception"] = _raise
+        self._compiled = env.from_string(self.template)
+        self._skeletons: dict[tuple, Any] = {}
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> "ChatTemplate":
+        p = Path(path)
+        cfg_path = p / "tokenizer_config.json"
+        cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        template = cfg.get("chat_template")
+        jinja_file = p / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        if not template:
+            raise ValueError(f"{p}: the model has no chat template (tokenizer_config.json / chat_template.jinja)")
+
+        def tok(name: str) -> str:
+            v = cfg.get(name)
+            return v.get("content", "") if isinstance(v, dict) else (v or "")
+
+        return cls(template, {"bos_token": tok("bos_token"), "eos_token": tok("eos_token")})
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The template's output. Actors render several prompts per step, so for each message-role
+        shape the template is rendered once with sentinel contents into a skeleton that is then
+        filled by string replacement; the first ``_VERIFY`` uses of a skeleton are checked against a
+        full render, and a template that transforms contents falls back to full renders for good."""
+        key = (tuple(m["role"] for m in messages), add_generation_prompt)
+        skeleton = self._skeletons.get(key)
+        if skeleton is None:
+            skeleton = self._skeletons[key] = self._make_skeleton(messages, add_generation_prompt)
+        if skeleton is _NO_SKELETON:
+            return self._full(messages, add_generation_prompt)
+        parts, checks = skeleton
+        out = parts[0]
+        for i, m in enumerate(messages):
+            out += m["content"] + parts[i + 1]
+        if checks[0] < _VERIFY:
+            checks[0] += 1
+            if out != self._full(messages, add_generation_prompt):
+                self._skeletons[key] = _NO_SKELETON
+                return self._full(messages, add_generation_prompt)
+        return out
+
+    def _full(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        return self._compiled.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **{**self.variables, **self.special}
+        )
+
+    def _make_skeleton(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> Any:
+        sentinels = [f"\x00comap-content-{i}\x00" for i in range(len(messages))]
+        text = self._full([{**m, "content": s} for m, s in zip(messages, sentinels)], add_generation_prompt)
+        parts, rest = [], text
+        for s in sentinels:
+            if rest.count(s) != 1:  # the template drops, repeats or reorders contents
+                return _NO_SKELETON
+            head, rest = rest.split(s)
+            parts.append(head)
+        parts.append(rest)
+        return parts, [0]
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """Prompt strings per role for one model; the generation starts right after each string."""
+
+    chat: ChatTemplate
+    future_state: bool = True
+    """False (ablation ``no_future_state``): the reflection prompt leaves out the imagined state,
+    in the actors' calls and the learner's samples alike."""
+    wording: Wording = ALFWORLD
+    """The environment's system messages (its registry entry's, :func:`wording_for`); actors and the
+    learner pick the same."""
+    decision: DecisionTokens | None = None
+    """The decision position's two tokens (needed to read ``p`` from a reflection)."""
+    critic_answer: DecisionTokens | None = None
+    """The look-ahead critic's NO / YES tokens (:data:`CRITIC_WORDS`)."""
+
+    @classmethod
+    def from_config(
+        cls,
+        chat: ChatTemplate,
+        cfg: Any,
+        decision: DecisionTokens | None = None,
+        critic_answer: DecisionTokens | None = None,
+    ) -> "Prompts":
+        """The prompts a run uses: its environment's wording, its ablation's reflection prompt."""
+        from comap_async.method.routing import reflection_shows_future
+
+        return cls(
+            chat,
+            future_state=reflection_shows_future(cfg.ablation),
+            wording=wording_for(cfg.env.name),
+            decision=decision,
+            critic_answer=critic_answer,
+        )
+
+    @classmethod
+    def for_model(cls, model_dir: str | Path, cfg: Any) -> "Prompts":
+        """:meth:`from_config` with the chat template, decision and critic tokens of ``model_dir``."""
+        try:
+            critic = DecisionTokens.from_model_dir(model_dir, CRITIC_WORDS)
+        except ValueError:  # a tokenizer that does not separate them (a tiny test one): no look-ahead critic
+            critic = None
+        return cls.from_config(
+            ChatTemplate.from_model_dir(model_dir), cfg, DecisionTokens.from_model_dir(model_dir), critic
+        )
+
+    def draft(self, state: str) -> str:
+        return self.chat.render(draft_messages(state, self.wording))
+
+    def reflect(self, state: str, a_draft: str, s_hat: str, confidence: float | None = None) -> str:
+        # The decision word is the first generated token, so its logprobs give p_revise.
+        shown = s_hat if self.future_state else None
+        messages = reflect_messages(state, a_draft, shown, self.wording, confidence)
+        return self.chat.render(messages) + DECISION_PREFIX
+
+    def world_model(self, state: str, action: str) -> str:
+        return self.chat.render(world_model_messages(state, action, self.wording))
+
+    def react(self, state: str) -> str:
+        # the thought comes first: the generation starts after its prefix
+        return self.chat.render(react_messages(state, self.wording)) + THOUGHT_PREFIX
+
+    def choose(self, state: str, a_draft: str, s_hat: str) -> str:
+        return self.chat.render(choose_messages(state, a_draft, s_hat, self.wording)) + FINAL_PREFIX
+
+    def critic(self, state: str, trajectory: Sequence[tuple[str, str]]) -> str:
+        # the answer word is the first generated token, so its logprobs give the score
+        return self.chat.render(critic_messages(state, trajectory, self.wording)) + CRITIC_PREFIX
+
+    def teacher(self, state: str, action: str, real_next: str) -> str:
+        return self.chat.render(teacher_messages(state, action, real_next, self.wording))
