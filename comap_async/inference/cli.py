@@ -74,6 +74,6 @@ def run(args: argparse.Namespace) -> int:
         except FileNotFoundError as exc:
             raise ConfigError(str(exc)) from None
         return 1  # not reached: exec replaces the process
-    from comap_async.inference.openai_api import run_server
+    from comap_async.inference.server import run_server
 
     return run_server(cfg, log, loras)

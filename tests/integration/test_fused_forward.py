@@ -168,7 +168,7 @@ def test_adapter_the_fused_forward_cannot_apply_is_refused(tiny_model_dir, tmp_p
     from peft import LoraConfig, get_peft_model
 
     from comap_async.config import InferenceConfig
-    from comap_async.inference.openai_api import build_fused
+    from comap_async.inference.server import build_fused
     from comap_async.inference.token_sampling import RequestError
 
     base, _ = load_model_and_tokenizer(str(tiny_model_dir))

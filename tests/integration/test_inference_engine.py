@@ -30,7 +30,7 @@ def make_engine(tiny_model_dir, forward: str, dtype: str = "float32", **kw) -> E
     from peft import LoraConfig
 
     from comap_async.config import InferenceConfig
-    from comap_async.inference.openai_api import build_fused
+    from comap_async.inference.server import build_fused
 
     model, tok = load_model_and_tokenizer(str(tiny_model_dir))
     prepare_for_inference(model)
