@@ -140,7 +140,7 @@ def wait_with_bar(
                     raise
             bar.n = round(60 * minutes - max(0.0, deadline - time.monotonic()))
             try:
-                bar.set_postfix_str(f"v{json.loads(latest.read_text())['version']}")
+                bar.set_postfix_str(f"v{json.loads(latest.read_text())['version']}", refresh=False)
             except (OSError, ValueError, KeyError):  # not published yet, or mid-write
                 pass
             bar.refresh()
