@@ -271,3 +271,13 @@ def test_detach_prompts_lays_out_contexts_and_tails():
     assert m[1, 2].tolist() == [True, True, True, True, True]
     assert m[0, 0].tolist() == [True, True, True, False, False]
     assert d.context_mask[1, 0, 0].tolist() == [True, False]  # padding sees itself only
+
+
+def test_chunk_by_tokens_keeps_every_unit_within_the_budget_longest_first():
+    from learner.batches import chunk_by_tokens
+
+    units = [3, 9, 1, 4, 4, 12]
+    chunks = chunk_by_tokens(10, units, lambda n: n)
+    assert sorted(u for c in chunks for u in c) == sorted(units)  # nothing dropped or repeated
+    assert chunks == [[12], [9], [4, 4], [3, 1]]  # greedy over the sorted units; one over the budget stands alone
+    assert chunk_by_tokens(0, units, lambda n: n) == [units]  # 0: one chunk, the order kept
