@@ -108,6 +108,16 @@ class Cell:
     ablation: list[str] = field(default_factory=list)
     methods: list[str] = field(default_factory=list)
     """The run's related methods' switches (``ablation.json``)."""
+    played_as: list[str] | None = None
+    """A prompting method on a run's adapters (``--methods-from``): that run's switches, so the policy
+    sees states as it was trained on them (``env.show_location``); None: the config's."""
+
+    def config(self, cfg: Any) -> Any:
+        """How this row is played: a run with its own ablation and switches, a prompting method on a
+        run's adapters with that run's switches, one on the base model with the config's."""
+        if self.run is not None:
+            return with_ablation(cfg, self.ablation, self.methods)
+        return cfg if self.played_as is None else cfg.playing(self.played_as)
 
     @property
     def id(self) -> str:
@@ -265,14 +275,17 @@ def plan_cells(
     from comap_async.wire.messages import Registry
 
     cells = []
+    played_as = None
     if methods_from is None:
         base, source, adapters = Registry.serving(0), "base", "base model"
     else:
         base = Registry.serving(methods_from[1], methods_from[2])
         source, adapters = str(methods_from[0].resolve()), f"{methods_from[0].name} v{methods_from[1]}"
+        played_as = read_run_methods(methods_from[0])
     for method in methods:
-        key = cell_key(cfg, source, base.versions["policy"], method, split, games)
-        cells.append(Cell(method, f"{METHOD_LABELS[method]} ({adapters})", "method", method, base, key))
+        cell = Cell(method, f"{METHOD_LABELS[method]} ({adapters})", "method", method, base, {}, played_as=played_as)
+        cell.key = cell_key(cell.config(cfg), source, base.versions["policy"], method, split, games)
+        cells.append(cell)
     for run_dir, (version, ablation, prefix) in zip(runs, staged):
         run_methods = read_run_methods(run_dir)
         label = run_label(ablation, run_dir.name, run_methods)
@@ -328,8 +341,7 @@ async def play_cells(
 
             for name in cell.registry.adapters.values():
                 await client.load_adapter(name, str(cfg.adapter_root / name))
-            # a run is played with its own ablation, a prompting method with the config's
-            run_cfg = cfg if cell.run is None else with_ablation(cfg, cell.ablation, cell.methods)
+            run_cfg = cell.config(cfg)
             try:  # every game may be held already (stopped between its last episode and its report)
                 results = (
                     await play_games(

@@ -147,6 +147,7 @@ class Episode:
         self.facts: Facts = self._observe(frozenset(), first.observation)
         self.facts_before: Facts = self.facts  # the state before the last action (for its transition)
         self.actions: list[str] = []
+        self.locations: list[str] = [first.location]  # per step t, StepResult.location
 
     def _observe(self, facts: Facts, observation: str) -> Facts:
         after = self.ctx.next_state(facts, observation)
@@ -159,10 +160,21 @@ class Episode:
         """The real observation the episode's step ``t`` was taken from."""
         return self.history[t - 1][1] if t > 0 else self.first_observation
 
+    def location_at(self, t: int) -> str:
+        """Where the agent was at step ``t`` (''; or with ``env.show_location``, the environment's
+        :attr:`~comap_async.envs.base.StepResult.location` then)."""
+        return self.locations[t] if self.ctx.cfg.env.show_location else ""
+
     def state(self) -> str:
         e = self.ctx.cfg.env
         return render_state(
-            self.task, self.history, self.current.observation, self.current.admissible, e.history_k, e.show_admissible
+            self.task,
+            self.history,
+            self.current.observation,
+            self.current.admissible,
+            e.history_k,
+            e.show_admissible,
+            self.location_at(len(self.history)),
         )
 
     def instead_of_last(self, action: str, result: Any) -> "Episode":
@@ -170,6 +182,7 @@ class Episode:
         on another environment) instead: its own stats, the same id, task and earlier history."""
         other = copy.copy(self)
         other.history, other.actions, other.stats = self.history[:-1], self.actions[:-1], EpisodeStats()
+        other.locations = self.locations[:-1]
         other.facts = self.facts_before
         other.advance(action, result)
         return other
@@ -178,6 +191,7 @@ class Episode:
         self.stats.state_actions.append((self.facts, canonical_action(action)))
         self.history.append((action, nxt.observation))
         self.actions.append(action)
+        self.locations.append(nxt.location)
         self.facts_before, self.facts = self.facts, self._observe(self.facts, nxt.observation)
         self.current = nxt
         if self.ctx.on_step is not None:

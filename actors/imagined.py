@@ -40,8 +40,9 @@ async def imagine_from(ctx: Any, ep: Any, t: int, depth: int) -> list[tuple[str,
     e = ctx.cfg.env
     history, observation = list(ep.history[:t]), ep.observation_at(t)
     steps: list[tuple[str, str, str]] = []
+    location = ep.location_at(t)  # where the real step was: an imagined step's room is not known
     for _ in range(depth):
-        state = render_state(ep.task, history, observation, None, e.history_k, e.show_admissible)
+        state = render_state(ep.task, history, observation, None, e.history_k, e.show_admissible, location)
         action, _ = await ctx.llm.draft(state)
         if action is None:
             break

@@ -47,7 +47,10 @@ async def imagine_ahead(ctx: Any, ep: Any, candidate: str, depth: int) -> list[t
         history.append((action, observation))
         if d + 1 == depth:
             break
-        state = render_state(ep.task, history, observation, None, e.history_k, e.show_admissible)
+        # the real step's room: an imagined step's is not known
+        state = render_state(
+            ep.task, history, observation, None, e.history_k, e.show_admissible, ep.location_at(len(ep.history))
+        )
         action, _ = await ctx.llm.draft(state)
         if action is None:  # the policy has nothing to say in that imagined state: the continuation ends
             break

@@ -49,7 +49,10 @@ __all__ = [
 ]
 
 
-PLAY_SWITCHES: dict[str, tuple[str, str]] = {"reflect_confidence": ("actor", "reflect_confidence")}
+PLAY_SWITCHES: dict[str, tuple[str, str]] = {
+    "reflect_confidence": ("actor", "reflect_confidence"),
+    "show_location": ("env", "show_location"),
+}
 """The method switches that change how an episode is played, not only what is trained: name ->
 (section, field). A run's ``ablation.json`` names them; ``comap compare`` plays each run with its own."""
 

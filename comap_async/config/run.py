@@ -62,6 +62,13 @@ class EnvConfig(Section):
     show_admissible: bool = True
     """Whether ``s_t`` lists the admissible commands (ScienceWorld has hundreds to thousands per
     state: its configs turn this off)."""
+    show_location: bool = False
+    """Whether ``s_t`` shows where the agent is (``Where you are:``, the environment's
+    ``StepResult.location``; ScienceWorld: the room's description, refreshed every step) unless the
+    history window already shows it. Without it a ScienceWorld policy that sees no admissible list
+    loses the room after ``history_k`` steps without ``look around``. A play switch: a run records it
+    and ``comap compare`` plays the run with it as trained. No effect where the environment gives none
+    (ALFWorld)."""
 
     @model_validator(mode="after")
     def _split_of_env(self) -> "EnvConfig":

@@ -39,6 +39,10 @@ class StepResult:
     """1.0 when won, else 0.0."""
     info: dict[str, Any] = field(default_factory=dict)
     """Extras: ``task`` (after reset), ``steps``, ``truncated``, ``expert_error``."""
+    location: str = ""
+    """Where the agent is, as the environment describes it after this step (ScienceWorld: the room's
+    description from its free ``look``); '' where the environment has none (ALFWorld: its admissible
+    list tells what is around). The state shows it with ``env.show_location``."""
 
 
 @runtime_checkable

@@ -88,4 +88,5 @@ class ScienceWorldTextEnv:
             expert_action=expert,
             reward=reward,
             info={"steps": self.steps, "score": self.score, **({"expert_source": "gold"} if expert else {}), **extra},
+            location=str(info.get("look") or "").strip(),
         )

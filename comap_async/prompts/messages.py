@@ -51,13 +51,19 @@ def render_state(
     admissible: Sequence[str] | None = None,
     k: int = 3,
     show_admissible: bool = True,
+    location: str = "",
 ) -> str:
-    """``s_t``: the task, the last ``k`` (action, observation) pairs and the current observation."""
+    """``s_t``: the task, the last ``k`` (action, observation) pairs, where the agent is (``location``,
+    when given and not already shown by the window) and the current observation."""
     parts = [f"Task: {task.strip()}"]
     recent = list(history)[-k:] if k > 0 else []
     if recent:
         parts.append("Recent history:")
         parts.extend(f"> {a.strip()}\n{o.strip()}" for a, o in recent)
+    location = location.strip()
+    # after the history: a whole-history state still extends the previous step's up to here
+    if location and location != observation.strip() and all(location != o.strip() for _, o in recent):
+        parts.append(f"Where you are: {location}")
     parts.append(f"Current observation: {observation.strip()}")
     if show_admissible and admissible:
         parts.append("Admissible commands: " + ", ".join(a.strip() for a in admissible))

@@ -168,3 +168,35 @@ def test_a_replay_that_ends_early_is_a_typed_error_across_the_pool():
     import asyncio
 
     asyncio.run(through_pool())
+
+
+def test_the_state_shows_the_room_the_agent_is_in_with_show_location():
+    """``env.show_location``: the simulator's free look after every step is the state's ``Where you
+    are:`` block, so a policy without an admissible list still knows the room after moving."""
+    from types import SimpleNamespace
+
+    from actors.episodes import Episode, EpisodeContext
+    from comap_async.envs.scienceworld_env import ScienceWorldTextEnv
+
+    env = ScienceWorldTextEnv(max_steps=40)
+    try:
+        first = env.reset("find-animal:177")  # starts in the hallway, its doors open
+        moved = env.step("go to kitchen")
+    finally:
+        env.close()
+    assert first.location.startswith("This room is called the hallway.")
+    assert moved.location.startswith("This room is called the kitchen.")
+    cfg = load_config(REPO / "configs" / "scienceworld-local.yaml")
+    assert cfg.env.show_location  # the CPU default shows it
+    states = {}
+    for shown in (True, False):
+        run_cfg = cfg.model_copy(update={"env": cfg.env.model_copy(update={"show_location": shown})})
+        ctx = EpisodeContext(
+            actor="t", cfg=run_cfg, llm=None, emit=None, next_state=lambda facts, o: facts, registry=lambda: None
+        )
+        ep = Episode(ctx, SimpleNamespace(name="dev/find-animal/var177", split="dev"), "e", first)
+        ep.advance("go to kitchen", moved)
+        states[shown] = ep.state()
+        assert ep.location_at(0) == (first.location if shown else "")
+    assert "Where you are: This room is called the kitchen." in states[True]
+    assert "Where you are" not in states[False]

@@ -251,14 +251,10 @@ def test_transition_stamps_given_versions_over_the_registry():
         next_state=lambda facts, text: frozenset(),
         parse_facts=lambda text: frozenset(),
     )
-    first = SimpleNamespace(
-        observation="You are in a room.",
-        info={"task": "t"},
-        admissible=(),
-        reward=0.0,
-        done=False,
-        won=False,
-        expert_action=None,
+    from comap_async.envs.base import StepResult
+
+    first = StepResult(
+        observation="You are in a room.", won=False, done=False, admissible=(), expert_action=None, info={"task": "t"}
     )
     ep = Episode(ctx, SimpleNamespace(name="g", split="valid_seen"), "a:e1", first)
     tr = ep.transition("coevolve", 0, "o", "s", policy_version=3, wm_version=5, **STEP)

@@ -44,6 +44,7 @@ def episode(steps: int):
         game=SimpleNamespace(name="g"),
         stats=SimpleNamespace(steps=steps, imagined_kept=0, imagined_dropped=0),
         observation_at=lambda t: history[t - 1][1] if t else "You are in a room.",
+        location_at=lambda t: "",  # ALFWorld gives none
     )
 
 

@@ -89,12 +89,14 @@ class ScriptedDrafts:
 def _episode(guard: int, llm):
     from actors.episodes import Episode, EpisodeContext
     from comap_async.config import CoMapConfig
+    from comap_async.envs.base import StepResult
 
     cfg = CoMapConfig.model_validate({"eval": {"repeat_guard": guard, "repeat_guard_temperature": 0.9}})
     ctx = EpisodeContext(
         actor="t", cfg=cfg, llm=llm, emit=None, next_state=lambda facts, o: facts | {o}, registry=lambda: None
     )
-    ep = Episode(ctx, SimpleNamespace(name="g"), "e", SimpleNamespace(info={}, observation="at desk 1"))
+    first = StepResult(observation="at desk 1", won=False, done=False, admissible=(), expert_action=None)
+    ep = Episode(ctx, SimpleNamespace(name="g"), "e", first)
     ep.stats.state_actions.append((ep.facts, "look"))  # "look" was already taken from this state
     return ep, ctx
 

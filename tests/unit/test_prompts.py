@@ -31,6 +31,16 @@ def test_render_state_keeps_last_k_and_admissible():
     assert "Recent history" not in render_state("t", hist, "o", k=0)
 
 
+def test_the_location_is_shown_after_the_history_unless_the_window_already_shows_it():
+    room = "This room is called the hallway. In it, you see: a painting"
+    hist = [("look around", room), ("open door to kitchen", "The door is already open.")]
+    s = render_state("find a plant", hist[1:], "The door is already open.", k=2, location=room)
+    assert s.index("Recent history:") < s.index("Where you are: " + room) < s.index("Current observation:")
+    assert "Where you are" not in render_state("find a plant", hist[1:], "o", k=2)  # none given: none shown
+    assert "Where you are" not in render_state("find a plant", hist, "o", k=2, location=room)  # in the window
+    assert "Where you are" not in render_state("find a plant", [], room, k=2, location=room)  # the observation
+
+
 def test_a_whole_history_state_extends_the_previous_steps_up_to_its_current_observation():
     """With a window as long as the episode (``env.history_k`` >= steps), step t+1's state starts with
     step t's up to ``Current observation``: the prefix cache serves that part of each prompt
