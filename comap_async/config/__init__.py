@@ -84,7 +84,8 @@ class CoMapConfig(Section):
         """The related methods' training switches that are on (recorded with the run, like the
         ablations): ``imagined_episodes`` (WebEvolver's virtual environment: imagined steps are
         sent and trained), ``paw`` (the policy's auxiliary next-observation loss),
-        ``reflect_confidence`` (the draft's confidence shown in the reflection prompt)."""
+        ``reflect_confidence`` (the draft's confidence shown in the reflection prompt), ``show_location``
+        (where the agent is, in every state)."""
         on = []
         if self.actor.imagined_rollouts > 0 and self.learner.imagined_share > 0:
             on.append("imagined_episodes")
