@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from comap_async.config import CoMapConfig
+from comap_async.heap import release_freed_memory, resident_gb
 from comap_async.method.fingerprint import check_method
 from comap_async.method.routing import after_warmup, first_phase, world_model_frozen
 from comap_async.run_files import write_run_ablation
@@ -400,6 +401,9 @@ class Learner:
                 break
             metrics["learner/data_wait_s"] = data_wait
             metrics["learner/phase_dropped"] = dropped
+            rss = resident_gb()
+            if rss is not None:
+                metrics["learner/rss_gb"] = rss
             self.state.phase_seconds += metrics.get("learner/step_s", 0.0)
             self.state.tokens_total += int(metrics.get("learner/tokens", 0))
             metrics["learner/tokens_total"] = self.state.tokens_total
@@ -464,6 +468,7 @@ class Learner:
         def work() -> None:
             try:
                 result = self.trainer.train_step(micro)
+                release_freed_memory()  # the step's activations, freed in this thread's arena
             except BaseException as exc:  # handed to the event loop, which raises it in _train
                 # bound now: Python unbinds ``exc`` when the except block ends, before the loop runs this
                 hand_back(lambda err=exc: done.done() or done.set_exception(err))

@@ -148,6 +148,7 @@ async def test_every_reflect_init_step_trains_on_reflection_samples(broker_facto
         assert h["policy/reflect_ce"] > 0 and h["policy/bce"] > 0, (i, h)
         assert 0.0 <= h["policy/revise_label_share"] <= 1.0
     assert sum(h["learner/phase_dropped"] for h in hist[3:]) >= 1  # the queue did hold warm-up batches
+    assert all(0.05 < h["learner/rss_gb"] < 64 for h in hist)  # reported with each step
 
 
 async def test_coevolve_trains_the_world_model_on_coevolve_transitions(broker_factory, roomy_server, tiny_model_dir):
