@@ -71,11 +71,13 @@ def render_state(
 
 
 # ---------------------------------------------------------------- messages per role
+def _turn(system: str, user: str) -> list[dict[str, str]]:
+    """Every role's prompt: its system text, then one user turn."""
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
 def draft_messages(state: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
-    return [
-        {"role": "system", "content": wording.agent},
-        {"role": "user", "content": f"{state}\n\nWhat is your next action? Answer with one command only."},
-    ]
+    return _turn(wording.agent, f"{state}\n\nWhat is your next action? Answer with one command only.")
 
 
 CONFIDENCE_WORDS = ((0.9, "high"), (0.6, "medium"), (0.0, "low"))
@@ -95,47 +97,32 @@ def reflect_messages(
     the actors and probes from the draft call's logprobs, the learner from a record's ``draft_confidence``)."""
     imagined = "" if s_hat is None else f"Imagined result of the draft: {s_hat.strip()}\n"
     shown = "" if confidence is None else f"Your confidence in the draft: {confidence_word(confidence)}\n"
-    return [
-        {"role": "system", "content": wording.agent},
-        {
-            "role": "user",
-            "content": (
-                f"{state}\n\nYour draft action: {a_draft.strip()}\n{shown}{imagined}\n"
-                "Does the draft move you towards the task? Answer exactly in this form:\n"
-                f"{DECISION_PREFIX} KEEP or REVISE\n{FINAL_PREFIX} <one command>"
-            ),
-        },
-    ]
+    return _turn(
+        wording.agent,
+        f"{state}\n\nYour draft action: {a_draft.strip()}\n{shown}{imagined}\n"
+        "Does the draft move you towards the task? Answer exactly in this form:\n"
+        f"{DECISION_PREFIX} KEEP or REVISE\n{FINAL_PREFIX} <one command>",
+    )
 
 
 def react_messages(state: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
     """ReAct (the paper's prompting baseline): a short thought, then the action, from the state alone."""
-    return [
-        {"role": "system", "content": wording.agent},
-        {
-            "role": "user",
-            "content": (
-                f"{state}\n\nThink briefly about what to do next, then act. Answer exactly in "
-                f"this form:\n{THOUGHT_PREFIX} <one sentence>\n{REACT_ACTION_PREFIX} <one command>"
-            ),
-        },
-    ]
+    return _turn(
+        wording.agent,
+        f"{state}\n\nThink briefly about what to do next, then act. Answer exactly in "
+        f"this form:\n{THOUGHT_PREFIX} <one sentence>\n{REACT_ACTION_PREFIX} <one command>",
+    )
 
 
 def choose_messages(state: str, a_draft: str, s_hat: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
     """Imagine-and-Act (the paper's prompting baseline): pick the final action after seeing the
     imagined consequence of a candidate; no KEEP/REVISE decision, so no action gate."""
-    return [
-        {"role": "system", "content": wording.agent},
-        {
-            "role": "user",
-            "content": (
-                f"{state}\n\nCandidate action: {a_draft.strip()}\n"
-                f"Imagined result of the candidate: {s_hat.strip()}\n\n"
-                "Choose your final action: the candidate, or a better command. Answer with one command only."
-            ),
-        },
-    ]
+    return _turn(
+        wording.agent,
+        f"{state}\n\nCandidate action: {a_draft.strip()}\n"
+        f"Imagined result of the candidate: {s_hat.strip()}\n\n"
+        "Choose your final action: the candidate, or a better command. Answer with one command only.",
+    )
 
 
 def critic_messages(
@@ -144,38 +131,25 @@ def critic_messages(
     """The look-ahead critic (WebEvolver's imagination engine): the policy judges an imagined
     continuation of the state, the actions with the world model's answers."""
     steps = "\n".join(f"> {a.strip()}\n{o.strip()}" for a, o in trajectory)
-    return [
-        {"role": "system", "content": wording.agent},
-        {
-            "role": "user",
-            "content": (
-                f"{state}\n\nImagined continuation:\n{steps}\n\n"
-                "Does this continuation bring the task closer to done? Answer YES or NO."
-            ),
-        },
-    ]
+    return _turn(
+        wording.agent,
+        f"{state}\n\nImagined continuation:\n{steps}\n\n"
+        "Does this continuation bring the task closer to done? Answer YES or NO.",
+    )
 
 
 def world_model_messages(state: str, action: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
-    return [
-        {"role": "system", "content": wording.world},
-        {"role": "user", "content": f"{state}\n\nAction: {action.strip()}\nWhat does the environment answer?"},
-    ]
+    return _turn(wording.world, f"{state}\n\nAction: {action.strip()}\nWhat does the environment answer?")
 
 
 def teacher_messages(state: str, action: str, real_next: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
     """The EMA teacher's context: the world-model prompt plus the real next observation (hindsight)."""
-    return [
-        {"role": "system", "content": wording.world},
-        {
-            "role": "user",
-            "content": (
-                f"{state}\n\nAction: {action.strip()}\n"
-                f"(Hindsight: the environment actually answered: {real_next.strip()})\n"
-                "What does the environment answer?"
-            ),
-        },
-    ]
+    return _turn(
+        wording.world,
+        f"{state}\n\nAction: {action.strip()}\n"
+        f"(Hindsight: the environment actually answered: {real_next.strip()})\n"
+        "What does the environment answer?",
+    )
 
 
 def reflection_head(decision: str) -> str:
