@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from comap_async.heap import release_freed_memory
 from comap_async.inference.adapters import BASE, SlotManager
 from comap_async.inference.fused import FusedLlama
 from comap_async.inference.kvcache import BatchCache, with_capacity
@@ -65,6 +66,11 @@ class EngineStats:
     failed: int = 0
     running: int = 0
     waiting: int = 0
+
+
+TRIM_EVERY_S = 10.0
+"""How often the engine thread hands the allocator's freed pages back (``comap_async/heap.py``): batches
+of changing shapes fragment the heap as the learner's steps do; a trim costs milliseconds."""
 
 
 class Engine:
@@ -111,6 +117,7 @@ class Engine:
         self._stop = False
         self.idle_delay_s = 1.0
         self._last_busy = time.monotonic()
+        self._last_trim = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="comap-engine", daemon=True)
         self.fatal: BaseException | None = None
 
@@ -177,6 +184,9 @@ class Engine:
                     self._admit()
                     if self._running:
                         self._decode_step()
+                    if time.monotonic() - self._last_trim >= TRIM_EVERY_S:
+                        release_freed_memory()
+                        self._last_trim = time.monotonic()
         except BaseException as exc:  # the thread must not die silently: /health reports it
             self.fatal = exc
             if self.log:
