@@ -102,12 +102,11 @@ def records(i: int) -> tuple[dict, dict, dict]:
 
 def peak_rss_gb() -> float:
     """This process's peak resident set (VmHWM; ru_maxrss where /proc is missing)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024 / 1e9
-    except OSError:
-        pass
+    from comap_async.heap import status_gb
+
+    peak = status_gb("VmHWM")
+    if peak is not None:
+        return peak
     scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9
 

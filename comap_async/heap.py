@@ -37,12 +37,18 @@ def release_freed_memory() -> bool:
     return True
 
 
-def resident_gb() -> float | None:
-    """This process's resident set in GB (None where /proc is missing)."""
+def status_gb(field: str) -> float | None:
+    """A size field of this process's ``/proc/self/status`` in GB (``VmRSS``, ``VmHWM``; None where
+    /proc is missing)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024 / 1e9
     except OSError:
         pass
     return None
+
+
+def resident_gb() -> float | None:
+    """This process's resident set in GB (None where /proc is missing)."""
+    return status_gb("VmRSS")
