@@ -37,8 +37,10 @@ def deterministic(cfg: Any, method: str) -> bool:
 
 
 def cycle_stop_for(cfg: Any, method: str) -> "CycleStop | None":
-    """The episode's :class:`CycleStop` when ``eval.cycle_stop`` is on and the evaluation is greedy."""
-    if cfg.eval.cycle_stop <= 0 or not deterministic(cfg, method):
+    """The episode's :class:`CycleStop` when ``eval.cycle_stop`` is on and the evaluation is greedy.
+    Never with ``env.draft_turns``: the draft sees the whole history, which does not recur with the
+    state, so a recurring state does not repeat its step (the premise above)."""
+    if cfg.eval.cycle_stop <= 0 or not deterministic(cfg, method) or cfg.env.draft_turns:
         return None
     return CycleStop(occurrences=cfg.eval.cycle_stop, max_steps=cfg.env.max_steps, check=cfg.eval.cycle_stop_check)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,7 @@ from actors.imagined import ImaginedRollouts
 from comap_async.diagnostics import loop_steps
 from comap_async.facts import Facts, NextState, state_delta_f1
 from comap_async.method.gates import canonical_action, gate_reflection, world_state_score
-from comap_async.prompts import render_state
+from comap_async.prompts import Conversation, render_state
 from comap_async.wire.messages import (
     COEVOLVE,
     POLICY,
@@ -177,6 +177,19 @@ class Episode:
             self.location_at(len(self.history)),
         )
 
+    def draft_state(self, imagined: Sequence[tuple[str, str]] = ()) -> str | Conversation:
+        """What the draft sees now: the episode's turns (``env.draft_turns``), else ``s_t``; continued
+        by ``imagined`` (action, the world model's answer) pairs when given (the look-ahead)."""
+        e = self.ctx.cfg.env
+        if e.draft_turns:
+            return Conversation(self.task, self.first_observation, (*self.history, *imagined))
+        if not imagined:
+            return self.state()
+        history = [*self.history, *imagined]
+        # the real step's room: an imagined step's is not known
+        location = self.location_at(len(self.history))
+        return render_state(self.task, history, imagined[-1][1], None, e.history_k, e.show_admissible, location)
+
     def instead_of_last(self, action: str, result: Any) -> "Episode":
         """A copy of this episode as if its last step had taken ``action`` (with ``result``, played
         on another environment) instead: its own stats, the same id, task and earlier history."""
@@ -267,7 +280,7 @@ class Episode:
         return self.stats
 
 
-async def avoid_repeat(ctx: EpisodeContext, ep: Episode, state: str, action: str) -> str:
+async def avoid_repeat(ctx: EpisodeContext, ep: Episode, state: str | Conversation, action: str) -> str:
     """``eval.repeat_guard``: ``action``, or, when it was already taken from the episode's current
     state (canonical facts and action, as :func:`~comap_async.diagnostics.loop_steps` counts a
     loop), the first of the guard's sampled drafts not tried there yet (``action`` when none is)."""
@@ -316,11 +329,12 @@ async def play_coevolve(
             if imagined is not None:
                 imagined.at(t)
             admissible = ep.current.admissible
+            seen = ep.draft_state()
             if previous is not None:  # its teacher call shares the server with this draft
-                drafted, _ = await asyncio.gather(llm.draft_scored(s), previous)
+                drafted, _ = await asyncio.gather(llm.draft_scored(seen), previous)
                 previous = None
             else:
-                drafted = await llm.draft_scored(s)
+                drafted = await llm.draft_scored(seen)
             a_draft, confidence = drafted.action, drafted.confidence
             policy_v = llm.last_version("policy")  # the adapters that generated this step's fields
             if a_draft is None:  # unparseable draft: fall back to a harmless command, as the paper's agents do
@@ -336,7 +350,7 @@ async def play_coevolve(
             ep.stats.gate_reasons[gate.reason] = ep.stats.gate_reasons.get(gate.reason, 0) + 1
             a_exec = refl.a_ref if gate.open else a_draft
             if eval_mode:
-                a_exec = await avoid_repeat(ctx, ep, s, a_exec)
+                a_exec = await avoid_repeat(ctx, ep, seen, a_exec)
             if branch is not None:
                 z_draft, z_ref = await judge_step(branch, game, list(ep.actions), a_draft, refl.a_ref, plan)
                 ep.stats.judged_steps.append((int(gate.open), z_draft, z_ref))

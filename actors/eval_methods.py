@@ -35,7 +35,7 @@ async def _act(ctx: EpisodeContext, ep: Episode, method: str, s: str) -> tuple[s
     if method == "react":
         action, _ = await llm.react(s, ctx.cfg.eval.react_max_tokens)
         return action, None
-    draft, _ = await llm.draft(s)
+    draft, _ = await llm.draft(ep.draft_state())
     if method == "draft_only":
         return draft, None
     if method != "imagine_and_act":

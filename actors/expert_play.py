@@ -14,7 +14,7 @@ from actors.explore import explore_action
 from comap_async.diagnostics import reflection_label
 from comap_async.envs.base import RestoreDiverged
 from comap_async.method.gates import canonical_action
-from comap_async.wire.messages import KEEP, REFLECT_INIT, WARMUP, Reflection, Transition
+from comap_async.wire.messages import KEEP, REFLECT_INIT, WARMUP, Reflection, Transition, TurnDemos
 
 
 async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str, branch: Any = None) -> EpisodeStats:
@@ -30,6 +30,7 @@ async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str,
     rng = random.Random(f"{ctx.cfg.run.seed}-{episode_id}")
     ep = Episode(ctx, game, episode_id, await env.reset(game))
     plan = await env.walkthrough()
+    turns = ctx.cfg.env.draft_turns  # the demonstrations go as whole paths (turn_demos), not per step
     while not ep.current.done:
         t = ep.stats.steps
         action = expert_plan_action(ep, plan)
@@ -47,7 +48,7 @@ async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str,
                 except RestoreDiverged:  # no faithful state to explore from: this step explores nothing
                     ep.stats.restore_diverged += 1
         ep.advance(action, await env.step(action))
-        await ctx.emit(warmup_transition(ep, t, o, s, action, label))
+        await ctx.emit(warmup_transition(ep, t, o, s, action, label, step_demo=not turns))
         if explored is not None:  # emitted like step t's own transition, so it gets the same fields (facts)
             x_action, x = explored
             await ctx.emit(
@@ -68,6 +69,8 @@ async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str,
             )
             if a.warmup_recovery and not x.done and x.expert_action:
                 await emit_recovery(ctx, ep, branch, t, x_action, x)
+    if turns and ep.history:
+        await ctx.emit(turn_demos(ep, ep.id, [True] * len(ep.history)))
     return await ep.finish(WARMUP, False)
 
 
@@ -79,7 +82,32 @@ async def emit_recovery(ctx: EpisodeContext, ep: Episode, branch: Any, t: int, x
     off = ep.instead_of_last(x_action, x)
     o, s, expert = off.current.observation, off.state(), x.expert_action
     off.advance(expert, await branch.step(expert))
-    await ctx.emit(warmup_transition(off, t, o, s, expert, expert, id=f"{ep.id}:{t}:r", recovery=True))
+    turns = ctx.cfg.env.draft_turns
+    await ctx.emit(
+        warmup_transition(off, t, o, s, expert, expert, id=f"{ep.id}:{t}:r", recovery=True, step_demo=not turns)
+    )
+    if turns:  # the exploratory action is context; the expert's actions before it and after it are learned
+        await ctx.emit(turn_demos(off, f"{ep.id}:{t}:r", [True] * t + [False, True], recovery=True))
+
+
+def turn_demos(ep: Episode, demo_id: str, targets: list[bool], recovery: bool = False) -> TurnDemos:
+    """``ep``'s path as chat turns (``env.draft_turns``), ``targets`` marking the demonstrated actions."""
+    policy_v, wm_v = registry_versions(ep.ctx.registry())
+    return TurnDemos(
+        seq=0,
+        id=demo_id,
+        actor=ep.ctx.actor,
+        game=ep.game.name,
+        episode=ep.id,
+        goal=ep.task,
+        first=ep.first_observation,
+        turns=list(ep.history),
+        targets=targets,
+        recovery=recovery,
+        policy_version=policy_v,
+        wm_version=wm_v,
+        ts=time.time(),
+    )
 
 
 def warmup_transition(ep: Episode, t: int, o: str, s: str, action: str, label: str | None, **extra: Any) -> Transition:

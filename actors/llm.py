@@ -22,6 +22,7 @@ from actors.registry_view import RegistryView
 from comap_async.config import ActorConfig
 from comap_async.prompts import (
     FINAL_PREFIX,
+    Conversation,
     Prompts,
     parse_action,
     parse_react,
@@ -165,13 +166,15 @@ class AgentLLM:
                 await self.registry.refresh()
         raise AssertionError("unreachable")
 
-    async def draft(self, state: str, temperature: float | None = None) -> tuple[str | None, str | None]:
+    async def draft(self, state: str | Conversation, temperature: float | None = None) -> tuple[str | None, str | None]:
         """(action, problem); action None when the output had no usable line. ``temperature``: this
         call's, instead of ``actor.temperature`` (the look-ahead's sampled candidates)."""
         d = await self.draft_scored(state, temperature, confidence=False)
         return d.action, d.problem
 
-    async def draft_scored(self, state: str, temperature: float | None = None, confidence: bool | None = None) -> Draft:
+    async def draft_scored(
+        self, state: str | Conversation, temperature: float | None = None, confidence: bool | None = None
+    ) -> Draft:
         """The draft with its confidence when ``confidence`` (default ``actor.reflect_confidence``):
         the tokens' logprobs come with the same call, so the confidence is that of the sampled text."""
         scored = self.cfg.reflect_confidence if confidence is None else confidence

@@ -51,7 +51,7 @@ async def imagine_ahead(ctx: Any, ep: Any, candidate: str, depth: int) -> list[t
         state = render_state(
             ep.task, history, observation, None, e.history_k, e.show_admissible, ep.location_at(len(ep.history))
         )
-        action, _ = await ctx.llm.draft(state)
+        action, _ = await ctx.llm.draft(ep.draft_state(out))
         if action is None:  # the policy has nothing to say in that imagined state: the continuation ends
             break
     return out
@@ -60,7 +60,8 @@ async def imagine_ahead(ctx: Any, ep: Any, candidate: str, depth: int) -> list[t
 async def choose(ctx: Any, ep: Any, fallback: str) -> tuple[str, LookaheadStep]:
     """The executed action of one step, and what the look-ahead saw."""
     ev, llm, s = ctx.cfg.eval, ctx.llm, ep.state()
-    drafts = await asyncio.gather(*(llm.draft(s, ev.lookahead_temperature) for _ in range(ev.lookahead_k)))
+    seen = ep.draft_state()
+    drafts = await asyncio.gather(*(llm.draft(seen, ev.lookahead_temperature) for _ in range(ev.lookahead_k)))
     candidates: list[str] = []
     for action, _ in drafts:
         if action is not None and canonical_action(action) not in {canonical_action(c) for c in candidates}:

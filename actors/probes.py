@@ -159,6 +159,8 @@ class ProbeState:
     t: int
     expert: str
     s: str
+    seen: Any
+    """What the draft sees (:meth:`actors.episodes.Episode.draft_state`: ``s``, or the episode's turns)."""
     before: Any
     admissible: Sequence[str]
     observation: str
@@ -181,7 +183,7 @@ async def walkthrough_states(ctx: Any, env: Any, branch: Any, game: Any, failure
     for t, expert in enumerate(plan):
         if ep.current.done:
             break
-        s, before, admissible = ep.state(), ep.facts, ep.current.admissible
+        s, seen, before, admissible = ep.state(), ep.draft_state(), ep.facts, ep.current.admissible
         failure = None
         if t in failure_at:
             action = explore_action(rng, admissible, expert, invalid_share=0.5)
@@ -189,7 +191,7 @@ async def walkthrough_states(ctx: Any, env: Any, branch: Any, game: Any, failure
                 await branch.restore(game, plan[:t])
                 failure = (action, (await branch.step(action)).observation)
         ep.advance(expert, await env.step(expert))
-        states.append(ProbeState(t, expert, s, before, admissible, ep.current.observation, failure))
+        states.append(ProbeState(t, expert, s, seen, before, admissible, ep.current.observation, failure))
     return states
 
 
@@ -201,7 +203,7 @@ async def probe_state(ctx: Any, game: Any, st: ProbeState) -> list[ProbeRow]:
 
     llm = ctx.llm
     # independent calls go together: the server decodes them in one batch
-    drafted, s_hat = await asyncio.gather(llm.draft_scored(st.s), llm.imagine(st.s, st.expert))
+    drafted, s_hat = await asyncio.gather(llm.draft_scored(st.seen), llm.imagine(st.s, st.expert))
     draft = drafted.action
     match, ok = draft_scores(draft, st.expert, st.admissible)
     reflected: dict[str, Any] = {}

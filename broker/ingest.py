@@ -5,7 +5,9 @@ Per message type:
 * ``transition`` in ``warmup``: the actor executed the expert's action (no LLM ran), so there is no
   reflection to learn from: the raw transition goes to ``transitions`` (world-model warm-up on
   real transitions) and ``(s, expert action)`` to ``demos``; an ``explore`` transition (a
-  non-expert action, for the world model to see failures) goes to ``transitions`` only.
+  non-expert action, for the world model to see failures) goes to ``transitions`` only, and so does
+  one with ``step_demo`` false (``env.draft_turns``: its demonstration comes as ``turn_demos``).
+* ``turn_demos`` (``env.draft_turns``): to ``demos`` as one record, the path with its marked actions.
 * ``transition`` in ``reflect_init``/``coevolve``: the raw transition goes to ``transitions`` and
   the gated policy sample of :func:`comap_async.method.gates.derive_policy_sample` to ``reflections``;
   a transition whose reflection was unreadable (``reflection_readable`` false) derives no sample.
@@ -26,7 +28,18 @@ import msgspec
 
 from broker.store import WriteItem
 from comap_async.method.gates import SampleRule
-from comap_async.wire.messages import WARMUP, Demo, Episode, Imagined, Message, Reflection, Registry, Transition
+from comap_async.wire.messages import (
+    WARMUP,
+    Demo,
+    Episode,
+    Imagined,
+    Message,
+    Reflection,
+    Registry,
+    Transition,
+    TurnDemo,
+    TurnDemos,
+)
 
 ENVELOPE = ("v", "type", "seq")
 
@@ -69,6 +82,10 @@ class Ingest:
                 ts=msg.ts,
             )
             return WriteItem(b"i:" + msg.id.encode(), [("imagined", self._pack(demo))], {"stored_imagined": 1})
+        if type(msg) is TurnDemos:
+            rec = TurnDemo(**{f: getattr(msg, f) for f in TurnDemo.__struct_fields__})
+            counters = {"stored_turn_demos": 1, "stored_demo_turns": sum(msg.targets)}
+            return WriteItem(b"d:" + msg.id.encode(), [("demos", self._pack(rec))], counters)
         if type(msg) is Episode:
             return WriteItem(
                 b"e:" + msg.id.encode(), [("episodes", self._pack(strip_envelope(msg)))], {"stored_episodes": 1}
@@ -81,6 +98,8 @@ class Ingest:
             if tr.explore:
                 # a non-expert action executed for the world model (it sees failures): no demonstration
                 return WriteItem(key, [("transitions", raw)], {"stored_transitions": 1, "stored_explore": 1})
+            if not tr.step_demo:  # its demonstration arrives in the episode's turn_demos
+                return WriteItem(key, [("transitions", raw)], {"stored_transitions": 1})
             # warm-up executes the demonstration (a walkthrough or the expert), so a_exec is the target;
             # ``expert_action`` stays in the raw transition as the handcoded expert's own label
             demo = Demo(
@@ -124,6 +143,8 @@ def record_counters(store: str, rec: dict[str, Any]) -> dict[str, int]:
         if rec.get("phase") == WARMUP:
             if rec.get("explore"):
                 return out | {"stored_explore": 1}
+            if not rec.get("step_demo", True):
+                return out
             return out | {"stored_demos": 1} | ({"stored_recovery": 1} if rec.get("recovery") else {})
         if not rec.get("reflection_readable", True):
             return out | {"gate_ag_total": 1, "gate_ag_unreadable": 1}
@@ -143,6 +164,8 @@ def record_counters(store: str, rec: dict[str, Any]) -> dict[str, int]:
         return {"stored_imagined": 1}
     if store == "episodes":
         return {"stored_episodes": 1}
+    if store == "demos" and "turns" in rec:
+        return {"stored_turn_demos": 1, "stored_demo_turns": sum(rec["targets"])}
     return {}  # demos: counted with their warm-up transition
 
 

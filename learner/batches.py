@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from comap_async.prompts import DecisionTokens, Prompts, reflection_target
+from comap_async.prompts import Conversation, DecisionTokens, Prompts, reflection_target
 from learner.losses import IGNORE
 
 KEEP_HEAD = 128  # kept from a truncated prompt's start: header + system prompt + task are 49-83 SmolLM2 tokens
@@ -28,6 +28,13 @@ class Seq:
     start: int  # index of the first target token
     n_target: int
     change: list[bool] | None = None  # per target token: is it a change token (world-model CE only)
+    loss: list[bool] | None = None
+    """Per target token: does it carry a loss (None: all do). A warm-up path's span runs from its first
+    action to its last; the observations and exploratory actions between are context."""
+
+    @property
+    def n_loss(self) -> int:
+        return self.n_target if self.loss is None else sum(self.loss)
 
 
 def change_token_flags(target_ids: Sequence[int], before_ids: Collection[int]) -> list[bool]:
@@ -48,9 +55,11 @@ class Encoder:
     tokenizer: Any
     prompts: Prompts
     max_seq_len: int
+    max_path_tokens: int = 2048
 
     def __post_init__(self) -> None:
         self.truncated = 0  # prompts cut to fit max_seq_len since the trainer last read it
+        self.demo_actions = 0  # demonstrated actions encoded since the trainer last read it
         self.eos = self.tokenizer.eos_token or ""
         self.decision = DecisionTokens.from_tokenizer(
             self._ids, lambda i: self.tokenizer.decode([i], skip_special_tokens=False)
@@ -94,7 +103,50 @@ class Encoder:
         return Seq(student.ids, student.start, n), Seq(teacher.ids, teacher.start, n)
 
     def draft(self, r: dict[str, Any]) -> Seq:
+        if "turns" in r:
+            return self.path(r)
+        self.demo_actions += 1
         return self.seq(self.prompts.draft(r["s"]), r["target"])
+
+    def path(self, r: dict[str, Any]) -> Seq:
+        """A warm-up path (a ``turn_demos`` record, ``env.draft_turns``) as one sequence: the first
+        step's draft prompt, then per turn its action (with the end-of-turn token: a loss where the
+        action is a demonstration) and what the next step's prompt adds (context). Every action's
+        tokens follow exactly the prompt the actors send at that step, tokenised as generation
+        continues it; a path longer than ``max_path_tokens`` ends after its last whole turn that fits."""
+        turns = [(str(a), str(o)) for a, o in r["turns"]]
+        targets = [bool(x) for x in r["targets"]]
+        last = max(i for i, x in enumerate(targets) if x)
+        conversation = Conversation(r.get("goal", ""), r["first"])
+        text = self.prompts.draft(conversation)
+        ids, start = self._ids(text), None
+        loss: list[bool] = []
+        for i in range(last + 1):
+            if i:
+                conversation = conversation.then(*turns[i - 1])
+                prompt = self.prompts.draft(conversation)
+                if not prompt.startswith(text):
+                    raise ValueError(
+                        "env.draft_turns: this model's chat template does not extend a conversation turn by turn "
+                        "(a step's prompt is not the previous step's prompt, action and end of turn)"
+                    )
+                gap = self._ids(prompt[len(text) :])
+                text = prompt
+            else:
+                gap = []
+            action = turns[i][0].strip()
+            act = self._ids(action + self.eos)
+            if start is not None and len(ids) + len(gap) + len(act) > self.max_path_tokens:
+                self.truncated += 1
+                break
+            if start is None:
+                start = len(ids)
+            ids += gap + act
+            loss += [False] * len(gap) + [targets[i]] * len(act)
+            self.demo_actions += targets[i]
+            text += action + self.eos
+        assert start is not None
+        return Seq(ids, start, len(ids) - start, loss=loss)
 
     def reflection(self, r: dict[str, Any]) -> Seq:
         decision = "REVISE" if int(r["y"]) == 1 else "KEEP"
@@ -243,13 +295,17 @@ def pack(units: Sequence[Sequence[Seq]], pad_id: int, device: str | torch.device
             segment[r, at : at + n] = u_idx
             branch[r, at : at + n] = b
             first.append(len(targets))
-            counts.append(n)
             # target token j is predicted by the position before it: the prompt's last for j = 0
-            rows += [r] * n
-            cols += [c + p - 1] + list(range(at, at + n - 1))
-            targets += s.ids[p : p + n]
-            owner += [k] * n
-            change += s.change if s.change is not None else [False] * n
+            keep = s.loss if s.loss is not None else [True] * n
+            counts.append(sum(keep))
+            before = [c + p - 1] + list(range(at, at + n - 1))
+            flags = s.change if s.change is not None else [False] * n
+            for j in (j for j in range(n) if keep[j]):
+                rows.append(r)
+                cols.append(before[j])
+                targets.append(s.ids[p + j])
+                owner.append(k)
+                change.append(flags[j])
             seen = torch.zeros((n, at + n - c), dtype=torch.bool)
             seen[:, :p] = True
             seen[:, at - c :] = torch.ones((n, n), dtype=torch.bool).tril()
@@ -326,8 +382,9 @@ def detach_prompts(units: Sequence[Sequence[Seq]], pad_id: int, device: str | to
         p, n = s.start, s.n_target
         t_ids[j, :n] = torch.tensor(s.ids[p - 1 : p - 1 + n], dtype=torch.long)
         t_pos[j, :n] = torch.arange(p - 1, p - 1 + n)
-        rows += [j] * n
-        cols += list(range(n))
+        kept = [i for i in range(n) if s.loss is None or s.loss[i]]
+        rows += [j] * len(kept)
+        cols += kept
     unit_of = torch.tensor([i for i, _ in seqs], dtype=torch.long)
     to_context = c_valid[unit_of].unsqueeze(1).expand(-1, tail, -1)
     to_tail = torch.ones(tail, tail, dtype=torch.bool).tril().expand(len(seqs), -1, -1)

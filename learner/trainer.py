@@ -272,8 +272,8 @@ class Trainer:
                 "policy/loss": float(loss.detach()),
             }, n
         items = self._policy_items(demos, reflections)
-        n_draft = max(1, sum(seq.n_target for seq, y, _ in items if y is None))
-        n_reflect = max(1, sum(seq.n_target for seq, y, _ in items if y is not None))
+        n_draft = max(1, sum(seq.n_loss for seq, y, _ in items if y is None))
+        n_reflect = max(1, sum(seq.n_loss for seq, y, _ in items if y is not None))
         n_bce = max(1, sum(in_bce for _, y, in_bce in items if y is not None))
         total = {"draft": 0.0, "reflect": 0.0, "bce": 0.0, "tokens": 0}
         for chunk in chunk_by_tokens(self.cfg.chunk_tokens, items, lambda item: len(item[0].ids)):
@@ -408,9 +408,11 @@ class Trainer:
         self.model.eval()
         dt = time.perf_counter() - t0
         truncated, self.encoder.truncated = self.encoder.truncated, 0
+        demo_actions, self.encoder.demo_actions = self.encoder.demo_actions, 0
         return {
             **sums,
             "learner/truncated": truncated,
+            "policy/demo_actions": demo_actions,
             "learner/lr": lr,
             "learner/grad_norm": math.sqrt(sum(v * v for v in norms.values())),
             "learner/grad_norm_policy": norms["policy"],

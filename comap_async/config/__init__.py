@@ -52,6 +52,7 @@ __all__ = [
 PLAY_SWITCHES: dict[str, tuple[str, str]] = {
     "reflect_confidence": ("actor", "reflect_confidence"),
     "show_location": ("env", "show_location"),
+    "draft_turns": ("env", "draft_turns"),
 }
 """The method switches that change how an episode is played, not only what is trained: name ->
 (section, field). A run's ``ablation.json`` names them; ``comap compare`` plays each run with its own."""
@@ -85,7 +86,7 @@ class CoMapConfig(Section):
         ablations): ``imagined_episodes`` (WebEvolver's virtual environment: imagined steps are
         sent and trained), ``paw`` (the policy's auxiliary next-observation loss),
         ``reflect_confidence`` (the draft's confidence shown in the reflection prompt), ``show_location``
-        (where the agent is, in every state)."""
+        (where the agent is, in every state), ``draft_turns`` (the draft sees the episode as chat turns)."""
         on = []
         if self.actor.imagined_rollouts > 0 and self.learner.imagined_share > 0:
             on.append("imagined_episodes")
@@ -126,6 +127,16 @@ class CoMapConfig(Section):
                 f"actor.max_reflect_init_labels ({cap}) must be at least learner.reflect_init_min_samples "
                 f"({lr.reflect_init_min_samples}): the phase would wait for labels no actor sends"
             )
+        if self.env.draft_turns:
+            # each of these builds window-form draft samples from s_t; mixed in, they would train
+            # the draft on a prompt form it never sees
+            for on, name in (
+                (self.actor.imagined_rollouts > 0, "actor.imagined_rollouts"),
+                (lr.policy_wm_aux > 0, "learner.policy_wm_aux"),
+                (not lr.fast_path, "learner.fast_path: false"),
+            ):
+                if on:
+                    raise ValueError(f"env.draft_turns does not combine with {name} yet")
         if b.window < lr.batch_size:
             raise ValueError(f"broker.window ({b.window}) must be at least learner.batch_size ({lr.batch_size})")
         ports = {

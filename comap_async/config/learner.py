@@ -44,6 +44,9 @@ class LearnerConfig(Section):
     ~3 GB without it at batch 2); the reference path peaked above 20 GB without it at 640 tokens."""
     max_seq_len: int = Field(default=1024, ge=16)
     """Longer sequences are truncated from the left of the prompt."""
+    max_path_tokens: int = Field(default=2048, ge=64)
+    """``env.draft_turns``: a warm-up path trained as one sequence ends after the last whole turn
+    that fits (counted in ``learner/truncated``); its first demonstrated action always stays."""
     fast_path: bool = True
     """Compute the losses from the positions that carry them: hidden states first, then the
     vocabulary projection of the target positions only (for the KL: the rollout positions

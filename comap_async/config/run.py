@@ -62,6 +62,14 @@ class EnvConfig(Section):
     show_admissible: bool = True
     """Whether ``s_t`` lists the admissible commands (ScienceWorld has hundreds to thousands per
     state: its configs turn this off)."""
+    draft_turns: bool = False
+    """The draft sees the episode as chat turns: the task and first observation, then each action and
+    the observation it got (the paper's state, the whole history; no admissible list), instead of the
+    rendered ``s_t``. Warm-up then sends each played path as ``turn_demos`` and the learner trains a
+    path as one sequence with a loss on every demonstrated action, instead of one ``s_t`` prompt per
+    step (issue 29). The reflection, the world model and the teacher still see ``s_t``. A play switch.
+    Needs a chat template whose prompts extend turn by turn (ChatML: SmolLM2; not Qwen3's, whose
+    generation prompt opens an empty think block that a later turn does not keep)."""
     show_location: bool = False
     """Whether ``s_t`` shows where the agent is (``Where you are:``, the environment's
     ``StepResult.location``; ScienceWorld: the room's description, refreshed every step) unless the

@@ -80,6 +80,36 @@ def draft_messages(state: str, wording: Wording = ALFWORLD) -> list[dict[str, st
     return _turn(wording.agent, f"{state}\n\nWhat is your next action? Answer with one command only.")
 
 
+@dataclass(frozen=True)
+class Conversation:
+    """The episode so far as chat turns (``env.draft_turns``): the task and first observation, then
+    each action as the agent's turn and the observation it got as the next user turn; the paper's
+    state, the whole history. A step's draft prompt extends the previous step's by one action and
+    one observation, so a warm-up path trains as one sequence with a loss on each action
+    (``learner/batches.py``) and the server's prefix cache holds the episode's earlier steps."""
+
+    task: str
+    first: str
+    turns: tuple[tuple[str, str], ...] = ()
+
+    def then(self, action: str, observation: str) -> "Conversation":
+        return Conversation(self.task, self.first, (*self.turns, (action, observation)))
+
+
+DRAFT_TURNS_ASK = "Answer each observation with your next action: one command only."
+
+
+def draft_turn_messages(conversation: Conversation, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
+    """The draft's prompt in ``env.draft_turns`` form: no admissible list (it would be repeated in
+    every turn of a trained path); the instruction once, in the first turn."""
+    c = conversation
+    messages = _turn(wording.agent, f"Task: {c.task.strip()}\n{c.first.strip()}\n\n{DRAFT_TURNS_ASK}")
+    for action, observation in c.turns:
+        messages.append({"role": "assistant", "content": action.strip()})
+        messages.append({"role": "user", "content": observation.strip()})
+    return messages
+
+
 CONFIDENCE_WORDS = ((0.9, "high"), (0.6, "medium"), (0.0, "low"))
 """``draft_confidence`` (the draft's geometric-mean token probability) in words: a small model reads
 a word more easily than a number."""

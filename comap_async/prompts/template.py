@@ -20,10 +20,12 @@ from comap_async.prompts.messages import (
     DECISION_PREFIX,
     FINAL_PREFIX,
     THOUGHT_PREFIX,
+    Conversation,
     Wording,
     choose_messages,
     critic_messages,
     draft_messages,
+    draft_turn_messages,
     react_messages,
     reflect_messages,
     teacher_messages,
@@ -223,7 +225,10 @@ class Prompts:
             ChatTemplate.from_model_dir(model_dir), cfg, DecisionTokens.from_model_dir(model_dir), critic
         )
 
-    def draft(self, state: str) -> str:
+    def draft(self, state: str | Conversation) -> str:
+        """The draft prompt: of a rendered state ``s_t``, or of the episode's turns (``env.draft_turns``)."""
+        if isinstance(state, Conversation):
+            return self.chat.render(draft_turn_messages(state, self.wording))
         return self.chat.render(draft_messages(state, self.wording))
 
     def reflect(self, state: str, a_draft: str, s_hat: str, confidence: float | None = None) -> str:

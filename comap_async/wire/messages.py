@@ -178,6 +178,9 @@ class Transition(Message, tag="transition", kw_only=True):
     recovery: bool = False
     """Warm-up only: the expert's action from the off-path state an ``explore`` action left (a
     demonstration of getting back on track, and a real transition)."""
+    step_demo: bool = True
+    """Warm-up only: the broker stores ``(s, a_exec)`` as a demonstration. False with
+    ``env.draft_turns``: the actor sends the episode's demonstrations as :class:`TurnDemos` instead."""
     reflection_readable: bool = True
     """False: the policy's reflection gave no decision probability or no final action (the draft was
     executed); the broker stores the transition for the world model and derives no reflection sample."""
@@ -258,7 +261,39 @@ class Imagined(Message, tag="imagined", kw_only=True):
     ts: Num
 
 
-ActorMessage = Union[Transition, Episode, Reflection, Imagined]
+MAX_TURNS = 256  # (action, observation) pairs in one TurnDemos: above any env.max_steps a run uses
+
+
+class TurnDemos(Message, tag="turn_demos", kw_only=True):
+    """Warm-up with ``env.draft_turns``: one played path as chat turns (the draft's prompt form,
+    :class:`comap_async.prompts.Conversation`), the actions to learn marked: a walkthrough (every
+    action), or a recovery branch (the path to step t, the exploratory action as context, then the
+    expert's action from the state it left: the path's actions are learned again, with it).
+    The learner trains the whole path as one sequence, loss on the marked actions."""
+
+    seq: Int
+    id: Id
+    actor: Id
+    game: Id
+    episode: Id
+    goal: Text
+    first: Text
+    """The first observation (after reset)."""
+    turns: Annotated[list[tuple[Text, Text]], Meta(max_length=MAX_TURNS)]
+    """(action, the observation it got), in order."""
+    targets: Annotated[list[bool], Meta(max_length=MAX_TURNS)]
+    """Per turn: its action is a demonstration (else context: an exploratory action)."""
+    recovery: bool = False
+    policy_version: Int
+    wm_version: Int
+    ts: Num
+
+    def __post_init__(self) -> None:
+        if len(self.targets) != len(self.turns) or not any(self.targets):
+            raise ValueError("turn_demos: one target flag per turn, and at least one target")
+
+
+ActorMessage = Union[Transition, Episode, Reflection, Imagined, TurnDemos]
 
 
 # ---- broker -> actor ---------------------------------------------------------------------------
@@ -337,9 +372,21 @@ class Reply(Message, tag="reply", kw_only=True):
 
 LearnerRequest = Union[Sample, Announce, GetRegistry, EvalResult, GetStats]
 AnyMessage = Union[
-    Transition, Episode, Reflection, Imagined, Ack, Sample, Announce, GetRegistry, EvalResult, GetStats, Batch, Reply
+    Transition,
+    Episode,
+    Reflection,
+    Imagined,
+    TurnDemos,
+    Ack,
+    Sample,
+    Announce,
+    GetRegistry,
+    EvalResult,
+    GetStats,
+    Batch,
+    Reply,
 ]
-ACTOR_TYPES = (Transition, Episode, Reflection, Imagined)
+ACTOR_TYPES = (Transition, Episode, Reflection, Imagined, TurnDemos)
 
 
 # ---- stored records (broker -> LMDB -> learner) ------------------------------------------------
@@ -361,6 +408,22 @@ class Demo(Record, kw_only=True):
     wm_version: int
     source: Literal["expert", "imagined"] = "expert"
     """``imagined``: the policy's own action in an imagined episode (:class:`Imagined`), kept by its filter."""
+    ts: float
+
+
+class TurnDemo(Record, kw_only=True):
+    """A :class:`TurnDemos` message as the ``demos`` store keeps it (the learner's draft anchor in
+    ``env.draft_turns`` runs): the learner tells it from a :class:`Demo` by ``turns``."""
+
+    id: str
+    game: str
+    goal: str
+    first: str
+    turns: list[tuple[str, str]]
+    targets: list[bool]
+    recovery: bool
+    policy_version: int
+    wm_version: int
     ts: float
 
 

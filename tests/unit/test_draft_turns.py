@@ -1,0 +1,148 @@
+"""``env.draft_turns`` (issue 29's trajectory-form training): a warm-up path trains as one sequence
+whose every demonstrated action sits exactly where the actors' prompt for that step ends, so one
+sequence stands for the per-step samples of its actions (the same tokens, the same losses)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from broker.ingest import Ingest, record_counters
+from comap_async.config import CoMapConfig
+from comap_async.prompts import ChatTemplate, Conversation, Prompts
+from comap_async.wire.messages import TurnDemos
+from learner.batches import Encoder, pack
+
+TASK = "put a clean mug in coffeemachine."
+FIRST = (
+    "You are in the middle of a room. Looking quickly around you, you see a cabinet 1, a countertop 1, a sinkbasin 1."
+)
+TURNS = [
+    ("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 1, and a apple 2."),
+    ("take apple 2 from countertop 1", "You pick up the apple 2 from the countertop 1."),  # explored: context
+    ("take mug 1 from countertop 1", "Nothing happens."),
+    ("go to sinkbasin 1", "You arrive at sinkbasin 1. On the sinkbasin 1, you see nothing."),
+]
+TARGETS = [True, False, True, True]
+
+
+def path_record(targets=TARGETS) -> dict:
+    return {"goal": TASK, "first": FIRST, "turns": [list(t) for t in TURNS], "targets": list(targets)}
+
+
+@pytest.fixture
+def encoder(tiny_model_dir):
+    from comap_async.models import load_model_and_tokenizer
+
+    _, tok = load_model_and_tokenizer(str(tiny_model_dir))
+    return Encoder(tok, Prompts(ChatTemplate.from_model_dir(tiny_model_dir)), 512)
+
+
+def test_each_demonstrated_action_follows_exactly_the_prompt_the_actor_sends_at_that_step(encoder):
+    seq = encoder.draft(path_record())
+    assert encoder.demo_actions == 3
+    loss = seq.loss
+    assert loss is not None and len(loss) == seq.n_target
+    for i, (action, _) in enumerate(TURNS):
+        prompt = encoder._ids(encoder.prompts.draft(Conversation(TASK, FIRST, tuple(TURNS[:i]))))
+        target = encoder._ids(action + encoder.eos)
+        # the step's own per-step sample: the same prompt tokens, then the action and end of turn
+        assert seq.ids[: len(prompt) + len(target)] == prompt + target, i
+        span = range(len(prompt) - seq.start, len(prompt) - seq.start + len(target))
+        assert [loss[j] for j in span] == [TARGETS[i]] * len(target), i
+    assert seq.n_loss == sum(
+        len(encoder._ids(a + encoder.eos)) for (a, _), on in zip(TURNS, TARGETS) if on
+    )  # observations, and the explored action, carry no loss
+    assert seq.ids[seq.start :][-1] == encoder.tokenizer.convert_tokens_to_ids(encoder.eos)  # ends with the last action
+
+
+def test_a_path_ends_after_its_last_demonstrated_action_and_a_long_one_is_cut_at_a_whole_turn(encoder):
+    whole = encoder.draft(path_record([True, False, True, False]))
+    assert whole.n_loss == sum(len(encoder._ids(a + encoder.eos)) for a, _ in (TURNS[0], TURNS[2]))
+    encoder.max_path_tokens = len(whole.ids) - 1  # the third action no longer fits
+    encoder.truncated = 0
+    cut = encoder.draft(path_record([True, False, True, False]))
+    assert encoder.truncated == 1
+    assert cut.n_loss == len(encoder._ids(TURNS[0][0] + encoder.eos))
+    encoder.max_path_tokens = 1  # the first action always stays
+    assert encoder.draft(path_record()).n_loss == len(encoder._ids(TURNS[0][0] + encoder.eos))
+
+
+def test_packing_places_the_context_but_computes_losses_on_the_demonstrated_tokens_only(encoder):
+    seq = encoder.draft(path_record())
+    plain = encoder.draft({"s": "Task: cool a mug.\nCurrent observation: hi", "target": "go to fridge 1"})
+    packed = pack([[seq], [plain]], 0)
+    assert len(packed.targets) == seq.n_loss + plain.n_target
+    assert packed.counts == [seq.n_loss, plain.n_target]
+    first = packed.owner == 0
+    kept = [seq.ids[seq.start + j] for j in range(seq.n_target) if seq.loss[j]]
+    assert packed.targets[first].tolist() == kept
+    # each loss token is predicted by the position before it in the packed row
+    for k in torch.nonzero(first).flatten().tolist():
+        r, c = int(packed.rows[k]), int(packed.cols[k])
+        assert int(packed.input_ids[r, c + 1]) == int(packed.targets[k])
+
+
+def test_a_trained_path_moves_the_per_step_draft_losses_of_its_actions(tiny_model_dir):
+    """One step on a path lowers the loss of each of its demonstrated actions measured per step,
+    the window form the probes and actors could score it in."""
+    from tests.fixtures.learner import make_trainer
+
+    trainer = make_trainer(tiny_model_dir, max_seq_len=512, lr=1e-2)
+    enc = trainer.encoder
+
+    def per_step() -> list[float]:
+        return [
+            _nll(trainer, enc.prompts.draft(Conversation(TASK, FIRST, tuple(TURNS[:i]))), action)
+            for i, (action, _) in enumerate(TURNS)
+            if TARGETS[i]
+        ]
+
+    before = per_step()
+    for _ in range(3):
+        metrics = trainer.train_step([{"demos": [path_record()]}])
+        assert metrics["policy/demo_actions"] == 3
+    after = per_step()
+    assert all(a < b for a, b in zip(after, before)), (before, after)
+
+
+def _nll(trainer, prompt: str, action: str) -> float:
+    from learner.peft_model import activate
+
+    enc = trainer.encoder
+    p, t = enc._ids(prompt), enc._ids(action + enc.eos)
+    ids = torch.tensor([p + t])
+    activate(trainer.model, "policy", trainable=False)
+    with torch.no_grad():
+        logits = trainer.model(input_ids=ids).logits[0, len(p) - 1 : -1]
+    return float(torch.nn.functional.cross_entropy(logits.float(), torch.tensor(t)))
+
+
+def test_the_broker_stores_a_path_as_one_demo_and_no_per_step_demo_for_its_steps():
+    ingest = Ingest()
+    msg = TurnDemos(
+        seq=1, id="e1", actor="a", game="g", episode="e1", goal=TASK, first=FIRST,
+        turns=TURNS, targets=TARGETS, policy_version=0, wm_version=0, ts=1.0,
+    )  # fmt: skip
+    item = ingest.prepare(msg, b"")
+    ((store, raw),) = item.records
+    rec = msgspec.msgpack.decode(raw)
+    assert store == "demos" and rec["turns"] == [list(t) for t in TURNS] and rec["targets"] == TARGETS
+    assert item.counters == record_counters("demos", rec) == {"stored_turn_demos": 1, "stored_demo_turns": 3}
+    with pytest.raises(msgspec.ValidationError, match="one target flag per turn"):
+        msgspec.convert({**msgspec.structs.asdict(msg), "targets": [True]}, TurnDemos)
+    with pytest.raises(msgspec.ValidationError, match="at least one target"):
+        msgspec.convert({**msgspec.structs.asdict(msg), "targets": [False] * 4}, TurnDemos)
+
+
+def test_the_switch_is_a_play_switch_and_refuses_what_would_mix_prompt_forms():
+    cfg = CoMapConfig.model_validate({"env": {"draft_turns": True}})
+    assert "draft_turns" in cfg.method_switches
+    for bad, name in (
+        ({"actor": {"imagined_rollouts": 1}}, "actor.imagined_rollouts"),
+        ({"learner": {"policy_wm_aux": 0.1}}, "learner.policy_wm_aux"),
+        ({"learner": {"fast_path": False}}, "learner.fast_path"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            CoMapConfig.model_validate({"env": {"draft_turns": True}, **bad})
