@@ -7,11 +7,13 @@ activation checkpointing, full-vocabulary logits over a window, one pass per kin
     python benchmarks/learner_throughput.py --variants reference,new --rounds 1 --steps 1   # quick look
     python benchmarks/learner_throughput.py --qwen3-4b-shape   # random Qwen3-4B-shaped model, GPU only
     python benchmarks/learner_throughput.py --warmup --headline new,detached   # issue 29: warm-up SFT's steps
+    python benchmarks/learner_throughput.py --warmup --headline new,turns --variants new,turns  # env.draft_turns
 
 ``--warmup`` times warm-up SFT's step (demonstrations and transitions without a student rollout,
 so no KL; no reflection samples) and
-reports demonstrations trained per learner hour; ``--headline A,B`` alternates those two variants
-(default ``reference,new``) and ends with ``speedup`` of B over A.
+reports demonstrated actions trained per learner hour; ``--headline A,B`` alternates those two variants
+(default ``reference,new``) and ends with ``speedup`` of B over A (with ``turns``, a variant whose
+demonstration records are warm-up paths of ``PATH_TURNS`` actions: ``demos_per_hour_ratio``).
 
 Every variant runs in its own child process (its peak RSS is its own); the reference and the new
 path alternate round by round, so a machine that gets busier or quieter affects both alike.
@@ -62,7 +64,9 @@ VARIANTS = {
         1,
         "as configured, prompts' keys and values without gradient",
     ),
+    "turns": ({}, 1, "as configured, each demonstration record a warm-up path (env.draft_turns)"),
 }
+PATH_TURNS = 10  # a turns record's demonstrated actions: valid_seen walkthroughs take 5-40 steps
 HEADLINE = ("reference", "new")
 LOSSES = ("wm/ce", "wm/kl", "policy/draft_ce", "policy/reflect_ce", "policy/bce")
 
@@ -98,6 +102,23 @@ def records(i: int) -> tuple[dict, dict, dict]:
         "y": i % 2,
     }
     return wm, demo, refl
+
+
+def path_record(i: int) -> dict:
+    """A warm-up path (``env.draft_turns``) of :data:`PATH_TURNS` demonstrated actions: ALFWorld-like
+    observations, long (a receptacle's contents) and short in turn."""
+    short = "You pick up the apple 1 from the countertop 1."
+    turns = [
+        (f"go to countertop {j + 1}" if j % 2 == 0 else "take apple 1 from countertop 1", OBS if j % 2 == 0 else short)
+        for j in range(PATH_TURNS)
+    ]
+    first = (
+        "-= Welcome to TextWorld, ALFRED! =-\n\nYou are in the middle of a room. Looking quickly around you, you "
+        "see a cabinet 1, a cabinet 2, a cabinet 3, a coffeemachine 1, a countertop 1, a countertop 2, a drawer 1, "
+        f"a drawer 2, a fridge 1, a garbagecan 1, a microwave 1, a sinkbasin 1, and a toaster 1.\n\nYour task is to: "
+        f"put a clean apple in fridge ({i})."
+    )
+    return {"goal": "put a clean apple in fridge.", "first": first, "turns": turns, "targets": [True] * PATH_TURNS}
 
 
 def peak_rss_gb() -> float:
@@ -162,12 +183,16 @@ def child(args: argparse.Namespace) -> None:
     if args.warmup:  # warm-up SFT's micro-batch: expert transitions carry no student rollout (no KL)
         mb["reflections"] = []
         mb["transitions"] = [{**t, "s_hat_exec": ""} for t in mb["transitions"]]
+    if args.child == "turns":
+        mb["demos"] = [path_record(i) for i in range(args.batch_size)]
     # the warm-up step (allocations, lazy init): the adapters' B matrices are still zero, so its
     # losses are the base model's, the same in every variant up to the matmul precision
     first = trainer.train_step([mb])
-    tokens, t0 = 0, time.perf_counter()
+    tokens, actions, t0 = 0, 0, time.perf_counter()
     for _ in range(args.steps):
-        tokens += trainer.train_step([mb])["learner/tokens"]
+        metrics = trainer.train_step([mb])
+        tokens += metrics["learner/tokens"]
+        actions += metrics["policy/demo_actions"]
     seconds = time.perf_counter() - t0
     if args.device == "cuda":
         peak = torch.cuda.max_memory_allocated() / 1e9
@@ -178,6 +203,7 @@ def child(args: argparse.Namespace) -> None:
         + json.dumps(
             {
                 "tokens": tokens,
+                "demo_actions": actions,
                 "seconds": seconds,
                 "steps": args.steps,
                 "peak_gb": peak,
@@ -277,21 +303,28 @@ def main() -> None:
         f"model={model} device={args.device} batch_size={args.batch_size} steps={args.steps} rounds={args.rounds} "
         f"cpu_count={os.cpu_count()}"
     )
-    rate = {}
+    rate, per_hour = {}, {}
     for v in wanted:
         res = results[v]
         tokens, seconds = sum(x["tokens"] for x in res), sum(x["seconds"] for x in res)
         steps = sum(x["steps"] for x in res)
         rate[v] = tokens / seconds
+        per_hour[v] = sum(x["demo_actions"] for x in res) * 3600 / seconds
         x = res[0]
         losses = " ".join(f"{k}={val:.4f}" for k, val in x["losses"].items())
         print(
             f"variant={v} tokens_per_s={rate[v]:.1f} step_s={seconds / steps:.2f} tokens_per_step={tokens // steps} "
             f"{mem}={max(y['peak_gb'] for y in res):.2f} threads={x['threads']} precision={x['autocast']} "
             f"fast_path={x['fast_path']} checkpointing={x['checkpointing']} runs={len(res)} "
-            f"demos_per_hour={args.batch_size * 3600 * steps / seconds:.0f} first_step: {losses}"
+            f"demos_per_hour={per_hour[v]:.0f} first_step: {losses}"
         )
-    if pair != list(HEADLINE):
+    if "turns" in pair:  # what a warm-up path buys is demonstrated actions per hour, not tokens/s
+        a, b = pair
+        print(
+            f"{a}_demos_per_hour={per_hour[a]:.0f} {b}_demos_per_hour={per_hour[b]:.0f} "
+            f"demos_per_hour_ratio={per_hour[b] / per_hour[a]:.2f}"
+        )
+    elif pair != list(HEADLINE):
         a, b = pair
         print(f"{a}_tokens_per_s={rate[a]:.1f} {b}_tokens_per_s={rate[b]:.1f} speedup={rate[b] / rate[a]:.2f}")
     elif "reference" in rate and "new" in rate:
