@@ -150,7 +150,7 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
     plan = await env.walkthrough()
     while not ep.current.done and (expert := expert_plan_action(ep, plan)) is not None:
         s, t, prefix = ep.state(), ep.stats.steps, list(ep.actions)
-        drafted = await ctx.llm.draft_scored(s)
+        drafted = await ctx.llm.draft_scored(ep.draft_state())
         draft, problem = drafted.action, drafted.problem
         ep.stats.parse_problems += problem == "empty"
         equal = draft is not None and canonical_action(draft) == canonical_action(expert)

@@ -137,6 +137,11 @@ class CoMapConfig(Section):
             ):
                 if on:
                     raise ValueError(f"env.draft_turns does not combine with {name} yet")
+            if lr.max_path_tokens > self.inference.max_prompt_tokens:
+                raise ValueError(
+                    f"learner.max_path_tokens ({lr.max_path_tokens}) must not exceed inference.max_prompt_tokens "
+                    f"({self.inference.max_prompt_tokens}): a trained path's prompts must reach the servers uncut"
+                )
         if b.window < lr.batch_size:
             raise ValueError(f"broker.window ({b.window}) must be at least learner.batch_size ({lr.batch_size})")
         ports = {

@@ -3,6 +3,7 @@ tokens, and the prompt strings per role (:class:`Prompts`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Callable, Sequence
@@ -194,6 +195,10 @@ class Prompts:
     """The decision position's two tokens (needed to read ``p`` from a reflection)."""
     critic_answer: DecisionTokens | None = None
     """The look-ahead critic's NO / YES tokens (:data:`CRITIC_WORDS`)."""
+    max_prompt_tokens: int | None = None
+    """The servers' prompt limit (``inference.max_prompt_tokens``): a draft prompt of the episode's
+    turns that would pass it leaves out its oldest turns (:meth:`draft`). None: no limit applied."""
+    count_tokens: Callable[[str], int] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_config(
@@ -221,15 +226,40 @@ class Prompts:
             critic = DecisionTokens.from_model_dir(model_dir, CRITIC_WORDS)
         except ValueError:  # a tokenizer that does not separate them (a tiny test one): no look-ahead critic
             critic = None
-        return cls.from_config(
+        prompts = cls.from_config(
             ChatTemplate.from_model_dir(model_dir), cfg, DecisionTokens.from_model_dir(model_dir), critic
+        )
+        if not cfg.env.draft_turns:
+            return prompts
+        file = Path(model_dir) / "tokenizer.json"
+        tok = _tokenizer_file(str(file), file.stat().st_mtime_ns)
+        return dataclasses.replace(
+            prompts,
+            max_prompt_tokens=cfg.inference.max_prompt_tokens,
+            count_tokens=lambda text: len(tok.encode(text, add_special_tokens=True).ids),  # as the server counts
         )
 
     def draft(self, state: str | Conversation) -> str:
         """The draft prompt: of a rendered state ``s_t``, or of the episode's turns (``env.draft_turns``)."""
         if isinstance(state, Conversation):
-            return self.chat.render(draft_turn_messages(state, self.wording))
+            return self._fitting(state)
         return self.chat.render(draft_messages(state, self.wording))
+
+    def _fitting(self, conversation: Conversation) -> str:
+        """The turns' prompt, its oldest turns (after the first one: the task) left out while it would
+        pass ``max_prompt_tokens``: a looping greedy episode reaches ~2,000 tokens by step 40 on
+        ALFWorld, and the server refuses a longer prompt. Training paths end within
+        ``learner.max_path_tokens``, no longer than the limit (the config checks), so a trained
+        prompt is never cut."""
+        prompt = self.chat.render(draft_turn_messages(conversation, self.wording))
+        if self.max_prompt_tokens is None or self.count_tokens is None:
+            return prompt
+        turns = conversation.turns
+        while turns and self.count_tokens(prompt) > self.max_prompt_tokens:
+            turns = turns[1:]
+            shorter = Conversation(conversation.task, conversation.first, turns)
+            prompt = self.chat.render(draft_turn_messages(shorter, self.wording))
+        return prompt
 
     def reflect(self, state: str, a_draft: str, s_hat: str, confidence: float | None = None) -> str:
         # The decision word is the first generated token, so its logprobs give p_revise.

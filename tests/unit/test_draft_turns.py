@@ -146,3 +146,24 @@ def test_the_switch_is_a_play_switch_and_refuses_what_would_mix_prompt_forms():
     ):
         with pytest.raises(ValueError, match=name):
             CoMapConfig.model_validate({"env": {"draft_turns": True}, **bad})
+
+
+def test_an_episode_longer_than_the_servers_limit_leaves_out_its_oldest_turns(tiny_model_dir):
+    cfg = CoMapConfig.model_validate(
+        {"env": {"draft_turns": True}, "inference": {"max_prompt_tokens": 300}, "learner": {"max_path_tokens": 300}}
+    )
+    prompts = Prompts.for_model(tiny_model_dir, cfg)
+    long = Conversation(TASK, FIRST, tuple(TURNS) * 6)
+    prompt = prompts.draft(long)
+    assert prompts.count_tokens(prompt) <= 300
+    whole = Prompts.for_model(tiny_model_dir, CoMapConfig())  # no limit applied
+    kept = [k for k in range(1, len(long.turns)) if whole.draft(Conversation(TASK, FIRST, long.turns[-k:])) == prompt]
+    assert kept, "not the first turn and the newest turns"
+    # the newest turns that fit: one more would pass the limit
+    assert prompts.count_tokens(whole.draft(Conversation(TASK, FIRST, long.turns[-kept[0] - 1 :]))) > 300
+    # a short episode is rendered whole, and without the switch nothing counts tokens
+    short = Conversation(TASK, FIRST, tuple(TURNS[:1]))
+    assert prompts.count_tokens(whole.draft(short)) <= 300 and prompts.draft(short) == whole.draft(short)
+    assert whole.count_tokens is None
+    with pytest.raises(ValueError, match="max_path_tokens"):
+        CoMapConfig.model_validate({"env": {"draft_turns": True}, "inference": {"max_prompt_tokens": 1024}})
