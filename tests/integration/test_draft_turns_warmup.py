@@ -84,7 +84,7 @@ async def test_warmup_sends_the_walkthrough_and_each_recovery_as_one_path(alfwor
 async def test_through_the_broker_the_demos_store_holds_the_paths(
     broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen
 ):
-    broker = broker_factory()  # a fresh broker is in the warmup phase
+    broker = broker_factory(["env.draft_turns=true"])  # a fresh broker is in the warmup phase; same method
     games = sorted(valid_seen, key=lambda g: g.name)[:2]
     cfg = load_config(
         REPO / "configs" / "test.yaml",
