@@ -118,13 +118,13 @@ class Encoder:
         targets = [bool(x) for x in r["targets"]]
         last = max(i for i, x in enumerate(targets) if x)
         conversation = Conversation(r.get("goal", ""), r["first"])
-        text = self.prompts.draft(conversation)
+        text = self.prompts.turns_prompt(conversation, fit=False)
         ids, start = self._ids(text), None
         loss: list[bool] = []
         for i in range(last + 1):
             if i:
                 conversation = conversation.then(*turns[i - 1])
-                prompt = self.prompts.draft(conversation)
+                prompt = self.prompts.turns_prompt(conversation, fit=False)
                 if not prompt.startswith(text):
                     raise ValueError(
                         "env.draft_turns: this model's chat template does not extend a conversation turn by turn "

@@ -242,17 +242,17 @@ class Prompts:
     def draft(self, state: str | Conversation) -> str:
         """The draft prompt: of a rendered state ``s_t``, or of the episode's turns (``env.draft_turns``)."""
         if isinstance(state, Conversation):
-            return self._fitting(state)
+            return self.turns_prompt(state)
         return self.chat.render(draft_messages(state, self.wording))
 
-    def _fitting(self, conversation: Conversation) -> str:
-        """The turns' prompt, its oldest turns (after the first one: the task) left out while it would
-        pass ``max_prompt_tokens``: a looping greedy episode reaches ~2,000 tokens by step 40 on
-        ALFWorld, and the server refuses a longer prompt. Training paths end within
-        ``learner.max_path_tokens``, no longer than the limit (the config checks), so a trained
-        prompt is never cut."""
+    def turns_prompt(self, conversation: Conversation, fit: bool = True) -> str:
+        """The turns' draft prompt; with ``fit``, its oldest turns (after the first one: the task) left
+        out while it would pass ``max_prompt_tokens``: a looping greedy episode reaches ~2,000 tokens by
+        step 40 on ALFWorld, and the server refuses a longer prompt. The learner renders paths whole
+        (``fit`` false) and ends them within ``learner.max_path_tokens``, no longer than the limit (the
+        config checks), so a trained prompt is never one the actors cut."""
         prompt = self.chat.render(draft_turn_messages(conversation, self.wording))
-        if self.max_prompt_tokens is None or self.count_tokens is None:
+        if not fit or self.max_prompt_tokens is None or self.count_tokens is None:
             return prompt
         turns = conversation.turns
         while turns and self.count_tokens(prompt) > self.max_prompt_tokens:

@@ -167,3 +167,15 @@ def test_an_episode_longer_than_the_servers_limit_leaves_out_its_oldest_turns(ti
     assert whole.count_tokens is None
     with pytest.raises(ValueError, match="max_path_tokens"):
         CoMapConfig.model_validate({"env": {"draft_turns": True}, "inference": {"max_prompt_tokens": 1024}})
+
+
+def test_the_learner_cuts_a_path_at_its_length_cap_not_at_the_prompt_limit(tiny_model_dir):
+    from comap_async.models import load_model_and_tokenizer
+
+    cfg = CoMapConfig.model_validate(
+        {"env": {"draft_turns": True}, "inference": {"max_prompt_tokens": 300}, "learner": {"max_path_tokens": 300}}
+    )
+    _, tok = load_model_and_tokenizer(str(tiny_model_dir))
+    enc = Encoder(tok, Prompts.for_model(tiny_model_dir, cfg), 512, 300)
+    seq = enc.draft({"goal": TASK, "first": FIRST, "turns": TURNS * 6, "targets": [True] * 24})
+    assert len(seq.ids) <= 300 and enc.truncated == 1 and 0 < enc.demo_actions < 24
