@@ -177,18 +177,22 @@ class Episode:
             self.location_at(len(self.history)),
         )
 
-    def draft_state(self, imagined: Sequence[tuple[str, str]] = ()) -> str | Conversation:
-        """What the draft sees now: the episode's turns (``env.draft_turns``), else ``s_t``; continued
-        by ``imagined`` (action, the world model's answer) pairs when given (the look-ahead)."""
-        e = self.ctx.cfg.env
-        if e.draft_turns:
-            return Conversation(self.task, self.first_observation, (*self.history, *imagined))
+    def imagined_state(self, imagined: Sequence[tuple[str, str]]) -> str:
+        """``s_t`` continued by ``imagined`` (action, the world model's answer) pairs (the look-ahead):
+        no admissible list, and the real step's room (an imagined step's is not known)."""
         if not imagined:
             return self.state()
+        e = self.ctx.cfg.env
         history = [*self.history, *imagined]
-        # the real step's room: an imagined step's is not known
         location = self.location_at(len(self.history))
         return render_state(self.task, history, imagined[-1][1], None, e.history_k, e.show_admissible, location)
+
+    def draft_state(self, imagined: Sequence[tuple[str, str]] = ()) -> str | Conversation:
+        """What the draft sees now: the episode's turns (``env.draft_turns``), else ``s_t``; continued
+        by ``imagined`` pairs when given (:meth:`imagined_state`)."""
+        if self.ctx.cfg.env.draft_turns:
+            return Conversation(self.task, self.first_observation, (*self.history, *imagined))
+        return self.imagined_state(imagined)
 
     def instead_of_last(self, action: str, result: Any) -> "Episode":
         """A copy of this episode as if its last step had taken ``action`` (with ``result``, played

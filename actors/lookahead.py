@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from comap_async.method.gates import canonical_action
-from comap_async.prompts import render_state
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,19 +37,13 @@ class LookaheadStep:
 
 async def imagine_ahead(ctx: Any, ep: Any, candidate: str, depth: int) -> list[tuple[str, str]]:
     """The imagined continuation ``[(action, imagined observation), ...]`` starting with ``candidate``."""
-    e = ctx.cfg.env
-    history = list(ep.history)
     state, action, out = ep.state(), candidate, []
     for d in range(depth):
         observation = await ctx.llm.imagine(state, action)
         out.append((action, observation))
-        history.append((action, observation))
         if d + 1 == depth:
             break
-        # the real step's room: an imagined step's is not known
-        state = render_state(
-            ep.task, history, observation, None, e.history_k, e.show_admissible, ep.location_at(len(ep.history))
-        )
+        state = ep.imagined_state(out)  # the world model's view; the draft's is the same or the turns
         action, _ = await ctx.llm.draft(ep.draft_state(out))
         if action is None:  # the policy has nothing to say in that imagined state: the continuation ends
             break
