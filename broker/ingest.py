@@ -37,7 +37,6 @@ from comap_async.wire.messages import (
     Reflection,
     Registry,
     Transition,
-    TurnDemo,
     TurnDemos,
 )
 
@@ -82,10 +81,9 @@ class Ingest:
                 ts=msg.ts,
             )
             return WriteItem(b"i:" + msg.id.encode(), [("imagined", self._pack(demo))], {"stored_imagined": 1})
-        if type(msg) is TurnDemos:
-            rec = TurnDemo(**{f: getattr(msg, f) for f in TurnDemo.__struct_fields__})
-            counters = {"stored_turn_demos": 1, "stored_demo_turns": sum(msg.targets)}
-            return WriteItem(b"d:" + msg.id.encode(), [("demos", self._pack(rec))], counters)
+        if type(msg) is TurnDemos:  # stored as sent: the learner tells a path from a Demo by ``turns``
+            rec = strip_envelope(msg)
+            return WriteItem(b"d:" + msg.id.encode(), [("demos", self._pack(rec))], record_counters("demos", rec))
         if type(msg) is Episode:
             return WriteItem(
                 b"e:" + msg.id.encode(), [("episodes", self._pack(strip_envelope(msg)))], {"stored_episodes": 1}

@@ -269,7 +269,8 @@ class TurnDemos(Message, tag="turn_demos", kw_only=True):
     :class:`comap_async.prompts.Conversation`), the actions to learn marked: a walkthrough (every
     action), or a recovery branch (the path to step t, the exploratory action as context, then the
     expert's action from the state it left: the path's actions are learned again, with it).
-    The learner trains the whole path as one sequence, loss on the marked actions."""
+    The learner trains the whole path as one sequence, loss on the marked actions; the ``demos``
+    store keeps it as sent (the learner tells it from a :class:`Demo` by ``turns``)."""
 
     seq: Int
     id: Id
@@ -408,22 +409,6 @@ class Demo(Record, kw_only=True):
     wm_version: int
     source: Literal["expert", "imagined"] = "expert"
     """``imagined``: the policy's own action in an imagined episode (:class:`Imagined`), kept by its filter."""
-    ts: float
-
-
-class TurnDemo(Record, kw_only=True):
-    """A :class:`TurnDemos` message as the ``demos`` store keeps it (the learner's draft anchor in
-    ``env.draft_turns`` runs): the learner tells it from a :class:`Demo` by ``turns``."""
-
-    id: str
-    game: str
-    goal: str
-    first: str
-    turns: list[tuple[str, str]]
-    targets: list[bool]
-    recovery: bool
-    policy_version: int
-    wm_version: int
     ts: float
 
 
