@@ -89,6 +89,8 @@ class EpisodeStats:
     cycle_projected: int = 0
     """Evaluation with ``eval.cycle_stop``: steps not played because the episode had entered a cycle,
     counted in every figure as they would have gone (:mod:`actors.cycles`)."""
+    demo_fallback: bool = False
+    """``actor.demonstrations: handcoded``: the expert lost this game, so the walkthrough was demonstrated."""
     cycle_check: dict[str, Any] | None = None
     """``eval.cycle_stop_check``: how the projection at the first recurrence compared with the episode
     played to its end (:func:`actors.cycles.compare`)."""
@@ -115,6 +117,8 @@ class EpisodeStats:
         if self.imagined_kept or self.imagined_dropped:
             out["imagined_kept"] = float(self.imagined_kept)
             out["imagined_dropped"] = float(self.imagined_dropped)
+        if self.demo_fallback:
+            out["demo_fallback"] = 1.0
         if self.guarded:
             out["guard_rate"] = self.guarded / n
         if self.cycle_projected:

@@ -1,4 +1,4 @@
-"""The expert's phases: warm-up (the walkthrough replayed, with exploratory and recovery steps on a
+"""The expert's phases: warm-up (the demonstration replayed, with exploratory and recovery steps on a
 branch environment) and reflection-mode initialisation (suffix-labelled reflection samples on the
 expert's states). The CoMap loop itself is :func:`actors.episodes.play_coevolve`."""
 
@@ -12,14 +12,14 @@ from actors.branches import expert_plan_action, play_branch
 from actors.episodes import Episode, EpisodeContext, EpisodeStats, registry_versions
 from actors.explore import explore_action
 from comap_async.diagnostics import reflection_label
-from comap_async.envs.base import RestoreDiverged
+from comap_async.envs.base import RestoreDiverged, StepResult
 from comap_async.method.gates import canonical_action
 from comap_async.wire.messages import KEEP, REFLECT_INIT, WARMUP, Reflection, Transition, TurnDemos
 
 
 async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str, branch: Any = None) -> EpisodeStats:
-    """Warm-up: replay the game's winning walkthrough (the handcoded expert where there is none);
-    every step is a demonstration and a real transition, labelled with the expert's own action.
+    """Warm-up: replay the game's demonstration (:func:`demonstration_start`: the walkthrough, or the
+    handcoded expert's own winning play); every step is a demonstration and a real transition, labelled with the expert's own action.
 
     With a ``branch`` environment, a share ``actor.warmup_explore`` of the steps (seeded by the run
     seed and the episode id) also executes a non-expert action (:func:`actors.explore.explore_action`)
@@ -28,8 +28,9 @@ async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str,
     broker stores no demonstration for it). The expert path continues unchanged on ``env``."""
     a = ctx.cfg.actor
     rng = random.Random(f"{ctx.cfg.run.seed}-{episode_id}")
-    ep = Episode(ctx, game, episode_id, await env.reset(game))
-    plan = await env.walkthrough()
+    first, plan, fallback = await demonstration_start(ctx, env, game)
+    ep = Episode(ctx, game, episode_id, first)
+    ep.stats.demo_fallback = fallback
     turns = ctx.cfg.env.draft_turns  # the demonstrations go as whole paths (turn_demos), not per step
     while not ep.current.done:
         t = ep.stats.steps
@@ -72,6 +73,25 @@ async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str,
     if turns and ep.history:
         await ctx.emit(turn_demos(ep, ep.id, [True] * len(ep.history)))
     return await ep.finish(WARMUP, False)
+
+
+async def demonstration_start(ctx: EpisodeContext, env: Any, game: Any) -> tuple[StepResult, list[str], bool]:
+    """``game`` reset on ``env``, the command sequence its demonstration follows
+    (``actor.demonstrations``), and whether that is the walkthrough in place of the handcoded
+    expert's play. ``handcoded``: the expert plays from the reset first, on ``env``, which is then
+    reset again (the expert's choices are seeded by the reset, so its path replays as it went);
+    when it does not win, the walkthrough (nothing is demonstrated that did not reach the goal)."""
+    if ctx.cfg.actor.demonstrations == "handcoded":
+        result, path = await env.reset(game), []
+        while not result.done and result.expert_action is not None:
+            path.append(result.expert_action)
+            result = await env.step(result.expert_action)
+        if result.won:
+            return await env.reset(game), path, False
+        first = await env.reset(game)
+        return first, await env.walkthrough(), True
+    first = await env.reset(game)
+    return first, await env.walkthrough(), False
 
 
 async def emit_recovery(ctx: EpisodeContext, ep: Episode, branch: Any, t: int, x_action: str, x: Any) -> None:
@@ -146,8 +166,9 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
     With ``actor.reflect_init_pairs`` every ``y = 1`` sample comes with its pair: the same state,
     the expert's action as the draft, ``y = 0`` (an equal draft), ``s̄`` the real observation after it.
     """
-    ep = Episode(ctx, game, episode_id, await env.reset(game))
-    plan = await env.walkthrough()
+    first, plan, fallback = await demonstration_start(ctx, env, game)
+    ep = Episode(ctx, game, episode_id, first)
+    ep.stats.demo_fallback = fallback
     while not ep.current.done and (expert := expert_plan_action(ep, plan)) is not None:
         s, t, prefix = ep.state(), ep.stats.steps, list(ep.actions)
         drafted = await ctx.llm.draft_scored(ep.draft_state())

@@ -85,6 +85,7 @@ class CoMapConfig(Section):
         """The related methods' training switches that are on (recorded with the run, like the
         ablations): ``imagined_episodes`` (WebEvolver's virtual environment: imagined steps are
         sent and trained), ``paw`` (the policy's auxiliary next-observation loss),
+        ``handcoded_demos`` (warm-up demonstrates the handcoded expert's search, not the walkthrough),
         ``reflect_confidence`` (the draft's confidence shown in the reflection prompt), ``show_location``
         (where the agent is, in every state), ``draft_turns`` (the draft sees the episode as chat turns)."""
         on = []
@@ -92,6 +93,8 @@ class CoMapConfig(Section):
             on.append("imagined_episodes")
         if self.learner.policy_wm_aux > 0:
             on.append("paw")
+        if self.actor.demonstrations == "handcoded":
+            on.append("handcoded_demos")
         on.extend(name for name, (section, key) in PLAY_SWITCHES.items() if getattr(getattr(self, section), key))
         return on
 
@@ -126,6 +129,10 @@ class CoMapConfig(Section):
             raise ValueError(
                 f"actor.max_reflect_init_labels ({cap}) must be at least learner.reflect_init_min_samples "
                 f"({lr.reflect_init_min_samples}): the phase would wait for labels no actor sends"
+            )
+        if self.actor.demonstrations == "handcoded" and self.env.name != "alfworld":
+            raise ValueError(
+                f"actor.demonstrations: handcoded needs ALFWorld's handcoded expert (env.name is {self.env.name})"
             )
         if self.env.draft_turns:
             # each of these builds window-form draft samples from s_t; mixed in, they would train

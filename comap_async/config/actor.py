@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -61,6 +61,14 @@ class ActorConfig(Section):
     """After each exploratory action, the game's expert also acts from the off-path state it left,
     and that step is a demonstration (``recovery``) as well as a real transition: walkthroughs alone
     never show the policy a state one step off the path, so once off it the policy loops."""
+    demonstrations: Literal["walkthrough", "handcoded"] = "walkthrough"
+    """The command sequence warm-up demonstrates and reflection-mode initialisation drafts along:
+    ``walkthrough``, the game's recorded winning sequence (it goes straight to where the task's
+    object lies, which the agent cannot know: imitated, the policy names a receptacle and takes an
+    object that is not there); ``handcoded``, the handcoded expert's own winning play from the
+    reset, which searches the likely receptacles and reads each one's contents (the walkthrough
+    where the expert does not win within ``env.max_steps``; ALFWorld only). Recorded with the run
+    as the method switch ``handcoded_demos``."""
     reflect_init_pairs: bool = False
     """Reflection-mode initialisation: each ``y = 1`` sample (the expert's action does better than
     the draft) comes with a ``y = 0`` one on the same state whose draft is the expert's action (an

@@ -99,3 +99,10 @@ def test_prompts_without_gradient_refuse_activation_checkpointing():
             None, ["learner.prompt_grad=false", "learner.gradient_checkpointing=false", "learner.fast_path=false"]
         )
     assert not load_config(CONFIGS / "local.yaml", ["learner.prompt_grad=false"]).learner.prompt_grad
+
+
+def test_handcoded_demonstrations_are_recorded_and_need_alfworld():
+    on = load_config(None, ["actor.demonstrations=handcoded"])
+    assert "handcoded_demos" in on.method_switches and "handcoded_demos" not in load_config(None).method_switches
+    with pytest.raises(ConfigError, match="handcoded needs ALFWorld"):
+        load_config(None, ["env.name=scienceworld", "env.split=dev", "actor.demonstrations=handcoded"])
