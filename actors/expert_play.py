@@ -19,7 +19,8 @@ from comap_async.wire.messages import KEEP, REFLECT_INIT, WARMUP, Reflection, Tr
 
 async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str, branch: Any = None) -> EpisodeStats:
     """Warm-up: replay the game's demonstration (:func:`demonstration_start`: the walkthrough, or the
-    handcoded expert's own winning play); every step is a demonstration and a real transition, labelled with the expert's own action.
+    handcoded expert's own winning play); every step is a demonstration and a real transition,
+    labelled with the expert's own action.
 
     With a ``branch`` environment, a share ``actor.warmup_explore`` of the steps (seeded by the run
     seed and the episode id) also executes a non-expert action (:func:`actors.explore.explore_action`)
