@@ -82,17 +82,16 @@ async def demonstration_start(ctx: EpisodeContext, env: Any, game: Any) -> tuple
     expert's play. ``handcoded``: the expert plays from the reset first, on ``env``, which is then
     reset again (the expert's choices are seeded by the reset, so its path replays as it went);
     when it does not win, the walkthrough (nothing is demonstrated that did not reach the goal)."""
-    if ctx.cfg.actor.demonstrations == "handcoded":
+    handcoded = ctx.cfg.actor.demonstrations == "handcoded"
+    if handcoded:
         result, path = await env.reset(game), []
         while not result.done and result.expert_action is not None:
             path.append(result.expert_action)
             result = await env.step(result.expert_action)
         if result.won:
             return await env.reset(game), path, False
-        first = await env.reset(game)
-        return first, await env.walkthrough(), True
     first = await env.reset(game)
-    return first, await env.walkthrough(), False
+    return first, await env.walkthrough(), handcoded
 
 
 async def emit_recovery(ctx: EpisodeContext, ep: Episode, branch: Any, t: int, x_action: str, x: Any) -> None:
