@@ -296,7 +296,10 @@ async def avoid_repeat(ctx: EpisodeContext, ep: Episode, state: str | Conversati
     tried = {a for facts, a in ep.stats.state_actions if facts == ep.facts}
     if ev.repeat_guard <= 0 or canonical_action(action) not in tried:
         return action
-    drafts = await asyncio.gather(*(ctx.llm.draft(state, ev.repeat_guard_temperature) for _ in range(ev.repeat_guard)))
+    admissible = ep.current.admissible
+    drafts = await asyncio.gather(
+        *(ctx.llm.draft(state, ev.repeat_guard_temperature, admissible) for _ in range(ev.repeat_guard))
+    )
     for other, _ in drafts:
         if other is not None and canonical_action(other) not in tried:
             ep.stats.guarded += 1
@@ -339,10 +342,10 @@ async def play_coevolve(
             admissible = ep.current.admissible
             seen = ep.draft_state()
             if previous is not None:  # its teacher call shares the server with this draft
-                drafted, _ = await asyncio.gather(llm.draft_scored(seen), previous)
+                drafted, _ = await asyncio.gather(llm.draft_scored(seen, admissible=admissible), previous)
                 previous = None
             else:
-                drafted = await llm.draft_scored(seen)
+                drafted = await llm.draft_scored(seen, admissible=admissible)
             a_draft, confidence = drafted.action, drafted.confidence
             policy_v = llm.last_version("policy")  # the adapters that generated this step's fields
             if a_draft is None:  # unparseable draft: fall back to a harmless command, as the paper's agents do
@@ -350,7 +353,7 @@ async def play_coevolve(
                 a_draft = FALLBACK_ACTION
             s_hat = await llm.imagine(s, a_draft)
             wm_v = llm.last_version("wm")
-            refl = await llm.reflect(s, a_draft, s_hat, confidence)
+            refl = await llm.reflect(s, a_draft, s_hat, confidence, admissible)
             ep.stats.parse_problems += refl.problem is not None
             ep.stats.reflection_problems += refl.problem is not None
             ep.stats.unreadable_reflections += not refl.readable

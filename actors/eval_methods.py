@@ -35,7 +35,8 @@ async def _act(ctx: EpisodeContext, ep: Episode, method: str, s: str) -> tuple[s
     if method == "react":
         action, _ = await llm.react(s, ctx.cfg.eval.react_max_tokens)
         return action, None
-    draft, _ = await llm.draft(ep.draft_state())
+    admissible = ep.current.admissible
+    draft, _ = await llm.draft(ep.draft_state(), admissible=admissible)
     if method == "draft_only":
         return draft, None
     if method != "imagine_and_act":
@@ -44,7 +45,7 @@ async def _act(ctx: EpisodeContext, ep: Episode, method: str, s: str) -> tuple[s
         ep.stats.parse_problems += 1
         draft = FALLBACK_ACTION
     s_hat = await llm.imagine(s, draft)
-    final, _ = await llm.choose(s, draft, s_hat)
+    final, _ = await llm.choose(s, draft, s_hat, admissible)
     if final is None:  # no usable answer: the candidate stands
         ep.stats.parse_problems += 1
         return draft, s_hat

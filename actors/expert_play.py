@@ -171,7 +171,7 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
     ep.stats.demo_fallback = fallback
     while not ep.current.done and (expert := expert_plan_action(ep, plan)) is not None:
         s, t, prefix = ep.state(), ep.stats.steps, list(ep.actions)
-        drafted = await ctx.llm.draft_scored(ep.draft_state())
+        drafted = await ctx.llm.draft_scored(ep.draft_state(), admissible=ep.current.admissible)
         draft, problem = drafted.action, drafted.problem
         ep.stats.parse_problems += problem == "empty"
         equal = draft is not None and canonical_action(draft) == canonical_action(expert)

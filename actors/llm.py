@@ -14,6 +14,7 @@ read its version there.)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -137,10 +138,18 @@ class AgentLLM:
         return None if model is None else adapter_version(model)
 
     async def _complete(
-        self, role: str, prompt: str, max_tokens: int, stop: list[str], temperature: float, logprobs: int | None = None
+        self,
+        role: str,
+        prompt: str,
+        max_tokens: int,
+        stop: list[str],
+        temperature: float,
+        logprobs: int | None = None,
+        choices: list[str] | None = None,
     ) -> dict[str, Any]:
         from comap_async.wire.inference_client import InferenceError
 
+        extra = {"structured_outputs": {"choice": choices}} if choices else {}
         for attempt in (0, 1):
             model = self.model_for(role)
             try:
@@ -153,6 +162,7 @@ class AgentLLM:
                         top_p=self.cfg.top_p,
                         stop=stop,
                         logprobs=logprobs,
+                        **extra,
                     )
                 )
                 _LAST_MODEL.set({**_LAST_MODEL.get(), role: model})
@@ -166,14 +176,29 @@ class AgentLLM:
                 await self.registry.refresh()
         raise AssertionError("unreachable")
 
-    async def draft(self, state: str | Conversation, temperature: float | None = None) -> tuple[str | None, str | None]:
+    def choices(self, admissible: Sequence[str] | None, space: str = "") -> list[str] | None:
+        """What an action may be decoded as (``actor.admissible_choice``), each after ``space`` (the
+        text a trained action follows: nothing after the assistant header, a space after ``Final
+        Action:``); None decodes freely."""
+        if not self.cfg.admissible_choice or not admissible:
+            return None
+        return [space + a.strip() for a in admissible if a.strip()] or None
+
+    async def draft(
+        self, state: str | Conversation, temperature: float | None = None, admissible: Sequence[str] | None = None
+    ) -> tuple[str | None, str | None]:
         """(action, problem); action None when the output had no usable line. ``temperature``: this
-        call's, instead of ``actor.temperature`` (the look-ahead's sampled candidates)."""
-        d = await self.draft_scored(state, temperature, confidence=False)
+        call's, instead of ``actor.temperature`` (the look-ahead's sampled candidates); ``admissible``:
+        the state's commands (:meth:`choices`)."""
+        d = await self.draft_scored(state, temperature, confidence=False, admissible=admissible)
         return d.action, d.problem
 
     async def draft_scored(
-        self, state: str | Conversation, temperature: float | None = None, confidence: bool | None = None
+        self,
+        state: str | Conversation,
+        temperature: float | None = None,
+        confidence: bool | None = None,
+        admissible: Sequence[str] | None = None,
     ) -> Draft:
         """The draft with its confidence when ``confidence`` (default ``actor.reflect_confidence``):
         the tokens' logprobs come with the same call, so the confidence is that of the sampled text."""
@@ -185,6 +210,7 @@ class AgentLLM:
             STOP_ACTION,
             self.cfg.temperature if temperature is None else temperature,
             1 if scored else None,
+            self.choices(admissible),
         )
         parsed = parse_action(c["text"])
         if not scored or parsed.value is None:
@@ -217,7 +243,9 @@ class AgentLLM:
         parsed = parse_react(c["text"])
         return parsed.value, parsed.problem
 
-    async def choose(self, state: str, a_draft: str, s_hat: str) -> tuple[str | None, str | None]:
+    async def choose(
+        self, state: str, a_draft: str, s_hat: str, admissible: Sequence[str] | None = None
+    ) -> tuple[str | None, str | None]:
         """Imagine-and-Act's final (action, problem) after the candidate's imagined consequence."""
         c = await self._complete(
             POLICY,
@@ -225,6 +253,7 @@ class AgentLLM:
             self.cfg.max_draft_tokens,
             STOP_ACTION,
             self.cfg.temperature,
+            choices=self.choices(admissible, " "),
         )
         parsed = parse_action(c["text"])
         return parsed.value, parsed.problem
@@ -248,9 +277,18 @@ class AgentLLM:
         )
         return c["text"].strip()
 
-    async def reflect(self, state: str, a_draft: str, s_hat: str, confidence: float | None = None) -> Reflected:
+    async def reflect(
+        self,
+        state: str,
+        a_draft: str,
+        s_hat: str,
+        confidence: float | None = None,
+        admissible: Sequence[str] | None = None,
+    ) -> Reflected:
         """Decision, refined action, ``p`` and ``q`` of one reflection; always an action when ``p`` can be read.
         ``confidence``: the draft's (:meth:`draft_scored`), shown in the prompt; None shows nothing.
+        ``admissible``: with ``actor.admissible_choice``, a final action not among them is generated
+        again from ``Final Action:`` as one of them (:meth:`choices`).
 
         ``p`` is read at the first generated token (the decision position). When the model's text has
         no ``Final Action:`` line, the reflection is continued from ``Decision: <X>\\nFinal Action:``
@@ -284,11 +322,12 @@ class AgentLLM:
         r = parse_reflection(text)
         problem = r.problem or ("final_action_truncated" if truncated else None)
         decision = r.decision or ("REVISE" if p_revise > 0.5 else "KEEP")
-        if r.final_action is not None:
+        choices = self.choices(admissible, " ")
+        if r.final_action is not None and (choices is None or r.final_action in admissible):
             q_ref = sequence_confidence(action_token_logprobs(text, tokens, token_lps))
             return Reflected(decision, r.final_action, p_revise, q_ref, problem)
         head = reflection_head(decision)
-        c = await self._complete(POLICY, prompt + head, budget, STOP_ACTION, self.cfg.temperature, 1)
+        c = await self._complete(POLICY, prompt + head, budget, STOP_ACTION, self.cfg.temperature, 1, choices)
         lp = c.get("logprobs") or {}
         full = head + c["text"]  # the continuation's tokens are the action's, as after a Final Action: line
         action = parse_action(c["text"]).value

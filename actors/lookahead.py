@@ -54,7 +54,10 @@ async def choose(ctx: Any, ep: Any, fallback: str) -> tuple[str, LookaheadStep]:
     """The executed action of one step, and what the look-ahead saw."""
     ev, llm, s = ctx.cfg.eval, ctx.llm, ep.state()
     seen = ep.draft_state()
-    drafts = await asyncio.gather(*(llm.draft(seen, ev.lookahead_temperature) for _ in range(ev.lookahead_k)))
+    admissible = ep.current.admissible
+    drafts = await asyncio.gather(
+        *(llm.draft(seen, ev.lookahead_temperature, admissible) for _ in range(ev.lookahead_k))
+    )
     candidates: list[str] = []
     for action, _ in drafts:
         if action is not None and canonical_action(action) not in {canonical_action(c) for c in candidates}:

@@ -203,13 +203,15 @@ async def probe_state(ctx: Any, game: Any, st: ProbeState) -> list[ProbeRow]:
 
     llm = ctx.llm
     # independent calls go together: the server decodes them in one batch
-    drafted, s_hat = await asyncio.gather(llm.draft_scored(st.seen), llm.imagine(st.s, st.expert))
+    drafted, s_hat = await asyncio.gather(
+        llm.draft_scored(st.seen, admissible=st.admissible), llm.imagine(st.s, st.expert)
+    )
     draft = drafted.action
     match, ok = draft_scores(draft, st.expert, st.admissible)
     reflected: dict[str, Any] = {}
     if draft is not None:
         s_hat_draft = s_hat if match else await llm.imagine(st.s, draft)
-        refl = await llm.reflect(st.s, draft, s_hat_draft, drafted.confidence)
+        refl = await llm.reflect(st.s, draft, s_hat_draft, drafted.confidence, st.admissible)
         gate = gate_reflection(ctx.cfg, refl, draft)
         reflected = {
             "p_revise": refl.p_revise if refl.readable else None,

@@ -86,6 +86,7 @@ class CoMapConfig(Section):
         ablations): ``imagined_episodes`` (WebEvolver's virtual environment: imagined steps are
         sent and trained), ``paw`` (the policy's auxiliary next-observation loss),
         ``handcoded_demos`` (warm-up demonstrates the handcoded expert's search, not the walkthrough),
+        ``admissible_choice`` (actions decoded as one of the admissible commands),
         ``reflect_confidence`` (the draft's confidence shown in the reflection prompt), ``show_location``
         (where the agent is, in every state), ``draft_turns`` (the draft sees the episode as chat turns)."""
         on = []
@@ -95,6 +96,8 @@ class CoMapConfig(Section):
             on.append("paw")
         if self.actor.demonstrations == "handcoded":
             on.append("handcoded_demos")
+        if self.actor.admissible_choice:
+            on.append("admissible_choice")
         on.extend(name for name, (section, key) in PLAY_SWITCHES.items() if getattr(getattr(self, section), key))
         return on
 

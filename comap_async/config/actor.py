@@ -69,6 +69,14 @@ class ActorConfig(Section):
     reset, which searches the likely receptacles and reads each one's contents (the walkthrough
     where the expert does not win within ``env.max_steps``; ALFWorld only). Recorded with the run
     as the method switch ``handcoded_demos``."""
+    admissible_choice: bool = False
+    """The policy's actions are decoded as one of the environment's admissible commands (vLLM's
+    ``structured_outputs.choice``; the embedded server does the same): the draft always, the
+    reflection's final action when the model's own is not admissible (continued from ``Final
+    Action:`` with the choice; under greedy decoding that is what constraining the whole reflection
+    would give). Steps without an admissible list (imagined ones) decode freely. A decoding setting,
+    like the temperature: a comparison plays every row with the config's; recorded with a run that
+    trains with it as the method switch ``admissible_choice``."""
     reflect_init_pairs: bool = False
     """Reflection-mode initialisation: each ``y = 1`` sample (the expert's action does better than
     the draft) comes with a ``y = 0`` one on the same state whose draft is the expert's action (an

@@ -42,6 +42,8 @@ class Sequence:
     on_token: Callable[["Sequence"], None] | None = None
     """Called on the engine thread after each generated token (streaming); it must only schedule work."""
     generator: torch.Generator | None = None
+    constraint: Any = None
+    """A :class:`~comap_async.inference.choices.ChoiceTrie`: the tokens it may take (None: any)."""
     out_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -52,6 +54,12 @@ class Sequence:
     cancelled: bool = False
     t_submit: float = field(default_factory=time.monotonic)
     t_first: float | None = None
+
+
+def _allowed(rows: list[Sequence]) -> list[list[int] | None] | None:
+    if all(s.constraint is None for s in rows):
+        return None
+    return [None if s.constraint is None else s.constraint.allowed(s.out_ids) for s in rows]
 
 
 @dataclass
@@ -290,7 +298,9 @@ class Engine:
             self.prefix.misses += n - done
         self.stats.prefill_seconds += time.perf_counter() - t0
         self.stats.prompt_tokens += n
-        step = sample_step(logits, [seq.params], [seq.generator], self._default_gen, self.top_candidates)[0]
+        step = sample_step(
+            logits, [seq.params], [seq.generator], self._default_gen, self.top_candidates, _allowed([seq])
+        )[0]
         seq.t_first = time.monotonic()
         if not self._append(seq, step):
             self._cache.merge(cache)
@@ -306,7 +316,12 @@ class Engine:
             mask = self._cache.extend_mask()
             logits = self._forward(ids, mask, positions, self._cache, [s.slot for s in rows])
             steps = sample_step(
-                logits, [s.params for s in rows], [s.generator for s in rows], self._default_gen, self.top_candidates
+                logits,
+                [s.params for s in rows],
+                [s.generator for s in rows],
+                self._default_gen,
+                self.top_candidates,
+                _allowed(rows),
             )
         except Exception as exc:  # a failed step poisons the shared cache: fail this batch, keep serving
             if self.log:

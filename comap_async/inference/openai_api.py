@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from comap_async.httpcommon import bearer_matches
+from comap_async.inference.choices import ChoiceTrie
 from comap_async.inference.engine import Engine, Sequence
 from comap_async.inference.slot_registry import AdapterRegistry
 from comap_async.inference.token_sampling import (
@@ -118,6 +119,13 @@ def _tokenize(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]
     return [list(next(encoded)) if isinstance(p, str) else p for p in prompts]
 
 
+def _choice_trie(tokenizer: Any, choices: tuple[str, ...], eos_ids: frozenset[int]) -> ChoiceTrie:
+    try:
+        return ChoiceTrie(tokenizer(list(choices), add_special_tokens=False)["input_ids"], eos_ids)
+    except ValueError as exc:
+        raise RequestError(str(exc), param="structured_outputs") from None
+
+
 def _check_lengths(state: ServerState, req: CompletionRequest, ids: list[list[int]]) -> None:
     vocab = len(state.tokenizer)
     for i, p in enumerate(ids):
@@ -172,8 +180,13 @@ async def prepare(state: ServerState, req: CompletionRequest) -> list[list[int]]
             param="prompt",
         )
     state.registry.resolve(req.model)  # 404 before any work
-    ids = await asyncio.get_running_loop().run_in_executor(state.executor, _tokenize, state.tokenizer, req.prompts)
+    loop = asyncio.get_running_loop()
+    ids = await loop.run_in_executor(state.executor, _tokenize, state.tokenizer, req.prompts)
     _check_lengths(state, req, ids)
+    if req.choices is not None:
+        req.constraint = await loop.run_in_executor(
+            state.executor, _choice_trie, state.tokenizer, req.choices, state.engine.eos_ids
+        )
     if state.engine.stats.waiting + len(ids) * req.n > MAX_WAITING:
         raise RequestError(f"server busy: {state.engine.stats.waiting} sequences waiting", status=503)
     if not state.engine.alive:
@@ -200,7 +213,12 @@ def submit(
             fut = loop.create_future()
             seed = None if req.params.seed is None else req.params.seed + j
             seq = Sequence(
-                p, req.params, slot=state.registry.acquire(req.model), generator=make_generator(seed), on_token=on_token
+                p,
+                req.params,
+                slot=state.registry.acquire(req.model),
+                generator=make_generator(seed),
+                on_token=on_token,
+                constraint=req.constraint,
             )
             seq.on_done = lambda s, f=fut: loop.call_soon_threadsafe(done, s, f)
             seqs.append(seq)

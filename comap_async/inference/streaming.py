@@ -21,6 +21,7 @@ from aiohttp import web
 from comap_async.inference.token_sampling import CompletionRequest, RequestError, parse_completion_request
 
 CHAT_FIELDS = (
+    "structured_outputs",
     "model",
     "temperature",
     "top_p",

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from comap_async.inference.choices import parse_choices
+
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_N = 16
 
@@ -55,6 +57,10 @@ class CompletionRequest:
     params: SamplingParams
     return_tokens_as_token_ids: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    choices: tuple[str, ...] | None = None
+    """``structured_outputs.choice``: the output is exactly one of these (:mod:`.choices`)."""
+    constraint: Any = None
+    """The choices' :class:`~comap_async.inference.choices.ChoiceTrie`, built once the server tokenized them."""
 
 
 def _number(
@@ -142,6 +148,12 @@ def parse_completion_request(body: Any, max_new_tokens: int) -> CompletionReques
         if not 0 <= logprobs <= MAX_LOGPROBS:
             raise RequestError(f"'logprobs' must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
     top_k = _number(body, "top_k", 0, int, -1)
+    try:
+        choices = parse_choices(body)
+    except ValueError as exc:
+        raise RequestError(str(exc), param="structured_outputs") from None
+    if choices is not None and _flag(body, "ignore_eos", False):
+        raise RequestError("structured_outputs.choice ends at a complete choice: drop 'ignore_eos'", param="ignore_eos")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise RequestError(f"'seed' must be an integer, got {seed!r}", param="seed")
@@ -164,6 +176,7 @@ def parse_completion_request(body: Any, max_new_tokens: int) -> CompletionReques
         n=_number(body, "n", 1, int, 1, MAX_N),
         params=params,
         return_tokens_as_token_ids=_flag(body, "return_tokens_as_token_ids", False),
+        choices=choices,
     )
 
 
@@ -189,13 +202,23 @@ def sample_step(
     generators: list[torch.Generator | None],
     default_generator: torch.Generator,
     top_candidates: int = 256,
+    allowed: list[list[int] | None] | None = None,
 ) -> list[StepOutput]:
     """Pick one token per row of ``logits`` ``[batch, vocab]`` with each row's own sampling parameters.
 
     ``top_candidates``: see :func:`sample_top`; 0 sorts the whole vocabulary of every top-p/top-k row.
+    ``allowed``: per row, the only tokens it may take (decoding to a list of choices), or None; the
+    reported logprobs stay the unmasked model's.
     """
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
+    if allowed is not None and any(a is not None for a in allowed):
+        logits = logits.clone()
+        for i, ids in enumerate(allowed):
+            if ids is not None:
+                keep = logits[i, ids]
+                logits[i] = float("-inf")
+                logits[i, ids] = keep
     tokens: list[int] = [0] * len(params)
     nucleus: list[int] = []
     for i, p in enumerate(params):

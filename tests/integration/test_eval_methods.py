@@ -131,3 +131,22 @@ def test_eval_cli_records_the_method(tmp_path, alfworld_data, model_cache):
         timeout=120,
     )
     assert bad.returncode == 2 and "do not apply to --method react" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_admissible_choice_executes_only_admissible_actions(
+    recorded_calls, roomy_server, alfworld_data, tiny_model_dir, tmp_path
+):
+    """``actor.admissible_choice``: every draft is decoded as one of the state's admissible commands
+    (the tiny random model's free drafts are not), and a reflection's final action that is not
+    admissible is generated again from ``Final Action:`` as one of them."""
+    free = play("draft_only", roomy_server, alfworld_data, tiny_model_dir, tmp_path)
+    assert sum(s.invalid for s in free) > 0 and all(c["choices"] is None for c in recorded_calls)
+    recorded_calls.clear()
+    for method in ("draft_only", "comap"):
+        stats = play(method, roomy_server, alfworld_data, tiny_model_dir, tmp_path, "actor.admissible_choice=true")
+        assert sum(s.steps for s in stats) >= 2 and sum(s.invalid for s in stats) == 0, method
+    drafts = [c for c in recorded_calls if c["kind"] == "draft"]
+    assert drafts and all(c["choices"] and c["text"] in c["choices"] for c in drafts)
+    assert all(c["choices"] is None for c in recorded_calls if c["kind"] in ("reflect", "imagine"))
+    continued = [c for c in recorded_calls if c["kind"] == "continue"]
+    assert continued and all(c["text"] in c["choices"] and c["text"].startswith(" ") for c in continued)

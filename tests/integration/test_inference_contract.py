@@ -158,6 +158,38 @@ async def test_stop_strings_and_finish_reasons(inference_server):
     assert ch.text == text[: text.find(stop)]
 
 
+async def test_choice_decoding_returns_one_of_the_choices(inference_server, reference):
+    """``structured_outputs.choice`` (the actors' ``actor.admissible_choice``): every output is exactly
+    one choice, greedy or sampled; one choice comes back with the model's own logprobs for it."""
+    choices = ["take apple 1 from countertop 1", "go to fridge 1", "go to fridge 10", "look"]
+    async with inference_server.client() as c:
+        greedy = await c.complete(STATE, max_tokens=16, temperature=0.0, structured_outputs={"choice": choices})
+        sampled = await c.complete(
+            STATE, max_tokens=16, temperature=1.0, n=6, seed=3, structured_outputs={"choice": choices}
+        )
+        one = await c.complete(
+            STATE,
+            max_tokens=16,
+            temperature=0.0,
+            logprobs=1,
+            return_tokens_as_token_ids=True,
+            structured_outputs={"choice": ["go to fridge 1"]},
+        )
+        status, text = await post(
+            inference_server, "/v1/completions", '{"prompt": "hi", "structured_outputs": {"choice": "look"}}'
+        )
+    assert greedy.text in choices
+    assert all(ch.text in choices for ch in sampled.choices)
+    assert one.text == "go to fridge 1"
+    tok = reference.tokenizer
+    ids = token_ids(one.choices[0].logprobs)
+    want = tok("go to fridge 1", add_special_tokens=False).input_ids
+    assert ids[: len(want)] == want
+    ref = reference.token_logprobs(tok(STATE).input_ids, ids, None)
+    assert_matches(ref[: len(want)], one.choices[0].logprobs.token_logprobs[: len(want)], inference_server.logprob_tol)
+    assert 400 <= status < 500, (status, text)
+
+
 async def test_unknown_adapter_is_404(inference_server):
     async with inference_server.client() as c:
         with pytest.raises(InferenceError) as err:

@@ -251,3 +251,29 @@ def test_a_slot_given_back_while_a_spare_is_built_does_not_grow_the_pool(engine)
     assert len(slots.spares) == target and taken in slots.spares
     engine.call(slots.fill_spares).result(30)
     assert len(slots.spares) == target
+
+
+def test_choice_decoding_keeps_the_free_greedy_path_and_otherwise_stays_in_the_choices(engine):
+    """Decoding to a list of choices: where the unconstrained greedy output is a choice it is the
+    output, token for token; where it is not, the output is still exactly one choice; a batch mixes
+    constrained and free rows without changing the free one."""
+    from comap_async.inference.choices import ChoiceTrie
+
+    tok = engine.tokenizer
+    eos = engine.eos_ids
+    free = Sequence(tok(PROMPTS[3]).input_ids, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    run(engine, [free])
+    others = [tok(c, add_special_tokens=False).input_ids for c in ("go to fridge 1", "look")]
+    assert all(o != free.out_ids for o in others)
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    kept = Sequence(tok(PROMPTS[3]).input_ids, params, constraint=ChoiceTrie([free.out_ids, *others], eos))
+    # the same choices without the free output's first token: the greedy path cannot be taken
+    elsewhere = [o for o in others if o[0] != free.out_ids[0]]
+    forced = Sequence(tok(PROMPTS[3]).input_ids, params, constraint=ChoiceTrie(elsewhere, eos))
+    company = Sequence(tok(PROMPTS[3]).input_ids, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    run(engine, [kept, forced, company])
+    assert kept.out_ids[:-1] == free.out_ids and kept.out_ids[-1] in eos and kept.finish_reason == "stop"
+    assert forced.out_ids[:-1] in elsewhere and forced.out_ids[-1] in eos
+    assert company.out_ids == free.out_ids
+    # reported logprobs are the model's own, unmasked: the kept path's equal the free path's
+    assert kept.token_logprobs[:-1] == pytest.approx(free.token_logprobs, abs=1e-4)

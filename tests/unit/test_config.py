@@ -106,3 +106,13 @@ def test_handcoded_demonstrations_are_recorded_and_need_alfworld():
     assert "handcoded_demos" in on.method_switches and "handcoded_demos" not in load_config(None).method_switches
     with pytest.raises(ConfigError, match="handcoded needs ALFWorld"):
         load_config(None, ["env.name=scienceworld", "env.split=dev", "actor.demonstrations=handcoded"])
+
+
+def test_admissible_choice_is_recorded_and_keys_a_compared_row_only_when_on():
+    from actors.compare import cell_key
+
+    off, on = load_config(None), load_config(None, ["actor.admissible_choice=true"])
+    assert "admissible_choice" in on.method_switches and "admissible_choice" not in off.method_switches
+    key_off = cell_key(off, "src", 7, "draft_only", "valid_seen", [])
+    assert "admissible_choice" not in key_off["settings"]["actor"]  # rows stored before the switch keep their keys
+    assert cell_key(on, "src", 7, "draft_only", "valid_seen", []) != key_off

@@ -151,3 +151,29 @@ def test_start_teacher_makes_the_teacher_the_student(tiny_model_dir):
     assert any(not torch.equal(teacher, student) for teacher, student in pairs)
     t.start_teacher()
     assert all(torch.equal(teacher, student) for teacher, student in pairs)
+
+
+async def test_admissible_choice_regenerates_only_a_final_action_the_state_does_not_admit():
+    """``actor.admissible_choice``: an admissible final action is the reflection's, in one call; an
+    inadmissible one is generated again from ``Final Action:`` as one of the admissible commands."""
+    prompts = Prompts(ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}"), decision=DECISION)
+    llm = AgentLLM(None, prompts, ActorConfig(admissible_choice=True), "base")
+    admissible = ["go to desk 1", "go to shelf 2", "look"]
+    top = {" RE": math.log(0.8), " KE": math.log(0.1)}
+    toks = [" RE", "VISE", "\n", "Final", " Action", ":", " go", " to", " shelf", " 2"]
+    llm.client = ScriptedClient((" REVISE\nFinal Action: go to shelf 2", toks, [math.log(0.8)] * 10, top))
+    r = await llm.reflect("state", "go to desk 1", "s", admissible=admissible)
+    assert len(llm.client.calls) == 1 and r.a_ref == "go to shelf 2" and r.problem is None
+    assert "structured_outputs" not in llm.client.calls[0]  # the reflection itself is written freely
+    toks[-1] = " 13"
+    cont = (" go to shelf 2", [" go", " to", " shelf", " 2"], [math.log(0.5)] * 4, {})
+    llm.client = ScriptedClient((" REVISE\nFinal Action: go to shelf 13", toks, [math.log(0.8)] * 10, top), cont)
+    r = await llm.reflect("state", "go to desk 1", "s", admissible=admissible)
+    assert r.readable and r.decision == "REVISE" and r.a_ref == "go to shelf 2" and r.q_ref == pytest.approx(0.5)
+    second = llm.client.calls[1]
+    assert second["prompt"] == llm.client.calls[0]["prompt"] + " REVISE\nFinal Action:"
+    assert second["structured_outputs"] == {"choice": [" " + a for a in admissible]}
+    # without an admissible list (an imagined state) nothing is constrained
+    llm.client = ScriptedClient((" REVISE\nFinal Action: go to shelf 13", toks, [math.log(0.8)] * 10, top))
+    r = await llm.reflect("state", "go to desk 1", "s")
+    assert len(llm.client.calls) == 1 and r.a_ref == "go to shelf 13"
