@@ -151,8 +151,9 @@ def cell_key(cfg: Any, source: str, version: int, method: str, split: str, games
     settings["model"].pop("torch_threads", None)
     for name in ("envs", "env_workers"):
         settings["actor"].pop(name, None)
-    if not settings["actor"].get("admissible_choice"):  # came after rows were stored, as the play switches
-        settings["actor"].pop("admissible_choice", None)
+    for name in ("admissible_choice", "revise_other_action"):  # came after rows were stored, as the play switches
+        if not settings["actor"].get(name):
+            settings["actor"].pop(name, None)
     # play switches came after rows were stored: one that is off keeps their keys (and so --resume) as they were
     for section, key in PLAY_SWITCHES.values():
         if not settings[section].get(key):

@@ -21,6 +21,7 @@ from typing import Any
 
 from actors.registry_view import RegistryView
 from comap_async.config import ActorConfig
+from comap_async.method.gates import canonical_action
 from comap_async.prompts import (
     FINAL_PREFIX,
     Conversation,
@@ -288,7 +289,8 @@ class AgentLLM:
         """Decision, refined action, ``p`` and ``q`` of one reflection; always an action when ``p`` can be read.
         ``confidence``: the draft's (:meth:`draft_scored`), shown in the prompt; None shows nothing.
         ``admissible``: with ``actor.admissible_choice``, a final action not among them is generated
-        again from ``Final Action:`` as one of them (:meth:`choices`).
+        again from ``Final Action:`` as one of them (:meth:`choices`); with ``actor.revise_other_action``
+        a REVISE's as one of them other than the draft.
 
         ``p`` is read at the first generated token (the decision position). When the model's text has
         no ``Final Action:`` line, the reflection is continued from ``Decision: <X>\\nFinal Action:``
@@ -323,7 +325,11 @@ class AgentLLM:
         problem = r.problem or ("final_action_truncated" if truncated else None)
         decision = r.decision or ("REVISE" if p_revise > 0.5 else "KEEP")
         choices = self.choices(admissible, " ")
-        if r.final_action is not None and (choices is None or r.final_action in admissible):
+        if choices is not None and decision == "REVISE" and self.cfg.revise_other_action:
+            draft = canonical_action(a_draft)
+            choices = [c for c in choices if canonical_action(c) != draft] or None
+        admitted = choices is None or (r.final_action is not None and " " + r.final_action.strip() in choices)
+        if r.final_action is not None and admitted:
             q_ref = sequence_confidence(action_token_logprobs(text, tokens, token_lps))
             return Reflected(decision, r.final_action, p_revise, q_ref, problem)
         head = reflection_head(decision)

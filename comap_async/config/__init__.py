@@ -98,6 +98,8 @@ class CoMapConfig(Section):
             on.append("handcoded_demos")
         if self.actor.admissible_choice:
             on.append("admissible_choice")
+        if self.actor.revise_other_action:
+            on.append("revise_other_action")
         on.extend(name for name, (section, key) in PLAY_SWITCHES.items() if getattr(getattr(self, section), key))
         return on
 
@@ -132,6 +134,10 @@ class CoMapConfig(Section):
             raise ValueError(
                 f"actor.max_reflect_init_labels ({cap}) must be at least learner.reflect_init_min_samples "
                 f"({lr.reflect_init_min_samples}): the phase would wait for labels no actor sends"
+            )
+        if self.actor.revise_other_action and not self.actor.admissible_choice:
+            raise ValueError(
+                "actor.revise_other_action chooses among the admissible commands: it needs actor.admissible_choice"
             )
         if self.actor.demonstrations == "handcoded" and self.env.name != "alfworld":
             raise ValueError(

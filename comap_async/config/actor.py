@@ -77,6 +77,14 @@ class ActorConfig(Section):
     would give). Steps without an admissible list (imagined ones) decode freely. A decoding setting,
     like the temperature: a comparison plays every row with the config's; recorded with a run that
     trains with it as the method switch ``admissible_choice``."""
+    revise_other_action: bool = False
+    """With ``admissible_choice``: a reflection that decides REVISE and names the draft again (what the
+    CPU default's reflections do on most REVISE states: the draft is in the prompt and copying it is
+    easy) has its final action generated again from ``Final Action:`` as one of the admissible
+    commands other than the draft. ``q`` is the policy's own probability of that action, so the
+    action gate still executes it only when the policy is confident in it (``q > tau_q``); a KEEP, or a
+    REVISE that names another action, is left as written. Recorded with a run that trains with it
+    as the method switch ``revise_other_action``."""
     reflect_init_pairs: bool = False
     """Reflection-mode initialisation: each ``y = 1`` sample (the expert's action does better than
     the draft) comes with a ``y = 0`` one on the same state whose draft is the expert's action (an

@@ -177,3 +177,32 @@ async def test_admissible_choice_regenerates_only_a_final_action_the_state_does_
     llm.client = ScriptedClient((" REVISE\nFinal Action: go to shelf 13", toks, [math.log(0.8)] * 10, top))
     r = await llm.reflect("state", "go to desk 1", "s")
     assert len(llm.client.calls) == 1 and r.a_ref == "go to shelf 13"
+
+
+async def test_revise_other_action_regenerates_a_revise_that_names_the_draft():
+    prompts = Prompts(ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}"), decision=DECISION)
+    llm = AgentLLM(None, prompts, ActorConfig(admissible_choice=True, revise_other_action=True), "base")
+    admissible = ["go to desk 1", "take bowl 1 from desk 1", "look"]
+    toks = [" RE", "VISE", "\n", "Final", " Action", ":", " go", " to", " desk", " 1"]
+    revise = {" RE": math.log(0.8), " KE": math.log(0.1)}
+    cont = (" take bowl 1 from desk 1", [" take", " bowl"], [math.log(0.4), math.log(0.9)], {})
+    llm.client = ScriptedClient((" REVISE\nFinal Action: go to desk 1", toks, [math.log(0.8)] * 10, revise), cont)
+    r = await llm.reflect("state", "go to desk 1", "s", admissible=admissible)
+    assert r.decision == "REVISE" and r.a_ref == "take bowl 1 from desk 1"
+    assert r.q_ref == pytest.approx(0.6)  # the policy's own confidence in the other action: the gate still asks
+    assert llm.client.calls[1]["structured_outputs"] == {"choice": [" take bowl 1 from desk 1", " look"]}
+    # a KEEP naming the draft is what KEEP means: one call
+    keep = {" KE": math.log(0.8), " RE": math.log(0.1)}
+    toks[:2] = [" KE", "EP"]
+    llm.client = ScriptedClient((" KEEP\nFinal Action: go to desk 1", toks, [math.log(0.8)] * 10, keep))
+    r = await llm.reflect("state", "go to desk 1", "s", admissible=admissible)
+    assert len(llm.client.calls) == 1 and r.a_ref == "go to desk 1"
+
+
+def test_revise_other_action_needs_admissible_choice():
+    from comap_async.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="needs actor.admissible_choice"):
+        load_config(None, ["actor.revise_other_action=true"])
+    on = load_config(None, ["actor.admissible_choice=true", "actor.revise_other_action=true"])
+    assert {"admissible_choice", "revise_other_action"} <= set(on.method_switches)
