@@ -34,6 +34,12 @@ from comap_async.prompts.messages import (
     world_model_messages,
 )
 
+FIT_LEFT_OUT_TURNS = 8
+"""Turns a draft prompt past the servers' limit leaves out at a time (:meth:`Prompts.turns_prompt`):
+the next steps of the episode then extend the same shortened prompt, which the server's prefix
+cache holds, until 8 more turns must go. Leaving out one turn a step changed the prompt's start at
+every step, and each step of a long episode was a whole ~2,000-token prefill."""
+
 
 @dataclass(frozen=True)
 class DecisionTokens:
@@ -254,10 +260,10 @@ class Prompts:
         prompt = self.chat.render(draft_turn_messages(conversation, self.wording))
         if not fit or self.max_prompt_tokens is None or self.count_tokens is None:
             return prompt
-        turns = conversation.turns
-        while turns and self.count_tokens(prompt) > self.max_prompt_tokens:
-            turns = turns[1:]
-            shorter = Conversation(conversation.task, conversation.first, turns)
+        turns, left_out = conversation.turns, 0
+        while left_out < len(turns) and self.count_tokens(prompt) > self.max_prompt_tokens:
+            left_out = min(left_out + FIT_LEFT_OUT_TURNS, len(turns))
+            shorter = Conversation(conversation.task, conversation.first, turns[left_out:])
             prompt = self.chat.render(draft_turn_messages(shorter, self.wording))
         return prompt
 

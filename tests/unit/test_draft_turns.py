@@ -11,6 +11,7 @@ import torch
 from broker.ingest import Ingest, record_counters
 from comap_async.config import CoMapConfig
 from comap_async.prompts import ChatTemplate, Conversation, Prompts
+from comap_async.prompts.template import FIT_LEFT_OUT_TURNS
 from comap_async.wire.messages import TurnDemos
 from learner.batches import Encoder, pack
 
@@ -150,20 +151,27 @@ def test_the_switch_is_a_play_switch_and_refuses_what_would_mix_prompt_forms():
 
 def test_an_episode_longer_than_the_servers_limit_leaves_out_its_oldest_turns(tiny_model_dir):
     cfg = CoMapConfig.model_validate(
-        {"env": {"draft_turns": True}, "inference": {"max_prompt_tokens": 300}, "learner": {"max_path_tokens": 300}}
+        {"env": {"draft_turns": True}, "inference": {"max_prompt_tokens": 600}, "learner": {"max_path_tokens": 600}}
     )
     prompts = Prompts.for_model(tiny_model_dir, cfg)
-    long = Conversation(TASK, FIRST, tuple(TURNS) * 6)
+    long = Conversation(TASK, FIRST, tuple(TURNS) * 10)
     prompt = prompts.draft(long)
-    assert prompts.count_tokens(prompt) <= 300
+    assert prompts.count_tokens(prompt) <= 600
     whole = Prompts.for_model(tiny_model_dir, CoMapConfig())  # no limit applied
     kept = [k for k in range(1, len(long.turns)) if whole.draft(Conversation(TASK, FIRST, long.turns[-k:])) == prompt]
     assert kept, "not the first turn and the newest turns"
-    # the newest turns that fit: one more would pass the limit
-    assert prompts.count_tokens(whole.draft(Conversation(TASK, FIRST, long.turns[-kept[0] - 1 :]))) > 300
+    # turns are left out FIT_LEFT_OUT_TURNS at a time: that many fewer would pass the limit
+    left_out = len(long.turns) - kept[0]
+    assert left_out % FIT_LEFT_OUT_TURNS == 0
+    back = long.turns[-kept[0] - FIT_LEFT_OUT_TURNS :]
+    assert prompts.count_tokens(whole.draft(Conversation(TASK, FIRST, back))) > 600
+    # so most steps of a long episode extend the previous step's prompt (the server's prefix cache holds it)
+    steps = [prompts.draft(Conversation(TASK, FIRST, long.turns[:n])) for n in range(len(long.turns))]
+    extended = sum(b.startswith(a) for a, b in zip(steps, steps[1:]))
+    assert extended >= len(steps) - 1 - (len(steps) // FIT_LEFT_OUT_TURNS + 1)
     # a short episode is rendered whole, and without the switch nothing counts tokens
     short = Conversation(TASK, FIRST, tuple(TURNS[:1]))
-    assert prompts.count_tokens(whole.draft(short)) <= 300 and prompts.draft(short) == whole.draft(short)
+    assert prompts.count_tokens(whole.draft(short)) <= 600 and prompts.draft(short) == whole.draft(short)
     assert whole.count_tokens is None
     with pytest.raises(ValueError, match="max_path_tokens"):
         CoMapConfig.model_validate({"env": {"draft_turns": True}, "inference": {"max_prompt_tokens": 1024}})
