@@ -21,6 +21,7 @@ from typing import Any
 
 from actors.registry_view import RegistryView
 from comap_async.config import ActorConfig
+from comap_async.inference.choices import MAX_CHOICES
 from comap_async.method.gates import canonical_action
 from comap_async.prompts import (
     FINAL_PREFIX,
@@ -183,6 +184,11 @@ class AgentLLM:
         Action:``); None decodes freely."""
         if not self.cfg.admissible_choice or not admissible:
             return None
+        if len(admissible) > MAX_CHOICES:
+            raise ValueError(
+                f"actor.admissible_choice: this state admits {len(admissible)} commands, more than a request "
+                f"may list ({MAX_CHOICES}); turn the setting off for this environment"
+            )
         return [space + a.strip() for a in admissible if a.strip()] or None
 
     async def draft(

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-MAX_CHOICES = 4096
+MAX_CHOICES = 16384
+"""ScienceWorld's valid-action lists reach a few thousand commands; ALFWorld's a few dozen."""
 MAX_CHOICE_CHARS = 512
 
 

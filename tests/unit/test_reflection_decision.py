@@ -206,3 +206,13 @@ def test_revise_other_action_needs_admissible_choice():
         load_config(None, ["actor.revise_other_action=true"])
     on = load_config(None, ["actor.admissible_choice=true", "actor.revise_other_action=true"])
     assert {"admissible_choice", "revise_other_action"} <= set(on.method_switches)
+
+
+def test_a_state_with_more_commands_than_a_request_may_list_is_a_clear_error():
+    from comap_async.inference.choices import MAX_CHOICES
+
+    llm = AgentLLM(None, Prompts(ChatTemplate("x"), decision=DECISION), ActorConfig(admissible_choice=True), "base")
+    assert llm.choices(["look", "go to desk 1"], " ") == [" look", " go to desk 1"]
+    assert llm.choices([]) is None and llm.choices(None) is None  # imagined states decode freely
+    with pytest.raises(ValueError, match="turn the setting off"):
+        llm.choices([f"go to shelf {i}" for i in range(MAX_CHOICES + 1)])
