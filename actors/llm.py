@@ -21,7 +21,6 @@ from typing import Any
 
 from actors.registry_view import RegistryView
 from comap_async.config import ActorConfig
-from comap_async.inference.choices import MAX_CHOICES
 from comap_async.method.gates import canonical_action
 from comap_async.prompts import (
     FINAL_PREFIX,
@@ -34,6 +33,7 @@ from comap_async.prompts import (
     revise_probability,
     sequence_confidence,
 )
+from comap_async.wire.inference_client import MAX_CHOICES
 from comap_async.wire.messages import POLICY, WM, WM_TEACHER, adapter_version
 
 STOP_ACTION = ["\n", "<|im_end|>"]

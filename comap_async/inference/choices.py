@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-MAX_CHOICES = 16384
-"""ScienceWorld's valid-action lists reach a few thousand commands; ALFWorld's a few dozen."""
+from comap_async.wire.inference_client import MAX_CHOICES
+
 MAX_CHOICE_CHARS = 512
 
 

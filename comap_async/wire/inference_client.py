@@ -140,6 +140,9 @@ affinity: contextvars.ContextVar[str | None] = contextvars.ContextVar("inference
 """The unit of work the current task's requests belong to (an episode: set by the actor's episode
 loop and the probes per game); tasks started from it inherit it."""
 
+MAX_CHOICES = 16384
+"""The most commands one ``structured_outputs.choice`` request may list (the embedded server's limit;
+ScienceWorld's valid-action lists reach a few thousand, ALFWorld's a few dozen)."""
 AFFINITY_KEYS = 4096  # the newest keys remembered: many actors' episodes, bounded memory
 
 

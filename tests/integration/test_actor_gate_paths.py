@@ -28,7 +28,7 @@ class ScriptedLLM:
     async def draft(self, state):
         return "look", None
 
-    async def draft_scored(self, state):
+    async def draft_scored(self, state, admissible=None):
         return Draft(*await self.draft(state))
 
     async def imagine(self, state, action):
@@ -43,7 +43,7 @@ class ScriptedLLM:
         # a newer world model (its index), so a transition must name the call behind each field
         return {"policy": 7, "wm": len(self.imagined)}.get(role)
 
-    async def reflect(self, state, a_draft, s_hat, confidence=None):
+    async def reflect(self, state, a_draft, s_hat, confidence=None, admissible=None):
         t, self.t = self.t, self.t + 1
         target = self.plan[min(t, len(self.plan) - 1)]
         if t == 5:  # nothing readable even after the continuation: the draft runs, nothing is learned
@@ -111,7 +111,7 @@ class PlanFollower:
     async def draft(self, state):
         return ("look" if self.revise_to_plan else self._next()), None
 
-    async def draft_scored(self, state):
+    async def draft_scored(self, state, admissible=None):
         return Draft(*await self.draft(state))
 
     async def imagine(self, state, action):
@@ -120,7 +120,7 @@ class PlanFollower:
     async def teacher(self, state, action, real_next):
         return real_next
 
-    async def reflect(self, state, a_draft, s_hat, confidence=None):
+    async def reflect(self, state, a_draft, s_hat, confidence=None, admissible=None):
         target, self.t = self._next(), self.t + 1
         if self.revise_to_plan:  # a confident revision to the walkthrough: executed
             return Reflected("REVISE", target, 0.9, 0.95, None)

@@ -30,11 +30,11 @@ def probe(monkeypatch, server, alfworld_data, tiny_model_dir, tmp_path, probe_st
     in_flight, most = [0], [0]
     draft = AgentLLM.draft_scored
 
-    async def counted(self, s):
+    async def counted(self, s, **kw):
         in_flight[0] += 1
         most[0] = max(most[0], in_flight[0])
         try:
-            return await draft(self, s)
+            return await draft(self, s, **kw)
         finally:
             in_flight[0] -= 1
 

@@ -30,7 +30,7 @@ class AlternatingDrafts:
         t, self.t = self.t, self.t + 1
         return (self.plan[t] if t % 2 == 0 else "look"), None
 
-    async def draft_scored(self, state):
+    async def draft_scored(self, state, admissible=None):
         return Draft(*await self.draft(state))
 
 

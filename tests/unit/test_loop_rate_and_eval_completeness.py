@@ -79,7 +79,7 @@ class ScriptedDrafts:
     def __init__(self, greedy, samples):
         self.greedy, self.samples, self.sampled_at = greedy, list(samples), []
 
-    async def draft(self, state, temperature=None):
+    async def draft(self, state, temperature=None, admissible=None):
         if temperature is None:
             return self.greedy, None
         self.sampled_at.append(temperature)
