@@ -139,6 +139,10 @@ def with_ablation(cfg: Any, ablation: list[str], methods: list[str] | tuple[str,
     return played.model_copy(update={"ablation": AblationConfig(**dict.fromkeys(ablation, True))})
 
 
+DECODING_SWITCHES = (("actor", "admissible_choice"), ("actor", "revise_other_action"))
+"""Settings of how actions are decoded that came after rows were stored (every row plays the config's)."""
+
+
 def cell_key(cfg: Any, source: str, version: int, method: str, split: str, games: list) -> dict[str, Any]:
     """What a row's figures depend on: the adapters (run directory and version), the method, the
     games, and the settings that change how an episode is played (not where files or servers are)."""
@@ -151,11 +155,9 @@ def cell_key(cfg: Any, source: str, version: int, method: str, split: str, games
     settings["model"].pop("torch_threads", None)
     for name in ("envs", "env_workers"):
         settings["actor"].pop(name, None)
-    for name in ("admissible_choice", "revise_other_action"):  # came after rows were stored, as the play switches
-        if not settings["actor"].get(name):
-            settings["actor"].pop(name, None)
-    # play switches came after rows were stored: one that is off keeps their keys (and so --resume) as they were
-    for section, key in PLAY_SWITCHES.values():
+    # play and decoding switches came after rows were stored: one that is off keeps their keys (and so
+    # --resume) as they were
+    for section, key in (*PLAY_SWITCHES.values(), *DECODING_SWITCHES):
         if not settings[section].get(key):
             settings[section].pop(key, None)
     settings["eval"].pop("envs", None)

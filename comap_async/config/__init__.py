@@ -86,7 +86,8 @@ class CoMapConfig(Section):
         ablations): ``imagined_episodes`` (WebEvolver's virtual environment: imagined steps are
         sent and trained), ``paw`` (the policy's auxiliary next-observation loss),
         ``handcoded_demos`` (warm-up demonstrates the handcoded expert's search, not the walkthrough),
-        ``admissible_choice`` (actions decoded as one of the admissible commands),
+        ``admissible_choice`` (actions decoded as one of the admissible commands), ``revise_other_action``
+        (a REVISE naming the draft chooses among the other commands),
         ``reflect_confidence`` (the draft's confidence shown in the reflection prompt), ``show_location``
         (where the agent is, in every state), ``draft_turns`` (the draft sees the episode as chat turns)."""
         on = []

@@ -26,13 +26,11 @@ class ChoiceTrie:
         self.end_ids = sorted(set(end_ids))
         if not self.end_ids:
             raise ValueError("decoding to a list of choices needs the model's end-of-sequence token")
-        self.depth = 0
         for ids in choice_ids:
             node = self.root
             for tok in ids:
                 node = node.setdefault(tok, {})
             node[None] = True
-            self.depth = max(self.depth, len(ids))
 
     def allowed(self, generated: Sequence[int]) -> list[int]:
         """The tokens a sequence that generated ``generated`` may take next ([] once it left the trie,

@@ -152,8 +152,6 @@ def parse_completion_request(body: Any, max_new_tokens: int) -> CompletionReques
         choices = parse_choices(body)
     except ValueError as exc:
         raise RequestError(str(exc), param="structured_outputs") from None
-    if choices is not None and _flag(body, "ignore_eos", False):
-        raise RequestError("structured_outputs.choice ends at a complete choice: drop 'ignore_eos'", param="ignore_eos")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise RequestError(f"'seed' must be an integer, got {seed!r}", param="seed")
@@ -170,6 +168,8 @@ def parse_completion_request(body: Any, max_new_tokens: int) -> CompletionReques
         include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
         skip_special_tokens=_flag(body, "skip_special_tokens", True),
     )
+    if choices is not None and params.ignore_eos:
+        raise RequestError("structured_outputs.choice ends at a complete choice: drop 'ignore_eos'", param="ignore_eos")
     return CompletionRequest(
         model=model,
         prompts=_prompts(body["prompt"]),
