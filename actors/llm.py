@@ -14,6 +14,8 @@ read its version there.)
 
 from __future__ import annotations
 
+import asyncio
+import zlib
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -114,6 +116,14 @@ def action_token_logprobs(text: str, tokens: list[str], token_logprobs: list[flo
     return _logprobs_at(action_token_spans(text, tokens[: len(token_logprobs)]), token_logprobs)
 
 
+def choice_logprob(choice: dict[str, Any]) -> float:
+    """A completion's log-probability as a whole: the sum of its generated tokens' logprobs, the end
+    token's included (so ``go to drawer 1`` does not beat ``go to drawer 10`` for being a prefix).
+    A completion without logprobs is the least likely."""
+    lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+    return sum(lp for lp in lps if lp is not None) if lps else float("-inf")
+
+
 class AgentLLM:
     def __init__(
         self, client: Any, prompts: Prompts, cfg: ActorConfig, base_model: str, registry: RegistryView | None = None
@@ -149,26 +159,44 @@ class AgentLLM:
         logprobs: int | None = None,
         choices: list[str] | None = None,
     ) -> dict[str, Any]:
+        return _choice(await self._complete_all(role, prompt, max_tokens, stop, temperature, logprobs, choices))
+
+    async def _complete_all(
+        self,
+        role: str,
+        prompt: str,
+        max_tokens: int,
+        stop: list[str],
+        temperature: float,
+        logprobs: int | None = None,
+        choices: list[str] | None = None,
+        n: int = 1,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> dict[str, Any]:
+        """The whole response (``n`` choices)."""
         from comap_async.wire.inference_client import InferenceError
 
         extra = {"structured_outputs": {"choice": choices}} if choices else {}
+        if n > 1:
+            extra["n"] = n
+        if seed is not None:
+            extra["seed"] = seed
         for attempt in (0, 1):
             model = self.model_for(role)
             try:
-                choice = _choice(
-                    await self.client.complete(
-                        prompt=prompt,
-                        model=model,
-                        max_tokens=max_tokens,
-                        temperature=temperature,
-                        top_p=self.cfg.top_p,
-                        stop=stop,
-                        logprobs=logprobs,
-                        **extra,
-                    )
+                resp = await self.client.complete(
+                    prompt=prompt,
+                    model=model,
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    top_p=self.cfg.top_p if top_p is None else top_p,
+                    stop=stop,
+                    logprobs=logprobs,
+                    **extra,
                 )
                 _LAST_MODEL.set({**_LAST_MODEL.get(), role: model})
-                return choice
+                return resp
             except InferenceError as exc:
                 # The learner retires old adapter versions; an actor whose last ack predates two publishes
                 # asks for one that is gone (404). Fetch the current registry and retry once.
@@ -210,15 +238,14 @@ class AgentLLM:
         """The draft with its confidence when ``confidence`` (default ``actor.reflect_confidence``):
         the tokens' logprobs come with the same call, so the confidence is that of the sampled text."""
         scored = self.cfg.reflect_confidence if confidence is None else confidence
-        c = await self._complete(
-            POLICY,
-            self.prompts.draft(state),
-            self.cfg.max_draft_tokens,
-            STOP_ACTION,
-            self.cfg.temperature if temperature is None else temperature,
-            1 if scored else None,
-            self.choices(admissible),
-        )
+        prompt, choices = self.prompts.draft(state), self.choices(admissible)
+        temperature = self.cfg.temperature if temperature is None else temperature
+        if choices is not None and temperature == 0 and self.cfg.choice_samples:
+            c = await self._likeliest_choice(prompt, choices, self.cfg.max_draft_tokens)
+        else:
+            c = await self._complete(
+                POLICY, prompt, self.cfg.max_draft_tokens, STOP_ACTION, temperature, 1 if scored else None, choices
+            )
         parsed = parse_action(c["text"])
         if not scored or parsed.value is None:
             return Draft(parsed.value, parsed.problem)
@@ -226,6 +253,27 @@ class AgentLLM:
         tokens, token_lps = lp.get("tokens") or [], lp.get("token_logprobs") or []
         lps = draft_token_logprobs(c["text"], tokens[: len(token_lps)], token_lps)
         return Draft(parsed.value, parsed.problem, sequence_confidence(lps) if lps else None)
+
+    async def _likeliest_choice(self, prompt: str, choices: list[str], budget: int) -> dict[str, Any]:
+        """``actor.choice_samples``: the token-greedy choice and N sampled ones (the policy's own
+        distribution, seeded by the prompt so an evaluation replays), the likeliest whole command
+        among them by :func:`choice_logprob` (the greedy one on a tie)."""
+        greedy, sampled = await asyncio.gather(
+            self._complete(POLICY, prompt, budget, STOP_ACTION, 0.0, 1, choices),
+            self._complete_all(
+                POLICY,
+                prompt,
+                budget,
+                STOP_ACTION,
+                1.0,
+                1,
+                choices,
+                n=self.cfg.choice_samples,
+                top_p=1.0,
+                seed=zlib.crc32(prompt.encode()),
+            ),
+        )
+        return max([greedy, *sampled["choices"]], key=choice_logprob)
 
     async def critic(self, state: str, trajectory: list[tuple[str, str]]) -> float | None:
         """The policy's judgement of an imagined continuation of ``state``: P(YES) over the critic's
@@ -339,7 +387,10 @@ class AgentLLM:
             q_ref = sequence_confidence(action_token_logprobs(text, tokens, token_lps))
             return Reflected(decision, r.final_action, p_revise, q_ref, problem)
         head = reflection_head(decision)
-        c = await self._complete(POLICY, prompt + head, budget, STOP_ACTION, self.cfg.temperature, 1, choices)
+        if choices is not None and self.cfg.temperature == 0 and self.cfg.choice_samples:
+            c = await self._likeliest_choice(prompt + head, choices, budget)
+        else:
+            c = await self._complete(POLICY, prompt + head, budget, STOP_ACTION, self.cfg.temperature, 1, choices)
         lp = c.get("logprobs") or {}
         full = head + c["text"]  # the continuation's tokens are the action's, as after a Final Action: line
         action = parse_action(c["text"]).value

@@ -140,6 +140,11 @@ class CoMapConfig(Section):
             raise ValueError(
                 "actor.revise_other_action chooses among the admissible commands: it needs actor.admissible_choice"
             )
+        if self.actor.choice_samples and not self.actor.admissible_choice:
+            raise ValueError(
+                "actor.choice_samples rescores drafts decoded among the admissible commands: it needs "
+                "actor.admissible_choice"
+            )
         if self.actor.demonstrations == "handcoded" and self.env.name != "alfworld":
             raise ValueError(
                 f"actor.demonstrations: handcoded needs ALFWorld's handcoded expert (env.name is {self.env.name})"
