@@ -291,12 +291,21 @@ class Episode:
 async def avoid_repeat(ctx: EpisodeContext, ep: Episode, state: str | Conversation, action: str) -> str:
     """``eval.repeat_guard``: ``action``, or, when it was already taken from the episode's current
     state (canonical facts and action, as :func:`~comap_async.diagnostics.loop_steps` counts a
-    loop), the first of the guard's sampled drafts not tried there yet (``action`` when none is)."""
+    loop), the first of the guard's sampled drafts not tried there yet (``action`` when none is).
+    With ``actor.admissible_choice`` the guard's one draft is decoded, as the episode decodes, among
+    the admissible commands not tried there: the policy's preferred untried command."""
     ev = ctx.cfg.eval
     tried = {a for facts, a in ep.stats.state_actions if facts == ep.facts}
     if ev.repeat_guard <= 0 or canonical_action(action) not in tried:
         return action
     admissible = ep.current.admissible
+    if ctx.cfg.actor.admissible_choice and admissible:
+        untried = [a for a in admissible if canonical_action(a) not in tried]
+        other = (await ctx.llm.draft(state, admissible=untried))[0] if untried else None
+        if other is None:
+            return action
+        ep.stats.guarded += 1
+        return other
     drafts = await asyncio.gather(
         *(ctx.llm.draft(state, ev.repeat_guard_temperature, admissible) for _ in range(ev.repeat_guard))
     )

@@ -41,8 +41,10 @@ class EvalConfig(Section):
     """Anti-loop guard of evaluation episodes: when the action about to be executed was already taken
     from the same state (the loop rate's definition: the same canonical facts and action), up to this
     many drafts are sampled at ``repeat_guard_temperature`` (concurrently) and the first one not yet
-    tried there is executed instead; none: the action stands. 0 = off (the paper's agents have none;
-    measured on held-out games: docs/reflection-loop.md, "The anti-loop guard")."""
+    tried there is executed instead; none: the action stands. With ``actor.admissible_choice`` (any N >
+    0) one draft is decoded instead, as the episode decodes, among the admissible commands not tried
+    there. 0 = off (the paper's agents have none; measured on held-out games: docs/reflection-loop.md,
+    "The anti-loop guard"; docs/method-table.md)."""
     repeat_guard_temperature: float = Field(default=1.0, gt=0.0)
     """Temperature of the guard's alternative drafts."""
     cycle_stop: int = Field(default=0, ge=0)

@@ -125,6 +125,29 @@ async def test_the_repeat_guard_keeps_the_action_when_every_sample_repeats_and_i
     assert await avoid_repeat(ctx_off, off, "s", "look") == "look" and quiet.sampled_at == []
 
 
+async def test_with_admissible_choice_the_guard_decodes_among_the_commands_not_tried_here():
+    from actors.episodes import avoid_repeat
+    from comap_async.envs.base import StepResult
+
+    class Constrained:
+        def __init__(self):
+            self.calls = []
+
+        async def draft(self, state, temperature=None, admissible=None):
+            self.calls.append((temperature, list(admissible)))
+            return admissible[0], None
+
+    llm = Constrained()
+    ep, ctx = _episode(1, llm)
+    ctx.cfg.actor.admissible_choice = True
+    ep.current = StepResult("at desk 1", False, False, ("look", "go to shelf 1", "examine desk 1"), None)
+    ep.stats.state_actions.append((ep.facts, "go to shelf 1"))
+    assert await avoid_repeat(ctx, ep, "s", "look") == "examine desk 1" and ep.stats.guarded == 1
+    assert llm.calls == [(None, ["examine desk 1"])]  # one draft, at the episode's own temperature
+    ep.stats.state_actions.append((ep.facts, "examine desk 1"))
+    assert await avoid_repeat(ctx, ep, "s", "look") == "look" and len(llm.calls) == 1  # nothing untried: it stands
+
+
 def test_an_evaluation_that_played_a_game_twice_and_another_never_is_incomplete():
     """Each game exactly once: four results for four games are not enough when one game was played
     twice (the per-loop stride of an older worker did that when loops finished at different times)."""
