@@ -10,8 +10,9 @@ per step): ``learner.max_seq_len`` should cover the longest prompts (see configs
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+import zlib
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,12 +51,24 @@ def change_token_flags(target_ids: Sequence[int], before_ids: Collection[int]) -
     return [t not in before for t in target_ids]
 
 
+def carries_loss(action: str, key: str, share: Mapping[str, float]) -> bool:
+    """Whether a demonstrated ``action`` carries a loss under ``learner.demo_loss_share``: always
+    when its first word has no share, else for that share of keys (a stable hash of ``key``: the
+    same turn is chosen on every pass and in every process)."""
+    words = action.split(maxsplit=1)
+    keep = share.get(words[0].lower(), 1.0) if words else 1.0
+    return keep >= 1.0 or zlib.crc32(key.encode()) / 2**32 < keep
+
+
 @dataclass
 class Encoder:
     tokenizer: Any
     prompts: Prompts
     max_seq_len: int
     max_path_tokens: int = 2048
+    demo_loss_share: Mapping[str, float] = field(default_factory=dict)
+    """``learner.demo_loss_share``: per first word of a demonstrated action, the share of its turns
+    that carry a loss (:func:`carries_loss`)."""
 
     def __post_init__(self) -> None:
         self.truncated = 0  # prompts cut to fit max_seq_len since the trainer last read it
@@ -121,6 +134,7 @@ class Encoder:
         text = self.prompts.turns_prompt(conversation, fit=False)
         ids, start = self._ids(text), None
         loss: list[bool] = []
+        last_demo: tuple[int, int] | None = None  # (offset in ids, tokens) of the last demonstrated action
         for i in range(last + 1):
             if i:
                 conversation = conversation.then(*turns[i - 1])
@@ -141,11 +155,18 @@ class Encoder:
                 break
             if start is None:
                 start = len(ids)
+            carry = targets[i] and carries_loss(action, f"{r.get('id', '')}:{i}", self.demo_loss_share)
+            if targets[i]:
+                last_demo = (len(ids) + len(gap), len(act))
             ids += gap + act
-            loss += [False] * len(gap) + [targets[i]] * len(act)
-            self.demo_actions += targets[i]
+            loss += [False] * len(gap) + [carry] * len(act)
+            self.demo_actions += carry
             text += action + self.eos
         assert start is not None
+        if last_demo is not None and not any(loss):  # every demonstrated action subsampled: the last stays
+            at, n = last_demo
+            loss[at - start : at - start + n] = [True] * n
+            self.demo_actions += 1
         return Seq(ids, start, len(ids) - start, loss=loss)
 
     def reflection(self, r: dict[str, Any]) -> Seq:

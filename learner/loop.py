@@ -68,7 +68,8 @@ class Learner:
             base, lc.lora_r, lc.lora_alpha, lc.lora_dropout, lc.target_modules, lc.gradient_checkpointing
         )
         prompts = Prompts.for_model(path, cfg)
-        self.trainer = Trainer(model, Encoder(tok, prompts, lc.max_seq_len, lc.max_path_tokens), lc, lc.device)
+        encoder = Encoder(tok, prompts, lc.max_seq_len, lc.max_path_tokens, lc.demo_loss_share)
+        self.trainer = Trainer(model, encoder, lc, lc.device)
         self.trainer.ablation = cfg.ablation
         if self.dp is not None:
             from comap_async.wire.messages import ROLES

@@ -140,6 +140,10 @@ class CoMapConfig(Section):
             raise ValueError(
                 "actor.revise_other_action chooses among the admissible commands: it needs actor.admissible_choice"
             )
+        if self.learner.demo_loss_share and not self.env.draft_turns:
+            raise ValueError(
+                "learner.demo_loss_share subsamples the demonstrated turns of a path: it needs env.draft_turns"
+            )
         if self.actor.choice_samples and not self.actor.admissible_choice:
             raise ValueError(
                 "actor.choice_samples rescores drafts decoded among the admissible commands: it needs "

@@ -85,6 +85,14 @@ class LearnerConfig(Section):
     """Teacher = m * teacher + (1 - m) * student after every optimizer step."""
     draft_weight: float = Field(default=1.0, ge=0.0)
     """Weight of the draft cross-entropy on expert actions."""
+    demo_loss_share: dict[str, Annotated[float, Field(gt=0.0, le=1.0)]] = Field(default_factory=dict)
+    """``env.draft_turns``: per first word of a demonstrated action (``go``, ``open``...), the share of
+    those turns that carry a loss (the rest stay in the path as context; absent words: all). A path
+    is mostly search steps (``go to``, ``open``, ``close``: 80 % of the handcoded expert's actions on
+    held-out games), so the draft's CE is mostly theirs; the rare steps that finish a task (``take``,
+    ``move``, ``heat``...) get a larger share when the frequent ones are subsampled, as word2vec
+    subsamples frequent words. Which turns: a hash of the path's id and the turn, the same on every
+    pass; a path keeps at least its last demonstrated action."""
     reflect_weight: float = Field(default=1.0, ge=0.0)
     """Weight of the reflection cross-entropy."""
     bce_weight: float = Field(default=0.01, ge=0.0)

@@ -187,3 +187,44 @@ def test_the_learner_cuts_a_path_at_its_length_cap_not_at_the_prompt_limit(tiny_
     enc = Encoder(tok, Prompts.for_model(tiny_model_dir, cfg), 512, 300)
     seq = enc.draft({"goal": TASK, "first": FIRST, "turns": TURNS * 6, "targets": [True] * 24})
     assert len(seq.ids) <= 300 and enc.truncated == 1 and 0 < enc.demo_actions < 24
+
+
+def test_demo_loss_share_subsamples_the_frequent_words_turns_and_keeps_the_rest(tiny_model_dir):
+    """``learner.demo_loss_share``: a ``go`` turn with share 0 is context; the ``take`` stays a demonstration;
+    the sequence is the same tokens either way; a path whose every demonstration is subsampled keeps its last."""
+    from comap_async.models import load_model_and_tokenizer
+
+    _, tok = load_model_and_tokenizer(str(tiny_model_dir))
+    prompts = Prompts(ChatTemplate.from_model_dir(tiny_model_dir))
+    full = Encoder(tok, prompts, 512).draft(path_record())
+    sub_enc = Encoder(tok, prompts, 512, demo_loss_share={"go": 1e-9})
+    sub = sub_enc.draft(path_record())
+    assert sub.ids == full.ids and sub.start == full.start
+    assert sub_enc.demo_actions == 1  # only "take mug 1 from countertop 1"
+    take = len(sub_enc._ids("take mug 1 from countertop 1" + sub_enc.eos))
+    assert sub.n_loss == take
+    changed = [j for j in range(full.n_target) if full.loss[j] != sub.loss[j]]
+    assert changed and all(full.loss[j] and not sub.loss[j] for j in changed)  # only demonstrations became context
+    only_go = Encoder(tok, prompts, 512, demo_loss_share={"go": 1e-9, "take": 1e-9})
+    last = only_go.draft(path_record())
+    go = len(only_go._ids("go to sinkbasin 1" + only_go.eos))
+    assert last.n_loss == go and last.loss[-go:] == [True] * go and only_go.demo_actions == 1
+
+
+def test_carries_loss_keeps_about_the_share_stably():
+    from learner.batches import carries_loss
+
+    share = {"go": 0.25}
+    kept = [carries_loss("go to shelf 1", f"path-{i}:3", share) for i in range(4000)]
+    assert 0.22 < sum(kept) / len(kept) < 0.28
+    assert kept == [carries_loss("go to shelf 1", f"path-{i}:3", share) for i in range(4000)]  # the same every pass
+    assert all(carries_loss("take mug 1 from countertop 1", f"p:{i}", share) for i in range(100))
+
+
+def test_demo_loss_share_needs_the_turns_form():
+    from comap_async.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="needs env.draft_turns"):
+        load_config(None, ["learner.demo_loss_share={go: 0.2}"])
+    cfg = load_config(None, ["env.draft_turns=true", "learner.demo_loss_share={go: 0.2, open: 0.2}"])
+    assert cfg.learner.demo_loss_share == {"go": 0.2, "open": 0.2}
