@@ -1,0 +1,182 @@
+"""What the draft policy does on the handcoded expert's own path through held-out games, per verb.
+
+    python benchmarks/expert_path.py RUN_DIR[:VERSION] [RUN_DIR[:VERSION] ...] --games 20 \\
+        [--split valid_seen] [--config configs/local.yaml] [--set key=value ...] [--out FILE.json]
+
+A held-out figure that says why games are lost where the success rate reads 0: ALFWorld's handcoded
+expert plays each game (``env.draft_turns`` prompts, as the actors send them); on every state it
+passes through, each version's draft is decoded greedily among the admissible commands (the
+``actor.admissible_choice`` decoding) and the expert's own action is scored as a whole (its tokens'
+logprobs, end token included: decoding it as the only choice). Versions are asked on the same state
+one after the other, so a noisy machine slows them alike. Per version and first word of the expert's
+action (``go``, ``take``, ``move``...): the states, the share where the draft is the expert's action,
+and the mean probability of the expert's action. The search steps (``go``, ``open``, ``close``) have
+many right answers; the words that finish a task (``take``, ``move``, ``heat``, ``cool``, ``clean``,
+``use``, ``slice``) have one, and a policy that misses them never wins. Last line:
+``expert_path=<version>: finishing=<share> (n) all=<share> (n)`` for every version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+FINISHING = ("take", "move", "put", "heat", "cool", "clean", "use", "slice")
+STOP = ["\n", "<|im_end|>"]
+
+
+async def states_of_game(game, cfg, prompts, client, models, rows, log) -> None:
+    """The expert's path through ``game``; each model's greedy choice and the expert action's score."""
+    from actors.llm import choice_logprob
+    from comap_async.envs.alfworld_env import AlfworldEnv
+    from comap_async.prompts import Conversation
+
+    loop = asyncio.get_running_loop()
+    env = AlfworldEnv(max_steps=cfg.env.max_steps)
+    try:
+        r = await loop.run_in_executor(None, env.reset, game)
+        task, first, turns = r.info.get("task", ""), r.observation, []
+        while not r.done and r.expert_action:
+            expert, prompt = r.expert_action, prompts.draft(Conversation(task, first, tuple(turns)))
+            for model in models:
+                greedy, whole = await asyncio.gather(
+                    client.complete(
+                        prompt, model=model, max_tokens=32, temperature=0.0, logprobs=1, stop=STOP,
+                        structured_outputs={"choice": list(r.admissible)},
+                    ),
+                    client.complete(
+                        prompt, model=model, max_tokens=32, temperature=0.0, logprobs=1, stop=STOP,
+                        structured_outputs={"choice": [expert]},
+                    ),
+                )  # fmt: skip
+                rows.append(
+                    {
+                        "model": model,
+                        "game": game.name,
+                        "t": len(turns),
+                        "expert": expert,
+                        "draft": greedy.text.strip(),
+                        "expert_logprob": choice_logprob(whole.choices[0]),
+                    }
+                )
+            r = await loop.run_in_executor(None, env.step, expert)
+            turns.append((expert, r.observation))
+        log.info("expert_path.game", game=game.name, steps=len(turns), won=r.won)
+    finally:
+        env.close()
+
+
+def summary(rows: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per model, per first word (and ``finishing``, ``all``): states, draft == expert, mean P(expert)."""
+    groups: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for x in rows:
+        verb = x["expert"].split(maxsplit=1)[0]
+        for key in (verb, "finishing" if verb in FINISHING else None, "all"):
+            if key:
+                groups[x["model"]][key].append(x)
+    return {
+        model: {
+            key: {
+                "states": len(xs),
+                "draft_is_expert": sum(x["draft"] == x["expert"] for x in xs) / len(xs),
+                "p_expert": sum(math.exp(x["expert_logprob"]) for x in xs) / len(xs),
+            }
+            for key, xs in sorted(by.items(), key=lambda kv: -len(kv[1]))
+        }
+        for model, by in groups.items()
+    }
+
+
+async def measure(args, cfg, models, root, server, log) -> list[dict]:
+    from actors.compare import split_games
+    from actors.eval_runner import wait_for_server
+    from comap_async.models import resolve_model
+    from comap_async.prompts.template import Prompts
+    from comap_async.wire.inference_client import InferenceClient
+
+    games = split_games(cfg, args.split, args.games)
+    prompts = Prompts.for_model(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir), cfg)
+    await wait_for_server(cfg, server, 600, log)
+    rows: list[dict] = []
+    sem = asyncio.Semaphore(args.envs)
+    async with InferenceClient.from_config(cfg, timeout_s=600) as client:
+        for model in models:
+            await client.load_adapter(model, str(root / model))
+
+        async def one(game):
+            async with sem:
+                await states_of_game(game, cfg, prompts, client, models, rows, log)
+
+        await asyncio.gather(*(one(g) for g in games))
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR[:VERSION]")
+    p.add_argument("--games", type=int, default=20)
+    p.add_argument("--split", default="valid_seen")
+    p.add_argument("--envs", type=int, default=8, help="games walked at once")
+    p.add_argument("--config", default=str(ROOT / "configs" / "local.yaml"))
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--out", default=None, help="write the rows and the summary here (JSON)")
+    args = p.parse_args()
+
+    from actors.compare import stage_run
+    from actors.eval_runner import start_server, stop_server
+    from comap_async.config import load_config
+    from comap_async.logsetup import configure_logging
+    from comap_async.wire.messages import POLICY, adapter_name
+
+    log = configure_logging("expert_path")
+    with tempfile.TemporaryDirectory(prefix="expert-path-") as root:
+        overrides = [*args.overrides, "env.draft_turns=true", f"inference.adapter_root={root}"]
+        cfg = load_config(args.config, overrides)
+        if cfg.env.name != "alfworld":
+            print(
+                f"expert_path: error: the handcoded expert is ALFWorld's (env.name is {cfg.env.name})", file=sys.stderr
+            )
+            return 2
+        models, labels = [], {}
+        try:
+            for i, spec in enumerate(args.runs):
+                run, _, version = spec.partition(":")
+                v, _, prefix = stage_run(Path(run), i + 1, Path(root), version or "latest", with_ablation=False)
+                models.append(adapter_name(POLICY, v, prefix))
+                labels[models[-1]] = f"{Path(run).name} v{v}"
+        except ValueError as exc:
+            print(f"expert_path: error: {exc}", file=sys.stderr)
+            return 2
+        cfg, server = start_server(args.config, overrides, log)
+        try:
+            rows = asyncio.run(measure(args, cfg, models, Path(root), server, log))
+        finally:
+            stop_server(server)
+    result = {labels[m]: s for m, s in summary(rows).items()}
+    if args.out:
+        Path(args.out).write_text(json.dumps({"summary": result, "rows": rows}, indent=1))
+    print("| version | word | states | draft = expert | mean P(expert) |\n| --- | --- | ---: | ---: | ---: |")
+    for label, by in result.items():
+        for key, s in by.items():
+            print(f"| {label} | {key} | {s['states']} | {s['draft_is_expert']:.2f} | {s['p_expert']:.3f} |")
+
+    def figure(by: dict) -> str:
+        fin, every = by.get("finishing", {"draft_is_expert": 0.0, "states": 0}), by["all"]
+        shares = f"finishing={fin['draft_is_expert']:.2f} ({fin['states']})"
+        return f"{shares} all={every['draft_is_expert']:.2f} ({every['states']})"
+
+    print("expert_path=" + "; ".join(f"{label}: {figure(by)}" for label, by in result.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
