@@ -48,6 +48,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -74,9 +75,14 @@ def variant_overrides(variant: str) -> list[str]:
     return [f"ablation.{n}=true" for n in names] + settings
 
 
-def run_slug(text: str) -> str:
-    """``learner.bce_gate_labels=false`` -> ``learner-bce_gate_labels-false``: a setting as part of a run name."""
-    return "".join(c if c.isalnum() or c in "_-" else "-" for c in text)
+def run_slug(text: str, limit: int = 96) -> str:
+    """``learner.bce_gate_labels=false`` -> ``learner-bce_gate_labels-false``: a setting as part of a run
+    name. Past ``limit`` characters (a run name is a directory and a log file's name), the start and a
+    hash of the whole: the same settings always give the same name, different ones different names."""
+    slug = "".join(c if c.isalnum() or c in "_-" else "-" for c in text)
+    if len(slug) <= limit:
+        return slug
+    return f"{slug[: limit - 9]}-{zlib.crc32(text.encode()):08x}"
 
 
 def plan_forks(

@@ -150,3 +150,13 @@ def test_a_warm_up_sitting_stopped_by_a_signal_still_counts_its_wall_time(tmp_pa
     with pytest.raises(SystemExit):
         mt.run_to_phase("sw", "coevolve", "cfg.yaml", [], 1.0, tmp_path, tmp_path, ledger)
     assert json.loads(ledger.read_text())["wall_s"] == 601
+
+
+def test_a_long_variant_names_its_run_within_a_file_names_length():
+    from benchmarks.method_table import run_slug
+
+    assert run_slug("learner.bce_gate_labels=false") == "learner-bce_gate_labels-false"
+    share = "+".join(f"learner.demo_loss_share.{w}=0.2" for w in ("go", "open", "close", "look"))
+    long, other = run_slug("actor.admissible_choice=true+" + share), run_slug("actor.admissible_choice=false+" + share)
+    assert len(long) == 96 and long.startswith("actor-admissible_choice-true-learner-demo_loss_share-go")
+    assert long != other and long == run_slug("actor.admissible_choice=true+" + share)
