@@ -24,6 +24,7 @@ import json
 import math
 import sys
 import tempfile
+import threading
 from collections import defaultdict
 from pathlib import Path
 
@@ -32,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 FINISHING = ("take", "move", "put", "heat", "cool", "clean", "use", "slice")
 STOP = ["\n", "<|im_end|>"]
+ENV_LOCK = threading.Lock()
 
 
 async def states_of_game(game, cfg, prompts, client, models, rows, log) -> None:
@@ -42,8 +44,13 @@ async def states_of_game(game, cfg, prompts, client, models, rows, log) -> None:
 
     loop = asyncio.get_running_loop()
     env = AlfworldEnv(max_steps=cfg.env.max_steps)
+
+    def locked(fn, *a):  # textworld's game loading is not thread-safe: one environment call at a time
+        with ENV_LOCK:
+            return fn(*a)
+
     try:
-        r = await loop.run_in_executor(None, env.reset, game)
+        r = await loop.run_in_executor(None, locked, env.reset, game)
         task, first, turns = r.info.get("task", ""), r.observation, []
         while not r.done and r.expert_action:
             expert, prompt = r.expert_action, prompts.draft(Conversation(task, first, tuple(turns)))
@@ -68,11 +75,11 @@ async def states_of_game(game, cfg, prompts, client, models, rows, log) -> None:
                         "expert_logprob": choice_logprob(whole.choices[0]),
                     }
                 )
-            r = await loop.run_in_executor(None, env.step, expert)
+            r = await loop.run_in_executor(None, locked, env.step, expert)
             turns.append((expert, r.observation))
         log.info("expert_path.game", game=game.name, steps=len(turns), won=r.won)
     finally:
-        env.close()
+        locked(env.close)
 
 
 def summary(rows: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
