@@ -238,14 +238,13 @@ class AgentLLM:
         """The draft with its confidence when ``confidence`` (default ``actor.reflect_confidence``):
         the tokens' logprobs come with the same call, so the confidence is that of the sampled text."""
         scored = self.cfg.reflect_confidence if confidence is None else confidence
-        prompt, choices = self.prompts.draft(state), self.choices(admissible)
-        temperature = self.cfg.temperature if temperature is None else temperature
-        if choices is not None and temperature == 0 and self.cfg.choice_samples:
-            c = await self._likeliest_choice(prompt, choices, self.cfg.max_draft_tokens)
-        else:
-            c = await self._complete(
-                POLICY, prompt, self.cfg.max_draft_tokens, STOP_ACTION, temperature, 1 if scored else None, choices
-            )
+        c = await self._action(
+            self.prompts.draft(state),
+            self.cfg.max_draft_tokens,
+            self.cfg.temperature if temperature is None else temperature,
+            1 if scored else None,
+            self.choices(admissible),
+        )
         parsed = parse_action(c["text"])
         if not scored or parsed.value is None:
             return Draft(parsed.value, parsed.problem)
@@ -253,6 +252,15 @@ class AgentLLM:
         tokens, token_lps = lp.get("tokens") or [], lp.get("token_logprobs") or []
         lps = draft_token_logprobs(c["text"], tokens[: len(token_lps)], token_lps)
         return Draft(parsed.value, parsed.problem, sequence_confidence(lps) if lps else None)
+
+    async def _action(
+        self, prompt: str, budget: int, temperature: float, logprobs: int | None, choices: list[str] | None
+    ) -> dict[str, Any]:
+        """One action line of the policy's: decoded among ``choices`` (None: freely); a greedy one with
+        ``actor.choice_samples`` is the likeliest whole command (:meth:`_likeliest_choice`)."""
+        if choices is not None and temperature == 0 and self.cfg.choice_samples:
+            return await self._likeliest_choice(prompt, choices, budget)
+        return await self._complete(POLICY, prompt, budget, STOP_ACTION, temperature, logprobs, choices)
 
     async def _likeliest_choice(self, prompt: str, choices: list[str], budget: int) -> dict[str, Any]:
         """``actor.choice_samples``: the token-greedy choice and N sampled ones (the policy's own
@@ -387,10 +395,7 @@ class AgentLLM:
             q_ref = sequence_confidence(action_token_logprobs(text, tokens, token_lps))
             return Reflected(decision, r.final_action, p_revise, q_ref, problem)
         head = reflection_head(decision)
-        if choices is not None and self.cfg.temperature == 0 and self.cfg.choice_samples:
-            c = await self._likeliest_choice(prompt + head, choices, budget)
-        else:
-            c = await self._complete(POLICY, prompt + head, budget, STOP_ACTION, self.cfg.temperature, 1, choices)
+        c = await self._action(prompt + head, budget, self.cfg.temperature, 1, choices)
         lp = c.get("logprobs") or {}
         full = head + c["text"]  # the continuation's tokens are the action's, as after a Final Action: line
         action = parse_action(c["text"]).value
