@@ -1,9 +1,11 @@
 """Files a run directory holds that other processes and commands read: the run's ablation (written
-by the learner at start, read by ``comap compare``) and each published version's metadata."""
+by the learner at start, read by ``comap compare``), the config of each learner start and each
+published version's metadata."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 RUN_ABLATION = "ablation.json"
@@ -11,6 +13,10 @@ RUN_ABLATION = "ablation.json"
 switches on]}`` ([] and [] is CoMap itself; ``CoMapConfig.method_switches`` names the methods)."""
 CHECKPOINT_STATE = "state.pt"
 """``<run dir>/checkpoints/step-N/state.pt``: the learner's checkpoint (``comap fork`` copies it)."""
+RUN_CONFIGS = "config.jsonl"
+"""``<run dir>/config.jsonl``: one line per learner start, the step it started at and the whole resolved
+config (tokens left out), so a run's learning rate or loss shares can be read back after the fact."""
+SECRET_FIELDS = frozenset({"http_token", "admin_token"})
 VERSION_META = "comap.json"
 """``<adapter dir>/comap.json`` beside peft's files: version, phase, step and the run's ablation."""
 
@@ -20,6 +26,32 @@ def write_run_ablation(run_dir: Path, active: list[str], methods: list[str] | tu
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"ablation": list(active), "methods": list(methods)}) + "\n")
     return path
+
+
+def append_run_config(run_dir: Path, config: dict, step: int, phase: str) -> Path:
+    """Append one learner start to ``config.jsonl``; the bearer tokens are written as set or not, never
+    their values."""
+
+    def scrub(node: object) -> object:
+        if isinstance(node, dict):
+            return {k: (v is not None if k in SECRET_FIELDS else scrub(v)) for k, v in node.items()}
+        return node
+
+    path = Path(run_dir) / RUN_CONFIGS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"ts": time.time(), "step": step, "phase": phase, "config": scrub(config)}, default=str)
+    with path.open("a") as f:
+        f.write(line + "\n")
+    return path
+
+
+def read_run_configs(run_dir: Path) -> list[dict]:
+    """Every learner start recorded in ``config.jsonl``, oldest first (``[]`` before it was recorded)."""
+    try:
+        text = (Path(run_dir) / RUN_CONFIGS).read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def read_run_methods(run_dir: Path) -> list[str]:

@@ -23,7 +23,7 @@ from comap_async.config import CoMapConfig
 from comap_async.heap import release_freed_memory, resident_gb
 from comap_async.method.fingerprint import check_method
 from comap_async.method.routing import after_warmup, first_phase, world_model_frozen
-from comap_async.run_files import write_run_ablation
+from comap_async.run_files import append_run_config, write_run_ablation
 from comap_async.waiting import cancel_and_wait, until_stopped, wait_until_answers
 from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
 from learner.prefetch import Prefetcher
@@ -282,6 +282,7 @@ class Learner:
         # what this run is: CoMap itself ([]) or the ablations switched on (comap compare reads it)
         if self.leader:
             write_run_ablation(self.run_dir, self.cfg.ablation.active, self.cfg.method_switches)
+            append_run_config(self.run_dir, self.cfg.model_dump(mode="json"), self.trainer.step, self.state.phase)
         if self.cfg.ablation.active:
             self.log.info("learner.ablation", active=self.cfg.ablation.active)
         async with BrokerClient.from_config(self.cfg) as broker:

@@ -12,6 +12,7 @@ import pytest
 
 from comap_async.config import load_config
 from comap_async.logsetup import configure_logging
+from comap_async.run_files import read_run_configs
 from comap_async.wire.broker_client import BrokerClient, BrokerError
 from learner.loop import Learner
 from tests.fixtures.broker import make_transition
@@ -168,6 +169,9 @@ async def test_coevolve_trains_the_world_model_on_coevolve_transitions(broker_fa
     await asyncio.wait_for(learner.run(max_steps=4), 180)
     hist = learner.history
     assert [h["phase"] for h in hist] == ["reflect_init", "coevolve", "coevolve", "coevolve"]
+    (start,) = read_run_configs(learner.run_dir)  # the settings it trained with, read back
+    assert start["step"] == 0 and start["config"]["learner"]["reflect_init_steps"] == 1
+    assert start["config"]["broker"]["http_token"] is False  # tokens: whether set, never the value
     for i, h in enumerate(hist[1:], 2):
         assert h["wm/kl"] > 0 and h["wm/ce"] > 0, (i, h)
     async with BrokerClient(broker.learner_endpoint) as bc:  # the filter over the wire

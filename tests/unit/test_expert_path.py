@@ -1,0 +1,30 @@
+"""``benchmarks/expert_path.py``'s pure parts: which states are asked and how they are summed up."""
+
+from __future__ import annotations
+
+import math
+
+from benchmarks.expert_path import FINISHING, summary, verbs_of
+
+
+def test_verbs_select_the_states_asked():
+    assert verbs_of("all") is None
+    assert verbs_of("finishing") == frozenset(FINISHING)
+    assert verbs_of("take, move,") == {"take", "move"}
+
+
+def test_summary_per_word_finishing_and_all():
+    def row(expert, draft, p):
+        return {"model": "m", "expert": expert, "draft": draft, "expert_logprob": math.log(p)}
+
+    rows = [
+        row("take pen 1 from desk 1", "take pen 1 from desk 1", 0.8),
+        row("take pen 1 from desk 1", "go to desk 2", 0.2),
+        row("move pen 1 to shelf 1", "close shelf 1", 0.1),
+        row("go to desk 1", "go to desk 1", 0.5),
+    ]
+    by = summary(rows)["m"]
+    assert by["take"] == {"states": 2, "draft_is_expert": 0.5, "p_expert": 0.5}
+    assert by["finishing"]["states"] == 3 and math.isclose(by["finishing"]["draft_is_expert"], 1 / 3)
+    assert by["all"]["states"] == 4 and by["all"]["draft_is_expert"] == 0.5
+    assert by["go"]["states"] == 1 and list(by)[0] == "all"  # largest group first
