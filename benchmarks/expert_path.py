@@ -4,18 +4,19 @@
         [--split valid_seen] [--verbs finishing] [--config configs/local.yaml] [--set key=value ...] [--out FILE.json]
 
 A held-out figure that says why games are lost where the success rate reads 0: ALFWorld's handcoded
-expert plays each game (``env.draft_turns`` prompts, as the actors send them); on every state it
-passes through, each version's draft is decoded greedily among the admissible commands (the
+expert plays each game (``env.draft_turns`` prompts, as the actors send them); on every state it passes
+through, each version's draft is decoded greedily among the admissible commands (the
 ``actor.admissible_choice`` decoding) and the expert's own action is scored as a whole (its tokens'
-logprobs, end token included: decoding it as the only choice). Versions are asked on the same state
-one after the other, so a noisy machine slows them alike. Per version and first word of the expert's
-action (``go``, ``take``, ``move``...): the states, the share where the draft is the expert's action,
-and the mean probability of the expert's action. The search steps (``go``, ``open``, ``close``) have
-many right answers; the words that finish a task (``take``, ``move``, ``heat``, ``cool``, ``clean``,
-``use``, ``slice``) have one, and a policy that misses them never wins. ``--verbs finishing`` (or a
-comma list of words) asks the versions only where the expert's action starts with one of them: the
-path is walked all the same, at a tenth of the model calls (46 of 526 states on the table's 20 games),
-so more games fit. Last line:
+logprobs, end token included: decoding it as the only choice). Versions are asked on the same state one
+after the other, so a noisy machine slows them alike. Per version and first word of the expert's action
+(``go``, ``take``, ``move``...): the states, the share where the draft is the expert's action, the mean
+probability of the expert's action, and the share where the draft is another command and the expert's is
+likelier as a whole (what decoding the likeliest whole command could win at most). The search steps
+(``go``, ``open``, ``close``) have many right answers; the words that finish a task (``take``, ``move``,
+``heat``, ``cool``, ``clean``, ``use``, ``slice``) have one, and a policy that misses them never wins.
+``--verbs finishing`` (or a comma list of words) asks the versions only where the expert's action starts
+with one of them: the path is walked all the same, at a tenth of the model calls (46 of 526 states on
+the table's 20 games), so more games fit. Last line:
 ``expert_path=<version>: finishing=<share> (n) all=<share> (n)`` for every version.
 """
 
@@ -76,6 +77,7 @@ async def states_of_game(game, cfg, prompts, client, models, rows, log, verbs=No
                         "t": len(turns),
                         "expert": expert,
                         "draft": greedy.text.strip(),
+                        "draft_logprob": choice_logprob(greedy.choices[0]),
                         "expert_logprob": choice_logprob(whole.choices[0]),
                     }
                 )
@@ -100,6 +102,12 @@ def summary(rows: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
                 "states": len(xs),
                 "draft_is_expert": sum(x["draft"] == x["expert"] for x in xs) / len(xs),
                 "p_expert": sum(math.exp(x["expert_logprob"]) for x in xs) / len(xs),
+                # the expert's command likelier as a whole than the token-greedy draft: what decoding the
+                # likeliest whole command (actor.choice_samples) could win at most
+                "expert_likelier": sum(
+                    x["draft"] != x["expert"] and x["expert_logprob"] > x.get("draft_logprob", math.inf) for x in xs
+                )
+                / len(xs),
             }
             for key, xs in sorted(by.items(), key=lambda kv: -len(kv[1]))
         }
@@ -188,10 +196,16 @@ def main() -> int:
     result = {labels[m]: s for m, s in summary(rows).items()}
     if args.out:
         Path(args.out).write_text(json.dumps({"summary": result, "rows": rows}, indent=1))
-    print("| version | word | states | draft = expert | mean P(expert) |\n| --- | --- | ---: | ---: | ---: |")
+    print(
+        "| version | word | states | draft = expert | mean P(expert) | expert likelier than draft |\n"
+        "| --- | --- | ---: | ---: | ---: | ---: |"
+    )
     for label, by in result.items():
         for key, s in by.items():
-            print(f"| {label} | {key} | {s['states']} | {s['draft_is_expert']:.2f} | {s['p_expert']:.3f} |")
+            print(
+                f"| {label} | {key} | {s['states']} | {s['draft_is_expert']:.2f} | {s['p_expert']:.3f} "
+                f"| {s['expert_likelier']:.2f} |"
+            )
 
     def figure(by: dict) -> str:
         fin, every = by.get("finishing", {"draft_is_expert": 0.0, "states": 0}), by["all"]

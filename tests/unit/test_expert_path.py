@@ -14,17 +14,19 @@ def test_verbs_select_the_states_asked():
 
 
 def test_summary_per_word_finishing_and_all():
-    def row(expert, draft, p):
-        return {"model": "m", "expert": expert, "draft": draft, "expert_logprob": math.log(p)}
+    def row(expert, draft, p, p_draft=0.3):
+        lp = {"expert_logprob": math.log(p), "draft_logprob": math.log(p if draft == expert else p_draft)}
+        return {"model": "m", "expert": expert, "draft": draft, **lp}
 
     rows = [
         row("take pen 1 from desk 1", "take pen 1 from desk 1", 0.8),
         row("take pen 1 from desk 1", "go to desk 2", 0.2),
-        row("move pen 1 to shelf 1", "close shelf 1", 0.1),
+        row("move pen 1 to shelf 1", "close shelf 1", 0.4),
         row("go to desk 1", "go to desk 1", 0.5),
     ]
     by = summary(rows)["m"]
-    assert by["take"] == {"states": 2, "draft_is_expert": 0.5, "p_expert": 0.5}
+    assert by["take"] == {"states": 2, "draft_is_expert": 0.5, "p_expert": 0.5, "expert_likelier": 0.0}
     assert by["finishing"]["states"] == 3 and math.isclose(by["finishing"]["draft_is_expert"], 1 / 3)
     assert by["all"]["states"] == 4 and by["all"]["draft_is_expert"] == 0.5
+    assert by["move"]["expert_likelier"] == 1.0  # 0.4 against the draft's 0.3: a whole-command decode wins it
     assert by["go"]["states"] == 1 and list(by)[0] == "all"  # largest group first
