@@ -28,18 +28,22 @@ def write_run_ablation(run_dir: Path, active: list[str], methods: list[str] | tu
     return path
 
 
-def append_run_config(run_dir: Path, config: dict, step: int, phase: str) -> Path:
+def append_run_config(run_dir: Path, config: dict, step: int, phase: str, ts: float | None = None) -> Path:
     """Append one learner start to ``config.jsonl``; the bearer tokens are written as set or not, never
     their values."""
 
+    def secret_set(value: object) -> bool:  # a line copied from another run holds the bool already
+        return value if isinstance(value, bool) else value is not None
+
     def scrub(node: object) -> object:
         if isinstance(node, dict):
-            return {k: (v is not None if k in SECRET_FIELDS else scrub(v)) for k, v in node.items()}
+            return {k: (secret_set(v) if k in SECRET_FIELDS else scrub(v)) for k, v in node.items()}
         return node
 
     path = Path(run_dir) / RUN_CONFIGS
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"ts": time.time(), "step": step, "phase": phase, "config": scrub(config)}, default=str)
+    start = {"ts": time.time() if ts is None else ts, "step": step, "phase": phase, "config": scrub(config)}
+    line = json.dumps(start, default=str)
     with path.open("a") as f:
         f.write(line + "\n")
     return path

@@ -14,7 +14,7 @@ import pytest
 
 from broker.fork import FORK_FILE, ForkError, fork_run, forkable_versions
 from comap_async.logsetup import configure_logging
-from comap_async.run_files import read_run_ablation
+from comap_async.run_files import append_run_config, read_run_ablation, read_run_configs
 from comap_async.wire.inference_client import InferenceClient
 from comap_async.wire.messages import ROLES, adapter_name
 from learner.loop import Learner
@@ -43,6 +43,7 @@ async def test_a_fork_resumes_at_the_forked_version_with_the_replay_of_then_and_
     target = broker_factory(["ablation.frozen_wm=true"], start=False)  # a run's processes share its switches
     dst = target.run_root / "t"
     fork_adapters = roomy_server.adapter_root / "fork"  # its own adapter root, inside what the server may load
+    append_run_config(src, {"restarted": True}, 4, "reflect_init")  # the source restarted after the fork point
     with pytest.raises(ForkError, match="its own inference.adapter_root"):
         fork_run(src, dst, 1, cfg.adapter_root, cfg.adapter_root)
     record = fork_run(src, dst, 1, cfg.adapter_root, fork_adapters)
@@ -50,6 +51,7 @@ async def test_a_fork_resumes_at_the_forked_version_with_the_replay_of_then_and_
     assert record["cut"]["transitions"] == 3 and record["kept"]["transitions"] == 8 == record["kept"]["demos"]
     assert json.loads((dst / FORK_FILE).read_text())["source"] == str(src.resolve())
     assert not (dst / "ablation.json").exists()  # the fork's switches are its own, written when it starts
+    assert [c["step"] for c in read_run_configs(dst)] == [0]  # the source's settings up to the fork point
     target.start()
     registry = target.stats()["registry"]
     assert registry["phase"] == "warmup" and registry["versions"]["policy"] == 1 and registry["step"] == 2
@@ -74,6 +76,9 @@ async def test_a_fork_resumes_at_the_forked_version_with_the_replay_of_then_and_
     assert forked.trainer.step == 4 and len(forked.history) == 2  # resumed at step 2, trained steps 3 and 4
     assert target.stats()["registry"]["versions"]["policy"] == 2  # its own next version, on its own broker
     assert read_run_ablation(dst) == ["frozen_wm"]
+    lineage = read_run_configs(dst)
+    assert [c["step"] for c in lineage] == [0, 2]
+    assert [c["config"]["ablation"]["frozen_wm"] for c in lineage] == [False, True]
     assert source.stats()["registry"]["versions"]["policy"] == 2 and read_run_ablation(src) == []
 
 
