@@ -105,7 +105,7 @@ def summary(rows: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
                 # the expert's command likelier as a whole than the token-greedy draft: what decoding the
                 # likeliest whole command (actor.choice_samples) could win at most
                 "expert_likelier": sum(
-                    x["draft"] != x["expert"] and x["expert_logprob"] > x.get("draft_logprob", math.inf) for x in xs
+                    x["draft"] != x["expert"] and x["expert_logprob"] > x["draft_logprob"] for x in xs
                 )
                 / len(xs),
             }
@@ -133,14 +133,14 @@ async def measure(args, cfg, models, root, server, log) -> list[dict]:
     prompts = Prompts.for_model(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir), cfg)
     await wait_for_server(cfg, server, 600, log)
     rows: list[dict] = []
-    sem = asyncio.Semaphore(args.envs)
+    sem, verbs = asyncio.Semaphore(args.envs), verbs_of(args.verbs)
     async with InferenceClient.from_config(cfg, timeout_s=600) as client:
         for model in models:
             await client.load_adapter(model, str(root / model))
 
         async def one(game):
             async with sem:
-                await states_of_game(game, cfg, prompts, client, models, rows, log, verbs_of(args.verbs))
+                await states_of_game(game, cfg, prompts, client, models, rows, log, verbs)
 
         await asyncio.gather(*(one(g) for g in games))
     return rows

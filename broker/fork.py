@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from comap_async.errors import CommandError
-from comap_async.run_files import CHECKPOINT_STATE, VERSION_META, append_run_config, read_run_configs
+from comap_async.run_files import CHECKPOINT_STATE, VERSION_META, copy_run_configs
 from comap_async.wire.messages import ROLES, Registry, adapter_name
 
 FORK_FILE = "fork.json"
@@ -134,10 +134,7 @@ def _copy(
         "cut": removed,
     }
     (dst / FORK_FILE).write_text(json.dumps(record, indent=1) + "\n")
-    # the source's settings up to the fork point: the fork's learner appends its own start after them
-    for start in read_run_configs(src):
-        if start["step"] <= record["step"]:
-            append_run_config(dst, start["config"], start["step"], start["phase"], ts=start["ts"])
+    copy_run_configs(src, dst, record["step"])  # the fork's learner appends its own start after them
     return record
 
 

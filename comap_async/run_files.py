@@ -28,24 +28,30 @@ def write_run_ablation(run_dir: Path, active: list[str], methods: list[str] | tu
     return path
 
 
-def append_run_config(run_dir: Path, config: dict, step: int, phase: str, ts: float | None = None) -> Path:
+def append_run_config(run_dir: Path, config: dict, step: int, phase: str) -> Path:
     """Append one learner start to ``config.jsonl``; the bearer tokens are written as set or not, never
     their values."""
 
-    def secret_set(value: object) -> bool:  # a line copied from another run holds the bool already
-        return value if isinstance(value, bool) else value is not None
-
     def scrub(node: object) -> object:
         if isinstance(node, dict):
-            return {k: (secret_set(v) if k in SECRET_FIELDS else scrub(v)) for k, v in node.items()}
+            return {k: (v is not None if k in SECRET_FIELDS else scrub(v)) for k, v in node.items()}
         return node
 
-    path = Path(run_dir) / RUN_CONFIGS
+    start = {"ts": time.time(), "step": step, "phase": phase, "config": scrub(config)}
+    return _append_lines(Path(run_dir) / RUN_CONFIGS, [json.dumps(start, default=str)])
+
+
+def copy_run_configs(src: Path, dst: Path, up_to_step: int) -> None:
+    """A fork's lineage: ``src``'s learner starts up to ``up_to_step``, as written there, into ``dst``."""
+    starts = [s for s in read_run_configs(src) if s["step"] <= up_to_step]
+    if starts:
+        _append_lines(Path(dst) / RUN_CONFIGS, [json.dumps(s) for s in starts])
+
+
+def _append_lines(path: Path, lines: list[str]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    start = {"ts": time.time() if ts is None else ts, "step": step, "phase": phase, "config": scrub(config)}
-    line = json.dumps(start, default=str)
     with path.open("a") as f:
-        f.write(line + "\n")
+        f.writelines(line + "\n" for line in lines)
     return path
 
 
