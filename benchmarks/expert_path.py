@@ -16,8 +16,11 @@ likelier as a whole (what decoding the likeliest whole command could win at most
 ``heat``, ``cool``, ``clean``, ``use``, ``slice``) have one, and a policy that misses them never wins.
 ``--verbs finishing`` (or a comma list of words) asks the versions only where the expert's action starts
 with one of them: the path is walked all the same, at a tenth of the model calls (46 of 526 states on
-the table's 20 games), so more games fit. Last line:
-``expert_path=<version>: finishing=<share> (n) all=<share> (n)`` for every version.
+the table's 20 games), so more games fit. ``passing`` (alone or in the list) asks where the expert goes
+on although it could take an object in sight (a ``take`` is admissible, the expert's action is not one):
+objects that are not the task's; the ``passing`` group's ``draft takes`` is the share of those states
+where the draft takes one anyway, what lost the played games of session 34. Last line:
+``expert_path=<version>: finishing=<share> (n) [passing_takes=<share> (n)] all=<share> (n)`` for every version.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+PASSING = "passing"
 FINISHING = ("take", "move", "put", "heat", "cool", "clean", "use", "slice")
 STOP = ["\n", "<|im_end|>"]
 ENV_LOCK = threading.Lock()
@@ -58,7 +62,8 @@ async def states_of_game(game, cfg, prompts, client, models, rows, log, verbs=No
         task, first, turns = r.info.get("task", ""), r.observation, []
         while not r.done and r.expert_action:
             expert, prompt = r.expert_action, prompts.draft(Conversation(task, first, tuple(turns)))
-            asked = verbs is None or expert.split(maxsplit=1)[0] in verbs
+            passing = is_passing(expert, r.admissible)
+            asked = verbs is None or expert.split(maxsplit=1)[0] in verbs or (passing and PASSING in verbs)
             for model in models if asked else ():
                 greedy, whole = await asyncio.gather(
                     client.complete(
@@ -76,6 +81,7 @@ async def states_of_game(game, cfg, prompts, client, models, rows, log, verbs=No
                         "game": game.name,
                         "t": len(turns),
                         "expert": expert,
+                        "passing": passing,
                         "draft": greedy.text.strip(),
                         "draft_logprob": choice_logprob(greedy.choices[0]),
                         "expert_logprob": choice_logprob(whole.choices[0]),
@@ -89,11 +95,12 @@ async def states_of_game(game, cfg, prompts, client, models, rows, log, verbs=No
 
 
 def summary(rows: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
-    """Per model, per first word (and ``finishing``, ``all``): states, draft == expert, mean P(expert)."""
+    """Per model, per first word (and ``finishing``, ``passing``, ``all``): states, draft == expert, mean
+    P(expert), and the share of drafts that take an object."""
     groups: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for x in rows:
         verb = x["expert"].split(maxsplit=1)[0]
-        for key in (verb, "finishing" if verb in FINISHING else None, "all"):
+        for key in (verb, "finishing" if verb in FINISHING else None, PASSING if x.get("passing") else None, "all"):
             if key:
                 groups[x["model"]][key].append(x)
     return {
@@ -108,6 +115,7 @@ def summary(rows: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
                     x["draft"] != x["expert"] and x["expert_logprob"] > x["draft_logprob"] for x in xs
                 )
                 / len(xs),
+                "draft_takes": sum(x["draft"].startswith("take ") for x in xs) / len(xs),
             }
             for key, xs in sorted(by.items(), key=lambda kv: -len(kv[1]))
         }
@@ -115,11 +123,18 @@ def summary(rows: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
     }
 
 
+def is_passing(expert: str, admissible) -> bool:
+    """The expert goes on where it could take an object: the objects in sight are not the task's."""
+    return not expert.startswith("take ") and any(a.startswith("take ") for a in admissible)
+
+
 def verbs_of(spec: str) -> frozenset[str] | None:
-    """``all`` -> None (every state), ``finishing`` -> :data:`FINISHING`, else the comma list's words."""
+    """``all`` -> None (every state); else the comma list's words, ``finishing`` standing for
+    :data:`FINISHING` (``passing`` stays a word: :func:`is_passing` states)."""
     if spec == "all":
         return None
-    return frozenset(FINISHING if spec == "finishing" else (w.strip() for w in spec.split(",") if w.strip()))
+    words = {w.strip() for w in spec.split(",") if w.strip()}
+    return frozenset((words - {"finishing"}) | (set(FINISHING) if "finishing" in words else set()))
 
 
 async def measure(args, cfg, models, root, server, log) -> list[dict]:
@@ -156,7 +171,7 @@ def main() -> int:
         "--verbs",
         default="all",
         help="ask only where the expert's action starts with one of "
-        "these words: all, finishing or a comma list (take,move)",
+        "these words: all, or a comma list of words, finishing and passing (take,move or finishing,passing)",
     )
     p.add_argument("--config", default=str(ROOT / "configs" / "local.yaml"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -197,19 +212,21 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps({"summary": result, "rows": rows}, indent=1))
     print(
-        "| version | word | states | draft = expert | mean P(expert) | expert likelier than draft |\n"
-        "| --- | --- | ---: | ---: | ---: | ---: |"
+        "| version | word | states | draft = expert | mean P(expert) | expert likelier than draft | draft takes |\n"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |"
     )
     for label, by in result.items():
         for key, s in by.items():
             print(
                 f"| {label} | {key} | {s['states']} | {s['draft_is_expert']:.2f} | {s['p_expert']:.3f} "
-                f"| {s['expert_likelier']:.2f} |"
+                f"| {s['expert_likelier']:.2f} | {s['draft_takes']:.2f} |"
             )
 
     def figure(by: dict) -> str:
         fin, every = by.get("finishing", {"draft_is_expert": 0.0, "states": 0}), by["all"]
         shares = f"finishing={fin['draft_is_expert']:.2f} ({fin['states']})"
+        if PASSING in by:
+            shares += f" passing_takes={by[PASSING]['draft_takes']:.2f} ({by[PASSING]['states']})"
         return f"{shares} all={every['draft_is_expert']:.2f} ({every['states']})"
 
     print("expert_path=" + "; ".join(f"{label}: {figure(by)}" for label, by in result.items()))

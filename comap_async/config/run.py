@@ -70,6 +70,9 @@ class EnvConfig(Section):
     step (issue 29). The reflection, the world model and the teacher still see ``s_t``. A play switch.
     Needs a chat template whose prompts extend turn by turn (ChatML: SmolLM2; not Qwen3's, whose
     generation prompt opens an empty think block that a later turn does not keep)."""
+    task_every_turn: bool = False
+    """``env.draft_turns``: every observation's turn ends with the task line again (``Task: ...``), not
+    only the first turn: the task stays next to each decision as the episode grows. A play switch."""
     show_location: bool = False
     """Whether ``s_t`` shows where the agent is (``Where you are:``, the environment's
     ``StepResult.location``; ScienceWorld: the room's description, refreshed every step) unless the

@@ -99,14 +99,21 @@ class Conversation:
 DRAFT_TURNS_ASK = "Answer each observation with your next action: one command only."
 
 
-def draft_turn_messages(conversation: Conversation, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
+def draft_turn_messages(
+    conversation: Conversation, wording: Wording = ALFWORLD, task_every_turn: bool = False
+) -> list[dict[str, str]]:
     """The draft's prompt in ``env.draft_turns`` form: no admissible list (it would be repeated in
-    every turn of a trained path); the instruction once, in the first turn."""
+    every turn of a trained path); the instruction once, in the first turn. With ``task_every_turn``
+    (``env.task_every_turn``) each observation's turn ends with the task line again: 20 steps in, the
+    first turn's task is 600-900 tokens behind the decision, too far for a small model to bind its
+    ``take`` to the task's object."""
     c = conversation
-    messages = _turn(wording.agent, f"Task: {c.task.strip()}\n{c.first.strip()}\n\n{DRAFT_TURNS_ASK}")
+    task = f"Task: {c.task.strip()}"
+    messages = _turn(wording.agent, f"{task}\n{c.first.strip()}\n\n{DRAFT_TURNS_ASK}")
     for action, observation in c.turns:
         messages.append({"role": "assistant", "content": action.strip()})
-        messages.append({"role": "user", "content": observation.strip()})
+        said = f"{observation.strip()}\n{task}" if task_every_turn else observation.strip()
+        messages.append({"role": "user", "content": said})
     return messages
 
 

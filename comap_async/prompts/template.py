@@ -205,6 +205,8 @@ class Prompts:
     """The servers' prompt limit (``inference.max_prompt_tokens``): a draft prompt of the episode's
     turns that would pass it leaves out its oldest turns (:meth:`draft`). None: no limit applied."""
     count_tokens: Callable[[str], int] | None = field(default=None, compare=False, repr=False)
+    task_every_turn: bool = False
+    """``env.task_every_turn``: the turns' draft prompt repeats the task line in every observation's turn."""
 
     @classmethod
     def from_config(
@@ -223,6 +225,7 @@ class Prompts:
             wording=wording_for(cfg.env.name),
             decision=decision,
             critic_answer=critic_answer,
+            task_every_turn=cfg.env.task_every_turn,
         )
 
     @classmethod
@@ -257,14 +260,14 @@ class Prompts:
         step 40 on ALFWorld, and the server refuses a longer prompt. The learner renders paths whole
         (``fit`` false) and ends them within ``learner.max_path_tokens``, no longer than the limit (the
         config checks), so a trained prompt is never one the actors cut."""
-        prompt = self.chat.render(draft_turn_messages(conversation, self.wording))
+        prompt = self.chat.render(draft_turn_messages(conversation, self.wording, self.task_every_turn))
         if not fit or self.max_prompt_tokens is None or self.count_tokens is None:
             return prompt
         turns, left_out = conversation.turns, 0
         while left_out < len(turns) and self.count_tokens(prompt) > self.max_prompt_tokens:
             left_out = min(left_out + FIT_LEFT_OUT_TURNS, len(turns))
             shorter = Conversation(conversation.task, conversation.first, turns[left_out:])
-            prompt = self.chat.render(draft_turn_messages(shorter, self.wording))
+            prompt = self.chat.render(draft_turn_messages(shorter, self.wording, self.task_every_turn))
         return prompt
 
     def reflect(self, state: str, a_draft: str, s_hat: str, confidence: float | None = None) -> str:

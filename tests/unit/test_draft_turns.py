@@ -32,12 +32,12 @@ def path_record(targets=TARGETS) -> dict:
     return {"goal": TASK, "first": FIRST, "turns": [list(t) for t in TURNS], "targets": list(targets)}
 
 
-@pytest.fixture
-def encoder(tiny_model_dir):
+@pytest.fixture(params=[False, True], ids=["task-once", "task-every-turn"])
+def encoder(tiny_model_dir, request):
     from comap_async.models import load_model_and_tokenizer
 
     _, tok = load_model_and_tokenizer(str(tiny_model_dir))
-    return Encoder(tok, Prompts(ChatTemplate.from_model_dir(tiny_model_dir)), 512)
+    return Encoder(tok, Prompts(ChatTemplate.from_model_dir(tiny_model_dir), task_every_turn=request.param), 512)
 
 
 def test_each_demonstrated_action_follows_exactly_the_prompt_the_actor_sends_at_that_step(encoder):
@@ -228,3 +228,23 @@ def test_demo_loss_share_needs_the_turns_form():
         load_config(None, ["learner.demo_loss_share={go: 0.2}"])
     cfg = load_config(None, ["env.draft_turns=true", "learner.demo_loss_share={go: 0.2, open: 0.2}"])
     assert cfg.learner.demo_loss_share == {"go": 0.2, "open": 0.2}
+
+
+def test_task_every_turn_ends_each_observation_turn_with_the_task_and_is_a_play_switch(tiny_model_dir):
+    from comap_async.config import ConfigError, load_config
+    from comap_async.prompts import draft_turn_messages
+
+    conversation = Conversation(TASK, FIRST, tuple(TURNS))
+    once = draft_turn_messages(conversation)
+    every = draft_turn_messages(conversation, task_every_turn=True)
+    users = [m["content"] for m in every if m["role"] == "user"]
+    assert users[0] == once[1]["content"] and users[0].startswith(f"Task: {TASK}")
+    assert users[1:] == [f"{o}\nTask: {TASK}" for _, o in TURNS]
+    assert [m for m in every if m["role"] == "assistant"] == [m for m in once if m["role"] == "assistant"]
+    cfg = load_config(None, ["env.draft_turns=true", "env.task_every_turn=true"])
+    assert "task_every_turn" in cfg.method_switches
+    prompts = Prompts.for_model(tiny_model_dir, cfg)
+    assert prompts.task_every_turn and prompts.draft(conversation).count(f"Task: {TASK}") == len(TURNS) + 1
+    assert not cfg.playing(["draft_turns"]).env.task_every_turn
+    with pytest.raises(ConfigError, match="needs env.draft_turns"):
+        load_config(None, ["env.task_every_turn=true"])

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import math
 
-from benchmarks.expert_path import FINISHING, summary, verbs_of
+from benchmarks.expert_path import FINISHING, is_passing, summary, verbs_of
 
 
 def test_verbs_select_the_states_asked():
     assert verbs_of("all") is None
     assert verbs_of("finishing") == frozenset(FINISHING)
     assert verbs_of("take, move,") == {"take", "move"}
+    assert verbs_of("finishing,passing") == {*FINISHING, "passing"}
+    assert is_passing("go to desk 2", ["go to desk 2", "take book 1 from desk 1"])
+    assert not is_passing("take pen 1 from desk 1", ["take pen 1 from desk 1", "take book 1 from desk 1"])
+    assert not is_passing("go to desk 2", ["go to desk 2", "open drawer 1"])
 
 
 def test_summary_per_word_finishing_and_all():
@@ -25,8 +29,21 @@ def test_summary_per_word_finishing_and_all():
         row("go to desk 1", "go to desk 1", 0.5),
     ]
     by = summary(rows)["m"]
-    assert by["take"] == {"states": 2, "draft_is_expert": 0.5, "p_expert": 0.5, "expert_likelier": 0.0}
+    assert by["take"] == {
+        "states": 2, "draft_is_expert": 0.5, "p_expert": 0.5, "expert_likelier": 0.0, "draft_takes": 0.5
+    }  # fmt: skip
     assert by["finishing"]["states"] == 3 and math.isclose(by["finishing"]["draft_is_expert"], 1 / 3)
     assert by["all"]["states"] == 4 and by["all"]["draft_is_expert"] == 0.5
     assert by["move"]["expert_likelier"] == 1.0  # 0.4 against the draft's 0.3: a whole-command decode wins it
     assert by["go"]["states"] == 1 and list(by)[0] == "all"  # largest group first
+
+
+def test_passing_states_count_the_drafts_that_take_an_object_the_expert_leaves():
+    rows = [
+        {"model": "m", "expert": "go to desk 2", "draft": d, "passing": True, "expert_logprob": -1.0,
+         "draft_logprob": -0.5}
+        for d in ("take book 1 from desk 1", "go to desk 2", "take pen 2 from desk 1", "open drawer 1")
+    ]  # fmt: skip
+    by = summary(rows)["m"]
+    assert by["passing"]["states"] == 4 and by["passing"]["draft_takes"] == 0.5
+    assert by["go"]["draft_is_expert"] == 0.25
