@@ -19,8 +19,11 @@ with one of them: the path is walked all the same, at a tenth of the model calls
 the table's 20 games), so more games fit. ``passing`` (alone or in the list) asks where the expert goes
 on although it could take an object in sight (a ``take`` is admissible, the expert's action is not one):
 objects that are not the task's; the ``passing`` group's ``draft takes`` is the share of those states
-where the draft takes one anyway, what lost the played games of session 34. Last line:
-``expert_path=<version>: finishing=<share> (n) [passing_takes=<share> (n)] all=<share> (n)`` for every version.
+where the draft takes one anyway, what lost the played games of session 34. ``delivering`` asks the
+``go`` states while the expert holds the object it took (after its ``take``, before its ``move``): where
+the task's receptacle must be chosen. Last line:
+``expert_path=<version>: finishing=<share> (n) [passing_takes=<share> (n)] [delivering=<share> (n)]
+all=<share> (n)`` for every version.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PASSING = "passing"
+DELIVERING = "delivering"
 FINISHING = ("take", "move", "put", "heat", "cool", "clean", "use", "slice")
 STOP = ["\n", "<|im_end|>"]
 ENV_LOCK = threading.Lock()
@@ -59,11 +63,17 @@ async def states_of_game(game, cfg, prompts, client, models, rows, log, verbs=No
 
     try:
         r = await loop.run_in_executor(None, locked, env.reset, game)
-        task, first, turns = r.info.get("task", ""), r.observation, []
+        task, first, turns, holding = r.info.get("task", ""), r.observation, [], False
         while not r.done and r.expert_action:
             expert, prompt = r.expert_action, prompts.draft(Conversation(task, first, tuple(turns)))
             passing = is_passing(expert, r.admissible)
-            asked = verbs is None or expert.split(maxsplit=1)[0] in verbs or (passing and PASSING in verbs)
+            delivering = holding and expert.startswith("go ")
+            asked = (
+                verbs is None
+                or expert.split(maxsplit=1)[0] in verbs
+                or (passing and PASSING in verbs)
+                or (delivering and DELIVERING in verbs)
+            )
             for model in models if asked else ():
                 greedy, whole = await asyncio.gather(
                     client.complete(
@@ -82,11 +92,13 @@ async def states_of_game(game, cfg, prompts, client, models, rows, log, verbs=No
                         "t": len(turns),
                         "expert": expert,
                         "passing": passing,
+                        "delivering": delivering,
                         "draft": greedy.text.strip(),
                         "draft_logprob": choice_logprob(greedy.choices[0]),
                         "expert_logprob": choice_logprob(whole.choices[0]),
                     }
                 )
+            holding = (holding or expert.startswith("take ")) and not expert.startswith("move ")
             r = await loop.run_in_executor(None, locked, env.step, expert)
             turns.append((expert, r.observation))
         log.info("expert_path.game", game=game.name, steps=len(turns), won=r.won)
@@ -100,7 +112,8 @@ def summary(rows: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
     groups: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for x in rows:
         verb = x["expert"].split(maxsplit=1)[0]
-        for key in (verb, "finishing" if verb in FINISHING else None, PASSING if x.get("passing") else None, "all"):
+        special = (PASSING if x.get("passing") else None, DELIVERING if x.get("delivering") else None)
+        for key in (verb, "finishing" if verb in FINISHING else None, *special, "all"):
             if key:
                 groups[x["model"]][key].append(x)
     return {
@@ -130,7 +143,7 @@ def is_passing(expert: str, admissible) -> bool:
 
 def verbs_of(spec: str) -> frozenset[str] | None:
     """``all`` -> None (every state); else the comma list's words, ``finishing`` standing for
-    :data:`FINISHING` (``passing`` stays a word: :func:`is_passing` states)."""
+    :data:`FINISHING` (``passing`` and ``delivering`` stay words: states, not verbs)."""
     if spec == "all":
         return None
     words = {w.strip() for w in spec.split(",") if w.strip()}
@@ -171,7 +184,8 @@ def main() -> int:
         "--verbs",
         default="all",
         help="ask only where the expert's action starts with one of "
-        "these words: all, or a comma list of words, finishing and passing (take,move or finishing,passing)",
+        "these words: all, or a comma list of words, finishing, passing and delivering (take,move or "
+        "finishing,passing,delivering)",
     )
     p.add_argument("--config", default=str(ROOT / "configs" / "local.yaml"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -227,6 +241,8 @@ def main() -> int:
         shares = f"finishing={fin['draft_is_expert']:.2f} ({fin['states']})"
         if PASSING in by:
             shares += f" passing_takes={by[PASSING]['draft_takes']:.2f} ({by[PASSING]['states']})"
+        if DELIVERING in by:
+            shares += f" delivering={by[DELIVERING]['draft_is_expert']:.2f} ({by[DELIVERING]['states']})"
         return f"{shares} all={every['draft_is_expert']:.2f} ({every['states']})"
 
     print("expert_path=" + "; ".join(f"{label}: {figure(by)}" for label, by in result.items()))

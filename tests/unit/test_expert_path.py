@@ -47,3 +47,7 @@ def test_passing_states_count_the_drafts_that_take_an_object_the_expert_leaves()
     by = summary(rows)["m"]
     assert by["passing"]["states"] == 4 and by["passing"]["draft_takes"] == 0.5
     assert by["go"]["draft_is_expert"] == 0.25
+    carrying = [{**rows[1], "passing": False, "delivering": True}, {**rows[0], "passing": False, "delivering": True}]
+    assert summary(carrying)["m"]["delivering"] == {
+        "states": 2, "draft_is_expert": 0.5, "p_expert": math.exp(-1.0), "expert_likelier": 0.0, "draft_takes": 0.5
+    }  # fmt: skip
