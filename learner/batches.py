@@ -51,12 +51,34 @@ def change_token_flags(target_ids: Sequence[int], before_ids: Collection[int]) -
     return [t not in before for t in target_ids]
 
 
-def carries_loss(action: str, key: str, share: Mapping[str, float]) -> bool:
-    """Whether a demonstrated ``action`` carries a loss under ``learner.demo_loss_share``: always
-    when its first word has no share, else for that share of keys (a stable hash of ``key``: the
-    same turn is chosen on every pass and in every process)."""
+DELIVER = "deliver"
+"""``learner.demo_loss_share``'s word for a ``go`` while the agent carries an object it took."""
+
+
+def loss_word(action: str, carrying: bool) -> str:
+    """The word ``learner.demo_loss_share`` looks ``action`` up by: its first word, but a ``go``
+    while carrying is :data:`DELIVER`: it picks the one receptacle the task names, not a search step."""
     words = action.split(maxsplit=1)
-    keep = share.get(words[0].lower(), 1.0) if words else 1.0
+    word = words[0].lower() if words else ""
+    return DELIVER if carrying and word == "go" else word
+
+
+def carrying_after(carrying: bool, action: str, observation: str) -> bool:
+    """Whether the agent carries an object after ``action`` got ``observation`` (ALFWorld's words:
+    a ``take`` that picked something up, until a ``move`` put it somewhere)."""
+    obs = observation.lstrip().lower()
+    if action.startswith("take ") and obs.startswith("you pick up"):
+        return True
+    if action.startswith("move ") and obs.startswith(("you move", "you put")):
+        return False
+    return carrying
+
+
+def carries_loss(action: str, key: str, share: Mapping[str, float], carrying: bool = False) -> bool:
+    """Whether a demonstrated ``action`` carries a loss under ``learner.demo_loss_share``: always
+    when its word (:func:`loss_word`) has no share, else for that share of keys (a stable hash of
+    ``key``: the same turn is chosen on every pass and in every process)."""
+    keep = share.get(loss_word(action, carrying), 1.0)
     return keep >= 1.0 or zlib.crc32(key.encode()) / 2**32 < keep
 
 
@@ -135,6 +157,7 @@ class Encoder:
         ids, start = self._ids(text), None
         loss: list[bool] = []
         last_demo: tuple[int, int] | None = None  # (offset in ids, tokens) of the last demonstrated action
+        carrying = False
         for i in range(last + 1):
             if i:
                 conversation = conversation.then(*turns[i - 1])
@@ -155,7 +178,8 @@ class Encoder:
                 break
             if start is None:
                 start = len(ids)
-            carry = targets[i] and carries_loss(action, f"{r.get('id', '')}:{i}", self.demo_loss_share)
+            carry = targets[i] and carries_loss(action, f"{r.get('id', '')}:{i}", self.demo_loss_share, carrying)
+            carrying = carrying_after(carrying, action, turns[i][1])
             if targets[i]:
                 last_demo = (len(ids) + len(gap), len(act))
             ids += gap + act

@@ -92,7 +92,9 @@ class LearnerConfig(Section):
     held-out games), so the draft's CE is mostly theirs; the rare steps that finish a task (``take``,
     ``move``, ``heat``...) get a larger share when the frequent ones are subsampled, as word2vec
     subsamples frequent words. Which turns: a hash of the path's id and the turn, the same on every
-    pass; a path keeps at least its last demonstrated action."""
+    pass; a path keeps at least its last demonstrated action. A ``go`` while the agent carries what it
+    took (after a ``take``, before a ``move``) is the word ``deliver``, not ``go``: it names the task's
+    receptacle, and ``go: 0.2`` had left it a fifth of its loss (session 35)."""
     reflect_weight: float = Field(default=1.0, ge=0.0)
     """Weight of the reflection cross-entropy."""
     bce_weight: float = Field(default=0.01, ge=0.0)

@@ -197,7 +197,8 @@ def test_demo_loss_share_subsamples_the_frequent_words_turns_and_keeps_the_rest(
     _, tok = load_model_and_tokenizer(str(tiny_model_dir))
     prompts = Prompts(ChatTemplate.from_model_dir(tiny_model_dir))
     full = Encoder(tok, prompts, 512).draft(path_record())
-    sub_enc = Encoder(tok, prompts, 512, demo_loss_share={"go": 1e-9})
+    # the explored take picked up the apple: the last go is a delivery (its own word)
+    sub_enc = Encoder(tok, prompts, 512, demo_loss_share={"go": 1e-9, "deliver": 1e-9})
     sub = sub_enc.draft(path_record())
     assert sub.ids == full.ids and sub.start == full.start
     assert sub_enc.demo_actions == 1  # only "take mug 1 from countertop 1"
@@ -205,7 +206,7 @@ def test_demo_loss_share_subsamples_the_frequent_words_turns_and_keeps_the_rest(
     assert sub.n_loss == take
     changed = [j for j in range(full.n_target) if full.loss[j] != sub.loss[j]]
     assert changed and all(full.loss[j] and not sub.loss[j] for j in changed)  # only demonstrations became context
-    only_go = Encoder(tok, prompts, 512, demo_loss_share={"go": 1e-9, "take": 1e-9})
+    only_go = Encoder(tok, prompts, 512, demo_loss_share={"go": 1e-9, "deliver": 1e-9, "take": 1e-9})
     last = only_go.draft(path_record())
     go = len(only_go._ids("go to sinkbasin 1" + only_go.eos))
     assert last.n_loss == go and last.loss[-go:] == [True] * go and only_go.demo_actions == 1
@@ -248,3 +249,32 @@ def test_task_every_turn_ends_each_observation_turn_with_the_task_and_is_a_play_
     assert not cfg.playing(["draft_turns"]).env.task_every_turn
     with pytest.raises(ConfigError, match="needs env.draft_turns"):
         load_config(None, ["env.task_every_turn=true"])
+
+
+def test_a_go_while_carrying_is_a_delivery_and_keeps_its_loss_under_the_go_share(tiny_model_dir):
+    """``go: ~0`` subsamples search steps; the ``go`` after a successful ``take`` (a delivery) keeps its
+    loss unless ``deliver`` has a share; a failed ``take`` carries nothing; a ``move`` ends carrying."""
+    from comap_async.models import load_model_and_tokenizer
+    from learner.batches import carrying_after, loss_word
+
+    assert carrying_after(False, "take mug 1 from countertop 1", "You pick up the mug 1 from the countertop 1.")
+    assert not carrying_after(False, "take mug 1 from countertop 1", "Nothing happens.")
+    assert not carrying_after(True, "move mug 1 to shelf 1", "You move the mug 1 to the shelf 1.")
+    assert carrying_after(True, "go to shelf 1", "You arrive at shelf 1.")
+    assert loss_word("go to shelf 1", True) == "deliver" and loss_word("go to shelf 1", False) == "go"
+    _, tok = load_model_and_tokenizer(str(tiny_model_dir))
+    prompts = Prompts(ChatTemplate.from_model_dir(tiny_model_dir))
+    turns = [
+        ("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 1."),
+        ("take mug 1 from countertop 1", "You pick up the mug 1 from the countertop 1."),
+        ("go to shelf 1", "You arrive at shelf 1. On the shelf 1, you see nothing."),
+        ("move mug 1 to shelf 1", "You move the mug 1 to the shelf 1."),
+        ("go to desk 1", "You arrive at desk 1."),
+    ]
+    record = {"goal": TASK, "first": FIRST, "turns": [list(t) for t in turns], "targets": [True] * 5}
+    enc = Encoder(tok, prompts, 512, demo_loss_share={"go": 1e-9})
+    enc.draft(record)
+    assert enc.demo_actions == 3  # take, the delivery, move: not the search go's
+    also = Encoder(tok, prompts, 512, demo_loss_share={"go": 1e-9, "deliver": 1e-9})
+    also.draft(record)
+    assert also.demo_actions == 2
