@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,62 +49,88 @@ STOP = ["\n", "<|im_end|>"]
 ENV_LOCK = threading.Lock()
 
 
-async def states_of_game(game, cfg, prompts, client, models, rows, log, verbs=None) -> None:
-    """The expert's path through ``game``; each model's greedy choice and the expert action's score."""
-    from actors.llm import choice_logprob
+@dataclass(frozen=True)
+class ExpertState:
+    """One state on the expert's path: what the draft saw, the expert's action and the state's groups."""
+
+    conversation: object  # comap_async.prompts.Conversation
+    admissible: tuple[str, ...]
+    expert: str
+    passing: bool
+    delivering: bool
+
+    def asked(self, verbs) -> bool:
+        return (
+            verbs is None
+            or self.expert.split(maxsplit=1)[0] in verbs
+            or (self.passing and PASSING in verbs)
+            or (self.delivering and DELIVERING in verbs)
+        )
+
+
+def expert_states(game, max_steps: int) -> tuple[list[ExpertState], bool]:
+    """ALFWorld's handcoded expert played through ``game``: the states it passes and whether it won.
+    Carrying follows the learner's own rule for the ``deliver`` word (:func:`learner.batches.carrying_after`)."""
     from comap_async.envs.alfworld_env import AlfworldEnv
     from comap_async.prompts import Conversation
+    from learner.batches import carrying_after
 
-    loop = asyncio.get_running_loop()
-    env = AlfworldEnv(max_steps=cfg.env.max_steps)
-
-    def locked(fn, *a):  # textworld's game loading is not thread-safe: one environment call at a time
-        with ENV_LOCK:
-            return fn(*a)
-
-    try:
-        r = await loop.run_in_executor(None, locked, env.reset, game)
-        task, first, turns, holding = r.info.get("task", ""), r.observation, [], False
-        while not r.done and r.expert_action:
-            expert, prompt = r.expert_action, prompts.draft(Conversation(task, first, tuple(turns)))
-            passing = is_passing(expert, r.admissible)
-            delivering = holding and expert.startswith("go ")
-            asked = (
-                verbs is None
-                or expert.split(maxsplit=1)[0] in verbs
-                or (passing and PASSING in verbs)
-                or (delivering and DELIVERING in verbs)
-            )
-            for model in models if asked else ():
-                greedy, whole = await asyncio.gather(
-                    client.complete(
-                        prompt, model=model, max_tokens=32, temperature=0.0, logprobs=1, stop=STOP,
-                        structured_outputs={"choice": list(r.admissible)},
-                    ),
-                    client.complete(
-                        prompt, model=model, max_tokens=32, temperature=0.0, logprobs=1, stop=STOP,
-                        structured_outputs={"choice": [expert]},
-                    ),
-                )  # fmt: skip
-                rows.append(
-                    {
-                        "model": model,
-                        "game": game.name,
-                        "t": len(turns),
-                        "expert": expert,
-                        "passing": passing,
-                        "delivering": delivering,
-                        "draft": greedy.text.strip(),
-                        "draft_logprob": choice_logprob(greedy.choices[0]),
-                        "expert_logprob": choice_logprob(whole.choices[0]),
-                    }
+    env = AlfworldEnv(max_steps=max_steps)
+    with ENV_LOCK:  # textworld's game loading is not thread-safe: one environment call at a time
+        try:
+            r = env.reset(game)
+            task, first, turns, holding, states = r.info.get("task", ""), r.observation, [], False, []
+            while not r.done and r.expert_action:
+                expert = r.expert_action
+                states.append(
+                    ExpertState(
+                        Conversation(task, first, tuple(turns)),
+                        tuple(r.admissible),
+                        expert,
+                        is_passing(expert, r.admissible),
+                        holding and expert.startswith("go "),
+                    )
                 )
-            holding = (holding or expert.startswith("take ")) and not expert.startswith("move ")
-            r = await loop.run_in_executor(None, locked, env.step, expert)
-            turns.append((expert, r.observation))
-        log.info("expert_path.game", game=game.name, steps=len(turns), won=r.won)
-    finally:
-        locked(env.close)
+                r = env.step(expert)
+                holding = carrying_after(holding, expert, r.observation)
+                turns.append((expert, r.observation))
+            return states, r.won
+        finally:
+            env.close()
+
+
+async def states_of_game(game, cfg, prompts, client, models, rows, log, verbs=None) -> None:
+    """Each model's greedy choice and the expert action's score on the states of ``game``'s expert path."""
+    from actors.llm import choice_logprob
+
+    states, won = await asyncio.get_running_loop().run_in_executor(None, expert_states, game, cfg.env.max_steps)
+    for t, st in enumerate(states):
+        prompt = prompts.draft(st.conversation)
+        for model in models if st.asked(verbs) else ():
+            greedy, whole = await asyncio.gather(
+                client.complete(
+                    prompt, model=model, max_tokens=32, temperature=0.0, logprobs=1, stop=STOP,
+                    structured_outputs={"choice": list(st.admissible)},
+                ),
+                client.complete(
+                    prompt, model=model, max_tokens=32, temperature=0.0, logprobs=1, stop=STOP,
+                    structured_outputs={"choice": [st.expert]},
+                ),
+            )  # fmt: skip
+            rows.append(
+                {
+                    "model": model,
+                    "game": game.name,
+                    "t": t,
+                    "expert": st.expert,
+                    "passing": st.passing,
+                    "delivering": st.delivering,
+                    "draft": greedy.text.strip(),
+                    "draft_logprob": choice_logprob(greedy.choices[0]),
+                    "expert_logprob": choice_logprob(whole.choices[0]),
+                }
+            )
+    log.info("expert_path.game", game=game.name, steps=len(states), won=won)
 
 
 def summary(rows: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
