@@ -8,6 +8,7 @@ activation checkpointing, full-vocabulary logits over a window, one pass per kin
     python benchmarks/learner_throughput.py --qwen3-4b-shape   # random Qwen3-4B-shaped model, GPU only
     python benchmarks/learner_throughput.py --warmup --headline new,detached   # issue 29: warm-up SFT's steps
     python benchmarks/learner_throughput.py --warmup --headline new,turns --variants new,turns  # env.draft_turns
+    python benchmarks/learner_throughput.py --warmup --headline turns,turns-2-threads --variants turns,turns-2-threads
 
 ``--warmup`` times warm-up SFT's step (demonstrations and transitions without a student rollout,
 so no KL; no reflection samples) and
@@ -65,6 +66,8 @@ VARIANTS = {
         "as configured, prompts' keys and values without gradient",
     ),
     "turns": ({}, 1, "as configured, each demonstration record a warm-up path (env.draft_turns)"),
+    # learner.warmup_torch_threads: the actors idle for most of warm-up, leaving the second core free
+    "turns-2-threads": ({}, 2, "turns with 2 torch threads (learner.warmup_torch_threads=2)"),
 }
 PATH_TURNS = 10  # a turns record's demonstrated actions: valid_seen walkthroughs take 5-40 steps
 HEADLINE = ("reference", "new")
@@ -183,7 +186,7 @@ def child(args: argparse.Namespace) -> None:
     if args.warmup:  # warm-up SFT's micro-batch: expert transitions carry no student rollout (no KL)
         mb["reflections"] = []
         mb["transitions"] = [{**t, "s_hat_exec": ""} for t in mb["transitions"]]
-    if args.child == "turns":
+    if args.child.startswith("turns"):
         mb["demos"] = [path_record(i) for i in range(args.batch_size)]
     # the warm-up step (allocations, lazy init): the adapters' B matrices are still zero, so its
     # losses are the base model's, the same in every variant up to the matmul precision
@@ -318,7 +321,8 @@ def main() -> None:
             f"fast_path={x['fast_path']} checkpointing={x['checkpointing']} runs={len(res)} "
             f"demos_per_hour={per_hour[v]:.0f} first_step: {losses}"
         )
-    if "turns" in pair:  # what a warm-up path buys is demonstrated actions per hour, not tokens/s
+    # what a warm-up path buys is demonstrated actions per hour, not tokens/s
+    if any(v.startswith("turns") for v in pair):
         a, b = pair
         print(
             f"{a}_demos_per_hour={per_hour[a]:.0f} {b}_demos_per_hour={per_hour[b]:.0f} "

@@ -231,6 +231,16 @@ class Learner:
             self.state.phase_budget = self.dp.follow(self.state.phase_budget)
         self.trainer.scheduler.enter(phase, self.state.phase_start, self.state.phase_budget)
 
+    def follow_threads(self, phase: str) -> int:
+        """Set the phase's torch threads (:func:`phase_threads`) before its steps; returns them."""
+        import torch
+
+        threads = phase_threads(self.cfg, phase)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+            self.log.info("learner.threads", phase=phase, threads=threads)
+        return threads
+
     async def wait_for_demos(self, broker: Any) -> None:
         """Warm-up starts once the broker holds ``warmup_min_demos`` demonstrations."""
         demos = await self.wait_for_store(
@@ -396,12 +406,14 @@ class Learner:
                 break
             data_wait = time.monotonic() - t_wait
             phase = self.state.phase
+            threads = self.follow_threads(phase)
             self.trainer.freeze_wm = world_model_frozen(self.cfg, phase)
             self.trainer.bce_weight = phase_bce_weight(lc, phase)
             metrics = await self._step_or_stop(micro)
             if metrics is None:  # SIGTERM during a step: checkpoint the last completed one, now
                 break
             metrics["learner/data_wait_s"] = data_wait
+            metrics["learner/torch_threads"] = threads
             metrics["learner/phase_dropped"] = dropped
             rss = resident_gb()
             if rss is not None:
@@ -488,6 +500,14 @@ class Learner:
         done.add_done_callback(lambda f: f.exception())  # an abandoned step's StepAborted is expected
         self.log.info("learner.step_abandoned", step=self.trainer.step + 1)
         return None
+
+
+def phase_threads(cfg: CoMapConfig, phase: str) -> int:
+    """The learner's torch threads in ``phase``: ``learner.warmup_torch_threads`` in warm-up SFT
+    (the actors idle then), else ``model.torch_threads``."""
+    if phase == WARMUP and cfg.learner.warmup_torch_threads is not None:
+        return cfg.learner.warmup_torch_threads
+    return cfg.model.torch_threads
 
 
 def run_learner(cfg: CoMapConfig, log: Any, max_steps: int | None = None) -> int:

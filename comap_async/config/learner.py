@@ -149,6 +149,11 @@ class LearnerConfig(Section):
     not spent (a slow machine still reaches co-evolution). ``None``: no time limit."""
     warmup_min_demos: int = Field(default=200, ge=1)
     """Demonstrations the broker must hold before warm-up training starts."""
+    warmup_torch_threads: int | None = Field(default=None, ge=1)
+    """torch threads of the learner's warm-up SFT steps (``None``: ``model.torch_threads``). The actors
+    idle once they have played ``actor.max_warmup_episodes`` (a few minutes into warm-up) and the server
+    has nothing to decode, so on a small machine the learner can use the cores for most of the phase;
+    reflection-mode initialisation and co-evolution go back to ``model.torch_threads`` (docs/running.md)."""
     reflect_init_steps: int = Field(default=100, ge=0)
     """Optimizer steps on suffix-labelled reflection samples before ``coevolve``."""
     reflect_init_min_samples: int = Field(default=32, ge=1)

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from comap_async.config import load_config
 from comap_async.logsetup import configure_logging
@@ -123,6 +124,8 @@ async def test_every_reflect_init_step_trains_on_reflection_samples(broker_facto
         "learner.warmup_steps=3",
         "learner.reflect_init_steps=3",
         "learner.reflect_init_min_samples=4",
+        "learner.warmup_torch_threads=2",
+        "model.torch_threads=1",
     )
     learner = Learner(cfg, configure_logging("learner-test"))
     run = asyncio.create_task(learner.run(max_steps=6))
@@ -150,6 +153,9 @@ async def test_every_reflect_init_step_trains_on_reflection_samples(broker_facto
         assert 0.0 <= h["policy/revise_label_share"] <= 1.0
     assert sum(h["learner/phase_dropped"] for h in hist[3:]) >= 1  # the queue did hold warm-up batches
     assert all(0.05 < h["learner/rss_gb"] < 64 for h in hist)  # reported with each step
+    # warm-up SFT on the cores the idle actors leave; the later phases on model.torch_threads
+    assert [h["learner/torch_threads"] for h in hist] == [2, 2, 2, 1, 1, 1]
+    assert torch.get_num_threads() == 1
 
 
 async def test_coevolve_trains_the_world_model_on_coevolve_transitions(broker_factory, roomy_server, tiny_model_dir):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from comap_async.config import load_config
-from learner.loop import Learner, LearnerState
+from learner.loop import Learner, LearnerState, phase_threads
 from learner.schedule import PhaseSchedule
 
 
@@ -47,3 +47,10 @@ def test_warmup_publishes_only_when_configured():
 
     assert every([], "coevolve") == 7 and every([], "warmup") > 10**9
     assert every(["learner.warmup_publish_every=20"], "warmup") == 20
+
+
+def test_warmup_trains_on_its_own_threads():
+    cfg = load_config(None, ["learner.warmup_torch_threads=2", "model.torch_threads=1"])
+    assert [phase_threads(cfg, p) for p in ("warmup", "reflect_init", "coevolve")] == [2, 1, 1]
+    plain = load_config(None, ["model.torch_threads=3"])  # unset: every phase on model.torch_threads
+    assert [phase_threads(plain, p) for p in ("warmup", "reflect_init", "coevolve")] == [3, 3, 3]
