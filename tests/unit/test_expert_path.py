@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from benchmarks.expert_path import FINISHING, is_passing, summary, verbs_of
+from benchmarks.take_chances import Chances, is_chance, task_object
 
 
 def test_verbs_select_the_states_asked():
@@ -51,3 +54,17 @@ def test_passing_states_count_the_drafts_that_take_an_object_the_expert_leaves()
     assert summary(carrying)["m"]["delivering"] == {
         "states": 2, "draft_is_expert": 0.5, "p_expert": math.exp(-1.0), "expert_likelier": 0.0, "draft_takes": 0.5
     }  # fmt: skip
+
+
+def test_take_chances_read_the_task_object_from_the_game_name():
+    name = "valid_seen/pick_and_place_simple-SprayBottle-None-GarbageCan-409/trial_T20190909_044715_250790"
+    assert task_object(name) == "spraybottle"
+    with pytest.raises(ValueError, match="not an ALFWorld game name"):
+        task_object("games/foo/trial")
+    admissible = ["go to cabinet 2", "take spraybottle 2 from cabinet 1", "take soapbar 1 from cabinet 1"]
+    assert is_chance(admissible, "spraybottle") == ["take spraybottle 2 from cabinet 1"]
+    assert is_chance(admissible, "spray") == []  # a type, not a prefix of one
+    total = Chances()
+    for states, taken in [(3, 0), (0, 0), (2, 1)]:
+        total.add(states, taken)
+    assert (total.states, total.taken, total.games, total.games_taken) == (5, 1, 2, 1)
