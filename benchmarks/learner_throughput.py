@@ -9,6 +9,8 @@ activation checkpointing, full-vocabulary logits over a window, one pass per kin
     python benchmarks/learner_throughput.py --warmup --headline new,detached   # issue 29: warm-up SFT's steps
     python benchmarks/learner_throughput.py --warmup --headline new,turns --variants new,turns  # env.draft_turns
     python benchmarks/learner_throughput.py --warmup --headline turns,turns-2-threads --variants turns,turns-2-threads
+    python benchmarks/learner_throughput.py --warmup --busy 1 --headline turns,turns-2-threads-passive \\
+        --variants turns,turns-2-threads,turns-2-threads-passive   # beside a busy core (actors still playing)
 
 ``--warmup`` times warm-up SFT's step (demonstrations and transitions without a student rollout,
 so no KL; no reflection samples) and
@@ -68,7 +70,12 @@ VARIANTS = {
     "turns": ({}, 1, "as configured, each demonstration record a warm-up path (env.draft_turns)"),
     # learner.warmup_torch_threads: the actors idle for most of warm-up, leaving the second core free
     "turns-2-threads": ({}, 2, "turns with 2 torch threads (learner.warmup_torch_threads=2)"),
+    "turns-2-threads-passive": ({}, 2, "the same, idle OpenMP threads sleeping (OMP_WAIT_POLICY=PASSIVE)"),
 }
+VARIANT_ENV = {"turns-2-threads-passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+"""Environment a variant's child starts with (OpenMP reads it once, when torch loads)."""
+BUSY = "import os, sys\nos.nice(5)\nwhile True:\n    pass\n"
+"""A process that keeps one core busy at the actors' niceness (``actor.nice``): ``--busy``."""
 PATH_TURNS = 10  # a turns record's demonstrated actions: valid_seen walkthroughs take 5-40 steps
 HEADLINE = ("reference", "new")
 LOSSES = ("wm/ce", "wm/kl", "policy/draft_ce", "policy/reflect_ce", "policy/bce")
@@ -248,6 +255,7 @@ def run_child(args: argparse.Namespace, variant: str) -> dict:
     )
     threads = str(VARIANTS[variant][1])
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+    env.update(VARIANT_ENV.get(variant, {}))
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -275,6 +283,9 @@ def main() -> None:
     ap.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
     ap.add_argument("--warmup", action="store_true", help="time warm-up SFT's step (no reflection samples)")
     ap.add_argument("--headline", default=",".join(HEADLINE), help="the two variants alternated and compared: A,B")
+    ap.add_argument(
+        "--busy", type=int, default=0, help="processes keeping a core busy beside every variant (actors still playing)"
+    )
     args = ap.parse_args()
     if args.child:
         return child(args)
@@ -293,18 +304,24 @@ def main() -> None:
         raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     results: dict[str, list[dict]] = {v: [] for v in wanted}
     headline = pair
-    for r in range(args.rounds):  # reference and new alternate; the order flips every round
-        for v in headline if r % 2 == 0 else headline[::-1]:
-            results[v].append(run_child(args, v))
-    for v in wanted:
-        if v not in headline:
-            results[v].append(run_child(args, v))
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(args.busy)]
+    try:
+        for r in range(args.rounds):  # reference and new alternate; the order flips every round
+            for v in headline if r % 2 == 0 else headline[::-1]:
+                results[v].append(run_child(args, v))
+        for v in wanted:
+            if v not in headline:
+                results[v].append(run_child(args, v))
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
 
     model = "qwen3-4b-shape" if args.qwen3_4b_shape else args.model
     mem = "peak_gpu_gb" if args.device == "cuda" else "peak_rss_gb"
     print(
         f"model={model} device={args.device} batch_size={args.batch_size} steps={args.steps} rounds={args.rounds} "
-        f"cpu_count={os.cpu_count()}"
+        f"cpu_count={os.cpu_count()} busy={args.busy}"
     )
     rate, per_hour = {}, {}
     for v in wanted:
