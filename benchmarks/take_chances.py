@@ -82,21 +82,26 @@ def main() -> None:
 
     from tqdm import tqdm
 
+    from actors.compare import split_games
     from comap_async.config import load_config
-    from comap_async.envs import games_from_config
+    from comap_async.errors import CommandError
 
     cfg = load_config(args.config, args.overrides)
     if cfg.env.name != "alfworld":
         raise SystemExit(f"take_chances: ALFWorld only (env.name is {cfg.env.name!r})")
-    lines = []
+    lines, by_split = [], {}
     for path in args.evals:
         try:
             played = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise SystemExit(f"take_chances: cannot read {path}: {exc}") from None
         split = played.get("split", "valid_seen")
-        unbounded = cfg.model_copy(update={"env": cfg.env.model_copy(update={"max_games": None})})
-        games = {g.name: g for g in games_from_config(unbounded, split)}
+        if split not in by_split:  # every game of the split, as `comap eval` drew them
+            try:
+                by_split[split] = {g.name: g for g in split_games(cfg, split, None)}
+            except (ValueError, CommandError) as exc:  # no such split, no data: one line, not a traceback
+                raise SystemExit(f"take_chances: {exc}") from None
+        games = by_split[split]
         total = Chances()
         for ep in tqdm(played["episodes"], desc=path.parent.name, unit="game", file=sys.stderr):
             if ep["game"] not in games:
