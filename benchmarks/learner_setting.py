@@ -70,11 +70,36 @@ def is_suffix(record: dict) -> bool:
     return record.get("source") == "suffix"
 
 
+def recovery_demos(records: list[dict], mode: str) -> list[dict]:
+    """The demonstrations with their recovery paths as ``--recovery`` says: ``stored`` as the actors
+    sent them (the expert's prefix and the recovery action all carry a loss), ``none`` left out,
+    ``last`` with a loss on the recovery action alone (the prefix is the main path's, trained there)."""
+    if mode == "stored":
+        return records
+    if mode == "none":
+        return [r for r in records if not r.get("recovery")]
+    return [recovery_last(r) if r.get("recovery") and "turns" in r else r for r in records]
+
+
+def recovery_last(record: dict) -> dict:
+    targets = [False] * len(record["targets"])
+    targets[-1] = bool(record["targets"][-1])
+    return {**record, "targets": targets}
+
+
 def training_data(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     """(demonstrations, reflection samples) the phase trains: ``--samples`` of its own kind."""
     replay = Path(args.replay)
     if args.phase == WARMUP:
-        return read_store(replay, "demos", args.samples, args.seed), []
+        if args.recovery == "stored":
+            return read_store(replay, "demos", args.samples, args.seed), []
+        demos = recovery_demos(read_store(replay, "demos", None, args.seed), args.recovery)
+        if len(demos) < args.samples:
+            raise SystemExit(
+                f"{replay} holds {len(demos)} demos samples to train with --recovery {args.recovery}, "
+                f"fewer than --samples {args.samples}"
+            )
+        return demos[: args.samples], []
     return read_store(replay, "demos", None, args.seed), read_store(
         replay, "reflections", args.samples, args.seed, is_suffix
     )
@@ -180,6 +205,12 @@ def main() -> None:
     ap.add_argument("--replay", required=True, help="a run's replay directory (its stores are read)")
     ap.add_argument("--phase", choices=list(PROBE_FIGURES), default=WARMUP)
     ap.add_argument("--samples", type=int, default=200, help="demonstrations (warmup) or suffix reflections")
+    ap.add_argument(
+        "--recovery",
+        choices=["stored", "none", "last"],
+        default="stored",
+        help="warm-up's recovery paths: as stored, left out, or a loss on the recovery action alone",
+    )
     ap.add_argument("--init-adapter", help="a policy adapter directory to start from (default: the base model)")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--variants", default="prompt_grad=true,prompt_grad=false", help="two learner settings A,B")
@@ -209,6 +240,7 @@ def main() -> None:
     training_data(args)  # refuse a short replay before training anything
     args.argv_common = [
         "--replay", args.replay, "--phase", args.phase, "--samples", str(args.samples), "--steps", str(args.steps),
+        "--recovery", args.recovery,
         *(["--init-adapter", args.init_adapter] if args.init_adapter else []), "--config", args.config,
         *(["--model", args.model] if args.model else []), *(["--cache-dir", args.cache_dir] if args.cache_dir else []),
         "--seed", str(args.seed), "--out", args.out,

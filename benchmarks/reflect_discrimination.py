@@ -149,7 +149,7 @@ def build_trainer(cfg: Any, adapter: Path | None, overrides: dict[str, Any], bud
     )
     if adapter is not None:
         load_adapter_state(model, "policy", load_file(str(Path(adapter) / "adapter_model.safetensors")))
-    trainer = Trainer(model, Encoder(tok, Prompts.for_model(path, cfg), lc.max_seq_len), lc, lc.device)
+    trainer = Trainer(model, Encoder.for_learner(tok, Prompts.for_model(path, cfg), lc), lc, lc.device)
     trainer.scheduler.enter(phase, 0, budget)  # one warm-up and cosine over the whole budget
     return trainer
 

@@ -92,6 +92,12 @@ class Encoder:
     """``learner.demo_loss_share``: per first word of a demonstrated action, the share of its turns
     that carry a loss (:func:`carries_loss`)."""
 
+    @classmethod
+    def for_learner(cls, tokenizer: Any, prompts: Prompts, lc: Any) -> "Encoder":
+        """The encoder the learner trains with, from its config section (``learner.*``): the
+        benchmarks that train as the learner does build it here too."""
+        return cls(tokenizer, prompts, lc.max_seq_len, lc.max_path_tokens, lc.demo_loss_share)
+
     def __post_init__(self) -> None:
         self.truncated = 0  # prompts cut to fit max_seq_len since the trainer last read it
         self.demo_actions = 0  # demonstrated actions encoded since the trainer last read it

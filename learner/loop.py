@@ -68,7 +68,7 @@ class Learner:
             base, lc.lora_r, lc.lora_alpha, lc.lora_dropout, lc.target_modules, lc.gradient_checkpointing
         )
         prompts = Prompts.for_model(path, cfg)
-        encoder = Encoder(tok, prompts, lc.max_seq_len, lc.max_path_tokens, lc.demo_loss_share)
+        encoder = Encoder.for_learner(tok, prompts, lc)
         self.trainer = Trainer(model, encoder, lc, lc.device)
         self.trainer.ablation = cfg.ablation
         if self.dp is not None:

@@ -164,9 +164,12 @@ class Trainer:
         return self.cfg.bce_gate_labels or record.get("source") == "suffix"
 
     def _policy_items(self, demos: list[dict[str, Any]], reflections: list[dict[str, Any]]) -> list[tuple]:
-        """``(seq, None, False)`` per demonstration, ``(seq, y, in the BCE)`` per reflection sample."""
+        """``(seq, None, False)`` per demonstration, ``(seq, y, in the BCE)`` per reflection sample. A
+        warm-up path none of whose demonstrated actions fits ``learner.max_path_tokens`` carries no loss
+        and is left out (it is counted in ``learner/truncated``)."""
         enc = self.encoder
-        return [(enc.draft(r), None, False) for r in demos] + [
+        drafts = [seq for seq in map(enc.draft, demos) if seq.n_loss]
+        return [(seq, None, False) for seq in drafts] + [
             (enc.reflection(r), int(r["y"]), self.in_bce(r)) for r in reflections
         ]
 
@@ -272,6 +275,8 @@ class Trainer:
                 "policy/loss": float(loss.detach()),
             }, n
         items = self._policy_items(demos, reflections)
+        if not items:  # every path of the micro-batch was cut before its first demonstrated action
+            return {"policy/draft_ce": 0.0, "policy/reflect_ce": 0.0, "policy/bce": 0.0, "policy/loss": 0.0}, 0
         n_draft = max(1, sum(seq.n_loss for seq, y, _ in items if y is None))
         n_reflect = max(1, sum(seq.n_loss for seq, y, _ in items if y is not None))
         n_bce = max(1, sum(in_bce for _, y, in_bce in items if y is not None))

@@ -189,6 +189,26 @@ def test_the_learner_cuts_a_path_at_its_length_cap_not_at_the_prompt_limit(tiny_
     assert len(seq.ids) <= 300 and enc.truncated == 1 and 0 < enc.demo_actions < 24
 
 
+def test_a_path_whose_demonstrations_lie_past_the_cap_trains_nothing_and_does_not_stop_the_step(tiny_model_dir):
+    """A recovery path that learns only its last action (the prefix is context) can be longer than
+    ``learner.max_path_tokens``: cut there, it holds no demonstrated action. It is left out of the step
+    (counted as truncated), alone or beside a path that trains."""
+    from tests.fixtures.learner import make_trainer
+
+    trainer = make_trainer(tiny_model_dir, max_path_tokens=500)
+    long_tail = {"goal": TASK, "first": FIRST, "turns": TURNS * 6, "targets": [False] * 23 + [True]}
+    assert trainer.encoder.draft(long_tail).n_loss == 0 and trainer.encoder.truncated == 1
+    assert trainer.encoder.draft(path_record()).n_loss > 0 and trainer.encoder.truncated == 1  # fits whole
+    trainer.encoder.truncated = 0
+    before = [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]
+    alone = trainer.train_step([{"demos": [long_tail], "transitions": [], "reflections": []}])
+    assert alone["policy/draft_ce"] == 0.0 and alone["learner/truncated"] == 1
+    after = [p.detach() for p in trainer.model.parameters() if p.requires_grad]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # nothing trained
+    beside = trainer.train_step([{"demos": [long_tail, path_record()], "transitions": [], "reflections": []}])
+    assert beside["policy/draft_ce"] > 0 and beside["learner/truncated"] == 1
+
+
 def test_demo_loss_share_subsamples_the_frequent_words_turns_and_keeps_the_rest(tiny_model_dir):
     """``learner.demo_loss_share``: a ``go`` turn with share 0 is context; the ``take`` stays a demonstration;
     the sequence is the same tokens either way; a path whose every demonstration is subsampled keeps its last."""
