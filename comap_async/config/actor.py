@@ -60,7 +60,12 @@ class ActorConfig(Section):
     warmup_recovery: bool = True
     """After each exploratory action, the game's expert also acts from the off-path state it left,
     and that step is a demonstration (``recovery``) as well as a real transition: walkthroughs alone
-    never show the policy a state one step off the path, so once off it the policy loops."""
+    never show the policy a state one step off the path, so once off it the policy loops. In the
+    turns form (``env.draft_turns``) a recovery demonstration is the whole path to the off-path state,
+    its prefix learned again: ~80 % of the stored paths, weighting the early search steps; there
+    leaving them out drafted the expert's finishing steps on 0.52 of held-out states against 0.07
+    after the same 100 learner steps (docs/method-table.md, "Recovery paths crowd the warm-up"), so
+    turns-form runs set it false. The window form's (the default) is not measured."""
     demonstrations: Literal["walkthrough", "handcoded"] = "walkthrough"
     """The command sequence warm-up demonstrates and reflection-mode initialisation drafts along:
     ``walkthrough``, the game's recorded winning sequence (it goes straight to where the task's
