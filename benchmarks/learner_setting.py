@@ -91,12 +91,12 @@ def training_data(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     """(demonstrations, reflection samples) the phase trains: ``--samples`` of its own kind."""
     replay = Path(args.replay)
     if args.phase == WARMUP:
-        if args.recovery == "stored":
-            return read_store(replay, "demos", args.samples, args.seed), []
+        # shuffled before the recovery paths are chosen: --recovery stored reads what read_store(n) would
         demos = recovery_demos(read_store(replay, "demos", None, args.seed), args.recovery)
         if len(demos) < args.samples:
+            with_recovery = "" if args.recovery == "stored" else f" with --recovery {args.recovery}"
             raise SystemExit(
-                f"{replay} holds {len(demos)} demos samples to train with --recovery {args.recovery}, "
+                f"{replay} holds {len(demos)} demos samples to train{with_recovery}, "
                 f"fewer than --samples {args.samples}"
             )
         return demos[: args.samples], []

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from comap_async.config import LearnerConfig
 from comap_async.prompts import Conversation, DecisionTokens, Prompts, reflection_target
 from learner.losses import IGNORE
 
@@ -93,7 +94,7 @@ class Encoder:
     that carry a loss (:func:`carries_loss`)."""
 
     @classmethod
-    def for_learner(cls, tokenizer: Any, prompts: Prompts, lc: Any) -> "Encoder":
+    def for_learner(cls, tokenizer: Any, prompts: Prompts, lc: LearnerConfig) -> "Encoder":
         """The encoder the learner trains with, from its config section (``learner.*``): the
         benchmarks that train as the learner does build it here too."""
         return cls(tokenizer, prompts, lc.max_seq_len, lc.max_path_tokens, lc.demo_loss_share)
