@@ -61,6 +61,8 @@ class EpisodeStats:
     parse_problems: int = 0
     delta_f1: list[float] = field(default_factory=list)
     reflections: int = 0
+    demos: int = 0
+    """Warm-up: demonstrations sent (what the broker stores in ``demos``: per step, or per path in the turns form)."""
     labels: dict[str, int] = field(default_factory=dict)
     """Reflection initialisation: samples per label (``expert_better``, ``equal_draft``, ``not_better``)."""
     restore_diverged: int = 0

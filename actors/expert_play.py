@@ -51,6 +51,7 @@ async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str,
                     ep.stats.restore_diverged += 1
         ep.advance(action, await env.step(action))
         await ctx.emit(warmup_transition(ep, t, o, s, action, label, step_demo=not turns))
+        ep.stats.demos += int(not turns)
         if explored is not None:  # emitted like step t's own transition, so it gets the same fields (facts)
             x_action, x = explored
             await ctx.emit(
@@ -73,6 +74,7 @@ async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str,
                 await emit_recovery(ctx, ep, branch, t, x_action, x)
     if turns and ep.history:
         await ctx.emit(turn_demos(ep, ep.id, [True] * len(ep.history)))
+        ep.stats.demos += 1
     return await ep.finish(WARMUP, False)
 
 
@@ -108,6 +110,7 @@ async def emit_recovery(ctx: EpisodeContext, ep: Episode, branch: Any, t: int, x
     )
     if turns:  # the exploratory action is context; the expert's actions before it and after it are learned
         await ctx.emit(turn_demos(off, f"{ep.id}:{t}:r", [True] * t + [False, True], recovery=True))
+    ep.stats.demos += 1  # one stored demonstration either way: the transition itself, or its turn_demos path
 
 
 def turn_demos(ep: Episode, demo_id: str, targets: list[bool], recovery: bool = False) -> TurnDemos:

@@ -96,6 +96,7 @@ class ActorWorker:
         self._counter = 0
         self._next_game = 0  # fixed games (evaluation): the next one to play
         self._warmup_played = 0
+        self._demos_sent = 0  # warm-up's demonstrations from this process
         self._labels_sent = 0  # reflection-mode initialisation's labels from this process
         self.registry = RegistryView()  # replaced in run(): the one view of the broker's registry
 
@@ -158,6 +159,8 @@ class ActorWorker:
                 await asyncio.sleep(1.0)
                 continue
             self.metrics.add(stats, version)
+            if phase == WARMUP and not self.eval_mode:
+                self._demos_sent += stats.demos
             if phase == REFLECT_INIT and not self.eval_mode:
                 self._labels_sent += sum(stats.labels.values())
             self.results.append((game, stats))
@@ -179,7 +182,10 @@ class ActorWorker:
         labels): the learner then needs the CPU more than more of the same data."""
         a = self.cfg.actor
         if phase == WARMUP:
-            return self._warmup_played >= a.max_warmup_episodes
+            # ...and at least the demonstrations the learner waits for, so one actor alone lets warm-up start
+            # (turns form without recovery paths: one per episode, so 100 episodes held the learner for ever)
+            need = self.cfg.learner.warmup_min_demos
+            return self._warmup_played >= a.max_warmup_episodes and self._demos_sent >= need
         if phase == REFLECT_INIT:
             return a.max_reflect_init_labels is not None and self._labels_sent >= a.max_reflect_init_labels
         return False

@@ -13,8 +13,9 @@ class ActorConfig(Section):
     envs: int = Field(default=4, ge=1)
     """Episodes run concurrently in one actor process."""
     max_warmup_episodes: int = Field(default=100, ge=1)
-    """Expert episodes one actor process plays in ``warmup``; then it idles (polling the registry)
-    until the learner moves on, leaving the CPU to the learner."""
+    """Expert episodes one actor process plays in ``warmup``; then, once it has also sent
+    ``learner.warmup_min_demos`` demonstrations (so one actor alone lets warm-up training start), it
+    idles (polling the registry) until the learner moves on, leaving the CPU to the learner."""
     max_reflect_init_labels: int | None = Field(default=None, ge=1)
     """Suffix-labelled reflection samples one actor process sends in ``reflect_init``; then it idles
     as after its warm-up share (the learner sized the phase by the labels held when it started, so

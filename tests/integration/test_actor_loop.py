@@ -148,7 +148,7 @@ async def test_actor_survives_broker_outage_without_loss_or_duplicates(
 @pytest.mark.parametrize(
     "phase, share",
     [
-        ("warmup", ["actor.max_warmup_episodes=1"]),
+        ("warmup", ["actor.max_warmup_episodes=1", "learner.warmup_min_demos=1"]),
         ("reflect_init", ["actor.max_reflect_init_labels=1", "learner.reflect_init_min_samples=1"]),
     ],
 )
@@ -173,6 +173,29 @@ async def test_actor_idles_after_its_share_of_a_phase_until_the_phase_moves_on(
     await announce(broker, "coevolve")
     await asyncio.wait_for(run, timeout=300)
     assert [e["phase"] for e in stored(broker, "episodes")] == [phase, "coevolve", "coevolve"]
+
+
+async def test_an_actor_plays_past_its_warmup_share_until_the_learner_has_its_demonstrations(
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen
+):
+    """Turns form without recovery paths sends one demonstration per episode: an episode share below
+    ``learner.warmup_min_demos`` would leave the learner waiting for ever, so the actor plays on to it."""
+    broker = broker_factory(["env.draft_turns=true"])
+    games = sorted(valid_seen, key=lambda g: g.name)[:3]
+    switches = ["env.draft_turns=true", "actor.warmup_recovery=false", "actor.max_warmup_episodes=1"]
+    cfg = actor_config(
+        broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=3", *switches, "learner.warmup_min_demos=2"
+    )
+    worker = ActorWorker(cfg, configure_logging("actor-test"), envs=1, episodes=4, games=games)
+    run = asyncio.create_task(worker.run())
+    while broker.stats()["stores"]["episodes"]["count"] < 2 and not run.done():
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(3)  # idle now: two demonstrations sent
+    assert [e["phase"] for e in stored(broker, "episodes")] == ["warmup", "warmup"] and not run.done()
+    assert broker.stats()["stores"]["demos"]["count"] == 2
+    await announce(broker, "coevolve")
+    await asyncio.wait_for(run, timeout=300)
+    assert [e["phase"] for e in stored(broker, "episodes")] == ["warmup", "warmup", "coevolve", "coevolve"]
 
 
 def test_a_label_cap_below_the_phase_minimum_is_refused():
