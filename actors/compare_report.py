@@ -64,6 +64,7 @@ def row(
         "invalid_action_rate": report["invalid_action_rate"],
         "loop_rate": report.get("loop_rate"),
         "parse_problem_rate": report.get("parse_problem_rate"),
+        "gate_reasons": report.get("gate_reasons"),
         "wall_s_per_step": wall_per_step(report),
         # per game, its score (ALFWorld: 100 for a win): what pairs two rows game by game (:func:`paired_difference`)
         "game_scores": {e["game"]: e["score"] for e in report.get("episodes", [])},
@@ -129,6 +130,18 @@ def won_by(rows: list[dict[str, Any]], games: int) -> list[str]:
     ]
 
 
+def gate_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Per row that reflects, its action gate's steps by reason: a revision rate of 0 says the gate stayed
+    shut, this says why (``keep``: p_revise at or below tau_p; ``low_confidence``: q_ref at or below tau_q;
+    ``same_action``: the reflection repeated the draft; ``unreadable``)."""
+    gated = [r for r in rows if r.get("gate_reasons")]
+    if not gated:
+        return []
+    return ["", "The action gate, steps by reason:", ""] + [
+        f"- {r['label']}: " + ", ".join(f"{k} {n}" for k, n in r["gate_reasons"].items()) for r in gated
+    ]
+
+
 def wall_per_step(report: dict[str, Any]) -> float | None:
     """The evaluation's wall seconds per environment step it played (the steps ``eval.cycle_stop``
     projected were not played): a row's cost, comparable between rows played alike (the same
@@ -173,7 +186,7 @@ def markdown(rows: list[dict[str, Any]], split: str, games: int) -> str:
         "final-action answer: the fallback action ran instead; a reflection: the draft ran; n/a for rows "
         "measured before it was counted).",
     ]
-    lines += paired_lines(rows) + won_by(rows, games)
+    lines += gate_lines(rows) + paired_lines(rows) + won_by(rows, games)
     return "\n".join(lines) + "\n"
 
 

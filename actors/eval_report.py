@@ -44,6 +44,9 @@ def episode_record(game: Any, stats: Any) -> dict[str, Any]:
         # the actions executed, canonical, in order: what a lost game did (its loops, its invalid commands)
         # can be read after the fact without playing it again
         "actions": [action for _, action in stats.state_actions],
+        # why the action gate opened or stayed shut on each step (CoMap rows only): a row with no revisions
+        # reads as "keep" (p_revise at or below tau_p), "low_confidence" (q_ref) or "same_action"
+        **({"gate_reasons": dict(stats.gate_reasons)} if stats.gate_reasons else {}),
         **({"cycle_projected": stats.cycle_projected} if stats.cycle_projected else {}),
         **({"cycle_check": stats.cycle_check} if stats.cycle_check is not None else {}),
     }
@@ -81,11 +84,24 @@ def summarize_records(records: list[dict[str, Any]], split: str, version: int, w
             else None
         ),
         "guard_rate": sum(r["guarded"] for r in records) / total_steps,
+        "gate_reasons": gate_reasons(records),
         # eval.cycle_stop: steps counted above but not played (the episode had entered a cycle)
         "cycle_projected_steps": sum(r.get("cycle_projected", 0) for r in records),
         "wall_s": round(wall_s, 2),
         "episodes": [{k: round(v, 2) if k == "score" else v for k, v in r.items() if k != "delta_f1"} for r in records],
     }
+
+
+def gate_reasons(records: list[dict[str, Any]]) -> dict[str, int] | None:
+    """The action gate's reasons summed over the episodes, most frequent first; None for a row without
+    reflections (a prompting method) or with an older record that lacks them."""
+    if not records or not all("gate_reasons" in r for r in records):
+        return None
+    total: dict[str, int] = {}
+    for r in records:
+        for reason, n in r["gate_reasons"].items():
+            total[reason] = total.get(reason, 0) + n
+    return dict(sorted(total.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -113,6 +129,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"| {e['game']} | {'yes' if e['won'] else 'no'} | {e.get('score', 0.0):g} | {e['steps']} | {e['revisions']} |"
         for e in report["episodes"]
     ]
+    reasons = report.get("gate_reasons")
+    if reasons:
+        rows += ["", "Action gate per step: " + ", ".join(f"{k} {n}" for k, n in reasons.items())]
     r = report.get("reflection")
     if r is not None:
         rows += [

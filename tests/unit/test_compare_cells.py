@@ -106,11 +106,14 @@ def test_the_report_from_stored_records_equals_the_report_from_episodes():
         (GAMES[0], EpisodeStats(steps=6, won=True, reward=1.0, revisions=1, invalid=2, delta_f1=[0.5, 1.0])),
         (GAMES[1], EpisodeStats(steps=50, reward=0.333, guarded=3, delta_f1=[0.25])),
     ]
+    for _, stats in results:
+        stats.gate_reasons = {"keep": stats.steps - stats.revisions, **({"revised": 1} if stats.revisions else {})}
     stored = [json.loads(json.dumps(episode_record(g, s))) for g, s in results]  # through a file
     assert summarize_records(stored, "valid_seen", 7, 3.0) == summarize(results, "valid_seen", 7, 3.0)
     report = summarize(results, "valid_seen", 7, 3.0)
     assert report["mean_score"] == pytest.approx(66.65) and report["delta_f1"] == pytest.approx(0.5833333)
     assert report["episodes"][1]["score"] == 33.3 and "delta_f1" not in report["episodes"][0]
+    assert report["gate_reasons"] == {"keep": 55, "revised": 1}
 
 
 def test_an_episodes_record_keeps_the_actions_it_executed_in_order():

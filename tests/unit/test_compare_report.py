@@ -112,3 +112,26 @@ def test_a_scored_environments_chart_shows_the_mean_score(tmp_path):
     from comap_async.envs.registry import env_spec
 
     assert env_spec("scienceworld").scored and not env_spec("alfworld").scored  # what comap compare charts
+
+
+def test_the_action_gates_reasons_are_summed_over_a_rows_episodes():
+    """A CoMap row with no revisions says why the gate stayed shut; a row without reflections (or with
+    an episode recorded before the reasons were) has none."""
+    from actors.compare_report import markdown, row
+    from actors.eval_report import summarize_records
+
+    def episode(reasons=None):
+        rec = {"game": "g", "won": False, "steps": 3, "score": 0.0, "revisions": 0, "invalid": 0}
+        rec |= {"loops": 0, "guarded": 0, "delta_f1": [], "parse_problems": 0}
+        return rec if reasons is None else {**rec, "gate_reasons": reasons}
+
+    report = summarize_records(
+        [episode({"keep": 2, "same_action": 1}), episode({"low_confidence": 1, "keep": 2})], "valid_seen", 4, 1.0
+    )
+    assert report["gate_reasons"] == {"keep": 4, "low_confidence": 1, "same_action": 1}
+    assert list(report["gate_reasons"]) == ["keep", "low_confidence", "same_action"]  # most frequent first
+    assert summarize_records([episode({"keep": 3}), episode()], "valid_seen", 4, 1.0)["gate_reasons"] is None
+    text = markdown([row("CoMap (r)", "run", "comap", report)], "valid_seen", 2)
+    assert "- CoMap (r): keep 4, low_confidence 1, same_action 1" in text
+    drafts = row("Draft only", "method", "draft_only", {**report, "gate_reasons": None})
+    assert "steps by reason" not in markdown([drafts], "valid_seen", 2)
