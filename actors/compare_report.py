@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from actors.eval_report import gate_reasons_text
+
 METHOD_LABELS = {
     "react": "ReAct",
     "imagine_and_act": "Imagine-and-Act",
@@ -138,7 +140,7 @@ def gate_lines(rows: list[dict[str, Any]]) -> list[str]:
     if not gated:
         return []
     return ["", "The action gate, steps by reason:", ""] + [
-        f"- {r['label']}: " + ", ".join(f"{k} {n}" for k, n in r["gate_reasons"].items()) for r in gated
+        f"- {r['label']}: {gate_reasons_text(r['gate_reasons'])}" for r in gated
     ]
 
 

@@ -3,6 +3,7 @@ as JSON-ready dicts and Markdown (pure functions)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 
@@ -44,8 +45,7 @@ def episode_record(game: Any, stats: Any) -> dict[str, Any]:
         # the actions executed, canonical, in order: what a lost game did (its loops, its invalid commands)
         # can be read after the fact without playing it again
         "actions": [action for _, action in stats.state_actions],
-        # why the action gate opened or stayed shut on each step (CoMap rows only): a row with no revisions
-        # reads as "keep" (p_revise at or below tau_p), "low_confidence" (q_ref) or "same_action"
+        # why the action gate opened or stayed shut, per step (CoMap rows only; reasons: method/gates.py)
         **({"gate_reasons": dict(stats.gate_reasons)} if stats.gate_reasons else {}),
         **({"cycle_projected": stats.cycle_projected} if stats.cycle_projected else {}),
         **({"cycle_check": stats.cycle_check} if stats.cycle_check is not None else {}),
@@ -97,11 +97,13 @@ def gate_reasons(records: list[dict[str, Any]]) -> dict[str, int] | None:
     reflections (a prompting method) or with an older record that lacks them."""
     if not records or not all("gate_reasons" in r for r in records):
         return None
-    total: dict[str, int] = {}
-    for r in records:
-        for reason, n in r["gate_reasons"].items():
-            total[reason] = total.get(reason, 0) + n
+    total = sum((Counter(r["gate_reasons"]) for r in records), Counter())
     return dict(sorted(total.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def gate_reasons_text(reasons: dict[str, int]) -> str:
+    """``keep 40, revised 2``: the gate's reasons as :func:`gate_reasons` orders them."""
+    return ", ".join(f"{reason} {n}" for reason, n in reasons.items())
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -131,7 +133,7 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     reasons = report.get("gate_reasons")
     if reasons:
-        rows += ["", "Action gate per step: " + ", ".join(f"{k} {n}" for k, n in reasons.items())]
+        rows += ["", "Action gate per step: " + gate_reasons_text(reasons)]
     r = report.get("reflection")
     if r is not None:
         rows += [
