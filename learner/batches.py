@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from comap_async.config import LearnerConfig
-from comap_async.prompts import Conversation, DecisionTokens, Prompts, reflection_target
+from comap_async.prompts import Conversation, DecisionTokens, Prompts, reflection_head, reflection_target
 from learner.losses import IGNORE
 
 KEEP_HEAD = 128  # kept from a truncated prompt's start: header + system prompt + task are 49-83 SmolLM2 tokens
@@ -201,9 +201,19 @@ class Encoder:
         return Seq(ids, start, len(ids) - start, loss=loss)
 
     def reflection(self, r: dict[str, Any]) -> Seq:
+        """A reflection sample: its decision and ``Final Action:`` prefix always carry a loss, its final
+        action under ``demo_loss_share`` (:func:`carries_loss`, keyed by the sample's id). A REVISE's
+        target is the expert's action, so without the share the reflection learns the search steps'
+        ``go`` the drafts were weaned off: at r39's v12 every executed revision was a ``go to``."""
         decision = "REVISE" if int(r["y"]) == 1 else "KEEP"
         prompt = self.prompts.reflect(r["s"], r["a_draft"], r["s_bar"], r.get("draft_confidence"))
-        return self.seq(prompt, reflection_target(decision, r["target"]))
+        s = self.seq(prompt, reflection_target(decision, r["target"]))
+        action = str(r["target"]).strip()
+        if self.demo_loss_share and not carries_loss(action, str(r.get("id", "")), self.demo_loss_share):
+            head = self._ids(reflection_head(decision))
+            if s.ids[s.start : s.start + len(head)] == head:  # the head's tokens stay apart from the action's
+                s.loss = [i < len(head) for i in range(s.n_target)]
+        return s
 
 
 def collate(seqs: list[Seq], pad_id: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -225,6 +235,8 @@ def collate(seqs: list[Seq], pad_id: int, device: str | torch.device = "cpu") ->
         attn[i, pad:] = 1
         start = pad + s.start
         labels[i, start : start + s.n_target] = ids[i, start : start + s.n_target]
+        if s.loss is not None:  # context tokens among the targets (a path's observations) carry none
+            labels[i, start : start + s.n_target][~torch.tensor(s.loss, dtype=torch.bool)] = IGNORE
         starts.append(start)
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
     out = {

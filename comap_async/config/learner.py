@@ -94,7 +94,9 @@ class LearnerConfig(Section):
     subsamples frequent words. Which turns: a hash of the path's id and the turn, the same on every
     pass; a path keeps at least its last demonstrated action. A ``go`` while the agent carries what it
     took (after a ``take``, before a ``move``) is the word ``deliver``, not ``go``: it names the task's
-    receptacle, and ``go: 0.2`` had left it a fifth of its loss (session 35)."""
+    receptacle, and ``go: 0.2`` had left it a fifth of its loss (session 35). The same share covers a
+    reflection sample's final action (its decision always carries a loss): a REVISE's target is the
+    expert's action, and r39's reflection, trained on all of them, revised only to ``go to``."""
     reflect_weight: float = Field(default=1.0, ge=0.0)
     """Weight of the reflection cross-entropy."""
     bce_weight: float = Field(default=0.01, ge=0.0)

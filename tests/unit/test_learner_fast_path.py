@@ -70,9 +70,13 @@ def step_with_grads(trainer, batch) -> tuple[dict, dict]:
     return trainer.train_step([batch]), grads
 
 
-def pair(tiny_model_dir, **fast_cfg):
-    ref = make_trainer(tiny_model_dir, fast_path=False, gradient_checkpointing=True, autocast="off")
-    fast = make_trainer(tiny_model_dir, **{"fast_path": True, "gradient_checkpointing": False, **fast_cfg})
+def pair(tiny_model_dir, common: dict | None = None, **fast_cfg):
+    """A reference-path and a fast-path trainer with the same adapters (``common``: settings of both)."""
+    common = common or {}
+    ref = make_trainer(
+        tiny_model_dir, **{"fast_path": False, "gradient_checkpointing": True, "autocast": "off", **common}
+    )
+    fast = make_trainer(tiny_model_dir, **{"fast_path": True, "gradient_checkpointing": False, **common, **fast_cfg})
     states = randomize_adapters(ref)
     for role, state in states.items():
         load_adapter_state(fast.model, role, state)
@@ -281,3 +285,27 @@ def test_chunk_by_tokens_keeps_every_unit_within_the_budget_longest_first():
     assert sorted(u for c in chunks for u in c) == sorted(units)  # nothing dropped or repeated
     assert chunks == [[12], [9], [4, 4], [3, 1]]  # greedy over the sorted units; one over the budget stands alone
     assert chunk_by_tokens(0, units, lambda n: n) == [units]  # 0: one chunk, the order kept
+
+
+def test_subsampled_targets_give_the_reference_losses(tiny_model_dir):
+    """``learner.demo_loss_share``: a warm-up path's subsampled turns and a reflection's subsampled
+    final action carry no loss on either path (the reference path's labels honour ``Seq.loss``)."""
+    path = {
+        "id": "p0",
+        "goal": "put a mug in fridge.",
+        "first": "You are in the middle of a room.",
+        "turns": [
+            ["go to countertop 1", "You arrive at countertop 1."],
+            ["take mug 1 from countertop 1", "You pick up the mug 1."],
+        ],
+        "targets": [True, True],
+    }
+    batch = mixed_batch()
+    batch["demos"].append(path)
+    batch["reflections"] = [r | {"id": f"r{i}"} for i, r in enumerate(batch["reflections"])]
+    ref, fast = pair(tiny_model_dir, {"demo_loss_share": {"go": 1e-9}})
+    a, b = step_with_grads(ref, batch), step_with_grads(fast, batch)
+    assert worst_difference(a, b) < RTOL
+    plain_ref, _ = pair(tiny_model_dir)
+    c = step_with_grads(plain_ref, batch)
+    assert c[0]["policy/reflect_ce"] != pytest.approx(a[0]["policy/reflect_ce"], rel=1e-3)  # the share acted
