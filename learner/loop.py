@@ -28,6 +28,7 @@ from comap_async.waiting import cancel_and_wait, until_stopped, wait_until_answe
 from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
 from learner.prefetch import Prefetcher
 from learner.schedule import phase_bce_weight
+from learner.threads import QuietWatch, phase_threads
 
 
 @dataclass
@@ -86,6 +87,7 @@ class Learner:
         self.adapter_root = cfg.adapter_root
         self.writer = None
         self.stop = asyncio.Event()
+        self.actors_quiet = QuietWatch()  # warm-up threads: the actors idle (learner/threads.py)
         self.history: list[dict[str, Any]] = []  # per-step metrics and ``phase`` of this process (tests, eval)
         self.step_thread: threading.Thread | None = None
 
@@ -231,11 +233,16 @@ class Learner:
             self.state.phase_budget = self.dp.follow(self.state.phase_budget)
         self.trainer.scheduler.enter(phase, self.state.phase_start, self.state.phase_budget)
 
-    def follow_threads(self, phase: str) -> int:
-        """Set the phase's torch threads (:func:`phase_threads`) before its steps; returns them."""
+    async def follow_threads(self, phase: str, broker: Any) -> int:
+        """Set the phase's torch threads (:func:`~learner.threads.phase_threads`) before a step; returns
+        them. Warm-up's own threads wait until the broker has stored no new episode for a while."""
         import torch
 
-        threads = phase_threads(self.cfg, phase)
+        quiet = True
+        if phase == WARMUP and self.cfg.learner.warmup_torch_threads is not None:
+            written = (await broker.get_stats())["stores"]["episodes"]["written"]
+            quiet = self.actors_quiet.update(written, time.monotonic())
+        threads = phase_threads(self.cfg, phase, quiet)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
             self.log.info("learner.threads", phase=phase, threads=threads)
@@ -406,7 +413,7 @@ class Learner:
                 break
             data_wait = time.monotonic() - t_wait
             phase = self.state.phase
-            threads = self.follow_threads(phase)
+            threads = await self.follow_threads(phase, broker)
             self.trainer.freeze_wm = world_model_frozen(self.cfg, phase)
             self.trainer.bce_weight = phase_bce_weight(lc, phase)
             metrics = await self._step_or_stop(micro)
@@ -500,14 +507,6 @@ class Learner:
         done.add_done_callback(lambda f: f.exception())  # an abandoned step's StepAborted is expected
         self.log.info("learner.step_abandoned", step=self.trainer.step + 1)
         return None
-
-
-def phase_threads(cfg: CoMapConfig, phase: str) -> int:
-    """The learner's torch threads in ``phase``: ``learner.warmup_torch_threads`` in warm-up SFT
-    (the actors idle then), else ``model.torch_threads``."""
-    if phase == WARMUP and cfg.learner.warmup_torch_threads is not None:
-        return cfg.learner.warmup_torch_threads
-    return cfg.model.torch_threads
 
 
 def run_learner(cfg: CoMapConfig, log: Any, max_steps: int | None = None) -> int:

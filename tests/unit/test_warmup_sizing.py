@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from comap_async.config import load_config
-from learner.loop import Learner, LearnerState, phase_threads
+from learner.loop import Learner, LearnerState
 from learner.schedule import PhaseSchedule
+from learner.threads import QuietWatch, phase_threads
 
 
 def _next(cfg, state: LearnerState, step: int):
@@ -54,3 +55,13 @@ def test_warmup_trains_on_its_own_threads():
     assert [phase_threads(cfg, p) for p in ("warmup", "reflect_init", "coevolve")] == [2, 1, 1]
     plain = load_config(None, ["model.torch_threads=3"])  # unset: every phase on model.torch_threads
     assert [phase_threads(plain, p) for p in ("warmup", "reflect_init", "coevolve")] == [3, 3, 3]
+    assert phase_threads(cfg, "warmup", actors_quiet=False) == 1  # the actors still play: no second thread
+
+
+def test_actors_count_as_quiet_once_no_episode_came_for_the_window():
+    watch = QuietWatch(quiet_s=60.0)
+    assert not watch.update(5, now=0.0)  # first look: nothing known yet
+    assert not watch.update(5, now=59.0)
+    assert watch.update(5, now=60.0)
+    assert not watch.update(6, now=61.0)  # a new episode: playing again, the window restarts
+    assert not watch.update(6, now=120.0) and watch.update(6, now=121.0)

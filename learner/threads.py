@@ -1,0 +1,40 @@
+"""How many torch threads the learner's step uses: ``learner.warmup_torch_threads`` in warm-up SFT once
+the actors have gone quiet, else ``model.torch_threads``.
+
+On a 2-core machine a second learner thread while the actors still play their warm-up episodes does not
+share the cores, it fights for them: r40's first three warm-up steps took 209, 161 and 152 s with 2
+threads (r39's, with 1, 11-17 s), and 10-12 s each once the actors had stopped (session 40)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from comap_async.config import CoMapConfig
+from comap_async.wire.messages import WARMUP
+
+ACTORS_QUIET_S = 60.0
+"""Seconds without a new episode in the broker after which the actors count as idle: a warm-up
+episode of the handcoded expert ends every few seconds per actor while they play."""
+
+
+@dataclass
+class QuietWatch:
+    """Whether a growing count (the broker's episodes written) has stopped growing for ``quiet_s``."""
+
+    quiet_s: float = ACTORS_QUIET_S
+    count: int | None = None
+    since: float = 0.0  # when ``count`` last changed
+
+    def update(self, count: int, now: float) -> bool:
+        if count != self.count:
+            self.count, self.since = count, now
+            return False
+        return now - self.since >= self.quiet_s
+
+
+def phase_threads(cfg: CoMapConfig, phase: str, actors_quiet: bool = True) -> int:
+    """The learner's torch threads in ``phase``: ``learner.warmup_torch_threads`` in warm-up SFT while
+    the actors are quiet (``actors_quiet``), else ``model.torch_threads``."""
+    if phase == WARMUP and cfg.learner.warmup_torch_threads is not None and actors_quiet:
+        return cfg.learner.warmup_torch_threads
+    return cfg.model.torch_threads
