@@ -112,6 +112,8 @@ class Encoder:
                 f"{self.decision}: both must come from the same tokenizer"
             )
         self.keep_id, self.revise_id = self.decision.keep_id, self.decision.revise_id
+        # a reflection target's tokens before its final action, per decision (reflection())
+        self.reflection_heads = {d: self._ids(reflection_head(d)) for d in ("KEEP", "REVISE")}
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -210,7 +212,7 @@ class Encoder:
         s = self.seq(prompt, reflection_target(decision, r["target"]))
         action = str(r["target"]).strip()
         if self.demo_loss_share and not carries_loss(action, str(r.get("id", "")), self.demo_loss_share):
-            head = self._ids(reflection_head(decision))
+            head = self.reflection_heads[decision]
             if s.ids[s.start : s.start + len(head)] == head:  # the head's tokens stay apart from the action's
                 s.loss = [i < len(head) for i in range(s.n_target)]
         return s
