@@ -203,15 +203,21 @@ class Encoder:
         return Seq(ids, start, len(ids) - start, loss=loss)
 
     def reflection(self, r: dict[str, Any]) -> Seq:
-        """A reflection sample: its decision and ``Final Action:`` prefix always carry a loss, its final
-        action under ``demo_loss_share`` (:func:`carries_loss`, keyed by the sample's id). A REVISE's
-        target is the expert's action, so without the share the reflection learns the search steps'
-        ``go`` the drafts were weaned off: at r39's v12 every executed revision was a ``go to``."""
+        """A reflection sample: its decision and ``Final Action:`` prefix always carry a loss, and so
+        does a REVISE's final action (the correction, the one thing only it teaches); a KEEP's final
+        action, the draft copied, under ``demo_loss_share`` (:func:`carries_loss`, keyed by the
+        sample's id). With every final action subsampled (r40) a REVISE had ~17 targets to learn
+        from among 233 copies, and the reflection wrote the draft after REVISE on every held-out step;
+        with none subsampled (r39) the copies of frequent ``go`` drafts carried full loss too."""
         decision = "REVISE" if int(r["y"]) == 1 else "KEEP"
         prompt = self.prompts.reflect(r["s"], r["a_draft"], r["s_bar"], r.get("draft_confidence"))
         s = self.seq(prompt, reflection_target(decision, r["target"]))
         action = str(r["target"]).strip()
-        if self.demo_loss_share and not carries_loss(action, str(r.get("id", "")), self.demo_loss_share):
+        if (
+            decision == "KEEP"
+            and self.demo_loss_share
+            and not carries_loss(action, str(r.get("id", "")), self.demo_loss_share)
+        ):
             head = self.reflection_heads[decision]
             if s.ids[s.start : s.start + len(head)] == head:  # the head's tokens stay apart from the action's
                 s.loss = [i < len(head) for i in range(s.n_target)]

@@ -95,8 +95,9 @@ class LearnerConfig(Section):
     pass; a path keeps at least its last demonstrated action. A ``go`` while the agent carries what it
     took (after a ``take``, before a ``move``) is the word ``deliver``, not ``go``: it names the task's
     receptacle, and ``go: 0.2`` had left it a fifth of its loss (session 35). The same share covers a
-    reflection sample's final action (its decision always carries a loss): a REVISE's target is the
-    expert's action, and r39's reflection, trained on all of them, revised only to ``go to``."""
+    KEEP reflection's final action (the draft copied); a reflection's decision and a REVISE's final
+    action (the expert's correction) always carry a loss (session 41: subsampling the corrections
+    too left r40's reflection copying the draft after REVISE on every held-out step)."""
     reflect_weight: float = Field(default=1.0, ge=0.0)
     """Weight of the reflection cross-entropy."""
     bce_weight: float = Field(default=0.01, ge=0.0)

@@ -232,26 +232,29 @@ def test_demo_loss_share_subsamples_the_frequent_words_turns_and_keeps_the_rest(
     assert last.n_loss == go and last.loss[-go:] == [True] * go and only_go.demo_actions == 1
 
 
-def test_demo_loss_share_covers_the_reflections_final_action_not_its_decision(tiny_model_dir):
-    """A reflection whose final action's word is subsampled keeps the loss on its decision and
-    ``Final Action:`` prefix only (the same tokens); a ``take`` keeps it on every token; both the fast
-    path's packing and the reference path's collation leave the subsampled action's tokens out."""
+def test_demo_loss_share_covers_a_keeps_final_action_not_a_revises_nor_the_decision(tiny_model_dir):
+    """A KEEP reflection whose final action's word is subsampled keeps the loss on its decision and
+    ``Final Action:`` prefix only (the same tokens); a ``take`` keeps it on every token, and so does a
+    REVISE's correction whatever its word; both the fast path's packing and the reference path's
+    collation leave the subsampled action's tokens out."""
     from comap_async.models import load_model_and_tokenizer
     from comap_async.prompts import reflection_head
     from learner.batches import IGNORE, collate
 
     _, tok = load_model_and_tokenizer(str(tiny_model_dir))
     prompts = Prompts(ChatTemplate.from_model_dir(tiny_model_dir))
-    rec = {"id": "r1", "s": FIRST, "a_draft": "look", "s_bar": "Nothing happens.", "y": 1}
+    rec = {"id": "r1", "s": FIRST, "a_draft": "go to sinkbasin 1", "s_bar": "Nothing happens.", "y": 0}
     go, take = rec | {"target": "go to sinkbasin 1"}, rec | {"target": "take mug 1 from countertop 1"}
     sub = Encoder(tok, prompts, 512, demo_loss_share={"go": 1e-9})
     full = Encoder(tok, prompts, 512).reflection(go)
     cut = sub.reflection(go)
-    head = len(sub._ids(reflection_head("REVISE")))
+    head = len(sub._ids(reflection_head("KEEP")))
     assert cut.ids == full.ids and full.loss is None
     assert cut.loss == [True] * head + [False] * (cut.n_target - head) and cut.n_loss == head
     assert sub.reflection(take).loss is None
-    assert sub.reflection(go | {"y": 0}).n_loss == len(sub._ids(reflection_head("KEEP")))
+    revise = go | {"y": 1, "a_draft": "look"}
+    assert sub.reflection(revise).loss is None
+    assert sub.reflection(revise).n_loss == Encoder(tok, prompts, 512).reflection(revise).n_target
     assert len(pack([[cut]], 0).targets) == head
     labels = collate([cut, full], 0)["labels"]
     assert int((labels[0] != IGNORE).sum()) == head and int((labels[1] != IGNORE).sum()) == full.n_target
