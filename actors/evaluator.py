@@ -30,6 +30,7 @@ SCALARS = (
     "wm_delta_f1",
     "wm_delta_f1_failures",
     "draft_accuracy",
+    "executed_accuracy",
     "admissible_rate",
     "success_rate",
     "reflection_problem_rate",

@@ -56,6 +56,9 @@ class ProbeRow:
     """Walkthrough rows: the action gate's reason (``revised`` when it opens, ``unreadable``...)."""
     draft_confidence: float | None = None
     """Walkthrough rows with ``actor.reflect_confidence``: the draft's confidence shown to the reflection."""
+    executed_match: bool | None = None
+    """Walkthrough rows with a draft: the action the CoMap step executes (the reflected one where the
+    gate opens, else the draft) is canonically the expert action."""
 
 
 def draft_scores(draft: str | None, expert: str, admissible: Sequence[str]) -> tuple[bool, bool]:
@@ -117,8 +120,13 @@ def summarize_reflections(walk: Sequence[ProbeRow]) -> dict[str, Any]:
     # already tell wrong drafts from right ones, whatever p makes of it?
     conf_wrong = [r.draft_confidence for r in reflected if not r.draft_match and r.draft_confidence is not None]
     conf_right = [r.draft_confidence for r in reflected if r.draft_match and r.draft_confidence is not None]
+    # what the gate's openings did on these states: a revision that fixes a wrong draft, or breaks a right one
+    executed = [r for r in reflected if r.executed_match is not None]
     return {
         "reflections": len(reflected),
+        "executed_accuracy": _mean([float(bool(r.executed_match)) for r in executed]),
+        "revisions_fixed": sum(1 for r in executed if r.executed_match and not r.draft_match),
+        "revisions_broke": sum(1 for r in executed if r.draft_match and not r.executed_match),
         "reflection_problem_rate": _mean([float(bool(r.reflection_problem)) for r in reflected]),
         "unreadable_rate": _mean([float(r.gate_reason == "unreadable") for r in reflected]),
         "gate_open_rate": _mean([float(r.gate_reason == "revised") for r in reflected]),
@@ -145,6 +153,7 @@ def probe_line(probes: dict[str, Any]) -> str:
 
     return (
         f"wm_delta_f1={f(probes['wm_delta_f1'])} draft_accuracy={f(probes['draft_accuracy'])} "
+        f"executed_accuracy={f(probes.get('executed_accuracy'))} "
         f"admissible_rate={f(probes['admissible_rate'])} "
         f"reflection_problem_rate={f(probes.get('reflection_problem_rate'))} "
         f"gate_open_rate={f(probes.get('gate_open_rate'))} p_discrimination={f(probes.get('p_discrimination'))}"
@@ -213,11 +222,13 @@ async def probe_state(ctx: Any, game: Any, st: ProbeState) -> list[ProbeRow]:
         s_hat_draft = s_hat if match else await llm.imagine(st.s, draft)
         refl = await llm.reflect(st.s, draft, s_hat_draft, drafted.confidence, st.admissible)
         gate = gate_reflection(ctx.cfg, refl, draft)
+        executed = refl.final_action if gate.open else draft
         reflected = {
             "p_revise": refl.p_revise if refl.readable else None,
             "reflection_problem": refl.problem is not None,
             "gate_reason": gate.reason,
             "draft_confidence": drafted.confidence,
+            "executed_match": canonical_action(executed) == canonical_action(st.expert),
         }
     f1 = state_delta_f1(ctx.next_state, st.before, s_hat, st.observation)
     rows = [ProbeRow(game.name, st.t, "walkthrough", f1, match, ok, **reflected)]

@@ -123,4 +123,7 @@ def test_eval_probes_end_with_the_probe_line(tmp_path, alfworld_data, model_cach
     assert " reflection_problem_rate=" in last and " gate_open_rate=" in last and " p_discrimination=" in last
     assert 0 < p["reflections"] <= p["walkthrough_states"]
     assert sum(p["gate_reasons"].values()) == p["reflections"]
+    # the executed action differs from the draft only where the gate opened
+    assert p["revisions_fixed"] + p["revisions_broke"] <= p["gate_reasons"].get("revised", 0)
+    assert 0.0 <= p["executed_accuracy"] <= 1.0
     assert 0.0 <= p["reflection_problem_rate"] <= 1.0 and 0.0 <= p["unreadable_rate"] <= 1.0

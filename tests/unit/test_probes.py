@@ -50,7 +50,7 @@ def test_summary_of_hand_made_transitions():
     assert s["draft_accuracy"] == pytest.approx(1 / 3) and s["admissible_rate"] == pytest.approx(2 / 3)
     assert (s["walkthrough_states"], s["failure_transitions"], s["wm_scored"], s["games"]) == (3, 1, 3, 2)
     assert probe_line(s) == (
-        "wm_delta_f1=0.4444 draft_accuracy=0.3333 admissible_rate=0.6667 "
+        "wm_delta_f1=0.4444 draft_accuracy=0.3333 executed_accuracy=n/a admissible_rate=0.6667 "
         "reflection_problem_rate=n/a gate_open_rate=n/a p_discrimination=n/a"
     )
 
@@ -58,8 +58,8 @@ def test_summary_of_hand_made_transitions():
 def test_empty_probes_say_n_a():
     s = summarize_probes([])
     assert s["wm_delta_f1"] is None and probe_line(s) == (
-        "wm_delta_f1=n/a draft_accuracy=n/a admissible_rate=n/a reflection_problem_rate=n/a gate_open_rate=n/a "
-        "p_discrimination=n/a"
+        "wm_delta_f1=n/a draft_accuracy=n/a executed_accuracy=n/a admissible_rate=n/a reflection_problem_rate=n/a "
+        "gate_open_rate=n/a p_discrimination=n/a"
     )
 
 
@@ -94,6 +94,24 @@ def test_reflection_figures_of_hand_made_rows():
     s = summarize_probes([*rows[:3], refused])
     assert (s["p_wrong_inadmissible"], s["p_wrong_admissible"]) == (pytest.approx(0.7), pytest.approx(0.9))
     assert s["p_states"] == {"right": 2, "wrong_inadmissible": 1, "wrong_admissible": 1}
+
+
+def test_what_the_gates_openings_did_to_the_executed_action():
+    def row(t, match, reason, executed):
+        return ProbeRow("g", t, "walkthrough", 1.0, match, True, 0.9, False, reason, executed_match=executed)
+
+    rows = [
+        row(0, True, "keep", True),
+        row(1, False, "revised", True),  # a wrong draft revised to the expert's action
+        row(2, True, "revised", False),  # a right draft revised away
+        row(3, False, "revised", False),  # a wrong draft revised to another wrong one
+        row(4, False, "same_action", False),
+        ProbeRow("g", 5, "walkthrough", 1.0, False, False),  # no draft: no step
+    ]
+    s = summarize_probes(rows)
+    assert s["draft_accuracy"] == pytest.approx(2 / 6) and s["executed_accuracy"] == pytest.approx(2 / 5)
+    assert (s["revisions_fixed"], s["revisions_broke"]) == (1, 1)
+    assert "executed_accuracy=0.4000" in probe_line(s)
 
 
 def test_the_rank_figures_of_p_and_of_the_drafts_confidence():
