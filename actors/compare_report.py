@@ -67,6 +67,7 @@ def row(
         "loop_rate": report.get("loop_rate"),
         "parse_problem_rate": report.get("parse_problem_rate"),
         "gate_reasons": report.get("gate_reasons"),
+        "revision_verbs": report.get("revision_verbs"),
         "wall_s_per_step": wall_per_step(report),
         # per game, its score (ALFWorld: 100 for a win): what pairs two rows game by game (:func:`paired_difference`)
         "game_scores": {e["game"]: e["score"] for e in report.get("episodes", [])},
@@ -139,8 +140,13 @@ def gate_lines(rows: list[dict[str, Any]]) -> list[str]:
     gated = [r for r in rows if r.get("gate_reasons")]
     if not gated:
         return []
+
+    def revisions(r: dict[str, Any]) -> str:
+        verbs = r.get("revision_verbs")
+        return f"; revisions played (draft -> revision): {gate_reasons_text(verbs)}" if verbs else ""
+
     return ["", "The action gate, steps by reason:", ""] + [
-        f"- {r['label']}: {gate_reasons_text(r['gate_reasons'])}" for r in gated
+        f"- {r['label']}: {gate_reasons_text(r['gate_reasons'])}{revisions(r)}" for r in gated
     ]
 
 

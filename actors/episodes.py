@@ -76,6 +76,9 @@ class EpisodeStats:
     """Reflections that yielded no decision probability or no action even after the continuation."""
     gate_reasons: dict[str, int] = field(default_factory=dict)
     """Per step of the CoMap loop: why the action gate opened or stayed shut (``revised``, ``keep``...)."""
+    revisions_played: list[tuple[int, str, str]] = field(default_factory=list)
+    """Per played step whose action gate opened: ``(step, a_draft, a_ref)``, what the revision replaced
+    (steps a cycle stop projects are counted in ``revisions``, not listed here)."""
     state_actions: list[tuple[Facts, str]] = field(default_factory=list)
     """Per step: the state's canonical facts and the canonical action taken there (the loop rate)."""
     lookahead: list[Any] = field(default_factory=list)
@@ -377,6 +380,8 @@ async def play_coevolve(
                 z_draft, z_ref = await judge_step(branch, game, list(ep.actions), a_draft, refl.a_ref, plan)
                 ep.stats.judged_steps.append((int(gate.open), z_draft, z_ref))
             ep.stats.revisions += gate.open
+            if gate.open:
+                ep.stats.revisions_played.append((t, a_draft, refl.a_ref))
             ep.stats.invalid += bool(admissible) and a_exec not in admissible
             ep.advance(a_exec, await env.step(a_exec))
             if a_exec != a_draft:  # revised by the gate, or replaced by the repeat guard

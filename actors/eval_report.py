@@ -47,6 +47,7 @@ def episode_record(game: Any, stats: Any) -> dict[str, Any]:
         "actions": [action for _, action in stats.state_actions],
         # why the action gate opened or stayed shut, per step (CoMap rows only; reasons: method/gates.py)
         **({"gate_reasons": dict(stats.gate_reasons)} if stats.gate_reasons else {}),
+        **({"revisions_played": [list(r) for r in stats.revisions_played]} if stats.revisions_played else {}),
         **({"cycle_projected": stats.cycle_projected} if stats.cycle_projected else {}),
         **({"cycle_check": stats.cycle_check} if stats.cycle_check is not None else {}),
     }
@@ -85,6 +86,7 @@ def summarize_records(records: list[dict[str, Any]], split: str, version: int, w
         ),
         "guard_rate": sum(r["guarded"] for r in records) / total_steps,
         "gate_reasons": gate_reasons(records),
+        "revision_verbs": revision_verbs(records),
         # eval.cycle_stop: steps counted above but not played (the episode had entered a cycle)
         "cycle_projected_steps": sum(r.get("cycle_projected", 0) for r in records),
         "wall_s": round(wall_s, 2),
@@ -99,6 +101,18 @@ def gate_reasons(records: list[dict[str, Any]]) -> dict[str, int] | None:
         return None
     total = sum((Counter(r["gate_reasons"]) for r in records), Counter())
     return dict(sorted(total.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def revision_verbs(records: list[dict[str, Any]]) -> dict[str, int] | None:
+    """The played revisions by what they replaced: ``"move -> go": 3`` (the draft's first word, then
+    the executed revision's; a ``go`` that a revision picks over a ``move`` is where a won game can be
+    lost), commonest first; None when no record lists its revisions (no CoMap row, or none revised)."""
+    pairs = Counter(f"{verb(draft)} -> {verb(ref)}" for r in records for _, draft, ref in r.get("revisions_played", ()))
+    return dict(pairs.most_common()) or None
+
+
+def verb(action: str) -> str:
+    return action.split(maxsplit=1)[0].lower() if action.strip() else "?"
 
 
 def gate_reasons_text(reasons: dict[str, int]) -> str:
@@ -134,6 +148,8 @@ def markdown(report: dict[str, Any]) -> str:
     reasons = report.get("gate_reasons")
     if reasons:
         rows += ["", "Action gate per step: " + gate_reasons_text(reasons)]
+    if report.get("revision_verbs"):
+        rows += ["", "Revisions played (draft -> revision): " + gate_reasons_text(report["revision_verbs"])]
     r = report.get("reflection")
     if r is not None:
         rows += [

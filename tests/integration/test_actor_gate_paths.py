@@ -89,6 +89,7 @@ async def test_gate_opens_and_closes_on_a_real_game(valid_seen, alfworld_data):
         assert llm.imagined[tr["wm_version"] - 1] == tr["a_exec"]  # the call that imagined s_hat_exec
         assert tr["s_hat_teacher"] == tr["s_next"]
     assert stats.revisions == len([t for t in transitions if t["t"] % 2 == 0])
+    assert stats.revisions_played == [(t["t"], t["a_draft"], t["a_ref"]) for t in transitions if t["t"] % 2 == 0]
     assert "delta_f1" in sent[-1]["metrics"]
     assert len(transitions) == 6 and stats.gate_reasons == {"revised": 3, "low_confidence": 2, "unreadable": 1}
     assert stats.unreadable_reflections == 1 and sent[-1]["metrics"]["unreadable_reflection_rate"] == pytest.approx(

@@ -135,3 +135,32 @@ def test_the_action_gates_reasons_are_summed_over_a_rows_episodes():
     assert "- CoMap (r): keep 4, low_confidence 1, same_action 1" in text
     drafts = row("Draft only", "method", "draft_only", {**report, "gate_reasons": None})
     assert "steps by reason" not in markdown([drafts], "valid_seen", 2)
+
+
+def test_played_revisions_are_counted_by_the_verb_they_replaced():
+    """A CoMap row says what its revisions replaced (``move -> go`` is where a won game is lost); rows
+    without revisions say nothing."""
+    from actors.compare_report import markdown, row
+    from actors.eval_report import markdown as eval_markdown
+    from actors.eval_report import summarize_records
+
+    def episode(revised=()):
+        rec = {"game": "g", "won": False, "steps": 3, "score": 0.0, "revisions": len(revised), "invalid": 0}
+        rec |= {"loops": 0, "guarded": 0, "delta_f1": [], "parse_problems": 0, "gate_reasons": {"keep": 3}}
+        return {**rec, "revisions_played": [list(r) for r in revised]} if revised else rec
+
+    report = summarize_records(
+        [
+            episode([(1, "go to desk 1", "go to bed 1"), (2, "move pen 1 to desk 1", "go to bed 1")]),
+            episode([(4, "go to shelf 1", "Take pen 1 from shelf 1"), (5, "go to desk 2", "go to desk 1")]),
+            episode(),
+        ],
+        "valid_seen",
+        4,
+        1.0,
+    )
+    assert report["revision_verbs"] == {"go -> go": 2, "move -> go": 1, "go -> take": 1}
+    assert "Revisions played (draft -> revision): go -> go 2, move -> go 1, go -> take 1" in eval_markdown(report)
+    text = markdown([row("CoMap", "run", "comap", report)], "valid_seen", 2)
+    assert "- CoMap: keep 9; revisions played (draft -> revision): go -> go 2, move -> go 1, go -> take 1" in text
+    assert summarize_records([episode()], "valid_seen", 4, 1.0)["revision_verbs"] is None
