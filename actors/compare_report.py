@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from actors.eval_report import gate_reasons_text
+from actors.eval_report import counts_text
 
 METHOD_LABELS = {
     "react": "ReAct",
@@ -143,10 +143,10 @@ def gate_lines(rows: list[dict[str, Any]]) -> list[str]:
 
     def revisions(r: dict[str, Any]) -> str:
         verbs = r.get("revision_verbs")
-        return f"; revisions played (draft -> revision): {gate_reasons_text(verbs)}" if verbs else ""
+        return f"; revisions played (draft -> revision): {counts_text(verbs)}" if verbs else ""
 
     return ["", "The action gate, steps by reason:", ""] + [
-        f"- {r['label']}: {gate_reasons_text(r['gate_reasons'])}{revisions(r)}" for r in gated
+        f"- {r['label']}: {counts_text(r['gate_reasons'])}{revisions(r)}" for r in gated
     ]
 
 

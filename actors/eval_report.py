@@ -107,17 +107,18 @@ def revision_verbs(records: list[dict[str, Any]]) -> dict[str, int] | None:
     """The played revisions by what they replaced: ``"move -> go": 3`` (the draft's first word, then
     the executed revision's; a ``go`` that a revision picks over a ``move`` is where a won game can be
     lost), commonest first; None when no record lists its revisions (no CoMap row, or none revised)."""
+    from comap_async.method.gates import action_verb
+
+    def verb(action: str) -> str:
+        return action_verb(action) or "?"
+
     pairs = Counter(f"{verb(draft)} -> {verb(ref)}" for r in records for _, draft, ref in r.get("revisions_played", ()))
     return dict(pairs.most_common()) or None
 
 
-def verb(action: str) -> str:
-    return action.split(maxsplit=1)[0].lower() if action.strip() else "?"
-
-
-def gate_reasons_text(reasons: dict[str, int]) -> str:
-    """``keep 40, revised 2``: the gate's reasons as :func:`gate_reasons` orders them."""
-    return ", ".join(f"{reason} {n}" for reason, n in reasons.items())
+def counts_text(counts: dict[str, int]) -> str:
+    """``keep 40, revised 2``: counts (the gate's reasons, the revisions' verbs) in the order given."""
+    return ", ".join(f"{name} {n}" for name, n in counts.items())
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -147,9 +148,9 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     reasons = report.get("gate_reasons")
     if reasons:
-        rows += ["", "Action gate per step: " + gate_reasons_text(reasons)]
+        rows += ["", "Action gate per step: " + counts_text(reasons)]
     if report.get("revision_verbs"):
-        rows += ["", "Revisions played (draft -> revision): " + gate_reasons_text(report["revision_verbs"])]
+        rows += ["", "Revisions played (draft -> revision): " + counts_text(report["revision_verbs"])]
     r = report.get("reflection")
     if r is not None:
         rows += [

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from comap_async.config import LearnerConfig
+from comap_async.method.gates import action_verb
 from comap_async.prompts import Conversation, DecisionTokens, Prompts, reflection_head, reflection_target
 from learner.losses import IGNORE
 
@@ -59,8 +60,7 @@ DELIVER = "deliver"
 def loss_word(action: str, carrying: bool) -> str:
     """The word ``learner.demo_loss_share`` looks ``action`` up by: its first word, but a ``go``
     while carrying is :data:`DELIVER`: it picks the one receptacle the task names, not a search step."""
-    words = action.split(maxsplit=1)
-    word = words[0].lower() if words else ""
+    word = action_verb(action)
     return DELIVER if carrying and word == "go" else word
 
 

@@ -22,6 +22,12 @@ _SPACES = re.compile(r"\s+")
 _TRAILING = re.compile(r"[\s.!?;:,\"'`]+$")
 
 
+def action_verb(action: str) -> str:
+    """An action's first word, lower case (``go``, ``take``, ``move``); empty for an empty action."""
+    words = action.split(maxsplit=1)
+    return words[0].lower() if words else ""
+
+
 def canonical_action(action: str) -> str:
     """Lower case, single spaces, no surrounding quotes or trailing punctuation."""
     a = _SPACES.sub(" ", action.strip().strip("\"'`")).lower()
