@@ -28,7 +28,7 @@ from comap_async.waiting import cancel_and_wait, until_stopped, wait_until_answe
 from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
 from learner.prefetch import Prefetcher
 from learner.schedule import phase_bce_weight
-from learner.threads import QuietWatch, phase_threads
+from learner.threads import QUIET_STORE, QuietWatch, own_threads, phase_threads
 
 
 @dataclass
@@ -87,7 +87,8 @@ class Learner:
         self.adapter_root = cfg.adapter_root
         self.writer = None
         self.stop = asyncio.Event()
-        self.actors_quiet = QuietWatch()  # warm-up threads: the actors idle (learner/threads.py)
+        self.actors_quiet = QuietWatch()  # a phase's own threads: the actors idle (learner/threads.py)
+        self.actors_quiet_phase: str | None = None
         self.history: list[dict[str, Any]] = []  # per-step metrics and ``phase`` of this process (tests, eval)
         self.step_thread: threading.Thread | None = None
 
@@ -235,12 +236,14 @@ class Learner:
 
     async def follow_threads(self, phase: str, broker: Any) -> int:
         """Set the phase's torch threads (:func:`~learner.threads.phase_threads`) before a step; returns
-        them. Warm-up's own threads wait until the broker has stored no new episode for a while."""
+        them. A phase's own threads wait until its store (episodes, labels) has stopped growing for a while."""
         import torch
 
         quiet = True
-        if phase == WARMUP and self.cfg.learner.warmup_torch_threads is not None:
-            written = (await broker.get_stats())["stores"]["episodes"]["written"]
+        if own_threads(self.cfg, phase) is not None:
+            if self.actors_quiet_phase != phase:  # a new phase's data: watch its store from scratch
+                self.actors_quiet, self.actors_quiet_phase = QuietWatch(self.actors_quiet.quiet_s), phase
+            written = (await broker.get_stats())["stores"][QUIET_STORE[phase]]["written"]
             quiet = self.actors_quiet.update(written, time.monotonic())
         threads = phase_threads(self.cfg, phase, quiet)
         if torch.get_num_threads() != threads:

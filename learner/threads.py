@@ -1,5 +1,6 @@
-"""How many torch threads the learner's step uses: ``learner.warmup_torch_threads`` in warm-up SFT once
-the actors have gone quiet, else ``model.torch_threads``.
+"""How many torch threads the learner's step uses: ``learner.warmup_torch_threads`` in warm-up SFT and
+``learner.reflect_init_torch_threads`` in reflection-mode initialisation, each once the actors have gone
+quiet (they idle after their share of the phase's data), else ``model.torch_threads``.
 
 On a 2-core machine a second learner thread while the actors still play their warm-up episodes does not
 share the cores, it fights for them: r40's first three warm-up steps took 209, 161 and 152 s with 2
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from comap_async.config import CoMapConfig
-from comap_async.wire.messages import WARMUP
+from comap_async.wire.messages import REFLECT_INIT, WARMUP
 
 ACTORS_QUIET_S = 60.0
 """Seconds without a new episode in the broker after which the actors count as idle: a warm-up
@@ -32,9 +33,17 @@ class QuietWatch:
         return now - self.since >= self.quiet_s
 
 
+QUIET_STORE = {WARMUP: "episodes", REFLECT_INIT: "reflections"}
+"""The broker store whose growth says the actors still work in a phase: warm-up episodes, labels."""
+
+
+def own_threads(cfg: CoMapConfig, phase: str) -> int | None:
+    """The phase's own torch threads when configured (``None``: ``model.torch_threads`` throughout)."""
+    return {WARMUP: cfg.learner.warmup_torch_threads, REFLECT_INIT: cfg.learner.reflect_init_torch_threads}.get(phase)
+
+
 def phase_threads(cfg: CoMapConfig, phase: str, actors_quiet: bool = True) -> int:
-    """The learner's torch threads in ``phase``: ``learner.warmup_torch_threads`` in warm-up SFT while
-    the actors are quiet (``actors_quiet``), else ``model.torch_threads``."""
-    if phase == WARMUP and cfg.learner.warmup_torch_threads is not None and actors_quiet:
-        return cfg.learner.warmup_torch_threads
-    return cfg.model.torch_threads
+    """The learner's torch threads in ``phase``: the phase's own (:func:`own_threads`) while the actors
+    are quiet (``actors_quiet``), else ``model.torch_threads``."""
+    own = own_threads(cfg, phase)
+    return own if own is not None and actors_quiet else cfg.model.torch_threads

@@ -156,9 +156,13 @@ class LearnerConfig(Section):
     """torch threads of the learner's warm-up SFT steps (``None``: ``model.torch_threads``). The actors
     idle once they have played ``actor.max_warmup_episodes`` (a few minutes into warm-up) and the server
     has nothing to decode, so on a small machine the learner can use the cores for most of the phase;
-    reflection-mode initialisation and co-evolution go back to ``model.torch_threads`` (docs/running.md).
+    co-evolution goes back to ``model.torch_threads`` (docs/running.md).
     They apply once the broker has stored no new episode for a minute (learner/threads.py): before,
     two threads beside the playing actors made r40's first steps 10x slower."""
+    reflect_init_torch_threads: int | None = Field(default=None, ge=1)
+    """torch threads of reflection-mode initialisation's steps (``None``: ``model.torch_threads``), once the
+    broker's reflection labels have stopped growing for a minute: the actors idle after
+    ``actor.max_reflect_init_labels`` and the phase is then the learner's alone."""
     reflect_init_steps: int = Field(default=100, ge=0)
     """Optimizer steps on suffix-labelled reflection samples before ``coevolve``."""
     reflect_init_min_samples: int = Field(default=32, ge=1)

@@ -58,6 +58,12 @@ def test_warmup_trains_on_its_own_threads():
     assert phase_threads(cfg, "warmup", actors_quiet=False) == 1  # the actors still play: no second thread
 
 
+def test_reflect_init_trains_on_its_own_threads_once_the_labels_stop():
+    cfg = load_config(None, ["learner.reflect_init_torch_threads=2", "model.torch_threads=1"])
+    assert [phase_threads(cfg, p) for p in ("warmup", "reflect_init", "coevolve")] == [1, 2, 1]
+    assert phase_threads(cfg, "reflect_init", actors_quiet=False) == 1  # labels still coming: the actors play
+
+
 def test_actors_count_as_quiet_once_no_episode_came_for_the_window():
     watch = QuietWatch(quiet_s=60.0)
     assert not watch.update(5, now=0.0)  # first look: nothing known yet
