@@ -32,8 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "runs",
         nargs="+",
-        metavar="RUN_DIR",
-        help="run directories (each with ablation.json and adapters/ as the learner writes them)",
+        metavar="RUN_DIR[:VERSION]",
+        help="run directories (each with ablation.json and adapters/ as the learner writes them), each played "
+        "at its newest version or at VERSION (e.g. a fork's first co-evolution version)",
     )
     p.add_argument("--split", required=True, help="train, valid_seen, valid_unseen or valid_train")
     p.add_argument(
@@ -387,7 +388,8 @@ def run(args: argparse.Namespace) -> int:
     adapter_root = (out / "adapters").resolve()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in EVAL_METHODS or m == "comap"]
-    runs = [Path(r) for r in args.runs]
+    run_specs = [(Path(r), spec or "latest") for r, _, spec in (a.partition(":") for a in args.runs)]
+    runs = [r for r, _ in run_specs]
 
     def fail(message: str) -> int:
         print(f"comap compare: error: {message}", file=sys.stderr)
@@ -407,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
     log = configure_logging("compare", run=cfg.run.name)
     adapter_root.mkdir(parents=True, exist_ok=True)
     try:
-        staged = [stage_run(r, i + 1, adapter_root) for i, r in enumerate(runs)]
+        staged = [stage_run(r, i + 1, adapter_root, spec) for i, (r, spec) in enumerate(run_specs)]
         methods_from = None
         if args.methods_from:
             source, _, spec = args.methods_from.partition(":")

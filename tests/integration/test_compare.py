@@ -20,7 +20,7 @@ pytestmark = pytest.mark.alfworld
 REPO = Path(__file__).resolve().parents[2]
 
 
-def compare_cmd(runs: list[Path], out: Path, games: int, methods: str, env: dict, *more: str) -> list[str]:
+def compare_cmd(runs: list[Path | str], out: Path, games: int, methods: str, env: dict, *more: str) -> list[str]:
     """``comap compare`` on real valid_seen games with the tiny model (``env``: the fixtures' paths)."""
     return [
         sys.executable,
@@ -126,19 +126,21 @@ def test_compare_refuses_a_directory_that_is_not_a_run(tmp_path, model_cache):
 
 async def test_the_baselines_can_play_with_a_runs_adapters(tmp_path, tiny_model_dir, model_cache, alfworld_data):
     """``--methods-from RUN:VERSION``: the prompting methods with the version the runs were forked from
-    (the method table compares them with the warm-up they share), not the base model."""
+    (the method table compares them with the warm-up they share), not the base model; a run given as
+    ``RUN_DIR:VERSION`` is played at that version."""
     await make_run(tmp_path / "source", tiny_model_dir, [])
     await make_run(tmp_path / "fork", tiny_model_dir, ["frozen_wm"])
     out = tmp_path / "cmp"
     env = {"data": alfworld_data, "cache": model_cache, "root": tmp_path / "runs"}
     source = f"{tmp_path / 'source'}:1"
+    # the fork played at its first version, not its newest (RUN_DIR:VERSION)
     cmd = compare_cmd(
-        [tmp_path / "fork"], out, 1, "draft_only", env, "--methods-from", source, "--set", "env.max_steps=3"
+        [f"{tmp_path / 'fork'}:1"], out, 1, "draft_only", env, "--methods-from", source, "--set", "env.max_steps=3"
     )
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads((out / "compare.json").read_text())["rows"]
-    assert [(row["method"], row["adapter_version"]) for row in rows] == [("draft_only", 1), ("comap", 2)]
+    assert [(row["method"], row["adapter_version"]) for row in rows] == [("draft_only", 1), ("comap", 1)]
     assert rows[0]["label"] == "Draft only (source v1)" and rows[0]["loop_rate"] is not None
     assert "| loop rate | unreadable answers |" in (out / "compare.md").read_text()
     assert all(0.0 <= row["parse_problem_rate"] <= 1.0 for row in rows)
