@@ -28,6 +28,13 @@ PHASE_BUDGET = {WARMUP: "warmup_steps", REFLECT_INIT: "reflect_init_steps", COEV
 """The ``LearnerConfig`` field holding each phase's step budget: the horizon of its LR schedule."""
 
 
+def phase_lr(cfg: LearnerConfig, phase: str) -> float:
+    """The phase's peak rate: ``reflect_init_lr`` in reflection-mode initialisation when set, else ``lr``."""
+    if phase == REFLECT_INIT and cfg.reflect_init_lr is not None:
+        return cfg.reflect_init_lr
+    return cfg.lr
+
+
 class PhaseSchedule:
     """The learning rate of a step from its phase and the steps since that phase began.
 
@@ -54,7 +61,8 @@ class PhaseSchedule:
     def lr_at(self, step: int) -> float:
         """The rate of the step that runs when ``step`` steps are complete."""
         budget = max(1, self.budget or getattr(self.cfg, PHASE_BUDGET[self.phase]))
-        return self.cfg.lr * cosine_with_warmup(max(0, step - self.phase_start), budget, self.cfg.warmup_ratio)
+        since = max(0, step - self.phase_start)
+        return phase_lr(self.cfg, self.phase) * cosine_with_warmup(since, budget, self.cfg.warmup_ratio)
 
     def apply(self, step: int) -> float:
         """Set the optimizer's rate for the step about to be taken; returns it."""

@@ -159,6 +159,10 @@ class LearnerConfig(Section):
     co-evolution goes back to ``model.torch_threads`` (docs/running.md).
     They apply once the broker has stored no new episode for a minute (learner/threads.py): before,
     two threads beside the playing actors made r40's first steps 10x slower."""
+    reflect_init_lr: float | None = Field(default=None, gt=0)
+    """Peak learning rate of reflection-mode initialisation (``None``: ``lr``). Its BCE trains one
+    decision logit on a few hundred labels, a quarter of them REVISE; at warm-up's rate the balanced
+    BCE swung between 0.0003 and 16 from one batch of 4 to the next (docs/method-table.md)."""
     reflect_init_torch_threads: int | None = Field(default=None, ge=1)
     """torch threads of reflection-mode initialisation's steps (``None``: ``model.torch_threads``), once the
     broker's reflection labels have stopped growing for a minute: the actors idle after

@@ -48,6 +48,15 @@ def test_each_phase_warms_up_to_the_peak_and_decays_over_its_own_budget():
         sched.enter("rounds", 0)
 
 
+def test_reflection_initialisation_peaks_at_its_own_rate_when_set():
+    sched = _schedule(lr=1e-3, reflect_init_lr=2e-4, warmup_steps=20, reflect_init_steps=5, total_steps=100)
+    assert max(sched.lr_at(s) for s in range(20)) == pytest.approx(1e-3)
+    sched.enter("reflect_init", 20)
+    assert sched.lr_at(20) == pytest.approx(2e-4) and max(sched.lr_at(s) for s in range(20, 25)) == pytest.approx(2e-4)
+    sched.enter("coevolve", 25)
+    assert max(sched.lr_at(s) for s in range(25, 125)) == pytest.approx(1e-3)  # co-evolution: back to lr
+
+
 def test_train_step_uses_the_phase_schedule(tiny_model_dir):
     trainer = make_trainer(
         tiny_model_dir, lr=1e-3, warmup_ratio=0.5, warmup_steps=4, reflect_init_steps=3, total_steps=8
