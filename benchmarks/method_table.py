@@ -471,4 +471,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # the running system was already stopped (run_system's finally)
+        sys.exit("method_table: interrupted; the system it ran is stopped (go on with --resume)")
