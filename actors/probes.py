@@ -222,7 +222,7 @@ async def probe_state(ctx: Any, game: Any, st: ProbeState) -> list[ProbeRow]:
         s_hat_draft = s_hat if match else await llm.imagine(st.s, draft)
         refl = await llm.reflect(st.s, draft, s_hat_draft, drafted.confidence, st.admissible)
         gate = gate_reflection(ctx.cfg, refl, draft)
-        executed = refl.final_action if gate.open else draft
+        executed = refl.a_ref if gate.open else draft
         reflected = {
             "p_revise": refl.p_revise if refl.readable else None,
             "reflection_problem": refl.problem is not None,

@@ -127,3 +127,42 @@ def test_the_rank_figures_of_p_and_of_the_drafts_confidence():
     assert s["confidence_auc"] == 1.0
     plain = summarize_probes([row(0, True, 0.5, None), row(2, False, 0.5, None)])  # the switch off
     assert plain["confidence_auc"] is None and plain["confidence_wrong_draft"] is None and plain["p_auc"] == 0.5
+
+
+class ScriptedStep:
+    """The model calls of one CoMap step, answered from a script: a wrong draft, and a reflection that
+    revises it to ``a_ref`` with ``p`` and ``q`` over the paper's thresholds (the gate opens)."""
+
+    def __init__(self, draft: str, a_ref: str) -> None:
+        self.draft, self.a_ref = draft, a_ref
+
+    async def draft_scored(self, seen, admissible=None):
+        from actors.llm import Draft
+
+        return Draft(self.draft, None, 0.6)
+
+    async def imagine(self, s, action):
+        return "You arrive at countertop 1. On the countertop 1, you see a apple 1."
+
+    async def reflect(self, s, a_draft, s_hat, confidence, admissible):
+        from actors.llm import Reflected
+
+        return Reflected("REVISE", self.a_ref, 0.9, 0.9, None)
+
+
+@pytest.mark.parametrize(("a_ref", "fixed"), [("take apple 1 from countertop 1", True), ("look", False)])
+async def test_a_probed_state_whose_gate_opens_scores_the_revision_it_executes(a_ref, fixed):
+    """The open gate's action is the reflection's ``a_ref`` (a probe once read a field that does not
+    exist there, and every game whose gate opened was dropped as failed)."""
+    from types import SimpleNamespace
+
+    from actors.probes import ProbeState, probe_state, summarize_reflections
+    from comap_async.config import CoMapConfig
+
+    expert = "take apple 1 from countertop 1"
+    st = ProbeState(0, expert, "s", "s", frozenset(), ADMISSIBLE, "You pick up the apple 1.", None)
+    ctx = SimpleNamespace(llm=ScriptedStep("go to fridge 1", a_ref), cfg=CoMapConfig(), next_state=next_state)
+    (row,) = await probe_state(ctx, SimpleNamespace(name="g"), st)
+    assert row.gate_reason == "revised" and row.draft_match is False and row.executed_match is fixed
+    summary = summarize_reflections([row])
+    assert (summary["revisions_fixed"], summary["gate_open_rate"]) == (int(fixed), 1.0)
