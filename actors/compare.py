@@ -71,6 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def run_and_version(arg: str) -> tuple[Path, str]:
+    """``RUN_DIR[:VERSION]`` -> (the run directory, the version spec: VERSION or ``latest``)."""
+    run, _, spec = arg.partition(":")
+    return Path(run), spec or "latest"
+
+
 def stage_run(
     run_dir: Path, index: int | str, adapter_root: Path, spec: str = "latest", with_ablation: bool = True
 ) -> tuple[int, list[str], str]:
@@ -388,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
     adapter_root = (out / "adapters").resolve()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in EVAL_METHODS or m == "comap"]
-    run_specs = [(Path(r), spec or "latest") for r, _, spec in (a.partition(":") for a in args.runs)]
+    run_specs = [run_and_version(a) for a in args.runs]
     runs = [r for r, _ in run_specs]
 
     def fail(message: str) -> int:
@@ -412,9 +418,9 @@ def run(args: argparse.Namespace) -> int:
         staged = [stage_run(r, i + 1, adapter_root, spec) for i, (r, spec) in enumerate(run_specs)]
         methods_from = None
         if args.methods_from:
-            source, _, spec = args.methods_from.partition(":")
-            version, _, prefix = stage_run(Path(source), "m", adapter_root, spec or "latest", with_ablation=False)
-            methods_from = (Path(source), version, prefix)
+            source, spec = run_and_version(args.methods_from)
+            version, _, prefix = stage_run(source, "m", adapter_root, spec, with_ablation=False)
+            methods_from = (source, version, prefix)
         games = split_games(cfg, args.split, args.games)
     except ValueError as exc:
         return fail(str(exc))

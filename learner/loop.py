@@ -88,7 +88,6 @@ class Learner:
         self.writer = None
         self.stop = asyncio.Event()
         self.actors_quiet = QuietWatch()  # a phase's own threads: the actors idle (learner/threads.py)
-        self.actors_quiet_phase: str | None = None
         self.history: list[dict[str, Any]] = []  # per-step metrics and ``phase`` of this process (tests, eval)
         self.step_thread: threading.Thread | None = None
 
@@ -241,10 +240,9 @@ class Learner:
 
         quiet = True
         if own_threads(self.cfg, phase) is not None:
-            if self.actors_quiet_phase != phase:  # a new phase's data: watch its store from scratch
-                self.actors_quiet, self.actors_quiet_phase = QuietWatch(self.actors_quiet.quiet_s), phase
             written = (await broker.get_stats())["stores"][QUIET_STORE[phase]]["written"]
-            quiet = self.actors_quiet.update(written, time.monotonic())
+            # keyed by phase: a new phase's store starts its own window, whatever its count
+            quiet = self.actors_quiet.update((phase, written), time.monotonic())
         threads = phase_threads(self.cfg, phase, quiet)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)

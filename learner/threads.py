@@ -8,25 +8,27 @@ threads (r39's, with 1, 11-17 s), and 10-12 s each once the actors had stopped (
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from comap_async.config import CoMapConfig
 from comap_async.wire.messages import REFLECT_INIT, WARMUP
 
 ACTORS_QUIET_S = 60.0
-"""Seconds without a new episode in the broker after which the actors count as idle: a warm-up
-episode of the handcoded expert ends every few seconds per actor while they play."""
+"""Seconds without a new record in the phase's store (:data:`QUIET_STORE`) after which the actors count
+as idle: a warm-up episode of the handcoded expert ends every few seconds per actor while they play."""
 
 
 @dataclass
 class QuietWatch:
-    """Whether a growing count (the broker's episodes written) has stopped growing for ``quiet_s``."""
+    """Whether a growing count (a broker store's records written) has stopped growing for ``quiet_s``;
+    any change of what is watched (another phase's store) restarts the window like a new record."""
 
     quiet_s: float = ACTORS_QUIET_S
-    count: int | None = None
+    count: Hashable = None
     since: float = 0.0  # when ``count`` last changed
 
-    def update(self, count: int, now: float) -> bool:
+    def update(self, count: Hashable, now: float) -> bool:
         if count != self.count:
             self.count, self.since = count, now
             return False

@@ -71,3 +71,5 @@ def test_actors_count_as_quiet_once_no_episode_came_for_the_window():
     assert watch.update(5, now=60.0)
     assert not watch.update(6, now=61.0)  # a new episode: playing again, the window restarts
     assert not watch.update(6, now=120.0) and watch.update(6, now=121.0)
+    # the next phase's store, whatever its count: a window of its own
+    assert not watch.update(("reflect_init", 6), now=200.0) and watch.update(("reflect_init", 6), now=260.0)
