@@ -326,6 +326,7 @@ async def play_cells(
     :attr:`Cell.id`."""
     from tqdm import tqdm
 
+    from actors.compare_report import server_per_step
     from actors.eval_report import episode_record, summarize_records
     from actors.eval_runner import check_complete, play_games, wait_for_server
     from comap_async.wire.inference_client import InferenceClient
@@ -354,6 +355,7 @@ async def play_cells(
             for name in cell.registry.adapters.values():
                 await client.load_adapter(name, str(cfg.adapter_root / name))
             run_cfg = cell.config(cfg)
+            counters_before = await client.engine_counters()
             try:  # every game may be held already (stopped between its last episode and its report)
                 results = (
                     await play_games(
@@ -375,6 +377,7 @@ async def play_cells(
             version = cell.registry.versions.get("policy", 0)
             records = [held[g.name] for g in games]
             report = summarize_records(records, cell.key["split"], version, wall_before + time.time() - t0)
+            report["server_per_step"] = server_per_step(counters_before, await client.engine_counters(), steps[0])
             store.save(cell.key, report)
             log.info("compare.row", what=cell.what, success_rate=report["success_rate"], delta_f1=report["delta_f1"])
             reports[cell.id] = report

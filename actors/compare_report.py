@@ -69,6 +69,7 @@ def row(
         "gate_reasons": report.get("gate_reasons"),
         "revision_verbs": report.get("revision_verbs"),
         "wall_s_per_step": wall_per_step(report),
+        "server_per_step": report.get("server_per_step"),
         # per game, its score (ALFWorld: 100 for a win): what pairs two rows game by game (:func:`paired_difference`)
         "game_scores": {e["game"]: e["score"] for e in report.get("episodes", [])},
         "games_won": sorted(e["game"] for e in report.get("episodes", []) if e["won"]),
@@ -160,6 +161,47 @@ def wall_per_step(report: dict[str, Any]) -> float | None:
     return report["wall_s"] / max(1.0, played)
 
 
+def server_per_step(before: dict[str, float], after: dict[str, float], steps: int) -> dict[str, float] | None:
+    """Where the server's time went while a row played ``steps`` environment steps, from its engine
+    counters read before and after (:meth:`InferenceClient.engine_counters`): prompt tokens, the share of
+    them whose KV came from the prefix cache, generated tokens, and prefill and decode seconds, per step;
+    the mean decode batch. None when the server does not count them or nothing was played."""
+    if steps <= 0 or not before or not after or any(k not in after for k in before):
+        return None
+    d = {k: after[k] - before[k] for k in before}
+    prompt = d.get("prompt_tokens", 0.0)
+    return {
+        "steps": steps,
+        "prompt_tokens": prompt / steps,
+        "cached_share": d.get("prefix_cache_hit_tokens", 0.0) / prompt if prompt else 0.0,
+        "generated_tokens": d.get("generation_tokens", 0.0) / steps,
+        "prefill_s": d.get("prefill_seconds", 0.0) / steps,
+        "decode_s": d.get("decode_seconds", 0.0) / steps,
+        "mean_batch": d.get("decode_rows", 0.0) / d["decode_steps"] if d.get("decode_steps") else 0.0,
+    }
+
+
+def server_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Per row whose server counted it, where the server's time went per played step."""
+    counted = [r for r in rows if r.get("server_per_step")]
+    if not counted:
+        return []
+    out = [
+        "",
+        "The server per played step (this sitting's steps; the prefill counts the prompt tokens the prefix "
+        "cache did not hold):",
+        "",
+    ]
+    for r in counted:
+        s = r["server_per_step"]
+        out.append(
+            f"- {r['label']}: {s['prompt_tokens']:.0f} prompt tokens ({s['cached_share']:.0%} from the prefix "
+            f"cache), {s['generated_tokens']:.0f} generated; prefill {s['prefill_s']:.2f} s, decode "
+            f"{s['decode_s']:.2f} s (mean batch {s['mean_batch']:.1f}) over {s['steps']} steps"
+        )
+    return out
+
+
 def markdown(rows: list[dict[str, Any]], split: str, games: int) -> str:
     def num(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.3f}"
@@ -194,7 +236,7 @@ def markdown(rows: list[dict[str, Any]], split: str, games: int) -> str:
         "final-action answer: the fallback action ran instead; a reflection: the draft ran; n/a for rows "
         "measured before it was counted).",
     ]
-    lines += gate_lines(rows) + paired_lines(rows) + won_by(rows, games)
+    lines += gate_lines(rows) + server_lines(rows) + paired_lines(rows) + won_by(rows, games)
     return "\n".join(lines) + "\n"
 
 

@@ -3,7 +3,7 @@ methods on the warm-up's version, on the same held-out games.
 
     python benchmarks/method_table.py SOURCE_RUN --version N --variants comap,frozen_wm,no_action_gate \\
         --minutes 30 --games 20 --out method-table/ [--repeat comap] [--config configs/local.yaml] [--set ...] \\
-        [--eval-set model.torch_threads=2] [--resume] [--train-only] [--from-empty]
+        [--eval-set model.torch_threads=2] [--envs 8] [--resume] [--train-only] [--from-empty]
 
 0. With ``--from-empty``, ``SOURCE_RUN`` is first trained from empty (or resumed): the whole system but the
    evaluator runs until it publishes its first co-evolution version (warm-up SFT and reflection-mode
@@ -314,6 +314,7 @@ def compare_command(args: argparse.Namespace, runs: list[Path], source: Path, ve
         f"{source}:{version}",
         "--out",
         str(args.out),
+        *(["--envs", str(args.envs)] if args.envs else []),
         *(["--resume"] if args.resume else []),
         "--config",
         args.config,
@@ -332,6 +333,9 @@ def main() -> None:
     ap.add_argument("--split", default="valid_seen")
     ap.add_argument("--methods", default="draft_only,react,imagine_and_act")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument(
+        "--envs", type=int, default=None, help="games played at once in the evaluation (default: actor.envs)"
+    )
     ap.add_argument(
         "--config",
         default=os.environ.get("COMAP_CONFIG") or str(ROOT / "configs" / "local.yaml"),

@@ -24,6 +24,7 @@ import collections
 import contextvars
 import json
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,6 +144,16 @@ loop and the probes per game); tasks started from it inherit it."""
 MAX_CHOICES = 16384
 """The most commands one ``structured_outputs.choice`` request may list (the embedded server's limit;
 ScienceWorld's valid-action lists reach a few thousand, ALFWorld's a few dozen)."""
+ENGINE_COUNTERS = (
+    "prompt_tokens",
+    "prefix_cache_hit_tokens",
+    "generation_tokens",
+    "prefill_seconds",
+    "decode_seconds",
+    "decode_steps",
+    "decode_rows",
+)
+"""The embedded server's counters an evaluation reads before and after a row (where its time went)."""
 AFFINITY_KEYS = 4096  # the newest keys remembered: many actors' episodes, bounded memory
 
 
@@ -425,6 +436,17 @@ class InferenceClient:
             endpoints=[endpoint] if endpoint else None,
             retry=retry,
         )
+
+    async def engine_counters(self, endpoint: str | None = None) -> dict[str, float]:
+        """The embedded server's engine counters (:data:`ENGINE_COUNTERS`, from ``/metrics``); a server
+        that does not expose one (vLLM names its metrics otherwise) leaves it out."""
+        text, _ = await self._checked("GET", "/metrics", endpoint=endpoint)
+        out = {}
+        for name in ENGINE_COUNTERS:
+            m = re.search(rf"^comap_inference_{name}_total (\S+)$", text, re.M)
+            if m:
+                out[name] = float(m.group(1))
+        return out
 
     async def model_cards(self, endpoint: str | None = None) -> list[dict[str, Any]]:
         """``GET /v1/models`` data: the base model first, then the adapters."""

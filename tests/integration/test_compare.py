@@ -144,6 +144,9 @@ async def test_the_baselines_can_play_with_a_runs_adapters(tmp_path, tiny_model_
     assert rows[0]["label"] == "Draft only (source v1)" and rows[0]["loop_rate"] is not None
     assert "| loop rate | unreadable answers |" in (out / "compare.md").read_text()
     assert all(0.0 <= row["parse_problem_rate"] <= 1.0 for row in rows)
+    # where the server's time went, read from its counters around each row
+    assert all(row["server_per_step"]["prompt_tokens"] > 0 and row["server_per_step"]["steps"] > 0 for row in rows)
+    assert "The server per played step" in (out / "compare.md").read_text()
     # every row is held in OUT/cells: --resume plays nothing and starts no server
     again = subprocess.run([*cmd, "--resume"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.compare_report import markdown, row, wilson_interval
+from actors.compare_report import markdown, row, server_per_step, wilson_interval
 
 
 def test_wilson_interval_matches_the_textbook_values():
@@ -164,3 +164,54 @@ def test_played_revisions_are_counted_by_the_verb_they_replaced():
     text = markdown([row("CoMap", "run", "comap", report)], "valid_seen", 2)
     assert "- CoMap: keep 9; revisions played (draft -> revision): go -> go 2, move -> go 1, go -> take 1" in text
     assert summarize_records([episode()], "valid_seen", 4, 1.0)["revision_verbs"] is None
+
+
+def test_the_servers_time_is_split_per_played_step():
+    before = {
+        "prompt_tokens": 1000.0,
+        "prefix_cache_hit_tokens": 200.0,
+        "generation_tokens": 50.0,
+        "prefill_seconds": 1.0,
+        "decode_seconds": 2.0,
+        "decode_steps": 10.0,
+        "decode_rows": 40.0,
+    }
+    after = {
+        "prompt_tokens": 5000.0,
+        "prefix_cache_hit_tokens": 2200.0,
+        "generation_tokens": 450.0,
+        "prefill_seconds": 9.0,
+        "decode_seconds": 6.0,
+        "decode_steps": 110.0,
+        "decode_rows": 640.0,
+    }
+    s = server_per_step(before, after, 4)
+    assert s == {
+        "steps": 4,
+        "prompt_tokens": 1000.0,
+        "cached_share": 0.5,
+        "generated_tokens": 100.0,
+        "prefill_s": 2.0,
+        "decode_s": 1.0,
+        "mean_batch": 6.0,
+    }
+    # a server that does not count them (vLLM), or a row that played nothing, says nothing
+    assert server_per_step({}, {}, 4) is None and server_per_step(before, after, 0) is None
+    assert server_per_step(before, {"prompt_tokens": 1.0}, 4) is None
+    r = row(
+        "CoMap (r)",
+        "run",
+        "comap",
+        {
+            "adapter_version": 3,
+            "games": 1,
+            "success_rate": 0.0,
+            "delta_f1": None,
+            "delta_f1_transitions": 0,
+            "mean_steps": 4.0,
+            "revision_rate": 0.0,
+            "invalid_action_rate": 0.0,
+            "server_per_step": s,
+        },
+    )
+    assert "1000 prompt tokens (50% from the prefix cache), 100 generated; prefill 2.00 s" in markdown([r], "x", 1)

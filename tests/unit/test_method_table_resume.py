@@ -104,8 +104,11 @@ def test_the_comparison_plays_under_the_forks_config_and_settings(tmp_path):
     args = argparse.Namespace(
         split="valid_seen", games=20, methods="draft_only", out=tmp_path, resume=True,
         config="/repo/configs/local.yaml", overrides=["run.root=/runs"], eval_overrides=["model.torch_threads=2"],
+        envs=8,
     )  # fmt: skip
     cmd = compare_command(args, [tmp_path / "r-comap"], tmp_path / "r", 19)
+    assert cmd[cmd.index("--envs") + 1] == "8"
+    assert "--envs" not in compare_command(argparse.Namespace(**{**vars(args), "envs": None}), [], tmp_path / "r", 19)
     assert cmd[cmd.index("--config") + 1] == "/repo/configs/local.yaml"
     assert cmd[cmd.index("--methods-from") + 1] == f"{tmp_path / 'r'}:19" and "--resume" in cmd
     sets = [cmd[i + 1] for i, x in enumerate(cmd) if x == "--set"]
