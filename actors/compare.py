@@ -146,7 +146,12 @@ def with_ablation(cfg: Any, ablation: list[str], methods: list[str] | tuple[str,
     return played.model_copy(update={"ablation": AblationConfig(**dict.fromkeys(ablation, True))})
 
 
-DECODING_SWITCHES = (("actor", "admissible_choice"), ("actor", "revise_other_action"), ("actor", "choice_samples"))
+DECODING_SWITCHES = (
+    ("actor", "admissible_choice"),
+    ("actor", "revise_other_action"),
+    ("actor", "choice_samples"),
+    ("eval", "reflect_decision_first"),
+)
 """Settings of how actions are decoded that came after rows were stored (every row plays the config's)."""
 
 

@@ -20,7 +20,7 @@ from actors.cycles import cycle_stop_for
 from actors.imagined import ImaginedRollouts
 from comap_async.diagnostics import loop_steps
 from comap_async.facts import Facts, NextState, state_delta_f1
-from comap_async.method.gates import canonical_action, gate_reflection, world_state_score
+from comap_async.method.gates import canonical_action, decision_first, gate_reflection, world_state_score
 from comap_async.prompts import Conversation, render_state
 from comap_async.wire.messages import (
     COEVOLVE,
@@ -367,7 +367,7 @@ async def play_coevolve(
                 a_draft = FALLBACK_ACTION
             s_hat = await llm.imagine(s, a_draft)
             wm_v = llm.last_version("wm")
-            refl = await llm.reflect(s, a_draft, s_hat, confidence, admissible)
+            refl = await llm.reflect(s, a_draft, s_hat, confidence, admissible, decision_first(ctx.cfg, eval_mode))
             ep.stats.parse_problems += refl.problem is not None
             ep.stats.reflection_problems += refl.problem is not None
             ep.stats.unreadable_reflections += not refl.readable

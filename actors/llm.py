@@ -347,8 +347,13 @@ class AgentLLM:
         s_hat: str,
         confidence: float | None = None,
         admissible: Sequence[str] | None = None,
+        keep_at_or_below: float | None = None,
     ) -> Reflected:
         """Decision, refined action, ``p`` and ``q`` of one reflection; always an action when ``p`` can be read.
+        ``keep_at_or_below`` (``eval.reflect_decision_first``: the action gate's ``tau_p``): the decision
+        token is generated alone first, and a ``p`` at or below it is a KEEP of the draft with nothing more
+        generated; above it the reflection is generated whole from the same prompt (the server's prefix
+        cache holds it), as without the setting.
         ``confidence``: the draft's (:meth:`draft_scored`), shown in the prompt; None shows nothing.
         ``admissible``: with ``actor.admissible_choice``, a final action not among them is generated
         again from ``Final Action:`` as one of them (:meth:`choices`); with ``actor.revise_other_action``
@@ -362,6 +367,14 @@ class AgentLLM:
         if decision_tokens is None:
             raise ValueError("Prompts.decision is not set: build the prompts with Prompts.for_model(model_dir, cfg)")
         prompt = self.prompts.reflect(state, a_draft, s_hat, confidence)
+        if keep_at_or_below is not None:
+            first = await self._complete(POLICY, prompt, 1, ["<|im_end|>"], self.cfg.temperature, self.cfg.logprobs)
+            tops = (first.get("logprobs") or {}).get("top_logprobs") or []
+            p_first = revise_probability(tops[0] if tops else None, decision_tokens)
+            if p_first is None:
+                return Reflected("KEEP", a_draft, 0.0, 0.0, "no_decision_logprob", readable=False)
+            if p_first <= keep_at_or_below:
+                return Reflected("KEEP", a_draft, p_first, 0.0, None)
         c = await self._complete(
             POLICY, prompt, self.cfg.max_reflection_tokens, ["<|im_end|>"], self.cfg.temperature, self.cfg.logprobs
         )

@@ -63,6 +63,12 @@ class EvalConfig(Section):
             raise ValueError("cycle_stop is 0 (off) or at least 2 (a state must recur before a cycle is known)")
         return v
 
+    reflect_decision_first: bool = False
+    """CoMap evaluation episodes read a reflection's decision first (one generated token gives
+    ``p_revise``) and generate the rest only when ``p_revise`` passes ``gates.tau_p``: at or below it
+    the action gate keeps the draft whatever the reflection would say, so the episode is the same and
+    the server decodes fewer tokens. Such a step's reflection is not read, so it is not counted in the
+    unreadable answers. Not under ``no_action_gate`` (there every reflection's action counts)."""
     react_max_tokens: int = Field(default=96, ge=8)
     """Tokens of a ReAct answer (a one-sentence thought and the action line)."""
     games: int = Field(default=10, ge=1)

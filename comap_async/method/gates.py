@@ -205,3 +205,13 @@ def gate_reflection(cfg: Any, refl: Any, a_draft: str) -> ActionGateResult:
     if cfg.ablation.no_action_gate:
         return ungated_action(refl.a_ref, a_draft)
     return action_gate(refl.p_revise, refl.q_ref, refl.a_ref, a_draft, cfg.gates.tau_p, cfg.gates.tau_q)
+
+
+def decision_first(cfg: Any, eval_mode: bool) -> float | None:
+    """The ``p_revise`` at or below which an evaluation episode's reflection need not be generated past its
+    decision token (``eval.reflect_decision_first``): CoMap's gate keeps the draft there whatever follows.
+    None (generate it whole) in co-evolution, whose transitions carry the reflection, and under
+    ``no_action_gate``, whose gate reads every reflection's action."""
+    if not eval_mode or not cfg.eval.reflect_decision_first or cfg.ablation.no_action_gate:
+        return None
+    return cfg.gates.tau_p

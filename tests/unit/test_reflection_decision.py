@@ -298,3 +298,32 @@ def test_a_state_with_more_commands_than_a_request_may_list_is_a_clear_error():
     assert llm.choices([]) is None and llm.choices(None) is None  # imagined states decode freely
     with pytest.raises(ValueError, match="turn the setting off"):
         llm.choices([f"go to shelf {i}" for i in range(MAX_CHOICES + 1)])
+
+
+async def test_a_decision_first_reflection_generates_past_its_decision_only_when_the_gate_could_open():
+    from comap_async.method.gates import decision_first
+
+    cfg = CoMapConfig()
+    assert decision_first(cfg, eval_mode=False) is None  # co-evolution's transitions carry the whole reflection
+    on = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"reflect_decision_first": True})})
+    assert decision_first(on, eval_mode=True) == on.gates.tau_p
+    ungated = on.model_copy(update={"ablation": on.ablation.model_copy(update={"no_action_gate": True})})
+    assert decision_first(ungated, eval_mode=True) is None
+    # p at or below tau_p: one token generated, a KEEP of the draft, which the gate keeps as it would have
+    keep = (" KE", [" KE"], [-0.2], {" KE": -0.2, " RE": -1.8})
+    client = ScriptedClient(keep)
+    r = await make_llm(client).reflect("state", "go to desk 1", "s", keep_at_or_below=0.5)
+    assert len(client.calls) == 1 and client.calls[0]["max_tokens"] == 1
+    assert r.decision == "KEEP" and r.a_ref == "go to desk 1" and r.readable and r.problem is None
+    assert r.p_revise == pytest.approx(math.exp(-1.8) / (math.exp(-1.8) + math.exp(-0.2)))
+    assert gate_reflection(cfg, r, "go to desk 1").reason == "keep"
+    # above it: the same prompt generated whole, read as without the setting
+    revise = {" RE": math.log(0.8), " KE": math.log(0.1)}
+    text = " REVISE\nFinal Action: open fridge 1"
+    toks = [" RE", "VISE", "\n", "Final", " Action", ":", " open", " fridge", " 1"]
+    client = ScriptedClient((" RE", [" RE"], [math.log(0.8)], revise), (text, toks, [math.log(0.9)] * 9, revise))
+    r = await make_llm(client).reflect("state", "go to desk 1", "s", keep_at_or_below=0.5)
+    assert [c["max_tokens"] for c in client.calls] == [1, make_llm(client).cfg.max_reflection_tokens]
+    assert client.calls[0]["prompt"] == client.calls[1]["prompt"]
+    assert r.decision == "REVISE" and r.a_ref == "open fridge 1" and r.p_revise == pytest.approx(0.8 / 0.9)
+    assert gate_reflection(cfg, r, "go to desk 1").open
