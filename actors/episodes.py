@@ -367,7 +367,9 @@ async def play_coevolve(
                 a_draft = FALLBACK_ACTION
             s_hat = await llm.imagine(s, a_draft)
             wm_v = llm.last_version("wm")
-            refl = await llm.reflect(s, a_draft, s_hat, confidence, admissible, decision_first(ctx.cfg, eval_mode))
+            refl = await llm.reflect(
+                s, a_draft, s_hat, confidence, admissible, keep_at_or_below=decision_first(ctx.cfg, eval_mode)
+            )
             ep.stats.parse_problems += refl.problem is not None
             ep.stats.reflection_problems += refl.problem is not None
             ep.stats.unreadable_reflections += not refl.readable
