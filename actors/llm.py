@@ -76,6 +76,13 @@ def _choice(resp: dict[str, Any]) -> dict[str, Any]:
     return resp["choices"][0]
 
 
+def second_word_probability(choice: dict[str, Any], words: Any) -> float | None:
+    """P(the second of two answer words) over the pair at a completion's first generated position (a
+    reflection's ``p_revise``, the critic's P(YES)); None when neither is among that position's top-k."""
+    tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
+    return revise_probability(tops[0] if tops else None, words)
+
+
 def token_spans(text: str, tokens: list[str], start: int, end: int) -> list[tuple[int, int]]:
     """(index, end offset in ``text``, clipped to ``end``) of each token that carries characters of
     ``text[start:end]`` other than spaces (not the spaces after a colon, not a stop or end-of-turn
@@ -295,8 +302,7 @@ class AgentLLM:
         c = await self._complete(
             POLICY, self.prompts.critic(state, trajectory), 1, ["<|im_end|>"], 0.0, self.cfg.logprobs
         )
-        tops = (c.get("logprobs") or {}).get("top_logprobs") or []
-        return revise_probability(tops[0] if tops else None, answer)
+        return second_word_probability(c, answer)
 
     async def react(self, state: str, max_tokens: int) -> tuple[str | None, str | None]:
         """ReAct's (action, problem): a thought, then the action, from the state alone (policy adapter)."""
@@ -369,20 +375,17 @@ class AgentLLM:
         prompt = self.prompts.reflect(state, a_draft, s_hat, confidence)
         if keep_at_or_below is not None:
             first = await self._complete(POLICY, prompt, 1, ["<|im_end|>"], self.cfg.temperature, self.cfg.logprobs)
-            tops = (first.get("logprobs") or {}).get("top_logprobs") or []
-            p_first = revise_probability(tops[0] if tops else None, decision_tokens)
-            if p_first is None:
-                return Reflected("KEEP", a_draft, 0.0, 0.0, "no_decision_logprob", readable=False)
-            if p_first <= keep_at_or_below:
+            p_first = second_word_probability(first, decision_tokens)
+            # unreadable (None): the whole reflection below is, too, and says so
+            if p_first is not None and p_first <= keep_at_or_below:
                 return Reflected("KEEP", a_draft, p_first, 0.0, None)
         c = await self._complete(
             POLICY, prompt, self.cfg.max_reflection_tokens, ["<|im_end|>"], self.cfg.temperature, self.cfg.logprobs
         )
         text = c["text"]
         lp = c.get("logprobs") or {}
-        tops = lp.get("top_logprobs") or []
         tokens, token_lps = lp.get("tokens") or [], lp.get("token_logprobs") or []
-        p_revise = revise_probability(tops[0] if tops else None, decision_tokens)
+        p_revise = second_word_probability(c, decision_tokens)
         if p_revise is None:
             return Reflected("KEEP", a_draft, 0.0, 0.0, "no_decision_logprob", readable=False)
         # the final action's own budget (the paper: 16 new tokens): a longer one is cut to its first tokens

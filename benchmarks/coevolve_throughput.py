@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._inference import start_comap, stop_group, stored_transitions, write_random_adapters  # noqa: E402
 from comap_async.ports import free_port  # noqa: E402
+from comap_async.wire.inference_client import ENGINE_COUNTERS, parse_engine_counters  # noqa: E402
 from comap_async.wire.messages import COEVOLVE, ROLES, adapter_name  # noqa: E402
 
 FAST = ["inference.forward=fused", "inference.top_p_candidates=256", "actor.overlap_teacher=true"]
@@ -80,18 +81,8 @@ def _server(port: int) -> dict[str, float]:
             )
         )
     }
-    for name in (
-        "decode_steps",
-        "decode_rows",
-        "decode_seconds",
-        "prefill_seconds",
-        "prompt_tokens",
-        "prefix_cache_hit_tokens",
-        "generation_tokens",
-    ):
-        m = re.search(rf"^comap_inference_{name}_total (\S+)$", text, re.M)
-        out[name] = float(m.group(1)) if m else 0.0
-    return out
+    counted = parse_engine_counters(text)
+    return out | {name: counted.get(name, 0.0) for name in ENGINE_COUNTERS}
 
 
 def _wait(pred, timeout_s: float, what: str) -> None:

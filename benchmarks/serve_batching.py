@@ -39,7 +39,7 @@ from _inference import served, write_random_adapters  # noqa: E402
 from comap_async.config import load_config  # noqa: E402
 from comap_async.models import resolve_model  # noqa: E402
 from comap_async.prompts import ChatTemplate, Prompts  # noqa: E402
-from comap_async.wire.inference_client import InferenceClient  # noqa: E402
+from comap_async.wire.inference_client import ENGINE_COUNTERS, InferenceClient, parse_engine_counters  # noqa: E402
 from comap_async.wire.messages import POLICY, adapter_name  # noqa: E402
 
 OBJECTS = ["apple", "bread", "knife", "mug", "egg", "lettuce", "potato", "tomato", "spoon", "cup"]
@@ -100,19 +100,8 @@ async def counters(url: str) -> dict[str, float]:
         with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
             return r.read().decode()
 
-    text = await asyncio.to_thread(get)
-    out = {}
-    for name in (
-        "decode_steps",
-        "decode_rows",
-        "decode_seconds",
-        "prefill_seconds",
-        "prompt_tokens",
-        "prefix_cache_hit_tokens",
-    ):
-        m = re.search(rf"^comap_inference_{name}_total (\S+)$", text, re.M)
-        out[name] = float(m.group(1)) if m else 0.0
-    return out
+    counted = parse_engine_counters(await asyncio.to_thread(get))
+    return {name: counted.get(name, 0.0) for name in ENGINE_COUNTERS}
 
 
 def read_gb_per_s() -> float:

@@ -154,6 +154,19 @@ ENGINE_COUNTERS = (
     "decode_rows",
 )
 """The embedded server's counters an evaluation reads before and after a row (where its time went)."""
+
+
+def parse_engine_counters(metrics_text: str) -> dict[str, float]:
+    """:data:`ENGINE_COUNTERS` from an embedded server's ``/metrics`` text; a counter the text lacks (vLLM
+    names its metrics otherwise) is left out."""
+    out = {}
+    for name in ENGINE_COUNTERS:
+        m = re.search(rf"^comap_inference_{name}_total (\S+)$", metrics_text, re.M)
+        if m:
+            out[name] = float(m.group(1))
+    return out
+
+
 AFFINITY_KEYS = 4096  # the newest keys remembered: many actors' episodes, bounded memory
 
 
@@ -441,12 +454,7 @@ class InferenceClient:
         """The embedded server's engine counters (:data:`ENGINE_COUNTERS`, from ``/metrics``); a server
         that does not expose one (vLLM names its metrics otherwise) leaves it out."""
         text, _ = await self._checked("GET", "/metrics", endpoint=endpoint)
-        out = {}
-        for name in ENGINE_COUNTERS:
-            m = re.search(rf"^comap_inference_{name}_total (\S+)$", text, re.M)
-            if m:
-                out[name] = float(m.group(1))
-        return out
+        return parse_engine_counters(text)
 
     async def model_cards(self, endpoint: str | None = None) -> list[dict[str, Any]]:
         """``GET /v1/models`` data: the base model first, then the adapters."""
