@@ -235,3 +235,49 @@ async def test_the_server_a_comparison_started_stops_when_the_comparison_is_kill
             os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left, so a failure leaks nothing
         except ProcessLookupError:
             pass
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["kill-INT", "ctrl-C"])
+async def test_an_interrupted_comparison_stops_at_once_and_keeps_its_finished_episodes(
+    tmp_path, tiny_model_dir, model_cache, alfworld_data, to_group
+):
+    """SIGINT mid-row, to the command alone (``kill -INT``) or to its process group with the server it
+    started (Ctrl-C in a terminal): the episodes in flight are abandoned, not played to their end; the
+    server stops; no traceback, exit 130."""
+    import os
+    import re
+    import signal
+    import time
+
+    await make_run(tmp_path / "source", tiny_model_dir, [])
+    out = tmp_path / "cmp"
+    env = {"data": alfworld_data, "cache": model_cache, "root": tmp_path / "runs"}
+    # the run's row alone (the CoMap loop: 4-5 calls a step), episodes long enough to be in flight
+    cmd = compare_cmd([tmp_path / "source"], out, 4, "", env, "--envs", "2", "--set", "env.max_steps=400")
+    err = tmp_path / "compare.err"
+    with err.open("wb") as sink:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=sink, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while "steps=" not in err.read_text(errors="replace") and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.1)  # the row's bar counts environment steps: episodes are in flight
+        server = int(re.search(r'"pid": (\d+), "event": "eval.started_server"', err.read_text()).group(1))
+        time.sleep(2.0)
+        sent = time.time()
+        (os.killpg if to_group else os.kill)(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=600)
+        stopped_in = time.time() - sent
+        tail = err.read_text(errors="replace")[-3000:]
+        assert rc == 130, tail
+        assert stopped_in < 20, f"{stopped_in:.1f} s to stop: the episodes in flight were played on\n{tail}"
+        assert "Traceback" not in tail
+        deadline = time.time() + 30
+        while time.time() < deadline and process_state(server) != "Z":
+            time.sleep(0.1)
+        assert process_state(server) == "Z", "the server outlived its interrupted command"
+        assert not list((out / "cells").glob("*.tmp"))
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
