@@ -238,7 +238,7 @@ async def test_the_server_a_comparison_started_stops_when_the_comparison_is_kill
 
 
 @pytest.mark.parametrize("to_group", [False, True], ids=["kill-INT", "ctrl-C"])
-async def test_an_interrupted_comparison_stops_at_once_and_keeps_its_finished_episodes(
+async def test_an_interrupted_comparison_stops_at_once_with_its_server(
     tmp_path, tiny_model_dir, model_cache, alfworld_data, to_group
 ):
     """SIGINT mid-row, to the command alone (``kill -INT``) or to its process group with the server it
