@@ -29,10 +29,10 @@ PHASE_BUDGET = {WARMUP: "warmup_steps", REFLECT_INIT: "reflect_init_steps", COEV
 
 
 def phase_lr(cfg: LearnerConfig, phase: str) -> float:
-    """The phase's peak rate: ``reflect_init_lr`` in reflection-mode initialisation when set, else ``lr``."""
-    if phase == REFLECT_INIT and cfg.reflect_init_lr is not None:
-        return cfg.reflect_init_lr
-    return cfg.lr
+    """The phase's peak rate: ``reflect_init_lr`` in reflection-mode initialisation and ``coevolve_lr`` in
+    co-evolution when set, else ``lr``."""
+    own = {REFLECT_INIT: cfg.reflect_init_lr, COEVOLVE: cfg.coevolve_lr}.get(phase)
+    return cfg.lr if own is None else own
 
 
 class PhaseSchedule:

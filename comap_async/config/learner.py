@@ -163,6 +163,11 @@ class LearnerConfig(Section):
     """Peak learning rate of reflection-mode initialisation (``None``: ``lr``). Its BCE trains one
     decision logit on a few hundred labels, a quarter of them REVISE; at warm-up's rate the balanced
     BCE swung between 0.0003 and 16 from one batch of 4 to the next (docs/method-table.md)."""
+    coevolve_lr: float | None = Field(default=None, gt=0)
+    """Peak learning rate of co-evolution (``None``: ``lr``). Co-evolution starts its own warm-up and
+    cosine, so without it an adapter that reflection-mode initialisation left at the end of its decay
+    is driven at warm-up SFT's rate again (docs/reflection-loop.md, "The gate shuts when the rate
+    comes back")."""
     reflect_init_torch_threads: int | None = Field(default=None, ge=1)
     """torch threads of reflection-mode initialisation's steps (``None``: ``model.torch_threads``), once the
     broker's reflection labels have stopped growing for a minute: the actors idle after

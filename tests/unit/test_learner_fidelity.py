@@ -57,6 +57,15 @@ def test_reflection_initialisation_peaks_at_its_own_rate_when_set():
     assert max(sched.lr_at(s) for s in range(25, 125)) == pytest.approx(1e-3)  # co-evolution: back to lr
 
 
+def test_coevolution_peaks_at_its_own_rate_when_set():
+    sched = _schedule(lr=1e-3, coevolve_lr=1e-4, warmup_steps=20, reflect_init_steps=5, total_steps=100)
+    sched.enter("reflect_init", 20)
+    assert max(sched.lr_at(s) for s in range(20, 25)) == pytest.approx(1e-3)  # reflect_init_lr unset: lr
+    sched.enter("coevolve", 25)
+    co = [sched.lr_at(s) for s in range(25, 125)]
+    assert max(co) == pytest.approx(1e-4) and co[3] == pytest.approx(1e-4)  # 3 = 3% of 100 steps of warm-up
+
+
 def test_train_step_uses_the_phase_schedule(tiny_model_dir):
     trainer = make_trainer(
         tiny_model_dir, lr=1e-3, warmup_ratio=0.5, warmup_steps=4, reflect_init_steps=3, total_steps=8
