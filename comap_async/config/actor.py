@@ -82,7 +82,10 @@ class ActorConfig(Section):
     Action:`` with the choice; under greedy decoding that is what constraining the whole reflection
     would give). Steps without an admissible list (imagined ones) decode freely. A decoding setting,
     like the temperature: a comparison plays every row with the config's; recorded with a run that
-    trains with it as the method switch ``admissible_choice``."""
+    trains with it as the method switch ``admissible_choice``. On vLLM a choice may come back in
+    another tokenization than the tokenizer's (its grammar admits any), so its logprobs, hence the
+    draft's confidence and ``choice_samples``' ranking, can read lower than the embedded server's
+    (docs/inference.md, "Known vLLM differences")."""
     revise_other_action: bool = False
     """With ``admissible_choice``: a reflection that decides REVISE and names the draft again (what the
     CPU default's reflections do on most REVISE states: the draft is in the prompt and copying it is
