@@ -259,10 +259,14 @@ async def test_an_interrupted_comparison_stops_at_once_with_its_server(
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=sink, start_new_session=True)
     try:
         deadline = time.time() + 300
-        while "steps=" not in err.read_text(errors="replace") and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.1)  # the row's bar counts environment steps: episodes are in flight
+        # the run's adapters are loaded just before the row's episodes start (a server's log line: the
+        # row's progress bar has no newline, so it may sit in a buffer)
+        while '"name": "r1-policy-v2"' not in err.read_text(errors="replace") and time.time() < deadline:
+            assert proc.poll() is None, err.read_text(errors="replace")[-3000:]
+            time.sleep(0.1)
         server = int(re.search(r'"pid": (\d+), "event": "eval.started_server"', err.read_text()).group(1))
-        time.sleep(2.0)
+        time.sleep(3.0)  # 4 games of up to 400 steps, 2 at a time: about two minutes of episodes in flight
+        assert proc.poll() is None, "the row ended before the signal: make its episodes longer"
         sent = time.time()
         (os.killpg if to_group else os.kill)(proc.pid, signal.SIGINT)
         rc = proc.wait(timeout=600)
