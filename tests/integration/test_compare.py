@@ -14,7 +14,7 @@ import pytest
 from comap_async.run_files import write_run_ablation
 from learner.publish import publish_adapters
 from tests.fixtures.learner import QuietLog, RecordingEndpoint, demo_record, make_trainer, reflection_record, wm_record
-from tests.fixtures.processes import process_state
+from tests.fixtures.processes import gone_within
 
 pytestmark = pytest.mark.alfworld
 REPO = Path(__file__).resolve().parents[2]
@@ -226,10 +226,7 @@ async def test_the_server_a_comparison_started_stops_when_the_comparison_is_kill
         assert server is not None, err.read_text()[-3000:]
         os.kill(proc.pid, signal.SIGKILL)  # the command alone, not its process group
         proc.wait()
-        deadline = time.time() + 60
-        while time.time() < deadline and process_state(server) != "Z":
-            time.sleep(0.1)
-        assert process_state(server) == "Z", "the server outlived its command"
+        assert gone_within(server, 60), "the server outlived its command"
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left, so a failure leaks nothing
@@ -275,10 +272,7 @@ async def test_an_interrupted_comparison_stops_at_once_with_its_server(
         assert rc == 130, tail
         assert stopped_in < 20, f"{stopped_in:.1f} s to stop: the episodes in flight were played on\n{tail}"
         assert "Traceback" not in tail
-        deadline = time.time() + 30
-        while time.time() < deadline and process_state(server) != "Z":
-            time.sleep(0.1)
-        assert process_state(server) == "Z", "the server outlived its interrupted command"
+        assert gone_within(server, 30), "the server outlived its interrupted command"
         assert not list((out / "cells").glob("*.tmp"))
     finally:
         try:
