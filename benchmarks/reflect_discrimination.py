@@ -63,8 +63,8 @@ def held_out(game: str, share: float) -> bool:
     return int(hashlib.sha256(game.encode()).hexdigest()[:8], 16) / 16**8 < share
 
 
-def score(trainer: Any, samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """Teacher-forced ``p`` at the decision position of each sample, and the discrimination figures."""
+def revise_probabilities(trainer: Any, samples: list[dict[str, Any]]) -> list[float]:
+    """Teacher-forced ``p`` at the decision position of each sample."""
     import torch
 
     from learner import losses
@@ -81,6 +81,12 @@ def score(trainer: Any, samples: list[dict[str, Any]]) -> dict[str, Any]:
             logits = trainer.forward.target_logits(packed)
             at = torch.tensor(packed.first, dtype=torch.long)
             ps.extend(losses.revise_probability(logits[at].float(), enc.keep_id, enc.revise_id).tolist())
+    return ps
+
+
+def score(trainer: Any, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The discrimination figures of teacher-forced ``p`` over ``samples``."""
+    ps = revise_probabilities(trainer, samples)
     pos = [p for p, r in zip(ps, samples) if r["y"] == 1]
     neg = [p for p, r in zip(ps, samples) if r["y"] == 0]
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
