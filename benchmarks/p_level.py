@@ -13,7 +13,7 @@ fixed seed, so every version is scored on the same rows:
 * ``suffix``: reflection-mode initialisation labels (``source: suffix``), ``--per-label`` of each label;
 * ``gate``: labels the broker made in co-evolution from the gate's own outcomes, the same number.
 
-    python benchmarks/p_level.py RUN_DIR [--versions 18,19,20] [--samples-from OTHER_RUN_DIR] [--per-label 40]
+    python benchmarks/p_level.py RUN_DIR [--versions 18,19|first,last] [--samples-from OTHER_RUN] [--per-label 40]
 
 Per adapter and set, a JSON line: mean ``p`` on ``y = 1`` and on ``y = 0`` rows, the AUC, the share of
 rows over ``tau_p``. Last line: ``p_over_tau_first=X p_over_tau_last=Y`` (the ``suffix`` set's share of
@@ -66,20 +66,27 @@ def labelled_sets(replay: Path, per_label: int, seed: int) -> dict[str, list[dic
     return sets
 
 
-def policy_adapters(run: Path, versions: list[int] | None) -> list[tuple[int, Path]]:
+def policy_adapters(run: Path, versions: list[str] | None) -> list[tuple[int, Path]]:
+    """The run's published policy adapters, oldest first; ``versions`` picks some (numbers, or ``first`` /
+    ``last``: the oldest and the newest the run still holds)."""
     found = sorted(
         (int(p.name.rsplit("-v", 1)[1]), p)
         for p in (run / "adapters").glob("policy-v*")
         if p.name.rsplit("-v", 1)[1].isdigit()
     )
-    if versions is not None:
-        missing = sorted(set(versions) - {v for v, _ in found})
-        if missing:
-            raise SystemExit(f"p_level: {run} has no policy adapter for version {', '.join(map(str, missing))}")
-        found = [(v, p) for v, p in found if v in versions]
     if not found:
         raise SystemExit(f"p_level: {run / 'adapters'} holds no published policy adapter")
-    return found
+    if versions is None:
+        return found
+    named = {"first": found[0][0], "last": found[-1][0]}
+    try:
+        wanted = {named[v] if v in named else int(v) for v in versions}
+    except ValueError:
+        raise SystemExit(f"p_level: --versions takes numbers, first or last, not {','.join(versions)}") from None
+    missing = sorted(wanted - {v for v, _ in found})
+    if missing:
+        raise SystemExit(f"p_level: {run} has no policy adapter for version {', '.join(map(str, missing))}")
+    return [(v, p) for v, p in found if v in wanted]
 
 
 def mean(xs: list[float]) -> float | None:
@@ -93,7 +100,9 @@ def over(ps: list[float], tau: float) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", type=Path, help="a run directory (its adapters/policy-vN are scored)")
-    ap.add_argument("--versions", default=None, help="comma-separated versions (default: every published one)")
+    ap.add_argument(
+        "--versions", default=None, help="comma-separated versions, or first / last (default: every published one)"
+    )
     ap.add_argument("--samples-from", type=Path, default=None, help="the run whose replay gives the samples")
     ap.add_argument("--per-label", type=int, default=40)
     ap.add_argument("--config", default=str(ROOT / "configs" / "local.yaml"))
@@ -110,7 +119,7 @@ def main() -> None:
     replay = (args.samples_from or args.run) / "replay"
     if not replay.is_dir():
         raise SystemExit(f"p_level: no replay at {replay}")
-    versions = None if args.versions is None else [int(v) for v in args.versions.split(",") if v]
+    versions = None if args.versions is None else [v.strip() for v in args.versions.split(",") if v.strip()]
     adapters = policy_adapters(args.run, versions)
     sets = labelled_sets(replay, args.per_label, args.seed)
     if not sets:
