@@ -72,6 +72,14 @@ class Reflected:
     action keeps the draft: that is what KEEP means, and the ``y = 0`` target by definition.)"""
 
 
+def choice_budget(max_tokens: int, choices: Sequence[str]) -> int:
+    """The token budget of a request decoded among ``choices``: at least the longest choice's UTF-8 bytes and
+    the end token (a byte-level token covers at least one byte), so no choice is cut into a prefix that is
+    none of them (ScienceWorld's commands, ``move sewer to fountain``, passed a 32-token draft budget on a
+    small vocabulary). The decoding stops where a choice ends, so the larger budget costs nothing."""
+    return max(max_tokens, max(len(c.encode()) for c in choices) + 1)
+
+
 def _choice(resp: dict[str, Any]) -> dict[str, Any]:
     return resp["choices"][0]
 
@@ -185,6 +193,8 @@ class AgentLLM:
         from comap_async.wire.inference_client import InferenceError
 
         extra = {"structured_outputs": {"choice": choices}} if choices else {}
+        if choices:
+            max_tokens = choice_budget(max_tokens, choices)
         if n > 1:
             extra["n"] = n
         if seed is not None:

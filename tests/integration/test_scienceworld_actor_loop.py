@@ -122,3 +122,47 @@ def test_comap_eval_reports_success_rate_and_mean_score(roomy_server, tiny_model
     assert all(0.0 <= e["score"] <= 100.0 or e["score"] == -100.0 for e in report["episodes"])
     assert report["mean_score"] == sum(e["score"] for e in report["episodes"]) / 2
     assert "mean score" in r.stdout and "success rate" in r.stdout
+
+
+TURNS = [*ENV, "env.draft_turns=true"]
+
+
+async def test_turns_warmup_stores_each_gold_path_whole(broker_factory, roomy_server, tiny_model_dir, games):
+    """The ALFWorld CPU recipe's prompt form on ScienceWorld: each gold run goes to the demos store as
+    one path of chat turns (its observations the simulator's own), no step as its own demonstration."""
+    broker = broker_factory(TURNS)
+    cfg = sw_config(broker, roomy_server, tiny_model_dir, "env.draft_turns=true", "env.max_steps=30")
+    worker = ActorWorker(cfg, configure_logging("actor-test"), envs=3, episodes=3, games=games)
+    results = await asyncio.wait_for(worker.run(), timeout=300)
+    assert [s.won for _, s in results] == [True, True, True] and worker.metrics.failures == 0
+    demos, transitions = stored(broker, "demos"), stored(broker, "transitions")
+    assert len(demos) == 3 and all(d["targets"] and all(d["targets"]) for d in demos)
+    for d in demos:
+        # an explored step (for the world model, on a branch) is not on the path
+        steps = sorted(
+            (t for t in transitions if t["episode"] == d["episode"] and not t["explore"]), key=lambda t: t["t"]
+        )
+        assert [list(turn) for turn in d["turns"]] == [[t["a_exec"], t["s_next"]] for t in steps]
+        assert d["goal"] in steps[0]["s"] and d["first"]
+    assert broker.stats()["counters"]["stored_turn_demos"] == 3
+
+
+async def test_turns_coevolve_drafts_are_valid_commands_under_admissible_choice(
+    broker_factory, roomy_server, tiny_model_dir, games
+):
+    """Decoded among ScienceWorld's valid commands (hundreds per state), the random tiny policy's
+    actions are all executable: the choice list reaches the server whole and the decoding keeps to it."""
+    broker = broker_factory([*TURNS, "actor.admissible_choice=true"])
+    await announce(broker, "coevolve")
+    cfg = sw_config(
+        broker, roomy_server, tiny_model_dir, "env.draft_turns=true", "actor.admissible_choice=true", "env.max_steps=3"
+    )
+    worker = ActorWorker(cfg, configure_logging("actor-test"), envs=3, episodes=3, games=games)
+    results = await asyncio.wait_for(worker.run(), timeout=300)
+    assert len(results) == 3 and worker.metrics.failures == 0
+    transitions, episodes = stored(broker, "transitions"), stored(broker, "episodes")
+    assert len(transitions) == sum(s.steps for _, s in results) >= 3
+    # the actor counts an executed action outside the state's valid list as invalid
+    assert len(episodes) == 3 and all(e["metrics"]["invalid_rate"] == 0 for e in episodes), episodes
+    # (not that each one acts: the simulator's valid list holds combinations its parser refuses, e.g.
+    # "move sewer to foundry" -> "No known action matches that input.")

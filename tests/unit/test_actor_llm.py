@@ -1,4 +1,4 @@
-"""Pure parts of the actor's model calls: q_ref covers exactly the refined action's tokens."""
+"""Pure parts of the actor's model calls: q_ref covers exactly the refined action's tokens; choice budgets."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from actors.llm import action_token_logprobs
+from actors.llm import action_token_logprobs, choice_budget
 
 
 def test_action_tokens_are_those_after_final_action():
@@ -23,3 +23,10 @@ def test_no_final_action_gives_no_tokens():
 def test_none_logprobs_are_skipped():
     tokens = ["Final Action:", " look"]
     assert action_token_logprobs("".join(tokens), tokens, [None, math.log(0.5)]) == [pytest.approx(math.log(0.5))]
+
+
+def test_a_choice_request_budgets_for_its_longest_choice():
+    # a byte-level token covers at least a byte: the longest choice's bytes and the end token always fit
+    assert choice_budget(32, ["look", "go to fridge 1"]) == 32
+    assert choice_budget(4, ["look", "move sewer to fountain"]) == len("move sewer to fountain") + 1
+    assert choice_budget(1, ["café"]) == len("café".encode()) + 1
