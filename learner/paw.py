@@ -6,7 +6,10 @@ The description available (no public code) names three parts; what is implemente
 * **Which transitions**: those where the policy is least sure of the action that was taken, by
   its action entropy (the mean entropy of its next-token distribution over the executed action's
   tokens, given the draft prompt): the ``learner.policy_wm_aux_share`` of a micro-batch's real
-  transitions with the highest entropy (:func:`select_by_entropy`).
+  transitions with the highest entropy (:func:`select_by_entropy`). In the turns form (``env.draft_turns``)
+  a transition does not carry the conversation its draft saw, so the entropy is the actor's, read as
+  it drafted (:func:`acting_entropy`, ``learner.policy_wm_aux_entropy: acting``): a one-sample estimate
+  from the draft's own tokens, of the policy that acted rather than the one being trained.
 * **A noise-tolerant loss**: the generalized cross-entropy of Zhang and Sabuncu (2018) per target
   token, ``(1 - p^q) / q`` (:func:`generalized_ce`, ``learner.policy_wm_aux_q``, 0.7): it tends to
   the cross-entropy as ``q -> 0`` and to the mean absolute error at ``q = 1``, so a few
@@ -49,6 +52,13 @@ def generalized_ce(logits: torch.Tensor, targets: torch.Tensor, q: float) -> tor
     return ((1.0 - torch.exp(q * logp)) / q).mean()
 
 
+def acting_entropy(records: list[dict[str, Any]]) -> torch.Tensor:
+    """Per record, minus the log of its draft's confidence (the geometric-mean token probability the
+    actor read as it drafted): the mean negative log-likelihood of the tokens it sampled, whose
+    expectation is the per-token entropy (``learner.policy_wm_aux_entropy: acting``)."""
+    return -torch.log(torch.tensor([float(r["draft_confidence"]) for r in records], dtype=torch.float32))
+
+
 @dataclass
 class AdaptiveWeight:
     """``base * EMA(policy loss) / EMA(aux loss)``, capped at ``10 * base``."""
@@ -75,17 +85,22 @@ def policy_wm_aux_step(
 
     cfg, enc = trainer.cfg, trainer.encoder
     usable = [r for r in records if r.get("s_next") and r.get("a_exec")]
+    if cfg.policy_wm_aux_entropy == "acting":  # only steps whose draft's confidence the actor measured
+        usable = [r for r in usable if (r.get("draft_confidence") or 0.0) > 0.0]
     if not usable:
         return {}
-    activate(trainer.model, "policy", trainable=False)
-    with torch.no_grad(), trainer.forward.amp():
-        packed = pack(
-            [[enc.draft({"s": r["s"], "target": r["a_exec"]})] for r in usable], trainer.pad_id, trainer.device
-        )
-        ent = token_entropy(trainer.forward.target_logits(packed))
-        owner = torch.as_tensor(packed.owner, device=ent.device)
-        per_row = torch.zeros(len(usable), device=ent.device).index_add_(0, owner, ent)
-        per_row = per_row / torch.bincount(owner, minlength=len(usable)).clamp(min=1)
+    if cfg.policy_wm_aux_entropy == "acting":
+        per_row = acting_entropy(usable)
+    else:
+        activate(trainer.model, "policy", trainable=False)
+        with torch.no_grad(), trainer.forward.amp():
+            packed = pack(
+                [[enc.draft({"s": r["s"], "target": r["a_exec"]})] for r in usable], trainer.pad_id, trainer.device
+            )
+            ent = token_entropy(trainer.forward.target_logits(packed))
+            owner = torch.as_tensor(packed.owner, device=ent.device)
+            per_row = torch.zeros(len(usable), device=ent.device).index_add_(0, owner, ent)
+            per_row = per_row / torch.bincount(owner, minlength=len(usable)).clamp(min=1)
     chosen = select_by_entropy(per_row.cpu(), cfg.policy_wm_aux_share)
     activate(trainer.model, "policy", trainable=True)
     packed = pack([[enc.world_model_ce(usable[i])] for i in chosen], trainer.pad_id, trainer.device)

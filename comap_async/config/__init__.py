@@ -148,6 +148,11 @@ class CoMapConfig(Section):
             raise ValueError(
                 "learner.demo_loss_share subsamples the demonstrated turns of a path: it needs env.draft_turns"
             )
+        if lr.policy_wm_aux > 0 and lr.policy_wm_aux_entropy == "acting" and not self.actor.reflect_confidence:
+            raise ValueError(
+                "learner.policy_wm_aux_entropy: acting reads the draft's confidence, which the actors measure "
+                "with actor.reflect_confidence: true"
+            )
         if self.actor.choice_samples and not self.actor.admissible_choice:
             raise ValueError(
                 "actor.choice_samples rescores drafts decoded among the admissible commands: it needs "
@@ -162,11 +167,15 @@ class CoMapConfig(Section):
             # the draft on a prompt form it never sees
             for on, name in (
                 (self.actor.imagined_rollouts > 0, "actor.imagined_rollouts"),
-                (lr.policy_wm_aux > 0, "learner.policy_wm_aux"),
                 (not lr.fast_path, "learner.fast_path: false"),
             ):
                 if on:
                     raise ValueError(f"env.draft_turns does not combine with {name} yet")
+            if lr.policy_wm_aux > 0 and lr.policy_wm_aux_entropy != "acting":
+                raise ValueError(
+                    "learner.policy_wm_aux with env.draft_turns selects by the actors' entropy: set "
+                    "learner.policy_wm_aux_entropy: acting (a transition does not carry the turns its draft saw)"
+                )
             if lr.max_path_tokens > self.inference.max_prompt_tokens:
                 raise ValueError(
                     f"learner.max_path_tokens ({lr.max_path_tokens}) must not exceed inference.max_prompt_tokens "

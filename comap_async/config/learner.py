@@ -124,6 +124,13 @@ class LearnerConfig(Section):
     """PaW: share of a micro-batch's real transitions, highest action entropy first, it trains on."""
     policy_wm_aux_q: float = Field(default=0.7, gt=0.0, le=1.0)
     """PaW: the generalized cross-entropy's ``q`` (noise tolerance; towards 0 it is the cross-entropy)."""
+    policy_wm_aux_entropy: Literal["prompt", "acting"] = "prompt"
+    """PaW: whose action entropy selects. ``prompt``: the learner's current policy, over the executed
+    action's tokens after the window-form draft prompt of ``s_t``. ``acting``: the actor's, at the step,
+    under the prompt it acted with: minus the log of the draft's confidence (``draft_confidence``, its
+    tokens' mean log-probability as sampled: a one-sample estimate of the per-token entropy; no extra
+    forward). The turns form (``env.draft_turns``) needs ``acting``: its transitions do not carry the
+    conversation the draft saw, and the window-form prompt is one its policy never acts on."""
     bce_balance: bool = False
     """Weigh the BCE's two labels alike (by the label counts the learner has trained on so far): a
     skewed mix is then not learned as a constant ``p``. Not in the paper (its BCE is unweighted)."""

@@ -4,6 +4,8 @@ switched on. Pure functions by hand, then the tiny trainer with its real LoRA ad
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,3 +85,38 @@ def test_it_trains_on_the_transitions_the_policy_is_least_sure_of(tiny_model_dir
     metrics = trainer.train_step([{"transitions": recs, "demos": [demo_record(0)]}])
     assert metrics["policy/wm_aux"] == pytest.approx(expected, rel=1e-4)
     assert metrics["policy/wm_aux_entropy"] == pytest.approx(sum(entropies) / 4, rel=1e-4)
+
+
+def test_acting_entropy_selects_the_drafts_the_actor_was_least_sure_of(tiny_model_dir):
+    from learner.batches import pack
+    from learner.peft_model import activate
+
+    trainer = make_trainer(
+        tiny_model_dir, autocast="off", policy_wm_aux=0.2, policy_wm_aux_share=0.5, policy_wm_aux_entropy="acting"
+    )
+    # an unmeasured confidence (None) is no candidate: 3 candidates, half of them -> 2
+    recs = [r | {"draft_confidence": c} for r, c in zip(records(), [0.9, 0.2, None, 0.5])]
+    activate(trainer.model, "policy", trainable=False)
+    with torch.no_grad():
+        packed = pack([[trainer.encoder.world_model_ce(recs[i])] for i in (1, 3)], trainer.pad_id)
+        expected = generalized_ce(trainer.forward.target_logits(packed), packed.targets, 0.7).item()
+    metrics = trainer.train_step([{"transitions": recs, "demos": [demo_record(0)]}])
+    assert metrics["policy/wm_aux_selected"] == 2
+    assert metrics["policy/wm_aux"] == pytest.approx(expected, rel=1e-4)
+    assert metrics["policy/wm_aux_entropy"] == pytest.approx(-(math.log(0.9) + math.log(0.2) + math.log(0.5)) / 3)
+    none = [r | {"draft_confidence": None} for r in records()]
+    assert not any(
+        k.startswith("policy/wm_aux") for k in trainer.train_step([{"transitions": none, "demos": [demo_record(0)]}])
+    )
+
+
+def test_the_turns_form_takes_pa_w_with_the_actors_entropy_only():
+    from comap_async.config import load_config
+
+    turns = ["env.draft_turns=true", "learner.policy_wm_aux=0.2"]
+    with pytest.raises(ValueError, match="policy_wm_aux_entropy: acting"):
+        load_config(None, turns)
+    with pytest.raises(ValueError, match="reflect_confidence"):
+        load_config(None, [*turns, "learner.policy_wm_aux_entropy=acting", "actor.reflect_confidence=false"])
+    cfg = load_config(None, [*turns, "learner.policy_wm_aux_entropy=acting", "actor.reflect_confidence=true"])
+    assert cfg.learner.policy_wm_aux_entropy == "acting"
