@@ -15,9 +15,12 @@ The filter (the issue's "stated rule"): the policy, as critic (the look-ahead's 
 continuation bring the task closer to done?"), scores the whole imagined episode from its real
 start; it is kept when P(YES) is at least ``actor.imagined_min_score`` (0 keeps every one and asks
 no critic). Each kept step is one :class:`~comap_async.wire.messages.Imagined` message: the state
-the policy saw and its action. The broker stores them apart (the ``imagined`` store); the learner
-mixes them into the draft loss's demonstrations at ``learner.imagined_share`` in co-evolution, and
-never into the world model's data (the world model would learn from its own answers).
+the policy saw and its action; in the turns form (``env.draft_turns``) each kept episode is one
+:class:`~comap_async.wire.messages.TurnDemos` path (``imagined``), the real turns as context and the
+imagined actions as targets, trained as the warm-up's paths are. The broker stores them apart (the
+``imagined`` store); the learner mixes them into the draft loss's demonstrations at
+``learner.imagined_share`` in co-evolution, and never into the world model's data (the world model
+would learn from its own answers).
 
 WebEvolver's own filter is not in its released code in a form this setting can reuse; the
 critic's judgement is the closest signal the policy has without a reward.
@@ -30,26 +33,64 @@ import random
 import time
 from typing import Any
 
-from comap_async.prompts import render_state
-from comap_async.wire.messages import POLICY, WM, Imagined
+from comap_async.prompts import Conversation, render_state
+from comap_async.prompts.template import FIT_LEFT_OUT_TURNS
+from comap_async.wire.messages import POLICY, WM, Imagined, TurnDemos
 
 
 async def imagine_from(ctx: Any, ep: Any, t: int, depth: int) -> list[tuple[str, str, str]]:
-    """``[(state shown to the policy, its action, the world model's answer), ...]`` from real step
-    ``t`` of ``ep``; shorter than ``depth`` when the policy's draft cannot be read."""
+    """``[(state s_t, the policy's action, the world model's answer), ...]`` from real step ``t`` of
+    ``ep``; shorter than ``depth`` when the policy's draft cannot be read. The draft sees what it sees in
+    a real step: ``s_t``, or with ``env.draft_turns`` the episode's real turns to ``t`` and the imagined
+    ones; the world model and the critic see ``s_t``."""
     e = ctx.cfg.env
-    history, observation = list(ep.history[:t]), ep.observation_at(t)
+    real = tuple(ep.history[:t])
+    history, observation = list(real), ep.observation_at(t)
     steps: list[tuple[str, str, str]] = []
     location = ep.location_at(t)  # where the real step was: an imagined step's room is not known
     for _ in range(depth):
         state = render_state(ep.task, history, observation, None, e.history_k, e.show_admissible, location)
-        action, _ = await ctx.llm.draft(state)
+        imagined = tuple((a, o) for _, a, o in steps)
+        seen = Conversation(ep.task, ep.first_observation, (*real, *imagined)) if e.draft_turns else state
+        action, _ = await ctx.llm.draft(seen)
         if action is None:
             break
         observation = await ctx.llm.imagine(state, action)
         steps.append((state, action, observation))
         history.append((action, observation))
     return steps
+
+
+def turns_path(ctx: Any, ep: Any, t: int, steps: list[tuple[str, str, str]], score: float | None) -> TurnDemos:
+    """An imagined episode in the turns form as one path: the real turns to ``t`` (context; the oldest
+    left out, in the actors' steps of ``FIT_LEFT_OUT_TURNS``, while the whole would pass
+    ``learner.max_path_tokens``, where the learner would end the path before its imagined actions), then
+    the imagined actions (targets) with the world model's answers."""
+    real, imagined = list(ep.history[:t]), [(a, o) for _, a, o in steps]
+    prompts, limit = ctx.llm.prompts, ctx.cfg.learner.max_path_tokens
+    count = getattr(prompts, "count_tokens", None)
+    while real and count is not None:
+        whole = Conversation(ep.task, ep.first_observation, (*real, *imagined))
+        if count(prompts.turns_prompt(whole, fit=False)) <= limit:
+            break
+        real = real[FIT_LEFT_OUT_TURNS:]
+    policy_v, wm_v = ctx.llm.last_version(POLICY) or 0, ctx.llm.last_version(WM) or 0
+    return TurnDemos(
+        seq=0,
+        id=f"{ep.id}:{t}:i",
+        actor=ctx.actor,
+        game=ep.game.name,
+        episode=ep.id,
+        goal=ep.task,
+        first=ep.first_observation,
+        turns=[*real, *imagined],
+        targets=[False] * len(real) + [True] * len(imagined),
+        imagined=True,
+        score=score,
+        policy_version=policy_v,
+        wm_version=wm_v,
+        ts=time.time(),
+    )
 
 
 class ImaginedRollouts:
@@ -100,6 +141,9 @@ async def _play_and_emit(ctx: Any, ep: Any, t: int) -> None:
         ep.stats.imagined_dropped += 1
         return
     ep.stats.imagined_kept += 1
+    if ctx.cfg.env.draft_turns:
+        await ctx.emit(turns_path(ctx, ep, t, steps, score))
+        return
     policy_v, wm_v = ctx.llm.last_version(POLICY) or 0, ctx.llm.last_version(WM) or 0
     for k, (state, action, _) in enumerate(steps):
         await ctx.emit(

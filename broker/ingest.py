@@ -7,7 +7,8 @@ Per message type:
   real transitions) and ``(s, expert action)`` to ``demos``; an ``explore`` transition (a
   non-expert action, for the world model to see failures) goes to ``transitions`` only, and so does
   one with ``step_demo`` false (``env.draft_turns``: its demonstration comes as ``turn_demos``).
-* ``turn_demos`` (``env.draft_turns``): to ``demos`` as one record, the path with its marked actions.
+* ``turn_demos`` (``env.draft_turns``): to ``demos`` as one record, the path with its marked actions; an
+  imagined episode's path (``imagined``) to ``imagined``.
 * ``transition`` in ``reflect_init``/``coevolve``: the raw transition goes to ``transitions`` and
   the gated policy sample of :func:`comap_async.method.gates.derive_policy_sample` to ``reflections``;
   a transition whose reflection was unreadable (``reflection_readable`` false) derives no sample.
@@ -83,6 +84,8 @@ class Ingest:
             return WriteItem(b"i:" + msg.id.encode(), [("imagined", self._pack(demo))], {"stored_imagined": 1})
         if type(msg) is TurnDemos:  # stored as sent: the learner tells a path from a Demo by ``turns``
             rec = strip_envelope(msg)
+            if msg.imagined:  # an imagined episode's path: the policy's draft data only, as an Imagined step
+                return WriteItem(b"i:" + msg.id.encode(), [("imagined", self._pack(rec))], {"stored_imagined": 1})
             return WriteItem(b"d:" + msg.id.encode(), [("demos", self._pack(rec))], record_counters("demos", rec))
         if type(msg) is Episode:
             return WriteItem(

@@ -163,14 +163,10 @@ class CoMapConfig(Section):
                 f"actor.demonstrations: handcoded needs ALFWorld's handcoded expert (env.name is {self.env.name})"
             )
         if self.env.draft_turns:
-            # each of these builds window-form draft samples from s_t; mixed in, they would train
-            # the draft on a prompt form it never sees
-            for on, name in (
-                (self.actor.imagined_rollouts > 0, "actor.imagined_rollouts"),
-                (not lr.fast_path, "learner.fast_path: false"),
-            ):
-                if on:
-                    raise ValueError(f"env.draft_turns does not combine with {name} yet")
+            # the reference path builds window-form draft samples from s_t: mixed in, they would train the
+            # draft on a prompt form it never sees
+            if not lr.fast_path:
+                raise ValueError("env.draft_turns does not combine with learner.fast_path: false yet")
             if lr.policy_wm_aux > 0 and lr.policy_wm_aux_entropy != "acting":
                 raise ValueError(
                     "learner.policy_wm_aux with env.draft_turns selects by the actors' entropy: set "

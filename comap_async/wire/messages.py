@@ -265,10 +265,10 @@ MAX_TURNS = 256  # (action, observation) pairs in one TurnDemos: above any env.m
 
 
 class TurnDemos(Message, tag="turn_demos", kw_only=True):
-    """Warm-up with ``env.draft_turns``: one played path as chat turns (the draft's prompt form,
-    :class:`comap_async.prompts.Conversation`), the actions to learn marked: a walkthrough (every
-    action), or a recovery branch (the path to step t, the exploratory action as context, then the
-    expert's action from the state it left: the path's actions are learned again, with it).
+    """Warm-up with ``env.draft_turns`` (and its imagined episodes, ``imagined``): one played path as chat
+    turns (the draft's prompt form, :class:`comap_async.prompts.Conversation`), the actions to learn
+    marked: a walkthrough (every action), or a recovery branch (the path to step t, the exploratory action
+    as context, then the expert's action from the state it left: the path's actions are learned again).
     The learner trains the whole path as one sequence, loss on the marked actions; the ``demos``
     store keeps it as sent (the learner tells it from a :class:`Demo` by ``turns``)."""
 
@@ -285,6 +285,12 @@ class TurnDemos(Message, tag="turn_demos", kw_only=True):
     targets: Annotated[list[bool], Meta(max_length=MAX_TURNS)]
     """Per turn: its action is a demonstration (else context: an exploratory action)."""
     recovery: bool = False
+    imagined: bool = False
+    """An imagined episode in the turns form (``actor.imagined_rollouts``): the real turns to the step it
+    started from as context, then the policy's imagined actions (the targets) with the world model's
+    answers. The broker files it in the ``imagined`` store (draft data only, like :class:`Imagined`)."""
+    score: Num | None = None
+    """An imagined episode's critic score (``None``: not scored, or not imagined)."""
     policy_version: Int
     wm_version: Int
     ts: Num

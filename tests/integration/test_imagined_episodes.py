@@ -88,3 +88,56 @@ async def test_imagined_steps_come_from_the_world_model_are_stored_apart_and_tra
     ids = {r["id"] for r in imagined}
     assert "imagined" not in mb and mb["demos"] and {r["id"] for r in mb["demos"]} <= ids
     assert not ids & {r.get("id") for r in mb.get("transitions", [])}
+
+
+async def test_in_the_turns_form_each_imagined_episode_is_one_path_trained_on_its_imagined_actions_only(
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, recorded_calls, monkeypatch
+):
+    from comap_async.models import load_model_and_tokenizer
+    from comap_async.prompts import ChatTemplate, Prompts
+    from learner.batches import Encoder
+
+    env_steps = []
+    real_step = AsyncTextEnv.step
+
+    async def counted(self, action):
+        env_steps.append(action)
+        return await real_step(self, action)
+
+    monkeypatch.setattr(AsyncTextEnv, "step", counted)
+    broker = broker_factory(["env.draft_turns=true"])
+    await announce(broker, "coevolve")
+    cfg = actor_config(
+        broker,
+        roomy_server,
+        alfworld_data,
+        tiny_model_dir,
+        "env.draft_turns=true",
+        "env.max_steps=3",
+        "actor.imagined_rollouts=2",
+        "actor.imagined_depth=2",
+        "actor.imagined_min_score=0",
+    )
+    worker = ActorWorker(cfg, configure_logging("actor-test"), envs=2, episodes=2)
+    results = await asyncio.wait_for(worker.run(), timeout=300)
+    assert len(env_steps) == sum(s.steps for _, s in results)  # the imagined steps took none
+    transitions, paths = stored(broker, "transitions"), stored(broker, "imagined")
+    assert stored(broker, "demos") == [] and sum(s.imagined_kept for _, s in results) == len(paths) == 4
+    drafts = {parse_action(c["text"]).value for c in recorded_calls if c["kind"] == "draft"}
+    _, tok = load_model_and_tokenizer(str(tiny_model_dir))
+    enc = Encoder(tok, Prompts(ChatTemplate.from_model_dir(tiny_model_dir)), 512, 4096)
+    for p in paths:
+        assert p["imagined"] and "turns" in p
+        t = p["targets"].index(True)
+        real = sorted((tr for tr in transitions if tr["episode"] == p["episode"]), key=lambda tr: tr["t"])[:t]
+        assert [list(x) for x in p["turns"][:t]] == [[tr["a_exec"], tr["s_next"]] for tr in real]
+        imagined = [a for a, _ in p["turns"][t:]]
+        assert imagined and all(a in drafts for a in imagined) and p["targets"] == [False] * t + [True] * len(imagined)
+        # the learner's sequence: a loss on the imagined actions' tokens (and their end of turn) only
+        seq = enc.draft(p)
+        assert sum(seq.loss) == sum(len(enc._ids(a.strip() + enc.eos)) for a in imagined)
+
+    async with BrokerClient(broker.learner_endpoint) as bc:
+        prefetch = Prefetcher(bc, LearnerState(phase="coevolve", version=0), 4, 1, 0, QuietLog(), {"imagined": 1.0})
+        mb = await prefetch.fetch("coevolve")
+    assert mb["demos"] and {r["id"] for r in mb["demos"]} <= {p["id"] for p in paths}

@@ -141,12 +141,13 @@ def test_the_switch_is_a_play_switch_and_refuses_what_would_mix_prompt_forms():
     cfg = CoMapConfig.model_validate({"env": {"draft_turns": True}})
     assert "draft_turns" in cfg.method_switches
     for bad, name in (
-        ({"actor": {"imagined_rollouts": 1}}, "actor.imagined_rollouts"),
-        ({"learner": {"policy_wm_aux": 0.1}}, "learner.policy_wm_aux"),
+        ({"learner": {"policy_wm_aux": 0.1}}, "learner.policy_wm_aux"),  # selecting by the window form's entropy
         ({"learner": {"fast_path": False}}, "learner.fast_path"),
     ):
         with pytest.raises(ValueError, match=name):
             CoMapConfig.model_validate({"env": {"draft_turns": True}, **bad})
+    # imagined episodes go as turns paths (tests/unit/test_imagined.py)
+    CoMapConfig.model_validate({"env": {"draft_turns": True}, "actor": {"imagined_rollouts": 1}})
 
 
 def test_an_episode_longer_than_the_servers_limit_leaves_out_its_oldest_turns(tiny_model_dir):

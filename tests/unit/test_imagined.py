@@ -7,21 +7,26 @@ import asyncio
 from types import SimpleNamespace
 
 import msgpack
+from msgspec.structs import replace as msgspec_replace
 
 from actors.imagined import ImaginedRollouts
 from comap_async.config import CoMapConfig
-from comap_async.wire.messages import Imagined
+from comap_async.prompts import Conversation
+from comap_async.wire.messages import Imagined, TurnDemos
 
 
 class ScriptedLLM:
     """Drafts ``go to desk <n>``; the world model answers ``You arrive at desk <n>.``; the critic
     scores an imagined episode by its first action (``scores``)."""
 
+    prompts = None  # no token counter: nothing of a turns path is left out
+
     def __init__(self, scores):
-        self.scores, self.n, self.critic_calls = scores, 0, []
+        self.scores, self.n, self.critic_calls, self.seen = scores, 0, [], []
 
     async def draft(self, state, temperature=None):
         self.n += 1
+        self.seen.append(state)
         return f"go to desk {self.n}", None
 
     async def imagine(self, state, action):
@@ -40,6 +45,7 @@ def episode(steps: int):
     return SimpleNamespace(
         id="a:e1",
         task="put a mug on desk",
+        first_observation="You are in a room.",
         history=history,
         game=SimpleNamespace(name="g"),
         stats=SimpleNamespace(steps=steps, imagined_kept=0, imagined_dropped=0),
@@ -48,9 +54,12 @@ def episode(steps: int):
     )
 
 
-async def play(min_score: float, scores: dict, steps: int = 5, rollouts: int = 3, depth: int = 2):
+async def play(min_score: float, scores: dict, steps: int = 5, rollouts: int = 3, depth: int = 2, turns=False):
     cfg = CoMapConfig.model_validate(
-        {"actor": {"imagined_rollouts": rollouts, "imagined_depth": depth, "imagined_min_score": min_score}}
+        {
+            "env": {"draft_turns": turns},
+            "actor": {"imagined_rollouts": rollouts, "imagined_depth": depth, "imagined_min_score": min_score},
+        }
     )
     sent, llm = [], ScriptedLLM(scores)
 
@@ -157,3 +166,72 @@ def test_a_run_records_the_related_methods_switches_and_the_table_names_them(tmp
     assert read_run_ablation(tmp_path) == ["frozen_wm"] and read_run_methods(tmp_path) == ["imagined_episodes", "paw"]
     assert run_label(["frozen_wm"], "r1", ["imagined_episodes"]) == "ablation frozen_wm + imagined_episodes (r1)"
     assert run_label([], "r0") == "CoMap (r0)"
+
+
+async def test_in_the_turns_form_an_imagined_episode_is_one_path_its_draft_seeing_the_real_turns_then_its_own():
+    sent, ep, llm = await play(0.0, {}, turns=True)
+    assert ep.stats.imagined_kept == 3 and len(sent) == 3 and all(type(m) is TurnDemos and m.imagined for m in sent)
+    for m in sent:
+        t = int(m.id.split(":")[-2])
+        real, imagined = [tuple(x) for x in m.turns[:t]], [tuple(x) for x in m.turns[t:]]
+        assert real == ep.history[:t] and m.targets == [False] * t + [True] * 2 and m.first == ep.first_observation
+        # each imagined action is the world model's answered draft, and the next draft saw that answer
+        assert [o for _, o in imagined] == [f"You arrive at desk {a.rsplit(' ', 1)[1]}." for a, _ in imagined]
+        seen = [c for c in llm.seen if isinstance(c, Conversation) and c.turns[:t] == tuple(ep.history[:t])]
+        assert Conversation(ep.task, ep.first_observation, (*ep.history[:t], imagined[0])) in seen
+    assert all(isinstance(c, Conversation) for c in llm.seen)
+
+
+def test_the_broker_files_an_imagined_path_in_the_imagined_store_not_the_demonstrations():
+    from broker.ingest import Ingest
+
+    msg = TurnDemos(
+        seq=1,
+        id="a:e1:2:i",
+        actor="a",
+        game="g",
+        episode="a:e1",
+        goal="put a mug on desk",
+        first="You are in a room.",
+        turns=[("real 0", "You see thing 0."), ("go to desk 1", "You arrive at desk 1.")],
+        targets=[False, True],
+        imagined=True,
+        score=0.7,
+        policy_version=3,
+        wm_version=3,
+        ts=1.0,
+    )
+    item = Ingest().prepare(msg, b"raw")
+    assert [store for store, _ in item.records] == ["imagined"] and item.counters == {"stored_imagined": 1}
+    rec = msgpack.unpackb(item.records[0][1])
+    assert rec["turns"][1] == ["go to desk 1", "You arrive at desk 1."] and rec["targets"] == [False, True]
+    plain = Ingest().prepare(msgspec_replace(msg, imagined=False), b"raw")
+    assert [store for store, _ in plain.records] == ["demos"]
+
+
+def test_a_long_real_prefix_leaves_out_its_oldest_turns_so_the_imagined_actions_fit_the_learners_path(tiny_model_dir):
+    from actors.imagined import turns_path
+    from comap_async.prompts import Prompts
+    from comap_async.prompts.template import FIT_LEFT_OUT_TURNS
+
+    prompts = Prompts.for_model(tiny_model_dir, CoMapConfig.model_validate({"env": {"draft_turns": True}}))
+    llm = ScriptedLLM({})
+    llm.prompts = prompts
+    ep = episode(40)
+    steps = [("s", "go to desk 1", "You arrive at desk 1."), ("s", "go to desk 2", "You arrive at desk 2.")]
+    imagined = tuple((a, o) for _, a, o in steps)
+
+    def tokens(turns):
+        return prompts.count_tokens(prompts.turns_prompt(Conversation(ep.task, ep.first_observation, turns), fit=False))
+
+    # a learner's path limit halfway between the imagined turns alone and the whole episode with them
+    limit = (tokens(imagined) + tokens((*ep.history, *imagined))) // 2
+    cfg = CoMapConfig.model_validate({"env": {"draft_turns": True}, "learner": {"max_path_tokens": limit}})
+    path = turns_path(SimpleNamespace(cfg=cfg, llm=llm, actor="a"), ep, 40, steps, None)
+    kept = len(path.turns) - 2
+    assert 0 < kept < 40 and (40 - kept) % FIT_LEFT_OUT_TURNS == 0
+    assert [tuple(x) for x in path.turns[:kept]] == ep.history[40 - kept :]
+    assert path.targets == [False] * kept + [True, True]
+    assert tokens(tuple(tuple(x) for x in path.turns)) <= limit
+    # no more left out than needed: with the last block left out back in, the path would not fit
+    assert tokens((*ep.history[40 - kept - FIT_LEFT_OUT_TURNS :], *imagined)) > limit
