@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from reflect_discrimination import build_trainer, revise_probabilities  # noqa: E402
 
 from actors.probes import auc  # noqa: E402
-from comap_async.wire.messages import REFLECT_INIT  # noqa: E402
+from comap_async.wire.messages import POLICY, REFLECT_INIT, adapter_name, adapter_version  # noqa: E402
 
 
 def labelled_sets(replay: Path, per_label: int, seed: int) -> dict[str, list[dict[str, Any]]]:
@@ -70,9 +70,9 @@ def policy_adapters(run: Path, versions: list[str] | None) -> list[tuple[int, Pa
     """The run's published policy adapters, oldest first; ``versions`` picks some (numbers, or ``first`` /
     ``last``: the oldest and the newest the run still holds)."""
     found = sorted(
-        (int(p.name.rsplit("-v", 1)[1]), p)
-        for p in (run / "adapters").glob("policy-v*")
-        if p.name.rsplit("-v", 1)[1].isdigit()
+        (adapter_version(p.name), p)
+        for p in (run / "adapters").glob(f"{POLICY}-*")
+        if p.name == adapter_name(POLICY, adapter_version(p.name))
     )
     if not found:
         raise SystemExit(f"p_level: {run / 'adapters'} holds no published policy adapter")
