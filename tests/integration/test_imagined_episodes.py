@@ -25,17 +25,23 @@ from tests.integration.test_actor_loop import actor_config, announce
 pytestmark = pytest.mark.alfworld
 
 
-async def test_imagined_steps_come_from_the_world_model_are_stored_apart_and_train_only_the_draft(
-    broker_factory, roomy_server, alfworld_data, tiny_model_dir, recorded_calls, monkeypatch
-):
-    env_steps = []
+@pytest.fixture
+def env_steps(monkeypatch) -> list[str]:
+    """The actions the real environments were stepped with (an imagined step takes none)."""
+    steps: list[str] = []
     real_step = AsyncTextEnv.step
 
     async def counted(self, action):
-        env_steps.append(action)
+        steps.append(action)
         return await real_step(self, action)
 
     monkeypatch.setattr(AsyncTextEnv, "step", counted)
+    return steps
+
+
+async def test_imagined_steps_come_from_the_world_model_are_stored_apart_and_train_only_the_draft(
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, recorded_calls, env_steps
+):
     broker = broker_factory()
     await announce(broker, "coevolve")
     cfg = actor_config(
@@ -91,20 +97,12 @@ async def test_imagined_steps_come_from_the_world_model_are_stored_apart_and_tra
 
 
 async def test_in_the_turns_form_each_imagined_episode_is_one_path_trained_on_its_imagined_actions_only(
-    broker_factory, roomy_server, alfworld_data, tiny_model_dir, recorded_calls, monkeypatch
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, recorded_calls, env_steps
 ):
     from comap_async.models import load_model_and_tokenizer
     from comap_async.prompts import ChatTemplate, Prompts
     from learner.batches import Encoder
 
-    env_steps = []
-    real_step = AsyncTextEnv.step
-
-    async def counted(self, action):
-        env_steps.append(action)
-        return await real_step(self, action)
-
-    monkeypatch.setattr(AsyncTextEnv, "step", counted)
     broker = broker_factory(["env.draft_turns=true"])
     await announce(broker, "coevolve")
     cfg = actor_config(
