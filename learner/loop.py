@@ -11,7 +11,6 @@ schedule, RNG, phase, adapter version — is in the checkpoint; a restarted lear
 from __future__ import annotations
 
 import asyncio
-import math
 import signal
 import threading
 import time
@@ -20,15 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from comap_async.config import CoMapConfig
-from comap_async.heap import release_freed_memory, resident_gb
+from comap_async.heap import resident_gb
 from comap_async.method.fingerprint import check_method
-from comap_async.method.routing import after_warmup, first_phase, world_model_frozen
+from comap_async.method.routing import first_phase, world_model_frozen
 from comap_async.run_files import append_run_config, write_run_ablation
 from comap_async.waiting import cancel_and_wait, until_stopped, wait_until_answers
 from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
+from learner.phases import PhaseControl
 from learner.prefetch import Prefetcher
 from learner.schedule import phase_bce_weight
-from learner.threads import QUIET_STORE, QuietWatch, own_threads, phase_threads
+from learner.step_thread import step_or_stop
+from learner.threads import QuietWatch
 
 
 @dataclass
@@ -45,7 +46,7 @@ class LearnerState:
         return dict(self.__dict__)
 
 
-class Learner:
+class Learner(PhaseControl):
     def __init__(self, cfg: CoMapConfig, log: Any) -> None:
         import torch
 
@@ -122,27 +123,6 @@ class Learner:
         for k, v in metrics.items():
             self.writer.add_scalar(k, v, self.trainer.step)
 
-    # ------------------------------------------------------------------ phases
-    def next_phase(self) -> str | None:
-        """The phase to switch to after this step, or None to stay."""
-        lc, s, step = self.cfg.learner, self.state, self.trainer.step
-        limit = {WARMUP: lc.warmup_max_minutes, REFLECT_INIT: lc.reflect_init_max_minutes}.get(s.phase)
-        out_of_time = limit is not None and s.phase_seconds >= 60 * limit
-        if s.phase == WARMUP and (step - s.phase_start >= (s.phase_budget or lc.warmup_steps) or out_of_time):
-            return after_warmup(self.cfg)
-        if s.phase == REFLECT_INIT and (
-            step - s.phase_start >= (s.phase_budget or lc.reflect_init_steps) or out_of_time
-        ):
-            return COEVOLVE
-        return None
-
-    def _publish_every(self) -> int:
-        """Steps between publishes in the current phase (never in warm-up unless configured)."""
-        lc = self.cfg.learner
-        if self.state.phase == WARMUP:
-            return lc.warmup_publish_every or 1 << 62
-        return lc.publish_every
-
     async def publish(self, inference: Any, broker: Any, metrics: dict[str, float] | None = None) -> dict[str, Any]:
         from learner.checkpoint import pinned_steps
         from learner.publish import publish_adapters
@@ -199,94 +179,6 @@ class Learner:
                 inplace=True,
             )
         self.log.info("learner.live_adapters_reloaded", adapters=registry.get("adapters"))
-
-    async def wait_for_store(self, broker: Any, store: str, key: str, need: int, event: str) -> int | None:
-        """Poll the broker's stats until ``stores[store][key] >= need`` (one log line per 10 s);
-        returns the value reached, or None when stopping."""
-        last = 0.0
-        while not self.stop.is_set():
-            have = (await broker.get_stats())["stores"][store][key]
-            if have >= need:
-                return have
-            if time.monotonic() - last > 10:
-                self.log.info(event, store=store, have=have, need=need)
-                last = time.monotonic()
-            await asyncio.sleep(1.0)
-        return None
-
-    @property
-    def global_batch(self) -> int:
-        """Samples one optimizer step trains on, over every rank (a budget's unit)."""
-        lc = self.cfg.learner
-        return lc.batch_size * lc.grad_accum * (self.dp.world if self.dp is not None else 1)
-
-    @property
-    def reflect_init_batch(self) -> int:
-        """Reflection samples per micro-batch of reflection-mode initialisation."""
-        lc = self.cfg.learner
-        return lc.reflect_init_batch_size or lc.batch_size
-
-    def follow_budget(self, phase: str) -> None:
-        """Enter ``phase`` with the step budget just sized from the broker's counts, rank 0's on every
-        rank (the ranks read the counts at slightly different moments)."""
-        if self.dp is not None:
-            self.state.phase_budget = self.dp.follow(self.state.phase_budget)
-        self.trainer.scheduler.enter(phase, self.state.phase_start, self.state.phase_budget)
-
-    async def follow_threads(self, phase: str, broker: Any) -> int:
-        """Set the phase's torch threads (:func:`~learner.threads.phase_threads`) before a step; returns
-        them. A phase's own threads wait until its store (episodes, labels) has stopped growing for a while."""
-        import torch
-
-        quiet = True
-        if own_threads(self.cfg, phase) is not None:
-            written = (await broker.get_stats())["stores"][QUIET_STORE[phase]]["written"]
-            # keyed by phase: a new phase's store starts its own window, whatever its count
-            quiet = self.actors_quiet.update((phase, written), time.monotonic())
-        threads = phase_threads(self.cfg, phase, quiet)
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-            self.log.info("learner.threads", phase=phase, threads=threads)
-        return threads
-
-    async def wait_for_demos(self, broker: Any) -> None:
-        """Warm-up starts once the broker holds ``warmup_min_demos`` demonstrations."""
-        demos = await self.wait_for_store(
-            broker, "demos", "count", self.cfg.learner.warmup_min_demos, "learner.waiting_for_demos"
-        )
-        lc = self.cfg.learner
-        if demos is not None and lc.warmup_epochs is not None and self.state.phase_budget is None:
-            # sized by the data there is when training starts: later demonstrations only add variety
-            self.state.phase_budget = max(lc.warmup_steps, math.ceil(lc.warmup_epochs * demos / self.global_batch))
-            self.follow_budget(WARMUP)
-            self.log.info("learner.warmup_budget", demos=demos, epochs=lc.warmup_epochs, steps=self.state.phase_budget)
-
-    async def wait_for_reflections(self, broker: Any) -> int | None:
-        """``reflect_init`` trains once the broker holds ``reflect_init_min_samples`` reflection
-        samples: the actors start labelling them only when the phase is announced. With
-        ``reflect_init_epochs`` the phase's budget is then sized by the samples held."""
-        lc = self.cfg.learner
-        have = await self.wait_for_store(
-            broker, "reflections", "count", lc.reflect_init_min_samples, "learner.waiting_for_reflections"
-        )
-        if have is not None and lc.reflect_init_epochs is not None and self.state.phase_budget is None:
-            per_step = self.global_batch // lc.batch_size * self.reflect_init_batch
-            self.state.phase_budget = max(lc.reflect_init_steps, math.ceil(lc.reflect_init_epochs * have / per_step))
-            self.follow_budget(REFLECT_INIT)
-            self.log.info(
-                "learner.reflect_init_budget",
-                samples=have,
-                epochs=lc.reflect_init_epochs,
-                steps=self.state.phase_budget,
-            )
-        return have
-
-    async def wait_for_round(self, broker: Any) -> None:
-        """``rounds`` schedule: block until the actors finished ``rounds_episodes`` new episodes."""
-        need = self.state.round_episodes + self.cfg.learner.rounds_episodes
-        written = await self.wait_for_store(broker, "episodes", "written", need, "learner.waiting_for_round")
-        if written is not None:
-            self.state.round_episodes = written
 
     async def run(self, max_steps: int | None = None) -> int:
         from comap_async.wire.broker_client import BrokerClient
@@ -468,46 +360,8 @@ class Learner:
             )
 
     async def _step_or_stop(self, micro: list) -> dict[str, float] | None:
-        """Run one step in a daemon thread; None when ``stop`` comes first.
-
-        A step of the default model on one CPU core takes tens of seconds and honcho sends SIGKILL
-        5 s after SIGTERM, so shutdown cannot wait for it: the step is told to abandon at its next
-        micro-batch, and the checkpoint (taken under the trainer's update lock) holds the last
-        completed step. A daemon thread does not keep the exiting process alive.
-        """
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-
-        def hand_back(settle: Any) -> None:
-            if loop.is_closed():
-                return  # the step was abandoned and the loop has finished: nobody waits for it
-            try:
-                loop.call_soon_threadsafe(settle)
-            except RuntimeError:
-                if not loop.is_closed():  # closed between the check and the call is the same case
-                    raise
-
-        def work() -> None:
-            try:
-                result = self.trainer.train_step(micro)
-                release_freed_memory()  # the step's activations, freed in this thread's arena
-            except BaseException as exc:  # handed to the event loop, which raises it in _train
-                # bound now: Python unbinds ``exc`` when the except block ends, before the loop runs this
-                hand_back(lambda err=exc: done.done() or done.set_exception(err))
-            else:
-                hand_back(lambda: done.done() or done.set_result(result))
-
-        self.step_thread = threading.Thread(target=work, name="learner-step", daemon=True)
-        self.step_thread.start()
-        stopper = asyncio.ensure_future(self.stop.wait())
-        finished, _ = await asyncio.wait({done, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        stopper.cancel()
-        if done in finished:
-            return done.result()
-        self.trainer.abort = True
-        done.add_done_callback(lambda f: f.exception())  # an abandoned step's StepAborted is expected
-        self.log.info("learner.step_abandoned", step=self.trainer.step + 1)
-        return None
+        """One step in a daemon thread; None when ``stop`` comes first (:mod:`learner.step_thread`)."""
+        return await step_or_stop(self, micro)
 
 
 def run_learner(cfg: CoMapConfig, log: Any, max_steps: int | None = None) -> int:
