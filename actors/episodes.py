@@ -87,6 +87,8 @@ class EpisodeStats:
     imagined_kept: int = 0
     imagined_dropped: int = 0
     """``actor.imagined_rollouts``: imagined episodes sent / dropped by the filter (:mod:`actors.imagined`)."""
+    imagined_scores: list[float] = field(default_factory=list)
+    """The critic's scores of the imagined episodes it read (kept or not): what the filter cut at."""
     guarded: int = 0
     """Evaluation with ``eval.repeat_guard``: steps whose repeated action was replaced (:func:`avoid_repeat`)."""
     judged_steps: list[tuple[int, int, int]] = field(default_factory=list)
@@ -122,6 +124,9 @@ class EpisodeStats:
         if self.imagined_kept or self.imagined_dropped:
             out["imagined_kept"] = float(self.imagined_kept)
             out["imagined_dropped"] = float(self.imagined_dropped)
+        if self.imagined_scores:
+            out["imagined_score_mean"] = sum(self.imagined_scores) / len(self.imagined_scores)
+            out["imagined_score_max"] = max(self.imagined_scores)
         if self.demo_fallback:
             out["demo_fallback"] = 1.0
         if self.guarded:

@@ -136,6 +136,8 @@ async def _play_and_emit(ctx: Any, ep: Any, t: int) -> None:
     score = None
     if steps and a.imagined_min_score > 0:
         score = await ctx.llm.critic(steps[0][0], [(action, answer) for _, action, answer in steps])
+        if score is not None:
+            ep.stats.imagined_scores.append(score)
     kept = bool(steps) and (a.imagined_min_score <= 0 or (score is not None and score >= a.imagined_min_score))
     if not kept:
         ep.stats.imagined_dropped += 1

@@ -48,7 +48,7 @@ def episode(steps: int):
         first_observation="You are in a room.",
         history=history,
         game=SimpleNamespace(name="g"),
-        stats=SimpleNamespace(steps=steps, imagined_kept=0, imagined_dropped=0),
+        stats=SimpleNamespace(steps=steps, imagined_kept=0, imagined_dropped=0, imagined_scores=[]),
         observation_at=lambda t: history[t - 1][1] if t else "You are in a room.",
         location_at=lambda t: "",  # ALFWorld gives none
     )
@@ -94,6 +94,7 @@ async def test_the_critic_keeps_what_it_scores_at_least_min_score_and_drops_unre
     assert sorted(m.target for m in sent) == ["go to desk 1", "go to desk 2"]
     assert {m.score for m in sent} == {0.9, 0.6}
     assert (ep.stats.imagined_kept, ep.stats.imagined_dropped) == (2, 1)
+    assert sorted(ep.stats.imagined_scores) == [0.3, 0.6, 0.9]  # every score read, the dropped one too
 
 
 async def test_a_rollout_goes_out_while_its_episode_is_still_running_and_a_short_episode_keeps_its_count():
@@ -235,3 +236,12 @@ def test_a_long_real_prefix_leaves_out_its_oldest_turns_so_the_imagined_actions_
     assert tokens(tuple(tuple(x) for x in path.turns)) <= limit
     # no more left out than needed: with the last block left out back in, the path would not fit
     assert tokens((*ep.history[40 - kept - FIT_LEFT_OUT_TURNS :], *imagined)) > limit
+
+
+def test_an_episodes_metrics_carry_the_critics_scores_of_its_imagined_episodes():
+    from actors.episodes import EpisodeStats
+
+    out = EpisodeStats(imagined_kept=1, imagined_dropped=2, imagined_scores=[0.2, 0.6, 0.1]).metrics()
+    assert (out["imagined_kept"], out["imagined_dropped"]) == (1.0, 2.0)
+    assert abs(out["imagined_score_mean"] - 0.3) < 1e-9 and out["imagined_score_max"] == 0.6
+    assert "imagined_score_mean" not in EpisodeStats(imagined_kept=3).metrics()  # min score 0: no critic asked
