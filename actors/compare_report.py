@@ -249,27 +249,44 @@ def chart_panels(rows: list[dict[str, Any]], scored: bool) -> list[tuple[str, li
     return [first, ("world-model Delta-F1", [r["delta_f1"] for r in rows])]
 
 
-def bar_chart(rows: list[dict[str, Any]], path: Path, title: str, scored: bool = False) -> Path:
+def chart_label(label: str, width: int = 44) -> str:
+    """A row's label wrapped onto lines of ``width`` characters at its `` + `` joins and spaces: a row
+    with several switches is longer than the chart is wide, and the figure cannot make room for one line."""
+    import textwrap
+
+    return textwrap.fill(label, width=width, break_long_words=False, break_on_hyphens=False)
+
+
+def bar_figure(rows: list[dict[str, Any]], title: str, scored: bool = False) -> Any:
     """Two panels of horizontal bars (success rate, or the mean score / 100 where the environment
-    scores partial progress (``scored``: ScienceWorld); Delta-F1), one bar per row, as a PNG."""
+    scores partial progress (``scored``: ScienceWorld); Delta-F1), one bar per row: a matplotlib figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [r["label"] for r in rows]
+    labels = [chart_label(r["label"]) for r in rows]
+    lines = sum(label.count("\n") + 1 for label in labels)
     colours = ["#4c72b0" if r["kind"] == "run" else "#999999" for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 0.55 * len(rows) + 1.6), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 0.25 * lines + 0.35 * len(rows) + 1.6), sharey=True)
     for ax, (name, values) in zip(axes, chart_panels(rows, scored)):
         ax.barh(range(len(rows)), [0.0 if v is None else v for v in values], color=colours)
         for i, v in enumerate(values):
             ax.text(v or 0.0, i, " n/a" if v is None else f" {v:.2f}", va="center", fontsize=8)
         ax.set_xlim(0, 1.05)
         ax.set_xlabel(name)
-    axes[0].set_yticks(range(len(rows)), labels)
+    axes[0].set_yticks(range(len(rows)), labels, fontsize=8)
     axes[0].invert_yaxis()
     fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def bar_chart(rows: list[dict[str, Any]], path: Path, title: str, scored: bool = False) -> Path:
+    """:func:`bar_figure` as a PNG at ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = bar_figure(rows, title, scored)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)

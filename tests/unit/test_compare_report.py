@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.compare_report import markdown, row, server_per_step, wilson_interval
+from actors.compare_report import markdown, row, run_label, server_per_step, wilson_interval
 
 
 def test_wilson_interval_matches_the_textbook_values():
@@ -215,3 +215,21 @@ def test_the_servers_time_is_split_per_played_step():
         },
     )
     assert "1000 prompt tokens (50% from the prefix cache), 100 generated; prefill 2.00 s" in markdown([r], "x", 1)
+
+
+def test_the_charts_row_labels_fit_in_the_figure():
+    import matplotlib.pyplot as plt
+
+    from actors.compare_report import bar_figure, chart_label
+
+    switches = ["handcoded_demos", "admissible_choice", "reflect_confidence", "draft_turns"]
+    label = run_label([], "r41-comap-learner-policy_wm_aux-0-2-learner-coevolve_lr-0-0001-again", switches)
+    rows = [row(label, "run", "comap", _report({"a": 100.0, "b": 0.0}), run="r", ablation=[])] * 6
+    rows.append(row("Draft only", "method", "draft_only", _report({"a": 100.0, "b": 100.0})))
+    fig = bar_figure(rows, "valid_seen, 2 games")
+    fig.canvas.draw()
+    for tick in fig.axes[0].get_yticklabels():  # a label cut at the figure's left edge starts left of 0
+        box = tick.get_window_extent()
+        assert box.x0 >= 0 and box.y0 >= 0 and box.y1 <= fig.bbox.height, tick.get_text()
+    plt.close(fig)
+    assert chart_label(label).replace("\n", " ") == label  # wrapped, nothing dropped
