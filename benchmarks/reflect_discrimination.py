@@ -68,7 +68,7 @@ def revise_probabilities(trainer: Any, samples: list[dict[str, Any]]) -> list[fl
     import torch
 
     from learner import losses
-    from learner.batches import pack
+    from learner.packing import pack
     from learner.peft_model import activate
 
     enc = trainer.encoder
@@ -107,7 +107,7 @@ def draft_doubts(trainer: Any, samples: list[dict[str, Any]]) -> list[float]:
     on the draft prompt."""
     import torch
 
-    from learner.batches import pack
+    from learner.packing import pack
     from learner.peft_model import activate
 
     enc = trainer.encoder

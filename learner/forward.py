@@ -2,7 +2,7 @@
 
 The reference path runs the causal LM over left-padded batches and projects a window of final
 positions onto the whole vocabulary (:meth:`Forward.window_logits`). The fast path runs the decoder
-over packed rows (:func:`learner.batches.pack`; attention per unit,
+over packed rows (:func:`learner.packing.pack`; attention per unit,
 :func:`learner.peft_model.packed_attention`) and projects only the positions that predict a target
 token (:meth:`Forward.target_logits`); with ``learner.prompt_grad: false`` the prompts' keys and
 values come from a pass without gradient. ``learner.autocast`` adds bf16 matmuls on hardware that
@@ -20,7 +20,8 @@ import torch
 
 from comap_async.config import LearnerConfig
 from comap_async.models import cpu_has_native_bf16, kv_cache_argument
-from learner.batches import Packed, detach_prompts, logits_window
+from learner.batches import logits_window
+from learner.packing import Packed, detach_prompts
 from learner.peft_model import cast_frozen_base, use_fast_dropout, use_packed_attention
 
 

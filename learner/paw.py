@@ -80,7 +80,7 @@ def policy_wm_aux_step(
 ) -> dict[str, float]:
     """Select the micro-batch's transitions by the policy's action entropy, then the weighted
     generalized cross-entropy of their next observations under the policy adapter, backward."""
-    from learner.batches import pack
+    from learner.packing import pack
     from learner.peft_model import activate
 
     cfg, enc = trainer.cfg, trainer.encoder

@@ -140,7 +140,7 @@ def packed_attention(
     packed_layout: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA that follows a :class:`learner.batches.Packed` layout instead of its dense mask.
+    """SDPA that follows a :class:`learner.packing.Packed` layout instead of its dense mask.
 
     The dense [W, W] mask of a packed row makes the kernel compute every query-key block, and
     most of them are masked (other units, the upper triangle). Here each unit's prompt attends

@@ -13,7 +13,7 @@ the policy's update (or the other way round).
 Two code paths compute the same losses (``learner.fast_path``; tests/unit/test_learner_fast_path.py
 compares them). The reference path (learner/reference_path.py) runs the causal LM over left-padded batches, one pass per
 kind of row, and projects a window of final positions onto the whole vocabulary. The fast path
-(the default) runs the decoder over packed rows (:func:`learner.batches.pack`: a transition's CE
+(the default) runs the decoder over packed rows (:func:`learner.packing.pack`: a transition's CE
 target and its rollout share one pass over their prompt; attention per unit,
 :func:`learner.peft_model.packed_attention`), projects only the positions that predict a target
 token, and goes through a micro-batch in chunks of ``learner.chunk_tokens`` whose backward runs
@@ -36,10 +36,11 @@ import torch
 from comap_async.config import AblationConfig, LearnerConfig
 from comap_async.method.routing import world_model_terms
 from learner import losses, reference_path
-from learner.batches import Encoder, Seq, chunk_by_tokens, collate, pack
+from learner.batches import Encoder, Seq, collate
 from learner.checkpoint import rng_state
 from learner.ema import copy_student_to_teacher, ema_update, paired_lora_tensors
 from learner.forward import Forward, per_sequence
+from learner.packing import chunk_by_tokens, pack
 from learner.paw import AdaptiveWeight, policy_wm_aux_step
 from learner.peft_model import (
     TRAINED,

@@ -13,7 +13,8 @@ from comap_async.config import CoMapConfig
 from comap_async.prompts import ChatTemplate, Conversation, Prompts
 from comap_async.prompts.template import FIT_LEFT_OUT_TURNS
 from comap_async.wire.messages import TurnDemos
-from learner.batches import Encoder, pack
+from learner.batches import Encoder
+from learner.packing import pack
 
 TASK = "put a clean mug in coffeemachine."
 FIRST = (

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from comap_async.wire.messages import ROLES
-from learner.batches import Seq, pack
+from learner.batches import Seq
+from learner.packing import pack
 from learner.peft_model import adapter_parameters, adapter_state, load_adapter_state
 from tests.fixtures.learner import demo_record, make_trainer, reflection_record, wm_record
 
@@ -258,7 +259,7 @@ def test_detached_prompts_give_the_reference_losses_and_other_gradients(tiny_mod
 
 
 def test_detach_prompts_lays_out_contexts_and_tails():
-    from learner.batches import detach_prompts
+    from learner.packing import detach_prompts
 
     prompt = [5, 6, 7]
     ce, rollout = Seq(prompt + [8, 9], 3, 2), Seq(prompt + [10, 11, 12, 13], 3, 3)
@@ -278,7 +279,7 @@ def test_detach_prompts_lays_out_contexts_and_tails():
 
 
 def test_chunk_by_tokens_keeps_every_unit_within_the_budget_longest_first():
-    from learner.batches import chunk_by_tokens
+    from learner.packing import chunk_by_tokens
 
     units = [3, 9, 1, 4, 4, 12]
     chunks = chunk_by_tokens(10, units, lambda n: n)

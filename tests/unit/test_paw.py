@@ -68,7 +68,7 @@ def test_off_by_default_and_on_with_its_switch(tiny_model_dir):
 
 
 def test_it_trains_on_the_transitions_the_policy_is_least_sure_of(tiny_model_dir):
-    from learner.batches import pack
+    from learner.packing import pack
     from learner.peft_model import activate
 
     trainer = make_trainer(tiny_model_dir, autocast="off", policy_wm_aux=0.2, policy_wm_aux_share=0.5)
@@ -88,7 +88,7 @@ def test_it_trains_on_the_transitions_the_policy_is_least_sure_of(tiny_model_dir
 
 
 def test_acting_entropy_selects_the_drafts_the_actor_was_least_sure_of(tiny_model_dir):
-    from learner.batches import pack
+    from learner.packing import pack
     from learner.peft_model import activate
 
     trainer = make_trainer(
