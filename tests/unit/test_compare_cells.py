@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from actors.compare import CellStore, cell_key
+from actors.compare_cells import CellStore, cell_key
 from comap_async.config import load_config
 from comap_async.envs.base import GameInfo
 

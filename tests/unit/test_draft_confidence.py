@@ -8,7 +8,7 @@ import math
 import msgpack
 import pytest
 
-from actors.compare import cell_key, with_ablation
+from actors.compare_cells import cell_key, with_ablation
 from actors.llm import AgentLLM, draft_token_logprobs
 from broker.ingest import Ingest, record_from_store
 from comap_async.config import PLAY_SWITCHES, ActorConfig, CoMapConfig

@@ -209,7 +209,7 @@ def test_revise_other_action_needs_admissible_choice():
 
 
 def test_choice_samples_needs_admissible_choice_and_keeps_old_row_keys():
-    from actors.compare import cell_key
+    from actors.compare_cells import cell_key
     from comap_async.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="needs actor.admissible_choice"):

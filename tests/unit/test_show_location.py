@@ -4,7 +4,8 @@ and absent from a row's key while off, so rows stored before it existed keep the
 
 from __future__ import annotations
 
-from actors.compare import cell_key, plan_cells
+from actors.compare import plan_cells
+from actors.compare_cells import cell_key
 from comap_async.config import CoMapConfig
 from comap_async.run_files import write_run_ablation
 
