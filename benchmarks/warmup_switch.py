@@ -104,7 +104,8 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true")
     args = ap.parse_args()
 
-    from benchmarks.method_table import run_slug, run_to_phase
+    from benchmarks._system import run_to_phase
+    from benchmarks.method_table import run_slug
     from comap_async.config import load_config
     from comap_async.wire.messages import REFLECT_INIT
 

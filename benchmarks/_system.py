@@ -1,0 +1,135 @@
+"""Running the system for a while, shared by the benchmarks that train runs (``method_table.py``,
+``warmup_switch.py``): ``honcho start`` of the training processes for some minutes or until a run reaches
+a phase, with a bar over the wall time, then SIGINT (the learner checkpoints)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+TRAINING = ("broker", "inference", "learner", "actor")
+
+
+def wait_with_bar(
+    proc: subprocess.Popen, name: str, minutes: float, run_dir: Path, until: Callable[[], bool] | None = None
+) -> bool:
+    """Wait up to ``minutes`` for ``proc`` (``TimeoutExpired`` when it is still running then), with a bar
+    over the wall time that shows the run's newest published version. True when ``until()`` held
+    (checked every 10 s), False when the process stopped by itself."""
+    from tqdm import tqdm
+
+    latest = run_dir / "adapters" / "latest.json"
+    deadline = time.monotonic() + 60 * minutes
+    with tqdm(total=round(60 * minutes), desc=name, unit="s", file=sys.stderr) as bar:
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                proc.wait(timeout=max(0.0, min(10.0, left)))
+                return False
+            except subprocess.TimeoutExpired:
+                if until is not None and until():
+                    return True
+                if left <= 10.0:
+                    raise
+            bar.n = round(60 * minutes - max(0.0, deadline - time.monotonic()))
+            try:
+                bar.set_postfix_str(f"v{json.loads(latest.read_text())['version']}", refresh=False)
+            except (OSError, ValueError, KeyError):  # not published yet, or mid-write
+                pass
+            bar.refresh()
+
+
+def run_system(
+    name: str,
+    config: str,
+    overrides: list[str],
+    minutes: float,
+    log_dir: Path,
+    run_dir: Path,
+    until: Callable[[], bool] | None = None,
+) -> float:
+    """Run run ``name`` (in ``run_dir``; a run already there resumes) for ``minutes`` or until
+    ``until()``, then stop it (SIGINT: the learner checkpoints); returns the wall time it ran. A system
+    that stops by itself is an error."""
+    env = {**os.environ, "COMAP_OVERRIDES": shlex.join([f"run.name={name}", *overrides])}
+    env["COMAP_CONFIG"] = config  # the same config as the evaluation's (honcho's Procfile reads it)
+    log = open(log_dir / f"{name}.log", "ab")
+    t0 = time.time()
+    proc = subprocess.Popen(
+        ["honcho", "start", *TRAINING], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        if wait_with_bar(proc, name, minutes, run_dir, until):
+            return time.time() - t0
+        raise SystemExit(
+            f"method_table: {name}'s system stopped by itself after {time.time() - t0:.0f} s "
+            f"(see {log_dir / f'{name}.log'})"
+        )
+    except subprocess.TimeoutExpired:
+        return time.time() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # honcho stops every process; the learner checkpoints
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+
+
+def first_version_in_phase(run_dir: Path, phase: str) -> dict | None:
+    """The run's first forkable version published in ``phase`` (``version``, ``step``, ``phase``), or None
+    while it has none. The learner publishes (and pins a checkpoint) as each phase begins, so the first
+    ``coevolve`` version is the warmed-up point a table forks (warm-up SFT and reflection-mode initialisation
+    done) and the first ``reflect_init`` one is warm-up SFT's end."""
+    from broker.fork import forkable_versions
+
+    found = {v: m for v, m in forkable_versions(run_dir).items() if m.get("phase") == phase}
+    if not found:
+        return None
+    version = min(found)
+    return {"version": version, "step": int(found[version]["step"]), "phase": phase}
+
+
+def run_to_phase(
+    name: str, phase: str, config: str, overrides: list[str], max_minutes: float, out: Path, root: Path, ledger: Path
+) -> dict:
+    """Run run ``name`` (the whole system but the evaluator; from empty, or resuming one stopped earlier)
+    until it publishes its first version in ``phase``, and stop it. The wall time adds up over sittings in
+    ``ledger``; returns its record with the version reached (:func:`first_version_in_phase`)."""
+    record = json.loads(ledger.read_text()) if ledger.exists() else {"name": name, "wall_s": 0}
+    reached = first_version_in_phase(root / name, phase)
+    if reached is None:
+        t0 = time.time()
+        try:
+            run_system(
+                name,
+                config,
+                overrides,
+                max_minutes,
+                out,
+                root / name,
+                until=lambda: first_version_in_phase(root / name, phase) is not None,
+            )
+        finally:  # a sitting stopped by a signal counts too: the run resumes from its checkpoint next time
+            record["wall_s"] = round(record["wall_s"] + time.time() - t0)
+            ledger.write_text(json.dumps(record, indent=2))
+        reached = first_version_in_phase(root / name, phase)
+    record.update(reached or {})
+    ledger.write_text(json.dumps(record, indent=2))  # the wall time so far also when it fell short
+    if reached is None:
+        raise SystemExit(
+            f"{Path(sys.argv[0]).stem}: {name} published no {phase} version in {max_minutes:.0f} minutes "
+            f"(see {out / f'{name}.log'}); --resume goes on from its checkpoint"
+        )
+    return record
