@@ -35,7 +35,8 @@ def episode_record(game: Any, stats: Any) -> dict[str, Any]:
         "task_type": game.task_type,
         "won": bool(stats.won),
         "steps": stats.steps,
-        "score": 100.0 * stats.reward,
+        # rewards are k / 100 each: their float sum is rounded, so a score of 0 does not print as -0.0
+        "score": round(100.0 * stats.reward, 6) + 0.0,
         "revisions": stats.revisions,
         "invalid": stats.invalid,
         "parse_problems": stats.parse_problems,

@@ -6,9 +6,10 @@ and reused for every later game: loading another task or variation costs ~0.1-0.
 process (:func:`~comap_async.envs.scienceworld_games.gold_sequence`, cached per game).
 Replaying a prefix is not exact for about half the tasks in scienceworld 1.2.3 (object order in
 listings, a thermometer's reading, plant traits differ between runs), so ``restore`` rebuilds a
-close state, not always the same one. Success is the task's score reaching 100; the reward is the score's change / 100,
-so an episode's rewards add up to its final score / 100. The gold action sequence is the expert
-(walkthrough): its next action is offered while the episode has followed it exactly.
+close state, not always the same one. Success is the task's score reaching 100. An episode's rewards add up to
+its final score / 100 on the benchmark's 0-100 scale (:func:`task_points`): counted from 0, not from the points a
+task may already hold at reset, and a failed task (the simulator's -100 after a wrong ``focus on``) is 0. The gold
+action sequence is the expert (walkthrough): its next action is offered while the episode has followed it exactly.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ from typing import Any
 
 from comap_async.envs.base import GameInfo, StepResult, replay
 from comap_async.envs.scienceworld_games import SIMPLIFICATION, gold_sequence, parse_game_path, start_simulator
+
+
+def task_points(score: int) -> int:
+    """The simulator's score on the 0-100 scale the benchmark reports: -100 marks a failed task, which
+    counts 0 (its partial progress is lost with the failure, as the simulator says)."""
+    return max(0, score)
 
 
 class ScienceWorldTextEnv:
@@ -31,6 +38,7 @@ class ScienceWorldTextEnv:
         self.steps = 0
         self.done = False
         self.score = 0
+        self._credited = 0  # the points this episode's rewards have paid out so far
         self.task = ""
 
     def reset(self, game: GameInfo | str) -> StepResult:
@@ -44,7 +52,8 @@ class ScienceWorldTextEnv:
             self._loaded = path
         observation, info = self._env.reset()
         self.task = self._env.get_task_description().strip()
-        self.steps, self.done, self.score, self._on_gold = 0, False, int(info.get("score") or 0), True
+        self.steps, self.done, self._credited, self._on_gold = 0, False, 0, True
+        self.score = int(info.get("score") or 0)
         return self._result(observation, info, reward=0.0, extra={"task": self.task})
 
     def step(self, action: str) -> StepResult:
@@ -57,7 +66,8 @@ class ScienceWorldTextEnv:
             self._on_gold = False
         self.steps += 1
         score = int(info.get("score") or 0)
-        reward, self.score = (score - self.score) / 100.0, score
+        points = task_points(score)
+        reward, self.score, self._credited = (points - self._credited) / 100.0, score, points
         # completed also means failed (a negative score): the episode is over either way
         self.done = score >= 100 or bool(completed) or self.steps >= self.max_steps
         return self._result(observation, info, reward, {"truncated": self.done and score < 100 and not completed})

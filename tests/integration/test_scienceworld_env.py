@@ -61,7 +61,7 @@ async def test_gold_sequences_win_and_restore_replays(dev_games):
                 if result.done:
                     break
             assert result.won and result.done and result.info["score"] == 100
-            assert sum(rewards) == pytest.approx((100 - first.info["score"]) / 100)
+            assert sum(rewards) == pytest.approx(1.0)  # the task's score, counted from 0 (not from reset's points)
             # restore by replay in a fresh simulator gives the same state
             other = pool.env()
             prefix = gold[: max(1, len(gold) // 2)]
@@ -72,6 +72,24 @@ async def test_gold_sequences_win_and_restore_replays(dev_games):
         await env.reset(games[0])
         off = await env.step("look around")
         assert off.expert_action is None
+
+
+async def test_a_wrong_focus_fails_the_task_and_scores_0_not_minus_100(dev_games):
+    """The benchmark's 0-100 scale: the simulator's -100 marks a failed task, which counts 0, and points a
+    task held before the failure are lost with it (they were paid out as rewards, so they are taken back)."""
+    games = [g for g in dev_games if g.path.split(":")[0] in SHORT]
+    async with AsyncEnvPool(workers=1, env_name="scienceworld", max_steps=60) as pool:
+        env = pool.env()
+        for game in games:
+            first = await env.reset(game)
+            gold = await env.walkthrough()
+            wrong = next(a for a in first.admissible if a.startswith("focus on") and a not in gold)
+            result, rewards = first, []
+            for action in [*[a for a in gold[:2] if not a.startswith("focus on")], wrong]:
+                result = await env.step(action)
+                rewards.append(result.reward)
+            assert result.done and not result.won and result.info["score"] == -100
+            assert sum(rewards) == pytest.approx(0.0) and not result.info["truncated"]
 
 
 async def test_step_limit_truncates(dev_games):
