@@ -74,6 +74,19 @@ def variant_overrides(variant: str) -> list[str]:
     return [f"ablation.{n}=true" for n in names] + settings
 
 
+def refuse_bad_variants(config: str, overrides: list[str], variants: list[str]) -> None:
+    """Each variant's config is loaded before any run starts (a warm-up takes hours): an unknown ablation,
+    or a setting the config refuses (``learner.policy_wm_aux`` without its entropy source under
+    ``env.draft_turns``), stops the table here with one line, not a fork's processes minutes later."""
+    from comap_async.config import ConfigError, load_config
+
+    for variant in variants:
+        try:
+            load_config(config, [*overrides, *variant_overrides(variant)])
+        except ConfigError as exc:
+            raise SystemExit(f"method_table: variant {variant!r}: {exc}") from None
+
+
 def run_slug(text: str, limit: int = 96) -> str:
     """``learner.bce_gate_labels=false`` -> ``learner-bce_gate_labels-false``: a setting as part of a run
     name. Past ``limit`` characters (a run name is a directory and a log file's name), the start and a
@@ -271,8 +284,7 @@ def main() -> None:
     source = Path(args.source) if (Path(args.source) / "replay").is_dir() else root / args.source
     variants = [v for v in args.variants.split(",") if v] + ([args.repeat] if args.repeat else [])
     args.out.mkdir(parents=True, exist_ok=True)
-    for variant in variants:
-        variant_overrides(variant)  # refuse an unknown name before any run starts (a warm-up takes hours)
+    refuse_bad_variants(args.config, args.overrides, variants)
     warmed = None
     if args.from_empty:
         from comap_async.wire.messages import COEVOLVE

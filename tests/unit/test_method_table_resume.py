@@ -163,3 +163,18 @@ def test_a_long_variant_names_its_run_within_a_file_names_length():
     long, other = run_slug("actor.admissible_choice=true+" + share), run_slug("actor.admissible_choice=false+" + share)
     assert len(long) == 96 and long.startswith("actor-admissible_choice-true-learner-demo_loss_share-go")
     assert long != other and long == run_slug("actor.admissible_choice=true+" + share)
+
+
+def test_a_variant_the_config_refuses_stops_the_table_before_any_run():
+    from pathlib import Path
+
+    from benchmarks.method_table import refuse_bad_variants
+
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "scienceworld-local.yaml")
+    refuse_bad_variants(
+        config, [], ["comap", "frozen_wm", "learner.policy_wm_aux=0.2+learner.policy_wm_aux_entropy=acting"]
+    )
+    with pytest.raises(SystemExit, match="variant 'learner.policy_wm_aux=0.2'.*policy_wm_aux_entropy"):
+        refuse_bad_variants(config, [], ["comap", "learner.policy_wm_aux=0.2"])
+    with pytest.raises(SystemExit, match="unknown ablation frozen"):
+        refuse_bad_variants(config, [], ["frozen"])
