@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 TRAINING = ("broker", "inference", "learner", "actor")
 
 
@@ -71,7 +70,7 @@ def run_system(
         if wait_with_bar(proc, name, minutes, run_dir, until):
             return time.time() - t0
         raise SystemExit(
-            f"method_table: {name}'s system stopped by itself after {time.time() - t0:.0f} s "
+            f"{Path(sys.argv[0]).stem}: {name}'s system stopped by itself after {time.time() - t0:.0f} s "
             f"(see {log_dir / f'{name}.log'})"
         )
     except subprocess.TimeoutExpired:

@@ -38,7 +38,6 @@ class ScienceWorldTextEnv:
         self.steps = 0
         self.done = False
         self.score = 0
-        self._credited = 0  # the points this episode's rewards have paid out so far
         self.task = ""
 
     def reset(self, game: GameInfo | str) -> StepResult:
@@ -52,8 +51,7 @@ class ScienceWorldTextEnv:
             self._loaded = path
         observation, info = self._env.reset()
         self.task = self._env.get_task_description().strip()
-        self.steps, self.done, self._credited, self._on_gold = 0, False, 0, True
-        self.score = int(info.get("score") or 0)
+        self.steps, self.done, self.score, self._on_gold = 0, False, int(info.get("score") or 0), True
         return self._result(observation, info, reward=0.0, extra={"task": self.task})
 
     def step(self, action: str) -> StepResult:
@@ -64,10 +62,10 @@ class ScienceWorldTextEnv:
         observation, _, completed, info = self._env.step(action)
         if self._on_gold and (self.steps >= len(self._gold) or self._gold[self.steps] != action):
             self._on_gold = False
+        paid = task_points(self.score) if self.steps else 0  # the points at reset are paid by the first step
         self.steps += 1
         score = int(info.get("score") or 0)
-        points = task_points(score)
-        reward, self.score, self._credited = (points - self._credited) / 100.0, score, points
+        reward, self.score = (task_points(score) - paid) / 100.0, score
         # completed also means failed (a negative score): the episode is over either way
         self.done = score >= 100 or bool(completed) or self.steps >= self.max_steps
         return self._result(observation, info, reward, {"truncated": self.done and score < 100 and not completed})

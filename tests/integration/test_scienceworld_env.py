@@ -29,6 +29,11 @@ def dev_games():
     return discover_games("dev", per_task=1, seed=0)
 
 
+@pytest.fixture(scope="module")
+def short_games(dev_games):
+    return [g for g in dev_games if g.path.split(":")[0] in SHORT]
+
+
 def test_discovery_one_seeded_variation_per_task(dev_games):
     from comap_async.envs.scienceworld_games import discover_games, task_variations
 
@@ -44,11 +49,10 @@ def test_discovery_one_seeded_variation_per_task(dev_games):
     assert not set(table["boil"]["dev"]) & set(table["boil"]["test"])
 
 
-async def test_gold_sequences_win_and_restore_replays(dev_games):
-    games = [g for g in dev_games if g.path.split(":")[0] in SHORT]
+async def test_gold_sequences_win_and_restore_replays(short_games):
     async with AsyncEnvPool(workers=1, env_name="scienceworld", max_steps=60) as pool:
         env = pool.env()
-        for game in games:
+        for game in short_games:
             first = await env.reset(game)
             gold = await env.walkthrough()
             assert first.info["task"].startswith("Your task is to") and first.admissible and not first.done
@@ -69,18 +73,17 @@ async def test_gold_sequences_win_and_restore_replays(dev_games):
             assert (a.observation, a.admissible) == (b.observation, b.admissible)
             await other.close()
         # off the gold path the expert has nothing to offer; the step limit ends the episode
-        await env.reset(games[0])
+        await env.reset(short_games[0])
         off = await env.step("look around")
         assert off.expert_action is None
 
 
-async def test_a_wrong_focus_fails_the_task_and_scores_0_not_minus_100(dev_games):
+async def test_a_wrong_focus_fails_the_task_and_scores_0_not_minus_100(short_games):
     """The benchmark's 0-100 scale: the simulator's -100 marks a failed task, which counts 0, and points a
     task held before the failure are lost with it (they were paid out as rewards, so they are taken back)."""
-    games = [g for g in dev_games if g.path.split(":")[0] in SHORT]
     async with AsyncEnvPool(workers=1, env_name="scienceworld", max_steps=60) as pool:
         env = pool.env()
-        for game in games:
+        for game in short_games:
             first = await env.reset(game)
             gold = await env.walkthrough()
             wrong = next(a for a in first.admissible if a.startswith("focus on") and a not in gold)
