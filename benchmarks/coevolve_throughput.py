@@ -5,15 +5,18 @@ in alternating rounds on one machine:
   sorts the vocabulary), ``actor.overlap_teacher=false``: the path before the fused forward and the overlapped teacher;
 * ``fused``: the fused forward alone (sampling and actor as the reference);
 * ``fast``: the defaults: fused forward, top-p from the top candidates, the teacher overlapped with
-  the next draft.
-* ``fast_cache``: ``fast`` with a 2 GB prefix cache (256 MB by default);
+  the next draft (with ``configs/local.yaml``: the draft's turns form and a 2 GB prefix cache).
+* ``fast_cache``: ``fast`` with a 2 GB prefix cache (the built-in default is 256 MB);
 * ``fast_history``: ``fast_cache`` with the whole interaction history as the state
   (``env.history_k=50``, the paper's state) instead of the last 3 pairs.
 * ``fast_envs8``: ``fast_cache`` with 8 environments per actor instead of 4 (fuller decode batches).
+* ``filed``: ``fast`` as it was when issue 29 was filed: the draft's prompt in the window form
+  (``env.draft_turns=false``) and the 256 MB prefix cache (issue 29, acceptance 2 compares against it).
 
     python benchmarks/coevolve_throughput.py [--config configs/local.yaml] [--steps 40] [--rounds 2]
 
-A broker runs throughout. Each round, for each setting in turn: a fresh ``comap serve`` loads three
+Each round, for each setting in turn (a window): a fresh run directory, broker (a setting may change
+what the run records as its method) and ``comap serve``, which loads three
 LoRA adapters (policy, world model, teacher: random, small, the learner's
 shape), the registry is set to ``coevolve`` on them (no learner), and one actor (``actor.envs``
 environments, ``env.split=valid_seen``) plays the CoMap loop. After 4 transitions of warm-up,
@@ -62,6 +65,9 @@ SETTINGS = {
     # twice the environments per actor: the server decodes 8 rows in little more than the time of 4, so
     # more episodes in flight fill its batches (4 environments' calls leave half of each batch empty)
     "fast_envs8": [*FAST, "inference.prefix_cache_mb=2048", "actor.envs=8"],
+    # issue 29's "today": every prompt re-rendered from the last history_k pairs (nothing for the cache
+    # to extend from one step to the next) and a cache too small for 4 episodes' reflections
+    "filed": [*FAST, "inference.prefix_cache_mb=256", "env.draft_turns=false", "learner.demo_loss_share={}"],
 }
 
 
@@ -82,12 +88,22 @@ def _server(port: int) -> dict[str, float]:
         )
     }
     counted = parse_engine_counters(text)
-    return out | {name: counted.get(name, 0.0) for name in ENGINE_COUNTERS}
+    by_adapter = {
+        f"computed:{a}": float(n)
+        for a, n in re.findall(r'^comap_inference_prompt_tokens_computed_total\{adapter="([^"]+)"\} (\S+)$', text, re.M)
+    }
+    return out | {name: counted.get(name, 0.0) for name in ENGINE_COUNTERS} | by_adapter
 
 
-def _wait(pred, timeout_s: float, what: str) -> None:
+def _wait(pred, timeout_s: float, what: str, procs: dict | None = None) -> None:
+    """Until ``pred()``; a process of ``procs`` (process -> its log) that exits meanwhile ends the wait
+    with its log's last line."""
     deadline = time.monotonic() + timeout_s
     while not pred():
+        for proc, log in (procs or {}).items():
+            if proc.poll() is not None:
+                lines = log.read_text(errors="replace").strip().splitlines() or ["(empty log)"]
+                raise SystemExit(f"{what}: {log.name} exited with {proc.returncode}: {lines[-1]}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} after {timeout_s:.0f} s")
         time.sleep(1)
@@ -99,6 +115,65 @@ def _healthy(port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def measure_window(args: argparse.Namespace, name: str, overrides: list[str]) -> tuple:
+    """One window: a fresh run directory, broker and server with three random adapters published as
+    co-evolution's, one actor; the server's counters and the stored transitions at the window's ends."""
+    from comap_async.config import load_config
+    from comap_async.models import resolve_model
+    from comap_async.wire.broker_client import BrokerClient
+    from comap_async.wire.inference_client import InferenceClient
+
+    run_root = REPO / "runs"
+    http, lp, port = free_port(), free_port(), free_port()
+    sets = [
+        f"run.root={run_root}",
+        f"run.name={name}",
+        f"broker.actor_port={free_port()}",
+        f"broker.learner_port={lp}",
+        f"broker.http_port={http}",
+        "env.split=valid_seen",
+        f"inference.port={port}",
+        f"inference.endpoints=['http://127.0.0.1:{port}']",
+        *overrides,
+    ]
+    cfg = load_config(args.config, sets)
+    log_dir = run_root / name
+    log_dir.mkdir(parents=True, exist_ok=True)
+    adapters = {r: adapter_name(r, 1) for r in ROLES}
+    write_random_adapters(
+        resolve_model(cfg.model.name_or_path, cfg.model.cache_dir),
+        cfg.adapter_root,
+        list(adapters.values()),
+        r=cfg.learner.lora_r,
+    )
+    env = {**os.environ, "COMAP_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
+    common = ["--config", args.config, *sum((["--set", s] for s in sets), [])]
+    started = {}
+    try:
+        for role in ("broker", "serve"):
+            started[start_comap(role, [role, *common], env, log_dir)] = log_dir / f"{role}.log"
+        _wait(lambda: _healthy(port), 300, "the server did not come up", started)
+
+        async def publish() -> None:
+            async with InferenceClient([f"http://127.0.0.1:{port}"], timeout_s=120) as c:
+                for name_ in adapters.values():
+                    await c.load_adapter(name_, str(cfg.adapter_root / name_))
+            async with BrokerClient(f"tcp://127.0.0.1:{lp}", timeout_s=10, retries=30) as bc:
+                await bc.announce(COEVOLVE, {r_: 1 for r_ in ROLES}, adapters, 0)
+
+        asyncio.run(publish())
+        start = stored_transitions(http)
+        started[start_comap("actor", ["actor", *common], env, log_dir)] = log_dir / "actor.log"
+        _wait(lambda: stored_transitions(http) >= start + 4, 900, "the actor stored no transitions", started)
+        n0, c0, t0 = stored_transitions(http), _server(port), time.monotonic()
+        _wait(lambda: stored_transitions(http) >= n0 + args.steps, 3600, "the window did not fill", started)
+        n1, c1, t1 = stored_transitions(http), _server(port), time.monotonic()
+    finally:
+        for proc in reversed(list(started)):
+            stop_group(proc, 60)
+    return c0, c1, n0, n1, t0, t1
 
 
 def main() -> int:
@@ -117,91 +192,34 @@ def main() -> int:
     args = ap.parse_args()
     settings = {k: SETTINGS[k] for k in args.settings}
 
-    from comap_async.config import load_config
-    from comap_async.models import resolve_model
-
-    run_root = REPO / "runs"
-    name = f"coevolve-tp-{time.strftime('%Y%m%d-%H%M%S')}"
-    http, lp = free_port(), free_port()
-    sets = [
-        f"run.root={run_root}",
-        f"run.name={name}",
-        f"broker.actor_port={free_port()}",
-        f"broker.learner_port={lp}",
-        f"broker.http_port={http}",
-        "env.split=valid_seen",
-        *args.overrides,
-    ]
-    cfg = load_config(args.config, sets)
-    log_dir = run_root / name
-    log_dir.mkdir(parents=True, exist_ok=True)
-    adapters = {r: adapter_name(r, 1) for r in ROLES}
-    write_random_adapters(
-        resolve_model(cfg.model.name_or_path, cfg.model.cache_dir),
-        cfg.adapter_root,
-        list(adapters.values()),
-        r=cfg.learner.lora_r,
-    )
-    env = {**os.environ, "COMAP_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
-    broker = start_comap(
-        "broker", ["broker", "--config", args.config, *sum((["--set", s] for s in sets), [])], env, log_dir
-    )
-    results: dict[str, list[tuple[float, float]]] = {f: [] for f in settings}
-    try:
-        from comap_async.wire.broker_client import BrokerClient
-        from comap_async.wire.inference_client import InferenceClient
-
-        for r in range(args.rounds):
-            for forward in list(settings) if r % 2 == 0 else list(settings)[::-1]:
-                port = free_port()
-                run_sets = sets + [
-                    f"inference.port={port}",
-                    f"inference.endpoints=['http://127.0.0.1:{port}']",
-                    *settings[forward],
-                ]
-                common = ["--config", args.config, *sum((["--set", s] for s in run_sets), [])]
-                serve = start_comap(f"serve-{forward}", ["serve", *common], env, log_dir)
-                actor = None
-                try:
-                    _wait(lambda: _healthy(port), 300, "the server did not come up")
-
-                    async def publish() -> None:
-                        async with InferenceClient([f"http://127.0.0.1:{port}"], timeout_s=120) as c:
-                            for name_ in adapters.values():
-                                await c.load_adapter(name_, str(cfg.adapter_root / name_))
-                        async with BrokerClient(f"tcp://127.0.0.1:{lp}", timeout_s=10, retries=30) as bc:
-                            await bc.announce(COEVOLVE, {r_: 1 for r_ in ROLES}, adapters, 0)
-
-                    asyncio.run(publish())
-                    start = stored_transitions(http)
-                    actor = start_comap(f"actor-{forward}", ["actor", *common], env, log_dir)
-                    _wait(lambda: stored_transitions(http) >= start + 4, 900, "the actor stored no transitions")
-                    n0, c0, t0 = stored_transitions(http), _server(port), time.monotonic()
-                    _wait(lambda: stored_transitions(http) >= n0 + args.steps, 3600, "the window did not fill")
-                    n1, c1, t1 = stored_transitions(http), _server(port), time.monotonic()
-                finally:
-                    if actor is not None:
-                        stop_group(actor, 60)
-                    stop_group(serve, 60)
-                d = {k: c1[k] - c0[k] for k in c1}
-                rate, calls = (n1 - n0) / (t1 - t0), d["completions"] / (n1 - n0)
-                steps = max(1.0, d["decode_steps"])
-                computed = max(1.0, d["prompt_tokens"] - d["prefix_cache_hit_tokens"])
-                results[forward].append((rate, calls, computed / (n1 - n0)))
-                print(
-                    f"round {r} {forward:9s}: {rate:.3f} env steps/s, {calls:.2f} model calls per step; server: "
-                    f"decode {d['decode_seconds'] / (t1 - t0):.0%} of the window "
-                    f"({1000 * d['decode_seconds'] / steps:.1f} ms per step of {d['decode_rows'] / steps:.1f} rows), "
-                    f"prefill {d['prefill_seconds'] / (t1 - t0):.0%} "
-                    f"({1000 * d['prefill_seconds'] / computed:.2f} ms per computed token, "
-                    f"{d['prompt_tokens'] / max(1.0, d['completions']):.0f} prompt tokens per call, "
-                    f"{d['prefix_cache_hit_tokens'] / max(1.0, d['prompt_tokens']):.0%} from the prefix cache), "
-                    f"{d['generation_tokens'] / max(1.0, d['completions']):.0f} tokens generated per call, "
-                    f"{computed / (n1 - n0):.0f} prompt tokens prefilled per env step",
-                    flush=True,
-                )
-    finally:
-        stop_group(broker, 60)
+    results: dict[str, list[tuple[float, float, float]]] = {f: [] for f in settings}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for r in range(args.rounds):
+        for forward in list(settings) if r % 2 == 0 else list(settings)[::-1]:
+            # a run directory and broker per window: a setting may change what the run records as its
+            # method (env.draft_turns), and every process of a run must agree on it
+            c0, c1, n0, n1, t0, t1 = measure_window(
+                args, f"coevolve-tp-{stamp}-r{r}-{forward}", [*args.overrides, *settings[forward]]
+            )
+            d = {k: c1[k] - c0.get(k, 0.0) for k in c1}
+            rate, calls = (n1 - n0) / (t1 - t0), d["completions"] / (n1 - n0)
+            steps = max(1.0, d["decode_steps"])
+            computed = max(1.0, d["prompt_tokens"] - d["prefix_cache_hit_tokens"])
+            results[forward].append((rate, calls, computed / (n1 - n0)))
+            print(
+                f"round {r} {forward:9s}: {rate:.3f} env steps/s, {calls:.2f} model calls per step; server: "
+                f"decode {d['decode_seconds'] / (t1 - t0):.0%} of the window "
+                f"({1000 * d['decode_seconds'] / steps:.1f} ms per step of {d['decode_rows'] / steps:.1f} rows), "
+                f"prefill {d['prefill_seconds'] / (t1 - t0):.0%} "
+                f"({1000 * d['prefill_seconds'] / computed:.2f} ms per computed token, "
+                f"{d['prompt_tokens'] / max(1.0, d['completions']):.0f} prompt tokens per call, "
+                f"{d['prefix_cache_hit_tokens'] / max(1.0, d['prompt_tokens']):.0%} from the prefix cache), "
+                f"{d['generation_tokens'] / max(1.0, d['completions']):.0f} tokens generated per call, "
+                f"{computed / (n1 - n0):.0f} prompt tokens prefilled per env step ("
+                + ", ".join(f"{k[9:]} {v / (n1 - n0):.0f}" for k, v in sorted(d.items()) if k.startswith("computed:"))
+                + ")",
+                flush=True,
+            )
     med = {f: tuple(statistics.median(x[i] for x in v) for i in range(3)) for f, v in results.items()}
     for f in settings:
         print(
@@ -213,6 +231,9 @@ def main() -> int:
     for other in ("fast_cache", "fast_history", "fast_envs8"):
         if other in med:
             print(f"coevolve_{other}_vs_fast={med[other][0] / med['fast'][0]:.2f}")
+    if "filed" in med:
+        for other in (s for s in med if s != "filed"):
+            print(f"coevolve_{other}_vs_filed={med[other][0] / med['filed'][0]:.2f}")
     print(f"coevolve_env_steps_per_s={med['fast'][0]:.3f} model_calls_per_step={med['fast'][1]:.2f}")
     return 0
 

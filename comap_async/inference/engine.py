@@ -38,6 +38,8 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     slot: str = BASE
+    adapter: str = ""
+    """The requested adapter's name without its version (:func:`adapter_family`): the per-adapter counters' label."""
     on_done: Callable[["Sequence"], None] | None = None
     on_token: Callable[["Sequence"], None] | None = None
     """Called on the engine thread after each generated token (streaming); it must only schedule work."""
@@ -74,6 +76,9 @@ class EngineStats:
     failed: int = 0
     running: int = 0
     waiting: int = 0
+    computed_by_adapter: dict[str, int] = field(default_factory=dict)
+    """Prompt tokens computed (not served by the prefix cache), by :attr:`Sequence.adapter`: which role's
+    prompts the cache misses (a role whose prompt is re-rendered every step shows here)."""
 
 
 TRIM_EVERY_S = 10.0
@@ -298,6 +303,8 @@ class Engine:
             self.prefix.misses += n - done
         self.stats.prefill_seconds += time.perf_counter() - t0
         self.stats.prompt_tokens += n
+        by = self.stats.computed_by_adapter
+        by[seq.adapter] = by.get(seq.adapter, 0) + n - done
         step = sample_step(
             logits, [seq.params], [seq.generator], self._default_gen, self.top_candidates, _allowed([seq])
         )[0]

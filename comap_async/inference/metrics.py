@@ -39,6 +39,13 @@ def families(state: Any) -> list[Metric]:
         [({}, state.request_seconds)],
     )
     _line(out, "prompt_tokens_total", "counter", "Prompt tokens prefilled.", [({}, st.prompt_tokens)])
+    _line(
+        out,
+        "prompt_tokens_computed_total",
+        "counter",
+        "Prompt tokens prefilled by computation (not from the prefix cache), by adapter name without its version.",
+        [({"adapter": a}, n) for a, n in sorted(st.computed_by_adapter.items())],
+    )
     _line(out, "generation_tokens_total", "counter", "Tokens generated.", [({}, st.generated_tokens)])
     _line(
         out, "sequences_finished_total", "counter", "Sequences finished (stop, length or abort).", [({}, st.finished)]

@@ -29,6 +29,7 @@ from comap_async.inference.token_sampling import (
     make_generator,
     parse_completion_request,
 )
+from comap_async.wire.messages import adapter_family
 
 MAX_WAITING = 1024  # queued sequences beyond this get 503 (clients retry elsewhere / later)
 MAX_BODY = 8 << 20
@@ -216,6 +217,7 @@ def submit(
                 p,
                 req.params,
                 slot=state.registry.acquire(req.model),
+                adapter=adapter_family(req.model or ""),
                 generator=make_generator(seed),
                 on_token=on_token,
                 constraint=req.constraint,

@@ -55,6 +55,13 @@ def adapter_name(role: str, version: int, prefix: str = "") -> str:
     return f"{prefix}{role}-v{version}"
 
 
+def adapter_family(name: str) -> str:
+    """An adapter name without its version (``eval-policy-v3`` -> ``eval-policy``): what the server's
+    per-adapter counters are labelled by, so that versions of one role add up; other names as they are."""
+    head, sep, tail = name.rpartition("-v")
+    return head if sep and tail.isdigit() else name
+
+
 def adapter_version(name: str | None) -> int:
     """The version an adapter name denotes (``adapter_name``'s inverse); 0 for the base model or
     a name that is not an adapter's."""

@@ -171,3 +171,35 @@ async def test_publishes_under_load_all_take_the_fast_path(embedded_server):
             for r in roles:
                 await c.unload_adapter(f"fast-{r}-v{v}")
     assert await slow_loads() == before
+
+
+async def test_computed_prompt_tokens_are_counted_by_adapter_without_version(embedded_server):
+    """``prompt_tokens_computed_total{adapter=...}``: what the prefix cache did not serve, per role: a
+    repeated prompt on one adapter is mostly served; another version of the same role (its own slot, so
+    its own cache entries) computes it all again, under the same label."""
+    factory = AdapterFactory(embedded_server.model_dir, embedded_server.adapter_root)
+    label = 'comap_inference_prompt_tokens_computed_total{adapter="acct-policy"}'
+    prompt = "You arrive at countertop 1. On the countertop 1, you see a mug 2 and a knife 1. " * 6
+    async with embedded_server.client() as c:
+        for v in (1, 2):
+            await c.load_adapter(f"acct-policy-v{v}", str(factory.random(f"acct-policy-v{v}", seed=v)))
+        deltas = []
+        for model in ("acct-policy-v1", "acct-policy-v1", "acct-policy-v2"):
+            before = _metrics(embedded_server.url)
+            await c.complete(prompt, model=model, max_tokens=2, temperature=0.0)
+            after = _metrics(embedded_server.url)
+            deltas.append(
+                (
+                    after["comap_inference_prompt_tokens_total"] - before["comap_inference_prompt_tokens_total"],
+                    after[label] - before.get(label, 0.0),
+                    after["comap_inference_prefix_cache_hit_tokens_total"]
+                    - before["comap_inference_prefix_cache_hit_tokens_total"],
+                )
+            )
+        for v in (1, 2):
+            await c.unload_adapter(f"acct-policy-v{v}")
+    (n1, computed1, hit1), (n2, computed2, hit2), (n3, computed3, hit3) = deltas
+    assert n1 == n2 == n3 > 64
+    assert computed1 == n1 and hit1 == 0
+    assert computed2 + hit2 == n2 and hit2 >= 32 and computed2 < n2  # the same slot: served from the cache
+    assert computed3 == n3 and hit3 == 0  # another version, another slot: computed again, counted as policy's

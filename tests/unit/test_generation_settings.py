@@ -17,7 +17,7 @@ from actors.registry_view import RegistryView
 from comap_async.config import ActorConfig, ConfigError, load_config
 from comap_async.prompts import ChatTemplate, DecisionTokens, Prompts
 from comap_async.wire.inference_client import InferenceError
-from comap_async.wire.messages import Registry, adapter_version
+from comap_async.wire.messages import Registry, adapter_family, adapter_version
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -173,6 +173,11 @@ async def test_final_action_has_its_own_budget():
 
 
 # ------------------------------------------------------------------ point 8: version stamping
+def test_adapter_family_leaves_out_the_version_only():
+    assert adapter_family("policy-v3") == "policy" and adapter_family("eval-wm_teacher-v12") == "eval-wm_teacher"
+    assert adapter_family("smollm2-135m-instruct") == "smollm2-135m-instruct" and adapter_family("x-vx") == "x-vx"
+
+
 def test_adapter_version_of_a_model_name():
     assert adapter_version("policy-v3") == 3 and adapter_version("wm_teacher-v12") == 12
     assert adapter_version("base") == 0 and adapter_version("Qwen/Qwen3-4B") == 0 and adapter_version("") == 0
