@@ -10,24 +10,29 @@ in alternating rounds on one machine:
 * ``fast_history``: ``fast_cache`` with the whole interaction history as the state
   (``env.history_k=50``, the paper's state) instead of the last 3 pairs.
 * ``fast_envs8``: ``fast_cache`` with 8 environments per actor instead of 4 (fuller decode batches).
+* ``fast_envs16``: 16 environments, decoded up to 16 rows at a time.
+* ``fast_history_envs8``: ``fast_history`` with 8 environments.
 * ``filed``: ``fast`` as it was when issue 29 was filed: the draft's prompt in the window form
   (``env.draft_turns=false``) and the 256 MB prefix cache (issue 29, acceptance 2 compares against it).
 
     python benchmarks/coevolve_throughput.py [--config configs/local.yaml] [--steps 40] [--rounds 2]
 
 Each round, for each setting in turn (a window): a fresh run directory, broker (a setting may change
-what the run records as its method) and ``comap serve``, which loads three
-LoRA adapters (policy, world model, teacher: random, small, the learner's
-shape), the registry is set to ``coevolve`` on them (no learner), and one actor (``actor.envs``
-environments, ``env.split=valid_seen``) plays the CoMap loop. After 4 transitions of warm-up,
-the window is the time to store the next ``--steps`` transitions; model calls per step are the
-server's completion requests in the window over those transitions.
+what the run records as its method) and ``comap serve``, which loads three LoRA adapters (policy,
+world model, teacher: random, small, the learner's shape), the registry is set to ``coevolve`` on
+them (no learner), and one actor (``actor.envs`` environments, ``env.split=valid_seen``) plays the
+CoMap loop. After 4 transitions of warm-up, the window is the time to store the next ``--steps``
+transitions times ``actor.envs`` / 4 (every setting's window covers the same steps of its episodes:
+prompts grow along an episode); model calls per step are the server's completion requests in the
+window over those transitions.
 
-Last line: ``coevolve_env_steps_per_s=X model_calls_per_step=Y`` (``fast``, medians over rounds),
-after one line per setting (with the prompt tokens prefilled per env step, those the prefix cache
-did not serve) and ``coevolve_speedup_vs_reference=Z`` (fast / reference) or the other settings'
-ratios to ``fast``. ``fast_cache`` and ``fast_history`` (the whole history as the state) need a
-window long enough for histories to grow (``--steps 200``: four 50-step episodes).
+Last line: ``coevolve_env_steps_per_s=X model_calls_per_step=Y`` (``fast``, medians over rounds;
+without ``fast`` the first setting's, named), after one line per setting (with the prompt tokens
+prefilled per env step, those the prefix cache did not serve, in all and by adapter role) and
+``coevolve_speedup_vs_reference=Z`` (fast / reference), the other settings' ratios to ``fast`` and,
+with ``filed``, every setting's ratio to it (issue 29, acceptance 2). ``fast_cache`` and
+``fast_history`` (the whole history as the state) need a window long enough for histories to grow
+(``--steps 200``: four 50-step episodes).
 """
 
 from __future__ import annotations
@@ -65,6 +70,10 @@ SETTINGS = {
     # twice the environments per actor: the server decodes 8 rows in little more than the time of 4, so
     # more episodes in flight fill its batches (4 environments' calls leave half of each batch empty)
     "fast_envs8": [*FAST, "inference.prefix_cache_mb=2048", "actor.envs=8"],
+    # four times the rows: a decode step costs ~40 ms however few rows it holds (one thread, SmolLM2)
+    "fast_envs16": [*FAST, "inference.prefix_cache_mb=2048", "actor.envs=16", "inference.max_batch_size=16"],
+    # both: every role's prompt extends its previous step's, and twice the rows in each decode step
+    "fast_history_envs8": [*FAST, "inference.prefix_cache_mb=2048", "env.history_k=50", "actor.envs=8"],
     # issue 29's "today": every prompt re-rendered from the last history_k pairs (nothing for the cache
     # to extend from one step to the next) and a cache too small for 4 episodes' reflections
     "filed": [*FAST, "inference.prefix_cache_mb=256", "env.draft_turns=false", "learner.demo_loss_share={}"],
@@ -168,7 +177,9 @@ def measure_window(args: argparse.Namespace, name: str, overrides: list[str]) ->
         started[start_comap("actor", ["actor", *common], env, log_dir)] = log_dir / "actor.log"
         _wait(lambda: stored_transitions(http) >= start + 4, 900, "the actor stored no transitions", started)
         n0, c0, t0 = stored_transitions(http), _server(port), time.monotonic()
-        _wait(lambda: stored_transitions(http) >= n0 + args.steps, 3600, "the window did not fill", started)
+        # the same steps of each episode in every setting: a window of 8 environments is twice as long
+        window = args.steps * cfg.actor.envs // 4
+        _wait(lambda: stored_transitions(http) >= n0 + window, 3600, "the window did not fill", started)
         n1, c1, t1 = stored_transitions(http), _server(port), time.monotonic()
     finally:
         for proc in reversed(list(started)):
@@ -179,7 +190,7 @@ def measure_window(args: argparse.Namespace, name: str, overrides: list[str]) ->
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/local.yaml")
-    ap.add_argument("--steps", type=int, default=40, help="transitions timed per window")
+    ap.add_argument("--steps", type=int, default=40, help="transitions timed per window of 4 environments")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument(
@@ -187,7 +198,7 @@ def main() -> int:
         nargs="+",
         choices=list(SETTINGS),
         default=list(SETTINGS),
-        help="which settings to measure (fast is needed for the last line)",
+        help="which settings to measure (the last line is fast's, else the first's)",
     )
     args = ap.parse_args()
     settings = {k: SETTINGS[k] for k in args.settings}
@@ -226,15 +237,19 @@ def main() -> int:
             f"{f}: coevolve_env_steps_per_s={med[f][0]:.3f} model_calls_per_step={med[f][1]:.2f} "
             f"prefill_tokens_per_step={med[f][2]:.0f}"
         )
-    if "reference" in med:
+    if "reference" in med and "fast" in med:
         print(f"coevolve_speedup_vs_reference={med['fast'][0] / med['reference'][0]:.2f}")
-    for other in ("fast_cache", "fast_history", "fast_envs8"):
-        if other in med:
+    for other in ("fast_cache", "fast_history", "fast_envs8", "fast_envs16", "fast_history_envs8"):
+        if other in med and "fast" in med:
             print(f"coevolve_{other}_vs_fast={med[other][0] / med['fast'][0]:.2f}")
     if "filed" in med:
         for other in (s for s in med if s != "filed"):
             print(f"coevolve_{other}_vs_filed={med[other][0] / med['filed'][0]:.2f}")
-    print(f"coevolve_env_steps_per_s={med['fast'][0]:.3f} model_calls_per_step={med['fast'][1]:.2f}")
+    head = "fast" if "fast" in med else next(iter(med))
+    print(
+        f"coevolve_env_steps_per_s={med[head][0]:.3f} model_calls_per_step={med[head][1]:.2f}"
+        + ("" if head == "fast" else f" setting={head}")
+    )
     return 0
 
 
