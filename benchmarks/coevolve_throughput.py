@@ -19,7 +19,8 @@ in alternating rounds on one machine:
 
 Each round, for each setting in turn (a window): a fresh run directory, broker (a setting may change
 what the run records as its method) and ``comap serve``, which loads three LoRA adapters (policy,
-world model, teacher: random, small, the learner's shape), the registry is set to ``coevolve`` on
+world model, teacher: random, small, the learner's shape; ``--adapters-from RUN/adapters
+--adapter-version N``: a run's trained ones), the registry is set to ``coevolve`` on
 them (no learner), and one actor (``actor.envs`` environments, ``env.split=valid_seen``) plays the
 CoMap loop. After 4 transitions of warm-up, the window is the time to store the next ``--steps``
 transitions times ``actor.envs`` / 4 (every setting's window covers the same steps of its episodes:
@@ -126,6 +127,20 @@ def _healthy(port: int) -> bool:
         return False
 
 
+def copy_trained_adapters(source: Path, version: int, root: Path) -> dict[str, Path]:
+    """A run's adapters of ``version`` (``source/policy-vN``, ``wm-vN``, ``wm_teacher-vN``) copied under
+    ``root`` as version 1, the names a window serves; a missing one ends the benchmark with its path."""
+    import shutil
+
+    out = {}
+    for role in ROLES:
+        src = source / adapter_name(role, version)
+        if not (src / "adapter_model.safetensors").is_file():
+            raise SystemExit(f"--adapters-from: no adapter at {src} (a run's adapter directory and --adapter-version)")
+        out[role] = Path(shutil.copytree(src, root / adapter_name(role, 1), dirs_exist_ok=True))
+    return out
+
+
 def measure_window(args: argparse.Namespace, name: str, overrides: list[str]) -> tuple:
     """One window: a fresh run directory, broker and server with three random adapters published as
     co-evolution's, one actor; the server's counters and the stored transitions at the window's ends."""
@@ -151,12 +166,15 @@ def measure_window(args: argparse.Namespace, name: str, overrides: list[str]) ->
     log_dir = run_root / name
     log_dir.mkdir(parents=True, exist_ok=True)
     adapters = {r: adapter_name(r, 1) for r in ROLES}
-    write_random_adapters(
-        resolve_model(cfg.model.name_or_path, cfg.model.cache_dir),
-        cfg.adapter_root,
-        list(adapters.values()),
-        r=cfg.learner.lora_r,
-    )
+    if args.adapters_from is not None:
+        copy_trained_adapters(args.adapters_from, args.adapter_version, cfg.adapter_root)
+    else:
+        write_random_adapters(
+            resolve_model(cfg.model.name_or_path, cfg.model.cache_dir),
+            cfg.adapter_root,
+            list(adapters.values()),
+            r=cfg.learner.lora_r,
+        )
     env = {**os.environ, "COMAP_LOG_JSON": "1", "OMP_NUM_THREADS": "1"}
     common = ["--config", args.config, *sum((["--set", s] for s in sets), [])]
     started = {}
@@ -193,6 +211,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40, help="transitions timed per window of 4 environments")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument(
+        "--adapters-from",
+        type=Path,
+        help="a run's adapter directory (RUN/adapters): its --adapter-version adapters are played instead of random "
+        "ones (random adapters loop or not by chance, so the same setting varies 1.3-2x between windows)",
+    )
+    ap.add_argument("--adapter-version", type=int, default=1)
     ap.add_argument(
         "--settings",
         nargs="+",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.coevolve_throughput import SETTINGS, _wait
+from benchmarks.coevolve_throughput import SETTINGS, _wait, copy_trained_adapters
 
 
 def test_a_process_that_exits_ends_the_wait_with_its_logs_last_line(tmp_path):
@@ -39,3 +39,18 @@ def test_every_setting_loads_over_the_cpu_default(setting):
     cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs" / "local.yaml"), SETTINGS[setting])
     if setting == "filed":  # the path issue 29 was filed against
         assert not cfg.env.draft_turns and cfg.inference.prefix_cache_mb == 256
+
+
+def test_a_runs_adapters_are_served_as_version_1_and_a_missing_one_is_named(tmp_path):
+    source = tmp_path / "run" / "adapters"
+    for role in ("policy", "wm", "wm_teacher"):
+        (source / f"{role}-v7").mkdir(parents=True)
+        (source / f"{role}-v7" / "adapter_model.safetensors").write_bytes(role.encode())
+    copied = copy_trained_adapters(source, 7, tmp_path / "window")
+    assert {r: (p.name, (p / "adapter_model.safetensors").read_bytes()) for r, p in copied.items()} == {
+        "policy": ("policy-v1", b"policy"),
+        "wm": ("wm-v1", b"wm"),
+        "wm_teacher": ("wm_teacher-v1", b"wm_teacher"),
+    }
+    with pytest.raises(SystemExit, match=r"no adapter at .*policy-v8"):
+        copy_trained_adapters(source, 8, tmp_path / "other")
