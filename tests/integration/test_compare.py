@@ -253,7 +253,16 @@ async def test_an_interrupted_comparison_stops_at_once_with_its_server(
     cmd = compare_cmd([tmp_path / "source"], out, 4, "", env, "--envs", "2", "--set", "env.max_steps=400")
     err = tmp_path / "compare.err"
     with err.open("wb") as sink:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=sink, start_new_session=True)
+        # SIGINT as at a terminal: a shell starts background jobs (``cmd &``, CI under ``nohup``) with SIGINT
+        # ignored, the children inherit that, and Python then installs no handler: Ctrl-C never came
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=sink,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     try:
         deadline = time.time() + 300
         # the run's adapters are loaded just before the row's episodes start (a server's log line: the
