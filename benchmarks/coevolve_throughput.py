@@ -142,8 +142,9 @@ def copy_trained_adapters(source: Path, version: int, root: Path) -> dict[str, P
 
 
 def measure_window(args: argparse.Namespace, name: str, overrides: list[str]) -> tuple:
-    """One window: a fresh run directory, broker and server with three random adapters published as
-    co-evolution's, one actor; the server's counters and the stored transitions at the window's ends."""
+    """One window: a fresh run directory, broker and server with three adapters (random, or
+    ``--adapters-from``'s) published as co-evolution's, one actor; the server's counters and the stored
+    transitions at the window's ends."""
     from comap_async.config import load_config
     from comap_async.models import resolve_model
     from comap_async.wire.broker_client import BrokerClient

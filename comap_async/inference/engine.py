@@ -300,7 +300,6 @@ class Engine:
                 seq.slot, gen, prompt, [(layer.keys, layer.values) for layer in cache.layers], done, self.key_dim
             )
             self.prefix.hits += done
-            self.prefix.misses += n - done
         self.stats.prefill_seconds += time.perf_counter() - t0
         self.stats.prompt_tokens += n
         by = self.stats.computed_by_adapter

@@ -217,7 +217,7 @@ def submit(
                 p,
                 req.params,
                 slot=state.registry.acquire(req.model),
-                adapter=adapter_family(req.model or ""),
+                adapter=adapter_family(req.model or state.registry.base_name),
                 generator=make_generator(seed),
                 on_token=on_token,
                 constraint=req.constraint,

@@ -27,8 +27,7 @@ class PrefixCache:
             OrderedDict()
         )
         self._bytes = 0
-        self.hits = 0  # tokens served from the cache
-        self.misses = 0  # prompt tokens computed
+        self.hits = 0  # tokens served from the cache (those computed: EngineStats.computed_by_adapter)
 
     def _chain(self, slot: str, gen: int, ids: list[int], upto: int):
         prev: Key | None = None

@@ -55,20 +55,22 @@ def adapter_name(role: str, version: int, prefix: str = "") -> str:
     return f"{prefix}{role}-v{version}"
 
 
+def _split_version(name: str) -> tuple[str, int | None]:
+    """``policy-v3`` -> (``policy``, 3); a name without a ``-v<digits>`` ending -> (name, None)."""
+    head, sep, tail = name.rpartition("-v")
+    return (head, int(tail)) if sep and tail.isdigit() else (name, None)
+
+
 def adapter_family(name: str) -> str:
     """An adapter name without its version (``eval-policy-v3`` -> ``eval-policy``): what the server's
     per-adapter counters are labelled by, so that versions of one role add up; other names as they are."""
-    head, sep, tail = name.rpartition("-v")
-    return head if sep and tail.isdigit() else name
+    return _split_version(name)[0]
 
 
 def adapter_version(name: str | None) -> int:
     """The version an adapter name denotes (``adapter_name``'s inverse); 0 for the base model or
     a name that is not an adapter's."""
-    if not name:
-        return 0
-    _, sep, tail = name.rpartition("-v")
-    return int(tail) if sep and tail.isdigit() else 0
+    return (_split_version(name)[1] or 0) if name else 0
 
 
 # ---- field types -------------------------------------------------------------------------------
