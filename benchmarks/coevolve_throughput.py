@@ -12,6 +12,9 @@ in alternating rounds on one machine:
 * ``fast_envs8``: ``fast_cache`` with 8 environments per actor instead of 4 (fuller decode batches).
 * ``fast_envs16``: 16 environments, decoded up to 16 rows at a time.
 * ``fast_history_envs8``: ``fast_history`` with 8 environments.
+* ``fast_spec4`` / ``fast_spec8``: ``fast`` with prompt-lookup speculative decoding
+  (``inference.speculative_tokens`` 4 / 8: the teacher rewrites the real observation it is shown, a
+  reflection the draft); ``fast_envs8_spec8``: with 8 environments too.
 * ``filed``: ``fast`` as it was when issue 29 was filed: the draft's prompt in the window form
   (``env.draft_turns=false``) and the 256 MB prefix cache (issue 29, acceptance 2 compares against it).
 
@@ -75,6 +78,11 @@ SETTINGS = {
     "fast_envs16": [*FAST, "inference.prefix_cache_mb=2048", "actor.envs=16", "inference.max_batch_size=16"],
     # both: every role's prompt extends its previous step's, and twice the rows in each decode step
     "fast_history_envs8": [*FAST, "inference.prefix_cache_mb=2048", "env.history_k=50", "actor.envs=8"],
+    # most generated tokens are in the prompt already (the teacher's hindsight observation, the draft a
+    # reflection repeats): proposed from it and checked in one forward pass, same output
+    "fast_spec4": [*FAST, "inference.speculative_tokens=4"],
+    "fast_spec8": [*FAST, "inference.speculative_tokens=8"],
+    "fast_envs8_spec8": [*FAST, "inference.prefix_cache_mb=2048", "actor.envs=8", "inference.speculative_tokens=8"],
     # issue 29's "today": every prompt re-rendered from the last history_k pairs (nothing for the cache
     # to extend from one step to the next) and a cache too small for 4 episodes' reflections
     "filed": [*FAST, "inference.prefix_cache_mb=256", "env.draft_turns=false", "learner.demo_loss_share={}"],
@@ -102,7 +110,11 @@ def _server(port: int) -> dict[str, float]:
         f"computed:{a}": float(n)
         for a, n in re.findall(r'^comap_inference_prompt_tokens_computed_total\{adapter="([^"]+)"\} (\S+)$', text, re.M)
     }
-    return out | {name: counted.get(name, 0.0) for name in ENGINE_COUNTERS} | by_adapter
+    speculative = {
+        f"speculative:{o}": float(n)
+        for o, n in re.findall(r'^comap_inference_speculative_tokens_total\{outcome="([^"]+)"\} (\S+)$', text, re.M)
+    }
+    return out | {name: counted.get(name, 0.0) for name in ENGINE_COUNTERS} | by_adapter | speculative
 
 
 def _wait(pred, timeout_s: float, what: str, procs: dict | None = None) -> None:
@@ -254,7 +266,13 @@ def main() -> int:
                 f"{d['generation_tokens'] / max(1.0, d['completions']):.0f} tokens generated per call, "
                 f"{computed / (n1 - n0):.0f} prompt tokens prefilled per env step ("
                 + ", ".join(f"{k[9:]} {v / (n1 - n0):.0f}" for k, v in sorted(d.items()) if k.startswith("computed:"))
-                + ")",
+                + ")"
+                + (
+                    f", speculative: {d['speculative:accepted'] / (n1 - n0):.1f} of "
+                    f"{d['speculative:proposed'] / (n1 - n0):.1f} proposed tokens per env step confirmed"
+                    if d.get("speculative:proposed")
+                    else ""
+                ),
                 flush=True,
             )
     med = {f: tuple(statistics.median(x[i] for x in v) for i in range(3)) for f, v in results.items()}
@@ -265,7 +283,7 @@ def main() -> int:
         )
     if "reference" in med and "fast" in med:
         print(f"coevolve_speedup_vs_reference={med['fast'][0] / med['reference'][0]:.2f}")
-    for other in ("fast_cache", "fast_history", "fast_envs8", "fast_envs16", "fast_history_envs8"):
+    for other in (s for s in med if s.startswith("fast_")):
         if other in med and "fast" in med:
             print(f"coevolve_{other}_vs_fast={med[other][0] / med['fast'][0]:.2f}")
     if "filed" in med:

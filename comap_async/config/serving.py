@@ -112,6 +112,12 @@ class InferenceConfig(Section):
     """Embedded server: memory for the KV of shared prompt prefixes (0 turns the cache off). vLLM:
     0 passes ``--no-enable-prefix-caching``, else ``--enable-prefix-caching`` (its automatic prefix
     caching, sized by its KV cache)."""
+    speculative_tokens: int = Field(default=0, ge=0, le=32)
+    """Prompt-lookup speculative decoding: up to this many tokens proposed per row and decode step
+    from where the row's last tokens occurred before in its prompt or output, checked in one forward
+    pass; the output is the one decoding token by token gives (``comap_async/inference/ngram.py``).
+    The roles copy much of their prompts (the teacher the real observation, a reflection the draft).
+    0: off. vLLM: its ``ngram`` method (``--speculative-config``) with the same count."""
     max_new_tokens: int = Field(default=256, ge=1)
     """Upper bound on ``max_tokens`` per request."""
     forward: Literal["fused", "transformers"] = "fused"

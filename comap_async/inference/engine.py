@@ -4,8 +4,9 @@ The engine thread owns the model. Each iteration it (1) runs queued adapter oper
 only change between forward passes; (2) admits waiting sequences up to ``max_batch_size``, each
 prefilled on its own (no padding inside a prompt) and merged into the running batch's KV cache;
 (3) runs one decode step for the whole batch, rows of different adapters together (peft's
-mixed-adapter forward). A sequence leaves the batch as soon as it finishes, and a newcomer takes its
-row at the next step, so short and long requests do not wait for each other.
+mixed-adapter forward), or with ``speculative_tokens`` a verify step when a row's prompt suggests how
+it goes on (:mod:`comap_async.inference.speculative`). A sequence leaves the batch as soon as it
+finishes, and a newcomer takes its row at the next step, so short and long requests do not wait for each other.
 
 Everything crossing threads goes through ``submit`` (a condition-guarded deque), ``call`` (a queue
 of functions returning ``concurrent.futures.Future``) and each sequence's ``on_done`` callback.
@@ -27,6 +28,7 @@ from comap_async.inference.adapters import BASE, SlotManager
 from comap_async.inference.fused import FusedLlama
 from comap_async.inference.kvcache import BatchCache, with_capacity
 from comap_async.inference.prefix import PrefixCache
+from comap_async.inference.speculative import NgramIndex, Proposer, SpeculativeSteps, allowed_tokens, ngram_proposal
 from comap_async.inference.token_sampling import SamplingParams, StepOutput, sample_step
 from comap_async.models import kv_cache_argument
 
@@ -56,12 +58,11 @@ class Sequence:
     cancelled: bool = False
     t_submit: float = field(default_factory=time.monotonic)
     t_first: float | None = None
-
-
-def _allowed(rows: list[Sequence]) -> list[list[int] | None] | None:
-    if all(s.constraint is None for s in rows):
-        return None
-    return [None if s.constraint is None else s.constraint.allowed(s.out_ids) for s in rows]
+    ngrams: NgramIndex | None = None
+    """Prompt and output indexed for speculative proposals (built at the first verify step it joins)."""
+    proposal_budget: int | None = None
+    """Most tokens to propose next (None: ``speculative_tokens``): twice what the last verify step
+    confirmed, at least 1, so a row whose guesses fail costs little and one that copies gets the most."""
 
 
 @dataclass
@@ -79,6 +80,11 @@ class EngineStats:
     computed_by_adapter: dict[str, int] = field(default_factory=dict)
     """Prompt tokens computed (not served by the prefix cache), by :attr:`Sequence.adapter`: which role's
     prompts the cache misses (a role whose prompt is re-rendered every step shows here)."""
+    verify_steps: int = 0
+    """Decode steps that checked proposed tokens (counted in ``steps`` too)."""
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    """Proposed tokens the model's own choice confirmed: each is a decode step saved."""
 
 
 TRIM_EVERY_S = 10.0
@@ -86,7 +92,7 @@ TRIM_EVERY_S = 10.0
 of changing shapes fragment the heap as the learner's steps do; a trim costs milliseconds."""
 
 
-class Engine:
+class Engine(SpeculativeSteps):
     def __init__(
         self,
         model: torch.nn.Module,
@@ -101,6 +107,8 @@ class Engine:
         prefix_cache: PrefixCache | None = None,
         fused: FusedLlama | None = None,
         top_candidates: int = 256,
+        speculative_tokens: int = 0,
+        proposer: Proposer = ngram_proposal,
     ) -> None:
         self.model, self.tokenizer, self.slots = model, tokenizer, slots
         # the fused forward keeps keys transposed in its KV cache; transformers' forward cannot read them
@@ -108,6 +116,8 @@ class Engine:
         self.key_dim = 3 if fused is not None else 2
         self.cache_arg = kv_cache_argument(slots.forward_model)
         self.top_candidates = top_candidates
+        self.speculative_tokens = speculative_tokens
+        self.propose = proposer
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_ms / 1000.0
         self.max_model_len = max_model_len
@@ -242,11 +252,14 @@ class Engine:
         positions: torch.Tensor,
         cache: BatchCache,
         adapters: list[str],
+        real: torch.Tensor | None = None,
         **kw: Any,
     ) -> torch.Tensor:
+        """Logits ``[B, vocab]`` of each row's last position, or with ``real`` (indices into the flattened
+        ``[B*T]`` positions) of those positions, ``[len(real), vocab]`` (the fused forward computes no other)."""
         if self.fused is not None:
             rows = self.slots.stacks.rows_for(adapters, BASE) if self.slots.peft is not None else None
-            return self.fused.forward(input_ids, positions, mask, cache, rows)
+            return self.fused.forward(input_ids, positions, mask, cache, rows, last_only=real is None, real=real)
         self.slots.begin_step(adapters)
         try:
             out = self.slots.forward_model(
@@ -259,6 +272,8 @@ class Engine:
             )
         finally:
             self.slots.end_step()
+        if real is not None:
+            return out.logits.reshape(-1, out.logits.shape[-1]).index_select(0, real)
         return out.logits[:, -1, :]
 
     def _admit(self) -> None:
@@ -305,7 +320,7 @@ class Engine:
         by = self.stats.computed_by_adapter
         by[seq.adapter] = by.get(seq.adapter, 0) + n - done
         step = sample_step(
-            logits, [seq.params], [seq.generator], self._default_gen, self.top_candidates, _allowed([seq])
+            logits, [seq.params], [seq.generator], self._default_gen, self.top_candidates, allowed_tokens([seq])
         )[0]
         seq.t_first = time.monotonic()
         if not self._append(seq, step):
@@ -313,6 +328,11 @@ class Engine:
             self._running.append(seq)
 
     def _decode_step(self) -> None:
+        if self.speculative_tokens:
+            proposals = [self._proposal(s) for s in self._running]
+            if any(proposals):
+                self._verify_step(proposals)
+                return
         t0 = time.perf_counter()
         self._last_busy = time.monotonic()
         rows = self._running
@@ -327,7 +347,7 @@ class Engine:
                 [s.generator for s in rows],
                 self._default_gen,
                 self.top_candidates,
-                _allowed(rows),
+                allowed_tokens(rows),
             )
         except Exception as exc:  # a failed step poisons the shared cache: fail this batch, keep serving
             if self.log:
@@ -353,6 +373,8 @@ class Engine:
         p = seq.params
         tok = step.token
         seq.out_ids.append(tok)
+        if seq.ngrams is not None:
+            seq.ngrams.append(tok)
         seq.token_logprobs.append(step.logprob)
         if p.logprobs is not None:
             seq.top_logprobs.append(step.top)
@@ -393,6 +415,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
+        seq.ngrams = None
         if not isinstance(seq.stop_reason, str):  # a stop string already set the truncated text
             seq.text = self.tokenizer.decode(seq.out_ids, skip_special_tokens=seq.params.skip_special_tokens)
         if reason == "error":

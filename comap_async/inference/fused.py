@@ -182,7 +182,9 @@ class FusedLlama:
         return sum(w.nbytes for w in ws)
 
     # ------------------------------------------------------------------ LoRA
-    def _lora(self, rows: torch.Tensor | None, tokens_per_row: int) -> "LoraBatch | None":
+    def _lora(
+        self, rows: torch.Tensor | None, tokens_per_row: int, real: torch.Tensor | None = None
+    ) -> "LoraBatch | None":
         """The LoRA of this batch's adapters, or None when every row is on the base model."""
         if rows is None or self.stacks is None:
             return None
@@ -211,6 +213,8 @@ class FusedLlama:
         onehot = onehot.view(len(row_slots), -1)
         if tokens_per_row > 1:
             onehot = onehot.repeat_interleave(tokens_per_row, dim=0)
+        if real is not None:
+            onehot = onehot.index_select(0, real)
         return LoraBatch(dense, onehot)
 
     def _build_dense(self, active: list[int], r: int) -> list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]]:
@@ -253,34 +257,54 @@ class FusedLlama:
         cache: Any,
         rows: torch.Tensor | None,
         last_only: bool = True,
+        real: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, vocab]`` (fp32) of each row's last token; keys/values are appended to ``cache``.
 
         ``input_ids``/``positions`` ``[B, T]``; ``mask`` ``[B, N]`` covers the cached and new tokens;
         ``rows``: each row's LoRA stack row (0 = base model) or None when every row is on the base.
+        ``last_only`` False: the logits of every position, ``[B*T, vocab]``; with ``real`` (indices into
+        the flattened ``[B*T]`` positions) of those positions only, ``[len(real), vocab]``: the others
+        (a verify step's padding) are left out of every matrix product and get zero keys and values.
         """
         if not getattr(cache, "transposed", False):
             raise ValueError("the fused forward needs a BatchCache(transposed=True)")
         b, t = input_ids.shape
         wd = self.dtype
-        h = F.embedding(input_ids, self.embed).float().view(b * t, -1)
-        cos, sin = self.rotary(h.view(b, t, -1), positions)
+        flat_ids, flat_pos = input_ids.reshape(-1), positions.reshape(-1)
+        if real is not None:
+            flat_ids, flat_pos = flat_ids.index_select(0, real), flat_pos.index_select(0, real)
+        h = F.embedding(flat_ids, self.embed).float()
+        cos, sin = self.rotary(h.unsqueeze(0), flat_pos.unsqueeze(0))
+        cos, sin = cos[0], sin[0]
+        if real is None:
+            cos, sin = cos.view(b, t, -1), sin.view(b, t, -1)
         half = self.head_dim // 2
-        cos = cos.to(wd).unsqueeze(2)
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).to(wd).unsqueeze(2)
+        cos = cos.to(wd).unsqueeze(-2)
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).to(wd).unsqueeze(-2)
         hkv, g, n = self.kv_heads, self.heads // self.kv_heads, mask.shape[1]
         bias = attention_bias(mask, t, wd).expand(b, hkv, g, t, n).reshape(b * hkv, g * t, n)
-        lora = self._lora(rows, t)
+        lora = self._lora(rows, t, real)
         hidden, qs, kvs, d = h.shape[-1], self.q_size, self.kv_size, self.head_dim
         for i, layer in enumerate(self.layers):
             xf = F.rms_norm(h, (hidden,), layer.norm_in, layer.eps_in)
             qkv = layer.wqkv(xf.to(wd))  # the q rows of the weight carry the 1/sqrt(head_dim) scale
             if lora is not None:
                 lora.apply(qkv, xf, i, "qkv")
-            qk = rotate(qkv[:, : qs + kvs].view(b, t, -1, d), cos, sin)
-            v = qkv[:, qs + kvs :].view(b, t, self.kv_heads, d).transpose(1, 2)
+            if real is None:
+                qk = rotate(qkv[:, : qs + kvs].view(b, t, -1, d), cos, sin)
+                v = qkv[:, qs + kvs :].view(b, t, self.kv_heads, d).transpose(1, 2)
+            else:  # rotated per real token, then laid out [B, T] with zeros at the padding
+                qk_real = rotate(qkv[:, : qs + kvs].view(-1, self.heads + self.kv_heads, d), cos, sin)
+                qk = qk_real.new_zeros(b * t, self.heads + self.kv_heads, d).index_copy_(0, real, qk_real)
+                qk = qk.view(b, t, -1, d)
+                v_real = qkv[:, qs + kvs :].reshape(-1, kvs)
+                v = v_real.new_zeros(b * t, kvs).index_copy_(0, real, v_real)
+                v = v.view(b, t, self.kv_heads, d).transpose(1, 2)
             keys_t, values = cache.layers[i].update(qk[:, :, self.heads :].transpose(1, 2), v)
             a = attend(qk[:, :, : self.heads], keys_t, values, bias)
+            if real is not None:
+                a = a.index_select(0, real)
             o = layer.wo(a)
             if lora is not None:
                 lora.apply(o, a.float(), i, "o")
@@ -294,7 +318,7 @@ class FusedLlama:
             if lora is not None:
                 lora.apply(down, act.float(), i, "down")
             h.add_(down)
-        if last_only:
+        if last_only and real is None:
             h = h.view(b, t, -1)[:, -1]
         h = F.rms_norm(h, (h.shape[-1],), self.norm, self.norm_eps)
         return self.lm_head(h.to(wd)).float()

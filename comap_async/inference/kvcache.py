@@ -128,9 +128,9 @@ class BatchCache(Cache):
         mb = torch.nn.functional.pad(other.mask, (pad_b, 0))
         self.mask = torch.cat([ma, mb], dim=0)
 
-    def extend_mask(self) -> torch.Tensor:
-        """The mask for the next decode step: every row gains one real column."""
-        self.mask = torch.nn.functional.pad(self.mask, (0, 1), value=1)
+    def extend_mask(self, columns: int = 1) -> torch.Tensor:
+        """The mask for the next decode (or verify) step: every row gains ``columns`` real columns."""
+        self.mask = torch.nn.functional.pad(self.mask, (0, columns), value=1)
         return self.mask
 
 

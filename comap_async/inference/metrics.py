@@ -62,6 +62,14 @@ def families(state: Any) -> list[Metric]:
         [({}, st.batch_rows)],
     )
     _line(out, "decode_seconds_total", "counter", "Time in decode steps.", [({}, st.step_seconds)])
+    _line(
+        out,
+        "speculative_tokens_total",
+        "counter",
+        "Tokens proposed by prompt lookup and confirmed by the model (inference.speculative_tokens).",
+        [({"outcome": "proposed"}, st.proposed_tokens), ({"outcome": "accepted"}, st.accepted_tokens)],
+    )
+    _line(out, "verify_steps_total", "counter", "Decode steps that checked proposed tokens.", [({}, st.verify_steps)])
     _line(out, "prefill_seconds_total", "counter", "Time in prompt prefill.", [({}, st.prefill_seconds)])
     _line(
         out,

@@ -75,6 +75,7 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
         prefix_cache=PrefixCache(max_bytes=inf.prefix_cache_mb << 20) if inf.prefix_cache_mb else None,
         fused=fused,
         top_candidates=inf.top_p_candidates,
+        speculative_tokens=inf.speculative_tokens,
     )
     engine.start()
     engine.call(slots.fill_spares).result()

@@ -11,6 +11,7 @@ model's generation_config.json, as in the embedded server.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -86,6 +87,10 @@ def build_command(
     # prefix's KV across requests of one adapter (on by default in recent vLLM; said here so the
     # one knob, prefix_cache_mb 0, turns it off on both backends)
     argv.append("--enable-prefix-caching" if inf.prefix_cache_mb > 0 else "--no-enable-prefix-caching")
+    if inf.speculative_tokens:
+        # the embedded server's proposer in vLLM's words: the last 4 tokens, else 3, 2, 1, looked up in the prompt
+        spec = {"method": "ngram", "num_speculative_tokens": inf.speculative_tokens}
+        argv += ["--speculative-config", json.dumps(spec | {"prompt_lookup_max": 4, "prompt_lookup_min": 1})]
     if inf.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
     if inf.admin_token:

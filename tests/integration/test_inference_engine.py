@@ -277,3 +277,79 @@ def test_choice_decoding_keeps_the_free_greedy_path_and_otherwise_stays_in_the_c
     assert company.out_ids == free.out_ids
     # reported logprobs are the model's own, unmasked: the kept path's equal the free path's
     assert kept.token_logprobs[:-1] == pytest.approx(free.token_logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("forward", ["transformers", "fused"])
+def test_speculative_decoding_gives_the_tokens_of_decoding_one_at_a_time(tiny_model_dir, tmp_path, forward):
+    """The verify step (``inference.speculative_tokens``) on a batch of 3 that rows join and leave, mixing
+    the base model and an adapter, greedy and seeded top-p rows, a stop string and short budgets: every
+    row's tokens, logprobs and finish are those of decoding one token a step, whether a proposal is right
+    throughout, right then wrong, or wrong at once. The tiny random model copies nothing from its
+    prompts, so the proposals here come from the plain run's outputs (the right ones) with a wrong
+    token put in per row; the prompt-lookup proposer runs in the last pass."""
+    from comap_async.inference.speculative import ngram_proposal
+    from comap_async.inference.token_sampling import make_generator
+
+    adapter = read_adapter(AdapterFactory(tiny_model_dir, tmp_path).random("a", seed=3))
+    repeating = "put the apple in the fridge. put the apple in the fridge. put the apple in the"
+    texts = [repeating, *PROMPTS, repeating + " fridge", PROMPTS[3] + " " + PROMPTS[3]]
+
+    def play(speculative_tokens: int, proposer=ngram_proposal) -> tuple[list[Sequence], Engine]:
+        eng = make_engine(tiny_model_dir, forward, speculative_tokens=speculative_tokens, proposer=proposer)
+        eng.start()
+        try:
+            eng.call(eng.slots.fill_spares).result(30)
+            slot = eng.slots.take_spare()
+            assert eng.slots.fill_spare(slot, adapter)
+            tok = eng.tokenizer
+            seqs = []
+            for i, text in enumerate(texts):
+                sampled = i % 3 == 1
+                params = SamplingParams(
+                    max_tokens=6 + 5 * (i % 4),
+                    temperature=1.0 if sampled else 0.0,
+                    top_p=0.9 if i % 2 else 1.0,
+                    seed=11 + i if sampled else None,
+                    ignore_eos=True,
+                    logprobs=2,
+                    stop=(" fridge",) if i == 5 else (),
+                )
+                gen = make_generator(11 + i) if sampled else None
+                seqs.append(Sequence(tok(text).input_ids, params, slot=slot if i % 2 else "__base__", generator=gen))
+            run(eng, seqs, stagger_s=0.002)
+        finally:
+            eng.stop()
+        return seqs, eng
+
+    reference, plain = play(0)
+    assert plain.stats.verify_steps == plain.stats.proposed_tokens == 0
+    outputs = {tuple(s.prompt_ids): s.out_ids for s in reference}
+    wrong_at = {tuple(s.prompt_ids): i % 3 for i, s in enumerate(reference)}  # 0: never wrong
+
+    def from_reference(seq: Sequence, k: int) -> list[int]:
+        key = tuple(seq.prompt_ids)
+        n, out = len(seq.out_ids), outputs[key]
+        right = out[n : n + k]
+        at = wrong_at[key]
+        if at and at - 1 < len(right):  # wrong at once (1) or after one right token (2)
+            right = right[: at - 1] + [(right[at - 1] + 1) % 512]
+        return right
+
+    for proposer in (from_reference, ngram_proposal):
+        speculated, eng = play(4, proposer)
+        st = eng.stats
+        assert st.verify_steps > 0 and st.proposed_tokens >= st.accepted_tokens > 0
+        assert st.generated_tokens == plain.stats.generated_tokens
+        for ref, spec in zip(reference, speculated):
+            assert spec.out_ids == ref.out_ids
+            assert (spec.finish_reason, spec.text) == (ref.finish_reason, ref.text)
+            assert max(abs(a - b) for a, b in zip(spec.token_logprobs, ref.token_logprobs)) < 1e-4
+            assert [[t for t, _ in top] for top in spec.top_logprobs] == [
+                [t for t, _ in top] for top in ref.top_logprobs
+            ]
+        if proposer is from_reference:
+            # right proposals save steps: fewer steps than tokens in the rows never proposed wrong
+            assert (
+                st.accepted_tokens
+                >= sum(len(s.out_ids) - 1 for s, w in zip(speculated, wrong_at.values()) if not w) // 2
+            )

@@ -211,3 +211,38 @@ def test_top_p_top_k_sampling_picks_what_the_full_sort_picks(scale):
             for i, p in enumerate(params)
         ]
         assert got == expect
+
+
+def test_ngram_index_proposes_what_followed_the_latest_earlier_occurrence_of_the_suffix():
+    from comap_async.inference.speculative import NgramIndex
+
+    # "you arrive at X . you arrive" -> what followed "you arrive" the last time
+    idx = NgramIndex([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 5, 9, 1, 2])
+    assert idx.propose(3) == [3, 7, 5]  # the most recent occurrence (3, 7, ...), not the first (3, 4, ...)
+    assert idx.propose(0) == []
+    idx.append(3)
+    assert idx.propose(2) == [7, 5]  # the 3-gram (1, 2, 3) first
+    idx.append(4)  # (2, 3, 4) occurred once, at the start
+    assert idx.propose(9) == [5, 9, 1, 2, 3, 7, 5, 9, 1]
+    idx.append(8)
+    assert idx.propose(4) == []  # (3, 4, 8) and (4, 8) never occurred before
+    # the suffix itself is never its own earlier occurrence
+    fresh = NgramIndex([5, 6])
+    assert fresh.propose(4) == []
+    fresh.append(5)
+    fresh.append(6)
+    assert fresh.propose(4) == [5, 6]
+    assert NgramIndex([]).propose(2) == []
+
+
+def test_vllm_command_asks_for_ngram_speculation_only_when_the_config_does():
+    import json
+
+    from comap_async.config import load_config
+    from comap_async.inference import vllm
+
+    argv, _ = vllm.build_command(load_config(None, []), "/m", "/p")
+    assert "--speculative-config" not in argv
+    argv, _ = vllm.build_command(load_config(None, ["inference.speculative_tokens=6"]), "/m", "/p")
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4, "prompt_lookup_min": 1}

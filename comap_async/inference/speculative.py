@@ -1,0 +1,180 @@
+"""Speculative decoding from prompt lookup (``inference.speculative_tokens``): the proposals and the verify step.
+
+Most of what the roles generate is already in their prompts: the EMA teacher is shown the real next
+observation and writes it again; a reflection's final action repeats the draft; the world model's
+answer reuses the room's and objects' names from the state. The tokens that followed the most
+recent earlier occurrence of a sequence's last few tokens are a cheap guess at its next ones; the
+engine checks the guess in one forward pass (:meth:`SpeculativeSteps._verify_step`) and keeps what the model
+itself would have produced, so the output is the same as decoding one token a step.
+
+vLLM's ``ngram`` speculative method is the same idea (``prompt_lookup_max``/``min``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from comap_async.inference.token_sampling import sample_step
+
+NGRAM_SIZES = (4, 3, 2, 1)
+"""The suffix lengths looked up, longest first. Down to one token: a role's answer starts after the chat
+header, where its first word is another token than the same word inside the prompt ("You" against
+" You"), so only its second token finds the observation it copies. Over sw48-comap's last 160
+co-evolution steps (``benchmarks/speculative_acceptance.py``, 8 tokens at most) the decode steps per
+generated token were, with (3, 2) / (4, 3, 2, 1): teacher 0.51 / 0.45, world model 0.42 / 0.37,
+reflection 0.42 / 0.41."""
+
+
+class NgramIndex:
+    """Where each n-gram of a token sequence last ended, kept up to date as tokens are appended.
+
+    The n-grams ending at the sequence's last token are indexed only when the next token arrives, so
+    a lookup of the current suffix finds an *earlier* occurrence, never the suffix itself.
+    """
+
+    def __init__(self, tokens: Iterable[int], sizes: tuple[int, ...] = NGRAM_SIZES) -> None:
+        self.tokens: list[int] = list(tokens)
+        self.sizes = sizes
+        self.last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
+        for end in range(len(self.tokens) - 1):
+            self._index(end)
+
+    def _index(self, end: int) -> None:
+        toks = self.tokens
+        for n, table in self.last.items():
+            if end + 1 >= n:
+                table[tuple(toks[end + 1 - n : end + 1])] = end
+
+    def append(self, token: int) -> None:
+        if self.tokens:
+            self._index(len(self.tokens) - 1)
+        self.tokens.append(token)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest suffix
+        found (empty when none of the sizes' suffixes occurred before, or ``k`` is 0)."""
+        toks = self.tokens
+        if k <= 0:
+            return []
+        for n, table in self.last.items():
+            if len(toks) < n:
+                continue
+            end = table.get(tuple(toks[len(toks) - n :]))
+            if end is not None:
+                return toks[end + 1 : end + 1 + k]
+        return []
+
+
+Proposer = Callable[[Any, int], list[int]]
+"""``(sequence, k)`` -> up to ``k`` tokens the sequence may go on with (the engine checks them)."""
+
+
+def ngram_proposal(seq: Any, k: int) -> list[int]:
+    """The engine's proposer: :meth:`NgramIndex.propose` over the sequence's prompt and output, indexed
+    at its first verify step and kept up to date by the engine as tokens are appended."""
+    if seq.ngrams is None:
+        seq.ngrams = NgramIndex(seq.prompt_ids + seq.out_ids)
+    return seq.ngrams.propose(k)
+
+
+def allowed_tokens(rows: list[Any]) -> list[list[int] | None] | None:
+    """Each row's allowed next tokens (its choice constraint), None when no row is constrained."""
+    if all(s.constraint is None for s in rows):
+        return None
+    return [None if s.constraint is None else s.constraint.allowed(s.out_ids) for s in rows]
+
+
+class SpeculativeSteps:
+    """The engine's speculative decode step (mixed into :class:`~comap_async.inference.engine.Engine`,
+    whose state it uses: the running rows, the batch cache, ``_forward``, ``_append``, ``_finish``)."""
+
+    def _proposal(self, seq: Any) -> list[int]:
+        """Tokens the sequence's prompt and output suggest it goes on with (none for a choice-constrained
+        row: its few allowed tokens are decided by the trie), within its token budget less one (the
+        verify step always adds the model's own next token)."""
+        if seq.constraint is not None:
+            return []
+        used = len(seq.prompt_ids) + len(seq.out_ids)
+        budget = self.speculative_tokens if seq.proposal_budget is None else seq.proposal_budget
+        k = min(budget, seq.params.max_tokens - len(seq.out_ids) - 1, self.max_model_len - used - 1)
+        if k <= 0:
+            return []
+        return self.propose(seq, k)
+
+    def _verify_step(self, proposals: list[list[int]]) -> None:
+        """One forward over each row's last token and its proposed ones, then each row's tokens sampled
+        position by position as a decode step would (same parameters, generator and constraint) while
+        they confirm the proposal: a row gains its confirmed tokens plus the model's next one. The
+        keys and values of what was not confirmed stay in the cache as masked columns."""
+        t0 = time.perf_counter()
+        self._last_busy = time.monotonic()
+        rows = self._running
+        width = 1 + max(len(p) for p in proposals)
+        ids, positions, real, first = [], [], [], []
+        for i, (seq, prop) in enumerate(zip(rows, proposals)):
+            last = len(seq.prompt_ids) + len(seq.out_ids) - 1
+            ids.append([seq.out_ids[-1], *prop] + [seq.out_ids[-1]] * (width - 1 - len(prop)))
+            # padding columns repeat the last real position; the forward leaves them out
+            positions.append([last + min(c, len(prop)) for c in range(width)])
+            first.append(len(real))  # where row i's logits start among the real positions'
+            real.extend(range(i * width, i * width + 1 + len(prop)))
+        try:
+            mask = self._cache.extend_mask(width)
+            logits = self._forward(
+                torch.tensor(ids, dtype=torch.long),
+                mask,
+                torch.tensor(positions, dtype=torch.long),
+                self._cache,
+                [s.slot for s in rows],
+                real=torch.tensor(real, dtype=torch.long),
+            )
+        except Exception as exc:  # a failed step poisons the shared cache: fail this batch, keep serving
+            if self.log:
+                self.log.exception("engine.step_failed", batch=len(rows))
+            self._fail_all(exc)
+            return
+        confirmed = [0] * len(rows)
+        finished: set[int] = {i for i, s in enumerate(rows) if s.cancelled}
+        for i in finished:
+            self._finish(rows[i], "abort")
+        active = [i for i in range(len(rows)) if i not in finished]
+        for col in range(width):
+            if not active:
+                break
+            steps = sample_step(
+                logits[[first[i] + col for i in active]],
+                [rows[i].params for i in active],
+                [rows[i].generator for i in active],
+                self._default_gen,
+                self.top_candidates,
+                allowed_tokens([rows[i] for i in active]),
+            )
+            going_on = []
+            for i, step in zip(active, steps):
+                if self._append(rows[i], step):
+                    finished.add(i)
+                elif col < len(proposals[i]) and step.token == proposals[i][col]:
+                    confirmed[i] += 1
+                    going_on.append(i)
+            active = going_on
+        start = mask.shape[1] - width
+        for i, n in enumerate(confirmed):
+            mask[i, start + 1 + n :] = 0  # the row's last token and its confirmed ones stay
+            if proposals[i]:
+                rows[i].proposal_budget = max(1, min(self.speculative_tokens, 2 * n))
+        keep = [i for i in range(len(rows)) if i not in finished]
+        if len(keep) != len(rows):
+            self._cache.select(keep)
+            self._running = [rows[i] for i in keep]
+        st = self.stats
+        st.steps += 1
+        st.verify_steps += 1
+        st.proposed_tokens += sum(map(len, proposals))
+        st.accepted_tokens += sum(confirmed)
+        st.batch_rows += len(rows)
+        st.running = len(self._running)
+        st.step_seconds += time.perf_counter() - t0
