@@ -14,7 +14,7 @@ in alternating rounds on one machine:
 * ``fast_history_envs8``: ``fast_history`` with 8 environments.
 * ``fast_spec4`` / ``fast_spec8``: ``fast`` with prompt-lookup speculative decoding
   (``inference.speculative_tokens`` 4 / 8: the teacher rewrites the real observation it is shown, a
-  reflection the draft); ``fast_envs8_spec8``: with 8 environments too.
+  reflection the draft); ``fast_envs8_spec4`` / ``fast_envs8_spec8``: with 8 environments too.
 * ``filed``: ``fast`` as it was when issue 29 was filed: the draft's prompt in the window form
   (``env.draft_turns=false``) and the 256 MB prefix cache (issue 29, acceptance 2 compares against it).
 
@@ -81,6 +81,7 @@ SETTINGS = {
     # most generated tokens are in the prompt already (the teacher's hindsight observation, the draft a
     # reflection repeats): proposed from it and checked in one forward pass, same output
     "fast_spec4": [*FAST, "inference.speculative_tokens=4"],
+    "fast_envs8_spec4": [*FAST, "inference.prefix_cache_mb=2048", "actor.envs=8", "inference.speculative_tokens=4"],
     "fast_spec8": [*FAST, "inference.speculative_tokens=8"],
     "fast_envs8_spec8": [*FAST, "inference.prefix_cache_mb=2048", "actor.envs=8", "inference.speculative_tokens=8"],
     # issue 29's "today": every prompt re-rendered from the last history_k pairs (nothing for the cache

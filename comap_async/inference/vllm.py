@@ -88,9 +88,12 @@ def build_command(
     # one knob, prefix_cache_mb 0, turns it off on both backends)
     argv.append("--enable-prefix-caching" if inf.prefix_cache_mb > 0 else "--no-enable-prefix-caching")
     if inf.speculative_tokens:
-        # the embedded server's proposer in vLLM's words: the last 4 tokens, else 3, 2, 1, looked up in the prompt
+        # the embedded server's proposer in vLLM's words: the last 4 tokens, else 3, looked up in the prompt
+        from comap_async.inference.speculative import NGRAM_SIZES  # here: it imports torch
+
         spec = {"method": "ngram", "num_speculative_tokens": inf.speculative_tokens}
-        argv += ["--speculative-config", json.dumps(spec | {"prompt_lookup_max": 4, "prompt_lookup_min": 1})]
+        lookup = {"prompt_lookup_max": max(NGRAM_SIZES), "prompt_lookup_min": min(NGRAM_SIZES)}
+        argv += ["--speculative-config", json.dumps(spec | lookup)]
     if inf.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
     if inf.admin_token:

@@ -338,7 +338,7 @@ def test_speculative_decoding_gives_the_tokens_of_decoding_one_at_a_time(tiny_mo
     for proposer in (from_reference, ngram_proposal):
         speculated, eng = play(4, proposer)
         st = eng.stats
-        assert st.verify_steps > 0 and st.proposed_tokens >= st.accepted_tokens > 0
+        assert st.verify_steps > 0 and st.proposed_tokens >= st.accepted_tokens
         assert st.generated_tokens == plain.stats.generated_tokens
         for ref, spec in zip(reference, speculated):
             assert spec.out_ids == ref.out_ids
@@ -347,7 +347,7 @@ def test_speculative_decoding_gives_the_tokens_of_decoding_one_at_a_time(tiny_mo
             assert [[t for t, _ in top] for top in spec.top_logprobs] == [
                 [t for t, _ in top] for top in ref.top_logprobs
             ]
-        if proposer is from_reference:
+        if proposer is from_reference:  # the random model's own outputs rarely repeat its prompt
             # right proposals save steps: fewer steps than tokens in the rows never proposed wrong
             assert (
                 st.accepted_tokens

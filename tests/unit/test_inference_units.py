@@ -217,7 +217,7 @@ def test_ngram_index_proposes_what_followed_the_latest_earlier_occurrence_of_the
     from comap_async.inference.speculative import NgramIndex
 
     # "you arrive at X . you arrive" -> what followed "you arrive" the last time
-    idx = NgramIndex([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 5, 9, 1, 2])
+    idx = NgramIndex([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 5, 9, 1, 2], sizes=(3, 2))
     assert idx.propose(3) == [3, 7, 5]  # the most recent occurrence (3, 7, ...), not the first (3, 4, ...)
     assert idx.propose(0) == []
     idx.append(3)
@@ -227,12 +227,14 @@ def test_ngram_index_proposes_what_followed_the_latest_earlier_occurrence_of_the
     idx.append(8)
     assert idx.propose(4) == []  # (3, 4, 8) and (4, 8) never occurred before
     # the suffix itself is never its own earlier occurrence
-    fresh = NgramIndex([5, 6])
+    fresh = NgramIndex([5, 6], sizes=(3, 2))
     assert fresh.propose(4) == []
     fresh.append(5)
     fresh.append(6)
     assert fresh.propose(4) == [5, 6]
     assert NgramIndex([]).propose(2) == []
+    assert NgramIndex([7, 8, 9, 1, 8, 9]).propose(2) == []  # the default sizes want 3 tokens matched
+    assert NgramIndex([7, 8, 9, 1, 7, 8, 9]).propose(2) == [1, 7]
 
 
 def test_vllm_command_asks_for_ngram_speculation_only_when_the_config_does():
@@ -245,4 +247,4 @@ def test_vllm_command_asks_for_ngram_speculation_only_when_the_config_does():
     assert "--speculative-config" not in argv
     argv, _ = vllm.build_command(load_config(None, ["inference.speculative_tokens=6"]), "/m", "/p")
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
-    assert spec == {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    assert spec == {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4, "prompt_lookup_min": 3}
