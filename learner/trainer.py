@@ -54,6 +54,14 @@ class StepAborted(RuntimeError):
     """A step stopped before its update because the learner is shutting down."""
 
 
+def imagined_demos(micro_batches: list[dict[str, list[dict[str, Any]]]]) -> int:
+    """The step's demonstrations that are imagined episodes (``learner.imagined_share``): a path in the
+    turns form (``imagined``) or a step of one (``source: imagined``)."""
+    return sum(
+        bool(r.get("imagined")) or r.get("source") == "imagined" for mb in micro_batches for r in mb.get("demos") or []
+    )
+
+
 @dataclass
 class Trainer:
     model: Any
@@ -419,6 +427,7 @@ class Trainer:
             **sums,
             "learner/truncated": truncated,
             "policy/demo_actions": demo_actions,
+            "policy/imagined_demos": imagined_demos(micro_batches),
             "learner/lr": lr,
             "learner/grad_norm": math.sqrt(sum(v * v for v in norms.values())),
             "learner/grad_norm_policy": norms["policy"],

@@ -109,6 +109,18 @@ def test_a_trained_path_moves_the_per_step_draft_losses_of_its_actions(tiny_mode
     assert all(a < b for a, b in zip(after, before)), (before, after)
 
 
+def test_a_step_counts_the_imagined_episodes_among_its_demonstrations(tiny_model_dir):
+    """``policy/imagined_demos``: how many of a step's demonstrations came from the imagined store (a path in
+    the turns form, or a window-form step of one), so a run shows what ``learner.imagined_share`` trained."""
+    from tests.fixtures.learner import make_trainer
+
+    trainer = make_trainer(tiny_model_dir, max_seq_len=512)
+    imagined = {**path_record([False, False, True, True]), "imagined": True}
+    metrics = trainer.train_step([{"demos": [path_record(), imagined]}, {"demos": [imagined]}])
+    assert metrics["policy/imagined_demos"] == 2
+    assert trainer.train_step([{"demos": [path_record()]}])["policy/imagined_demos"] == 0
+
+
 def _nll(trainer, prompt: str, action: str) -> float:
     from learner.peft_model import activate
 
