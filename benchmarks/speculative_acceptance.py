@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from broker.store import ReplayStore  # noqa: E402
-from comap_async.inference.speculative import NGRAM_SIZES, NgramIndex  # noqa: E402
+from comap_async.inference.speculative import NGRAM_SIZES, NgramIndex, next_budget  # noqa: E402
 from comap_async.prompts.messages import reflection_target  # noqa: E402
 from comap_async.wire.messages import COEVOLVE, STORES  # noqa: E402
 
@@ -55,7 +55,7 @@ def replay(prompt_ids: list[int], out_ids: list[int], k: int, sizes: tuple[int, 
         while c < len(proposal) and proposal[c] == out_ids[n + c]:
             c += 1
         if proposal:
-            budget = max(1, min(k, 2 * c))
+            budget = next_budget(k, c)
         for token in out_ids[n : n + c + 1]:
             index.append(token)
         n, steps, confirmed, wasted = n + c + 1, steps + 1, confirmed + c, wasted + len(proposal) - c

@@ -115,7 +115,7 @@ class InferenceConfig(Section):
     speculative_tokens: int = Field(default=0, ge=0, le=32)
     """Prompt-lookup speculative decoding: up to this many tokens proposed per row and decode step
     from where the row's last tokens occurred before in its prompt or output, checked in one forward
-    pass; the output is the one decoding token by token gives (``comap_async/inference/ngram.py``).
+    pass; the output is the one decoding token by token gives (``comap_async/inference/speculative.py``).
     The roles copy much of their prompts (the teacher the real observation, a reflection the draft).
     0: off. vLLM: its ``ngram`` method (``--speculative-config``) with the same count."""
     max_new_tokens: int = Field(default=256, ge=1)

@@ -61,8 +61,8 @@ class Sequence:
     ngrams: NgramIndex | None = None
     """Prompt and output indexed for speculative proposals (built at the first verify step it joins)."""
     proposal_budget: int | None = None
-    """Most tokens to propose next (None: ``speculative_tokens``): twice what the last verify step
-    confirmed, at least 1, so a row whose guesses fail costs little and one that copies gets the most."""
+    """Most tokens to propose next (None: ``speculative_tokens``; then
+    :func:`~comap_async.inference.speculative.next_budget` of what the last verify step confirmed)."""
 
 
 @dataclass
@@ -259,7 +259,7 @@ class Engine(SpeculativeSteps):
         ``[B*T]`` positions) of those positions, ``[len(real), vocab]`` (the fused forward computes no other)."""
         if self.fused is not None:
             rows = self.slots.stacks.rows_for(adapters, BASE) if self.slots.peft is not None else None
-            return self.fused.forward(input_ids, positions, mask, cache, rows, last_only=real is None, real=real)
+            return self.fused.forward(input_ids, positions, mask, cache, rows, real=real)
         self.slots.begin_step(adapters)
         try:
             out = self.slots.forward_model(
@@ -349,10 +349,8 @@ class Engine(SpeculativeSteps):
                 self.top_candidates,
                 allowed_tokens(rows),
             )
-        except Exception as exc:  # a failed step poisons the shared cache: fail this batch, keep serving
-            if self.log:
-                self.log.exception("engine.step_failed", batch=len(rows))
-            self._fail_all(exc)
+        except Exception as exc:
+            self._step_failed(exc, rows)
             return
         keep: list[int] = []
         for i, (seq, step) in enumerate(zip(rows, steps)):
@@ -360,13 +358,24 @@ class Engine(SpeculativeSteps):
                 self._finish(seq, "abort")
             elif not self._append(seq, step):
                 keep.append(i)
+        self._end_step(rows, keep, t0)
+
+    def _step_failed(self, exc: Exception, rows: list[Sequence]) -> None:
+        """A failed decode or verify step poisons the shared cache: fail this batch, keep serving."""
+        if self.log:
+            self.log.exception("engine.step_failed", batch=len(rows))
+        self._fail_all(exc)
+
+    def _end_step(self, rows: list[Sequence], keep: list[int], t0: float) -> None:
+        """After a decode or verify step: only the ``keep`` rows stay in the batch; the step is counted."""
         if len(keep) != len(rows):
             self._cache.select(keep)
             self._running = [rows[i] for i in keep]
-        self.stats.steps += 1
-        self.stats.batch_rows += len(rows)
-        self.stats.running = len(self._running)
-        self.stats.step_seconds += time.perf_counter() - t0
+        st = self.stats
+        st.steps += 1
+        st.batch_rows += len(rows)
+        st.running = len(self._running)
+        st.step_seconds += time.perf_counter() - t0
 
     def _append(self, seq: Sequence, step: StepOutput) -> bool:
         """Record one token; True when the sequence has finished (and was handed back)."""

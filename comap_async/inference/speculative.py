@@ -38,7 +38,6 @@ class NgramIndex:
 
     def __init__(self, tokens: Iterable[int], sizes: tuple[int, ...] = NGRAM_SIZES) -> None:
         self.tokens: list[int] = list(tokens)
-        self.sizes = sizes
         self.last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
         for end in range(len(self.tokens) - 1):
             self._index(end)
@@ -69,6 +68,12 @@ class NgramIndex:
         return []
 
 
+def next_budget(most: int, confirmed: int) -> int:
+    """A row's next proposal budget after a check that confirmed ``confirmed`` of its tokens: twice that,
+    at least 1, at most ``most`` (``inference.speculative_tokens``), so failing guesses cost little."""
+    return max(1, min(most, 2 * confirmed))
+
+
 Proposer = Callable[[Any, int], list[int]]
 """``(sequence, k)`` -> up to ``k`` tokens the sequence may go on with (the engine checks them)."""
 
@@ -90,7 +95,8 @@ def allowed_tokens(rows: list[Any]) -> list[list[int] | None] | None:
 
 class SpeculativeSteps:
     """The engine's speculative decode step (mixed into :class:`~comap_async.inference.engine.Engine`,
-    whose state it uses: the running rows, the batch cache, ``_forward``, ``_append``, ``_finish``)."""
+    whose state it uses: the running rows, the batch cache, ``_forward``, ``_append``, ``_finish``,
+    ``_step_failed``, ``_end_step``)."""
 
     def _proposal(self, seq: Any) -> list[int]:
         """Tokens the sequence's prompt and output suggest it goes on with (none for a choice-constrained
@@ -132,10 +138,8 @@ class SpeculativeSteps:
                 [s.slot for s in rows],
                 real=torch.tensor(real, dtype=torch.long),
             )
-        except Exception as exc:  # a failed step poisons the shared cache: fail this batch, keep serving
-            if self.log:
-                self.log.exception("engine.step_failed", batch=len(rows))
-            self._fail_all(exc)
+        except Exception as exc:
+            self._step_failed(exc, rows)
             return
         confirmed = [0] * len(rows)
         finished: set[int] = {i for i, s in enumerate(rows) if s.cancelled}
@@ -165,16 +169,9 @@ class SpeculativeSteps:
         for i, n in enumerate(confirmed):
             mask[i, start + 1 + n :] = 0  # the row's last token and its confirmed ones stay
             if proposals[i]:
-                rows[i].proposal_budget = max(1, min(self.speculative_tokens, 2 * n))
-        keep = [i for i in range(len(rows)) if i not in finished]
-        if len(keep) != len(rows):
-            self._cache.select(keep)
-            self._running = [rows[i] for i in keep]
+                rows[i].proposal_budget = next_budget(self.speculative_tokens, n)
         st = self.stats
-        st.steps += 1
         st.verify_steps += 1
         st.proposed_tokens += sum(map(len, proposals))
         st.accepted_tokens += sum(confirmed)
-        st.batch_rows += len(rows)
-        st.running = len(self._running)
-        st.step_seconds += time.perf_counter() - t0
+        self._end_step(rows, [i for i in range(len(rows)) if i not in finished], t0)
