@@ -27,6 +27,7 @@ from comap_async.wire.messages import (
     POLICY,
     WM,
     ActorMessage,
+    Dialogue,
     Registry,
     Transition,
 )
@@ -298,6 +299,14 @@ class Episode:
         return self.stats
 
 
+def reflected_dialogue(cfg: Any, seen: str | Conversation) -> Dialogue | None:
+    """The conversation a step's reflection continued, as sent with its transition or sample
+    (``env.reflect_turns``); None where the reflection saw ``s``."""
+    if not cfg.env.reflect_turns or not isinstance(seen, Conversation):
+        return None
+    return Dialogue(task=seen.task, first=seen.first, turns=list(seen.turns))
+
+
 async def avoid_repeat(ctx: EpisodeContext, ep: Episode, state: str | Conversation, action: str) -> str:
     """``eval.repeat_guard``: ``action``, or, when it was already taken from the episode's current
     state (canonical facts and action, as :func:`~comap_async.diagnostics.loop_steps` counts a
@@ -373,7 +382,13 @@ async def play_coevolve(
             s_hat = await llm.imagine(s, a_draft)
             wm_v = llm.last_version("wm")
             refl = await llm.reflect(
-                s, a_draft, s_hat, confidence, admissible, keep_at_or_below=decision_first(ctx.cfg, eval_mode)
+                s,
+                a_draft,
+                s_hat,
+                confidence,
+                admissible,
+                keep_at_or_below=decision_first(ctx.cfg, eval_mode),
+                conversation=seen if isinstance(seen, Conversation) else None,
             )
             ep.stats.parse_problems += refl.problem is not None
             ep.stats.reflection_problems += refl.problem is not None
@@ -422,6 +437,7 @@ async def play_coevolve(
                     wm_version=wm_v,
                     reflection_readable=refl.readable,
                     draft_confidence=confidence,
+                    dialogue=reflected_dialogue(ctx.cfg, seen),
                 ),
             )
             if overlap:

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from actors.branches import expert_plan_action, play_branch
-from actors.episodes import Episode, EpisodeContext, EpisodeStats, registry_versions
+from actors.episodes import Episode, EpisodeContext, EpisodeStats, reflected_dialogue, registry_versions
 from actors.explore import explore_action
 from comap_async.diagnostics import reflection_label
 from comap_async.envs.base import RestoreDiverged, StepResult
@@ -173,8 +173,8 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
     ep = Episode(ctx, game, episode_id, first)
     ep.stats.demo_fallback = fallback
     while not ep.current.done and (expert := expert_plan_action(ep, plan)) is not None:
-        s, t, prefix = ep.state(), ep.stats.steps, list(ep.actions)
-        drafted = await ctx.llm.draft_scored(ep.draft_state(), admissible=ep.current.admissible)
+        s, seen, t, prefix = ep.state(), ep.draft_state(), ep.stats.steps, list(ep.actions)
+        drafted = await ctx.llm.draft_scored(seen, admissible=ep.current.admissible)
         draft, problem = drafted.action, drafted.problem
         ep.stats.parse_problems += problem == "empty"
         equal = draft is not None and canonical_action(draft) == canonical_action(expert)
@@ -210,6 +210,7 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
                     y=y,
                     label=label,
                     draft_confidence=confidence,
+                    dialogue=reflected_dialogue(ctx.cfg, seen),
                     policy_version=policy_v,
                     wm_version=wm_v,
                     ts=time.time(),

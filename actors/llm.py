@@ -364,6 +364,7 @@ class AgentLLM:
         confidence: float | None = None,
         admissible: Sequence[str] | None = None,
         keep_at_or_below: float | None = None,
+        conversation: Conversation | None = None,
     ) -> Reflected:
         """Decision, refined action, ``p`` and ``q`` of one reflection; always an action when ``p`` can be read.
         ``keep_at_or_below`` (``eval.reflect_decision_first``: the action gate's ``tau_p``): the decision
@@ -371,6 +372,7 @@ class AgentLLM:
         generated; above it the reflection is generated whole from the same prompt (the server's prefix
         cache holds it), as without the setting.
         ``confidence``: the draft's (:meth:`draft_scored`), shown in the prompt; None shows nothing.
+        ``conversation``: the draft's (``env.reflect_turns``: the prompt continues it instead of ``state``).
         ``admissible``: with ``actor.admissible_choice``, a final action not among them is generated
         again from ``Final Action:`` as one of them (:meth:`choices`); with ``actor.revise_other_action``
         a REVISE's as one of them other than the draft.
@@ -382,7 +384,7 @@ class AgentLLM:
         decision_tokens = self.prompts.decision
         if decision_tokens is None:
             raise ValueError("Prompts.decision is not set: build the prompts with Prompts.for_model(model_dir, cfg)")
-        prompt = self.prompts.reflect(state, a_draft, s_hat, confidence)
+        prompt = self.prompts.reflect(state, a_draft, s_hat, confidence, conversation)
         if keep_at_or_below is not None:
             first = await self._complete(POLICY, prompt, 1, ["<|im_end|>"], self.cfg.temperature, self.cfg.logprobs)
             p_first = second_word_probability(first, decision_tokens)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from comap_async.method.gates import canonical_action
+from comap_async.prompts import Conversation
 from comap_async.wire.messages import Registry
 
 
@@ -220,7 +221,8 @@ async def probe_state(ctx: Any, game: Any, st: ProbeState) -> list[ProbeRow]:
     reflected: dict[str, Any] = {}
     if draft is not None:
         s_hat_draft = s_hat if match else await llm.imagine(st.s, draft)
-        refl = await llm.reflect(st.s, draft, s_hat_draft, drafted.confidence, st.admissible)
+        conversation = st.seen if isinstance(st.seen, Conversation) else None
+        refl = await llm.reflect(st.s, draft, s_hat_draft, drafted.confidence, st.admissible, conversation=conversation)
         gate = gate_reflection(ctx.cfg, refl, draft)
         executed = refl.a_ref if gate.open else draft
         reflected = {

@@ -15,6 +15,8 @@ in alternating rounds on one machine:
 * ``fast_spec4`` / ``fast_spec8``: ``fast`` with prompt-lookup speculative decoding
   (``inference.speculative_tokens`` 4 / 8: the teacher rewrites the real observation it is shown, a
   reflection the draft); ``fast_envs8_spec4`` / ``fast_envs8_spec8``: with 8 environments too.
+* ``fast_reflect_turns``: ``fast`` with the reflection continuing the draft's conversation
+  (``env.reflect_turns``); ``fast_envs8_reflect_turns``: with 8 environments too.
 * ``filed``: ``fast`` as it was when issue 29 was filed: the draft's prompt in the window form
   (``env.draft_turns=false``) and the 256 MB prefix cache (issue 29, acceptance 2 compares against it).
 
@@ -84,6 +86,10 @@ SETTINGS = {
     "fast_envs8_spec4": [*FAST, "inference.prefix_cache_mb=2048", "actor.envs=8", "inference.speculative_tokens=4"],
     "fast_spec8": [*FAST, "inference.speculative_tokens=8"],
     "fast_envs8_spec8": [*FAST, "inference.prefix_cache_mb=2048", "actor.envs=8", "inference.speculative_tokens=8"],
+    # the reflection continues the draft's conversation (the cache holds the draft's prompt): ~60 new
+    # tokens a reflection instead of the state and its admissible list again
+    "fast_reflect_turns": [*FAST, "env.reflect_turns=true"],
+    "fast_envs8_reflect_turns": [*FAST, "inference.prefix_cache_mb=2048", "actor.envs=8", "env.reflect_turns=true"],
     # issue 29's "today": every prompt re-rendered from the last history_k pairs (nothing for the cache
     # to extend from one step to the next) and a cache too small for 4 episodes' reflections
     "filed": [*FAST, "inference.prefix_cache_mb=256", "env.draft_turns=false", "learner.demo_loss_share={}"],

@@ -118,6 +118,9 @@ class Encoder:
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def _count(self, text: str) -> int:
+        return len(self._ids(text))
+
     def seq(self, prompt: str, target: str, add_eos: bool = True) -> Seq:
         p = self._ids(prompt)
         t = self._ids(target + (self.eos if add_eos else ""))
@@ -210,8 +213,16 @@ class Encoder:
         from among 233 copies, and the reflection wrote the draft after REVISE on every held-out step;
         with none subsampled (r39) the copies of frequent ``go`` drafts carried full loss too."""
         decision = "REVISE" if int(r["y"]) == 1 else "KEEP"
-        prompt = self.prompts.reflect(r["s"], r["a_draft"], r["s_bar"], r.get("draft_confidence"))
-        s = self.seq(prompt, reflection_target(decision, r["target"]))
+        target = reflection_target(decision, r["target"])
+        dialogue = r.get("dialogue")
+        conversation = Conversation.from_record(dialogue) if dialogue is not None else None
+        # a conversation too long for max_seq_len loses its oldest turns, as the actors' prompts do, not
+        # its middle tokens (seq's cut would leave a turn broken)
+        room = self.max_seq_len - len(self._ids(target + self.eos))
+        prompt = self.prompts.reflect(
+            r["s"], r["a_draft"], r["s_bar"], r.get("draft_confidence"), conversation, room, self._count
+        )
+        s = self.seq(prompt, target)
         action = str(r["target"]).strip()
         if (
             decision == "KEEP"

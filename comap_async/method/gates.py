@@ -167,6 +167,7 @@ def derive_policy_sample(
         wm_version=tr.wm_version,
         phase=tr.phase,
         draft_confidence=tr.draft_confidence,
+        dialogue=tr.dialogue,
         ts=tr.ts,
     )
 

@@ -6,7 +6,8 @@ stored in the model directory (no transformers import), which keeps actors light
 
 Roles:
 * draft       ``s_t`` -> an action
-* reflect     ``(s_t, a_draft, ŝ)`` -> ``Decision: KEEP|REVISE`` + ``Final Action: ...``
+* reflect     ``(s_t, a_draft, ŝ)`` -> ``Decision: KEEP|REVISE`` + ``Final Action: ...`` (or the draft's
+              conversation continued, ``env.reflect_turns``)
 * world model ``(s_t, a)`` -> the next observation
 * teacher     ``(s_t, a, s')`` -> the next observation, having seen the real one (hindsight)
 
@@ -35,6 +36,7 @@ from comap_async.prompts.messages import (
     draft_turn_messages,
     react_messages,
     reflect_messages,
+    reflect_turn_messages,
     reflection_head,
     reflection_target,
     render_state,
@@ -88,6 +90,7 @@ __all__ = [
     "parse_reflection",
     "react_messages",
     "reflect_messages",
+    "reflect_turn_messages",
     "reflection_head",
     "reflection_target",
     "render_state",

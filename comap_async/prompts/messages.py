@@ -3,8 +3,9 @@ the reflection's target text."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 SYSTEM_AGENT = (
     "You are an agent in a text-based household environment. "
@@ -95,6 +96,11 @@ class Conversation:
     def then(self, action: str, observation: str) -> "Conversation":
         return Conversation(self.task, self.first, (*self.turns, (action, observation)))
 
+    @classmethod
+    def from_record(cls, d: Mapping[str, Any]) -> "Conversation":
+        """From a stored ``Dialogue`` (a record's map: ``task``, ``first``, ``turns``)."""
+        return cls(str(d["task"]), str(d["first"]), tuple((str(a), str(o)) for a, o in d["turns"]))
+
 
 DRAFT_TURNS_ASK = "Answer each observation with your next action: one command only."
 
@@ -126,20 +132,51 @@ def confidence_word(confidence: float) -> str:
     return next(word for floor, word in CONFIDENCE_WORDS if confidence >= floor)
 
 
+REFLECT_ASK = (
+    "Does the draft move you towards the task? Answer exactly in this form:\n"
+    f"{DECISION_PREFIX} KEEP or REVISE\n{FINAL_PREFIX} <one command>"
+)
+
+
+def _draft_judged(s_hat: str | None, confidence: float | None) -> str:
+    """The reflection's view of the draft: its confidence and imagined result (each when given)."""
+    shown = "" if confidence is None else f"Your confidence in the draft: {confidence_word(confidence)}\n"
+    imagined = "" if s_hat is None else f"Imagined result of the draft: {s_hat.strip()}\n"
+    return shown + imagined
+
+
 def reflect_messages(
     state: str, a_draft: str, s_hat: str | None, wording: Wording = ALFWORLD, confidence: float | None = None
 ) -> list[dict[str, str]]:
     """``s_hat`` None: the reflection without the imagined state (ablation ``no_future_state``);
     ``confidence``: the draft's own token probability, shown as a word (``actor.reflect_confidence``:
     the actors and probes from the draft call's logprobs, the learner from a record's ``draft_confidence``)."""
-    imagined = "" if s_hat is None else f"Imagined result of the draft: {s_hat.strip()}\n"
-    shown = "" if confidence is None else f"Your confidence in the draft: {confidence_word(confidence)}\n"
     return _turn(
         wording.agent,
-        f"{state}\n\nYour draft action: {a_draft.strip()}\n{shown}{imagined}\n"
-        "Does the draft move you towards the task? Answer exactly in this form:\n"
-        f"{DECISION_PREFIX} KEEP or REVISE\n{FINAL_PREFIX} <one command>",
+        f"{state}\n\nYour draft action: {a_draft.strip()}\n{_draft_judged(s_hat, confidence)}\n{REFLECT_ASK}",
     )
+
+
+REFLECT_TURN_HEAD = "That was your draft action; it is not executed yet."
+
+
+def reflect_turn_messages(
+    conversation: Conversation,
+    a_draft: str,
+    s_hat: str | None,
+    wording: Wording = ALFWORLD,
+    confidence: float | None = None,
+    task_every_turn: bool = False,
+) -> list[dict[str, str]]:
+    """The reflection continuing the draft's conversation (``env.reflect_turns``): the draft's
+    messages, the draft as the agent's turn, then one user turn with what :func:`reflect_messages`
+    adds to a state. Its prompt starts with the draft's prompt, which the server's prefix cache holds."""
+    messages = draft_turn_messages(conversation, wording, task_every_turn)
+    task = f"\nTask: {conversation.task.strip()}" if task_every_turn else ""
+    messages.append({"role": "assistant", "content": a_draft.strip()})
+    said = f"{REFLECT_TURN_HEAD}{task}\n{_draft_judged(s_hat, confidence)}\n{REFLECT_ASK}"
+    messages.append({"role": "user", "content": said})
+    return messages
 
 
 def react_messages(state: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:

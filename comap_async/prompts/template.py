@@ -29,6 +29,7 @@ from comap_async.prompts.messages import (
     draft_turn_messages,
     react_messages,
     reflect_messages,
+    reflect_turn_messages,
     teacher_messages,
     wording_for,
     world_model_messages,
@@ -207,6 +208,8 @@ class Prompts:
     count_tokens: Callable[[str], int] | None = field(default=None, compare=False, repr=False)
     task_every_turn: bool = False
     """``env.task_every_turn``: the turns' draft prompt repeats the task line in every observation's turn."""
+    reflect_turns: bool = False
+    """``env.reflect_turns``: the reflection continues the draft's conversation (:meth:`reflect`)."""
 
     @classmethod
     def from_config(
@@ -226,6 +229,7 @@ class Prompts:
             decision=decision,
             critic_answer=critic_answer,
             task_every_turn=cfg.env.task_every_turn,
+            reflect_turns=cfg.env.reflect_turns,
         )
 
     @classmethod
@@ -256,25 +260,65 @@ class Prompts:
 
     def turns_prompt(self, conversation: Conversation, fit: bool = True) -> str:
         """The turns' draft prompt; with ``fit``, its oldest turns (after the first one: the task) left
-        out while it would pass ``max_prompt_tokens``: a looping greedy episode reaches ~2,000 tokens by
-        step 40 on ALFWorld, and the server refuses a longer prompt. The learner renders paths whole
-        (``fit`` false) and ends them within ``learner.max_path_tokens``, no longer than the limit (the
-        config checks), so a trained prompt is never one the actors cut."""
-        prompt = self.chat.render(draft_turn_messages(conversation, self.wording, self.task_every_turn))
-        if not fit or self.max_prompt_tokens is None or self.count_tokens is None:
+        out while it would pass ``max_prompt_tokens`` (:meth:`_fit`): a looping greedy episode reaches
+        ~2,000 tokens by step 40 on ALFWorld, and the server refuses a longer prompt. The learner renders
+        paths whole (``fit`` false) and ends them within ``learner.max_path_tokens``, no longer than the
+        limit (the config checks), so a trained prompt is never one the actors cut."""
+
+        def render(c: Conversation) -> str:
+            return self.chat.render(draft_turn_messages(c, self.wording, self.task_every_turn))
+
+        return self._fit(conversation, render) if fit else render(conversation)
+
+    def _fit(
+        self,
+        conversation: Conversation,
+        render: Callable[[Conversation], str],
+        limit: int | None = None,
+        count: Callable[[str], int] | None = None,
+    ) -> str:
+        """``render(conversation)``, its oldest turns left out :data:`FIT_LEFT_OUT_TURNS` at a time while
+        it counts more than ``limit`` tokens (default: the servers' ``max_prompt_tokens``, counted as they
+        count; no limit known: whole)."""
+        limit = self.max_prompt_tokens if limit is None else limit
+        count = self.count_tokens if count is None else count
+        prompt = render(conversation)
+        if limit is None or count is None:
             return prompt
         turns, left_out = conversation.turns, 0
-        while left_out < len(turns) and self.count_tokens(prompt) > self.max_prompt_tokens:
+        while left_out < len(turns) and count(prompt) > limit:
             left_out = min(left_out + FIT_LEFT_OUT_TURNS, len(turns))
-            shorter = Conversation(conversation.task, conversation.first, turns[left_out:])
-            prompt = self.chat.render(draft_turn_messages(shorter, self.wording, self.task_every_turn))
+            prompt = render(Conversation(conversation.task, conversation.first, turns[left_out:]))
         return prompt
 
-    def reflect(self, state: str, a_draft: str, s_hat: str, confidence: float | None = None) -> str:
+    def reflect(
+        self,
+        state: str,
+        a_draft: str,
+        s_hat: str,
+        confidence: float | None = None,
+        conversation: Conversation | None = None,
+        limit: int | None = None,
+        count: Callable[[str], int] | None = None,
+    ) -> str:
+        """The reflection prompt, ending at the decision position: of the state ``s_t``, or with
+        ``reflect_turns`` the draft's ``conversation`` continued by the draft (its oldest turns left
+        out as :meth:`_fit` does, to ``limit`` tokens as ``count`` counts them: the learner's own)."""
         # The decision word is the first generated token, so its logprobs give p_revise.
         shown = s_hat if self.future_state else None
-        messages = reflect_messages(state, a_draft, shown, self.wording, confidence)
-        return self.chat.render(messages) + DECISION_PREFIX
+        if not self.reflect_turns:
+            return self.chat.render(reflect_messages(state, a_draft, shown, self.wording, confidence)) + DECISION_PREFIX
+        if conversation is None:
+            raise ValueError(
+                "env.reflect_turns: this reflection has no conversation to continue (a sample stored by a run "
+                "without the setting?)"
+            )
+
+        def render(c: Conversation) -> str:
+            messages = reflect_turn_messages(c, a_draft, shown, self.wording, confidence, self.task_every_turn)
+            return self.chat.render(messages) + DECISION_PREFIX
+
+        return self._fit(conversation, render, limit, count)
 
     def world_model(self, state: str, action: str) -> str:
         return self.chat.render(world_model_messages(state, action, self.wording))

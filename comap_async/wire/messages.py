@@ -141,6 +141,18 @@ class Registry(Struct, forbid_unknown_fields=True, kw_only=True):
 
 # ---- actor -> broker ---------------------------------------------------------------------------
 
+MAX_TURNS = 256  # (action, observation) pairs in one TurnDemos or Dialogue: above any env.max_steps a run uses
+
+
+class Dialogue(Struct, forbid_unknown_fields=True, kw_only=True):
+    """The draft's conversation at a step (``env.reflect_turns``): the task, the first observation and
+    the (action, observation) turns before the step, which the reflection's prompt continues
+    (:class:`comap_async.prompts.Conversation`; stored in a record as a map of these three fields)."""
+
+    task: Text
+    first: Text
+    turns: Annotated[list[tuple[Text, Text]], Meta(max_length=MAX_TURNS)]
+
 
 class Transition(Message, tag="transition", kw_only=True):
     """One environment step ``(s, a_draft, ŝ, a_exec, s')`` with the reflection and the gate inputs."""
@@ -200,6 +212,9 @@ class Transition(Message, tag="transition", kw_only=True):
     """The world-state gate's reliability of the executed action, measured by the actor on its fact
     state (:func:`comap_async.method.gates.world_state_score`); None where no teacher predicted
     (warm-up). The broker applies the threshold, so it never parses environment text."""
+    dialogue: Dialogue | None = None
+    """``env.reflect_turns``: the draft's conversation the step's reflection continued (None: the
+    reflection saw ``s``)."""
 
 
 class Episode(_FiniteMaps, Message, tag="episode", kw_only=True):
@@ -242,6 +257,8 @@ class Reflection(Message, tag="reflection", kw_only=True):
     label: ReflectionLabel
     draft_confidence: Confidence | None = None
     """As :attr:`Transition.draft_confidence` (None on a pair's expert-action draft: not sampled)."""
+    dialogue: Dialogue | None = None
+    """As :attr:`Transition.dialogue`: the conversation at ``s`` (``env.reflect_turns``)."""
 
 
 class Imagined(Message, tag="imagined", kw_only=True):
@@ -268,9 +285,6 @@ class Imagined(Message, tag="imagined", kw_only=True):
     policy_version: Int
     wm_version: Int
     ts: Num
-
-
-MAX_TURNS = 256  # (action, observation) pairs in one TurnDemos: above any env.max_steps a run uses
 
 
 class TurnDemos(Message, tag="turn_demos", kw_only=True):
@@ -447,6 +461,8 @@ class PolicySample(Record, kw_only=True):
     phase: str = ""
     draft_confidence: float | None = None
     """The transition's (:attr:`Transition.draft_confidence`)."""
+    dialogue: Dialogue | None = None
+    """The transition's (:attr:`Transition.dialogue`)."""
     ts: float = 0.0
     """The transition's stamp: ``comap fork`` keeps what was stored up to its fork point by it
     (0.0: a sample stored before samples carried one)."""

@@ -43,7 +43,9 @@ class ScriptedLLM:
         # a newer world model (its index), so a transition must name the call behind each field
         return {"policy": 7, "wm": len(self.imagined)}.get(role)
 
-    async def reflect(self, state, a_draft, s_hat, confidence=None, admissible=None, keep_at_or_below=None):
+    async def reflect(
+        self, state, a_draft, s_hat, confidence=None, admissible=None, keep_at_or_below=None, conversation=None
+    ):
         t, self.t = self.t, self.t + 1
         target = self.plan[min(t, len(self.plan) - 1)]
         if t == 5:  # nothing readable even after the continuation: the draft runs, nothing is learned
@@ -121,7 +123,9 @@ class PlanFollower:
     async def teacher(self, state, action, real_next):
         return real_next
 
-    async def reflect(self, state, a_draft, s_hat, confidence=None, admissible=None, keep_at_or_below=None):
+    async def reflect(
+        self, state, a_draft, s_hat, confidence=None, admissible=None, keep_at_or_below=None, conversation=None
+    ):
         target, self.t = self._next(), self.t + 1
         if self.revise_to_plan:  # a confident revision to the walkthrough: executed
             return Reflected("REVISE", target, 0.9, 0.95, None)

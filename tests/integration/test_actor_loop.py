@@ -92,6 +92,52 @@ async def test_coevolve_actor_stores_complete_gated_transitions(
         assert not scored
 
 
+async def test_with_reflect_turns_each_step_sends_the_conversation_its_reflection_continued(
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen
+):
+    """``env.reflect_turns``: every co-evolution transition and every reflection-init sample carry the
+    draft's conversation at their step: the task, the first
+    observation and the executed actions with what they got, in order."""
+    switches = ["env.draft_turns=true", "env.reflect_turns=true"]
+    broker = broker_factory(switches)
+    await announce(broker, "coevolve")
+    games = sorted(valid_seen, key=lambda g: g.name)[:2]
+    cfg = actor_config(broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=4", *switches)
+    results = await asyncio.wait_for(
+        ActorWorker(cfg, configure_logging("actor-test"), envs=2, episodes=2, games=games).run(), timeout=300
+    )
+    transitions = stored(broker, "transitions")
+    assert len(transitions) == sum(s.steps for _, s in results) >= 4
+    by_episode: dict[str, list[dict]] = {}
+    for tr in sorted(transitions, key=lambda tr: tr["t"]):
+        by_episode.setdefault(tr["episode"], []).append(tr)
+    for steps in by_episode.values():
+        for tr in steps:
+            d = tr["dialogue"]
+            assert d["task"] == tr["goal"] and d["first"] == steps[0]["o"]
+            assert [tuple(turn) for turn in d["turns"]] == [(p["a_exec"], p["s_next"]) for p in steps[: tr["t"]]]
+    # (a readable reflection's sample carries its transition's: tests/unit/test_reflect_turns.py; the tiny
+    # random model's reflections are not readable)
+
+    init = broker_factory(switches)
+    await announce(init, "reflect_init")
+    cfg = actor_config(
+        init, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=4", *switches,
+        "actor.max_reflect_init_labels=2", "learner.reflect_init_min_samples=2",
+    )  # fmt: skip
+    worker = ActorWorker(cfg, configure_logging("actor-test"), envs=1, episodes=2, games=games)
+    run = asyncio.create_task(worker.run())
+    while init.stats()["stores"]["reflections"]["count"] < 2 and not run.done():
+        await asyncio.sleep(0.2)
+    run.cancel()
+    await asyncio.gather(run, return_exceptions=True)
+    labelled = stored(init, "reflections")
+    assert labelled
+    for r in labelled:  # the expert's path to the sample's step, as the draft saw it
+        t = int(r["id"].split(":")[-2])
+        assert r["dialogue"]["task"] and len(r["dialogue"]["turns"]) == t
+
+
 async def test_warmup_expert_episodes_win_and_land_in_demos(
     broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen
 ):

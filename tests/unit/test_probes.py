@@ -144,7 +144,7 @@ class ScriptedStep:
     async def imagine(self, s, action):
         return "You arrive at countertop 1. On the countertop 1, you see a apple 1."
 
-    async def reflect(self, s, a_draft, s_hat, confidence, admissible):
+    async def reflect(self, s, a_draft, s_hat, confidence, admissible, conversation=None):
         from actors.llm import Reflected
 
         return Reflected("REVISE", self.a_ref, 0.9, 0.9, None)

@@ -1,0 +1,117 @@
+"""``env.reflect_turns`` (issue 29): the reflection continues the draft's conversation, so its prompt
+starts with the draft's, token for token (the server's prefix cache holds that part), and the learner
+trains it in the same form from the conversation the actor sent with the step."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from broker.ingest import Ingest
+from comap_async.config import CoMapConfig
+from comap_async.method.gates import SampleRule
+from comap_async.prompts import DECISION_PREFIX, ChatTemplate, Conversation, Prompts, reflect_messages
+from comap_async.prompts.template import FIT_LEFT_OUT_TURNS
+from comap_async.wire.messages import Dialogue, Reflection, Transition
+from learner.batches import Encoder
+from tests.unit.test_draft_turns import FIRST, TASK, TURNS
+
+STATE = f"Task: {TASK}\nCurrent observation: {TURNS[1][1]}\nAdmissible commands: go to cabinet 1, look"
+DRAFT, IMAGINED = "go to cabinet 1", "You arrive at cabinet 1. The cabinet 1 is closed."
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from comap_async.models import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(str(tiny_model_dir))[1]
+
+
+def turns_prompts(model_dir, task_every_turn=False) -> Prompts:
+    return Prompts(ChatTemplate.from_model_dir(model_dir), task_every_turn=task_every_turn, reflect_turns=True)
+
+
+@pytest.mark.parametrize("task_every_turn", [False, True], ids=["task-once", "task-every-turn"])
+def test_the_reflection_continues_the_drafts_prompt_token_for_token(tiny_model_dir, tok, task_every_turn):
+    prompts = turns_prompts(tiny_model_dir, task_every_turn)
+    conversation = Conversation(TASK, FIRST, tuple(TURNS[:2]))
+    draft = prompts.draft(conversation)
+    reflection = prompts.reflect(STATE, DRAFT, IMAGINED, 0.95, conversation)
+    assert reflection.startswith(draft + DRAFT) and reflection.endswith(DECISION_PREFIX)
+    ids = tok(reflection, add_special_tokens=False)["input_ids"]
+    draft_ids = tok(draft, add_special_tokens=False)["input_ids"]
+    assert ids[: len(draft_ids)] == draft_ids  # what the server's prefix cache can serve
+    added = reflection[len(draft) :]
+    assert IMAGINED in added and "high" in added and "Admissible commands" not in reflection
+    assert (f"Task: {TASK}" in added) == task_every_turn
+    # the imagined state stays out under the ablation no_future_state, as in the window form
+    blind = Prompts(ChatTemplate.from_model_dir(tiny_model_dir), reflect_turns=True, future_state=False)
+    assert IMAGINED not in blind.reflect(STATE, DRAFT, IMAGINED, 0.95, conversation)
+
+
+def test_without_the_switch_the_reflection_renders_the_state_whatever_it_is_given(tiny_model_dir):
+    chat = ChatTemplate.from_model_dir(tiny_model_dir)
+    conversation = Conversation(TASK, FIRST, tuple(TURNS[:2]))
+    window = Prompts(chat).reflect(STATE, DRAFT, IMAGINED, 0.5, conversation)
+    assert window == chat.render(reflect_messages(STATE, DRAFT, IMAGINED, confidence=0.5)) + DECISION_PREFIX
+    with pytest.raises(ValueError, match="env.reflect_turns"):
+        turns_prompts(tiny_model_dir).reflect(STATE, DRAFT, IMAGINED)
+
+
+def test_the_switch_is_a_play_switch_that_needs_the_drafts_turns():
+    cfg = CoMapConfig.model_validate({"env": {"draft_turns": True, "reflect_turns": True}})
+    assert "reflect_turns" in cfg.method_switches
+    assert "reflect_turns" not in cfg.playing(["draft_turns"]).method_switches
+    with pytest.raises(ValueError, match="env.reflect_turns"):
+        CoMapConfig.model_validate({"env": {"reflect_turns": True}})
+
+
+def test_a_transitions_conversation_reaches_its_reflection_sample_and_the_learner_trains_the_sent_prompt(
+    tiny_model_dir, tok
+):
+    prompts = turns_prompts(tiny_model_dir)
+    conversation = Conversation(TASK, FIRST, tuple(TURNS[:3]))
+    dialogue = Dialogue(task=TASK, first=FIRST, turns=list(conversation.turns))
+    tr = Transition(
+        seq=1, id="e:3", actor="a", env="alfworld", game="g", split="train", episode="e", t=3, o=TURNS[2][1],
+        phase="coevolve", goal=TASK, s=STATE, a_draft=DRAFT, s_hat=IMAGINED, decision="REVISE",
+        a_ref="go to sinkbasin 1", p_revise=0.9, q_ref=0.9, a_exec="go to sinkbasin 1",
+        s_hat_exec=IMAGINED, s_hat_teacher=IMAGINED, s_next="You arrive at sinkbasin 1.", reward=0.0,
+        done=False, won=False, expert_action=None, policy_version=1, wm_version=1, ts=1.0,
+        facts=[], ws_score=1.0, draft_confidence=0.3, dialogue=dialogue,
+    )  # fmt: skip
+    raw = msgspec.msgpack.encode(tr)
+    item = Ingest(rule=SampleRule()).prepare(msgspec.msgpack.decode(raw, type=Transition), raw)
+    (packed,) = [rec for store, rec in item.records if store == "reflections"]
+    sample = msgspec.msgpack.decode(packed)
+    assert sample["y"] == 1 and Conversation.from_record(sample["dialogue"]) == conversation
+    encoder = Encoder(tok, prompts, 4096)
+    seq = encoder.reflection(sample)
+    sent = prompts.reflect(STATE, DRAFT, sample["s_bar"], 0.3, conversation)  # what the actor asked the server
+    assert seq.ids[: seq.start] == encoder._ids(sent) and encoder.truncated == 0
+    # a reflection-init sample carries it the same way
+    refl = Reflection(
+        seq=1, id="e:3:r", actor="a", game="g", s=STATE, a_draft=DRAFT, s_bar=IMAGINED, target=DRAFT, y=0,
+        policy_version=1, wm_version=1, ts=1.0, label="equal_draft", dialogue=dialogue,
+    )  # fmt: skip
+    raw = msgspec.msgpack.encode(refl)
+    ((_, packed),) = Ingest(rule=SampleRule()).prepare(msgspec.msgpack.decode(raw, type=Reflection), raw).records
+    assert Conversation.from_record(msgspec.msgpack.decode(packed)["dialogue"]) == conversation
+
+
+def test_a_conversation_longer_than_the_learners_window_loses_whole_oldest_turns_and_keeps_the_target(
+    tiny_model_dir, tok
+):
+    prompts = turns_prompts(tiny_model_dir)
+    long = Conversation(TASK, FIRST, tuple(TURNS) * 5)
+    record = {
+        "s": STATE, "a_draft": DRAFT, "s_bar": IMAGINED, "target": "go to sinkbasin 1", "y": 1,
+        "dialogue": {"task": TASK, "first": FIRST, "turns": [list(t) for t in long.turns]},
+    }  # fmt: skip
+    whole = Encoder(tok, prompts, 1 << 16).reflection(record)
+    cap = whole.start - 40  # a few turns too long
+    encoder = Encoder(tok, prompts, cap)
+    seq = encoder.reflection(record)
+    assert len(seq.ids) <= cap and seq.ids[seq.start :] == whole.ids[whole.start :]
+    kept = Conversation(TASK, FIRST, long.turns[FIT_LEFT_OUT_TURNS:])  # one chunk of turns left out
+    assert seq.ids[: seq.start] == encoder._ids(prompts.reflect(STATE, DRAFT, IMAGINED, None, kept))
