@@ -21,7 +21,7 @@ from actors.imagined import ImaginedRollouts
 from comap_async.diagnostics import loop_steps
 from comap_async.facts import Facts, NextState, state_delta_f1
 from comap_async.method.gates import canonical_action, decision_first, gate_reflection, world_state_score
-from comap_async.prompts import Conversation, render_state
+from comap_async.prompts import Conversation, render_state, turns_of
 from comap_async.wire.messages import (
     COEVOLVE,
     POLICY,
@@ -209,6 +209,10 @@ class Episode:
             return Conversation(self.task, self.first_observation, (*self.history, *imagined))
         return self.imagined_state(imagined)
 
+    def draft_state_before_last(self) -> Conversation:
+        """The episode's turns before its last step (the state that step was taken from, as the draft saw it)."""
+        return Conversation(self.task, self.first_observation, tuple(self.history[:-1]))
+
     def instead_of_last(self, action: str, result: Any) -> "Episode":
         """A copy of this episode as if its last step had taken ``action`` (with ``result``, played
         on another environment) instead: its own stats, the same id, task and earlier history."""
@@ -257,6 +261,9 @@ class Episode:
             wm_version=wm_v,
         )
         step.update(fields)  # e.g. an explored action's own outcome
+        e = self.ctx.cfg.env
+        if e.reflect_turns or e.wm_turns:  # the conversation before this step: its last turn is the step's own
+            step["dialogue"] = dialogue_of(self.draft_state_before_last())
         return Transition(
             seq=0,
             actor=self.ctx.actor,
@@ -299,12 +306,9 @@ class Episode:
         return self.stats
 
 
-def reflected_dialogue(cfg: Any, seen: str | Conversation) -> Dialogue | None:
-    """The conversation a step's reflection continued, as sent with its transition or sample
-    (``env.reflect_turns``); None where the reflection saw ``s``."""
-    if not cfg.env.reflect_turns or not isinstance(seen, Conversation):
-        return None
-    return Dialogue(task=seen.task, first=seen.first, turns=list(seen.turns))
+def dialogue_of(conversation: Conversation) -> Dialogue:
+    """A conversation as sent with a transition or a reflection sample (``env.reflect_turns``, ``env.wm_turns``)."""
+    return Dialogue(task=conversation.task, first=conversation.first, turns=list(conversation.turns))
 
 
 async def avoid_repeat(ctx: EpisodeContext, ep: Episode, state: str | Conversation, action: str) -> str:
@@ -338,7 +342,9 @@ async def avoid_repeat(ctx: EpisodeContext, ep: Episode, state: str | Conversati
 async def _teach_and_emit(ctx: EpisodeContext, transition: Transition) -> None:
     """The teacher's prediction of the observed next state (``s_next``), the world-state gate's
     reliability of the two predictions on this actor's fact state, then the step's transition."""
-    transition.s_hat_teacher = await ctx.llm.teacher(transition.s, transition.a_exec, transition.s_next)
+    d = transition.dialogue
+    seen = None if d is None else Conversation(d.task, d.first, tuple((a, o) for a, o in d.turns))
+    transition.s_hat_teacher = await ctx.llm.teacher(transition.s, transition.a_exec, transition.s_next, seen)
     transition.ws_score = world_state_score(
         ctx.next_state, frozenset(transition.facts), transition.s_hat_exec, transition.s_hat_teacher
     )
@@ -379,7 +385,7 @@ async def play_coevolve(
             if a_draft is None:  # unparseable draft: fall back to a harmless command, as the paper's agents do
                 ep.stats.parse_problems += 1
                 a_draft = FALLBACK_ACTION
-            s_hat = await llm.imagine(s, a_draft)
+            s_hat = await llm.imagine(s, a_draft, turns_of(seen))
             wm_v = llm.last_version("wm")
             refl = await llm.reflect(
                 s,
@@ -388,7 +394,7 @@ async def play_coevolve(
                 confidence,
                 admissible,
                 keep_at_or_below=decision_first(ctx.cfg, eval_mode),
-                conversation=seen if isinstance(seen, Conversation) else None,
+                conversation=turns_of(seen),
             )
             ep.stats.parse_problems += refl.problem is not None
             ep.stats.reflection_problems += refl.problem is not None
@@ -407,7 +413,7 @@ async def play_coevolve(
             ep.stats.invalid += bool(admissible) and a_exec not in admissible
             ep.advance(a_exec, await env.step(a_exec))
             if a_exec != a_draft:  # revised by the gate, or replaced by the repeat guard
-                s_hat_exec, wm_v = await llm.imagine(s, a_exec), llm.last_version("wm")
+                s_hat_exec, wm_v = await llm.imagine(s, a_exec, turns_of(seen)), llm.last_version("wm")
             else:
                 s_hat_exec = s_hat
             score = state_delta_f1(ctx.next_state, ep.facts_before, s_hat_exec, ep.current.observation)
@@ -437,7 +443,6 @@ async def play_coevolve(
                     wm_version=wm_v,
                     reflection_readable=refl.readable,
                     draft_confidence=confidence,
-                    dialogue=reflected_dialogue(ctx.cfg, seen),
                 ),
             )
             if overlap:

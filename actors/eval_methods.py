@@ -21,6 +21,7 @@ from actors import lookahead
 from actors.cycles import cycle_stop_for
 from actors.episodes import FALLBACK_ACTION, Episode, EpisodeContext, EpisodeStats, avoid_repeat
 from comap_async.facts import state_delta_f1
+from comap_async.prompts import turns_of
 from comap_async.wire.messages import COEVOLVE
 
 
@@ -36,7 +37,8 @@ async def _act(ctx: EpisodeContext, ep: Episode, method: str, s: str) -> tuple[s
         action, _ = await llm.react(s, ctx.cfg.eval.react_max_tokens)
         return action, None
     admissible = ep.current.admissible
-    draft, _ = await llm.draft(ep.draft_state(), admissible=admissible)
+    seen = ep.draft_state()
+    draft, _ = await llm.draft(seen, admissible=admissible)
     if method == "draft_only":
         return draft, None
     if method != "imagine_and_act":
@@ -44,7 +46,7 @@ async def _act(ctx: EpisodeContext, ep: Episode, method: str, s: str) -> tuple[s
     if draft is None:
         ep.stats.parse_problems += 1
         draft = FALLBACK_ACTION
-    s_hat = await llm.imagine(s, draft)
+    s_hat = await llm.imagine(s, draft, turns_of(seen))
     final, _ = await llm.choose(s, draft, s_hat, admissible)
     if final is None:  # no usable answer: the candidate stands
         ep.stats.parse_problems += 1

@@ -9,11 +9,12 @@ import time
 from typing import Any
 
 from actors.branches import expert_plan_action, play_branch
-from actors.episodes import Episode, EpisodeContext, EpisodeStats, reflected_dialogue, registry_versions
+from actors.episodes import Episode, EpisodeContext, EpisodeStats, dialogue_of, registry_versions
 from actors.explore import explore_action
 from comap_async.diagnostics import reflection_label
 from comap_async.envs.base import RestoreDiverged, StepResult
 from comap_async.method.gates import canonical_action
+from comap_async.prompts import Conversation
 from comap_async.wire.messages import KEEP, REFLECT_INIT, WARMUP, Reflection, Transition, TurnDemos
 
 
@@ -193,6 +194,7 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
         if equal:
             y, label, s_bar = *reflection_label(True, None, None), ep.current.observation
         policy_v, wm_v = registry_versions(ctx.registry())
+        dialogue = dialogue_of(seen) if ctx.cfg.env.reflect_turns and isinstance(seen, Conversation) else None
 
         async def emit_sample(
             sample_id: str, a_draft: str, s_bar: str, y: int, label: str, confidence: float | None
@@ -210,7 +212,7 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
                     y=y,
                     label=label,
                     draft_confidence=confidence,
-                    dialogue=reflected_dialogue(ctx.cfg, seen),
+                    dialogue=dialogue,
                     policy_version=policy_v,
                     wm_version=wm_v,
                     ts=time.time(),

@@ -33,7 +33,7 @@ import random
 import time
 from typing import Any
 
-from comap_async.prompts import Conversation, render_state
+from comap_async.prompts import Conversation, render_state, turns_of
 from comap_async.prompts.template import FIT_LEFT_OUT_TURNS
 from comap_async.wire.messages import POLICY, WM, Imagined, TurnDemos
 
@@ -42,7 +42,7 @@ async def imagine_from(ctx: Any, ep: Any, t: int, depth: int) -> list[tuple[str,
     """``[(state s_t, the policy's action, the world model's answer), ...]`` from real step ``t`` of
     ``ep``; shorter than ``depth`` when the policy's draft cannot be read. The draft sees what it sees in
     a real step: ``s_t``, or with ``env.draft_turns`` the episode's real turns to ``t`` and the imagined
-    ones; the world model and the critic see ``s_t``."""
+    ones; the world model sees ``s_t`` or (``env.wm_turns``) those turns, the critic ``s_t``."""
     e = ctx.cfg.env
     real = tuple(ep.history[:t])
     history, observation = list(real), ep.observation_at(t)
@@ -55,7 +55,7 @@ async def imagine_from(ctx: Any, ep: Any, t: int, depth: int) -> list[tuple[str,
         action, _ = await ctx.llm.draft(seen)
         if action is None:
             break
-        observation = await ctx.llm.imagine(state, action)
+        observation = await ctx.llm.imagine(state, action, turns_of(seen))
         steps.append((state, action, observation))
         history.append((action, observation))
     return steps

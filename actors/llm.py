@@ -337,19 +337,24 @@ class AgentLLM:
         parsed = parse_action(c["text"])
         return parsed.value, parsed.problem
 
-    async def imagine(self, state: str, action: str) -> str:
+    async def imagine(self, state: str, action: str, conversation: Conversation | None = None) -> str:
         """The world model's (student's) predicted observation, sampled at ``actor.wm_temperature``:
-        it is the rollout self-distillation trains on (``s_hat_exec``), as in the paper."""
+        it is the rollout self-distillation trains on (``s_hat_exec``), as in the paper.
+        ``conversation``: the draft's at this state (``env.wm_turns``: the prompt renders it, not ``state``)."""
         c = await self._complete(
-            WM, self.prompts.world_model(state, action), self.cfg.max_wm_tokens, STOP_STATE, self.cfg.wm_temperature
+            WM,
+            self.prompts.world_model(state, action, conversation),
+            self.cfg.max_wm_tokens,
+            STOP_STATE,
+            self.cfg.wm_temperature,
         )
         return c["text"].strip()
 
-    async def teacher(self, state: str, action: str, real_next: str) -> str:
+    async def teacher(self, state: str, action: str, real_next: str, conversation: Conversation | None = None) -> str:
         """The EMA teacher's prediction given the real next state (greedy: the gate's reference)."""
         c = await self._complete(
             WM_TEACHER,
-            self.prompts.teacher(state, action, real_next),
+            self.prompts.teacher(state, action, real_next, conversation),
             self.cfg.max_wm_tokens,
             STOP_STATE,
             TEACHER_TEMPERATURE,

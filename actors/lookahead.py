@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from comap_async.method.gates import canonical_action
+from comap_async.prompts import turns_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,14 +38,14 @@ class LookaheadStep:
 
 async def imagine_ahead(ctx: Any, ep: Any, candidate: str, depth: int) -> list[tuple[str, str]]:
     """The imagined continuation ``[(action, imagined observation), ...]`` starting with ``candidate``."""
-    state, action, out = ep.state(), candidate, []
+    state, seen, action, out = ep.state(), ep.draft_state(), candidate, []
     for d in range(depth):
-        observation = await ctx.llm.imagine(state, action)
+        observation = await ctx.llm.imagine(state, action, turns_of(seen))
         out.append((action, observation))
         if d + 1 == depth:
             break
-        state = ep.imagined_state(out)  # the world model's view; the draft's is the same or the turns
-        action, _ = await ctx.llm.draft(ep.draft_state(out))
+        state, seen = ep.imagined_state(out), ep.draft_state(out)  # the draft's view: the same, or the turns
+        action, _ = await ctx.llm.draft(seen)
         if action is None:  # the policy has nothing to say in that imagined state: the continuation ends
             break
     return out

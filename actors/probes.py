@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from comap_async.method.gates import canonical_action
-from comap_async.prompts import Conversation
+from comap_async.prompts import turns_of
 from comap_async.wire.messages import Registry
 
 
@@ -213,15 +213,15 @@ async def probe_state(ctx: Any, game: Any, st: ProbeState) -> list[ProbeRow]:
 
     llm = ctx.llm
     # independent calls go together: the server decodes them in one batch
+    conversation = turns_of(st.seen)
     drafted, s_hat = await asyncio.gather(
-        llm.draft_scored(st.seen, admissible=st.admissible), llm.imagine(st.s, st.expert)
+        llm.draft_scored(st.seen, admissible=st.admissible), llm.imagine(st.s, st.expert, conversation)
     )
     draft = drafted.action
     match, ok = draft_scores(draft, st.expert, st.admissible)
     reflected: dict[str, Any] = {}
     if draft is not None:
-        s_hat_draft = s_hat if match else await llm.imagine(st.s, draft)
-        conversation = st.seen if isinstance(st.seen, Conversation) else None
+        s_hat_draft = s_hat if match else await llm.imagine(st.s, draft, conversation)
         refl = await llm.reflect(st.s, draft, s_hat_draft, drafted.confidence, st.admissible, conversation=conversation)
         gate = gate_reflection(ctx.cfg, refl, draft)
         executed = refl.a_ref if gate.open else draft
@@ -236,7 +236,7 @@ async def probe_state(ctx: Any, game: Any, st: ProbeState) -> list[ProbeRow]:
     rows = [ProbeRow(game.name, st.t, "walkthrough", f1, match, ok, **reflected)]
     if st.failure is not None:
         action, real = st.failure
-        x_hat = await llm.imagine(st.s, action)
+        x_hat = await llm.imagine(st.s, action, conversation)
         rows.append(ProbeRow(game.name, st.t, "failure", state_delta_f1(ctx.next_state, st.before, x_hat, real)))
     return rows
 

@@ -17,6 +17,8 @@ in alternating rounds on one machine:
   reflection the draft); ``fast_envs8_spec4`` / ``fast_envs8_spec8``: with 8 environments too.
 * ``fast_reflect_turns``: ``fast`` with the reflection continuing the draft's conversation
   (``env.reflect_turns``); ``fast_envs8_reflect_turns``: with 8 environments too.
+* ``fast_turns``: every role a conversation over the episode (``env.reflect_turns`` and ``env.wm_turns``:
+  the world model and its teacher too); ``fast_envs8_turns``: with 8 environments too.
 * ``filed``: ``fast`` as it was when issue 29 was filed: the draft's prompt in the window form
   (``env.draft_turns=false``) and the 256 MB prefix cache (issue 29, acceptance 2 compares against it).
 
@@ -90,6 +92,16 @@ SETTINGS = {
     # tokens a reflection instead of the state and its admissible list again
     "fast_reflect_turns": [*FAST, "env.reflect_turns=true"],
     "fast_envs8_reflect_turns": [*FAST, "inference.prefix_cache_mb=2048", "actor.envs=8", "env.reflect_turns=true"],
+    # every role a conversation over the episode: the world model's and the teacher's prompts extend their
+    # previous step's too (~1,000 computed prompt tokens a step with trained adapters, 2/3 of the server's time)
+    "fast_turns": [*FAST, "env.reflect_turns=true", "env.wm_turns=true"],
+    "fast_envs8_turns": [
+        *FAST,
+        "inference.prefix_cache_mb=2048",
+        "actor.envs=8",
+        "env.reflect_turns=true",
+        "env.wm_turns=true",
+    ],
     # issue 29's "today": every prompt re-rendered from the last history_k pairs (nothing for the cache
     # to extend from one step to the next) and a cache too small for 4 episodes' reflections
     "filed": [*FAST, "inference.prefix_cache_mb=256", "env.draft_turns=false", "learner.demo_loss_share={}"],

@@ -133,8 +133,23 @@ class Encoder:
         return Seq(p + t, len(p), len(t))
 
     # ------------------------------------------------------------ per role
+    def _conversation(self, r: dict[str, Any]) -> Conversation | None:
+        """The conversation a record's step was taken in (``env.reflect_turns`` / ``env.wm_turns``)."""
+        d = r.get("dialogue")
+        return None if d is None else Conversation.from_record(d)
+
+    def _room(self, target: str, add_eos: bool = True) -> int:
+        """Prompt tokens that fit beside ``target`` in ``max_seq_len``: a conversation longer than that
+        loses its oldest turns, as the actors' prompts do, not its middle tokens (:meth:`seq`'s cut would
+        leave a turn broken)."""
+        return self.max_seq_len - len(self._ids(target + (self.eos if add_eos else "")))
+
+    def _world_model(self, r: dict[str, Any], target: str, add_eos: bool = True) -> str:
+        room = self._room(target, add_eos)
+        return self.prompts.world_model(r["s"], r["a_exec"], self._conversation(r), room, self._count)
+
     def world_model_ce(self, r: dict[str, Any]) -> Seq:
-        s = self.seq(self.prompts.world_model(r["s"], r["a_exec"]), r["s_next"])
+        s = self.seq(self._world_model(r, r["s_next"]), r["s_next"])
         # the end-of-text token is never a change token; records without ``o`` count every token
         before = self._ids(r.get("o") or "") + ([self.tokenizer.eos_token_id] if self.eos else [])
         s.change = change_token_flags(s.ids[s.start : s.start + s.n_target], before)
@@ -144,8 +159,13 @@ class Encoder:
         """Student and teacher sequences over the stored student rollout ``s_hat_exec`` (None if empty)."""
         if not r.get("s_hat_exec", "").strip():
             return None
-        student = self.seq(self.prompts.world_model(r["s"], r["a_exec"]), r["s_hat_exec"], add_eos=False)
-        teacher = self.seq(self.prompts.teacher(r["s"], r["a_exec"], r["s_next"]), r["s_hat_exec"], add_eos=False)
+        rollout = r["s_hat_exec"]
+        student = self.seq(self._world_model(r, rollout, add_eos=False), rollout, add_eos=False)
+        room = self._room(rollout, add_eos=False)
+        teacher_prompt = self.prompts.teacher(
+            r["s"], r["a_exec"], r["s_next"], self._conversation(r), room, self._count
+        )
+        teacher = self.seq(teacher_prompt, rollout, add_eos=False)
         n = min(student.n_target, teacher.n_target)
         return Seq(student.ids, student.start, n), Seq(teacher.ids, teacher.start, n)
 
@@ -214,14 +234,10 @@ class Encoder:
         with none subsampled (r39) the copies of frequent ``go`` drafts carried full loss too."""
         decision = "REVISE" if int(r["y"]) == 1 else "KEEP"
         target = reflection_target(decision, r["target"])
-        dialogue = r.get("dialogue")
-        conversation = Conversation.from_record(dialogue) if dialogue is not None else None
-        # a conversation too long for max_seq_len loses its oldest turns, as the actors' prompts do, not
-        # its middle tokens (seq's cut would leave a turn broken)
-        room = self.max_seq_len - len(self._ids(target + self.eos))
         prompt = self.prompts.reflect(
-            r["s"], r["a_draft"], r["s_bar"], r.get("draft_confidence"), conversation, room, self._count
-        )
+            r["s"], r["a_draft"], r["s_bar"], r.get("draft_confidence"), self._conversation(r), self._room(target),
+            self._count,
+        )  # fmt: skip
         s = self.seq(prompt, target)
         action = str(r["target"]).strip()
         if (

@@ -54,6 +54,7 @@ PLAY_SWITCHES: dict[str, tuple[str, str]] = {
     "show_location": ("env", "show_location"),
     "draft_turns": ("env", "draft_turns"),
     "reflect_turns": ("env", "reflect_turns"),
+    "wm_turns": ("env", "wm_turns"),
     "task_every_turn": ("env", "task_every_turn"),
 }
 """The method switches that change how an episode is played, not only what is trained: name ->
@@ -92,7 +93,8 @@ class CoMapConfig(Section):
         (a REVISE naming the draft chooses among the other commands),
         ``reflect_confidence`` (the draft's confidence shown in the reflection prompt), ``show_location``
         (where the agent is, in every state), ``draft_turns`` (the draft sees the episode as chat turns),
-        ``reflect_turns`` (the reflection continues the draft's conversation),
+        ``reflect_turns`` (the reflection continues the draft's conversation), ``wm_turns`` (the world
+        model's and the teacher's own conversation),
         ``task_every_turn`` (those turns repeat the task)."""
         on = []
         if self.actor.imagined_rollouts > 0 and self.learner.imagined_share > 0:
@@ -144,8 +146,9 @@ class CoMapConfig(Section):
             raise ValueError(
                 "actor.revise_other_action chooses among the admissible commands: it needs actor.admissible_choice"
             )
-        if self.env.reflect_turns and not self.env.draft_turns:
-            raise ValueError("env.reflect_turns continues the draft's chat turns: it needs env.draft_turns")
+        for turns in ("reflect_turns", "wm_turns"):
+            if getattr(self.env, turns) and not self.env.draft_turns:
+                raise ValueError(f"env.{turns} renders the chat turns the draft sees: it needs env.draft_turns")
         if self.env.task_every_turn and not self.env.draft_turns:
             raise ValueError("env.task_every_turn repeats the task in the draft's chat turns: it needs env.draft_turns")
         if self.learner.demo_loss_share and not self.env.draft_turns:

@@ -8,7 +8,7 @@ Roles:
 * draft       ``s_t`` -> an action
 * reflect     ``(s_t, a_draft, ŝ)`` -> ``Decision: KEEP|REVISE`` + ``Final Action: ...`` (or the draft's
               conversation continued, ``env.reflect_turns``)
-* world model ``(s_t, a)`` -> the next observation
+* world model ``(s_t, a)`` -> the next observation (or its own conversation, ``env.wm_turns``)
 * teacher     ``(s_t, a, s')`` -> the next observation, having seen the real one (hindsight)
 
 The package: ``messages`` (what each role is told), ``template`` (the model's chat template and the
@@ -41,8 +41,10 @@ from comap_async.prompts.messages import (
     reflection_target,
     render_state,
     teacher_messages,
+    turns_of,
     wording_for,
     world_model_messages,
+    world_model_turn_messages,
 )
 from comap_async.prompts.parsing import (
     Parsed,
@@ -97,6 +99,8 @@ __all__ = [
     "revise_probability",
     "sequence_confidence",
     "teacher_messages",
+    "turns_of",
     "wording_for",
     "world_model_messages",
+    "world_model_turn_messages",
 ]

@@ -102,6 +102,12 @@ class Conversation:
         return cls(str(d["task"]), str(d["first"]), tuple((str(a), str(o)) for a, o in d["turns"]))
 
 
+def turns_of(seen: str | Conversation) -> Conversation | None:
+    """What the draft saw, when it saw the episode's turns (the reflection's and the world model's
+    prompts may continue it: ``env.reflect_turns``, ``env.wm_turns``); None for a rendered ``s_t``."""
+    return seen if isinstance(seen, Conversation) else None
+
+
 DRAFT_TURNS_ASK = "Answer each observation with your next action: one command only."
 
 
@@ -214,6 +220,32 @@ def critic_messages(
 
 def world_model_messages(state: str, action: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
     return _turn(wording.world, f"{state}\n\nAction: {action.strip()}\nWhat does the environment answer?")
+
+
+WM_TURNS_ASK = "Answer each action with the exact observation the environment returns."
+
+
+def world_model_turn_messages(
+    conversation: Conversation, action: str, wording: Wording = ALFWORLD, hindsight: str | None = None
+) -> list[dict[str, str]]:
+    """The world model's prompt as its own conversation (``env.wm_turns``): the task and first
+    observation once, then each action as a user turn and the observation it got as the model's
+    turn, the new ``action`` last. Step t+1's prompt extends step t's by the real observation and the
+    next action, so the server's prefix cache holds the episode. ``hindsight`` (the EMA teacher's
+    context): the real next observation in the last turn, as :func:`teacher_messages` shows it."""
+    c = conversation
+    actions = [a for a, _ in c.turns] + [action]
+    messages = [{"role": "system", "content": wording.world}]
+    for i, a in enumerate(actions):
+        said = f"Action: {a.strip()}"
+        if i == 0:
+            said = f"Task: {c.task.strip()}\n{c.first.strip()}\n\n{WM_TURNS_ASK}\n\n{said}"
+        if i == len(c.turns) and hindsight is not None:
+            said += f"\n(Hindsight: the environment actually answered: {hindsight.strip()})"
+        messages.append({"role": "user", "content": said})
+        if i < len(c.turns):
+            messages.append({"role": "assistant", "content": c.turns[i][1].strip()})
+    return messages
 
 
 def teacher_messages(state: str, action: str, real_next: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:

@@ -33,6 +33,7 @@ from comap_async.prompts.messages import (
     teacher_messages,
     wording_for,
     world_model_messages,
+    world_model_turn_messages,
 )
 
 FIT_LEFT_OUT_TURNS = 8
@@ -210,6 +211,9 @@ class Prompts:
     """``env.task_every_turn``: the turns' draft prompt repeats the task line in every observation's turn."""
     reflect_turns: bool = False
     """``env.reflect_turns``: the reflection continues the draft's conversation (:meth:`reflect`)."""
+    wm_turns: bool = False
+    """``env.wm_turns``: the world model and its teacher see the episode as their own conversation
+    (:meth:`world_model`, :meth:`teacher`)."""
 
     @classmethod
     def from_config(
@@ -230,6 +234,7 @@ class Prompts:
             critic_answer=critic_answer,
             task_every_turn=cfg.env.task_every_turn,
             reflect_turns=cfg.env.reflect_turns,
+            wm_turns=cfg.env.wm_turns,
         )
 
     @classmethod
@@ -308,20 +313,38 @@ class Prompts:
         shown = s_hat if self.future_state else None
         if not self.reflect_turns:
             return self.chat.render(reflect_messages(state, a_draft, shown, self.wording, confidence)) + DECISION_PREFIX
-        if conversation is None:
-            raise ValueError(
-                "env.reflect_turns: this reflection has no conversation to continue (a sample stored by a run "
-                "without the setting?)"
-            )
 
         def render(c: Conversation) -> str:
             messages = reflect_turn_messages(c, a_draft, shown, self.wording, confidence, self.task_every_turn)
             return self.chat.render(messages) + DECISION_PREFIX
 
-        return self._fit(conversation, render, limit, count)
+        return self._fit(self._turns_of("reflect_turns", conversation), render, limit, count)
 
-    def world_model(self, state: str, action: str) -> str:
-        return self.chat.render(world_model_messages(state, action, self.wording))
+    def world_model(
+        self,
+        state: str,
+        action: str,
+        conversation: Conversation | None = None,
+        limit: int | None = None,
+        count: Callable[[str], int] | None = None,
+    ) -> str:
+        """The world model's prompt: of ``s_t``, or with ``wm_turns`` of the episode's ``conversation``
+        (the draft's at this step; oldest turns left out as :meth:`_fit` does)."""
+        if not self.wm_turns:
+            return self.chat.render(world_model_messages(state, action, self.wording))
+        return self._fit(self._turns_of("wm_turns", conversation), self._world_model_render(action), limit, count)
+
+    def _world_model_render(self, action: str, hindsight: str | None = None) -> Callable[[Conversation], str]:
+        return lambda c: self.chat.render(world_model_turn_messages(c, action, self.wording, hindsight))
+
+    @staticmethod
+    def _turns_of(setting: str, conversation: Conversation | None) -> Conversation:
+        if conversation is None:
+            raise ValueError(
+                f"env.{setting}: this prompt has no conversation to continue (a sample stored by a run without "
+                "the setting?)"
+            )
+        return conversation
 
     def react(self, state: str) -> str:
         # the thought comes first: the generation starts after its prefix
@@ -334,5 +357,18 @@ class Prompts:
         # the answer word is the first generated token, so its logprobs give the score
         return self.chat.render(critic_messages(state, trajectory, self.wording)) + CRITIC_PREFIX
 
-    def teacher(self, state: str, action: str, real_next: str) -> str:
-        return self.chat.render(teacher_messages(state, action, real_next, self.wording))
+    def teacher(
+        self,
+        state: str,
+        action: str,
+        real_next: str,
+        conversation: Conversation | None = None,
+        limit: int | None = None,
+        count: Callable[[str], int] | None = None,
+    ) -> str:
+        """The EMA teacher's prompt: the world model's (:meth:`world_model`) with the real next
+        observation in its last turn (hindsight)."""
+        if not self.wm_turns:
+            return self.chat.render(teacher_messages(state, action, real_next, self.wording))
+        render = self._world_model_render(action, real_next)
+        return self._fit(self._turns_of("wm_turns", conversation), render, limit, count)

@@ -145,9 +145,10 @@ MAX_TURNS = 256  # (action, observation) pairs in one TurnDemos or Dialogue: abo
 
 
 class Dialogue(Struct, forbid_unknown_fields=True, kw_only=True):
-    """The draft's conversation at a step (``env.reflect_turns``): the task, the first observation and
-    the (action, observation) turns before the step, which the reflection's prompt continues
-    (:class:`comap_async.prompts.Conversation`; stored in a record as a map of these three fields)."""
+    """The draft's conversation at a step (``env.reflect_turns``, ``env.wm_turns``): the task, the first
+    observation and the (action, observation) turns before the step, which the reflection's prompt
+    continues and the world model's renders as its own (:class:`comap_async.prompts.Conversation`; stored
+    in a record as a map of these three fields)."""
 
     task: Text
     first: Text
@@ -213,8 +214,8 @@ class Transition(Message, tag="transition", kw_only=True):
     state (:func:`comap_async.method.gates.world_state_score`); None where no teacher predicted
     (warm-up). The broker applies the threshold, so it never parses environment text."""
     dialogue: Dialogue | None = None
-    """``env.reflect_turns``: the draft's conversation the step's reflection continued (None: the
-    reflection saw ``s``)."""
+    """``env.reflect_turns`` / ``env.wm_turns``: the episode's conversation before this step, what the
+    reflection and the world model saw instead of ``s`` (None: they saw ``s``)."""
 
 
 class Episode(_FiniteMaps, Message, tag="episode", kw_only=True):

@@ -31,11 +31,11 @@ class ScriptedLLM:
     async def draft_scored(self, state, admissible=None):
         return Draft(*await self.draft(state))
 
-    async def imagine(self, state, action):
+    async def imagine(self, state, action, conversation=None):
         self.imagined.append(action)
         return f"You imagine doing {action}."
 
-    async def teacher(self, state, action, real_next):
+    async def teacher(self, state, action, real_next, conversation=None):
         return real_next
 
     def last_version(self, role):
@@ -117,10 +117,10 @@ class PlanFollower:
     async def draft_scored(self, state, admissible=None):
         return Draft(*await self.draft(state))
 
-    async def imagine(self, state, action):
+    async def imagine(self, state, action, conversation=None):
         return "Nothing happens."
 
-    async def teacher(self, state, action, real_next):
+    async def teacher(self, state, action, real_next, conversation=None):
         return real_next
 
     async def reflect(
@@ -178,7 +178,7 @@ class LoggingLLM(ScriptedLLM):
         self.log.append("draft")
         return await super().draft(state)
 
-    async def teacher(self, state, action, real_next):
+    async def teacher(self, state, action, real_next, conversation=None):
         import asyncio
 
         self.log.append("teacher:start")

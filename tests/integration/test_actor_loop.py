@@ -92,13 +92,29 @@ async def test_coevolve_actor_stores_complete_gated_transitions(
         assert not scored
 
 
-async def test_with_reflect_turns_each_step_sends_the_conversation_its_reflection_continued(
+def check_dialogues(transitions: list[dict]) -> None:
+    """Each transition's conversation is its episode's real steps before it, in order."""
+    by_episode: dict[str, list[dict]] = {}
+    for tr in sorted(transitions, key=lambda tr: tr["t"]):
+        if not tr.get("explore") and not tr.get("recovery"):
+            by_episode.setdefault(tr["episode"], []).append(tr)
+    for steps in by_episode.values():
+        for tr in steps:
+            d = tr["dialogue"]
+            assert d["task"] == tr["goal"] and d["first"] == steps[0]["o"]
+            assert [tuple(turn) for turn in d["turns"]] == [(p["a_exec"], p["s_next"]) for p in steps[: tr["t"]]]
+    for tr in transitions:  # an explored action left the same state as its step's
+        if tr.get("explore"):
+            assert tr["dialogue"] == next(p for p in by_episode[tr["episode"]] if p["t"] == tr["t"])["dialogue"]
+
+
+async def test_with_turns_roles_each_step_sends_the_conversation_its_reflection_and_world_model_saw(
     broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen
 ):
-    """``env.reflect_turns``: every co-evolution transition and every reflection-init sample carry the
-    draft's conversation at their step: the task, the first
+    """``env.reflect_turns`` / ``env.wm_turns``: every co-evolution and warm-up transition and every
+    reflection-init sample carry the draft's conversation at their step: the task, the first
     observation and the executed actions with what they got, in order."""
-    switches = ["env.draft_turns=true", "env.reflect_turns=true"]
+    switches = ["env.draft_turns=true", "env.reflect_turns=true", "env.wm_turns=true"]
     broker = broker_factory(switches)
     await announce(broker, "coevolve")
     games = sorted(valid_seen, key=lambda g: g.name)[:2]
@@ -108,16 +124,20 @@ async def test_with_reflect_turns_each_step_sends_the_conversation_its_reflectio
     )
     transitions = stored(broker, "transitions")
     assert len(transitions) == sum(s.steps for _, s in results) >= 4
-    by_episode: dict[str, list[dict]] = {}
-    for tr in sorted(transitions, key=lambda tr: tr["t"]):
-        by_episode.setdefault(tr["episode"], []).append(tr)
-    for steps in by_episode.values():
-        for tr in steps:
-            d = tr["dialogue"]
-            assert d["task"] == tr["goal"] and d["first"] == steps[0]["o"]
-            assert [tuple(turn) for turn in d["turns"]] == [(p["a_exec"], p["s_next"]) for p in steps[: tr["t"]]]
-    # (a readable reflection's sample carries its transition's: tests/unit/test_reflect_turns.py; the tiny
+    check_dialogues(transitions)
+    # (a readable reflection's sample carries its transition's: tests/unit/test_role_turns.py; the tiny
     # random model's reflections are not readable)
+
+    warm = broker_factory(switches)  # a fresh broker is in the warm-up phase
+    cfg = actor_config(
+        warm, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=6", *switches, "actor.warmup_explore=0.5"
+    )
+    await asyncio.wait_for(
+        ActorWorker(cfg, configure_logging("actor-test"), envs=1, episodes=1, games=games).run(), 300
+    )
+    transitions = stored(warm, "transitions")
+    assert any(tr.get("explore") for tr in transitions) and len(transitions) >= 4
+    check_dialogues(transitions)
 
     init = broker_factory(switches)
     await announce(init, "reflect_init")

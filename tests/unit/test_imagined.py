@@ -29,7 +29,7 @@ class ScriptedLLM:
         self.seen.append(state)
         return f"go to desk {self.n}", None
 
-    async def imagine(self, state, action):
+    async def imagine(self, state, action, conversation=None):
         return f"You arrive at desk {action.rsplit(' ', 1)[1]}."
 
     async def critic(self, state, trajectory):

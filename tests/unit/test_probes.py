@@ -141,7 +141,7 @@ class ScriptedStep:
 
         return Draft(self.draft, None, 0.6)
 
-    async def imagine(self, s, action):
+    async def imagine(self, s, action, conversation=None):
         return "You arrive at countertop 1. On the countertop 1, you see a apple 1."
 
     async def reflect(self, s, a_draft, s_hat, confidence, admissible, conversation=None):

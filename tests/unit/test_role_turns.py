@@ -1,6 +1,8 @@
-"""``env.reflect_turns`` (issue 29): the reflection continues the draft's conversation, so its prompt
-starts with the draft's, token for token (the server's prefix cache holds that part), and the learner
-trains it in the same form from the conversation the actor sent with the step."""
+"""``env.reflect_turns`` and ``env.wm_turns`` (issue 29): the reflection continues the draft's
+conversation, so its prompt starts with the draft's, token for token (the server's prefix cache holds
+that part); the world model and its teacher see the episode as their own conversation, so a step's prompt
+extends the previous step's; the learner trains each in the same form from the conversation the actor
+sent with the step."""
 
 from __future__ import annotations
 
@@ -10,7 +12,15 @@ import pytest
 from broker.ingest import Ingest
 from comap_async.config import CoMapConfig
 from comap_async.method.gates import SampleRule
-from comap_async.prompts import DECISION_PREFIX, ChatTemplate, Conversation, Prompts, reflect_messages
+from comap_async.prompts import (
+    DECISION_PREFIX,
+    ChatTemplate,
+    Conversation,
+    Prompts,
+    reflect_messages,
+    teacher_messages,
+    world_model_messages,
+)
 from comap_async.prompts.template import FIT_LEFT_OUT_TURNS
 from comap_async.wire.messages import Dialogue, Reflection, Transition
 from learner.batches import Encoder
@@ -28,7 +38,8 @@ def tok(tiny_model_dir):
 
 
 def turns_prompts(model_dir, task_every_turn=False) -> Prompts:
-    return Prompts(ChatTemplate.from_model_dir(model_dir), task_every_turn=task_every_turn, reflect_turns=True)
+    chat = ChatTemplate.from_model_dir(model_dir)
+    return Prompts(chat, task_every_turn=task_every_turn, reflect_turns=True, wm_turns=True)
 
 
 @pytest.mark.parametrize("task_every_turn", [False, True], ids=["task-once", "task-every-turn"])
@@ -58,12 +69,13 @@ def test_without_the_switch_the_reflection_renders_the_state_whatever_it_is_give
         turns_prompts(tiny_model_dir).reflect(STATE, DRAFT, IMAGINED)
 
 
-def test_the_switch_is_a_play_switch_that_needs_the_drafts_turns():
-    cfg = CoMapConfig.model_validate({"env": {"draft_turns": True, "reflect_turns": True}})
-    assert "reflect_turns" in cfg.method_switches
-    assert "reflect_turns" not in cfg.playing(["draft_turns"]).method_switches
-    with pytest.raises(ValueError, match="env.reflect_turns"):
-        CoMapConfig.model_validate({"env": {"reflect_turns": True}})
+@pytest.mark.parametrize("switch", ["reflect_turns", "wm_turns"])
+def test_each_switch_is_a_play_switch_that_needs_the_drafts_turns(switch):
+    cfg = CoMapConfig.model_validate({"env": {"draft_turns": True, switch: True}})
+    assert switch in cfg.method_switches
+    assert switch not in cfg.playing(["draft_turns"]).method_switches
+    with pytest.raises(ValueError, match=f"env.{switch}"):
+        CoMapConfig.model_validate({"env": {switch: True}})
 
 
 def test_a_transitions_conversation_reaches_its_reflection_sample_and_the_learner_trains_the_sent_prompt(
@@ -115,3 +127,70 @@ def test_a_conversation_longer_than_the_learners_window_loses_whole_oldest_turns
     assert len(seq.ids) <= cap and seq.ids[seq.start :] == whole.ids[whole.start :]
     kept = Conversation(TASK, FIRST, long.turns[FIT_LEFT_OUT_TURNS:])  # one chunk of turns left out
     assert seq.ids[: seq.start] == encoder._ids(prompts.reflect(STATE, DRAFT, IMAGINED, None, kept))
+
+
+def test_the_world_models_prompt_extends_the_previous_steps_and_the_teachers_adds_hindsight_last(tiny_model_dir, tok):
+    prompts = turns_prompts(tiny_model_dir)
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    steps = [Conversation(TASK, FIRST, tuple(TURNS[:n])) for n in range(len(TURNS))]
+    wm = [prompts.world_model(STATE, TURNS[n][0], c) for n, c in enumerate(steps)]
+    for before, after in zip(wm, wm[1:]):
+        assert after.startswith(before) and ids(after)[: len(ids(before))] == ids(before)
+    assert TURNS[1][1] in wm[2] and "Admissible commands" not in wm[-1]
+    action, real = TURNS[2][0], TURNS[2][1]
+    teacher = prompts.teacher(STATE, action, real, steps[2])
+    last_turn = wm[2].rindex(f"Action: {action}")
+    assert teacher.startswith(wm[2][:last_turn]) and real in teacher[last_turn:]
+    assert teacher.count("Hindsight") == 1 and "Hindsight" not in wm[2]
+    # without the switch both render s_t whatever they are given
+    chat = ChatTemplate.from_model_dir(tiny_model_dir)
+    assert Prompts(chat).world_model(STATE, action, steps[2]) == chat.render(world_model_messages(STATE, action))
+    assert Prompts(chat).teacher(STATE, action, real, steps[2]) == chat.render(teacher_messages(STATE, action, real))
+    with pytest.raises(ValueError, match="env.wm_turns"):
+        prompts.world_model(STATE, action)
+
+
+def test_the_learner_trains_the_world_model_and_its_teacher_on_the_prompts_the_actor_sent(tiny_model_dir, tok):
+    prompts = turns_prompts(tiny_model_dir)
+    conversation = Conversation(TASK, FIRST, tuple(TURNS[:3]))
+    action, real, rollout = TURNS[3][0], TURNS[3][1], "You arrive at sinkbasin 1."
+    record = {
+        "s": STATE, "a_exec": action, "s_next": real, "s_hat_exec": rollout, "o": TURNS[2][1],
+        "dialogue": {"task": TASK, "first": FIRST, "turns": [list(t) for t in conversation.turns]},
+    }  # fmt: skip
+    encoder = Encoder(tok, prompts, 4096)
+    ce = encoder.world_model_ce(record)
+    assert ce.ids[: ce.start] == encoder._ids(prompts.world_model(STATE, action, conversation))
+    student, teacher = encoder.world_model_rollout(record)
+    assert student.ids[: student.start] == encoder._ids(prompts.world_model(STATE, action, conversation))
+    assert teacher.ids[: teacher.start] == encoder._ids(prompts.teacher(STATE, action, real, conversation))
+    assert student.ids[student.start :] == teacher.ids[teacher.start :] == encoder._ids(rollout)
+    # a window too short for the whole conversation: whole oldest turns go, the target stays whole
+    long = {**record, "dialogue": {**record["dialogue"], "turns": [list(t) for t in TURNS] * 5}}
+    whole = Encoder(tok, prompts, 1 << 16).world_model_ce(long)
+    short = Encoder(tok, prompts, whole.start - 40)
+    cut = short.world_model_ce(long)
+    assert len(cut.ids) <= whole.start - 40 and cut.ids[cut.start :] == whole.ids[whole.start :]
+    kept = Conversation(TASK, FIRST, (tuple(TURNS) * 5)[FIT_LEFT_OUT_TURNS:])
+    assert cut.ids[: cut.start] == short._ids(prompts.world_model(STATE, action, kept)) and short.truncated == 0
+
+
+def test_a_learner_step_trains_every_role_from_records_in_the_turns_form(tiny_model_dir):
+    """A co-evolution step over transitions and reflection samples that carry their conversation: the
+    world model's CE and self-distillation and the reflection's losses are all computed, finite, on
+    the conversation prompts."""
+    from tests.fixtures.learner import make_trainer
+
+    trainer = make_trainer(tiny_model_dir, max_seq_len=512)
+    trainer.encoder.prompts = turns_prompts(tiny_model_dir)
+    dialogue = {"task": TASK, "first": FIRST, "turns": [list(t) for t in TURNS[:2]]}
+    wm = {
+        "s": STATE, "a_exec": TURNS[2][0], "s_next": TURNS[2][1], "s_hat_exec": IMAGINED, "o": TURNS[1][1],
+        "dialogue": dialogue,
+    }  # fmt: skip
+    refl = {"id": "e:2", "s": STATE, "a_draft": DRAFT, "s_bar": IMAGINED, "target": TURNS[2][0], "y": 1}
+    metrics = trainer.train_step([{"transitions": [wm], "reflections": [{**refl, "dialogue": dialogue}]}])
+    for key in ("wm/ce", "wm/kl", "policy/bce", "policy/reflect_ce"):
+        assert metrics[key] > 0 and metrics[key] < 100, (key, metrics[key])
+    with pytest.raises(ValueError, match="env.reflect_turns"):  # a window-form sample cannot be read in this form
+        trainer.train_step([{"reflections": [refl]}])
