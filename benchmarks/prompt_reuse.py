@@ -1,0 +1,147 @@
+"""Prompt tokens a co-evolution step computes under the embedded server's prefix cache, replayed offline
+from a run's stored episodes: each role's prompts as the actors render them today, against the
+reflection continuing the draft's conversation (``env.reflect_turns``) and the world model and its
+teacher as their own conversations (``env.wm_turns``).
+
+For each stored episode (its main transitions in order: the conversation at step t is the first
+observation and the executed actions before t with what they got) the calls of a CoMap step are
+rendered: the draft, the world model on the draft (and on the executed action when it differs), the
+reflection, the teacher. Each goes through a model of the server's cache (blocks of
+:attr:`PrefixCache.block` tokens chained per adapter, a prompt reusing the full blocks it shares with
+any earlier prompt of its adapter, at least one token computed; no eviction: ``inference.prefix_cache_mb``
+large enough for the episodes in flight), and the tokens it computes are counted by role. No model runs:
+the outputs are the stored ones, so a form whose outputs would differ (a reflection trained in it) is
+counted with today's.
+
+    python benchmarks/prompt_reuse.py RUN_DIR [--config configs/local.yaml] [--phase coevolve] [--episodes 40]
+
+One line per form (computed prompt tokens per env step: all, and policy / world model / teacher), then
+``prompt_tokens_computed_per_step window=X turns=Y ratio=Z`` (today's form over every role as a conversation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import msgpack
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from broker.store import ReplayStore  # noqa: E402
+from comap_async.inference.prefix import PrefixCache  # noqa: E402
+from comap_async.prompts import Conversation  # noqa: E402
+from comap_async.wire.messages import COEVOLVE, STORES  # noqa: E402
+
+FORMS = {
+    "window": {"env.reflect_turns": False, "env.wm_turns": False},
+    "reflect_turns": {"env.reflect_turns": True, "env.wm_turns": False},
+    "turns": {"env.reflect_turns": True, "env.wm_turns": True},
+}
+ROLES = ("policy", "wm", "teacher")
+
+
+class BlockCache:
+    """The prefix cache's reuse rule without its tensors (:class:`PrefixCache`'s chained full blocks)."""
+
+    def __init__(self, block: int) -> None:
+        self.block, self.keys = block, set()
+
+    def computed(self, adapter: str, ids: list[int]) -> int:
+        """Tokens ``ids`` computes: past its longest run of cached full blocks; then its full blocks are kept."""
+        usable = ((len(ids) - 1) // self.block) * self.block
+        prev, hit, chain = None, 0, []
+        for start in range(0, len(ids) - len(ids) % self.block, self.block):
+            key = (adapter, hash((prev, tuple(ids[start : start + self.block]))))
+            chain.append(key)
+            if start < usable and hit == start and key in self.keys:
+                hit = start + self.block
+            prev = key
+        self.keys.update(chain)
+        return len(ids) - hit
+
+
+def episodes(records: list[dict]) -> list[list[dict]]:
+    by_episode: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        if not r.get("explore") and not r.get("recovery"):
+            by_episode[r["episode"]].append(r)
+    return [sorted(steps, key=lambda r: r["t"]) for steps in by_episode.values()]
+
+
+def step_calls(prompts, r: dict, seen: Conversation) -> list[tuple[str, str]]:
+    """A CoMap step's calls (role, prompt), in the order the actor makes them."""
+    calls = [
+        ("policy", prompts.draft(seen)),
+        ("wm", prompts.world_model(r["s"], r["a_draft"], seen)),
+        ("policy", prompts.reflect(r["s"], r["a_draft"], r["s_hat"], r.get("draft_confidence"), seen)),
+    ]
+    if r["a_exec"] != r["a_draft"]:
+        calls.append(("wm", prompts.world_model(r["s"], r["a_exec"], seen)))
+    calls.append(("teacher", prompts.teacher(r["s"], r["a_exec"], r["s_next"], seen)))
+    return calls
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--config", default="configs/local.yaml", help="the run's config (draft_turns on)")
+    ap.add_argument("--phase", default=COEVOLVE, help="the transitions' phase (warmup: the expert's steps)")
+    ap.add_argument("--episodes", type=int, default=40, help="the run's last N episodes of the phase")
+    args = ap.parse_args()
+    from tokenizers import Tokenizer
+
+    from comap_async.config import load_config
+    from comap_async.models import resolve_model
+    from comap_async.prompts.template import Prompts
+
+    replay_dir = args.run_dir / "replay"
+    if not (replay_dir / "data.mdb").is_file():
+        raise SystemExit(f"prompt_reuse: no replay at {replay_dir}")
+    store = ReplayStore(replay_dir, dict.fromkeys(STORES, 1 << 40), readonly=True)
+    try:
+        records = [msgpack.unpackb(b, raw=False) for b in itertools.islice(store.iter_store("transitions"), None)]
+    finally:
+        store.close()
+    played = [e for e in episodes([r for r in records if r.get("phase") == args.phase]) if e[0]["t"] == 0]
+    played = played[-args.episodes :]
+    if not played:
+        raise SystemExit(f"prompt_reuse: {args.run_dir} stored no whole {args.phase} episode")
+    base = load_config(args.config, ["env.draft_turns=true"])
+    tok = Tokenizer.from_file(
+        str(Path(resolve_model(base.model.name_or_path, base.model.cache_dir)) / "tokenizer.json")
+    )
+    steps = sum(len(e) for e in played)
+    per_step = {}
+    for form, switches in FORMS.items():
+        cfg = load_config(
+            args.config, ["env.draft_turns=true", *(f"{k}={str(v).lower()}" for k, v in switches.items())]
+        )
+        prompts = Prompts.for_model(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir), cfg)
+        cache, computed, sent = BlockCache(PrefixCache().block), dict.fromkeys(ROLES, 0), 0
+        for episode in played:
+            seen = Conversation(episode[0]["goal"], episode[0]["o"])
+            for r in episode:
+                for role, prompt in step_calls(prompts, r, seen):
+                    ids = tok.encode(prompt, add_special_tokens=True).ids
+                    computed[role] += cache.computed(role, ids)
+                    sent += len(ids)
+                seen = seen.then(r["a_exec"], r["s_next"])
+        per_step[form] = sum(computed.values()) / steps
+        roles = ", ".join(f"{role} {n / steps:.0f}" for role, n in computed.items())
+        print(
+            f"{form}: {per_step[form]:.0f} prompt tokens computed per env step ({roles}) of {sent / steps:.0f} "
+            f"sent; {len(played)} episodes, {steps} steps",
+            flush=True,
+        )
+    w, t = per_step["window"], per_step["turns"]
+    print(f"prompt_tokens_computed_per_step window={w:.0f} turns={t:.0f} ratio={w / t:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
