@@ -132,3 +132,21 @@ def run_to_phase(
             f"(see {out / f'{name}.log'}); --resume goes on from its checkpoint"
         )
     return record
+
+
+def run_records(run_dir: Path, store: str, who: str) -> list[dict]:
+    """Every record of a run's replay ``store``, oldest first (read-only, beside a running broker);
+    ``who`` (the benchmark) names the one-line error when the run has no replay."""
+    import msgpack
+
+    from broker.store import ReplayStore
+    from comap_async.wire.messages import STORES
+
+    replay_dir = run_dir / "replay"
+    if not (replay_dir / "data.mdb").is_file():
+        raise SystemExit(f"{who}: no replay at {replay_dir}")
+    replay = ReplayStore(replay_dir, dict.fromkeys(STORES, 1 << 40), readonly=True)
+    try:
+        return [msgpack.unpackb(b, raw=False) for b in replay.iter_store(store)]
+    finally:
+        replay.close()

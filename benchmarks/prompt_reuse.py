@@ -22,20 +22,17 @@ One line per form (computed prompt tokens per env step: all, and policy / world 
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-import msgpack
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from broker.store import ReplayStore  # noqa: E402
+from benchmarks._system import run_records  # noqa: E402
 from comap_async.inference.prefix import PrefixCache  # noqa: E402
 from comap_async.prompts import Conversation  # noqa: E402
-from comap_async.wire.messages import COEVOLVE, STORES  # noqa: E402
+from comap_async.wire.messages import COEVOLVE  # noqa: E402
 
 FORMS = {
     "window": {"env.reflect_turns": False, "env.wm_turns": False},
@@ -99,14 +96,7 @@ def main() -> int:
     from comap_async.models import resolve_model
     from comap_async.prompts.template import Prompts
 
-    replay_dir = args.run_dir / "replay"
-    if not (replay_dir / "data.mdb").is_file():
-        raise SystemExit(f"prompt_reuse: no replay at {replay_dir}")
-    store = ReplayStore(replay_dir, dict.fromkeys(STORES, 1 << 40), readonly=True)
-    try:
-        records = [msgpack.unpackb(b, raw=False) for b in itertools.islice(store.iter_store("transitions"), None)]
-    finally:
-        store.close()
+    records = run_records(args.run_dir, "transitions", "prompt_reuse")
     played = [e for e in episodes([r for r in records if r.get("phase") == args.phase]) if e[0]["t"] == 0]
     played = played[-args.episodes :]
     if not played:

@@ -30,19 +30,16 @@ outputs were the same token for token.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from pathlib import Path
-
-import msgpack
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from broker.store import ReplayStore  # noqa: E402
+from benchmarks._system import run_records  # noqa: E402
 from comap_async.inference.speculative import NGRAM_SIZES, NgramIndex, next_budget  # noqa: E402
 from comap_async.prompts.messages import reflection_target  # noqa: E402
-from comap_async.wire.messages import COEVOLVE, STORES  # noqa: E402
+from comap_async.wire.messages import COEVOLVE  # noqa: E402
 
 
 def replay(prompt_ids: list[int], out_ids: list[int], k: int, sizes: tuple[int, ...]) -> tuple[int, int, int]:
@@ -81,15 +78,11 @@ def main() -> int:
     from comap_async.models import resolve_model
     from comap_async.prompts.template import Prompts
 
-    replay_dir = args.run_dir / "replay"
-    if not (replay_dir / "data.mdb").is_file():
-        raise SystemExit(f"no replay at {replay_dir}")
     cfg = load_config(args.config)
     path = resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)
     prompts, tok = Prompts.for_model(path, cfg), AutoTokenizer.from_pretrained(path)
     sizes = tuple(int(x) for x in args.sizes.split(","))
-    store = ReplayStore(replay_dir, dict.fromkeys(STORES, 1 << 40), readonly=True)
-    records = [msgpack.unpackb(b, raw=False) for b in itertools.islice(store.iter_store("transitions"), None)]
+    records = run_records(args.run_dir, "transitions", "speculative_acceptance")
     records = [r for r in records if r.get("phase") == COEVOLVE][-args.last :]
     if not records:
         raise SystemExit(f"{args.run_dir}: no co-evolution transitions stored")
