@@ -339,11 +339,10 @@ async def avoid_repeat(ctx: EpisodeContext, ep: Episode, state: str | Conversati
     return action
 
 
-async def _teach_and_emit(ctx: EpisodeContext, transition: Transition) -> None:
-    """The teacher's prediction of the observed next state (``s_next``), the world-state gate's
-    reliability of the two predictions on this actor's fact state, then the step's transition."""
-    d = transition.dialogue
-    seen = None if d is None else Conversation(d.task, d.first, tuple((a, o) for a, o in d.turns))
+async def _teach_and_emit(ctx: EpisodeContext, transition: Transition, seen: Conversation | None) -> None:
+    """The teacher's prediction of the observed next state (``s_next``; ``seen``: the draft's conversation
+    at the step), the world-state gate's reliability of the two predictions on this actor's fact state,
+    then the step's transition."""
     transition.s_hat_teacher = await ctx.llm.teacher(transition.s, transition.a_exec, transition.s_next, seen)
     transition.ws_score = world_state_score(
         ctx.next_state, frozenset(transition.facts), transition.s_hat_exec, transition.s_hat_teacher
@@ -444,6 +443,7 @@ async def play_coevolve(
                     reflection_readable=refl.readable,
                     draft_confidence=confidence,
                 ),
+                turns_of(seen),
             )
             if overlap:
                 previous = asyncio.ensure_future(send)
