@@ -23,6 +23,7 @@ WRONG = {  # values of the wrong wire type for each schema field kind
     "float": ["0.5", True, None, {"x": 1}],
     "bool": [1, 0, "true", None, 1.0],
     "list_str": ["at(a 1)", [1, 2], [None], {"a": 1}, 3, [["nested"]], ["x" * 300]],
+    "map": ["turns", 1, 1.5, True, [["go to desk 1", "Nothing happens."]], b"\x00"],
 }
 MAX_BYTES = 256 * 1024
 

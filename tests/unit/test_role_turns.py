@@ -194,3 +194,14 @@ def test_a_learner_step_trains_every_role_from_records_in_the_turns_form(tiny_mo
         assert metrics[key] > 0 and metrics[key] < 100, (key, metrics[key])
     with pytest.raises(ValueError, match="env.reflect_turns"):  # a window-form sample cannot be read in this form
         trainer.train_step([{"reflections": [refl]}])
+
+
+def test_a_malformed_conversation_is_refused_on_the_wire():
+    from comap_async.wire.protocol import ProtocolError, as_map, decode
+    from tests.fixtures.messages import transition
+
+    good = as_map(transition(3)) | {"dialogue": {"task": TASK, "first": FIRST, "turns": [list(TURNS[0])]}}
+    assert decode(msgspec.msgpack.encode(good)).dialogue.turns == [TURNS[0]]
+    for bad in ({"task": TASK, "first": FIRST, "turns": [["go to desk 1"]]}, {"task": TASK, "turns": []}, "turns"):
+        with pytest.raises(ProtocolError):
+            decode(msgspec.msgpack.encode(good | {"dialogue": bad}))
