@@ -138,18 +138,18 @@ class Encoder:
         d = r.get("dialogue")
         return None if d is None else Conversation.from_record(d)
 
-    def _room(self, target: str, add_eos: bool = True) -> int:
-        """Prompt tokens that fit beside ``target`` in ``max_seq_len``: a conversation longer than that
-        loses its oldest turns, as the actors' prompts do, not its middle tokens (:meth:`seq`'s cut would
-        leave a turn broken)."""
+    def _room(self, r: dict[str, Any], target: str, add_eos: bool = True) -> int | None:
+        """Prompt tokens that fit beside ``target`` in ``max_seq_len`` when ``r`` carries a conversation:
+        one longer than that loses its oldest turns, as the actors' prompts do, not its middle tokens
+        (:meth:`seq`'s cut would leave a turn broken). None for an ``s_t`` prompt (:meth:`seq` cuts it)."""
+        if r.get("dialogue") is None:
+            return None
         return self.max_seq_len - len(self._ids(target + (self.eos if add_eos else "")))
 
-    def _world_model(self, r: dict[str, Any], target: str, add_eos: bool = True) -> str:
-        room = self._room(target, add_eos)
-        return self.prompts.world_model(r["s"], r["a_exec"], self._conversation(r), room, self._count)
-
     def world_model_ce(self, r: dict[str, Any]) -> Seq:
-        s = self.seq(self._world_model(r, r["s_next"]), r["s_next"])
+        room = self._room(r, r["s_next"])
+        prompt = self.prompts.world_model(r["s"], r["a_exec"], self._conversation(r), room, self._count)
+        s = self.seq(prompt, r["s_next"])
         # the end-of-text token is never a change token; records without ``o`` count every token
         before = self._ids(r.get("o") or "") + ([self.tokenizer.eos_token_id] if self.eos else [])
         s.change = change_token_flags(s.ids[s.start : s.start + s.n_target], before)
@@ -159,12 +159,11 @@ class Encoder:
         """Student and teacher sequences over the stored student rollout ``s_hat_exec`` (None if empty)."""
         if not r.get("s_hat_exec", "").strip():
             return None
-        rollout = r["s_hat_exec"]
-        student = self.seq(self._world_model(r, rollout, add_eos=False), rollout, add_eos=False)
-        room = self._room(rollout, add_eos=False)
-        teacher_prompt = self.prompts.teacher(
-            r["s"], r["a_exec"], r["s_next"], self._conversation(r), room, self._count
-        )
+        rollout, conversation = r["s_hat_exec"], self._conversation(r)
+        room = self._room(r, rollout, add_eos=False)
+        student_prompt = self.prompts.world_model(r["s"], r["a_exec"], conversation, room, self._count)
+        teacher_prompt = self.prompts.teacher(r["s"], r["a_exec"], r["s_next"], conversation, room, self._count)
+        student = self.seq(student_prompt, rollout, add_eos=False)
         teacher = self.seq(teacher_prompt, rollout, add_eos=False)
         n = min(student.n_target, teacher.n_target)
         return Seq(student.ids, student.start, n), Seq(teacher.ids, teacher.start, n)
@@ -235,7 +234,7 @@ class Encoder:
         decision = "REVISE" if int(r["y"]) == 1 else "KEEP"
         target = reflection_target(decision, r["target"])
         prompt = self.prompts.reflect(
-            r["s"], r["a_draft"], r["s_bar"], r.get("draft_confidence"), self._conversation(r), self._room(target),
+            r["s"], r["a_draft"], r["s_bar"], r.get("draft_confidence"), self._conversation(r), self._room(r, target),
             self._count,
         )  # fmt: skip
         s = self.seq(prompt, target)

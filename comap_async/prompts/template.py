@@ -318,7 +318,7 @@ class Prompts:
             messages = reflect_turn_messages(c, a_draft, shown, self.wording, confidence, self.task_every_turn)
             return self.chat.render(messages) + DECISION_PREFIX
 
-        return self._fit(self._turns_of("reflect_turns", conversation), render, limit, count)
+        return self._continue("reflect_turns", conversation, render, limit, count)
 
     def world_model(
         self,
@@ -332,19 +332,27 @@ class Prompts:
         (the draft's at this step; oldest turns left out as :meth:`_fit` does)."""
         if not self.wm_turns:
             return self.chat.render(world_model_messages(state, action, self.wording))
-        return self._fit(self._turns_of("wm_turns", conversation), self._world_model_render(action), limit, count)
+        return self._continue("wm_turns", conversation, self._world_model_render(action), limit, count)
 
     def _world_model_render(self, action: str, hindsight: str | None = None) -> Callable[[Conversation], str]:
         return lambda c: self.chat.render(world_model_turn_messages(c, action, self.wording, hindsight))
 
-    @staticmethod
-    def _turns_of(setting: str, conversation: Conversation | None) -> Conversation:
+    def _continue(
+        self,
+        setting: str,
+        conversation: Conversation | None,
+        render: Callable[[Conversation], str],
+        limit: int | None,
+        count: Callable[[str], int] | None,
+    ) -> str:
+        """A role's prompt in the turns form its ``env.<setting>`` chose: ``conversation`` rendered and fitted
+        (:meth:`_fit`); a caller without one (a sample stored by a run without the setting) is refused."""
         if conversation is None:
             raise ValueError(
                 f"env.{setting}: this prompt has no conversation to continue (a sample stored by a run without "
                 "the setting?)"
             )
-        return conversation
+        return self._fit(conversation, render, limit, count)
 
     def react(self, state: str) -> str:
         # the thought comes first: the generation starts after its prefix
@@ -370,5 +378,4 @@ class Prompts:
         observation in its last turn (hindsight)."""
         if not self.wm_turns:
             return self.chat.render(teacher_messages(state, action, real_next, self.wording))
-        render = self._world_model_render(action, real_next)
-        return self._fit(self._turns_of("wm_turns", conversation), render, limit, count)
+        return self._continue("wm_turns", conversation, self._world_model_render(action, real_next), limit, count)
