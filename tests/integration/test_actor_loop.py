@@ -130,7 +130,7 @@ async def test_with_turns_roles_each_step_sends_the_conversation_its_reflection_
 
     warm = broker_factory(switches)  # a fresh broker is in the warm-up phase
     cfg = actor_config(
-        warm, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=6", *switches, "actor.warmup_explore=0.5"
+        warm, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=6", *switches, "actor.warmup_explore=1.0"
     )
     await asyncio.wait_for(
         ActorWorker(cfg, configure_logging("actor-test"), envs=1, episodes=1, games=games).run(), 300
