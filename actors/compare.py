@@ -150,6 +150,11 @@ def plan_cells(
     return cells
 
 
+def play_order(cells: list[Cell]) -> list[Cell]:
+    """The cells to play, the staged runs' before the prompting methods' (each group in table order)."""
+    return [c for c in cells if c.kind == "run"] + [c for c in cells if c.kind != "run"]
+
+
 async def play_cells(
     cfg: Any,
     cells: list[Cell],
@@ -274,7 +279,9 @@ def run(args: argparse.Namespace) -> int:
     for cell in cells:
         if cell.id in reports:
             log.info("compare.row_reused", what=cell.what, cells=str(store.root))
-    todo = [c for c in cells if c.id not in reports]
+    # the trained runs' rows are played first: they are what a table is made for, and a slow prompting
+    # method (look-ahead) played first would hold them back for an hour
+    todo = play_order([c for c in cells if c.id not in reports])
     if todo:
         cfg, server = start_server(args.config, overrides, log)
         try:

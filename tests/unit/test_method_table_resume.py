@@ -178,3 +178,21 @@ def test_a_variant_the_config_refuses_stops_the_table_before_any_run():
         refuse_bad_variants(config, [], ["comap", "learner.policy_wm_aux=0.2"])
     with pytest.raises(SystemExit, match="unknown ablation frozen"):
         refuse_bad_variants(config, [], ["frozen"])
+
+
+def test_the_trained_runs_rows_are_played_before_the_prompting_methods(tmp_path):
+    from actors.compare import plan_cells, play_order
+    from comap_async.config import CoMapConfig
+    from comap_async.run_files import write_run_ablation
+
+    fork, other = tmp_path / "src-comap", tmp_path / "src-frozen_wm"
+    write_run_ablation(fork, [], [])
+    write_run_ablation(other, ["frozen_wm"], [])
+    source = tmp_path / "src"
+    write_run_ablation(source, [], [])
+    staged = [(5, [], "rm"), (5, ["frozen_wm"], "rm")]
+    cells = plan_cells(
+        CoMapConfig(), [fork, other], ["draft_only", "lookahead"], "valid_seen", [], staged, (source, 4, "rm")
+    )
+    assert [c.kind for c in cells] == ["method", "method", "run", "run"]  # the table's order is kept
+    assert [c.what for c in play_order(cells)] == [str(fork), str(other), "draft_only", "lookahead"]
