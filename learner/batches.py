@@ -4,14 +4,16 @@ Prompts come from ``comap_async.prompts`` (the same strings the actors sent to t
 server); a target is tokenised on its own and appended, exactly as generation continues a prompt.
 An over-long prompt loses tokens from its middle: the head (chat header, system prompt, task)
 and the tail (current observation, admissible commands, the question) stay, the oldest history
-goes; the target always survives. It is counted (``truncated``, logged as ``learner/truncated``
-per step): ``learner.max_seq_len`` should cover the longest prompts (see configs/local.yaml).
+goes; the target always survives. A role's prompt that is a conversation (``env.reflect_turns``,
+``env.wm_turns``) loses its oldest whole turns instead, as the actors' do. Either is counted
+(``truncated``, logged as ``learner/truncated`` per step): ``learner.max_seq_len`` should cover the
+longest prompts (see configs/local.yaml).
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +103,9 @@ class Encoder:
 
     def __post_init__(self) -> None:
         self.truncated = 0  # prompts cut to fit max_seq_len since the trainer last read it
+        self._counted = 0
+        self._last_text: str | None = None
+        self._last_ids: list[int] = []
         self.demo_actions = 0  # demonstrated actions encoded since the trainer last read it
         self.eos = self.tokenizer.eos_token or ""
         self.decision = DecisionTokens.from_tokenizer(
@@ -116,10 +121,23 @@ class Encoder:
         self.reflection_heads = {d: self._ids(reflection_head(d)) for d in ("KEEP", "REVISE")}
 
     def _ids(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        # the last text's ids are kept: a conversation's prompt is counted while it is fitted (_count),
+        # then encoded (seq), and tokenizing it is most of a sample's encoding
+        if text != self._last_text:
+            self._last_text, self._last_ids = text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return list(self._last_ids)
 
     def _count(self, text: str) -> int:
+        self._counted += 1
         return len(self._ids(text))
+
+    def _fitted(self, prompt: Callable[[], str]) -> str:
+        """``prompt()``, a :class:`Prompts` role given :meth:`_count`, counted in ``truncated`` when its
+        conversation lost turns to fit (``Prompts._fit`` counts a prompt that fits once, a shortened one more)."""
+        self._counted = 0
+        text = prompt()
+        self.truncated += self._counted > 1
+        return text
 
     def seq(self, prompt: str, target: str, add_eos: bool = True) -> Seq:
         p = self._ids(prompt)
@@ -148,7 +166,8 @@ class Encoder:
 
     def world_model_ce(self, r: dict[str, Any]) -> Seq:
         room = self._room(r, r["s_next"])
-        prompt = self.prompts.world_model(r["s"], r["a_exec"], self._conversation(r), room, self._count)
+        conversation = self._conversation(r)
+        prompt = self._fitted(lambda: self.prompts.world_model(r["s"], r["a_exec"], conversation, room, self._count))
         s = self.seq(prompt, r["s_next"])
         # the end-of-text token is never a change token; records without ``o`` count every token
         before = self._ids(r.get("o") or "") + ([self.tokenizer.eos_token_id] if self.eos else [])
@@ -161,9 +180,13 @@ class Encoder:
             return None
         rollout, conversation = r["s_hat_exec"], self._conversation(r)
         room = self._room(r, rollout, add_eos=False)
-        student_prompt = self.prompts.world_model(r["s"], r["a_exec"], conversation, room, self._count)
-        teacher_prompt = self.prompts.teacher(r["s"], r["a_exec"], r["s_next"], conversation, room, self._count)
+        student_prompt = self._fitted(
+            lambda: self.prompts.world_model(r["s"], r["a_exec"], conversation, room, self._count)
+        )
         student = self.seq(student_prompt, rollout, add_eos=False)
+        teacher_prompt = self._fitted(
+            lambda: self.prompts.teacher(r["s"], r["a_exec"], r["s_next"], conversation, room, self._count)
+        )
         teacher = self.seq(teacher_prompt, rollout, add_eos=False)
         n = min(student.n_target, teacher.n_target)
         return Seq(student.ids, student.start, n), Seq(teacher.ids, teacher.start, n)
@@ -233,10 +256,12 @@ class Encoder:
         with none subsampled (r39) the copies of frequent ``go`` drafts carried full loss too."""
         decision = "REVISE" if int(r["y"]) == 1 else "KEEP"
         target = reflection_target(decision, r["target"])
-        prompt = self.prompts.reflect(
-            r["s"], r["a_draft"], r["s_bar"], r.get("draft_confidence"), self._conversation(r), self._room(r, target),
-            self._count,
-        )  # fmt: skip
+        conversation, room = self._conversation(r), self._room(r, target)
+        prompt = self._fitted(
+            lambda: self.prompts.reflect(
+                r["s"], r["a_draft"], r["s_bar"], r.get("draft_confidence"), conversation, room, self._count
+            )
+        )
         s = self.seq(prompt, target)
         action = str(r["target"]).strip()
         if (
