@@ -129,11 +129,17 @@ def _server(port: int) -> dict[str, float]:
         f"computed:{a}": float(n)
         for a, n in re.findall(r'^comap_inference_prompt_tokens_computed_total\{adapter="([^"]+)"\} (\S+)$', text, re.M)
     }
+    generated = {
+        f"generated:{a}": float(n)
+        for a, n in re.findall(
+            r'^comap_inference_generation_tokens_by_adapter_total\{adapter="([^"]+)"\} (\S+)$', text, re.M
+        )
+    }
     speculative = {
         f"speculative:{o}": float(n)
         for o, n in re.findall(r'^comap_inference_speculative_tokens_total\{outcome="([^"]+)"\} (\S+)$', text, re.M)
     }
-    return out | {name: counted.get(name, 0.0) for name in ENGINE_COUNTERS} | by_adapter | speculative
+    return out | {name: counted.get(name, 0.0) for name in ENGINE_COUNTERS} | by_adapter | generated | speculative
 
 
 def _wait(pred, timeout_s: float, what: str, procs: dict | None = None) -> None:
@@ -285,6 +291,8 @@ def main() -> int:
                 f"{d['generation_tokens'] / max(1.0, d['completions']):.0f} tokens generated per call, "
                 f"{computed / (n1 - n0):.0f} prompt tokens prefilled per env step ("
                 + ", ".join(f"{k[9:]} {v / (n1 - n0):.0f}" for k, v in sorted(d.items()) if k.startswith("computed:"))
+                + "), tokens generated per env step ("
+                + ", ".join(f"{k[10:]} {v / (n1 - n0):.1f}" for k, v in sorted(d.items()) if k.startswith("generated:"))
                 + ")"
                 + (
                     f", speculative: {d['speculative:accepted'] / (n1 - n0):.1f} of "

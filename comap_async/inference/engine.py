@@ -80,6 +80,8 @@ class EngineStats:
     computed_by_adapter: dict[str, int] = field(default_factory=dict)
     """Prompt tokens computed (not served by the prefix cache), by :attr:`Sequence.adapter`: which role's
     prompts the cache misses (a role whose prompt is re-rendered every step shows here)."""
+    generated_by_adapter: dict[str, int] = field(default_factory=dict)
+    """Tokens generated, by :attr:`Sequence.adapter`: which role's outputs the decode steps are spent on."""
     verify_steps: int = 0
     """Decode steps that checked proposed tokens (counted in ``steps`` too)."""
     proposed_tokens: int = 0
@@ -388,6 +390,8 @@ class Engine(SpeculativeSteps):
         if p.logprobs is not None:
             seq.top_logprobs.append(step.top)
         self.stats.generated_tokens += 1
+        by = self.stats.generated_by_adapter
+        by[seq.adapter] = by.get(seq.adapter, 0) + 1
         if seq.on_token is not None:
             try:
                 seq.on_token(seq)

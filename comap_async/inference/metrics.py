@@ -48,6 +48,13 @@ def families(state: Any) -> list[Metric]:
     )
     _line(out, "generation_tokens_total", "counter", "Tokens generated.", [({}, st.generated_tokens)])
     _line(
+        out,
+        "generation_tokens_by_adapter_total",
+        "counter",
+        "Tokens generated, by adapter name without its version.",
+        [({"adapter": a}, n) for a, n in sorted(st.generated_by_adapter.items())],
+    )
+    _line(
         out, "sequences_finished_total", "counter", "Sequences finished (stop, length or abort).", [({}, st.finished)]
     )
     _line(out, "sequences_failed_total", "counter", "Sequences failed by an engine error.", [({}, st.failed)])

@@ -174,11 +174,13 @@ async def test_publishes_under_load_all_take_the_fast_path(embedded_server):
 
 
 async def test_computed_prompt_tokens_are_counted_by_adapter_without_version(embedded_server):
-    """``prompt_tokens_computed_total{adapter=...}``: what the prefix cache did not serve, per role: a
-    repeated prompt on one adapter is mostly served; another version of the same role (its own slot, so
-    its own cache entries) computes it all again, under the same label."""
+    """``prompt_tokens_computed_total{adapter=...}``: what the prefix cache did not serve, per role (and
+    ``generation_tokens_by_adapter_total``, what it generated): a repeated prompt on one adapter is mostly
+    served; another version of the same role (its own slot, so its own cache entries) computes it all
+    again, under the same label."""
     factory = AdapterFactory(embedded_server.model_dir, embedded_server.adapter_root)
     label = 'comap_inference_prompt_tokens_computed_total{adapter="acct-policy"}'
+    generated = 'comap_inference_generation_tokens_by_adapter_total{adapter="acct-policy"}'
     prompt = "You arrive at countertop 1. On the countertop 1, you see a mug 2 and a knife 1. " * 6
     async with embedded_server.client() as c:
         for v in (1, 2):
@@ -196,6 +198,9 @@ async def test_computed_prompt_tokens_are_counted_by_adapter_without_version(emb
                     - before["comap_inference_prefix_cache_hit_tokens_total"],
                 )
             )
+            # the tokens generated are counted under the same label (where decode steps go, by role)
+            made = after["comap_inference_generation_tokens_total"] - before["comap_inference_generation_tokens_total"]
+            assert after[generated] - before.get(generated, 0.0) == made >= 1
         for v in (1, 2):
             await c.unload_adapter(f"acct-policy-v{v}")
     (n1, computed1, hit1), (n2, computed2, hit2), (n3, computed3, hit3) = deltas
