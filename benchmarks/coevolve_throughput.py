@@ -18,7 +18,9 @@ in alternating rounds on one machine:
 * ``fast_reflect_turns``: ``fast`` with the reflection continuing the draft's conversation
   (``env.reflect_turns``); ``fast_envs8_reflect_turns``: with 8 environments too.
 * ``fast_turns``: every role a conversation over the episode (``env.reflect_turns`` and ``env.wm_turns``:
-  the world model and its teacher too); ``fast_envs8_turns``: with 8 environments too.
+  the world model and its teacher too); ``fast_envs8_turns``: with 8 environments too;
+  ``fast_turns_decision_first``: with co-evolution's reflections read decision first
+  (``actor.reflect_decision_first``).
 * ``filed``: ``fast`` as it was when issue 29 was filed: the draft's prompt in the window form
   (``env.draft_turns=false``) and the 256 MB prefix cache (issue 29, acceptance 2 compares against it).
 
@@ -95,6 +97,14 @@ SETTINGS = {
     # every role a conversation over the episode: the world model's and the teacher's prompts extend their
     # previous step's too (~1,000 computed prompt tokens a step with trained adapters, 2/3 of the server's time)
     "fast_turns": [*FAST, "env.reflect_turns=true", "env.wm_turns=true"],
+    # a reflection whose p_revise is at or under tau_p (the gate keeps the draft whatever follows) stops
+    # at its decision token: most of the policy's decoded tokens a step
+    "fast_turns_decision_first": [
+        *FAST,
+        "env.reflect_turns=true",
+        "env.wm_turns=true",
+        "actor.reflect_decision_first=true",
+    ],
     "fast_envs8_turns": [
         *FAST,
         "inference.prefix_cache_mb=2048",

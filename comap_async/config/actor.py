@@ -140,6 +140,14 @@ class ActorConfig(Section):
     """Request the teacher's prediction of a step together with the next step's draft (both need only
     the new observation) instead of before it: one model round trip less per step on the critical
     path, and fuller batches at the server. The stored transitions are the same."""
+    reflect_decision_first: bool = False
+    """Co-evolution's reflections are read decision first, as ``eval.reflect_decision_first`` reads an
+    evaluation's: one generated token gives ``p_revise``, and at or below ``gates.tau_p`` the step is a
+    KEEP of the draft with nothing more generated (the broker's action gate keeps the draft there
+    whatever the reflection's action, so the policy sample is the same: target the draft, ``y = 0``).
+    What changes is the transition's reflection fields on such a step (``a_ref`` the draft, ``q_ref``
+    0) and that a reflection whose sampled text would have been unreadable there now stores a sample.
+    Not under ``no_action_gate`` (its gate reads every reflection's action)."""
     nice: int = Field(default=0, ge=0, le=19)
     """Niceness added to the actor process and its environment workers: under CPU contention the
     learner (and the inference server) run first. The CPU default sets 5 so the actors, whose rate

@@ -209,10 +209,11 @@ def gate_reflection(cfg: Any, refl: Any, a_draft: str) -> ActionGateResult:
 
 
 def decision_first(cfg: Any, eval_mode: bool) -> float | None:
-    """The ``p_revise`` at or below which an evaluation episode's reflection need not be generated past its
-    decision token (``eval.reflect_decision_first``): CoMap's gate keeps the draft there whatever follows.
-    None (generate it whole) in co-evolution, whose transitions carry the reflection, and under
-    ``no_action_gate``, whose gate reads every reflection's action."""
-    if not eval_mode or not cfg.eval.reflect_decision_first or cfg.ablation.no_action_gate:
+    """The ``p_revise`` at or below which a reflection need not be generated past its decision token
+    (``eval.reflect_decision_first`` in evaluation episodes, ``actor.reflect_decision_first`` in
+    co-evolution): CoMap's gate keeps the draft there whatever follows. None (generate it whole) when
+    the setting is off, and under ``no_action_gate``, whose gate reads every reflection's action."""
+    on = cfg.eval.reflect_decision_first if eval_mode else cfg.actor.reflect_decision_first
+    if not on or cfg.ablation.no_action_gate:
         return None
     return cfg.gates.tau_p

@@ -304,11 +304,17 @@ async def test_a_decision_first_reflection_generates_past_its_decision_only_when
     from comap_async.method.gates import decision_first
 
     cfg = CoMapConfig()
-    assert decision_first(cfg, eval_mode=False) is None  # co-evolution's transitions carry the whole reflection
+    assert decision_first(cfg, eval_mode=False) is None and decision_first(cfg, eval_mode=True) is None
     on = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"reflect_decision_first": True})})
     assert decision_first(on, eval_mode=True) == on.gates.tau_p
+    assert decision_first(on, eval_mode=False) is None  # co-evolution has its own setting
     ungated = on.model_copy(update={"ablation": on.ablation.model_copy(update={"no_action_gate": True})})
     assert decision_first(ungated, eval_mode=True) is None
+    coevolve = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"reflect_decision_first": True})})
+    assert decision_first(coevolve, eval_mode=False) == cfg.gates.tau_p
+    assert decision_first(coevolve, eval_mode=True) is None
+    ungated = coevolve.model_copy(update={"ablation": coevolve.ablation.model_copy(update={"no_action_gate": True})})
+    assert decision_first(ungated, eval_mode=False) is None
     # p at or below tau_p: one token generated, a KEEP of the draft, which the gate keeps as it would have
     keep = (" KE", [" KE"], [-0.2], {" KE": -0.2, " RE": -1.8})
     client = ScriptedClient(keep)
