@@ -123,6 +123,17 @@ class Evaluator:
             raise ValueError(f"no games in split {e.split!r}")
         return games, spread_sample(split, e.success_games, self.cfg.run.seed) if e.success_games else []
 
+    @functools.cached_property
+    def playing_config(self) -> Any:
+        """The config its probes and games run under: ``eval.envs`` games at once, and its model calls at
+        ``eval.priority`` on the servers it shares with the actors."""
+        return self.cfg.model_copy(
+            update={
+                "actor": self.cfg.actor.model_copy(update={"envs": self.cfg.eval.envs}),
+                "inference": self.cfg.inference.model_copy(update={"request_priority": self.cfg.eval.priority}),
+            }
+        )
+
     async def evaluate(
         self, client: Any, version: int, registry: dict[str, Any], adapter_dir: Path | None = None
     ) -> dict[str, Any]:
@@ -136,7 +147,7 @@ class Evaluator:
         for role, name in names.items():
             await client.load_adapter(name, str((adapter_dir or self.cfg.adapter_root) / adapter_name(role, version)))
         t0 = time.time()
-        cfg = self.cfg.model_copy(update={"actor": self.cfg.actor.model_copy(update={"envs": self.cfg.eval.envs})})
+        cfg = self.playing_config
         probe_games, success_games = self.games
         try:
             result: dict[str, Any] = {

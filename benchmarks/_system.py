@@ -4,6 +4,7 @@ a phase, with a bar over the wall time, then SIGINT (the learner checkpoints).""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -47,6 +48,34 @@ def wait_with_bar(
             bar.refresh()
 
 
+@contextlib.contextmanager
+def system_running(name: str, config: str, overrides: list[str], log_dir: Path, processes=TRAINING):
+    """``honcho start`` of run ``name``'s ``processes`` (its output appended to ``log_dir/<name>.log``) for
+    the ``with`` block; stopped on leaving it (SIGINT: honcho stops every process, the learner
+    checkpoints; SIGKILL after 90 s)."""
+    env = {**os.environ, "COMAP_OVERRIDES": shlex.join([f"run.name={name}", *overrides])}
+    env["COMAP_CONFIG"] = config  # the same config as the evaluation's (honcho's Procfile reads it)
+    with open(log_dir / f"{name}.log", "ab") as log:
+        proc = subprocess.Popen(
+            ["honcho", "start", *processes],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT)
+                try:
+                    proc.wait(timeout=90)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
+
 def run_system(
     name: str,
     config: str,
@@ -59,31 +88,17 @@ def run_system(
     """Run run ``name`` (in ``run_dir``; a run already there resumes) for ``minutes`` or until
     ``until()``, then stop it (SIGINT: the learner checkpoints); returns the wall time it ran. A system
     that stops by itself is an error."""
-    env = {**os.environ, "COMAP_OVERRIDES": shlex.join([f"run.name={name}", *overrides])}
-    env["COMAP_CONFIG"] = config  # the same config as the evaluation's (honcho's Procfile reads it)
-    log = open(log_dir / f"{name}.log", "ab")
     t0 = time.time()
-    proc = subprocess.Popen(
-        ["honcho", "start", *TRAINING], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        if wait_with_bar(proc, name, minutes, run_dir, until):
+    with system_running(name, config, overrides, log_dir) as proc:
+        try:
+            if wait_with_bar(proc, name, minutes, run_dir, until):
+                return time.time() - t0
+        except subprocess.TimeoutExpired:
             return time.time() - t0
-        raise SystemExit(
-            f"{Path(sys.argv[0]).stem}: {name}'s system stopped by itself after {time.time() - t0:.0f} s "
-            f"(see {log_dir / f'{name}.log'})"
-        )
-    except subprocess.TimeoutExpired:
-        return time.time() - t0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)  # honcho stops every process; the learner checkpoints
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
+    raise SystemExit(
+        f"{Path(sys.argv[0]).stem}: {name}'s system stopped by itself after {time.time() - t0:.0f} s "
+        f"(see {log_dir / f'{name}.log'})"
+    )
 
 
 def first_version_in_phase(run_dir: Path, phase: str) -> dict | None:

@@ -20,7 +20,8 @@ in alternating rounds on one machine:
 * ``fast_turns``: every role a conversation over the episode (``env.reflect_turns`` and ``env.wm_turns``:
   the world model and its teacher too); ``fast_envs8_turns``: with 8 environments too;
   ``fast_turns_decision_first``: with co-evolution's reflections read decision first
-  (``actor.reflect_decision_first``).
+  (``actor.reflect_decision_first``); ``fast_turns_decision_first_spec4``: with prompt-lookup speculative
+  decoding too (``inference.speculative_tokens=4``).
 * ``filed``: ``fast`` as it was when issue 29 was filed: the draft's prompt in the window form
   (``env.draft_turns=false``) and the 256 MB prefix cache (issue 29, acceptance 2 compares against it).
 
@@ -105,6 +106,15 @@ SETTINGS = {
         "env.reflect_turns=true",
         "env.wm_turns=true",
         "actor.reflect_decision_first=true",
+    ],
+    # with prompt-lookup speculative decoding too: decode is now half the step, and a reflection's action and
+    # the teacher's hindsight observation are mostly copies of tokens in their conversations
+    "fast_turns_decision_first_spec4": [
+        *FAST,
+        "env.reflect_turns=true",
+        "env.wm_turns=true",
+        "actor.reflect_decision_first=true",
+        "inference.speculative_tokens=4",
     ],
     "fast_envs8_turns": [
         *FAST,

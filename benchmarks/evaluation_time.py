@@ -1,18 +1,30 @@
 """How long one evaluation of one version takes (the evaluator's: probes on ``eval.games`` games,
-then ``eval.success_games`` games of the CoMap loop), with the probes' walkthrough states sent to
-the server together (``eval.probe_states``, the default 8) and one after another (0, the path
-before), alternating, against the servers of a running system.
+then ``eval.success_games`` games of the CoMap loop) in several evaluator settings, alternating,
+against the servers of a running system:
+
+* ``together``: the config's evaluator (the probes' walkthrough states sent to the server together,
+  ``eval.probe_states``, 8 by default; reflections read from their decision token first);
+* ``one_by_one``: ``together`` with the probes' states one after another (``eval.probe_states=0``);
+* ``filed``: the evaluator issue 29 was filed against: states one after another and every
+  reflection generated whole (``eval.reflect_decision_first=false``);
+* ``priority``: ``together`` with its model calls admitted ahead of the actors' (``eval.priority=-1``).
 
     honcho start   # the run to measure beside: actors and learner busy
     python benchmarks/evaluation_time.py --config configs/local.yaml --set run.name=local --version 20
+    # or the system started here, on a fork of a run's version (acceptance 1 of issue 29):
+    python benchmarks/evaluation_time.py --fork r50 --version 22 --variants filed together priority
 
 The version's adapters are loaded under names of the benchmark's own (``bench-policy-v<N>``...),
 copied first (the learner rotates old versions away), so the run's own evaluator may evaluate beside
-it (and does: say so when quoting). Each evaluation also reports the transitions the run's actors
+it (and does: say so when quoting). ``--fork SOURCE``: ``comap fork`` makes run
+``evaltime-<time>`` from SOURCE's version ``--version`` (its checkpoint, adapters and replay) and
+``honcho start broker inference learner actor`` runs it (co-evolution: the actors play and the
+learner trains) while the evaluations run, then stops it. The evaluations run at the evaluator
+process's niceness (``eval.nice``). Each evaluation also reports the transitions the run's actors
 stored meanwhile per second (from the broker's ``/stats``): more of the server for the evaluation is
-less for them. Rounds alternate the order (together first in odd rounds). Last line:
-``eval_s_one_by_one=X eval_s_together=Y probe_s_one_by_one=A probe_s_together=B speedup=Z``
-(medians over the rounds; speedup of the whole evaluation).
+less for them. Rounds alternate the order. Last line: ``eval_s_<variant>=X probe_s_<variant>=Y`` for
+each variant, then ``speedup=Z`` (medians over the rounds; the first variant's evaluation time over
+the last's).
 """
 
 from __future__ import annotations
@@ -32,16 +44,20 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._inference import stored_transitions  # noqa: E402 - the repo must be on sys.path first
 
-VARIANTS = {"one_by_one": 0, "together": None}  # None: the config's eval.probe_states
+VARIANTS: dict[str, dict] = {
+    "together": {},
+    "one_by_one": {"probe_states": 0},
+    "filed": {"probe_states": 0, "reflect_decision_first": False},
+    "priority": {"priority": -1},
+}
 FIGURES = ("p_discrimination", "p_auc", "draft_accuracy", "wm_delta_f1", "success_rate", "loop_rate")
 
 
-async def evaluate(cfg, version: int, probe_states: int | None, log, adapter_dir: Path) -> dict:
+async def evaluate(cfg, version: int, eval_settings: dict, log, adapter_dir: Path) -> dict:
     from actors.evaluator import Evaluator
     from comap_async.wire.inference_client import InferenceClient
 
-    if probe_states is not None:
-        cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"probe_states": probe_states})})
+    cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update=eval_settings)})
     async with InferenceClient.from_config(cfg) as client:
         return await Evaluator(cfg, log, prefix="bench-").evaluate(client, version, {}, adapter_dir)
 
@@ -50,20 +66,72 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/local.yaml")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--version", type=int, required=True, help="a published version of the run")
+    ap.add_argument(
+        "--version", type=int, required=True, help="a published version of the run (with --fork: of SOURCE)"
+    )
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["one_by_one", "together"])
+    ap.add_argument("--fork", metavar="SOURCE", help="start the system here, on a fork of run SOURCE's --version")
     ap.add_argument("--out", type=Path, help="write each evaluation's result here as JSON lines")
     args = ap.parse_args()
 
     from comap_async.config import load_config
     from comap_async.logsetup import configure_logging
+
+    if args.fork is None:
+        cfg = load_config(args.config, args.overrides)
+        seconds = measure_version(args, cfg, configure_logging("evaluation-time", run=cfg.run.name))
+    else:
+        seconds = measure_beside_fork(args)
+    med = {v: (statistics.median(e for e, _ in xs), statistics.median(p for _, p in xs)) for v, xs in seconds.items()}
+    print(
+        " ".join(f"eval_s_{v}={e:.0f} probe_s_{v}={p:.0f}" for v, (e, p) in med.items())
+        + f" speedup={med[args.variants[0]][0] / med[args.variants[-1]][0]:.2f}"
+    )
+    return 0
+
+
+def measure_beside_fork(args) -> dict[str, list[tuple[float, float]]]:
+    """Fork ``args.fork`` at ``args.version``, run the fork's training processes and measure beside them."""
+    import subprocess
+
+    from benchmarks._system import system_running
+    from comap_async.config import load_config
+    from comap_async.logsetup import configure_logging
+
+    name = f"evaltime-{time.strftime('%Y%m%d-%H%M%S')}"
+    sets = [x for o in args.overrides for x in ("--set", o)]
+    subprocess.run(
+        [sys.executable, "-m", "comap_async", "fork", args.fork, "--name", name, "--version", str(args.version)]
+        + ["--config", args.config, *sets],
+        cwd=REPO,
+        check=True,
+    )
+    cfg = load_config(args.config, [*args.overrides, f"run.name={name}"])
+    log = configure_logging("evaluation-time", run=name)
+    with system_running(name, args.config, args.overrides, cfg.run.dir) as proc:
+        deadline, start = time.monotonic() + 900, None
+        while start is None or stored_transitions(cfg.broker.http_port) < start + 8:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(
+                    f"evaluation_time: {name}'s actors stored no transitions (see {cfg.run.dir / (name + '.log')})"
+                )
+            time.sleep(5)
+            try:
+                start = stored_transitions(cfg.broker.http_port) if start is None else start
+            except OSError:  # the broker is not up yet
+                pass
+        return measure_version(args, cfg, log)
+
+
+def measure_version(args, cfg, log) -> dict[str, list[tuple[float, float]]]:
+    from comap_async.priority import lower_priority
     from comap_async.wire.messages import ROLES, adapter_name
 
-    cfg = load_config(args.config, args.overrides)
     missing = [r for r in ROLES if not (cfg.adapter_root / adapter_name(r, args.version)).is_dir()]
     if missing:
         raise SystemExit(f"version {args.version} of run {cfg.run.name} has no {', '.join(missing)} adapter")
-    log = configure_logging("evaluation-time", run=cfg.run.name)
+    lower_priority(cfg.eval.nice)  # as the evaluator process does (after a --fork system started: not inherited)
     # the learner keeps its newest few versions only: a copy of this one (inside the adapter root,
     # which the server loads from) outlives its rotation
     snapshot = cfg.adapter_root / f"bench-snapshot-{os.getpid()}"
@@ -72,22 +140,15 @@ def main() -> int:
             cfg.adapter_root / adapter_name(role, args.version), snapshot / adapter_name(role, args.version)
         )
     try:
-        seconds = measure(args, cfg, log, snapshot)
+        return measure(args, cfg, log, snapshot)
     finally:
         shutil.rmtree(snapshot, ignore_errors=True)
-    med = {v: (statistics.median(e for e, _ in xs), statistics.median(p for _, p in xs)) for v, xs in seconds.items()}
-    print(
-        f"eval_s_one_by_one={med['one_by_one'][0]:.0f} eval_s_together={med['together'][0]:.0f} "
-        f"probe_s_one_by_one={med['one_by_one'][1]:.0f} probe_s_together={med['together'][1]:.0f} "
-        f"speedup={med['one_by_one'][0] / med['together'][0]:.2f}"
-    )
-    return 0
 
 
 def measure(args, cfg, log, snapshot: Path) -> dict[str, list[tuple[float, float]]]:
-    seconds: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
+    seconds: dict[str, list[tuple[float, float]]] = {v: [] for v in args.variants}
     for r in range(args.rounds):
-        order = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
+        order = args.variants if r % 2 == 0 else args.variants[::-1]
         for variant in order:
             n0, t0 = stored_transitions(cfg.broker.http_port), time.monotonic()
             result = asyncio.run(evaluate(cfg, args.version, VARIANTS[variant], log, snapshot))

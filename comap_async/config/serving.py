@@ -137,6 +137,9 @@ class InferenceConfig(Section):
     softmax, LoRA and logits stay float32 either way."""
     request_timeout_s: float = Field(default=120.0, gt=0)
     """Client timeout for one HTTP request."""
+    request_priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    """Client: the ``priority`` this process's completion requests carry (lower is admitted first;
+    0 is sent as no field). The evaluator sets its own from ``eval.priority``."""
     retry: RetryConfig = Field(default_factory=RetryConfig)
     """Retry policy of the inference client on connection errors, timeouts, 429 and 5xx (on another
     endpoint when there is one), before a clear error. ``inference.retries: N`` (the former field,

@@ -48,6 +48,9 @@ class Sequence:
     generator: torch.Generator | None = None
     constraint: Any = None
     """A :class:`~comap_async.inference.choices.ChoiceTrie`: the tokens it may take (None: any)."""
+    priority: int = 0
+    """Admission order, as vLLM's priority scheduling: lower first, arrival order within one priority. A
+    running row is not preempted (a call here decodes tens of tokens, so a row frees within a second)."""
     out_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -63,6 +66,14 @@ class Sequence:
     proposal_budget: int | None = None
     """Most tokens to propose next (None: ``speculative_tokens``; then
     :func:`~comap_async.inference.speculative.next_budget` of what the last verify step confirmed)."""
+
+
+def enqueue(waiting: deque[Sequence], seq: Sequence) -> None:
+    """Put ``seq`` behind every waiting sequence of its priority or a lower one (:attr:`Sequence.priority`)."""
+    if not waiting or waiting[-1].priority <= seq.priority:
+        waiting.append(seq)  # the common case: every request at one priority
+        return
+    waiting.insert(next(i for i, w in enumerate(waiting) if w.priority > seq.priority), seq)
 
 
 @dataclass
@@ -162,7 +173,8 @@ class Engine(SpeculativeSteps):
 
     def submit(self, seqs: list[Sequence]) -> None:
         with self._cond:
-            self._waiting.extend(seqs)
+            for seq in seqs:
+                enqueue(self._waiting, seq)
             self.stats.waiting = len(self._waiting)
             self._cond.notify_all()
 

@@ -221,6 +221,7 @@ def submit(
                 generator=make_generator(seed),
                 on_token=on_token,
                 constraint=req.constraint,
+                priority=req.priority,
             )
             seq.on_done = lambda s, f=fut: loop.call_soon_threadsafe(done, s, f)
             seqs.append(seq)

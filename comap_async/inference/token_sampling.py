@@ -15,6 +15,7 @@ from comap_async.inference.choices import parse_choices
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_N = 16
+PRIORITY_BOUND = 2**31  # a request's priority, as an int32 (vLLM takes any integer; ours are -1 and 0)
 
 
 class RequestError(ValueError):
@@ -61,6 +62,8 @@ class CompletionRequest:
     """``structured_outputs.choice``: the output is exactly one of these (:mod:`.choices`)."""
     constraint: Any = None
     """The choices' :class:`~comap_async.inference.choices.ChoiceTrie`, built once the server tokenized them."""
+    priority: int = 0
+    """vLLM's ``priority`` field: lower is admitted first (:attr:`~comap_async.inference.engine.Sequence.priority`)."""
 
 
 def _number(
@@ -177,6 +180,7 @@ def parse_completion_request(body: Any, max_new_tokens: int) -> CompletionReques
         params=params,
         return_tokens_as_token_ids=_flag(body, "return_tokens_as_token_ids", False),
         choices=choices,
+        priority=_number(body, "priority", 0, int, -PRIORITY_BOUND, PRIORITY_BOUND),
     )
 
 

@@ -94,6 +94,9 @@ def build_command(
         spec = {"method": "ngram", "num_speculative_tokens": inf.speculative_tokens}
         lookup = {"prompt_lookup_max": max(NGRAM_SIZES), "prompt_lookup_min": min(NGRAM_SIZES)}
         argv += ["--speculative-config", json.dumps(spec | lookup)]
+    if cfg.eval.priority:
+        # vLLM refuses a request's priority unless it schedules by priority (the evaluator's calls go first)
+        argv += ["--scheduling-policy", "priority"]
     if inf.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
     if inf.admin_token:

@@ -116,9 +116,11 @@ class InferenceClient:
         seed: int | None = None,
         transport: str = "keepalive",
         affinity_slack: int = 4,
+        priority: int = 0,
     ) -> None:
         """``retry``: the retry policy (default: ``RetryConfig()``, 6 attempts); ``retries`` (attempts
-        after the first), ``backoff_s`` and ``backoff_max_s`` override single fields of it."""
+        after the first), ``backoff_s`` and ``backoff_max_s`` override single fields of it.
+        ``priority``: vLLM's ``priority`` field on every completion (lower is admitted first; 0: none sent)."""
         if transport not in ("keepalive", "aiohttp"):
             raise ValueError(f"transport must be 'keepalive' or 'aiohttp', not {transport!r}")
         eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
@@ -137,6 +139,7 @@ class InferenceClient:
         self._avoid_until = {e: 0.0 for e in self.endpoints}
         self._rng = random.Random(seed)
         self.affinity_slack = affinity_slack
+        self.priority = priority
         self._sticky: collections.OrderedDict[str, str] = collections.OrderedDict()  # affinity key -> endpoint
         self._session: aiohttp.ClientSession | None = None
         self._pool = Http1Pool()
@@ -149,7 +152,14 @@ class InferenceClient:
         inf = cfg.inference
         kw.setdefault("transport", inf.client_transport)
         return cls(
-            inf.endpoints, **{"token": inf.admin_token, "timeout_s": inf.request_timeout_s, "retry": inf.retry, **kw}
+            inf.endpoints,
+            **{
+                "token": inf.admin_token,
+                "timeout_s": inf.request_timeout_s,
+                "retry": inf.retry,
+                "priority": inf.request_priority,
+                **kw,
+            },
         )
 
     async def __aenter__(self) -> "InferenceClient":
@@ -322,6 +332,8 @@ class InferenceClient:
         }
         if model is not None:
             body["model"] = model
+        if self.priority:
+            body.setdefault("priority", self.priority)
         for key, value in (("stop", stop), ("seed", seed), ("logprobs", logprobs)):
             if value is not None:
                 body[key] = value

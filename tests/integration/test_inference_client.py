@@ -91,6 +91,19 @@ async def test_retries_5xx_then_succeeds_and_parses():
     assert resp["choices"][0]["text"] == " KEEP" and resp.choices[0].get("logprobs").get("tokens") == [" KEEP"]
 
 
+async def test_a_configured_priority_rides_on_every_completion():
+    """``inference.request_priority`` (the evaluator's ``eval.priority``) reaches the server as vLLM's
+    ``priority`` field; the default sends none (a vLLM without priority scheduling refuses one)."""
+    from comap_async.config import load_config
+
+    async with Fake() as s:
+        for sets, expected in (([], None), (["inference.request_priority=-1"], -1)):
+            cfg = load_config(None, [f"inference.endpoints=['{s.url}']", *sets])
+            async with InferenceClient.from_config(cfg) as c:
+                await c.complete("x")
+            assert s.calls[-1][1].get("priority") == expected
+
+
 async def test_client_errors_are_not_retried():
     async with Fake([400]) as s, client([s.url], retries=3) as c:
         with pytest.raises(InferenceError) as err:

@@ -353,3 +353,25 @@ def test_speculative_decoding_gives_the_tokens_of_decoding_one_at_a_time(tiny_mo
                 st.accepted_tokens
                 >= sum(len(s.out_ids) - 1 for s, w in zip(speculated, wrong_at.values()) if not w) // 2
             )
+
+
+def test_waiting_sequences_are_admitted_lowest_priority_first(tiny_model_dir):
+    """One row at a time, everything queued before the engine starts: the evaluator's -1 goes ahead of
+    the actors' earlier 0s, which keep their arrival order; each sequence's tokens are its own either way."""
+    eng = make_engine(tiny_model_dir, "fused", max_batch_size=1)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ids = eng.tokenizer(PROMPTS[0]).input_ids
+    seqs = [Sequence(list(ids), params, adapter=n, priority=p) for n, p in [("a", 0), ("b", 0), ("eval", -1), ("c", 0)]]
+    finished: list[str] = []
+    done = threading.Semaphore(0)
+    for s in seqs:
+        s.on_done = lambda s_: (finished.append(s_.adapter), done.release())
+    eng.submit(seqs)
+    eng.start()
+    try:
+        for _ in seqs:
+            assert done.acquire(timeout=60)
+    finally:
+        eng.stop()
+    assert finished == ["eval", "a", "b", "c"]
+    assert len({tuple(s.out_ids) for s in seqs}) == 1 and all(s.finish_reason == "length" for s in seqs)

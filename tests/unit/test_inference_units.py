@@ -24,7 +24,19 @@ def test_defaults_follow_openai():
     assert req.params == SamplingParams(max_tokens=16, temperature=1.0, top_p=1.0)
     req = parse_completion_request({"prompt": [[1, 2], [3]], "stop": "\n", "top_k": -1, "logprobs": 0}, 64)
     assert req.prompts == [[1, 2], [3]] and req.params.stop == ("\n",) and req.params.top_k == 0
-    assert req.params.logprobs == 0
+    assert req.params.logprobs == 0 and req.priority == 0
+    assert parse_completion_request({"prompt": "hi", "priority": -1}, 64).priority == -1
+
+
+def test_waiting_sequences_are_admitted_by_priority_then_arrival():
+    from collections import deque
+
+    from comap_async.inference.engine import Sequence, enqueue
+
+    waiting: deque[Sequence] = deque()
+    for name, priority in [("a", 0), ("b", 0), ("c", -1), ("d", 1), ("e", -1), ("f", 0)]:
+        enqueue(waiting, Sequence([1], SamplingParams(), adapter=name, priority=priority))
+    assert [s.adapter for s in waiting] == ["c", "e", "a", "b", "f", "d"]
 
 
 @pytest.mark.parametrize(
@@ -41,6 +53,8 @@ def test_defaults_follow_openai():
         ({"prompt": "x", "stream": "yes"}, "stream"),
         ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
         ({"prompt": "x", "model": 3}, "model"),
+        ({"prompt": "x", "priority": 0.5}, "priority"),
+        ({"prompt": "x", "priority": 2**40}, "priority"),
     ],
 )
 def test_invalid_values_name_the_field(body, param):
@@ -171,6 +185,10 @@ def test_vllm_command_from_config(monkeypatch):
     assert vllm.max_lora_rank(8) == 8 and vllm.max_lora_rank(9) == 16
     argv, _ = vllm.build_command(load_config(None, ["inference.prefix_cache_mb=0"]), "/m", "/p")
     assert "--no-enable-prefix-caching" in argv and "--enable-prefix-caching" not in argv
+    # vLLM refuses a request's priority unless it schedules by priority: only then is it asked to
+    assert "--scheduling-policy" not in argv
+    argv, _ = vllm.build_command(load_config(None, ["eval.priority=-1"]), "/m", "/p")
+    assert argv[argv.index("--scheduling-policy") + 1] == "priority"
     with pytest.raises(ValueError):
         vllm.max_lora_rank(1000)
 

@@ -73,6 +73,43 @@ async def test_an_evaluated_version_whose_success_game_crashed_has_no_success_ra
     assert result["wm_delta_f1"] == 0.5 and errors[0][0] == "evaluator.incomplete"
 
 
+async def test_the_evaluators_probes_and_games_call_at_its_priority(monkeypatch, tmp_path):
+    """``eval.priority`` reaches the config its probes and success games open their clients from; the
+    run's own (the actors') stays at 0."""
+    import actors.eval_runner
+    import actors.probes
+    from actors.evaluator import Evaluator
+    from comap_async.config import load_config
+
+    seen = []
+
+    async def probes(cfg, *args, **kwargs):
+        seen.append(("probes", cfg.inference.request_priority, cfg.actor.envs))
+        return {"wm_delta_f1": 0.5}
+
+    async def games_played(cfg, games, *args, **kwargs):
+        seen.append(("games", cfg.inference.request_priority, cfg.actor.envs))
+        return []
+
+    monkeypatch.setattr(actors.probes, "run_probes", probes)
+    monkeypatch.setattr(actors.eval_runner, "play_games", games_played)
+
+    class Client:
+        async def load_adapter(self, *a, **k):
+            pass
+
+        async def unload_adapter(self, *a, **k):
+            pass
+
+    log = SimpleNamespace(error=lambda *a, **kw: None, info=lambda *a, **k: None)
+    cfg = load_config(None, [f"run.root={tmp_path}", "eval.success_games=1", "eval.priority=-1", "eval.envs=3"])
+    ev = Evaluator(cfg, log)
+    ev.__dict__["games"] = ([SimpleNamespace(name="g")], [SimpleNamespace(name="g")])
+    await ev.evaluate(Client(), 3, {"phase": "coevolve"})
+    assert seen == [("probes", -1, 3), ("games", -1, 3)]
+    assert cfg.inference.request_priority == 0
+
+
 class ScriptedDrafts:
     """Greedy drafts say ``greedy``; sampled ones (a temperature given) come from ``samples`` in order."""
 
