@@ -42,10 +42,30 @@ def test_the_episode_and_report_carry_the_loop_rate():
     assert report["loop_rate"] == pytest.approx((3 + 3) / 10) and [e["loops"] for e in report["episodes"]] == [3, 3]
 
 
-async def test_an_evaluated_version_whose_success_game_crashed_has_no_success_rate(monkeypatch, tmp_path):
+class AdapterClient:
+    """The evaluator's own client: it only loads and unloads the version's adapters."""
+
+    async def load_adapter(self, *a, **k):
+        pass
+
+    async def unload_adapter(self, *a, **k):
+        pass
+
+
+def one_game_evaluator(monkeypatch, cfg, log, probes, games_played):
+    """An evaluator of one probe game and one success game, its probes and games replaced."""
     import actors.eval_runner
     import actors.probes
     from actors.evaluator import Evaluator
+
+    monkeypatch.setattr(actors.probes, "run_probes", probes)
+    monkeypatch.setattr(actors.eval_runner, "play_games", games_played)
+    ev = Evaluator(cfg, log)
+    ev.__dict__["games"] = ([SimpleNamespace(name="g")], [SimpleNamespace(name="g")])
+    return ev
+
+
+async def test_an_evaluated_version_whose_success_game_crashed_has_no_success_rate(monkeypatch, tmp_path):
     from comap_async.config import load_config
 
     async def probes(*args, **kwargs):
@@ -54,21 +74,12 @@ async def test_an_evaluated_version_whose_success_game_crashed_has_no_success_ra
     async def games_played(cfg, games, *args, **kwargs):
         return []  # the one game's episode failed (logged as actor.episode_failed): no result for it
 
-    monkeypatch.setattr(actors.probes, "run_probes", probes)
-    monkeypatch.setattr(actors.eval_runner, "play_games", games_played)
-
-    class Client:
-        async def load_adapter(self, *a, **k):
-            pass
-
-        async def unload_adapter(self, *a, **k):
-            pass
-
     errors = []
     log = SimpleNamespace(error=lambda event, **kw: errors.append((event, kw)), info=lambda *a, **k: None)
-    ev = Evaluator(load_config(None, [f"run.root={tmp_path}", "eval.success_games=1"]), log)
-    ev.__dict__["games"] = ([SimpleNamespace(name="g")], [SimpleNamespace(name="g")])
-    result = await ev.evaluate(Client(), 3, {"phase": "coevolve"})
+    cfg = load_config(None, [f"run.root={tmp_path}", "eval.success_games=1"])
+    result = await one_game_evaluator(monkeypatch, cfg, log, probes, games_played).evaluate(
+        AdapterClient(), 3, {"phase": "coevolve"}
+    )
     assert "success_rate" not in result and "1 of 1 episodes failed" in result["success_error"]
     assert result["wm_delta_f1"] == 0.5 and errors[0][0] == "evaluator.incomplete"
 
@@ -76,9 +87,6 @@ async def test_an_evaluated_version_whose_success_game_crashed_has_no_success_ra
 async def test_the_evaluators_probes_and_games_call_at_its_priority(monkeypatch, tmp_path):
     """``eval.priority`` reaches the config its probes and success games open their clients from; the
     run's own (the actors') stays at 0."""
-    import actors.eval_runner
-    import actors.probes
-    from actors.evaluator import Evaluator
     from comap_async.config import load_config
 
     seen = []
@@ -91,21 +99,11 @@ async def test_the_evaluators_probes_and_games_call_at_its_priority(monkeypatch,
         seen.append(("games", cfg.inference.request_priority, cfg.actor.envs))
         return []
 
-    monkeypatch.setattr(actors.probes, "run_probes", probes)
-    monkeypatch.setattr(actors.eval_runner, "play_games", games_played)
-
-    class Client:
-        async def load_adapter(self, *a, **k):
-            pass
-
-        async def unload_adapter(self, *a, **k):
-            pass
-
     log = SimpleNamespace(error=lambda *a, **kw: None, info=lambda *a, **k: None)
     cfg = load_config(None, [f"run.root={tmp_path}", "eval.success_games=1", "eval.priority=-1", "eval.envs=3"])
-    ev = Evaluator(cfg, log)
-    ev.__dict__["games"] = ([SimpleNamespace(name="g")], [SimpleNamespace(name="g")])
-    await ev.evaluate(Client(), 3, {"phase": "coevolve"})
+    await one_game_evaluator(monkeypatch, cfg, log, probes, games_played).evaluate(
+        AdapterClient(), 3, {"phase": "coevolve"}
+    )
     assert seen == [("probes", -1, 3), ("games", -1, 3)]
     assert cfg.inference.request_priority == 0
 
