@@ -55,25 +55,34 @@ def system_running(name: str, config: str, overrides: list[str], log_dir: Path, 
     checkpoints; SIGKILL after 90 s)."""
     env = {**os.environ, "COMAP_OVERRIDES": shlex.join([f"run.name={name}", *overrides])}
     env["COMAP_CONFIG"] = config  # the same config as the evaluation's (honcho's Procfile reads it)
-    with open(log_dir / f"{name}.log", "ab") as log:
-        proc = subprocess.Popen(
-            ["honcho", "start", *processes],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)
-                try:
-                    proc.wait(timeout=90)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+    # SIGINT and SIGTERM both leave the block through its finally: a background job of a script starts with
+    # SIGINT ignored, and a plain SIGTERM would end this process and leave the system running
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in handlers:
+        signal.signal(sig, signal.default_int_handler)
+    try:
+        with open(log_dir / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(
+                ["honcho", "start", *processes],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            try:
+                yield proc
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGINT)
+                    try:
+                        proc.wait(timeout=90)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def run_system(
