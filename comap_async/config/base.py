@@ -4,7 +4,7 @@ of clients, and the host check that decides when a listener needs authentication
 from __future__ import annotations
 
 import ipaddress
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -13,6 +13,11 @@ from comap_async.errors import CommandError
 
 class ConfigError(CommandError, ValueError):
     """A configuration file or override is wrong; the message names the file, field and reason."""
+
+
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+RequestPriority = Annotated[int, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)]
+"""vLLM's request ``priority`` (lower is admitted first), as an int32: the bounds the embedded server takes too."""
 
 
 class Section(BaseModel):

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from comap_async.config.base import Section
+from comap_async.config.base import RequestPriority, Section
 
 EvalMethod = Literal["comap", "react", "imagine_and_act", "draft_only", "lookahead"]
 """How an evaluated agent acts (``actors/eval_methods.py``): ``comap`` (draft, imagine, reflect,
@@ -92,7 +92,7 @@ class EvalConfig(Section):
     envs: int = Field(default=4, ge=1)
     """Games the evaluator plays at once (their calls share the server's batches): it shares the
     inference servers with the actors."""
-    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    priority: RequestPriority = 0
     """The priority of the evaluator's model calls on the servers it shares with the actors (vLLM's
     ``priority``: lower is admitted first; the actors' calls are 0). -1 puts an evaluation's calls ahead
     of the actors' waiting ones: the server's time is the same, but the evaluation takes about the

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from comap_async.config.base import RetryConfig, Section
+from comap_async.config.base import RequestPriority, RetryConfig, Section
 
 
 class BrokerConfig(Section):
@@ -137,7 +137,7 @@ class InferenceConfig(Section):
     softmax, LoRA and logits stay float32 either way."""
     request_timeout_s: float = Field(default=120.0, gt=0)
     """Client timeout for one HTTP request."""
-    request_priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    request_priority: RequestPriority = 0
     """Client: the ``priority`` this process's completion requests carry (lower is admitted first;
     0 is sent as no field). The evaluator sets its own from ``eval.priority``."""
     retry: RetryConfig = Field(default_factory=RetryConfig)

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
+from comap_async.config.base import PRIORITY_MAX, PRIORITY_MIN
 from comap_async.inference.choices import parse_choices
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_N = 16
-PRIORITY_BOUND = 2**31  # a request's priority, as an int32 (vLLM takes any integer; ours are -1 and 0)
 
 
 class RequestError(ValueError):
@@ -180,7 +180,7 @@ def parse_completion_request(body: Any, max_new_tokens: int) -> CompletionReques
         params=params,
         return_tokens_as_token_ids=_flag(body, "return_tokens_as_token_ids", False),
         choices=choices,
-        priority=_number(body, "priority", 0, int, -PRIORITY_BOUND, PRIORITY_BOUND),
+        priority=_number(body, "priority", 0, int, PRIORITY_MIN, PRIORITY_MAX),
     )
 
 
