@@ -62,7 +62,13 @@ sys.path.insert(0, str(REPO))
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from benchmarks._inference import start_comap, stop_group, stored_transitions, write_random_adapters  # noqa: E402
+from benchmarks._inference import (  # noqa: E402
+    start_comap,
+    stop_group,
+    stored_transitions,
+    wait_for,
+    write_random_adapters,
+)
 from comap_async.ports import free_port  # noqa: E402
 from comap_async.wire.inference_client import ENGINE_COUNTERS, parse_engine_counters  # noqa: E402
 from comap_async.wire.messages import COEVOLVE, ROLES, adapter_name  # noqa: E402
@@ -167,20 +173,6 @@ def _by_role(counters: dict[str, float], prefix: str, steps: float, spec: str) -
     )
 
 
-def _wait(pred, timeout_s: float, what: str, procs: dict | None = None) -> None:
-    """Until ``pred()``; a process of ``procs`` (process -> its log) that exits meanwhile ends the wait
-    with its log's last line."""
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        for proc, log in (procs or {}).items():
-            if proc.poll() is not None:
-                lines = log.read_text(errors="replace").strip().splitlines() or ["(empty log)"]
-                raise SystemExit(f"{what}: {log.name} exited with {proc.returncode}: {lines[-1]}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} after {timeout_s:.0f} s")
-        time.sleep(1)
-
-
 def _healthy(port: int) -> bool:
     try:
         _get(f"http://127.0.0.1:{port}/health")
@@ -244,7 +236,7 @@ def measure_window(args: argparse.Namespace, name: str, overrides: list[str]) ->
     try:
         for role in ("broker", "serve"):
             started[start_comap(role, [role, *common], env, log_dir)] = log_dir / f"{role}.log"
-        _wait(lambda: _healthy(port), 300, "the server did not come up", started)
+        wait_for(lambda: _healthy(port), 300, "the server did not come up", started)
 
         async def publish() -> None:
             async with InferenceClient([f"http://127.0.0.1:{port}"], timeout_s=120) as c:
@@ -256,11 +248,11 @@ def measure_window(args: argparse.Namespace, name: str, overrides: list[str]) ->
         asyncio.run(publish())
         start = stored_transitions(http)
         started[start_comap("actor", ["actor", *common], env, log_dir)] = log_dir / "actor.log"
-        _wait(lambda: stored_transitions(http) >= start + 4, 900, "the actor stored no transitions", started)
+        wait_for(lambda: stored_transitions(http) >= start + 4, 900, "the actor stored no transitions", started)
         n0, c0, t0 = stored_transitions(http), _server(port), time.monotonic()
         # the same steps of each episode in every setting: a window of 8 environments is twice as long
         window = args.steps * cfg.actor.envs // 4
-        _wait(lambda: stored_transitions(http) >= n0 + window, 3600, "the window did not fill", started)
+        wait_for(lambda: stored_transitions(http) >= n0 + window, 3600, "the window did not fill", started)
         n1, c1, t1 = stored_transitions(http), _server(port), time.monotonic()
     finally:
         for proc in reversed(list(started)):

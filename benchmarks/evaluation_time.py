@@ -42,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._inference import stored_transitions  # noqa: E402 - the repo must be on sys.path first
+from benchmarks._inference import stored_transitions, wait_for  # noqa: E402 - the repo must be on sys.path first
 
 VARIANTS: dict[str, dict] = {
     "together": {},
@@ -101,27 +101,32 @@ def measure_beside_fork(args) -> dict[str, list[tuple[float, float]]]:
 
     name = f"evaltime-{time.strftime('%Y%m%d-%H%M%S')}"
     sets = [x for o in args.overrides for x in ("--set", o)]
-    subprocess.run(
+    forked = subprocess.run(
         [sys.executable, "-m", "comap_async", "fork", args.fork, "--name", name, "--version", str(args.version)]
         + ["--config", args.config, *sets],
         cwd=REPO,
-        check=True,
     )
+    if forked.returncode:  # comap fork said why on its own stderr
+        raise SystemExit(f"evaluation_time: could not fork {args.fork} at version {args.version}")
     cfg = load_config(args.config, [*args.overrides, f"run.name={name}"])
     log = configure_logging("evaluation-time", run=name)
     with system_running(name, args.config, args.overrides, cfg.run.dir) as proc:
-        deadline, start = time.monotonic() + 900, None
-        while start is None or stored_transitions(cfg.broker.http_port) < start + 8:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(
-                    f"evaluation_time: {name}'s actors stored no transitions (see {cfg.run.dir / (name + '.log')})"
-                )
-            time.sleep(5)
-            try:
-                start = stored_transitions(cfg.broker.http_port) if start is None else start
-            except OSError:  # the broker is not up yet
-                pass
+        http, system = cfg.broker.http_port, {proc: cfg.run.dir / f"{name}.log"}
+        try:
+            wait_for(lambda: _answers(http), 300, f"{name}'s broker did not answer", system)
+            start = stored_transitions(http)
+            wait_for(lambda: stored_transitions(http) >= start + 8, 900, f"{name}'s actors stored nothing", system)
+        except TimeoutError as exc:
+            raise SystemExit(f"evaluation_time: {exc} (see {system[proc]})") from None
         return measure_version(args, cfg, log)
+
+
+def _answers(http_port: int) -> bool:
+    try:
+        stored_transitions(http_port)
+        return True
+    except OSError:  # not up yet
+        return False
 
 
 def measure_version(args, cfg, log) -> dict[str, list[tuple[float, float]]]:

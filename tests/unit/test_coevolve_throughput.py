@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.coevolve_throughput import SETTINGS, _wait, copy_trained_adapters
+from benchmarks._inference import wait_for
+from benchmarks.coevolve_throughput import SETTINGS, copy_trained_adapters
 
 
 def test_a_process_that_exits_ends_the_wait_with_its_logs_last_line(tmp_path):
@@ -22,14 +23,14 @@ def test_a_process_that_exits_ends_the_wait_with_its_logs_last_line(tmp_path):
         )
     t0 = time.monotonic()
     with pytest.raises(SystemExit, match=r"the server did not come up: serve.log exited with 2: comap serve: error"):
-        _wait(lambda: False, 60, "the server did not come up", {proc: log})
+        wait_for(lambda: False, 60, "the server did not come up", {proc: log})
     assert time.monotonic() - t0 < 30
 
 
 def test_the_wait_ends_when_its_condition_holds_and_times_out_otherwise():
-    _wait(lambda: True, 0, "never")
+    wait_for(lambda: True, 0, "never")
     with pytest.raises(TimeoutError, match="nothing after 0 s"):
-        _wait(lambda: False, 0, "nothing")
+        wait_for(lambda: False, 0, "nothing")
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
