@@ -20,6 +20,17 @@ ranks wrong drafts above right ones (``p_auc``, discrimination) and unreadable r
 variants train one after the other in child processes, one torch thread each; run nothing else
 beside it if the speed is to be read.
 
+``--same-actions`` (warm-up; issue 29's acceptance 3: the draft's two prompt forms on identical
+demonstrations): the samples are the replay's walkthrough paths (``turn_demos`` records, a run with
+``env.draft_turns``), shuffled and taken until their demonstrated actions reach ``--samples``; a
+variant with ``env.draft_turns=false`` trains the same actions as window-form demonstrations (each
+step's warm-up transition ``(s, a_exec)``: what the broker stores as a demonstration in that form).
+A variant's ``env.*`` settings reach its probes too. ``--epochs E`` sizes each variant's own steps
+(``ceil(E * samples / batch_size)``, its learning-rate schedule with them) instead of ``--steps``:
+
+    python benchmarks/learner_setting.py --replay /work/runs/r50/replay --same-actions --samples 240 \
+        --epochs 1 --variants env.draft_turns=false+demo_loss_share={},env.draft_turns=true --out /tmp/sa
+
 Last line: ``learner_setting A -> B: draft_accuracy X -> Y [p_auc ...] speedup=S`` (B's samples per
 hour over A's).
 """
@@ -28,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import subprocess
@@ -87,9 +99,58 @@ def recovery_last(record: dict) -> dict:
     return {**record, "targets": targets}
 
 
-def training_data(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
-    """(demonstrations, reflection samples) the phase trains: ``--samples`` of its own kind."""
+def walkthrough_paths(replay: Path, actions: int, seed: int) -> list[dict]:
+    """``--same-actions``: the replay's walkthrough paths (neither recovery branches nor imagined),
+    shuffled with ``seed``, taken until their demonstrated actions reach ``actions``."""
+    paths = [r for r in read_store(replay, "demos", None, seed) if "turns" in r]
+    paths = [r for r in paths if not r.get("recovery") and not r.get("imagined")]
+    out, held = [], 0
+    for path in paths:
+        if held >= actions:
+            break
+        out.append(path)
+        held += sum(map(bool, path["targets"]))
+    if held < actions:
+        raise SystemExit(
+            f"{replay} holds {len(paths)} walkthrough paths of {held} demonstrated actions, fewer than --samples "
+            f"{actions} (--same-actions reads the turn_demos of a run with env.draft_turns)"
+        )
+    return out
+
+
+def window_demos(replay: Path, paths: list[dict], seed: int) -> list[dict]:
+    """The demonstrated actions of ``paths`` as the window form stores them: per action, its step's
+    warm-up transition's ``(s, a_exec)`` (the explore and recovery transitions beside it left out),
+    shuffled with ``seed``."""
+    wanted = {p["episode"]: p for p in paths}
+    steps: dict[tuple[str, int], dict] = {}
+    for tr in read_store(replay, "transitions", None, seed):
+        on_path = tr.get("phase") == WARMUP and not tr.get("explore") and not tr.get("recovery")
+        if on_path and tr.get("episode") in wanted:
+            steps[(tr["episode"], int(tr["t"]))] = tr
+    demos = []
+    for episode, path in wanted.items():
+        for t, ((action, _), target) in enumerate(zip(path["turns"], path["targets"], strict=True)):
+            tr = steps.get((episode, t))
+            if tr is None or tr["a_exec"] != action:
+                raise SystemExit(f"{replay}: episode {episode}'s step {t} ({action!r}) has no warm-up transition")
+            if target:
+                demos.append({"id": tr["id"], "game": tr["game"], "goal": tr["goal"], "s": tr["s"], "target": action})
+    random.Random(seed).shuffle(demos)
+    return demos
+
+
+def demonstrated_actions(record: dict) -> int:
+    return sum(map(bool, record["targets"])) if "turns" in record else 1
+
+
+def training_data(args: argparse.Namespace, turns: bool = True) -> tuple[list[dict], list[dict]]:
+    """(demonstrations, reflection samples) the phase trains: ``--samples`` of its own kind
+    (``--same-actions``: paths, or with ``turns`` false their actions in the window form)."""
     replay = Path(args.replay)
+    if args.same_actions:
+        paths = walkthrough_paths(replay, args.samples, args.seed)
+        return (paths if turns else window_demos(replay, paths, args.seed)), []
     if args.phase == WARMUP:
         # shuffled before the recovery paths are chosen: --recovery stored reads what read_store(n) would
         demos = recovery_demos(read_store(replay, "demos", None, args.seed), args.recovery)
@@ -117,13 +178,14 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     cfg = variant_config(args, args.child)
     lc = cfg.learner
-    trainer = build_trainer(cfg, Path(args.init_adapter) if args.init_adapter else None, {}, args.steps, args.phase)
-    trainer.bce_weight = phase_bce_weight(lc, args.phase)
-    demos, reflections = training_data(args)
+    demos, reflections = training_data(args, cfg.env.draft_turns)
     n_refl = (lc.reflect_init_batch_size or lc.batch_size) if args.phase == REFLECT_INIT else 0
+    steps = args.steps if args.epochs is None else math.ceil(args.epochs * len(demos) / lc.batch_size)
+    trainer = build_trainer(cfg, Path(args.init_adapter) if args.init_adapter else None, {}, steps, args.phase)
+    trainer.bce_weight = phase_bce_weight(lc, args.phase)
     losses, seconds, trained = [], 0.0, 0
     loss_name = "policy/draft_ce" if args.phase == WARMUP else "policy/loss"
-    for step in range(args.steps):
+    for step in range(steps):
         mb = {
             "demos": [demos[(step * lc.batch_size + i) % len(demos)] for i in range(lc.batch_size)],
             "reflections": [reflections[(step * n_refl + i) % len(reflections)] for i in range(n_refl)],
@@ -132,17 +194,16 @@ def child(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         metrics = trainer.train_step([mb])
         seconds += time.perf_counter() - t0
-        trained += len(mb["reflections"] if n_refl else mb["demos"])
+        trained += len(mb["reflections"]) if n_refl else sum(map(demonstrated_actions, mb["demos"]))
         losses.append(metrics[loss_name])
-        if step % 10 == 0 or step == args.steps - 1:
-            print(
-                f"  {args.child} step {step + 1}/{args.steps} {loss_name}={losses[-1]:.3f} {seconds:.0f}s", flush=True
-            )
+        if step % 10 == 0 or step == steps - 1:
+            print(f"  {args.child} step {step + 1}/{steps} {loss_name}={losses[-1]:.3f} {seconds:.0f}s", flush=True)
     out = Path(args.child_out)
     for role in ROLES:
         save_adapter(trainer.model, "policy" if role == "policy" else "wm", out / adapter_name(role, 1))
     first, last = sum(losses[:10]) / min(10, len(losses)), sum(losses[-10:]) / min(10, len(losses))
-    print("RESULT " + json.dumps({"seconds": seconds, "samples": trained, "loss_first10": first, "loss_last10": last}))
+    result = {"seconds": seconds, "samples": trained, "steps": steps, "loss_first10": first, "loss_last10": last}
+    print("RESULT " + json.dumps(result))
 
 
 def model_overrides(args: argparse.Namespace) -> list[str]:
@@ -155,12 +216,18 @@ def model_overrides(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def variant_settings(variant: str) -> list[str]:
+    """A variant's overrides: ``KEY=VALUE`` parts joined by ``+``, a learner key unless it names the
+    ``env`` section (``env.draft_turns=false``)."""
+    return [part if part.startswith("env.") else f"learner.{part}" for part in variant.split("+")]
+
+
 def variant_config(args: argparse.Namespace, variant: str) -> Any:
-    """``--config`` with the variant's learner settings (``KEY=VALUE[+KEY=VALUE...]``), loaded and
-    checked as a run's config is."""
+    """``--config`` with the variant's settings (:func:`variant_settings`), loaded and checked as a
+    run's config is."""
     from comap_async.config import ConfigError, load_config
 
-    settings = [f"learner.{part}" for part in variant.split("+")]
+    settings = variant_settings(variant)
     try:
         return load_config(args.config, [*settings, *model_overrides(args), f"run.seed={args.seed}"])
     except ConfigError as exc:
@@ -184,12 +251,13 @@ def run_child(args: argparse.Namespace, variant: str, out: Path) -> dict:
     return result
 
 
-def probes(args: argparse.Namespace, out: Path) -> dict:
-    """``comap eval --probes`` of the variant's version 1: its report."""
+def probes(args: argparse.Namespace, variant: str, out: Path) -> dict:
+    """``comap eval --probes`` of the variant's version 1 (with its ``env.*`` settings): its report."""
+    env_settings = [s for s in variant_settings(variant) if s.startswith("env.")]
     cmd = [
         sys.executable, "-m", "comap_async", "eval", "--config", args.config,
         "--set", f"inference.adapter_root={out / 'adapters'}",
-        *sum((["--set", s] for s in [*model_overrides(args), *args.eval_overrides]), []),
+        *sum((["--set", s] for s in [*model_overrides(args), *env_settings, *args.eval_overrides]), []),
         "--adapters", "1", "--probes", "--split", args.split, "--games", str(args.games),
         "--serve", "always", "--out", str(out / "eval"),
     ]  # fmt: skip
@@ -213,6 +281,12 @@ def main() -> None:
     )
     ap.add_argument("--init-adapter", help="a policy adapter directory to start from (default: the base model)")
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--epochs", type=float, help="each variant's steps: this many passes over its samples")
+    ap.add_argument(
+        "--same-actions",
+        action="store_true",
+        help="warm-up on the replay's walkthrough paths, each variant in its own prompt form (--samples: actions)",
+    )
     ap.add_argument("--variants", default="prompt_grad=true,prompt_grad=false", help="two learner settings A,B")
     ap.add_argument("--out", required=True)
     ap.add_argument("--games", type=int, default=6, help="held-out games whose walkthrough states are probed")
@@ -237,10 +311,15 @@ def main() -> None:
         variant_config(args, v)  # a setting the config refuses stops here, before any training
     if args.init_adapter and not (Path(args.init_adapter) / "adapter_model.safetensors").is_file():
         raise SystemExit(f"--init-adapter {args.init_adapter}: no adapter_model.safetensors there")
+    if args.same_actions and args.phase != WARMUP:
+        raise SystemExit("--same-actions compares warm-up's demonstrations: it needs --phase warmup")
+    if args.epochs is not None and args.epochs <= 0:
+        raise SystemExit(f"--epochs {args.epochs}: a positive number of passes")
     training_data(args)  # refuse a short replay before training anything
     args.argv_common = [
         "--replay", args.replay, "--phase", args.phase, "--samples", str(args.samples), "--steps", str(args.steps),
-        "--recovery", args.recovery,
+        "--recovery", args.recovery, *(["--epochs", str(args.epochs)] if args.epochs is not None else []),
+        *(["--same-actions"] if args.same_actions else []),
         *(["--init-adapter", args.init_adapter] if args.init_adapter else []), "--config", args.config,
         *(["--model", args.model] if args.model else []), *(["--cache-dir", args.cache_dir] if args.cache_dir else []),
         "--seed", str(args.seed), "--out", args.out,
@@ -255,7 +334,7 @@ def main() -> None:
             continue
         out.mkdir(parents=True, exist_ok=True)
         trained = run_child(args, v, out)
-        report = probes(args, out)
+        report = probes(args, v, out)
         rows[v] = {
             **trained,
             **{k: report.get(k) for k in PROBE_FIGURES[args.phase]},

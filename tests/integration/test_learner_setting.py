@@ -89,3 +89,39 @@ def test_two_settings_train_the_same_demos_and_are_probed(tmp_path, tiny_model_d
     too_many = [*refl[:5], "7", *refl[6:]]
     refused = subprocess.run(too_many, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert "holds 6 reflections samples to train, fewer than --samples 7" in refused.stderr
+
+
+def test_same_actions_train_identical_demonstrations_in_both_prompt_forms(tmp_path, tiny_model_dir, alfworld_data):
+    """Two walkthrough paths (turn_demos) and their steps' warm-up transitions: the window form trains
+    the 4 actions as 2 steps of 2 demonstrations, the turns form as 1 step of 2 paths; each epoch-sized."""
+    paths, transitions = [], []
+    for e, actions in {"e1": ["go to desk 1", "take pen 1 from desk 1"], "e2": ["look", "go to shelf 1"]}.items():
+        turns = [[a, f"You did {a}."] for a in actions]
+        paths.append({"id": e, "episode": e, "game": "g", "goal": "put a pen on a shelf.", "first": "A room."})
+        paths[-1] |= {"turns": turns, "targets": [True, True]}
+        for t, a in enumerate(actions):
+            s = f"Task: put a pen on a shelf.\nCurrent observation: step {t} of {e}."
+            transitions.append({"id": f"{e}:{t}", "episode": e, "t": t, "phase": "warmup", "game": "g", "s": s})
+            transitions[-1] |= {"goal": "put a pen on a shelf.", "a_exec": a}
+    items = [WriteItem(f"d:{p['id']}".encode(), [("demos", msgpack.packb(p))]) for p in paths]
+    items += [WriteItem(f"t:{r['id']}".encode(), [("transitions", msgpack.packb(r))]) for r in transitions]
+    store = ReplayStore(tmp_path / "replay", {s: 100 for s in STORES})
+    try:
+        store.write(items)
+    finally:
+        store.close()
+    evals = sum((["--eval-set", s] for s in honcho_settings(tmp_path, tiny_model_dir, alfworld_data)), [])
+    out = tmp_path / "same"
+    cmd = [sys.executable, "benchmarks/learner_setting.py", "--replay", str(tmp_path / "replay"), "--same-actions"]
+    cmd += ["--samples", "4", "--epochs", "1", "--games", "1", "--model", str(tiny_model_dir)]
+    cmd += ["--config", "configs/test.yaml", "--out", str(out), *evals]
+    cmd += ["--variants", "env.draft_turns=false,env.draft_turns=true"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    window = json.loads((out / "env.draft_turns-false" / "result.json").read_text())
+    turns = json.loads((out / "env.draft_turns-true" / "result.json").read_text())
+    assert window["samples"] == turns["samples"] == 4
+    assert (window["steps"], turns["steps"]) == (2, 1)
+    assert window["states"] > 0 and turns["states"] > 0
+    eval_log = (out / "env.draft_turns-false" / "eval.log").read_text()
+    assert "Traceback" not in eval_log
