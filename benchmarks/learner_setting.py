@@ -25,8 +25,9 @@ demonstrations): the samples are the replay's walkthrough paths (``turn_demos`` 
 ``env.draft_turns``), shuffled and taken until their demonstrated actions reach ``--samples``; a
 variant with ``env.draft_turns=false`` trains the same actions as window-form demonstrations (each
 step's warm-up transition ``(s, a_exec)``: what the broker stores as a demonstration in that form).
-A variant's ``env.*`` settings reach its probes too. ``--epochs E`` sizes each variant's own steps
-(``ceil(E * samples / batch_size)``, its learning-rate schedule with them) instead of ``--steps``:
+A variant's settings reach its probes too (``env.*`` render their prompts). ``--epochs E`` sizes each
+variant's own steps (``ceil(E * samples / batch_size)``, its learning-rate schedule with them) instead
+of ``--steps``:
 
     python benchmarks/learner_setting.py --replay /work/runs/r50/replay --same-actions --samples 240 \
         --epochs 1 --variants env.draft_turns=false+demo_loss_share={},env.draft_turns=true --out /tmp/sa
@@ -252,12 +253,12 @@ def run_child(args: argparse.Namespace, variant: str, out: Path) -> dict:
 
 
 def probes(args: argparse.Namespace, variant: str, out: Path) -> dict:
-    """``comap eval --probes`` of the variant's version 1 (with its ``env.*`` settings): its report."""
-    env_settings = [s for s in variant_settings(variant) if s.startswith("env.")]
+    """``comap eval --probes`` of the variant's version 1 under the variant's settings (its ``env.*`` ones
+    render the probes' prompts; the learner's are there so the config checks as it did in training): its report."""
     cmd = [
         sys.executable, "-m", "comap_async", "eval", "--config", args.config,
         "--set", f"inference.adapter_root={out / 'adapters'}",
-        *sum((["--set", s] for s in [*model_overrides(args), *env_settings, *args.eval_overrides]), []),
+        *sum((["--set", s] for s in [*model_overrides(args), *variant_settings(variant), *args.eval_overrides]), []),
         "--adapters", "1", "--probes", "--split", args.split, "--games", str(args.games),
         "--serve", "always", "--out", str(out / "eval"),
     ]  # fmt: skip
