@@ -7,9 +7,7 @@ against the servers of a running system:
 * ``one_by_one``: ``together`` with the probes' states one after another (``eval.probe_states=0``);
 * ``filed``: the evaluator issue 29 was filed against: states one after another and every
   reflection generated whole (``eval.reflect_decision_first=false``);
-* ``priority``: ``together`` with its model calls admitted ahead of the actors' (``eval.priority=-1``);
-* ``priority_all_games``: ``priority`` with the CPU default's 10 success games played at once
-  (``eval.envs=10``; the default plays 4 at a time, and with priority the last games played alone).
+* ``priority``: ``together`` with its model calls admitted ahead of the actors' (``eval.priority=-1``).
 
     honcho start   # the run to measure beside: actors and learner busy
     python benchmarks/evaluation_time.py --config configs/local.yaml --set run.name=local --version 20
@@ -51,7 +49,6 @@ VARIANTS: dict[str, dict] = {
     "one_by_one": {"probe_states": 0},
     "filed": {"probe_states": 0, "reflect_decision_first": False},
     "priority": {"priority": -1},
-    "priority_all_games": {"priority": -1, "envs": 10},
 }
 FIGURES = ("p_discrimination", "p_auc", "draft_accuracy", "wm_delta_f1", "success_rate", "loop_rate")
 
