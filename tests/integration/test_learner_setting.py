@@ -10,11 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import msgpack
 import pytest
 
-from broker.store import ReplayStore, WriteItem
-from comap_async.wire.protocol import STORES
+from tests.fixtures.broker import write_records
 from tests.fixtures.system import honcho_settings
 
 pytestmark = [pytest.mark.alfworld, pytest.mark.slow]
@@ -31,13 +29,8 @@ def write_samples(path: Path, n: int) -> None:
     ]
     for i, r in enumerate(refl):
         r["source"] = "suffix" if i < n else "gate"
-    items = [WriteItem(f"d{i}".encode(), [("demos", msgpack.packb(d))]) for i, d in enumerate(demos)]
-    items += [WriteItem(f"r{i}".encode(), [("reflections", msgpack.packb(r))]) for i, r in enumerate(refl)]
-    store = ReplayStore(path, {s: 100 for s in STORES})
-    try:
-        store.write(items)
-    finally:
-        store.close()
+    records = [("demos", f"d{i}".encode(), d) for i, d in enumerate(demos)]
+    write_records(path, records + [("reflections", f"r{i}".encode(), r) for i, r in enumerate(refl)])
 
 
 def test_two_settings_train_the_same_demos_and_are_probed(tmp_path, tiny_model_dir, alfworld_data):
@@ -103,13 +96,8 @@ def test_same_actions_train_identical_demonstrations_in_both_prompt_forms(tmp_pa
             s = f"Task: put a pen on a shelf.\nCurrent observation: step {t} of {e}."
             transitions.append({"id": f"{e}:{t}", "episode": e, "t": t, "phase": "warmup", "game": "g", "s": s})
             transitions[-1] |= {"goal": "put a pen on a shelf.", "a_exec": a}
-    items = [WriteItem(f"d:{p['id']}".encode(), [("demos", msgpack.packb(p))]) for p in paths]
-    items += [WriteItem(f"t:{r['id']}".encode(), [("transitions", msgpack.packb(r))]) for r in transitions]
-    store = ReplayStore(tmp_path / "replay", {s: 100 for s in STORES})
-    try:
-        store.write(items)
-    finally:
-        store.close()
+    records = [("demos", f"d:{p['id']}".encode(), p) for p in paths]
+    write_records(tmp_path / "replay", records + [("transitions", f"t:{r['id']}".encode(), r) for r in transitions])
     evals = sum((["--eval-set", s] for s in honcho_settings(tmp_path, tiny_model_dir, alfworld_data)), [])
     out = tmp_path / "same"
     cmd = [sys.executable, "benchmarks/learner_setting.py", "--replay", str(tmp_path / "replay"), "--same-actions"]

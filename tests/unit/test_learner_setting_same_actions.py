@@ -7,14 +7,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import msgpack
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.learner_setting import variant_settings, walkthrough_paths, window_demos  # noqa: E402
-from broker.store import ReplayStore, WriteItem  # noqa: E402
-from comap_async.wire.protocol import STORES  # noqa: E402
+from tests.fixtures.broker import write_records  # noqa: E402
 
 
 def path(episode: str, actions: list[str], **extra) -> dict:
@@ -32,13 +30,8 @@ def step(episode: str, t: int, action: str, **extra) -> dict:
 
 
 def write(replay: Path, demos: list[dict], transitions: list[dict]) -> None:
-    items = [WriteItem(f"d:{d['id']}".encode(), [("demos", msgpack.packb(d))]) for d in demos]
-    items += [WriteItem(f"t:{i}".encode(), [("transitions", msgpack.packb(t))]) for i, t in enumerate(transitions)]
-    store = ReplayStore(replay, {s: 100 for s in STORES})
-    try:
-        store.write(items)
-    finally:
-        store.close()
+    records = [("demos", f"d:{d['id']}".encode(), d) for d in demos]
+    write_records(replay, records + [("transitions", f"t:{i}".encode(), t) for i, t in enumerate(transitions)])
 
 
 def test_window_form_trains_exactly_the_paths_actions(tmp_path):
