@@ -100,6 +100,10 @@ def recovery_last(record: dict) -> dict:
     return {**record, "targets": targets}
 
 
+def demonstrated_actions(record: dict) -> int:
+    return sum(map(bool, record["targets"])) if "turns" in record else 1
+
+
 def walkthrough_paths(replay: Path, actions: int, seed: int) -> list[dict]:
     """``--same-actions``: the replay's walkthrough paths (neither recovery branches nor imagined),
     shuffled with ``seed``, taken until their demonstrated actions reach ``actions``."""
@@ -110,7 +114,7 @@ def walkthrough_paths(replay: Path, actions: int, seed: int) -> list[dict]:
         if held >= actions:
             break
         out.append(path)
-        held += sum(map(bool, path["targets"]))
+        held += demonstrated_actions(path)
     if held < actions:
         raise SystemExit(
             f"{replay} holds {len(paths)} walkthrough paths of {held} demonstrated actions, fewer than --samples "
@@ -139,10 +143,6 @@ def window_demos(replay: Path, paths: list[dict], seed: int) -> list[dict]:
                 demos.append({"id": tr["id"], "game": tr["game"], "goal": tr["goal"], "s": tr["s"], "target": action})
     random.Random(seed).shuffle(demos)
     return demos
-
-
-def demonstrated_actions(record: dict) -> int:
-    return sum(map(bool, record["targets"])) if "turns" in record else 1
 
 
 def training_data(args: argparse.Namespace, turns: bool = True) -> tuple[list[dict], list[dict]]:
