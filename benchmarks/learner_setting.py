@@ -308,15 +308,16 @@ def main() -> None:
         raise SystemExit(
             f"--variants takes two learner settings A,B (each KEY=VALUE[+KEY=VALUE]), not {args.variants!r}"
         )
-    for v in variants:
-        variant_config(args, v)  # a setting the config refuses stops here, before any training
+    # a setting the config refuses stops here, before any training
+    forms = {variant_config(args, v).env.draft_turns for v in variants}
     if args.init_adapter and not (Path(args.init_adapter) / "adapter_model.safetensors").is_file():
         raise SystemExit(f"--init-adapter {args.init_adapter}: no adapter_model.safetensors there")
     if args.same_actions and args.phase != WARMUP:
         raise SystemExit("--same-actions compares warm-up's demonstrations: it needs --phase warmup")
     if args.epochs is not None and args.epochs <= 0:
         raise SystemExit(f"--epochs {args.epochs}: a positive number of passes")
-    training_data(args)  # refuse a short replay before training anything
+    for turns in forms:  # refuse a short replay (--same-actions: a path step without its transition) before training
+        training_data(args, turns)
     args.argv_common = [
         "--replay", args.replay, "--phase", args.phase, "--samples", str(args.samples), "--steps", str(args.steps),
         "--recovery", args.recovery, *(["--epochs", str(args.epochs)] if args.epochs is not None else []),

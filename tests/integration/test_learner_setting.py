@@ -6,6 +6,7 @@ nothing again, and a replay too small is refused in one line."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,13 @@ def test_same_actions_train_identical_demonstrations_in_both_prompt_forms(tmp_pa
     assert window["states"] > 0 and turns["states"] > 0
     eval_log = (out / "env.draft_turns-false" / "eval.log").read_text()
     assert "Traceback" not in eval_log
+
+    # the paths alone (no warm-up transitions): the window form has nothing to train, said before any training
+    write_records(tmp_path / "paths-only", [("demos", f"d:{p['id']}".encode(), p) for p in paths])
+    alone = [*cmd[:3], str(tmp_path / "paths-only"), *cmd[4:]]
+    alone[alone.index("--out") + 1] = str(tmp_path / "refused")
+    refused = subprocess.run(alone, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    said = refused.stderr.strip().splitlines()[-1]  # the first path in the seed's order
+    assert re.search(r"episode (e1's step 0 \('go to desk 1'\)|e2's step 0 \('look'\)) has no warm-up transition", said)
+    assert not (tmp_path / "refused").exists()
