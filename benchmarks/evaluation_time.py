@@ -7,7 +7,9 @@ against the servers of a running system:
 * ``one_by_one``: ``together`` with the probes' states one after another (``eval.probe_states=0``);
 * ``filed``: the evaluator issue 29 was filed against: states one after another and every
   reflection generated whole (``eval.reflect_decision_first=false``);
-* ``priority``: ``together`` with its model calls admitted ahead of the actors' (``eval.priority=-1``).
+* ``priority``: ``together`` with its model calls admitted ahead of the actors' (``eval.priority=-1``);
+* ``priority_envs8``: ``priority`` with 8 success games at a time (``eval.envs=8``), so the evaluation's
+  calls alone can fill the server's batch (``inference.max_batch_size``, 8) while they go first.
 
     honcho start   # the run to measure beside: actors and learner busy
     python benchmarks/evaluation_time.py --config configs/local.yaml --set run.name=local --version 20
@@ -49,6 +51,7 @@ VARIANTS: dict[str, dict] = {
     "one_by_one": {"probe_states": 0},
     "filed": {"probe_states": 0, "reflect_decision_first": False},
     "priority": {"priority": -1},
+    "priority_envs8": {"priority": -1, "envs": 8},
 }
 FIGURES = ("p_discrimination", "p_auc", "draft_accuracy", "wm_delta_f1", "success_rate", "loop_rate")
 

@@ -26,7 +26,7 @@ import torch
 from comap_async.heap import release_freed_memory
 from comap_async.inference.adapters import BASE, SlotManager
 from comap_async.inference.fused import FusedLlama
-from comap_async.inference.kvcache import BatchCache, with_capacity
+from comap_async.inference.kvcache import BatchCache, RepaddedBatchCache, with_capacity
 from comap_async.inference.prefix import PrefixCache
 from comap_async.inference.speculative import NgramIndex, Proposer, SpeculativeSteps, allowed_tokens, ngram_proposal
 from comap_async.inference.token_sampling import SamplingParams, StepOutput, sample_step
@@ -122,6 +122,7 @@ class Engine(SpeculativeSteps):
         top_candidates: int = 256,
         speculative_tokens: int = 0,
         proposer: Proposer = ngram_proposal,
+        kv_in_place: bool = True,
     ) -> None:
         self.model, self.tokenizer, self.slots = model, tokenizer, slots
         # the fused forward keeps keys transposed in its KV cache; transformers' forward cannot read them
@@ -138,6 +139,7 @@ class Engine(SpeculativeSteps):
         self.stats = EngineStats()
         self.prefix = prefix_cache
         self.num_layers = model.config.get_text_config().num_hidden_layers
+        self.cache_kind = BatchCache if kv_in_place else RepaddedBatchCache
         eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if tokenizer.eos_token_id is not None:
@@ -149,7 +151,7 @@ class Engine(SpeculativeSteps):
         self._waiting: deque[Sequence] = deque()
         self._ops: deque[tuple[Callable[[], Any], concurrent.futures.Future, bool]] = deque()
         self._running: list[Sequence] = []
-        self._cache = self._new_cache()
+        self._cache = self._new_cache(rows=max_batch_size)
         self._stop = False
         self.idle_delay_s = 1.0
         self._last_busy = time.monotonic()
@@ -256,8 +258,9 @@ class Engine(SpeculativeSteps):
         except BaseException as exc:  # handed to the caller through the future
             fut.set_exception(exc)
 
-    def _new_cache(self) -> BatchCache:
-        return BatchCache(self.num_layers, transposed=self.fused is not None)
+    def _new_cache(self, rows: int = 1) -> BatchCache:
+        """A cache of ``rows`` rows once reallocated: the running batch's holds the largest batch, a prefill's one."""
+        return self.cache_kind(self.num_layers, transposed=self.fused is not None, rows_hint=rows)
 
     def _forward(
         self,
@@ -383,8 +386,7 @@ class Engine(SpeculativeSteps):
     def _end_step(self, rows: list[Sequence], keep: list[int], t0: float) -> None:
         """After a decode or verify step: only the ``keep`` rows stay in the batch; the step is counted."""
         if len(keep) != len(rows):
-            self._cache.select(keep)
-            self._running = [rows[i] for i in keep]
+            self._running = [rows[i] for i in self._cache.select(keep)]
         st = self.stats
         st.steps += 1
         st.batch_rows += len(rows)
@@ -460,7 +462,7 @@ class Engine(SpeculativeSteps):
             with self._cond:
                 rows += list(self._waiting)
                 self._waiting.clear()
-        self._cache = self._new_cache()
+        self._cache = self._new_cache(rows=self.max_batch_size)
         for seq in rows:
             seq.error = exc
             self._finish(seq, "error")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from comap_async.config import load_config
 from comap_async.inference import vllm
 from comap_async.inference.adapters import resolve_adapter_dir
-from comap_async.inference.kvcache import BatchCache
+from comap_async.inference.kvcache import BatchCache, RepaddedBatchCache
 from comap_async.inference.token_sampling import (
     RequestError,
     SamplingParams,
@@ -266,3 +268,59 @@ def test_vllm_command_asks_for_ngram_speculation_only_when_the_config_does():
     argv, _ = vllm.build_command(load_config(None, ["inference.speculative_tokens=6"]), "/m", "/p")
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert spec == {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4, "prompt_lookup_min": 3}
+
+
+@pytest.mark.parametrize("kind", [BatchCache, RepaddedBatchCache])
+def test_batch_cache_joins_and_leaves_in_place_as_a_repadded_batch_would(kind):
+    """Random joins (shorter and longer rows), decode and verify columns, and leaves: every layer's keys and
+    values stay each row's own columns right-aligned over zeros (as re-padding the whole batch gives), and
+    in place the buffers are reallocated only when the batch outgrows them."""
+    rng = random.Random(0)
+    heads, dim = 2, 3
+    for transposed in (False, True):
+        cache, rows, token = kind(2, transposed=transposed, rows_hint=4), [], 0
+        copies, joins_and_leaves, buffers = 0, 0, None
+        for _ in range(300):
+            op, before = rng.random(), len(rows)
+            if (op < 0.3 and len(rows) < 4) or not rows:
+                n = rng.choice([1, 3, 40, 90]) if rng.random() < 0.3 else rng.randint(1, 12)
+                joiner = BatchCache(2, transposed=transposed)
+                values = [float(token + i + 1) for i in range(n)]
+                token += n
+                kv = torch.tensor(values).view(1, 1, n, 1).expand(1, heads, n, dim).contiguous()
+                for layer in joiner.layers:
+                    layer.update(kv.clone(), -kv)
+                joiner.mask = torch.ones(1, n, dtype=torch.long)
+                cache.merge(joiner)
+                rows.append(values)
+                joins_and_leaves += before > 1
+            elif op < 0.55:
+                keep = sorted(rng.sample(range(len(rows)), rng.randint(0, len(rows) - 1)))
+                rows = [rows[i] for i in cache.select(keep)]
+                joins_and_leaves += before > 1 and bool(keep)
+            else:
+                width = rng.choice([1, 1, 1, 4])  # a decode step, or a verify step's columns
+                cache.extend_mask(width)
+                new = [[float(token + 1 + j + i * width) for j in range(width)] for i in range(len(rows))]
+                token += width * len(rows)
+                kv = torch.tensor(new).view(len(rows), 1, width, 1).expand(len(rows), heads, width, dim).contiguous()
+                for layer in cache.layers:
+                    layer.update(kv.clone(), -kv)
+                rows = [r + n for r, n in zip(rows, new)]
+            if not rows:
+                assert cache.batch == 0
+                continue
+            total = max(map(len, rows))
+            expect = torch.tensor([[0.0] * (total - len(r)) + r for r in rows])
+            assert cache.length == total and cache.mask.tolist() == (expect != 0).long().tolist()
+            for layer in cache.layers:
+                keys = layer.keys.transpose(-1, -2) if transposed else layer.keys
+                assert torch.equal(keys, expect.view(len(rows), 1, total, 1).expand(-1, heads, -1, dim))
+                assert torch.equal(layer.values, -keys)
+            copies += before > 1 and bool(rows) and cache.layers[0].kbuf is not buffers
+            buffers = cache.layers[0].kbuf
+        # re-padding copies the batch at every join and leave (of a batch of several rows: one row is cheap)
+        if kind is RepaddedBatchCache:
+            assert copies == joins_and_leaves
+        else:
+            assert 4 * copies < joins_and_leaves, (copies, joins_and_leaves)
