@@ -122,6 +122,15 @@ SETTINGS = {
         "actor.reflect_decision_first=true",
         "inference.speculative_tokens=4",
     ],
+    # the same with the running batch's KV copied whole at every join and leave (before session 55)
+    "fast_turns_decision_first_spec4_repadded": [
+        *FAST,
+        "env.reflect_turns=true",
+        "env.wm_turns=true",
+        "actor.reflect_decision_first=true",
+        "inference.speculative_tokens=4",
+        "inference.kv_in_place=false",
+    ],
     "fast_envs8_turns": [
         *FAST,
         "inference.prefix_cache_mb=2048",
@@ -130,8 +139,15 @@ SETTINGS = {
         "env.wm_turns=true",
     ],
     # issue 29's "today": every prompt re-rendered from the last history_k pairs (nothing for the cache
-    # to extend from one step to the next) and a cache too small for 4 episodes' reflections
-    "filed": [*FAST, "inference.prefix_cache_mb=256", "env.draft_turns=false", "learner.demo_loss_share={}"],
+    # to extend from one step to the next), a cache too small for 4 episodes' reflections, and the batch's
+    # KV copied at every join and leave
+    "filed": [
+        *FAST,
+        "inference.prefix_cache_mb=256",
+        "env.draft_turns=false",
+        "learner.demo_loss_share={}",
+        "inference.kv_in_place=false",
+    ],
 }
 
 
