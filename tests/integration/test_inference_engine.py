@@ -375,3 +375,35 @@ def test_waiting_sequences_are_admitted_lowest_priority_first(tiny_model_dir):
         eng.stop()
     assert finished == ["eval", "a", "b", "c"]
     assert len({tuple(s.out_ids) for s in seqs}) == 1 and all(s.finish_reason == "length" for s in seqs)
+
+
+def test_joins_and_leaves_in_place_give_the_tokens_of_copying_the_batch(tiny_model_dir):
+    """``inference.kv_in_place`` (the default) against the batch copied at every join and leave: the same
+    tokens for greedy and seeded sampled rows of different lengths joining and leaving a batch of 3,
+    with and without speculative decoding (its verify steps add columns a rejection masks again)."""
+    from comap_async.inference.token_sampling import make_generator
+
+    outputs = {}
+    for in_place in (True, False):
+        for spec in (0, 3):
+            eng = make_engine(tiny_model_dir, "fused", kv_in_place=in_place, speculative_tokens=spec)
+            eng.start()
+            try:
+                tok = eng.tokenizer
+                seqs = [
+                    Sequence(
+                        tok(p).input_ids,
+                        SamplingParams(
+                            max_tokens=4 + 5 * i, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True
+                        ),
+                        generator=make_generator(i),
+                    )
+                    for i, p in enumerate(PROMPTS * 2)
+                ]
+                run(eng, seqs, stagger_s=0.003)
+                assert eng.stats.batch_rows > eng.stats.steps  # rows were really batched
+                outputs[in_place, spec] = [s.out_ids for s in seqs]
+            finally:
+                eng.stop()
+    assert outputs[True, 0] == outputs[False, 0]
+    assert outputs[True, 3] == outputs[False, 3]
