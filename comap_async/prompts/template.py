@@ -30,11 +30,13 @@ from comap_async.prompts.messages import (
     react_messages,
     reflect_messages,
     reflect_turn_messages,
+    reflection_head,
     teacher_messages,
     wording_for,
     world_model_messages,
     world_model_turn_messages,
 )
+from comap_async.wire.messages import DECISIONS
 
 FIT_LEFT_OUT_TURNS = 8
 """Turns a draft prompt past the servers' limit leaves out at a time (:meth:`Prompts.turns_prompt`):
@@ -281,17 +283,18 @@ class Prompts:
         render: Callable[[Conversation], str],
         limit: int | None = None,
         count: Callable[[str], int] | None = None,
+        reserve: str = "",
     ) -> str:
         """``render(conversation)``, its oldest turns left out :data:`FIT_LEFT_OUT_TURNS` at a time while
         it counts more than ``limit`` tokens (default: the servers' ``max_prompt_tokens``, counted as they
-        count; no limit known: whole)."""
+        count; no limit known: whole) with ``reserve`` after it (what a later request may append)."""
         limit = self.max_prompt_tokens if limit is None else limit
         count = self.count_tokens if count is None else count
         prompt = render(conversation)
         if limit is None or count is None:
             return prompt
         turns, left_out = conversation.turns, 0
-        while left_out < len(turns) and count(prompt) > limit:
+        while left_out < len(turns) and count(prompt + reserve) > limit:
             left_out = min(left_out + FIT_LEFT_OUT_TURNS, len(turns))
             prompt = render(Conversation(conversation.task, conversation.first, turns[left_out:]))
         return prompt
@@ -318,7 +321,11 @@ class Prompts:
             messages = reflect_turn_messages(c, a_draft, shown, self.wording, confidence, self.task_every_turn)
             return self.chat.render(messages) + DECISION_PREFIX
 
-        return self._continue("reflect_turns", conversation, render, limit, count)
+        # a reflection that leaves out its Final Action line is continued from this prompt and its
+        # decision's head (actors/llm.py): the servers must take that request too (the learner's own limit
+        # counts the head as target)
+        reserve = max((reflection_head(d) for d in DECISIONS), key=len) if limit is None else ""
+        return self._continue("reflect_turns", conversation, render, limit, count, reserve)
 
     def world_model(
         self,
@@ -344,6 +351,7 @@ class Prompts:
         render: Callable[[Conversation], str],
         limit: int | None,
         count: Callable[[str], int] | None,
+        reserve: str = "",
     ) -> str:
         """A role's prompt in the turns form its ``env.<setting>`` chose: ``conversation`` rendered and fitted
         (:meth:`_fit`); a caller without one (a sample stored by a run without the setting) is refused."""
@@ -352,7 +360,7 @@ class Prompts:
                 f"env.{setting}: this prompt has no conversation to continue (a sample stored by a run without "
                 "the setting?)"
             )
-        return self._fit(conversation, render, limit, count)
+        return self._fit(conversation, render, limit, count, reserve)
 
     def react(self, state: str) -> str:
         # the thought comes first: the generation starts after its prefix

@@ -207,3 +207,26 @@ def test_a_malformed_conversation_is_refused_on_the_wire():
     for bad in ({"task": TASK, "first": FIRST, "turns": [["go to desk 1"]]}, {"task": TASK, "turns": []}, "turns"):
         with pytest.raises(ProtocolError):
             decode(msgspec.msgpack.encode(good | {"dialogue": bad}))
+
+
+def test_a_reflection_fitted_to_the_servers_limit_leaves_room_for_its_continuation(tiny_model_dir, tok):
+    """A reflection that leaves out its Final Action line is continued from its prompt plus the decision's
+    head (``actors/llm.py``): that request must fit the servers' limit too. Left unreserved, a 50-step
+    evaluation game sent 2,053 tokens against 2,048 and the evaluation lost its success rate (session 55)."""
+    import dataclasses
+
+    from comap_async.prompts import reflection_head
+
+    def count(text: str) -> int:
+        return len(tok(text, add_special_tokens=True)["input_ids"])
+
+    conversation = Conversation(TASK, FIRST, tuple(TURNS) * 4)
+    whole = turns_prompts(tiny_model_dir).reflect(STATE, DRAFT, IMAGINED, 0.95, conversation)
+    head = reflection_head("REVISE")
+    assert count(whole + head) > count(whole) + 1
+    # the prompt alone fits the limit, its continuation does not: its oldest turns go
+    prompts = dataclasses.replace(turns_prompts(tiny_model_dir), max_prompt_tokens=count(whole) + 1, count_tokens=count)
+    fitted = prompts.reflect(STATE, DRAFT, IMAGINED, 0.95, conversation)
+    assert fitted != whole and count(fitted + head) <= count(whole) + 1
+    # the learner fits to its own room, whose target already holds the head: nothing reserved there
+    assert prompts.reflect(STATE, DRAFT, IMAGINED, 0.95, conversation, count(whole), count) == whole
