@@ -74,6 +74,7 @@ from comap_async.wire.inference_client import ENGINE_COUNTERS, parse_engine_coun
 from comap_async.wire.messages import COEVOLVE, ROLES, adapter_name  # noqa: E402
 
 FAST = ["inference.forward=fused", "inference.top_p_candidates=256", "actor.overlap_teacher=true"]
+TURNS_DECISION_FIRST = [*FAST, "env.reflect_turns=true", "env.wm_turns=true", "actor.reflect_decision_first=true"]
 SETTINGS = {
     "reference": ["inference.forward=transformers", "inference.top_p_candidates=0", "actor.overlap_teacher=false"],
     "fused": ["inference.forward=fused", "inference.top_p_candidates=0", "actor.overlap_teacher=false"],
@@ -107,27 +108,13 @@ SETTINGS = {
     "fast_turns": [*FAST, "env.reflect_turns=true", "env.wm_turns=true"],
     # a reflection whose p_revise is at or under tau_p (the gate keeps the draft whatever follows) stops
     # at its decision token: most of the policy's decoded tokens a step
-    "fast_turns_decision_first": [
-        *FAST,
-        "env.reflect_turns=true",
-        "env.wm_turns=true",
-        "actor.reflect_decision_first=true",
-    ],
+    "fast_turns_decision_first": TURNS_DECISION_FIRST,
     # with prompt-lookup speculative decoding too: decode is now half the step, and a reflection's action and
     # the teacher's hindsight observation are mostly copies of tokens in their conversations
-    "fast_turns_decision_first_spec4": [
-        *FAST,
-        "env.reflect_turns=true",
-        "env.wm_turns=true",
-        "actor.reflect_decision_first=true",
-        "inference.speculative_tokens=4",
-    ],
+    "fast_turns_decision_first_spec4": [*TURNS_DECISION_FIRST, "inference.speculative_tokens=4"],
     # the same with the running batch's KV copied whole at every join and leave (before session 55)
     "fast_turns_decision_first_spec4_repadded": [
-        *FAST,
-        "env.reflect_turns=true",
-        "env.wm_turns=true",
-        "actor.reflect_decision_first=true",
+        *TURNS_DECISION_FIRST,
         "inference.speculative_tokens=4",
         "inference.kv_in_place=false",
     ],
