@@ -16,7 +16,6 @@ Last line: ``kv_join_leave_ms repadded=X in_place=Y speedup=Z`` (median millisec
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -33,17 +32,14 @@ SMOLLM2_135M = {"num_hidden_layers": 30, "num_key_value_heads": 3, "head_dim": 6
 
 
 def geometry(model_dir: Path | None) -> dict[str, int]:
-    """Layers, KV heads and head size of the prepared model (SmolLM2-135M's when none is prepared)."""
-    cfg_file = model_dir / "config.json" if model_dir else None
-    if cfg_file is None or not cfg_file.exists():
+    """Layers, KV heads and head size of a prepared model (SmolLM2-135M's without one)."""
+    if model_dir is None:
         return SMOLLM2_135M
-    c = json.loads(cfg_file.read_text())
-    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return {
-        "num_hidden_layers": c["num_hidden_layers"],
-        "num_key_value_heads": c["num_key_value_heads"],
-        "head_dim": head,
-    }
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir).get_text_config()
+    head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return {"num_hidden_layers": c.num_hidden_layers, "num_key_value_heads": c.num_key_value_heads, "head_dim": head}
 
 
 def trace(seed: int, events: int, rows: int, lo: int, hi: int) -> list[tuple[str, int]]:
