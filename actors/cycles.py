@@ -16,6 +16,14 @@ loop rate, judged steps) grows by the cycle's own per-step increments, repeated 
 can break the premise, which is why the default waits for a third occurrence rather than the second:
 an environment whose steps are not deterministic (ScienceWorld, for some tasks), and batched
 decoding whose logits differ in the last bits with the batch's composition.
+
+In the draft's turns form (``env.draft_turns``) the draft sees the episode's whole history, which does
+not recur with the state, so the premise above does not hold by construction. ``eval.cycle_stop_turns``
+applies the stop there on a measured premise instead: the episode ends only when the stretches of
+states between the state's last ``eval.cycle_stop`` occurrences are the same steps, i.e. the policy
+has already played the cycle through ``cycle_stop - 1`` times with the cycle in its context, and is
+taken to play it again. ``benchmarks/cycle_stop.py`` (``eval.cycle_stop_check``) measures how often
+that projection is exact for a given model before a configuration relies on it.
 """
 
 from __future__ import annotations
@@ -38,11 +46,19 @@ def deterministic(cfg: Any, method: str) -> bool:
 
 def cycle_stop_for(cfg: Any, method: str) -> "CycleStop | None":
     """The episode's :class:`CycleStop` when ``eval.cycle_stop`` is on and the evaluation is greedy.
-    Never with ``env.draft_turns``: the draft sees the whole history, which does not recur with the
-    state, so a recurring state does not repeat its step (the premise above)."""
-    if cfg.eval.cycle_stop <= 0 or not deterministic(cfg, method) or cfg.env.draft_turns:
+    With ``env.draft_turns`` only where ``eval.cycle_stop_turns`` says so, and then on repeated
+    cycles (:attr:`CycleStop.repeated`): the draft sees the whole history, which does not recur with
+    the state, so a recurring state alone does not repeat its step."""
+    if cfg.eval.cycle_stop <= 0 or not deterministic(cfg, method):
         return None
-    return CycleStop(occurrences=cfg.eval.cycle_stop, max_steps=cfg.env.max_steps, check=cfg.eval.cycle_stop_check)
+    if cfg.env.draft_turns and not cfg.eval.cycle_stop_turns:
+        return None
+    return CycleStop(
+        occurrences=cfg.eval.cycle_stop,
+        max_steps=cfg.env.max_steps,
+        check=cfg.eval.cycle_stop_check,
+        repeated=cfg.env.draft_turns,
+    )
 
 
 @dataclass
@@ -74,7 +90,12 @@ class CycleStop:
     """``eval.cycle_stop_check``: play on to the end and record whether the projection made at the
     first recurrence was exact (``EpisodeStats.cycle_check``), to measure the premise on an
     environment and model before relying on it."""
+    repeated: bool = False
+    """The turns form's condition: a recurrence counts only when the stretches of states between the
+    state's last ``occurrences`` appearances are equal (the same cycle played ``occurrences - 1`` times),
+    not merely when the state has come back."""
     seen: dict[str, list[int]] = field(default_factory=dict)
+    states: list[str] = field(default_factory=list)
     marks: list[_Mark] = field(default_factory=list)
     predicted: Any = None
     """In ``check`` mode: the statistics the projection gave at the first recurrence."""
@@ -109,9 +130,17 @@ class CycleStop:
         if len(self.marks) != stats.steps:
             raise RuntimeError(f"cycle stop called at step {stats.steps} after {len(self.marks)} marks")
         self.marks.append(_mark(stats))
+        self.states.append(state)
         steps = self.seen.setdefault(state, [])
         steps.append(stats.steps)
-        return len(steps) >= self.occurrences
+        if len(steps) < self.occurrences:
+            return False
+        return not self.repeated or self._same_cycles(steps[-self.occurrences :])
+
+    def _same_cycles(self, at: list[int]) -> bool:
+        """Whether the stretches of states between the occurrences at steps ``at`` are all the same."""
+        first = self.states[at[0] : at[1]]
+        return all(self.states[a:b] == first for a, b in zip(at[1:], at[2:]))
 
     def project(self, state: str, stats: Any) -> int:
         """Extend ``stats`` by the steps the episode would still have taken: those since ``state``'s

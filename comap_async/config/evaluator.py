@@ -52,6 +52,12 @@ class EvalConfig(Section):
     textual state occurs this many times (0 = off; at least 2): the steps since the previous
     occurrence would repeat to ``env.max_steps``, so the game is lost and every figure of the episode
     is extended as those steps would have gone (:mod:`actors.cycles`)."""
+    cycle_stop_turns: bool = False
+    """With ``cycle_stop``: apply it in the draft's turns form (``env.draft_turns``) too, where the
+    draft sees the whole history and a recurring state does not repeat its step by construction. The
+    episode then ends only when the stretches of states between the state's last ``cycle_stop``
+    occurrences are the same (the cycle already played ``cycle_stop - 1`` times with itself in the
+    context): a measured premise, not a derived one (``benchmarks/cycle_stop.py`` measures it; docs/running.md)."""
     cycle_stop_check: bool = False
     """With ``cycle_stop``: play each episode to its end anyway and record whether the projection was
     exact (``benchmarks/cycle_stop.py`` measures the premise this way)."""

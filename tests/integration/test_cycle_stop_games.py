@@ -56,3 +56,24 @@ def test_recurring_games_end_early_with_the_figures_of_the_whole_game(
     stopped, played = play(method, roomy_server, alfworld_data, tiny_model_dir, tmp_path, "eval.cycle_stop=2")
     assert [figures(s) for s in stopped] == [figures(s) for s in checked]
     assert played == played_all - sum(s.cycle_projected for s in stopped) < played_all
+
+
+def test_the_turns_form_ends_a_cycle_played_through_twice(roomy_server, alfworld_data, tiny_model_dir, tmp_path):
+    """``eval.cycle_stop_turns``: the draft sees the whole history, so the stop is a measured premise;
+    the stopped games end where the played-through ones' projections were made, with their figures
+    wherever the check found the projection exact, and fewer environment steps run."""
+    turns = ("env.draft_turns=true", "eval.cycle_stop=3", "eval.cycle_stop_turns=true")
+    checked, played_all = play(
+        "comap", roomy_server, alfworld_data, tiny_model_dir, tmp_path, *turns, "eval.cycle_stop_check=true"
+    )
+    recurred = [s for s in checked if s.cycle_check is not None]
+    assert recurred, "with no history, the tiny model's invalid commands should repeat a cycle"
+    stopped, played = play("comap", roomy_server, alfworld_data, tiny_model_dir, tmp_path, *turns)
+    for whole, cut in zip(checked, stopped):
+        if whole.cycle_check is None:
+            assert cut.cycle_projected == 0 and figures(cut) == figures(whole)
+            continue
+        assert cut.steps - cut.cycle_projected == whole.cycle_check["at"]
+        if whole.cycle_check["exact"]:
+            assert figures(cut) == figures(whole)
+    assert played == played_all - sum(s.cycle_projected for s in stopped) < played_all

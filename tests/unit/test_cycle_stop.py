@@ -118,3 +118,38 @@ def test_only_a_greedy_evaluation_is_stopped():
 def test_one_occurrence_is_refused():
     with pytest.raises(ValueError, match="at least 2"):
         CoMapConfig(eval={"cycle_stop": 1})
+
+
+def first_stop(states: list[str], stop: CycleStop) -> int | None:
+    """The step at which ``stop`` ends an episode that visits ``states`` in order (None: never)."""
+    stats = EpisodeStats()
+    for state in states:
+        if stop.stop(state, stats):
+            return len(stop.marks) - 1
+        stats.steps += 1
+    return None
+
+
+def test_the_turns_form_stops_only_on_a_cycle_played_through_again():
+    # a recurs every other step, between different states; b's stretches (b a c a) repeat
+    states = ["a", "b", "a", "c"] * 4
+    assert first_stop(states, CycleStop(occurrences=3, max_steps=MAX_STEPS)) == 4  # a's third visit
+    assert first_stop(states, CycleStop(occurrences=3, max_steps=MAX_STEPS, repeated=True)) == 9  # b's third
+    assert first_stop(["a", "b", "a", "c", "a", "d", "a", "e"], CycleStop(3, MAX_STEPS, repeated=True)) is None
+
+
+@pytest.mark.parametrize("occurrences", [2, 3])
+def test_a_repeated_cycle_stop_projects_the_whole_episode(occurrences):
+    whole, _ = play(["s,a,b,c|a"], None)
+    stopped, played = play(["s,a,b,c|a"], CycleStop(occurrences=occurrences, max_steps=MAX_STEPS, repeated=True))
+    assert played == 1 + 3 * (occurrences - 1)
+    assert figures(stopped) == figures(whole)
+
+
+def test_the_turns_form_is_stopped_only_when_asked():
+    turns = CoMapConfig(env={"draft_turns": True}, eval={"cycle_stop": 3})
+    assert cycle_stop_for(turns, "comap") is None  # the draft's whole history does not recur with the state
+    asked = turns.model_copy(update={"eval": turns.eval.model_copy(update={"cycle_stop_turns": True})})
+    stop = cycle_stop_for(asked, "comap")
+    assert stop is not None and stop.repeated
+    assert not cycle_stop_for(CoMapConfig(eval={"cycle_stop": 3}), "comap").repeated
