@@ -172,13 +172,24 @@ class CycleStop:
 FIGURES = ("won", "steps", "loops", "reward", *COUNTERS)
 
 
+OUTCOME = ("won", "steps", "reward")
+"""The figures of an episode's outcome: what its success rate and mean steps are made of."""
+
+
 def compare(predicted: Any, played: Any, at: int) -> dict[str, Any]:
     """What the projection made at step ``at`` got right about the played episode: ``exact`` when
-    every figure (:data:`FIGURES`, the gate reasons, the Delta-F1 scores) agrees; ``differ`` names
-    those that do not; ``saved`` is the share of the episode's steps the stop would have skipped."""
+    every figure (:data:`FIGURES`, the gate reasons, the Delta-F1 scores) agrees, ``outcome_exact``
+    when those of :data:`OUTCOME` do; ``differ`` names those that do not; ``saved`` is the share of
+    the episode's steps the stop would have skipped."""
     differ = [name for name in FIGURES if getattr(predicted, name) != getattr(played, name)]
     if predicted.gate_reasons != played.gate_reasons:
         differ.append("gate_reasons")
     if [round(x, 6) for x in predicted.delta_f1] != [round(x, 6) for x in played.delta_f1]:
         differ.append("delta_f1")
-    return {"exact": not differ, "differ": differ, "at": at, "saved": 1 - at / max(1, played.steps)}
+    return {
+        "exact": not differ,
+        "outcome_exact": not set(OUTCOME) & set(differ),
+        "differ": differ,
+        "at": at,
+        "saved": 1 - at / max(1, played.steps),
+    }

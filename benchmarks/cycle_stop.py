@@ -8,8 +8,10 @@ made and kept, the episode plays on, and at its end the two are compared (actors
 Runs ``comap eval`` (its own embedded server when none answers) and reads its ``eval.json``. Prints,
 per episode, the step the stop would have ended it at and whether every figure the projection gave
 (won, steps, loops, invalid actions, revisions, parse problems, gate reasons, Delta-F1 scores) is
-the played one. Last line: ``episodes=N recurred=R exact=E steps_saved=S`` (S: the share of all
-played steps that the stop would have skipped).
+the played one. Last line: ``episodes=N recurred=R exact=E outcome_exact=O steps_saved=S`` (O: the
+projections whose won, steps and reward were the played ones; S: the share of all played steps that
+the stop would have skipped). In the draft's turns form (``--set env.draft_turns=true --set
+eval.cycle_stop_turns=true``) the premise is measured, not derived (actors/cycles.py).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main() -> int:
     episodes = report["episodes"]
     checked = [e for e in episodes if "cycle_check" in e]
     exact = [e for e in checked if e["cycle_check"]["exact"]]
+    outcome = [e for e in checked if e["cycle_check"].get("outcome_exact", e["cycle_check"]["exact"])]
     played = sum(e["steps"] for e in episodes)
     saved = sum(e["steps"] - e["cycle_check"]["at"] for e in checked)
     for e in episodes:
@@ -58,12 +61,15 @@ def main() -> int:
         verdict = (
             "no recurrence"
             if c is None
-            else f"stop at {c['at']}: " + ("exact" if c["exact"] else f"differs in {c['differ']}")
+            else f"stop at {c['at']}: "
+            + ("exact" if c["exact"] else f"differs in {c['differ']}")
+            + ("" if c["exact"] or not c.get("outcome_exact") else " (outcome exact)")
         )
         print(f"{e['game']}: won={e['won']} steps={e['steps']} {verdict}")
     print(f"report: {out / 'eval.json'}")
     print(
-        f"episodes={len(episodes)} recurred={len(checked)} exact={len(exact)} steps_saved={saved / max(1, played):.3f}"
+        f"episodes={len(episodes)} recurred={len(checked)} exact={len(exact)} outcome_exact={len(outcome)} "
+        f"steps_saved={saved / max(1, played):.3f}"
     )
     return 0 if len(exact) == len(checked) else 2
 

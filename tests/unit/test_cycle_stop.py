@@ -87,7 +87,13 @@ def test_check_mode_plays_on_and_reports_an_exact_projection():
     stats, played = play(["s,a,b|a"], stop)
     stop.finish(stats)
     assert played == MAX_STEPS
-    assert stats.cycle_check == {"exact": True, "differ": [], "at": 3, "saved": 1 - 3 / MAX_STEPS}
+    assert stats.cycle_check == {
+        "exact": True,
+        "outcome_exact": True,
+        "differ": [],
+        "at": 3,
+        "saved": 1 - 3 / MAX_STEPS,
+    }
 
 
 def test_compare_names_what_differs():
@@ -96,6 +102,7 @@ def test_compare_names_what_differs():
     predicted.invalid, predicted.gate_reasons = 5, {"keep": 19, "revised": 1}
     assert compare(predicted, played, at=10) == {
         "exact": False,
+        "outcome_exact": True,
         "differ": ["invalid", "gate_reasons"],
         "at": 10,
         "saved": 0.5,
@@ -153,3 +160,10 @@ def test_the_turns_form_is_stopped_only_when_asked():
     stop = cycle_stop_for(asked, "comap")
     assert stop is not None and stop.repeated
     assert not cycle_stop_for(CoMapConfig(eval={"cycle_stop": 3}), "comap").repeated
+
+
+def test_an_outcome_that_differs_is_not_outcome_exact():
+    played = EpisodeStats(steps=12, won=True)
+    predicted = EpisodeStats(steps=20)
+    check = compare(predicted, played, at=8)
+    assert not check["exact"] and not check["outcome_exact"] and {"won", "steps"} <= set(check["differ"])
