@@ -149,22 +149,42 @@ class Evaluator:
         t0 = time.time()
         cfg = self.playing_config
         probe_games, success_games = self.games
+
+        async def probes() -> dict[str, Any]:
+            part = await run_probes(
+                cfg, probe_games, eval_registry, self.log, failures_per_game=self.cfg.eval.failures_per_game
+            )
+            return part | {"probe_s": round(time.time() - t0, 1)}
+
+        async def games() -> list | None:
+            if not success_games:
+                return None
+            return await play_games(
+                cfg, success_games, eval_registry, self.log, envs=self.cfg.eval.envs, method=self.cfg.eval.method
+            )
+
         try:
+            if self.cfg.eval.probes_beside_games:  # the longest game sets the time; the probes fill its batches
+                both = [asyncio.ensure_future(probes()), asyncio.ensure_future(games())]
+                try:
+                    probe_part, played = await asyncio.gather(*both)
+                except BaseException:  # the first error as it was raised, the other part stopped
+                    for part in both:
+                        part.cancel()
+                    await asyncio.gather(*both, return_exceptions=True)
+                    raise
+            else:
+                probe_part = await probes()
+                played = await games()
             result: dict[str, Any] = {
                 "version": version,
                 "adapters": names,
                 "phase": registry.get("phase"),
                 "learner_step": registry.get("step", 0),
                 "split": self.cfg.eval.split,
-                **await run_probes(
-                    cfg, probe_games, eval_registry, self.log, failures_per_game=self.cfg.eval.failures_per_game
-                ),
-                "probe_s": round(time.time() - t0, 1),
+                **probe_part,
             }
-            if success_games:
-                played = await play_games(
-                    cfg, success_games, eval_registry, self.log, envs=self.cfg.eval.envs, method=self.cfg.eval.method
-                )
+            if played is not None:
                 try:  # a game that crashed is not a lost game: a rate over the rest would read as a lower one
                     check_complete(played, success_games, f"version {version}'s success games")
                 except EvalIncomplete as exc:

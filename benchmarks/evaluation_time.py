@@ -1,15 +1,17 @@
-"""How long one evaluation of one version takes (the evaluator's: probes on ``eval.games`` games,
-then ``eval.success_games`` games of the CoMap loop) in several evaluator settings, alternating,
-against the servers of a running system:
+"""How long one evaluation of one version takes (the evaluator's: probes on ``eval.games`` games and
+``eval.success_games`` games of the CoMap loop, at once unless ``eval.probes_beside_games`` is off) in
+several evaluator settings, alternating, against the servers of a running system:
 
 * ``together``: the config's evaluator (the probes' walkthrough states sent to the server together,
   ``eval.probe_states``, 8 by default; reflections read from their decision token first);
 * ``one_by_one``: ``together`` with the probes' states one after another (``eval.probe_states=0``);
-* ``filed``: the evaluator issue 29 was filed against: states one after another and every
-  reflection generated whole (``eval.reflect_decision_first=false``);
+* ``filed``: the evaluator issue 29 was filed against: states one after another, every
+  reflection generated whole (``eval.reflect_decision_first=false``), the games after the probes;
 * ``priority``: ``together`` with its model calls admitted ahead of the actors' (``eval.priority=-1``);
 * ``priority_envs8``: ``priority`` with 8 success games at a time (``eval.envs=8``), so the evaluation's
-  calls alone can fill the server's batch (``inference.max_batch_size``, 8) while they go first.
+  calls alone can fill the server's batch (``inference.max_batch_size``, 8) while they go first;
+* ``priority_envs8_in_turn``: ``priority_envs8`` with the probes first and the games after
+  (``eval.probes_beside_games=false``, the evaluator before session 56).
 
     honcho start   # the run to measure beside: actors and learner busy
     python benchmarks/evaluation_time.py --config configs/local.yaml --set run.name=local --version 20
@@ -49,9 +51,10 @@ from benchmarks._inference import stored_transitions, wait_for  # noqa: E402 - t
 VARIANTS: dict[str, dict] = {
     "together": {},
     "one_by_one": {"probe_states": 0},
-    "filed": {"probe_states": 0, "reflect_decision_first": False},
+    "filed": {"probe_states": 0, "reflect_decision_first": False, "probes_beside_games": False},
     "priority": {"priority": -1},
     "priority_envs8": {"priority": -1, "envs": 8},
+    "priority_envs8_in_turn": {"priority": -1, "envs": 8, "probes_beside_games": False},
 }
 FIGURES = ("p_discrimination", "p_auc", "draft_accuracy", "wm_delta_f1", "success_rate", "loop_rate")
 

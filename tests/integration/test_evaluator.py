@@ -138,3 +138,42 @@ def test_success_games_are_drawn_from_the_split_not_capped_by_the_probe_games(al
     assert {g.name for g in probes} <= {g.name for g in success}
     fewer = Evaluator(load_config(None, overrides + ["eval.games=5", "eval.success_games=2"]), log).games
     assert len(fewer[0]) == 5 and {g.name for g in fewer[1]} <= {g.name for g in fewer[0]}
+
+
+async def test_probes_beside_the_games_give_the_figures_of_probes_then_games(
+    server, alfworld_data, model_cache, tiny_model_dir, tmp_path
+):
+    """``eval.probes_beside_games`` (on) against the probes first and the games after: greedy, the same
+    games and states, so every figure and row of the evaluation is the same; only the timing differs."""
+    from actors.evaluator import Evaluator
+    from comap_async.config import load_config
+    from comap_async.logsetup import configure_logging
+    from comap_async.wire.inference_client import InferenceClient
+
+    url, adapter_root = server
+    factory = AdapterFactory(tiny_model_dir, adapter_root)
+    for i, role in enumerate(ROLES):
+        factory.random(f"{role}-v1", seed=10 + i)
+    sets = [
+        f"model.cache_dir={model_cache}",
+        f"model.name_or_path={tiny_model_dir}",
+        f"env.data_dir={alfworld_data}",
+        f"run.root={tmp_path / 'runs'}",
+        "run.name=t",
+        "env.max_steps=6",
+        "eval.success_games=3",
+        "eval.envs=3",
+        f"inference.endpoints=['{url}']",
+        f"inference.admin_token={ADMIN_TOKEN}",
+        f"inference.adapter_root={adapter_root}",
+    ]
+    log = configure_logging("eval-test")
+    results = []
+    for beside in (True, False):
+        cfg = load_config("configs/test.yaml", [*sets, f"eval.probes_beside_games={str(beside).lower()}"])
+        async with InferenceClient([url], token=ADMIN_TOKEN) as client:
+            results.append(await Evaluator(cfg, log).evaluate(client, 1, {}))
+    timing = ("probe_s", "eval_s", "ts")
+    together, in_turn = ({k: v for k, v in r.items() if k not in timing} for r in results)
+    assert together["success_games"] == 3 and together["walkthrough_states"] > 0
+    assert together == in_turn
