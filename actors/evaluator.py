@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from comap_async.cli import add_config_arguments
-from comap_async.config.base import PRIORITY_MAX
 from comap_async.wire.messages import ROLES, Registry, adapter_name
 
 EVAL_PREFIX = "eval-"  # the evaluator serves its own copies of a version's adapters: a publish may retire the learner's
@@ -125,16 +124,6 @@ class Evaluator:
         return games, spread_sample(split, e.success_games, self.cfg.run.seed) if e.success_games else []
 
     @functools.cached_property
-    def probing_config(self) -> Any:
-        """The probes' config: beside the success games (``eval.probes_beside_games``) their calls go one
-        priority behind the games', so a waiting game call, on the longest game's path, is admitted first."""
-        if not self.cfg.eval.probes_beside_games:
-            return self.playing_config
-        behind = min(self.cfg.eval.priority + 1, PRIORITY_MAX)
-        inference = self.playing_config.inference.model_copy(update={"request_priority": behind})
-        return self.playing_config.model_copy(update={"inference": inference})
-
-    @functools.cached_property
     def playing_config(self) -> Any:
         """The config its probes and games run under: ``eval.envs`` games at once, and its model calls at
         ``eval.priority`` on the servers it shares with the actors."""
@@ -163,11 +152,7 @@ class Evaluator:
 
         async def probes() -> dict[str, Any]:
             part = await run_probes(
-                self.probing_config,
-                probe_games,
-                eval_registry,
-                self.log,
-                failures_per_game=self.cfg.eval.failures_per_game,
+                cfg, probe_games, eval_registry, self.log, failures_per_game=self.cfg.eval.failures_per_game
             )
             return part | {"probe_s": round(time.time() - t0, 1)}
 

@@ -84,10 +84,9 @@ async def test_an_evaluated_version_whose_success_game_crashed_has_no_success_ra
     assert result["wm_delta_f1"] == 0.5 and errors[0][0] == "evaluator.incomplete"
 
 
-@pytest.mark.parametrize(("beside", "probe_priority"), [(True, 0), (False, -1)])
-async def test_the_evaluators_probes_and_games_call_at_its_priority(monkeypatch, tmp_path, beside, probe_priority):
-    """``eval.priority`` reaches the config its probes and success games open their clients from (the probes
-    one behind the games when they run beside them); the run's own (the actors') stays at 0."""
+async def test_the_evaluators_probes_and_games_call_at_its_priority(monkeypatch, tmp_path):
+    """``eval.priority`` reaches the config its probes and success games open their clients from; the
+    run's own (the actors') stays at 0."""
     from comap_async.config import load_config
 
     seen = []
@@ -101,13 +100,11 @@ async def test_the_evaluators_probes_and_games_call_at_its_priority(monkeypatch,
         return []
 
     log = SimpleNamespace(error=lambda *a, **kw: None, info=lambda *a, **k: None)
-    beside_games = f"eval.probes_beside_games={str(beside).lower()}"
-    sets = ["eval.success_games=1", "eval.priority=-1", "eval.envs=3", beside_games]
-    cfg = load_config(None, [f"run.root={tmp_path}", *sets])
+    cfg = load_config(None, [f"run.root={tmp_path}", "eval.success_games=1", "eval.priority=-1", "eval.envs=3"])
     await one_game_evaluator(monkeypatch, cfg, log, probes, games_played).evaluate(
         AdapterClient(), 3, {"phase": "coevolve"}
     )
-    assert sorted(seen) == [("games", -1, 3), ("probes", probe_priority, 3)]
+    assert seen == [("probes", -1, 3), ("games", -1, 3)]
     assert cfg.inference.request_priority == 0
 
 
