@@ -141,6 +141,7 @@ class Evaluator:
         from actors.eval_report import summarize
         from actors.eval_runner import EvalIncomplete, check_complete, play_games
         from actors.probes import run_probes
+        from comap_async.waiting import cancel_and_wait
 
         eval_registry = Registry.serving(version, prefix=self.prefix)
         names = dict(eval_registry.adapters)
@@ -169,9 +170,7 @@ class Evaluator:
                 try:
                     probe_part, played = await asyncio.gather(*both)
                 except BaseException:  # the first error as it was raised, the other part stopped
-                    for part in both:
-                        part.cancel()
-                    await asyncio.gather(*both, return_exceptions=True)
+                    await cancel_and_wait(both)
                     raise
             else:
                 probe_part = await probes()

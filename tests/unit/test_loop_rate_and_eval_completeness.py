@@ -195,3 +195,36 @@ def test_an_evaluation_that_played_a_game_twice_and_another_never_is_incomplete(
         check_complete([(games[0], stats), (games[1], stats), (games[2], stats), (games[0], stats)], games)
     with pytest.raises(EvalIncomplete, match="1 of 4 episodes failed"):
         check_complete([(g, stats) for g in games[:3]], games)
+
+
+async def test_a_failing_probe_stops_the_games_beside_it_and_is_raised_as_it_was(monkeypatch, tmp_path):
+    """With the probes beside the games, a probe's error ends the evaluation as that error (not wrapped),
+    the games still running are cancelled, and the version's adapters are unloaded."""
+    import asyncio
+
+    from comap_async.config import load_config
+
+    games_cancelled = asyncio.Event()
+
+    async def probes(*args, **kwargs):
+        await asyncio.sleep(0)
+        raise ConnectionError("server gone")
+
+    async def games_played(*args, **kwargs):
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            games_cancelled.set()
+            raise
+
+    unloaded = []
+
+    class Client(AdapterClient):
+        async def unload_adapter(self, name, **k):
+            unloaded.append(name)
+
+    log = SimpleNamespace(error=lambda *a, **kw: None, info=lambda *a, **k: None)
+    cfg = load_config(None, [f"run.root={tmp_path}", "eval.success_games=1"])
+    with pytest.raises(ConnectionError, match="server gone"):
+        await one_game_evaluator(monkeypatch, cfg, log, probes, games_played).evaluate(Client(), 3, {})
+    assert games_cancelled.is_set() and len(unloaded) == 3
