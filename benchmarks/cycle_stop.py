@@ -53,7 +53,7 @@ def main() -> int:
     episodes = report["episodes"]
     checked = [e for e in episodes if "cycle_check" in e]
     exact = [e for e in checked if e["cycle_check"]["exact"]]
-    outcome = [e for e in checked if e["cycle_check"].get("outcome_exact", e["cycle_check"]["exact"])]
+    outcome = [e for e in checked if e["cycle_check"]["outcome_exact"]]
     played = sum(e["steps"] for e in episodes)
     saved = sum(e["steps"] - e["cycle_check"]["at"] for e in checked)
     for e in episodes:
@@ -63,7 +63,7 @@ def main() -> int:
             if c is None
             else f"stop at {c['at']}: "
             + ("exact" if c["exact"] else f"differs in {c['differ']}")
-            + ("" if c["exact"] or not c.get("outcome_exact") else " (outcome exact)")
+            + ("" if c["exact"] or not c["outcome_exact"] else " (outcome exact)")
         )
         print(f"{e['game']}: won={e['won']} steps={e['steps']} {verdict}")
     print(f"report: {out / 'eval.json'}")

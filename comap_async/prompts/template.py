@@ -38,6 +38,10 @@ from comap_async.prompts.messages import (
 )
 from comap_async.wire.messages import DECISIONS
 
+REFLECTION_CONTINUATION = max((reflection_head(d) for d in DECISIONS), key=len)
+"""The longest text a reflection's continuation appends to its prompt (actors/llm.py): a reflection that
+leaves out its Final Action line is continued from its prompt and its decision's head."""
+
 FIT_LEFT_OUT_TURNS = 8
 """Turns a draft prompt past the servers' limit leaves out at a time (:meth:`Prompts.turns_prompt`):
 the next steps of the episode then extend the same shortened prompt, which the server's prefix
@@ -321,10 +325,8 @@ class Prompts:
             messages = reflect_turn_messages(c, a_draft, shown, self.wording, confidence, self.task_every_turn)
             return self.chat.render(messages) + DECISION_PREFIX
 
-        # a reflection that leaves out its Final Action line is continued from this prompt and its
-        # decision's head (actors/llm.py): the servers must take that request too (the learner's own limit
-        # counts the head as target)
-        reserve = max((reflection_head(d) for d in DECISIONS), key=len) if limit is None else ""
+        # the servers must take the continuation's request too; the learner's own limit counts the head as target
+        reserve = REFLECTION_CONTINUATION if limit is None else ""
         return self._continue("reflect_turns", conversation, render, limit, count, reserve)
 
     def world_model(
