@@ -21,7 +21,7 @@ in alternating rounds on one machine:
   the world model and its teacher too); ``fast_envs8_turns``: with 8 environments too;
   ``fast_turns_decision_first``: with co-evolution's reflections read decision first
   (``actor.reflect_decision_first``); ``fast_turns_decision_first_spec4``: with prompt-lookup speculative
-  decoding too (``inference.speculative_tokens=4``).
+  decoding too (``inference.speculative_tokens=4``); ``fast_turns_decision_first_spec8``: 8 at most.
 * ``filed``: ``fast`` as it was when issue 29 was filed: the draft's prompt in the window form
   (``env.draft_turns=false``) and the 256 MB prefix cache (issue 29, acceptance 2 compares against it).
 
@@ -112,6 +112,9 @@ SETTINGS = {
     # with prompt-lookup speculative decoding too: decode is now half the step, and a reflection's action and
     # the teacher's hindsight observation are mostly copies of tokens in their conversations
     "fast_turns_decision_first_spec4": [*TURNS_DECISION_FIRST, "inference.speculative_tokens=4"],
+    # 8 at most: a row's budget doubles only while its proposals are confirmed (the teacher copying the real
+    # observation it is shown), so a row whose guesses fail stays at 1-2 tokens
+    "fast_turns_decision_first_spec8": [*TURNS_DECISION_FIRST, "inference.speculative_tokens=8"],
     # the same with the running batch's KV copied whole at every join and leave (before session 55)
     "fast_turns_decision_first_spec4_repadded": [
         *TURNS_DECISION_FIRST,
@@ -165,6 +168,7 @@ def _server(port: int) -> dict[str, float]:
         | by("prompt_tokens_computed_total", "adapter", "computed")
         | by("generation_tokens_by_adapter_total", "adapter", "generated")
         | by("speculative_tokens_total", "outcome", "speculative")
+        | by("attended_columns_total", "kind", "columns")
     )
 
 
@@ -303,7 +307,9 @@ def main() -> int:
             print(
                 f"round {r} {forward:9s}: {rate:.3f} env steps/s, {calls:.2f} model calls per step; server: "
                 f"decode {d['decode_seconds'] / (t1 - t0):.0%} of the window "
-                f"({1000 * d['decode_seconds'] / steps:.1f} ms per step of {d['decode_rows'] / steps:.1f} rows), "
+                f"({1000 * d['decode_seconds'] / steps:.1f} ms per step of {d['decode_rows'] / steps:.1f} rows, "
+                f"attention over {d.get('columns:all', 0.0) / max(1.0, d['decode_rows']):.0f} columns a row, "
+                f"{d.get('columns:real', 0.0) / max(1.0, d.get('columns:all', 0.0)):.0%} of them unmasked), "
                 f"prefill {d['prefill_seconds'] / (t1 - t0):.0%} "
                 f"({1000 * d['prefill_seconds'] / computed:.2f} ms per computed token, "
                 f"{d['prompt_tokens'] / max(1.0, d['completions']):.0f} prompt tokens per call, "

@@ -98,6 +98,14 @@ class EngineStats:
     proposed_tokens: int = 0
     accepted_tokens: int = 0
     """Proposed tokens the model's own choice confirmed: each is a decode step saved."""
+    attended_columns: int = 0
+    """Rows times KV-cache columns over decode and verify steps: what their attention reads."""
+    real_columns: int = 0
+    """The unmasked ones among them (the rest are rows' left padding and unconfirmed proposals)."""
+
+    def count_columns(self, mask: torch.Tensor) -> None:
+        self.attended_columns += mask.numel()
+        self.real_columns += int(mask.sum())
 
 
 TRIM_EVERY_S = 10.0
@@ -357,6 +365,7 @@ class Engine(SpeculativeSteps):
         positions = torch.tensor([[len(s.prompt_ids) + len(s.out_ids) - 1] for s in rows], dtype=torch.long)
         try:
             mask = self._cache.extend_mask()
+            self.stats.count_columns(mask)
             logits = self._forward(ids, mask, positions, self._cache, [s.slot for s in rows])
             steps = sample_step(
                 logits,

@@ -71,6 +71,13 @@ def families(state: Any) -> list[Metric]:
     _line(out, "decode_seconds_total", "counter", "Time in decode steps.", [({}, st.step_seconds)])
     _line(
         out,
+        "attended_columns_total",
+        "counter",
+        "Rows times KV-cache columns read by decode and verify steps' attention, all and unmasked (real).",
+        [({"kind": "all"}, st.attended_columns), ({"kind": "real"}, st.real_columns)],
+    )
+    _line(
+        out,
         "speculative_tokens_total",
         "counter",
         "Tokens proposed by prompt lookup and confirmed by the model (inference.speculative_tokens).",

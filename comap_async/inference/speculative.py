@@ -130,6 +130,7 @@ class SpeculativeSteps:
             real.extend(range(i * width, i * width + 1 + len(prop)))
         try:
             mask = self._cache.extend_mask(width)
+            self.stats.count_columns(mask)
             logits = self._forward(
                 torch.tensor(ids, dtype=torch.long),
                 mask,

@@ -323,6 +323,9 @@ def test_speculative_decoding_gives_the_tokens_of_decoding_one_at_a_time(tiny_mo
 
     reference, plain = play(0)
     assert plain.stats.verify_steps == plain.stats.proposed_tokens == 0
+    # prompts of different lengths share the batch: the shorter rows' left padding is attended and masked
+    shortest = min(len(s.prompt_ids) for s in reference)
+    assert plain.stats.attended_columns > plain.stats.real_columns >= plain.stats.batch_rows * shortest
     outputs = {tuple(s.prompt_ids): s.out_ids for s in reference}
     wrong_at = {tuple(s.prompt_ids): i % 3 for i, s in enumerate(reference)}  # 0: never wrong
 
@@ -339,6 +342,9 @@ def test_speculative_decoding_gives_the_tokens_of_decoding_one_at_a_time(tiny_mo
         speculated, eng = play(4, proposer)
         st = eng.stats
         assert st.verify_steps > 0 and st.proposed_tokens >= st.accepted_tokens
+        # every decode and verify step's attention is counted: each row reads at least its prompt
+        shortest = min(len(s.prompt_ids) for s in speculated)
+        assert st.attended_columns > st.real_columns >= st.batch_rows * shortest
         assert st.generated_tokens == plain.stats.generated_tokens
         for ref, spec in zip(reference, speculated):
             assert spec.out_ids == ref.out_ids
