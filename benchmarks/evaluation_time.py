@@ -6,12 +6,16 @@ several evaluator settings, alternating, against the servers of a running system
   ``eval.probe_states``, 8 by default; reflections read from their decision token first);
 * ``one_by_one``: ``together`` with the probes' states one after another (``eval.probe_states=0``);
 * ``filed``: the evaluator issue 29 was filed against: states one after another, every
-  reflection generated whole (``eval.reflect_decision_first=false``), the games after the probes;
+  reflection generated whole (``eval.reflect_decision_first=false``), the games after the probes,
+  4 at a time at the actors' priority, and no cycle stop in the draft's turns form (each pinned, since
+  ``configs/local.yaml`` has changed them since);
 * ``priority``: ``together`` with its model calls admitted ahead of the actors' (``eval.priority=-1``);
 * ``priority_envs8``: ``priority`` with 8 success games at a time (``eval.envs=8``), so the evaluation's
   calls alone can fill the server's batch (``inference.max_batch_size``, 8) while they go first;
 * ``priority_envs8_in_turn``: ``priority_envs8`` with the probes first and the games after
-  (``eval.probes_beside_games=false``, the evaluator before session 56).
+  (``eval.probes_beside_games=false``, the evaluator before session 56);
+* ``priority_envs10``: ``priority`` with every one of the 10 success games at once (``eval.envs=10``):
+  with 8, the last two games start when the first two end, and a 50-step game among them ends last.
 
     honcho start   # the run to measure beside: actors and learner busy
     python benchmarks/evaluation_time.py --config configs/local.yaml --set run.name=local --version 20
@@ -51,10 +55,18 @@ from benchmarks._inference import stored_transitions, wait_for  # noqa: E402 - t
 VARIANTS: dict[str, dict] = {
     "together": {},
     "one_by_one": {"probe_states": 0},
-    "filed": {"probe_states": 0, "reflect_decision_first": False, "probes_beside_games": False},
+    "filed": {
+        "probe_states": 0,
+        "reflect_decision_first": False,
+        "probes_beside_games": False,
+        "envs": 4,
+        "priority": 0,
+        "cycle_stop_turns": False,
+    },
     "priority": {"priority": -1},
     "priority_envs8": {"priority": -1, "envs": 8},
     "priority_envs8_in_turn": {"priority": -1, "envs": 8, "probes_beside_games": False},
+    "priority_envs10": {"priority": -1, "envs": 10},
 }
 FIGURES = ("p_discrimination", "p_auc", "draft_accuracy", "wm_delta_f1", "success_rate", "loop_rate")
 
