@@ -21,9 +21,12 @@ in alternating rounds on one machine:
   the world model and its teacher too); ``fast_envs8_turns``: with 8 environments too;
   ``fast_turns_decision_first``: with co-evolution's reflections read decision first
   (``actor.reflect_decision_first``); ``fast_turns_decision_first_spec4``: with prompt-lookup speculative
-  decoding too (``inference.speculative_tokens=4``); ``fast_turns_decision_first_spec8``: 8 at most.
+  decoding too (``inference.speculative_tokens=4``); ``fast_turns_decision_first_spec8``: 8 at most;
+  ``fast_turns_decision_first_spec4_unforced``: with the admissible commands' forced tokens decoded one a step
+  (``inference.forced_choice_tokens=0``).
 * ``filed``: ``fast`` as it was when issue 29 was filed: the draft's prompt in the window form
-  (``env.draft_turns=false``) and the 256 MB prefix cache (issue 29, acceptance 2 compares against it).
+  (``env.draft_turns=false``), the 256 MB prefix cache, the KV copied at every join and leave and the
+  forced tokens of an admissible command decoded one a step (issue 29, acceptance 2 compares against it).
 
     python benchmarks/coevolve_throughput.py [--config configs/local.yaml] [--steps 40] [--rounds 2]
 
@@ -115,6 +118,13 @@ SETTINGS = {
     # 8 at most: a row's budget doubles only while its proposals are confirmed (the teacher copying the real
     # observation it is shown), so a row whose guesses fail stays at 1-2 tokens
     "fast_turns_decision_first_spec8": [*TURNS_DECISION_FIRST, "inference.speculative_tokens=8"],
+    # the same with the draft's admissible command decoded one token a step, its forced tokens too (before
+    # session 57)
+    "fast_turns_decision_first_spec4_unforced": [
+        *TURNS_DECISION_FIRST,
+        "inference.speculative_tokens=4",
+        "inference.forced_choice_tokens=0",
+    ],
     # the same with the running batch's KV copied whole at every join and leave (before session 55)
     "fast_turns_decision_first_spec4_repadded": [
         *TURNS_DECISION_FIRST,
@@ -137,6 +147,7 @@ SETTINGS = {
         "env.draft_turns=false",
         "learner.demo_loss_share={}",
         "inference.kv_in_place=false",
+        "inference.forced_choice_tokens=0",
     ],
 }
 

@@ -45,6 +45,27 @@ class ChoiceTrie:
             out.extend(self.end_ids)
         return out
 
+    def forced(self, generated: Sequence[int], k: int) -> list[int]:
+        """The next tokens (at most ``k``) the choices leave no alternative to after ``generated``: each
+        the only allowed one, up to and including a sole end-of-sequence token."""
+        node = self.root
+        for tok in generated:
+            node = node.get(tok)
+            if node is None:
+                return []
+        out: list[int] = []
+        while len(out) < k:
+            nxt = [t for t in node if t is not None]
+            if None in node:
+                nxt.extend(self.end_ids)
+            if len(nxt) != 1:
+                break
+            out.append(nxt[0])
+            if nxt[0] not in node:  # the end of a choice: nothing follows it
+                break
+            node = node[nxt[0]]
+        return out
+
 
 def parse_choices(body: dict[str, Any]) -> tuple[str, ...] | None:
     """The ``structured_outputs.choice`` list of a request body (None without one); raises ValueError

@@ -4,8 +4,9 @@ The engine thread owns the model. Each iteration it (1) runs queued adapter oper
 only change between forward passes; (2) admits waiting sequences up to ``max_batch_size``, each
 prefilled on its own (no padding inside a prompt) and merged into the running batch's KV cache;
 (3) runs one decode step for the whole batch, rows of different adapters together (peft's
-mixed-adapter forward), or with ``speculative_tokens`` a verify step when a row's prompt suggests how
-it goes on (:mod:`comap_async.inference.speculative`). A sequence leaves the batch as soon as it
+mixed-adapter forward), or a verify step when a row's prompt suggests how it goes on
+(``speculative_tokens``) or its choices force its next tokens (``forced_tokens``)
+(:mod:`comap_async.inference.speculative`). A sequence leaves the batch as soon as it
 finishes, and a newcomer takes its row at the next step, so short and long requests do not wait for each other.
 
 Everything crossing threads goes through ``submit`` (a condition-guarded deque), ``call`` (a queue
@@ -98,6 +99,8 @@ class EngineStats:
     proposed_tokens: int = 0
     accepted_tokens: int = 0
     """Proposed tokens the model's own choice confirmed: each is a decode step saved."""
+    forced_tokens: int = 0
+    """Tokens a choice-constrained row's choices forced, run in a verify step with the row's last one."""
     attended_columns: int = 0
     """Rows times KV-cache columns over decode and verify steps: what their attention reads."""
     real_columns: int = 0
@@ -129,6 +132,7 @@ class Engine(SpeculativeSteps):
         fused: FusedLlama | None = None,
         top_candidates: int = 256,
         speculative_tokens: int = 0,
+        forced_tokens: int = 0,
         proposer: Proposer = ngram_proposal,
         kv_in_place: bool = True,
     ) -> None:
@@ -139,6 +143,7 @@ class Engine(SpeculativeSteps):
         self.cache_arg = kv_cache_argument(slots.forward_model)
         self.top_candidates = top_candidates
         self.speculative_tokens = speculative_tokens
+        self.forced_tokens = forced_tokens
         self.propose = proposer
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_ms / 1000.0
@@ -353,7 +358,7 @@ class Engine(SpeculativeSteps):
             self._running.append(seq)
 
     def _decode_step(self) -> None:
-        if self.speculative_tokens:
+        if self.speculative_tokens or self.forced_tokens:
             proposals = [self._proposal(s) for s in self._running]
             if any(proposals):
                 self._verify_step(proposals)

@@ -84,6 +84,13 @@ def families(state: Any) -> list[Metric]:
         [({"outcome": "proposed"}, st.proposed_tokens), ({"outcome": "accepted"}, st.accepted_tokens)],
     )
     _line(out, "verify_steps_total", "counter", "Decode steps that checked proposed tokens.", [({}, st.verify_steps)])
+    _line(
+        out,
+        "choice_forced_tokens_total",
+        "counter",
+        "Tokens a row's choices forced, run in a verify step (inference.forced_choice_tokens).",
+        [({}, st.forced_tokens)],
+    )
     _line(out, "prefill_seconds_total", "counter", "Time in prompt prefill.", [({}, st.prefill_seconds)])
     _line(
         out,

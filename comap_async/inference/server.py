@@ -76,6 +76,7 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
         fused=fused,
         top_candidates=inf.top_p_candidates,
         speculative_tokens=inf.speculative_tokens,
+        forced_tokens=inf.forced_choice_tokens,
         kv_in_place=inf.kv_in_place,
     )
     engine.start()

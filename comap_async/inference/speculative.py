@@ -99,14 +99,16 @@ class SpeculativeSteps:
     ``_step_failed``, ``_end_step``)."""
 
     def _proposal(self, seq: Any) -> list[int]:
-        """Tokens the sequence's prompt and output suggest it goes on with (none for a choice-constrained
-        row: its few allowed tokens are decided by the trie), within its token budget less one (the
-        verify step always adds the model's own next token)."""
+        """Tokens the sequence's prompt and output suggest it goes on with, within its token budget less
+        one (the verify step always adds the model's own next token). A choice-constrained row proposes
+        the tokens its choices force (``forced_tokens`` at most; each the only one allowed, so always
+        confirmed), the others those prompt lookup finds (``speculative_tokens``)."""
+        room = min(seq.params.max_tokens - len(seq.out_ids), self.max_model_len - len(seq.prompt_ids) - len(seq.out_ids))
         if seq.constraint is not None:
-            return []
-        used = len(seq.prompt_ids) + len(seq.out_ids)
+            k = min(self.forced_tokens, room - 1)
+            return seq.constraint.forced(seq.out_ids, k) if k > 0 else []
         budget = self.speculative_tokens if seq.proposal_budget is None else seq.proposal_budget
-        k = min(budget, seq.params.max_tokens - len(seq.out_ids) - 1, self.max_model_len - used - 1)
+        k = min(budget, room - 1)
         if k <= 0:
             return []
         return self.propose(seq, k)
@@ -167,12 +169,14 @@ class SpeculativeSteps:
                     going_on.append(i)
             active = going_on
         start = mask.shape[1] - width
+        st = self.stats
         for i, n in enumerate(confirmed):
             mask[i, start + 1 + n :] = 0  # the row's last token and its confirmed ones stay
-            if proposals[i]:
+            if rows[i].constraint is not None:
+                st.forced_tokens += n
+            elif proposals[i]:
                 rows[i].proposal_budget = next_budget(self.speculative_tokens, n)
-        st = self.stats
+                st.proposed_tokens += len(proposals[i])
+                st.accepted_tokens += n
         st.verify_steps += 1
-        st.proposed_tokens += sum(map(len, proposals))
-        st.accepted_tokens += sum(confirmed)
         self._end_step(rows, [i for i in range(len(rows)) if i not in finished], t0)

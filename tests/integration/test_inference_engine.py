@@ -280,6 +280,48 @@ def test_choice_decoding_keeps_the_free_greedy_path_and_otherwise_stays_in_the_c
 
 
 @pytest.mark.parametrize("forward", ["transformers", "fused"])
+@pytest.mark.parametrize("speculative_tokens", [0, 3])
+def test_forced_choice_tokens_give_the_tokens_of_decoding_one_at_a_time(tiny_model_dir, forward, speculative_tokens):
+    """Rows decoded to a list of choices whose tokens are mostly forced (shared prefixes, one object per
+    receptacle), greedy and seeded-sampled, beside free rows: with ``forced_tokens`` every row's tokens,
+    logprobs and finish are those of decoding one token a step, in fewer steps; with prompt-lookup
+    speculation too, the free rows' proposals beside the constrained rows' forced tokens."""
+    from comap_async.inference.choices import ChoiceTrie
+    from comap_async.inference.token_sampling import make_generator
+
+    commands = ["take apple 1 from countertop 1", "take mug 2 from cabinet 3", "go to countertop 1", "look"]
+
+    def play(forced_tokens: int) -> tuple[list[Sequence], Engine]:
+        eng = make_engine(tiny_model_dir, forward, speculative_tokens=speculative_tokens, forced_tokens=forced_tokens)
+        eng.start()
+        tok = eng.tokenizer
+        trie = ChoiceTrie([tok(c, add_special_tokens=False).input_ids for c in commands], eng.eos_ids)
+        seqs = []
+        try:
+            for i, text in enumerate(PROMPTS + PROMPTS[:2]):
+                sampled = i % 2 == 1
+                params = SamplingParams(max_tokens=12, temperature=1.0 if sampled else 0.0, seed=5 + i, logprobs=2)
+                gen = make_generator(5 + i) if sampled else None
+                constraint = trie if i % 3 != 2 else None
+                seqs.append(Sequence(tok(text).input_ids, params, generator=gen, constraint=constraint))
+            run(eng, seqs, stagger_s=0.002)
+        finally:
+            eng.stop()
+        return seqs, eng
+
+    reference, plain = play(0)
+    forced, eng = play(4)
+    assert plain.stats.forced_tokens == 0 and eng.stats.forced_tokens > 0
+    assert eng.stats.steps < plain.stats.steps
+    for ref, got in zip(reference, forced):
+        assert got.out_ids == ref.out_ids and (got.finish_reason, got.text) == (ref.finish_reason, ref.text)
+        assert max(abs(a - b) for a, b in zip(got.token_logprobs, ref.token_logprobs)) < 1e-4
+        assert [[t for t, _ in top] for top in got.top_logprobs] == [[t for t, _ in top] for top in ref.top_logprobs]
+    constrained = [s for s in forced if s.constraint is not None]
+    assert {s.text for s in constrained} <= set(commands) and len({s.text for s in constrained}) > 1
+
+
+@pytest.mark.parametrize("forward", ["transformers", "fused"])
 def test_speculative_decoding_gives_the_tokens_of_decoding_one_at_a_time(tiny_model_dir, tmp_path, forward):
     """The verify step (``inference.speculative_tokens``) on a batch of 3 that rows join and leave, mixing
     the base model and an adapter, greedy and seeded top-p rows, a stop string and short budgets: every

@@ -19,6 +19,17 @@ def test_next_tokens_follow_the_choices_and_end_where_one_is_complete():
     assert trie.allowed([9]) == []
 
 
+def test_forced_tokens_run_while_one_token_is_allowed_and_stop_after_a_sole_end():
+    trie = ChoiceTrie([[5, 6], [5, 6, 7], [8], [9, 1, 2, 3]], [END])
+    assert trie.forced([], 4) == []  # 5, 8 or 9
+    assert trie.forced([5], 4) == [6]  # then "fridge 1" may end or go on to "fridge 10"
+    assert trie.forced([5, 6, 7], 4) == [END]
+    assert trie.forced([9], 2) == [1, 2]  # at most k
+    assert trie.forced([9], 8) == [1, 2, 3, END]  # nothing after the end
+    assert trie.forced([4], 4) == []  # off the trie
+    assert ChoiceTrie([[5]], [END, 1]).forced([5], 4) == []  # two end tokens: the model picks one
+
+
 def test_a_trie_needs_an_end_token():
     with pytest.raises(ValueError, match="end-of-sequence"):
         ChoiceTrie([[1]], [])
