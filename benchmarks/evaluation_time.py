@@ -30,12 +30,12 @@ it (and does: say so when quoting). ``--fork SOURCE``: ``comap fork`` makes run
 learner trains) while the evaluations run, then stops it. The evaluations run at the evaluator
 process's niceness (``eval.nice``). Each evaluation also reports the transitions the run's actors
 stored meanwhile per second (from the broker's ``/stats``): more of the server for the evaluation is
-less for them. Rounds alternate the order, and should: an evaluation right after ``--fork``
-started the system shares the server with the actors' first, short conversations, and read 571-642 s
-where the same settings' second evaluation read 977-1,141 s (sessions 56-57), so one round compares
-positions as much as settings (``--rounds 2`` gives each variant a first and a later place). Last line: ``eval_s_<variant>=X probe_s_<variant>=Y`` for
-each variant, then ``speedup=Z`` (medians over the rounds; the first variant's evaluation time over
-the last's).
+less for them. Rounds alternate the order, and should: an evaluation right after ``--fork`` started the
+system shares the server with the actors' first, short conversations, and read 571-642 s where the same
+settings' second evaluation read 977-1,141 s (sessions 56-57), so one round compares positions as much
+as settings (``--rounds 2`` gives each variant a first and a later place). Last line:
+``eval_s_<variant>=X probe_s_<variant>=Y`` for each variant, then ``speedup=Z`` (medians over the
+rounds; the first variant's evaluation time over the last's).
 """
 
 from __future__ import annotations

@@ -103,7 +103,8 @@ class SpeculativeSteps:
         one (the verify step always adds the model's own next token). A choice-constrained row proposes
         the tokens its choices force (``forced_tokens`` at most; each the only one allowed, so always
         confirmed), the others those prompt lookup finds (``speculative_tokens``)."""
-        room = min(seq.params.max_tokens - len(seq.out_ids), self.max_model_len - len(seq.prompt_ids) - len(seq.out_ids))
+        used = len(seq.prompt_ids) + len(seq.out_ids)
+        room = min(seq.params.max_tokens - len(seq.out_ids), self.max_model_len - used)
         if seq.constraint is not None:
             k = min(self.forced_tokens, room - 1)
             return seq.constraint.forced(seq.out_ids, k) if k > 0 else []
