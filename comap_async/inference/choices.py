@@ -32,38 +32,38 @@ class ChoiceTrie:
                 node = node.setdefault(tok, {})
             node[None] = True
 
-    def allowed(self, generated: Sequence[int]) -> list[int]:
-        """The tokens a sequence that generated ``generated`` may take next ([] once it left the trie,
-        which the engine never lets it do)."""
+    def _node(self, generated: Sequence[int]) -> dict[Any, Any] | None:
+        """Where ``generated`` leads in the trie (None once it left it)."""
         node = self.root
         for tok in generated:
             node = node.get(tok)
             if node is None:
-                return []
+                return None
+        return node
+
+    def _next(self, node: dict[Any, Any]) -> list[int]:
         out = [t for t in node if t is not None]
         if None in node:
             out.extend(self.end_ids)
         return out
 
+    def allowed(self, generated: Sequence[int]) -> list[int]:
+        """The tokens a sequence that generated ``generated`` may take next ([] once it left the trie,
+        which the engine never lets it do)."""
+        node = self._node(generated)
+        return [] if node is None else self._next(node)
+
     def forced(self, generated: Sequence[int], k: int) -> list[int]:
         """The next tokens (at most ``k``) the choices leave no alternative to after ``generated``: each
         the only allowed one, up to and including a sole end-of-sequence token."""
-        node = self.root
-        for tok in generated:
-            node = node.get(tok)
-            if node is None:
-                return []
+        node = self._node(generated)
         out: list[int] = []
-        while len(out) < k:
-            nxt = [t for t in node if t is not None]
-            if None in node:
-                nxt.extend(self.end_ids)
+        while node is not None and len(out) < k:
+            nxt = self._next(node)
             if len(nxt) != 1:
                 break
             out.append(nxt[0])
-            if nxt[0] not in node:  # the end of a choice: nothing follows it
-                break
-            node = node[nxt[0]]
+            node = node.get(nxt[0])  # None after an end token: nothing follows a complete choice
         return out
 
 
