@@ -23,10 +23,12 @@ in alternating rounds on one machine:
   (``actor.reflect_decision_first``); ``fast_turns_decision_first_spec4``: with prompt-lookup speculative
   decoding too (``inference.speculative_tokens=4``); ``fast_turns_decision_first_spec8``: 8 at most;
   ``fast_turns_decision_first_spec4_unforced``: with the admissible commands' forced tokens decoded one a step
-  (``inference.forced_choice_tokens=0``).
+  (``inference.forced_choice_tokens=0``); ``fast_turns_decision_first_spec4_prompts_cached``: with only prompts
+  in the prefix cache (``inference.prefix_cache_outputs=false``).
 * ``filed``: ``fast`` as it was when issue 29 was filed: the draft's prompt in the window form
   (``env.draft_turns=false``), the 256 MB prefix cache, the KV copied at every join and leave and the
-  forced tokens of an admissible command decoded one a step (issue 29, acceptance 2 compares against it).
+  forced tokens of an admissible command decoded one a step, only prompts in the prefix cache (issue 29,
+  acceptance 2 compares against it).
 
     python benchmarks/coevolve_throughput.py [--config configs/local.yaml] [--steps 40] [--rounds 2]
 
@@ -131,6 +133,13 @@ SETTINGS = {
         "inference.speculative_tokens=4",
         "inference.kv_in_place=false",
     ],
+    # the same with only prompts in the prefix cache (before session 58): a reply's keys and values are
+    # computed again in the next turn's prefill
+    "fast_turns_decision_first_spec4_prompts_cached": [
+        *TURNS_DECISION_FIRST,
+        "inference.speculative_tokens=4",
+        "inference.prefix_cache_outputs=false",
+    ],
     "fast_envs8_turns": [
         *FAST,
         "inference.prefix_cache_mb=2048",
@@ -148,6 +157,7 @@ SETTINGS = {
         "learner.demo_loss_share={}",
         "inference.kv_in_place=false",
         "inference.forced_choice_tokens=0",
+        "inference.prefix_cache_outputs=false",
     ],
 }
 

@@ -80,7 +80,26 @@ async def evaluate(cfg, version: int, eval_settings: dict, log, adapter_dir: Pat
 
     cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update=eval_settings)})
     async with InferenceClient.from_config(cfg) as client:
-        return await Evaluator(cfg, log, prefix="bench-").evaluate(client, version, {}, adapter_dir)
+        before = await client.engine_counters()
+        result = await Evaluator(cfg, log, prefix="bench-").evaluate(client, version, {}, adapter_dir)
+        after = await client.engine_counters()
+    result["server"] = {k: round(after[k] - before[k], 3) for k in before if k in after}
+    return result
+
+
+def server_line(d: dict[str, float]) -> str:
+    """Where the server's time went during one evaluation (everyone's calls: the evaluation's and the actors')."""
+    if not d.get("prompt_tokens"):
+        return "server: no counters"
+    computed = d["prompt_tokens"] - d.get("prefix_cache_hit_tokens", 0.0)
+    rows = d["decode_rows"] / d["decode_steps"] if d.get("decode_steps") else 0.0
+    return (
+        f"server: prefill {d.get('prefill_seconds', 0):.0f} s for {computed:.0f} computed of {d['prompt_tokens']:.0f} "
+        f"prompt tokens ({d.get('prefix_cache_hit_tokens', 0) / d['prompt_tokens']:.0%} from the prefix cache, "
+        f"{1000 * d.get('prefill_seconds', 0) / max(1.0, computed):.2f} ms a computed token), decode "
+        f"{d.get('decode_seconds', 0):.0f} s in {d.get('decode_steps', 0):.0f} steps of {rows:.1f} rows, "
+        f"{d.get('prefix_cache_evicted_blocks', 0):.0f} prefix-cache blocks evicted"
+    )
 
 
 def main() -> int:
@@ -190,6 +209,7 @@ def measure(args, cfg, log, snapshot: Path) -> dict[str, list[tuple[float, float
                 + " ".join(f"{k}={result.get(k)}" for k in FIGURES),
                 flush=True,
             )
+            print(f"round={r} variant={variant} {server_line(result['server'])}", flush=True)
             if args.out:
                 with args.out.open("a") as f:
                     f.write(json.dumps({"round": r, "variant": variant, **result}) + "\n")

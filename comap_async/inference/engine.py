@@ -67,6 +67,9 @@ class Sequence:
     proposal_budget: int | None = None
     """Most tokens to propose next (None: ``speculative_tokens``; then
     :func:`~comap_async.inference.speculative.next_budget` of what the last verify step confirmed)."""
+    cache_gen: int | None = None
+    """Its slot's generation when it was prefilled: at its end its output's keys and values join the
+    prefix cache only if the slot's weights are still the ones that computed them."""
 
 
 def enqueue(waiting: deque[Sequence], seq: Sequence) -> None:
@@ -135,6 +138,7 @@ class Engine(SpeculativeSteps):
         forced_tokens: int = 0,
         proposer: Proposer = ngram_proposal,
         kv_in_place: bool = True,
+        cache_outputs: bool = True,
     ) -> None:
         self.model, self.tokenizer, self.slots = model, tokenizer, slots
         # the fused forward keeps keys transposed in its KV cache; transformers' forward cannot read them
@@ -151,6 +155,7 @@ class Engine(SpeculativeSteps):
         self.log = log
         self.stats = EngineStats()
         self.prefix = prefix_cache
+        self.cache_outputs = cache_outputs
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self.cache_kind = BatchCache if kv_in_place else RepaddedBatchCache
         eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
@@ -330,7 +335,7 @@ class Engine(SpeculativeSteps):
         self._last_busy = time.monotonic()
         prompt, n = seq.prompt_ids, len(seq.prompt_ids)
         cache = self._new_cache()
-        gen = self.slots.generation.get(seq.slot, 0)
+        gen = seq.cache_gen = self.slots.generation.get(seq.slot, 0)
         done, layers = self.prefix.lookup(seq.slot, gen, prompt, self.key_dim) if self.prefix is not None else (0, None)
         if layers is not None:
             for layer, (k, v) in zip(cache.layers, layers):
@@ -400,12 +405,38 @@ class Engine(SpeculativeSteps):
     def _end_step(self, rows: list[Sequence], keep: list[int], t0: float) -> None:
         """After a decode or verify step: only the ``keep`` rows stay in the batch; the step is counted."""
         if len(keep) != len(rows):
+            if self.prefix is not None and self.cache_outputs:
+                self._store_outputs(rows, keep)
             self._running = [rows[i] for i in self._cache.select(keep)]
         st = self.stats
         st.steps += 1
         st.batch_rows += len(rows)
         st.running = len(self._running)
         st.step_seconds += time.perf_counter() - t0
+
+    def _store_outputs(self, rows: list[Sequence], keep: list[int]) -> None:
+        """Keep the keys and values of what the leaving rows generated in the prefix cache: a conversation's
+        next turn repeats the reply, so its prefill starts after it instead of at the prompt's last full block.
+        Every token but the last has its keys and values in the batch cache (the last was never fed back)."""
+        kept, block = set(keep), self.prefix.block
+        for i, seq in enumerate(rows):
+            if i in kept or seq.finish_reason not in ("stop", "length") or len(seq.out_ids) < 2:
+                continue
+            if seq.cache_gen != self.slots.generation.get(seq.slot, 0):
+                continue  # the slot's weights changed meanwhile
+            tokens = seq.prompt_ids + seq.out_ids[:-1]
+            start = len(seq.prompt_ids) // block * block
+            if len(tokens) // block * block <= start:
+                continue  # no new full block
+            columns = self._cache.mask[i].nonzero().squeeze(1)
+            if columns.numel() != len(tokens):  # the row's real columns are its tokens; else leave it out
+                continue
+            columns = columns[start:]
+            layers = [
+                (layer.keys[i : i + 1].index_select(layer.kdim, columns), layer.values[i : i + 1, :, columns])
+                for layer in self._cache.layers
+            ]
+            self.prefix.store(seq.slot, seq.cache_gen, tokens, layers, start, self.key_dim, offset=start)
 
     def _append(self, seq: Sequence, step: StepOutput) -> bool:
         """Record one token; True when the sequence has finished (and was handed back)."""

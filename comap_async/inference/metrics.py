@@ -133,6 +133,14 @@ def families(state: Any) -> list[Metric]:
             [({}, pc.hits)],
         )
         _line(out, "prefix_cache_blocks", "gauge", "Cached prompt-prefix blocks.", [({}, len(pc))])
+        _line(out, "prefix_cache_bytes", "gauge", "Bytes of the cached prefixes' keys and values.", [({}, pc.bytes)])
+        _line(
+            out,
+            "prefix_cache_evicted_blocks_total",
+            "counter",
+            "Blocks dropped for the cache's budget (inference.prefix_cache_mb).",
+            [({}, pc.evicted)],
+        )
     uptime = max(1e-9, time.time() - state.started_at)
     busy = st.step_seconds + st.prefill_seconds
     _line(out, "uptime_seconds", "gauge", "Seconds since the server started.", [({}, round(uptime, 3))])

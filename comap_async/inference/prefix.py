@@ -28,6 +28,7 @@ class PrefixCache:
         )
         self._bytes = 0
         self.hits = 0  # tokens served from the cache (those computed: EngineStats.computed_by_adapter)
+        self.evicted = 0  # blocks dropped for the budget: a budget below the live conversations' KV shows here
 
     def _chain(self, slot: str, gen: int, ids: list[int], upto: int):
         prev: Key | None = None
@@ -68,20 +69,27 @@ class PrefixCache:
         layers: list[tuple[torch.Tensor, torch.Tensor]],
         start: int,
         key_dim: int = 2,
+        offset: int = 0,
     ) -> None:
-        """Keep the full blocks of a freshly prefilled prompt (``layers``: its per-layer keys/values)."""
+        """Keep the full blocks from ``start`` on of a freshly computed sequence (``layers``: its per-layer
+        keys/values from position ``offset`` on)."""
         full = (len(ids) // self.block) * self.block
         for pos, prev, toks, key in self._chain(slot, gen, ids, full):
             if pos < start or key in self._blocks:
                 continue
-            kv = [
-                (k.narrow(key_dim, pos, self.block).clone(), v[:, :, pos : pos + self.block].clone()) for k, v in layers
-            ]
+            at = pos - offset
+            kv = [(k.narrow(key_dim, at, self.block).clone(), v[:, :, at : at + self.block].clone()) for k, v in layers]
             self._blocks[key] = (prev, toks, kv)
             self._bytes += sum(k.numel() * k.element_size() * 2 for k, _ in kv)
         while self._bytes > self.max_bytes and self._blocks:
             _, (_, _, kv) = self._blocks.popitem(last=False)
             self._bytes -= sum(k.numel() * k.element_size() * 2 for k, _ in kv)
+            self.evicted += 1
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of keys and values held (at most ``max_bytes``)."""
+        return self._bytes
 
     def __len__(self) -> int:
         return len(self._blocks)

@@ -78,6 +78,7 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
         speculative_tokens=inf.speculative_tokens,
         forced_tokens=inf.forced_choice_tokens,
         kv_in_place=inf.kv_in_place,
+        cache_outputs=inf.prefix_cache_outputs,
     )
     engine.start()
     engine.call(slots.fill_spares).result()

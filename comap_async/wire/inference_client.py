@@ -82,6 +82,7 @@ ENGINE_COUNTERS = (
     "decode_seconds",
     "decode_steps",
     "decode_rows",
+    "prefix_cache_evicted_blocks",
 )
 """The embedded server's counters an evaluation reads before and after a row (where its time went)."""
 

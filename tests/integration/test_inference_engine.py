@@ -230,6 +230,63 @@ def test_prefix_cache_reuses_prompt_starts_without_changing_results(tiny_model_d
         eng.stop()
 
 
+@pytest.mark.parametrize("forward", ["transformers", "fused"])
+@pytest.mark.parametrize("spec", [0, 3])
+def test_replies_in_the_prefix_cache_serve_the_next_turn_without_changing_results(tiny_model_dir, forward, spec):
+    """``inference.prefix_cache_outputs``: a finished row's generated tokens join the prefix cache, so a next
+    turn that repeats prompt and reply is prefilled from after the reply, and it generates what a server
+    without any prefix cache does. Rows share the batch (left padding); with ``spec`` every verify step
+    confirms one proposed token and rejects the next, so the rows hold masked columns when they finish."""
+    from comap_async.inference.prefix import PrefixCache
+
+    p = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, logprobs=2)
+    reference: dict[tuple[int, ...], list[int]] = {}
+
+    def right_then_wrong(seq: Sequence, k: int) -> list[int]:
+        out = reference[tuple(seq.prompt_ids)]
+        n = len(seq.out_ids)
+        return out[n : n + 1] + [(out[n + 1] + 1) % 512] if n + 2 < len(out) and k >= 2 else []
+
+    def conversation(eng: Engine) -> tuple[list[Sequence], list[Sequence], int]:
+        tok = eng.tokenizer
+        first = [Sequence(tok(t).input_ids, p) for t in PROMPTS]
+        run(eng, first)
+        second = [Sequence(s.prompt_ids + s.out_ids + tok(" > look").input_ids, p) for s in first]
+        hits = eng.prefix.hits if eng.prefix is not None else 0
+        run(eng, second)
+        return first, second, (eng.prefix.hits - hits if eng.prefix is not None else 0)
+
+    results = {}
+    for name, kw in {
+        "none": {},
+        "prompts": {"prefix_cache": PrefixCache(block=4), "cache_outputs": False},
+        "outputs": {"prefix_cache": PrefixCache(block=4)},
+    }.items():
+        if name != "none":
+            kw |= {"speculative_tokens": spec, "proposer": right_then_wrong}
+        eng = make_engine(tiny_model_dir, forward, max_batch_size=4, **kw)
+        eng.start()
+        try:
+            eng.call(eng.slots.fill_spares).result(30)
+            results[name] = conversation(eng)
+            if spec and name != "none":
+                assert eng.stats.accepted_tokens > 0 and eng.stats.proposed_tokens == 2 * eng.stats.accepted_tokens
+        finally:
+            eng.stop()
+        if name == "none":
+            reference.update({tuple(s.prompt_ids): s.out_ids for turn in results[name][:2] for s in turn})
+    first, second, _ = results["none"]
+    _, _, prompt_hits = results["prompts"]
+    _, _, output_hits = results["outputs"]
+    # each second prompt found its first turn's whole reply but the last token (never fed back)
+    assert output_hits == sum((len(s.prompt_ids) + len(s.out_ids) - 1) // 4 * 4 for s in first)
+    assert prompt_hits == sum(len(s.prompt_ids) // 4 * 4 for s in first) < output_hits
+    for name in ("prompts", "outputs"):
+        for ref, got in zip(second, results[name][1]):
+            assert got.out_ids == ref.out_ids
+            assert max(abs(a - b) for a, b in zip(got.token_logprobs, ref.token_logprobs)) < 1e-4
+
+
 def test_a_slot_given_back_while_a_spare_is_built_does_not_grow_the_pool(engine):
     """``_recycle`` gives a retired slot back from the event loop while the engine thread may be
     building a spare for the same gap: the pool must stay at its size (it grew by one before)."""
