@@ -112,6 +112,13 @@ class InferenceConfig(Section):
     """Embedded server: memory for the KV of shared prompt prefixes (0 turns the cache off). vLLM:
     0 passes ``--no-enable-prefix-caching``, else ``--enable-prefix-caching`` (its automatic prefix
     caching, sized by its KV cache)."""
+    priority_hold_s: float = Field(default=0.0, ge=0)
+    """Embedded server: a request waits while one of a lower ``priority`` (the evaluator's, ``eval.priority``)
+    is running, for at most this long, instead of joining the batch whenever it has room (0, vLLM's
+    priority scheduling). On one CPU core a joining row is not free: its prefill stops every running row,
+    and an actor's turns-form conversation re-prefilled after a publish is ~1,400 tokens (~4 s). Held, the
+    actors' calls wait out an evaluation (the server's time is the same, the evaluation no longer shares
+    it): keep it well under the clients' ``request_timeout_s``."""
     prefix_cache_outputs: bool = True
     """Embedded server: a finished request's generated tokens join the prefix cache with its prompt, so
     a conversation's next turn (which repeats the reply) is prefilled from after it. Off: only prompts
@@ -188,6 +195,15 @@ class InferenceConfig(Section):
             retry["attempts"] = retries + 1
         data["retry"] = retry
         return data
+
+    @model_validator(mode="after")
+    def _hold_under_timeout(self) -> "InferenceConfig":
+        if self.priority_hold_s and self.priority_hold_s >= self.request_timeout_s:
+            raise ValueError(
+                f"inference.priority_hold_s ({self.priority_hold_s:g}) must be under inference.request_timeout_s "
+                f"({self.request_timeout_s:g}): a held request would time out before it is admitted"
+            )
+        return self
 
     @property
     def retries(self) -> int:

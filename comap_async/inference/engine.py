@@ -51,7 +51,8 @@ class Sequence:
     """A :class:`~comap_async.inference.choices.ChoiceTrie`: the tokens it may take (None: any)."""
     priority: int = 0
     """Admission order, as vLLM's priority scheduling: lower first, arrival order within one priority. A
-    running row is not preempted (a call here decodes tens of tokens, so a row frees within a second)."""
+    running row is not preempted (a call here decodes tens of tokens, so a row frees within a second).
+    With the engine's ``priority_hold_s``, a sequence also waits while one of a lower priority runs."""
     out_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -139,6 +140,7 @@ class Engine(SpeculativeSteps):
         proposer: Proposer = ngram_proposal,
         kv_in_place: bool = True,
         cache_outputs: bool = True,
+        priority_hold_s: float = 0.0,
     ) -> None:
         self.model, self.tokenizer, self.slots = model, tokenizer, slots
         # the fused forward keeps keys transposed in its KV cache; transformers' forward cannot read them
@@ -156,6 +158,7 @@ class Engine(SpeculativeSteps):
         self.stats = EngineStats()
         self.prefix = prefix_cache
         self.cache_outputs = cache_outputs
+        self.priority_hold_s = priority_hold_s
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self.cache_kind = BatchCache if kv_in_place else RepaddedBatchCache
         eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
@@ -311,12 +314,30 @@ class Engine(SpeculativeSteps):
             return out.logits.reshape(-1, out.logits.shape[-1]).index_select(0, real)
         return out.logits[:, -1, :]
 
+    def _admissible(self) -> Sequence | None:
+        """The next waiting sequence to admit (called under ``_cond``), taken off the queue: the first in
+        priority order, except that with ``priority_hold_s`` one whose priority is above a running row's
+        waits until it has waited that long (then the longest waiting such one goes)."""
+        if not self._waiting:
+            return None
+        if self.priority_hold_s > 0 and self._running:
+            best = min(s.priority for s in self._running)
+            if self._waiting[0].priority > best:
+                now = time.monotonic()
+                aged = [w for w in self._waiting if now - w.t_submit >= self.priority_hold_s]
+                if not aged:
+                    return None
+                seq = min(aged, key=lambda w: w.t_submit)
+                self._waiting.remove(seq)
+                return seq
+        return self._waiting.popleft()
+
     def _admit(self) -> None:
         while len(self._running) < self.max_batch_size:
             with self._cond:
-                if not self._waiting:
+                seq = self._admissible()
+                if seq is None:
                     break
-                seq = self._waiting.popleft()
                 self.stats.waiting = len(self._waiting)
             if seq.cancelled:
                 self._finish(seq, "abort")

@@ -79,6 +79,7 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
         forced_tokens=inf.forced_choice_tokens,
         kv_in_place=inf.kv_in_place,
         cache_outputs=inf.prefix_cache_outputs,
+        priority_hold_s=inf.priority_hold_s,
     )
     engine.start()
     engine.call(slots.fill_spares).result()

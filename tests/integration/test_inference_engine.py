@@ -482,6 +482,40 @@ def test_waiting_sequences_are_admitted_lowest_priority_first(tiny_model_dir):
     assert len({tuple(s.out_ids) for s in seqs}) == 1 and all(s.finish_reason == "length" for s in seqs)
 
 
+@pytest.mark.parametrize("hold_s", [0.0, 0.2, 30.0])
+def test_priority_hold_keeps_worse_priorities_waiting_while_a_better_one_runs(tiny_model_dir, hold_s):
+    """``inference.priority_hold_s``: an actor's call (priority 0) arriving while an evaluator's (-1) decodes
+    joins the batch at once without a hold (the batch has room), after the hold when it is shorter than the
+    evaluator's call, else when the evaluator's call has finished; its tokens are the same either way."""
+    eng = make_engine(tiny_model_dir, "fused", max_batch_size=3, priority_hold_s=hold_s)
+    ids = eng.tokenizer(PROMPTS[0]).input_ids
+    evaluator = Sequence(list(ids), SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True), priority=-1)
+    evaluator.on_token = lambda _s: time.sleep(0.005)  # ~0.6 s of decoding, whatever the machine
+    actor = Sequence(list(ids), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    ended: dict[str, float] = {}
+    done = threading.Semaphore(0)
+    for name, s in (("evaluator", evaluator), ("actor", actor)):
+        s.on_done = lambda _s, name=name: (ended.__setitem__(name, time.monotonic()), done.release())
+    eng.start()
+    try:
+        eng.submit([evaluator])
+        while evaluator.t_first is None:
+            time.sleep(0.001)
+        actor.t_submit = time.monotonic()
+        eng.submit([actor])
+        assert done.acquire(timeout=60) and done.acquire(timeout=60)
+    finally:
+        eng.stop()
+    waited = actor.t_first - actor.t_submit
+    if hold_s == 0:
+        assert actor.t_first < ended["evaluator"] and waited < 0.2
+    elif hold_s < 1:
+        assert hold_s <= waited and actor.t_first < ended["evaluator"]
+    else:
+        assert actor.t_first >= ended["evaluator"]
+    assert actor.out_ids == evaluator.out_ids[:4]
+
+
 def test_joins_and_leaves_in_place_give_the_tokens_of_copying_the_batch(tiny_model_dir):
     """``inference.kv_in_place`` (the default) against the batch copied at every join and leave: the same
     tokens for greedy and seeded sampled rows of different lengths joining and leaving a batch of 3,
