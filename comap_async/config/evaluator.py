@@ -105,9 +105,10 @@ class EvalConfig(Section):
     priority: RequestPriority = 0
     """The priority of the evaluator's model calls on the servers it shares with the actors (vLLM's
     ``priority``: lower is admitted first; the actors' calls are 0). -1 puts an evaluation's calls ahead
-    of the actors' waiting ones: the server's time is the same, but the evaluation takes about the
-    time of its own calls while the actors wait that long, instead of both sharing the server for the
-    whole evaluation. With vLLM the launcher then adds ``--scheduling-policy priority``."""
+    of the actors' waiting ones; with the embedded server's ``inference.priority_hold_s`` the actors' calls
+    also wait while the evaluator's run (not only while they wait), so the evaluation takes about the time
+    of its own calls while the actors wait that long, instead of both sharing the server for the whole
+    evaluation. With vLLM the launcher then adds ``--scheduling-policy priority``."""
     poll_s: float = Field(default=5.0, gt=0)
     """How often the evaluator asks the broker for a new version."""
     nice: int = Field(default=0, ge=0, le=19)
