@@ -122,7 +122,8 @@ class InferenceConfig(Section):
     prefix_cache_outputs: bool = True
     """Embedded server: a finished request's generated tokens join the prefix cache with its prompt, so
     a conversation's next turn (which repeats the reply) is prefilled from after it. Off: only prompts
-    are cached (the path before session 58). Live, the prompts' computed tokens fell ~6 % (docs/inference.md)."""
+    are cached (the path before session 58). Replayed over a live fork's requests, ~6 % fewer computed prompt
+    tokens (docs/inference.md)."""
     speculative_tokens: int = Field(default=0, ge=0, le=32)
     """Prompt-lookup speculative decoding: up to this many tokens proposed per row and decode step
     from where the row's last tokens occurred before in its prompt or output, checked in one forward
