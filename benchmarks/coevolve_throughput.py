@@ -24,10 +24,13 @@ in alternating rounds on one machine:
   decoding too (``inference.speculative_tokens=4``); ``fast_turns_decision_first_spec8``: 8 at most;
   ``fast_turns_decision_first_spec4_unforced``: with the admissible commands' forced tokens decoded one a step
   (``inference.forced_choice_tokens=0``); ``fast_turns_decision_first_spec4_prompts_cached``: with only prompts
-  in the prefix cache (``inference.prefix_cache_outputs=false``).
+  in the prefix cache (``inference.prefix_cache_outputs=false``); ``fast_turns_decision_first_spec4_unmixed``: with
+  every prompt prefilled in a forward of its own (``inference.mixed_step_tokens=0``);
+  ``fast_envs8_turns_decision_first_spec4``: with 8 environments.
 * ``filed``: ``fast`` as it was when issue 29 was filed: the draft's prompt in the window form
   (``env.draft_turns=false``), the 256 MB prefix cache, the KV copied at every join and leave and the
-  forced tokens of an admissible command decoded one a step, only prompts in the prefix cache (issue 29,
+  forced tokens of an admissible command decoded one a step, only prompts in the prefix cache, each prompt
+  prefilled in a forward of its own (issue 29,
   acceptance 2 compares against it).
 
     python benchmarks/coevolve_throughput.py [--config configs/local.yaml] [--steps 40] [--rounds 2]
@@ -140,6 +143,19 @@ SETTINGS = {
         "inference.speculative_tokens=4",
         "inference.prefix_cache_outputs=false",
     ],
+    # the same with every prompt prefilled in a forward of its own (before session 59): the running rows'
+    # decode step reads the weights again right after
+    "fast_turns_decision_first_spec4_unmixed": [
+        *TURNS_DECISION_FIRST,
+        "inference.speculative_tokens=4",
+        "inference.mixed_step_tokens=0",
+    ],
+    # 8 environments: with prompts prefilled in the decode step's forward, more rows share each read of the weights
+    "fast_envs8_turns_decision_first_spec4": [
+        *TURNS_DECISION_FIRST,
+        "inference.speculative_tokens=4",
+        "actor.envs=8",
+    ],
     "fast_envs8_turns": [
         *FAST,
         "inference.prefix_cache_mb=2048",
@@ -158,6 +174,7 @@ SETTINGS = {
         "inference.kv_in_place=false",
         "inference.forced_choice_tokens=0",
         "inference.prefix_cache_outputs=false",
+        "inference.mixed_step_tokens=0",
     ],
 }
 
@@ -190,6 +207,7 @@ def _server(port: int) -> dict[str, float]:
         | by("generation_tokens_by_adapter_total", "adapter", "generated")
         | by("speculative_tokens_total", "outcome", "speculative")
         | by("attended_columns_total", "kind", "columns")
+        | {"mixed_prefills": sum(s.value for s in samples.get("comap_inference_mixed_prefills_total", []))}
     )
 
 
@@ -334,7 +352,8 @@ def main() -> int:
                 f"prefill {d['prefill_seconds'] / (t1 - t0):.0%} "
                 f"({1000 * d['prefill_seconds'] / computed:.2f} ms per computed token, "
                 f"{d['prompt_tokens'] / max(1.0, d['completions']):.0f} prompt tokens per call, "
-                f"{d['prefix_cache_hit_tokens'] / max(1.0, d['prompt_tokens']):.0%} from the prefix cache), "
+                f"{d['prefix_cache_hit_tokens'] / max(1.0, d['prompt_tokens']):.0%} from the prefix cache, "
+                f"{d.get('mixed_prefills', 0.0) / max(1.0, d['completions']):.0%} of prompts in a shared forward), "
                 f"{d['generation_tokens'] / max(1.0, d['completions']):.0f} tokens generated per call, "
                 f"{computed / (n1 - n0):.0f} prompt tokens prefilled per env step ("
                 + _by_role(d, "computed", n1 - n0, ".0f")

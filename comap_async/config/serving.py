@@ -124,6 +124,11 @@ class InferenceConfig(Section):
     a conversation's next turn (which repeats the reply) is prefilled from after it. Off: only prompts
     are cached (the path before session 58). Replayed over a live fork's requests, ~6 % fewer computed prompt
     tokens (docs/inference.md)."""
+    mixed_step_tokens: int = Field(default=2048, ge=0)
+    """Embedded server, fused forward: joining prompts whose uncached parts add up to at most this many
+    tokens are prefilled in the same forward as the running rows' next decode step (and as each other),
+    so the weights are read once for all of them; a longer one is prefilled on its own first, as with 0
+    (the path before session 59). Like vLLM's mixed prefill-and-decode batches, without chunking."""
     speculative_tokens: int = Field(default=0, ge=0, le=32)
     """Prompt-lookup speculative decoding: up to this many tokens proposed per row and decode step
     from where the row's last tokens occurred before in its prompt or output, checked in one forward

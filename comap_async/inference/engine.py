@@ -26,7 +26,7 @@ import torch
 
 from comap_async.heap import release_freed_memory
 from comap_async.inference.adapters import BASE, SlotManager
-from comap_async.inference.fused import FusedLlama
+from comap_async.inference.fused import FusedLlama, Part
 from comap_async.inference.kvcache import BatchCache, RepaddedBatchCache, with_capacity
 from comap_async.inference.prefix import PrefixCache
 from comap_async.inference.speculative import NgramIndex, Proposer, SpeculativeSteps, allowed_tokens, ngram_proposal
@@ -81,11 +81,38 @@ def enqueue(waiting: deque[Sequence], seq: Sequence) -> None:
     waiting.insert(next(i for i, w in enumerate(waiting) if w.priority > seq.priority), seq)
 
 
+@dataclass(eq=False)
+class Prefill:
+    """A sequence's prompt, ready for its forward: what the prefix cache served is in ``cache`` already."""
+
+    seq: Sequence
+    cache: BatchCache
+    cached: int
+    """Prompt tokens the prefix cache served (their keys and values are in ``cache``)."""
+    gen: int
+    """The slot's generation at the lookup (:attr:`Sequence.cache_gen`)."""
+    t0: float
+    logits: torch.Tensor | None = None
+    seconds: float = 0.0
+    """Its share of the forward's time (a forward of several parts is shared by their tokens)."""
+
+    @property
+    def computed(self) -> int:
+        return len(self.seq.prompt_ids) - self.cached
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``input_ids``, ``positions`` and ``mask`` of the prompt's part after the cached prefix."""
+        prompt, n = self.seq.prompt_ids, len(self.seq.prompt_ids)
+        ids = torch.tensor([prompt[self.cached :]], dtype=torch.long)
+        return ids, torch.arange(self.cached, n).unsqueeze(0), torch.ones(1, n, dtype=torch.long)
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
     step_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    """Time prefilling prompts: a prompt prefilled in a decode step's forward counts its tokens' share of it."""
     batch_rows: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -98,6 +125,8 @@ class EngineStats:
     prompts the cache misses (a role whose prompt is re-rendered every step shows here)."""
     generated_by_adapter: dict[str, int] = field(default_factory=dict)
     """Tokens generated, by :attr:`Sequence.adapter`: which role's outputs the decode steps are spent on."""
+    mixed_prefills: int = 0
+    """Prompts prefilled in the same forward as a decode step or other prompts (``mixed_step_tokens``)."""
     verify_steps: int = 0
     """Decode steps that checked proposed tokens (counted in ``steps`` too)."""
     proposed_tokens: int = 0
@@ -141,6 +170,7 @@ class Engine(SpeculativeSteps):
         kv_in_place: bool = True,
         cache_outputs: bool = True,
         priority_hold_s: float = 0.0,
+        mixed_step_tokens: int = 0,
     ) -> None:
         self.model, self.tokenizer, self.slots = model, tokenizer, slots
         # the fused forward keeps keys transposed in its KV cache; transformers' forward cannot read them
@@ -159,6 +189,8 @@ class Engine(SpeculativeSteps):
         self.prefix = prefix_cache
         self.cache_outputs = cache_outputs
         self.priority_hold_s = priority_hold_s
+        # only the fused forward runs several batches with their own caches in one forward
+        self.mixed_step_tokens = mixed_step_tokens if fused is not None else 0
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self.cache_kind = BatchCache if kv_in_place else RepaddedBatchCache
         eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
@@ -241,9 +273,12 @@ class Engine(SpeculativeSteps):
                     if was_idle and self._waiting and self.batch_wait_s > 0:
                         # let a burst of concurrent requests arrive so they start decoding together
                         time.sleep(self.batch_wait_s)
-                    self._admit()
+                    joining = self._admit()
                     if self._running:
-                        self._decode_step()
+                        self._decode_step(joining)
+                    elif joining:
+                        self._prefill_together(joining)
+                    self._join(joining)
                     if time.monotonic() - self._last_trim >= TRIM_EVERY_S:
                         release_freed_memory()
                         self._last_trim = time.monotonic()
@@ -291,13 +326,24 @@ class Engine(SpeculativeSteps):
         cache: BatchCache,
         adapters: list[str],
         real: torch.Tensor | None = None,
+        prefills: list[Prefill] = (),
         **kw: Any,
     ) -> torch.Tensor:
         """Logits ``[B, vocab]`` of each row's last position, or with ``real`` (indices into the flattened
-        ``[B*T]`` positions) of those positions, ``[len(real), vocab]`` (the fused forward computes no other)."""
+        ``[B*T]`` positions) of those positions, ``[len(real), vocab]`` (the fused forward computes no other).
+        ``prefills`` (fused forward only) are computed in the same forward: each gets its logits and its
+        tokens' share of the time."""
         if self.fused is not None:
-            rows = self.slots.stacks.rows_for(adapters, BASE) if self.slots.peft is not None else None
-            return self.fused.forward(input_ids, positions, mask, cache, rows, real=real)
+            t0 = time.perf_counter()
+            parts = [self._part(input_ids, positions, mask, cache, adapters, real)]
+            parts += [self._part(*p.inputs(), p.cache, [p.seq.slot]) for p in prefills]
+            logits = self.fused.forward_parts(parts)
+            if prefills:
+                seconds = time.perf_counter() - t0
+                tokens = [len(real) if real is not None else input_ids.numel(), *(p.computed for p in prefills)]
+                for p, part_logits, n in zip(prefills, logits[1:], tokens[1:]):
+                    p.logits, p.seconds = part_logits, seconds * n / sum(tokens)
+            return logits[0]
         self.slots.begin_step(adapters)
         try:
             out = self.slots.forward_model(
@@ -314,14 +360,27 @@ class Engine(SpeculativeSteps):
             return out.logits.reshape(-1, out.logits.shape[-1]).index_select(0, real)
         return out.logits[:, -1, :]
 
-    def _admissible(self) -> Sequence | None:
+    def _part(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: BatchCache,
+        adapters: list[str],
+        real: torch.Tensor | None = None,
+    ) -> Part:
+        rows = self.slots.stacks.rows_for(adapters, BASE) if self.slots.peft is not None else None
+        return Part(input_ids, positions, mask, cache, rows, real=real)
+
+    def _admissible(self, joining: list[Prefill] = ()) -> Sequence | None:
         """The next waiting sequence to admit (called under ``_cond``), taken off the queue: the first in
         priority order, except that with ``priority_hold_s`` one whose priority is above a running row's
-        waits until it has waited that long (then the longest waiting such one goes)."""
+        waits until it has waited that long (then the longest waiting such one goes). ``joining``: sequences
+        admitted already, counted as running."""
         if not self._waiting:
             return None
-        if self.priority_hold_s > 0 and self._running:
-            best = min(s.priority for s in self._running)
+        if self.priority_hold_s > 0 and (self._running or joining):
+            best = min(s.priority for s in [*self._running, *(p.seq for p in joining)])
             if self._waiting[0].priority > best:
                 now = time.monotonic()
                 aged = [w for w in self._waiting if now - w.t_submit >= self.priority_hold_s]
@@ -332,10 +391,15 @@ class Engine(SpeculativeSteps):
                 return seq
         return self._waiting.popleft()
 
-    def _admit(self) -> None:
-        while len(self._running) < self.max_batch_size:
+    def _admit(self) -> list[Prefill]:
+        """Admit waiting sequences while the batch has room. A prompt whose uncached part fits in what is
+        left of ``mixed_step_tokens`` is returned, to be prefilled in the next step's forward; any other is
+        prefilled now, on its own."""
+        joining: list[Prefill] = []
+        budget = self.mixed_step_tokens
+        while len(self._running) + len(joining) < self.max_batch_size:
             with self._cond:
-                seq = self._admissible()
+                seq = self._admissible(joining)
                 if seq is None:
                     break
                 self.stats.waiting = len(self._waiting)
@@ -343,51 +407,101 @@ class Engine(SpeculativeSteps):
                 self._finish(seq, "abort")
                 continue
             try:
-                self._prefill(seq)
+                prefill = self._lookup(seq)
+                if prefill.computed <= budget:
+                    budget -= prefill.computed
+                    joining.append(prefill)
+                    continue
+                self._prefill_alone(prefill)
             except Exception as exc:  # one bad sequence (e.g. out of memory on a huge prompt) fails alone
-                if self.log:
-                    self.log.exception("engine.prefill_failed", prompt_tokens=len(seq.prompt_ids))
-                seq.error = exc
-                self._finish(seq, "error")
+                self._prefill_failed(seq, exc)
         self.stats.running = len(self._running)
+        return joining
 
-    def _prefill(self, seq: Sequence) -> None:
+    def _prefill_failed(self, seq: Sequence, exc: Exception) -> None:
+        if self.log:
+            self.log.exception("engine.prefill_failed", prompt_tokens=len(seq.prompt_ids))
+        seq.error = exc
+        self._finish(seq, "error")
+
+    def _prefill_alone(self, p: Prefill) -> None:
+        ids, positions, mask = p.inputs()
+        p.logits = self._forward(ids, mask, positions, p.cache, [p.seq.slot], logits_to_keep=1)
+        p.seconds = time.perf_counter() - p.t0
+        self._prefilled(p)
+
+    def _lookup(self, seq: Sequence) -> Prefill:
+        """The sequence's prompt with what the prefix cache holds of it already in a cache of its own."""
         t0 = time.perf_counter()
         self._last_busy = time.monotonic()
-        prompt, n = seq.prompt_ids, len(seq.prompt_ids)
         cache = self._new_cache()
         gen = seq.cache_gen = self.slots.generation.get(seq.slot, 0)
-        done, layers = self.prefix.lookup(seq.slot, gen, prompt, self.key_dim) if self.prefix is not None else (0, None)
+        done, layers = (
+            self.prefix.lookup(seq.slot, gen, seq.prompt_ids, self.key_dim) if self.prefix is not None else (0, None)
+        )
         if layers is not None:
             for layer, (k, v) in zip(cache.layers, layers):
                 layer._set(*with_capacity(k, v, done, cache.transposed), done)
-        ids = torch.tensor([prompt[done:]], dtype=torch.long)
-        mask = torch.ones(1, n, dtype=torch.long)
-        positions = torch.arange(done, n).unsqueeze(0)
-        logits = self._forward(ids, mask, positions, cache, [seq.slot], logits_to_keep=1)
-        cache.mask = mask
+        return Prefill(seq, cache, done, gen, t0)
+
+    def _prefill_together(self, joining: list[Prefill]) -> None:
+        """The joining prompts' forward when no row is decoding: one forward for all of them."""
+        first, rest = joining[0], joining[1:]
+        t0 = time.perf_counter()
+        try:
+            ids, positions, mask = first.inputs()
+            first.logits = self._forward(ids, mask, positions, first.cache, [first.seq.slot], prefills=rest)
+        except Exception:  # left to :meth:`_join`, which prefills each alone
+            for p in joining:
+                p.logits = None
+            return
+        first.seconds = time.perf_counter() - t0 - sum(p.seconds for p in rest)
+
+    def _join(self, joining: list[Prefill]) -> None:
+        """The joining prompts after their shared forward: each takes its first token and a row. One whose
+        forward failed (with the batch it joined, or beside other prompts) is prefilled again on its own."""
+        for p in joining:
+            try:
+                if p.logits is None:
+                    self._prefill_alone(self._lookup(p.seq))
+                else:
+                    self.stats.mixed_prefills += 1
+                    self._prefilled(p)
+            except Exception as exc:
+                self._prefill_failed(p.seq, exc)
+        self.stats.running = len(self._running)
+
+    def _prefilled(self, p: Prefill) -> None:
+        """A prompt whose forward has run: its keys and values go to the prefix cache, its first token is
+        sampled, and it joins the running batch (unless that token finished it)."""
+        seq, cache = p.seq, p.cache
+        prompt, n = seq.prompt_ids, len(seq.prompt_ids)
+        cache.mask = torch.ones(1, n, dtype=torch.long)
         if self.prefix is not None:
             self.prefix.store(
-                seq.slot, gen, prompt, [(layer.keys, layer.values) for layer in cache.layers], done, self.key_dim
+                seq.slot, p.gen, prompt, [(layer.keys, layer.values) for layer in cache.layers], p.cached, self.key_dim
             )
-            self.prefix.hits += done
-        self.stats.prefill_seconds += time.perf_counter() - t0
+            self.prefix.hits += p.cached
+        self.stats.prefill_seconds += p.seconds
         self.stats.prompt_tokens += n
         by = self.stats.computed_by_adapter
-        by[seq.adapter] = by.get(seq.adapter, 0) + n - done
+        by[seq.adapter] = by.get(seq.adapter, 0) + p.computed
         step = sample_step(
-            logits, [seq.params], [seq.generator], self._default_gen, self.top_candidates, allowed_tokens([seq])
+            p.logits, [seq.params], [seq.generator], self._default_gen, self.top_candidates, allowed_tokens([seq])
         )[0]
+        p.logits = None
         seq.t_first = time.monotonic()
         if not self._append(seq, step):
             self._cache.merge(cache)
             self._running.append(seq)
 
-    def _decode_step(self) -> None:
+    def _decode_step(self, joining: list[Prefill] = ()) -> None:
+        """One token for every running row (or a verify step, :mod:`~comap_async.inference.speculative`),
+        the ``joining`` prompts prefilled in the same forward."""
         if self.speculative_tokens or self.forced_tokens:
             proposals = [self._proposal(s) for s in self._running]
             if any(proposals):
-                self._verify_step(proposals)
+                self._verify_step(proposals, joining)
                 return
         t0 = time.perf_counter()
         self._last_busy = time.monotonic()
@@ -397,7 +511,7 @@ class Engine(SpeculativeSteps):
         try:
             mask = self._cache.extend_mask()
             self.stats.count_columns(mask)
-            logits = self._forward(ids, mask, positions, self._cache, [s.slot for s in rows])
+            logits = self._forward(ids, mask, positions, self._cache, [s.slot for s in rows], prefills=joining)
             steps = sample_step(
                 logits,
                 [s.params for s in rows],
@@ -415,7 +529,7 @@ class Engine(SpeculativeSteps):
                 self._finish(seq, "abort")
             elif not self._append(seq, step):
                 keep.append(i)
-        self._end_step(rows, keep, t0)
+        self._end_step(rows, keep, t0, joining)
 
     def _step_failed(self, exc: Exception, rows: list[Sequence]) -> None:
         """A failed decode or verify step poisons the shared cache: fail this batch, keep serving."""
@@ -423,8 +537,9 @@ class Engine(SpeculativeSteps):
             self.log.exception("engine.step_failed", batch=len(rows))
         self._fail_all(exc)
 
-    def _end_step(self, rows: list[Sequence], keep: list[int], t0: float) -> None:
-        """After a decode or verify step: only the ``keep`` rows stay in the batch; the step is counted."""
+    def _end_step(self, rows: list[Sequence], keep: list[int], t0: float, joining: list[Prefill] = ()) -> None:
+        """After a decode or verify step: only the ``keep`` rows stay in the batch; the step is counted (less
+        the ``joining`` prompts' share of its forward)."""
         if len(keep) != len(rows):
             if self.prefix is not None and self.cache_outputs:
                 self._store_outputs(rows, keep)
@@ -433,7 +548,7 @@ class Engine(SpeculativeSteps):
         st.steps += 1
         st.batch_rows += len(rows)
         st.running = len(self._running)
-        st.step_seconds += time.perf_counter() - t0
+        st.step_seconds += time.perf_counter() - t0 - sum(p.seconds for p in joining)
 
     def _store_outputs(self, rows: list[Sequence], keep: list[int]) -> None:
         """Keep the keys and values of what the leaving rows generated in the prefix cache: a conversation's

@@ -23,6 +23,7 @@ server then runs transformers' forward.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -182,14 +183,12 @@ class FusedLlama:
         return sum(w.nbytes for w in ws)
 
     # ------------------------------------------------------------------ LoRA
-    def _lora(
-        self, rows: torch.Tensor | None, tokens_per_row: int, real: torch.Tensor | None = None
-    ) -> "LoraBatch | None":
-        """The LoRA of this batch's adapters, or None when every row is on the base model."""
-        if rows is None or self.stacks is None:
+    def _lora(self, token_rows: torch.Tensor | None) -> "LoraBatch | None":
+        """The LoRA of this forward's adapters (``token_rows``: each token's stack row, 0 = the base model),
+        or None when every token is on the base model."""
+        if token_rows is None or self.stacks is None:
             return None
-        row_slots = rows.tolist()
-        active = sorted(set(row_slots) - {0})
+        active = sorted(set(token_rows.unique().tolist()) - {0})
         if not active:
             return None
         stacks = self.stacks
@@ -203,19 +202,11 @@ class FusedLlama:
             else:
                 self._dense.move_to_end(key)
             r = stacks.rank
-        if len(active) == 1 and 0 not in row_slots:
-            return LoraBatch(dense, None)  # one adapter on every row: nothing to mask
-        col = {slot: i for i, slot in enumerate(active)}
-        onehot = torch.zeros(len(row_slots), len(active), r, dtype=torch.float32)
-        for i, slot in enumerate(row_slots):
-            if slot:
-                onehot[i, col[slot]] = 1.0
-        onehot = onehot.view(len(row_slots), -1)
-        if tokens_per_row > 1:
-            onehot = onehot.repeat_interleave(tokens_per_row, dim=0)
-        if real is not None:
-            onehot = onehot.index_select(0, real)
-        return LoraBatch(dense, onehot)
+        if len(active) == 1 and bool((token_rows != 0).all()):
+            return LoraBatch(dense, None)  # one adapter on every token: nothing to mask
+        # column block i of a group's A (r columns) belongs to active slot i
+        onehot = (token_rows.unsqueeze(1) == torch.tensor(active).unsqueeze(0)).float()
+        return LoraBatch(dense, onehot.repeat_interleave(r, dim=1))
 
     def _build_dense(self, active: list[int], r: int) -> list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]]:
         """Per layer and group: (A ``[in, k*n*r]``, block-diagonal B ``[k*n*r, out]``, k) over the active slots.
@@ -248,7 +239,6 @@ class FusedLlama:
         return out
 
     # ------------------------------------------------------------------ forward
-    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -267,44 +257,70 @@ class FusedLlama:
         the flattened ``[B*T]`` positions) of those positions only, ``[len(real), vocab]``: the others
         (a verify step's padding) are left out of every matrix product and get zero keys and values.
         """
-        if not getattr(cache, "transposed", False):
-            raise ValueError("the fused forward needs a BatchCache(transposed=True)")
-        b, t = input_ids.shape
-        wd = self.dtype
-        flat_ids, flat_pos = input_ids.reshape(-1), positions.reshape(-1)
-        if real is not None:
-            flat_ids, flat_pos = flat_ids.index_select(0, real), flat_pos.index_select(0, real)
-        h = F.embedding(flat_ids, self.embed).float()
-        cos, sin = self.rotary(h.unsqueeze(0), flat_pos.unsqueeze(0))
-        cos, sin = cos[0], sin[0]
-        if real is None:
-            cos, sin = cos.view(b, t, -1), sin.view(b, t, -1)
-        half = self.head_dim // 2
-        cos = cos.to(wd).unsqueeze(-2)
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).to(wd).unsqueeze(-2)
-        hkv, g, n = self.kv_heads, self.heads // self.kv_heads, mask.shape[1]
-        bias = attention_bias(mask, t, wd).expand(b, hkv, g, t, n).reshape(b * hkv, g * t, n)
-        lora = self._lora(rows, t, real)
-        hidden, qs, kvs, d = h.shape[-1], self.q_size, self.kv_size, self.head_dim
+        return self.forward_parts([Part(input_ids, positions, mask, cache, rows, last_only, real)])[0]
+
+    @torch.inference_mode()
+    def forward_parts(self, parts: list["Part"]) -> list[torch.Tensor]:
+        """One forward over several batches, each with its own KV cache (the running batch's decode step
+        and the prompts joining it): every projection is one GEMM over all their tokens, so the weights
+        are read once; attention stays within each part. Returns each part's logits as :meth:`forward`."""
+        for p in parts:
+            if not getattr(p.cache, "transposed", False):
+                raise ValueError("the fused forward needs a BatchCache(transposed=True)")
+        wd, d, half = self.dtype, self.head_dim, self.head_dim // 2
+        hkv, g = self.kv_heads, self.heads // self.kv_heads
+        flat_ids, flat_pos, token_rows, sizes = [], [], [], []
+        for p in parts:
+            b, t = p.input_ids.shape
+            ids, pos = p.input_ids.reshape(-1), p.positions.reshape(-1)
+            rows = None if p.rows is None else p.rows.repeat_interleave(t)
+            if p.real is not None:
+                ids, pos = ids.index_select(0, p.real), pos.index_select(0, p.real)
+                rows = None if rows is None else rows.index_select(0, p.real)
+            flat_ids.append(ids)
+            flat_pos.append(pos)
+            token_rows.append(torch.zeros(ids.numel(), dtype=torch.long) if rows is None else rows)
+            sizes.append(ids.numel())
+        ids, pos = torch.cat(flat_ids), torch.cat(flat_pos)
+        h = F.embedding(ids, self.embed).float()
+        cos_all, sin_all = self.rotary(h.unsqueeze(0), pos.unsqueeze(0))
+        cos_all = cos_all[0].to(wd)
+        sin_all = torch.cat((-sin_all[0, :, :half], sin_all[0, :, half:]), dim=-1).to(wd)
+        rope, start = [], 0
+        for p, n in zip(parts, sizes):
+            cos, sin = cos_all[start : start + n], sin_all[start : start + n]
+            if p.real is None:
+                cos, sin = cos.view(*p.input_ids.shape, -1), sin.view(*p.input_ids.shape, -1)
+            b, t = p.input_ids.shape
+            width = p.mask.shape[1]
+            bias = attention_bias(p.mask, t, wd).expand(b, hkv, g, t, width).reshape(b * hkv, g * t, width)
+            rope.append((cos.unsqueeze(-2), sin.unsqueeze(-2), bias, start, start + n))
+            start += n
+        lora = self._lora(torch.cat(token_rows) if any(p.rows is not None for p in parts) else None)
+        hidden, qs, kvs = h.shape[-1], self.q_size, self.kv_size
         for i, layer in enumerate(self.layers):
             xf = F.rms_norm(h, (hidden,), layer.norm_in, layer.eps_in)
             qkv = layer.wqkv(xf.to(wd))  # the q rows of the weight carry the 1/sqrt(head_dim) scale
             if lora is not None:
                 lora.apply(qkv, xf, i, "qkv")
-            if real is None:
-                qk = rotate(qkv[:, : qs + kvs].view(b, t, -1, d), cos, sin)
-                v = qkv[:, qs + kvs :].view(b, t, self.kv_heads, d).transpose(1, 2)
-            else:  # rotated per real token, then laid out [B, T] with zeros at the padding
-                qk_real = rotate(qkv[:, : qs + kvs].view(-1, self.heads + self.kv_heads, d), cos, sin)
-                qk = qk_real.new_zeros(b * t, self.heads + self.kv_heads, d).index_copy_(0, real, qk_real)
-                qk = qk.view(b, t, -1, d)
-                v_real = qkv[:, qs + kvs :].reshape(-1, kvs)
-                v = v_real.new_zeros(b * t, kvs).index_copy_(0, real, v_real)
-                v = v.view(b, t, self.kv_heads, d).transpose(1, 2)
-            keys_t, values = cache.layers[i].update(qk[:, :, self.heads :].transpose(1, 2), v)
-            a = attend(qk[:, :, : self.heads], keys_t, values, bias)
-            if real is not None:
-                a = a.index_select(0, real)
+            outs = []
+            for p, (cos, sin, bias, s, e) in zip(parts, rope):
+                part_qkv = qkv if len(parts) == 1 else qkv[s:e]
+                b, t = p.input_ids.shape
+                if p.real is None:
+                    qk = rotate(part_qkv[:, : qs + kvs].view(b, t, -1, d), cos, sin)
+                    v = part_qkv[:, qs + kvs :].view(b, t, hkv, d).transpose(1, 2)
+                else:  # rotated per real token, then laid out [B, T] with zeros at the padding
+                    qk_real = rotate(part_qkv[:, : qs + kvs].view(-1, self.heads + hkv, d), cos, sin)
+                    qk = qk_real.new_zeros(b * t, self.heads + hkv, d).index_copy_(0, p.real, qk_real)
+                    qk = qk.view(b, t, -1, d)
+                    v_real = part_qkv[:, qs + kvs :].reshape(-1, kvs)
+                    v = v_real.new_zeros(b * t, kvs).index_copy_(0, p.real, v_real)
+                    v = v.view(b, t, hkv, d).transpose(1, 2)
+                keys_t, values = p.cache.layers[i].update(qk[:, :, self.heads :].transpose(1, 2), v)
+                a = attend(qk[:, :, : self.heads], keys_t, values, bias)
+                outs.append(a if p.real is None else a.index_select(0, p.real))
+            a = outs[0] if len(outs) == 1 else torch.cat(outs)
             o = layer.wo(a)
             if lora is not None:
                 lora.apply(o, a.float(), i, "o")
@@ -318,10 +334,32 @@ class FusedLlama:
             if lora is not None:
                 lora.apply(down, act.float(), i, "down")
             h.add_(down)
-        if last_only and real is None:
-            h = h.view(b, t, -1)[:, -1]
+        keep, counts = [], []
+        for p, (_, _, _, s, e) in zip(parts, rope):
+            if p.last_only and p.real is None:
+                b, t = p.input_ids.shape
+                keep.append(torch.arange(s + t - 1, e, t))
+            else:
+                keep.append(torch.arange(s, e))
+            counts.append(keep[-1].numel())
+        if sum(counts) != h.shape[0]:
+            h = h.index_select(0, torch.cat(keep))
         h = F.rms_norm(h, (h.shape[-1],), self.norm, self.norm_eps)
-        return self.lm_head(h.to(wd)).float()
+        logits = self.lm_head(h.to(wd)).float()
+        return list(logits.split(counts))
+
+
+@dataclass
+class Part:
+    """One batch of a fused forward (:meth:`FusedLlama.forward_parts`), with :meth:`FusedLlama.forward`'s arguments."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    cache: Any
+    rows: torch.Tensor | None
+    last_only: bool = True
+    real: torch.Tensor | None = None
 
 
 class LoraBatch:

@@ -91,7 +91,20 @@ def families(state: Any) -> list[Metric]:
         "Tokens a row's choices forced, run in a verify step (inference.forced_choice_tokens).",
         [({}, st.forced_tokens)],
     )
-    _line(out, "prefill_seconds_total", "counter", "Time in prompt prefill.", [({}, st.prefill_seconds)])
+    _line(
+        out,
+        "prefill_seconds_total",
+        "counter",
+        "Time in prompt prefill (a prompt prefilled in a shared forward counts its tokens' share).",
+        [({}, st.prefill_seconds)],
+    )
+    _line(
+        out,
+        "mixed_prefills_total",
+        "counter",
+        "Prompts prefilled in a forward shared with a decode step or other prompts (inference.mixed_step_tokens).",
+        [({}, st.mixed_prefills)],
+    )
     _line(
         out,
         "adapter_loads_total",

@@ -80,6 +80,7 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
         kv_in_place=inf.kv_in_place,
         cache_outputs=inf.prefix_cache_outputs,
         priority_hold_s=inf.priority_hold_s,
+        mixed_step_tokens=inf.mixed_step_tokens,
     )
     engine.start()
     engine.call(slots.fill_spares).result()

@@ -114,11 +114,12 @@ class SpeculativeSteps:
             return []
         return self.propose(seq, k)
 
-    def _verify_step(self, proposals: list[list[int]]) -> None:
+    def _verify_step(self, proposals: list[list[int]], joining: list[Any] = ()) -> None:
         """One forward over each row's last token and its proposed ones, then each row's tokens sampled
         position by position as a decode step would (same parameters, generator and constraint) while
         they confirm the proposal: a row gains its confirmed tokens plus the model's next one. The
-        keys and values of what was not confirmed stay in the cache as masked columns."""
+        keys and values of what was not confirmed stay in the cache as masked columns. The ``joining``
+        prompts are prefilled in the same forward."""
         t0 = time.perf_counter()
         self._last_busy = time.monotonic()
         rows = self._running
@@ -141,6 +142,7 @@ class SpeculativeSteps:
                 self._cache,
                 [s.slot for s in rows],
                 real=torch.tensor(real, dtype=torch.long),
+                prefills=joining,
             )
         except Exception as exc:
             self._step_failed(exc, rows)
@@ -180,4 +182,4 @@ class SpeculativeSteps:
                 st.proposed_tokens += len(proposals[i])
                 st.accepted_tokens += n
         st.verify_steps += 1
-        self._end_step(rows, [i for i in range(len(rows)) if i not in finished], t0)
+        self._end_step(rows, [i for i in range(len(rows)) if i not in finished], t0, joining)

@@ -38,7 +38,8 @@ def make_engine(tiny_model_dir, forward: str, dtype: str = "float32", **kw) -> E
     inf = InferenceConfig(forward=forward, dtype=dtype, max_batch_size=kw.get("max_batch_size", 3))
     fused = build_fused(model, slots, inf)
     assert (fused is not None) == (forward == "fused")
-    return Engine(model, tok, slots, **{"max_batch_size": 3, "batch_wait_ms": 0, **kw}, fused=fused)
+    defaults = {"max_batch_size": 3, "batch_wait_ms": 0, "mixed_step_tokens": InferenceConfig().mixed_step_tokens}
+    return Engine(model, tok, slots, **{**defaults, **kw}, fused=fused)
 
 
 # Every behaviour below holds on both forwards; the fused one runs in fp32 here so results can be
