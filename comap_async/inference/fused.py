@@ -108,11 +108,13 @@ def attention_bias(mask: torch.Tensor, new_tokens: int, dtype: torch.dtype = tor
     return bias[:, None, None]
 
 
-def attend(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def attend(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Grouped-query attention -> ``[B*T, Hq*D]``.
 
     ``q`` ``[B, T, Hq, D]`` already scaled; ``keys_t`` ``[B, Hkv, D, N]`` (a transposed cache), ``values``
-    ``[B, Hkv, N, D]``; ``bias`` ``[B*Hkv, G*T, N]`` (:func:`attention_bias` expanded, in q's dtype).
+    ``[B, Hkv, N, D]``; ``bias`` ``[B*Hkv, G*T, W]`` (:func:`attention_bias` expanded, in q's dtype) over
+    the last ``W`` columns, every query seeing all the columns before them (a prompt with no padding: its
+    causal corner), or None when every query sees every column.
     Query head ``h`` reads key/value head ``h // G`` (G = Hq / Hkv), as in transformers. Scores
     are rounded to q's dtype by the GEMM; the softmax accumulates in fp32 whatever its input.
     """
@@ -120,7 +122,12 @@ def attend(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, bias: to
     hkv, n = keys_t.shape[1], keys_t.shape[-1]
     g = hq // hkv
     qh = q.reshape(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b * hkv, g * t, d)
-    scores = torch.baddbmm(bias, qh, keys_t.reshape(b * hkv, d, n))
+    if bias is not None and bias.shape[-1] == n:
+        scores = torch.baddbmm(bias, qh, keys_t.reshape(b * hkv, d, n))
+    else:  # the columns every query sees need no bias copied into the scores first
+        scores = torch.bmm(qh, keys_t.reshape(b * hkv, d, n))
+        if bias is not None:
+            scores[..., n - bias.shape[-1] :].add_(bias)
     out = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(b * hkv, n, d))
     return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, hq * d)
 
@@ -292,8 +299,12 @@ class FusedLlama:
             if p.real is None:
                 cos, sin = cos.view(*p.input_ids.shape, -1), sin.view(*p.input_ids.shape, -1)
             b, t = p.input_ids.shape
-            width = p.mask.shape[1]
-            bias = attention_bias(p.mask, t, wd).expand(b, hkv, g, t, width).reshape(b * hkv, g * t, width)
+            # no padding (a prompt, or rows of one length): only the new tokens' causal corner is masked
+            mask = p.mask[:, -t:] if bool(p.mask.all()) else p.mask
+            bias = None
+            if t > 1 or mask.shape[1] > 1:
+                width = mask.shape[1]
+                bias = attention_bias(mask, t, wd).expand(b, hkv, g, t, width).reshape(b * hkv, g * t, width)
             rope.append((cos.unsqueeze(-2), sin.unsqueeze(-2), bias, start, start + n))
             start += n
         lora = self._lora(torch.cat(token_rows) if any(p.rows is not None for p in parts) else None)
