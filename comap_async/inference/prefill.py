@@ -32,10 +32,10 @@ class Prefill:
     """Prompt tokens the prefix cache served (their keys and values are in ``cache``)."""
     gen: int
     """The slot's generation at the lookup (:attr:`Sequence.cache_gen`)."""
-    t0: float
+    lookup_seconds: float
     logits: torch.Tensor | None = None
     seconds: float = 0.0
-    """Its share of the forward's time (a forward of several parts is shared by their tokens)."""
+    """Its forward's time, or its tokens' share of a forward shared with a decode step or other prompts."""
 
     @property
     def computed(self) -> int:
@@ -106,9 +106,10 @@ class PrefillSteps:
         self._finish(seq, "error")
 
     def _prefill_alone(self, p: Prefill) -> None:
+        t0 = time.perf_counter()
         ids, positions, mask = p.inputs()
         p.logits = self._forward(ids, mask, positions, p.cache, [p.seq.slot], logits_to_keep=1)
-        p.seconds = time.perf_counter() - p.t0
+        p.seconds = time.perf_counter() - t0
         self._prefilled(p)
 
     def _lookup(self, seq: Any) -> Prefill:
@@ -123,7 +124,7 @@ class PrefillSteps:
         if layers is not None:
             for layer, (k, v) in zip(cache.layers, layers):
                 layer._set(*with_capacity(k, v, done, cache.transposed), done)
-        return Prefill(seq, cache, done, gen, t0)
+        return Prefill(seq, cache, done, gen, time.perf_counter() - t0)
 
     def _prefill_together(self, joining: list[Prefill]) -> None:
         """The joining prompts' forward when no row is decoding: one forward for all of them."""
@@ -132,7 +133,9 @@ class PrefillSteps:
         try:
             ids, positions, mask = first.inputs()
             first.logits = self._forward(ids, mask, positions, first.cache, [first.seq.slot], prefills=rest)
-        except Exception:  # left to :meth:`_join`, which prefills each alone
+        except Exception:  # left to :meth:`_join`, which prefills each alone (and fails only a bad one)
+            if self.log:
+                self.log.exception("engine.shared_prefill_failed", prompts=len(joining))
             for p in joining:
                 p.logits = None
             return
@@ -155,6 +158,7 @@ class PrefillSteps:
     def _prefilled(self, p: Prefill) -> None:
         """A prompt whose forward has run: its keys and values go to the prefix cache, its first token is
         sampled, and it joins the running batch (unless that token finished it)."""
+        t0 = time.perf_counter()
         seq, cache = p.seq, p.cache
         prompt, n = seq.prompt_ids, len(seq.prompt_ids)
         cache.mask = torch.ones(1, n, dtype=torch.long)
@@ -163,7 +167,7 @@ class PrefillSteps:
                 seq.slot, p.gen, prompt, [(layer.keys, layer.values) for layer in cache.layers], p.cached, self.key_dim
             )
             self.prefix.hits += p.cached
-        self.stats.prefill_seconds += p.seconds
+        self.stats.prefill_seconds += p.lookup_seconds + p.seconds + time.perf_counter() - t0
         self.stats.prompt_tokens += n
         by = self.stats.computed_by_adapter
         by[seq.adapter] = by.get(seq.adapter, 0) + p.computed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from comap_async.inference.adapters import read_adapter
@@ -22,9 +24,10 @@ TEXTS = [
 ]
 
 
-def spy_forwards(eng: Engine, fail_first_mixed: bool = False) -> list[tuple[bool, list[int]]]:
+def spy_forwards(eng: Engine, fail: bool | None = None) -> list[tuple[bool, list[int]]]:
     """Record each fused forward: whether its first part is the running batch, and the other parts' token
-    counts; with ``fail_first_mixed`` the first forward of a decode step and joining prompts raises."""
+    counts. ``fail`` True: the first forward of a decode step and joining prompts raises; False: the first
+    forward of several prompts and no decode step raises."""
     seen: list[tuple[bool, list[int]]] = []
     forward_parts = eng.fused.forward_parts
 
@@ -32,8 +35,8 @@ def spy_forwards(eng: Engine, fail_first_mixed: bool = False) -> list[tuple[bool
         decode = parts[0].cache is eng._cache
         joining = [p.input_ids.numel() for p in parts[1:]]
         seen.append((decode, joining))
-        if fail_first_mixed and decode and joining and sum(1 for d, j in seen if d and j) == 1:
-            raise RuntimeError("injected: the mixed forward failed")
+        if fail is not None and decode == fail and joining and sum(1 for d, j in seen if d == fail and j) == 1:
+            raise RuntimeError("injected: the shared forward failed")
         return forward_parts(parts)
 
     eng.fused.forward_parts = recording
@@ -52,7 +55,7 @@ def right_then_wrong(reference: list[Sequence]):
     return propose
 
 
-def play(tiny_model_dir, adapters, mixed: int, spec: int = 0, fail_first_mixed: bool = False, proposer=None):
+def play(tiny_model_dir, adapters, mixed: int, spec: int = 0, fail: bool | None = None, proposer=None, stagger_s=0.004):
     extra = {} if proposer is None else {"proposer": proposer}
     eng = make_engine(
         tiny_model_dir,
@@ -63,7 +66,7 @@ def play(tiny_model_dir, adapters, mixed: int, spec: int = 0, fail_first_mixed: 
         prefix_cache=PrefixCache(block=4),
         **extra,
     )
-    seen = spy_forwards(eng, fail_first_mixed)
+    seen = spy_forwards(eng, fail)
     eng.start()
     try:
         slots = []
@@ -92,7 +95,14 @@ def play(tiny_model_dir, adapters, mixed: int, spec: int = 0, fail_first_mixed: 
                     generator=make_generator(7 + i) if sampled else None,
                 )
             )
-        run(eng, seqs, stagger_s=0.004)
+        if stagger_s is None:  # every request in one submit: the first admission finds them all waiting
+            done = threading.Semaphore(0)
+            for seq in seqs:
+                seq.on_done = lambda _s: done.release()
+            eng.submit(seqs)
+            assert all(done.acquire(timeout=60) for _ in seqs)
+        else:
+            run(eng, seqs, stagger_s=stagger_s)
     finally:
         eng.stop()
     return seqs, eng, seen
@@ -148,7 +158,7 @@ def test_a_failed_mixed_forward_fails_the_running_rows_and_prefills_the_joining_
     """The running rows share their fate with the batch's cache (as a failed decode step); a joining
     prompt's own cache is rebuilt, so it is prefilled again alone and generates what it would have."""
     alone, _, _ = play(tiny_model_dir, adapters, mixed=0)
-    mixed, eng, seen = play(tiny_model_dir, adapters, mixed=2048, fail_first_mixed=True)
+    mixed, eng, seen = play(tiny_model_dir, adapters, mixed=2048, fail=True)
     failed = [s for s in mixed if s.finish_reason == "error"]
     assert failed and all("injected" in str(s.error) for s in failed)
     assert eng.stats.failed == len(failed)
@@ -158,3 +168,14 @@ def test_a_failed_mixed_forward_fails_the_running_rows_and_prefills_the_joining_
         if got.finish_reason != "error":
             assert got.out_ids == ref.out_ids
     assert eng.fatal is None  # the engine thread went on serving
+
+
+def test_a_failed_forward_of_prompts_alone_prefills_each_again_on_its_own(tiny_model_dir, adapters):
+    """With no row decoding, the joining prompts share one forward; if it fails, each is prefilled again
+    alone and nothing fails (the error is logged, not lost: ``engine.shared_prefill_failed``)."""
+    alone, _, _ = play(tiny_model_dir, adapters, mixed=0, stagger_s=None)
+    mixed, eng, seen = play(tiny_model_dir, adapters, mixed=2048, fail=False, stagger_s=None)
+    assert any(not decode and joining for decode, joining in seen), "no forward of prompts alone was shared"
+    assert eng.stats.failed == 0
+    for ref, got in zip(alone, mixed):
+        assert got.finish_reason == "length" and got.out_ids == ref.out_ids
