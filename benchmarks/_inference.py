@@ -140,6 +140,49 @@ def write_random_adapters(model_dir: str, root: Path, names: list[str], r: int =
     return out
 
 
+@dataclass
+class FusedSetup:
+    """The default model in-process with its fused forward and random adapters loaded in LoRA slots."""
+
+    model_dir: str
+    model: Any
+    tokenizer: Any
+    slots: Any
+    fused: Any
+    adapters: list[str]
+    """The adapters' slot names, in the order asked."""
+
+
+def fused_setup(config: Any, names: list[str], batch_hint: int = 8) -> FusedSetup:
+    """``config``'s model (``inference.dtype``) with a fused forward and one random adapter of the learner's
+    LoRA shape per name, one thread (``benchmarks/decode_breakdown.py``, ``benchmarks/mixed_step.py``)."""
+    import tempfile
+
+    import torch
+    from peft import LoraConfig
+
+    from comap_async.inference.adapters import SlotManager, read_adapter
+    from comap_async.inference.fused import FusedLlama
+    from comap_async.inference.layout import prepare_for_inference
+    from comap_async.models import inference_dtype, load_model_and_tokenizer, resolve_model
+
+    torch.set_num_threads(1)
+    model_dir = resolve_model(config.model.name_or_path, config.model.cache_dir)
+    model, tok = load_model_and_tokenizer(model_dir, config.model.dtype)
+    prepare_for_inference(model)
+    lc = config.learner
+    slots = SlotManager(
+        model,
+        LoraConfig(r=lc.lora_r, lora_alpha=lc.lora_alpha, lora_dropout=0.0, target_modules=lc.target_modules),
+        spares=0,
+    )
+    fused = FusedLlama(model, slots.stacks, inference_dtype(config.inference.dtype), batch_hint=batch_hint)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = write_random_adapters(model_dir, Path(tmp), names, r=lc.lora_r)
+        adapters = [slots.add_slow(read_adapter(path)) for path in paths]
+    return FusedSetup(model_dir, model, tok, slots, fused, adapters)
+
+
 def start_comap(name: str, args: list[str], env: dict, log_dir: Path) -> subprocess.Popen:
     """``python -m comap_async ARGS`` in its own session, output appended to ``log_dir/NAME.log``."""
     log = open(log_dir / f"{name}.log", "ab")

@@ -25,22 +25,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _inference import write_random_adapters  # noqa: E402
+from _inference import fused_setup  # noqa: E402
 
 from comap_async.config import load_config  # noqa: E402
-from comap_async.inference.adapters import BASE, SlotManager, read_adapter  # noqa: E402
-from comap_async.inference.fused import FusedLlama, attend, attention_bias  # noqa: E402
+from comap_async.inference.adapters import BASE  # noqa: E402
+from comap_async.inference.fused import attend, attention_bias  # noqa: E402
 from comap_async.inference.kvcache import BatchCache  # noqa: E402
-from comap_async.inference.layout import prepare_for_inference  # noqa: E402
 from comap_async.inference.token_sampling import SamplingParams, sample_step  # noqa: E402
-from comap_async.models import inference_dtype, load_model_and_tokenizer, resolve_model  # noqa: E402
 
 B = 8
 
@@ -75,25 +72,10 @@ class Stepper:
 
 
 def main(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
     cfg = load_config(args.config)
-    model_dir = resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)
-    model, tok = load_model_and_tokenizer(model_dir, cfg.model.dtype)
-    prepare_for_inference(model)
-    from peft import LoraConfig
-
-    lc = cfg.learner
-    slots = SlotManager(
-        model,
-        LoraConfig(r=lc.lora_r, lora_alpha=lc.lora_alpha, lora_dropout=0.0, target_modules=lc.target_modules),
-        spares=0,
-    )
-    dtype = inference_dtype(cfg.inference.dtype)
-    fused = FusedLlama(model, slots.stacks, dtype, batch_hint=B)
-    slot_names = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for path in write_random_adapters(model_dir, Path(tmp), [f"a{i}" for i in range(4)], r=lc.lora_r):
-            slot_names.append(slots.add_slow(read_adapter(path)))
+    setup = fused_setup(cfg, [f"a{i}" for i in range(4)], batch_hint=B)
+    tok, slots, fused, slot_names = setup.tokenizer, setup.slots, setup.fused, setup.adapters
+    dtype = fused.dtype
     n_layers = len(fused.layers)
     one = slots.stacks.rows_for([slot_names[0]] * B, BASE)
     four = slots.stacks.rows_for([BASE, *slot_names, *slot_names[:3]], BASE)

@@ -21,43 +21,23 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _inference import write_random_adapters  # noqa: E402
+from _inference import fused_setup  # noqa: E402
 
 from comap_async.config import load_config  # noqa: E402
-from comap_async.inference.adapters import BASE, SlotManager, read_adapter  # noqa: E402
-from comap_async.inference.fused import FusedLlama, Part  # noqa: E402
+from comap_async.inference.adapters import BASE  # noqa: E402
+from comap_async.inference.fused import Part  # noqa: E402
 from comap_async.inference.kvcache import BatchCache  # noqa: E402
-from comap_async.inference.layout import prepare_for_inference  # noqa: E402
-from comap_async.models import inference_dtype, load_model_and_tokenizer, resolve_model  # noqa: E402
 
 
 def main(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    cfg = load_config(args.config)
-    model_dir = resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)
-    model, _ = load_model_and_tokenizer(model_dir, cfg.model.dtype)
-    prepare_for_inference(model)
-    from peft import LoraConfig
-
-    lc = cfg.learner
-    slots = SlotManager(
-        model,
-        LoraConfig(r=lc.lora_r, lora_alpha=lc.lora_alpha, lora_dropout=0.0, target_modules=lc.target_modules),
-        spares=0,
-    )
-    fused = FusedLlama(model, slots.stacks, inference_dtype(cfg.inference.dtype), batch_hint=8)
-    with tempfile.TemporaryDirectory() as tmp:
-        roles = [
-            slots.add_slow(read_adapter(p))
-            for p in write_random_adapters(model_dir, Path(tmp), ["policy", "wm", "wm_teacher"], r=lc.lora_r)
-        ]
+    setup = fused_setup(load_config(args.config), ["policy", "wm", "wm_teacher"])
+    slots, fused, roles = setup.slots, setup.fused, setup.adapters
     b, c, p, t, layers = args.rows, args.context, args.prompt, args.tokens, len(fused.layers)
     decode_rows = slots.stacks.rows_for([roles[i % 3] for i in range(b)], BASE)
     prompt_rows = slots.stacks.rows_for([roles[0]], BASE)
