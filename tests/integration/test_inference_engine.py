@@ -216,7 +216,10 @@ def test_prefix_cache_reuses_prompt_starts_without_changing_results(tiny_model_d
         long_prompt = tok(PROMPTS[3]).input_ids
         first = Sequence(long_prompt, p)
         run(eng, [first])
-        assert eng.prefix.hits == 0 and len(eng.prefix) == len(long_prompt) // 4
+        # the reply's keys and values are stored after ``on_done`` (at the end of the engine's step): an op on
+        # the engine thread runs after it, so the count is read once they are in
+        eng.call(lambda: None).result(30)
+        assert eng.prefix.hits == 0 and len(eng.prefix) == (len(long_prompt) + p.max_tokens - 1) // 4
         again = [Sequence(long_prompt, p), Sequence(long_prompt[:-3] + tok(" look").input_ids, p)]
         run(eng, again)
         assert eng.prefix.hits >= 2 * 4 * ((len(long_prompt) - 4) // 4)
