@@ -144,8 +144,6 @@ def write_random_adapters(model_dir: str, root: Path, names: list[str], r: int =
 class FusedSetup:
     """The default model in-process with its fused forward and random adapters loaded in LoRA slots."""
 
-    model_dir: str
-    model: Any
     tokenizer: Any
     slots: Any
     fused: Any
@@ -180,7 +178,7 @@ def fused_setup(config: Any, names: list[str], batch_hint: int = 8) -> FusedSetu
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_random_adapters(model_dir, Path(tmp), names, r=lc.lora_r)
         adapters = [slots.add_slow(read_adapter(path)) for path in paths]
-    return FusedSetup(model_dir, model, tok, slots, fused, adapters)
+    return FusedSetup(tok, slots, fused, adapters)
 
 
 def start_comap(name: str, args: list[str], env: dict, log_dir: Path) -> subprocess.Popen:

@@ -293,7 +293,7 @@ class FusedLlama:
         cos_all, sin_all = self.rotary(h.unsqueeze(0), pos.unsqueeze(0))
         cos_all = cos_all[0].to(wd)
         sin_all = torch.cat((-sin_all[0, :, :half], sin_all[0, :, half:]), dim=-1).to(wd)
-        rope, start = [], 0
+        per_part, start = [], 0  # rotary tables, attention bias and token range of each part
         for p, n in zip(parts, sizes):
             cos, sin = cos_all[start : start + n], sin_all[start : start + n]
             if p.real is None:
@@ -305,7 +305,7 @@ class FusedLlama:
             if t > 1 or mask.shape[1] > 1:
                 width = mask.shape[1]
                 bias = attention_bias(mask, t, wd).expand(b, hkv, g, t, width).reshape(b * hkv, g * t, width)
-            rope.append((cos.unsqueeze(-2), sin.unsqueeze(-2), bias, start, start + n))
+            per_part.append((cos.unsqueeze(-2), sin.unsqueeze(-2), bias, start, start + n))
             start += n
         lora = self._lora(torch.cat(token_rows) if any(p.rows is not None for p in parts) else None)
         hidden, qs, kvs = h.shape[-1], self.q_size, self.kv_size
@@ -315,8 +315,8 @@ class FusedLlama:
             if lora is not None:
                 lora.apply(qkv, xf, i, "qkv")
             outs = []
-            for p, (cos, sin, bias, s, e) in zip(parts, rope):
-                part_qkv = qkv if len(parts) == 1 else qkv[s:e]
+            for p, (cos, sin, bias, s, e) in zip(parts, per_part):
+                part_qkv = qkv[s:e]
                 b, t = p.input_ids.shape
                 if p.real is None:
                     qk = rotate(part_qkv[:, : qs + kvs].view(b, t, -1, d), cos, sin)
@@ -346,7 +346,7 @@ class FusedLlama:
                 lora.apply(down, act.float(), i, "down")
             h.add_(down)
         keep, counts = [], []
-        for p, (_, _, _, s, e) in zip(parts, rope):
+        for p, (_, _, _, s, e) in zip(parts, per_part):
             if p.last_only and p.real is None:
                 b, t = p.input_ids.shape
                 keep.append(torch.arange(s + t - 1, e, t))

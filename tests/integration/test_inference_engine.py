@@ -53,12 +53,18 @@ def engine(request, tiny_model_dir):
     eng.stop()
 
 
-def run(eng: Engine, seqs: list[Sequence], stagger_s: float = 0.0) -> None:
+def run(eng: Engine, seqs: list[Sequence], stagger_s: float | None = 0.0) -> None:
+    """Submit the sequences one by one, ``stagger_s`` apart (None: all in one submit, so the first admission
+    finds them all waiting), and wait for every one to finish."""
     done = threading.Semaphore(0)
     for s in seqs:
         s.on_done = lambda _s: done.release()
-        eng.submit([s])
-        time.sleep(stagger_s)
+    if stagger_s is None:
+        eng.submit(seqs)
+    else:
+        for s in seqs:
+            eng.submit([s])
+            time.sleep(stagger_s)
     for _ in seqs:
         assert done.acquire(timeout=60)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from comap_async.inference.adapters import read_adapter
@@ -95,14 +93,7 @@ def play(tiny_model_dir, adapters, mixed: int, spec: int = 0, fail: bool | None 
                     generator=make_generator(7 + i) if sampled else None,
                 )
             )
-        if stagger_s is None:  # every request in one submit: the first admission finds them all waiting
-            done = threading.Semaphore(0)
-            for seq in seqs:
-                seq.on_done = lambda _s: done.release()
-            eng.submit(seqs)
-            assert all(done.acquire(timeout=60) for _ in seqs)
-        else:
-            run(eng, seqs, stagger_s=stagger_s)
+        run(eng, seqs, stagger_s=stagger_s)
     finally:
         eng.stop()
     return seqs, eng, seen
