@@ -26,11 +26,12 @@ in alternating rounds on one machine:
   (``inference.forced_choice_tokens=0``); ``fast_turns_decision_first_spec4_prompts_cached``: with only prompts
   in the prefix cache (``inference.prefix_cache_outputs=false``); ``fast_turns_decision_first_spec4_unmixed``: with
   every prompt prefilled in a forward of its own (``inference.mixed_step_tokens=0``);
+  ``fast_turns_decision_first_spec4_block32``: with prefix-cache blocks of 32 tokens (``inference.prefix_cache_block``);
   ``fast_envs8_turns_decision_first_spec4``: with 8 environments.
 * ``filed``: ``fast`` as it was when issue 29 was filed: the draft's prompt in the window form
   (``env.draft_turns=false``), the 256 MB prefix cache, the KV copied at every join and leave and the
   forced tokens of an admissible command decoded one a step, only prompts in the prefix cache, each prompt
-  prefilled in a forward of its own (issue 29,
+  prefilled in a forward of its own, prefix-cache blocks of 32 tokens (issue 29,
   acceptance 2 compares against it).
 
     python benchmarks/coevolve_throughput.py [--config configs/local.yaml] [--steps 40] [--rounds 2]
@@ -150,6 +151,13 @@ SETTINGS = {
         "inference.speculative_tokens=4",
         "inference.mixed_step_tokens=0",
     ],
+    # the same with prefix-cache blocks of 32 tokens (before session 60): a prompt recomputes 16 tokens of its
+    # known prefix on average instead of 4
+    "fast_turns_decision_first_spec4_block32": [
+        *TURNS_DECISION_FIRST,
+        "inference.speculative_tokens=4",
+        "inference.prefix_cache_block=32",
+    ],
     # 8 environments: with prompts prefilled in the decode step's forward, more rows share each read of the weights
     "fast_envs8_turns_decision_first_spec4": [
         *TURNS_DECISION_FIRST,
@@ -175,6 +183,7 @@ SETTINGS = {
         "inference.forced_choice_tokens=0",
         "inference.prefix_cache_outputs=false",
         "inference.mixed_step_tokens=0",
+        "inference.prefix_cache_block=32",
     ],
 }
 

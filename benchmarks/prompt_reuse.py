@@ -7,13 +7,14 @@ For each stored episode (its main transitions in order: the conversation at step
 observation and the executed actions before t with what they got) the calls of a CoMap step are
 rendered: the draft, the world model on the draft (and on the executed action when it differs), the
 reflection, the teacher. Each goes through a model of the server's cache (blocks of
-:attr:`PrefixCache.block` tokens chained per adapter, a prompt reusing the full blocks it shares with
-any earlier prompt of its adapter, at least one token computed; no eviction: ``inference.prefix_cache_mb``
-large enough for the episodes in flight), and the tokens it computes are counted by role. No model runs:
-the outputs are the stored ones, so a form whose outputs would differ (a reflection trained in it) is
-counted with today's.
+``inference.prefix_cache_block`` tokens (``--block``) chained per adapter, a prompt reusing the full blocks
+it shares with any earlier prompt of its adapter, at least one token computed; no eviction:
+``inference.prefix_cache_mb`` large enough for the episodes in flight), and the tokens it computes are
+counted by role. No model runs: the outputs are the stored ones, so a form whose outputs would differ
+(a reflection trained in it) is counted with today's.
 
     python benchmarks/prompt_reuse.py RUN_DIR [--config configs/local.yaml] [--phase coevolve] [--episodes 40]
+        [--block 8]
 
 One line per form (computed prompt tokens per env step: all, and policy / world model / teacher), then
 ``prompt_tokens_computed_per_step window=X turns=Y ratio=Z`` (today's form over every role as a conversation).
@@ -30,7 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._system import run_records  # noqa: E402
-from comap_async.inference.prefix import PrefixCache  # noqa: E402
 from comap_async.prompts import Conversation  # noqa: E402
 from comap_async.wire.messages import COEVOLVE  # noqa: E402
 
@@ -43,7 +43,7 @@ ROLES = ("policy", "wm", "teacher")
 
 
 class BlockCache:
-    """The prefix cache's reuse rule without its tensors (:class:`PrefixCache`'s chained full blocks)."""
+    """The prefix cache's reuse rule without its tensors (``comap_async/inference/prefix.py``'s chained full blocks)."""
 
     def __init__(self, block: int) -> None:
         self.block, self.keys = block, set()
@@ -89,6 +89,9 @@ def main() -> int:
     ap.add_argument("--config", default="configs/local.yaml", help="the run's config (draft_turns on)")
     ap.add_argument("--phase", default=COEVOLVE, help="the transitions' phase (warmup: the expert's steps)")
     ap.add_argument("--episodes", type=int, default=40, help="the run's last N episodes of the phase")
+    ap.add_argument(
+        "--block", type=int, help="prefix-cache block size (default: the config's inference.prefix_cache_block)"
+    )
     args = ap.parse_args()
     from tokenizers import Tokenizer
 
@@ -112,7 +115,7 @@ def main() -> int:
             args.config, ["env.draft_turns=true", *(f"{k}={str(v).lower()}" for k, v in switches.items())]
         )
         prompts = Prompts.for_model(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir), cfg)
-        cache, computed, sent = BlockCache(PrefixCache().block), dict.fromkeys(ROLES, 0), 0
+        cache, computed, sent = BlockCache(args.block or cfg.inference.prefix_cache_block), dict.fromkeys(ROLES, 0), 0
         for episode in played:
             seen = Conversation(episode[0]["goal"], episode[0]["o"])
             for r in episode:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from comap_async.inference.kvcache import BatchCache, with_capacity
+from comap_async.inference.kvcache import MIN_CAPACITY, BatchCache
 from comap_async.inference.speculative import allowed_tokens
 from comap_async.inference.token_sampling import sample_step
 
@@ -118,12 +118,14 @@ class PrefillSteps:
         self._last_busy = time.monotonic()
         cache = self._new_cache()
         gen = seq.cache_gen = self.slots.generation.get(seq.slot, 0)
+        n = len(seq.prompt_ids)
+        room = max(MIN_CAPACITY, n + n // 2)  # the prompt's computed part and its first tokens need no relayout
         done, layers = (
-            self.prefix.lookup(seq.slot, gen, seq.prompt_ids, self.key_dim) if self.prefix is not None else (0, None)
+            self.prefix.lookup(seq.slot, gen, seq.prompt_ids, self.key_dim, room) if self.prefix else (0, None)
         )
         if layers is not None:
             for layer, (k, v) in zip(cache.layers, layers):
-                layer._set(*with_capacity(k, v, done, cache.transposed), done)
+                layer._set(k, v, done)
         return Prefill(seq, cache, done, gen, time.perf_counter() - t0)
 
     def _prefill_together(self, joining: list[Prefill]) -> None:

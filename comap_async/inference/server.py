@@ -72,7 +72,7 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
         max_model_len=max_model_len,
         seed=cfg.run.seed,
         log=log,
-        prefix_cache=PrefixCache(max_bytes=inf.prefix_cache_mb << 20) if inf.prefix_cache_mb else None,
+        prefix_cache=(PrefixCache(inf.prefix_cache_block, inf.prefix_cache_mb << 20) if inf.prefix_cache_mb else None),
         fused=fused,
         top_candidates=inf.top_p_candidates,
         speculative_tokens=inf.speculative_tokens,
