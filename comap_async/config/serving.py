@@ -114,8 +114,9 @@ class InferenceConfig(Section):
     caching, sized by its KV cache)."""
     prefix_cache_block: int = Field(default=8, ge=1, le=512)
     """Embedded server: tokens per prefix-cache block. A prompt reuses whole blocks only, so it recomputes
-    half a block of its known prefix on average: 8 computes ~12 % fewer prompt tokens per co-evolution
-    step than 32 (the size before session 60), for a lookup that copies four times as many blocks."""
+    half a block of its known prefix on average: with 8, a co-evolution step computed 23 % fewer prompt tokens
+    than with 32 (the size before session 60; docs/inference.md), for a lookup that copies four times as many
+    blocks."""
     priority_hold_s: float = Field(default=0.0, ge=0)
     """Embedded server: a request waits while one of a lower ``priority`` (the evaluator's, ``eval.priority``)
     is running, for at most this long, instead of joining the batch whenever it has room (0, vLLM's

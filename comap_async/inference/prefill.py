@@ -120,9 +120,9 @@ class PrefillSteps:
         gen = seq.cache_gen = self.slots.generation.get(seq.slot, 0)
         n = len(seq.prompt_ids)
         room = max(MIN_CAPACITY, n + n // 2)  # the prompt's computed part and its first tokens need no relayout
-        done, layers = (
-            self.prefix.lookup(seq.slot, gen, seq.prompt_ids, self.key_dim, room) if self.prefix else (0, None)
-        )
+        done, layers = 0, None
+        if self.prefix is not None:
+            done, layers = self.prefix.lookup(seq.slot, gen, seq.prompt_ids, self.key_dim, room)
         if layers is not None:
             for layer, (k, v) in zip(cache.layers, layers):
                 layer._set(k, v, done)
