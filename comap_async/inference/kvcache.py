@@ -16,8 +16,13 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-MIN_CAPACITY = 64
+_MIN_CAPACITY = 64
 _SHRINK = 8  # a leaving row's columns are given back once the buffers hold this many times the rest
+
+
+def room_for(n: int) -> int:
+    """Columns for new buffers holding ``n``: half as many again to grow into before a relayout."""
+    return max(_MIN_CAPACITY, n + n // 2)
 
 
 class BufferLayer(DynamicLayer):
@@ -61,7 +66,7 @@ class BufferLayer(DynamicLayer):
             key_states = key_states.transpose(-1, -2)
         if self.kbuf is None:
             b, h, _, d = value_states.shape
-            cap = max(MIN_CAPACITY, 2 * add)
+            cap = max(_MIN_CAPACITY, 2 * add)
             self._set(
                 key_states.new_zeros(*_shape(b, h, cap, d, self.transposed)), value_states.new_zeros(b, h, cap, d), 0
             )
@@ -92,15 +97,15 @@ class BufferLayer(DynamicLayer):
                 self._k(dst, self.off, self.n).copy_(self._k(src, self.off, self.n))
                 self._v(dst, self.off, self.n).copy_(self._v(src, self.off, self.n))
         self._set(self.kbuf, self.vbuf, self.n - trim, self.off + trim, len(order))
-        if self.capacity > _SHRINK * max(self.n, MIN_CAPACITY):  # longer rows have left: give the room back
-            self.relayout(self.kbuf.shape[0], max(MIN_CAPACITY, 2 * self.n), left=self.n // 2)
+        if self.capacity > _SHRINK * max(self.n, _MIN_CAPACITY):  # longer rows have left: give the room back
+            self.relayout(self.kbuf.shape[0], max(_MIN_CAPACITY, 2 * self.n), left=self.n // 2)
 
     def append_rows(self, other: "BufferLayer", total: int, rows_hint: int) -> None:
         """``other``'s rows below ours, every row right-aligned to ``total`` columns (the longer length):
         written into the spare rows and the room on the left when there are enough, else after one relayout."""
         k = other.b
         if self.b + k > self.kbuf.shape[0] or total - self.n > self.off:
-            rows, cap = max(self.b + k, rows_hint), max(MIN_CAPACITY, 2 * total)
+            rows, cap = max(self.b + k, rows_hint), max(_MIN_CAPACITY, 2 * total)
             self.relayout(rows, cap, left=(cap - total) // 2 + total - self.n)
         off = self.off + self.n - total  # the right edge stays where it is
         if off < self.off:  # our rows' new left padding may hold what earlier, longer rows left there
@@ -213,7 +218,7 @@ class RepaddedBatchCache(BatchCache):
         layer._set(*with_capacity(k, v, n, self.transposed), n)
 
     def _join(self, mine: BufferLayer, theirs: BufferLayer, total: int) -> None:
-        mine.relayout(mine.b + theirs.b, max(MIN_CAPACITY, total + total // 2), left=total - mine.n)
+        mine.relayout(mine.b + theirs.b, room_for(total), left=total - mine.n)
         mine.append_rows(theirs, total, mine.b + theirs.b)
 
 
@@ -226,7 +231,7 @@ def with_capacity(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """New buffers with room to grow holding the first ``n`` positions of ``k`` and ``v``."""
     b, h, _, d = v.shape
-    cap = cap or max(MIN_CAPACITY, n + n // 2)
+    cap = cap or room_for(n)
     kdim = 3 if transposed else 2
     kb, vb = k.new_zeros(*_shape(b, h, cap, d, transposed)), v.new_zeros(b, h, cap, d)
     kb.narrow(kdim, 0, n).copy_(k.narrow(kdim, 0, n))

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from comap_async.inference.kvcache import MIN_CAPACITY, BatchCache
+from comap_async.inference.kvcache import BatchCache, room_for
 from comap_async.inference.speculative import allowed_tokens
 from comap_async.inference.token_sampling import sample_step
 
@@ -118,10 +118,9 @@ class PrefillSteps:
         self._last_busy = time.monotonic()
         cache = self._new_cache()
         gen = seq.cache_gen = self.slots.generation.get(seq.slot, 0)
-        n = len(seq.prompt_ids)
-        room = max(MIN_CAPACITY, n + n // 2)  # the prompt's computed part and its first tokens need no relayout
         done, layers = 0, None
-        if self.prefix is not None:
+        if self.prefix is not None:  # room for the prompt's computed part and its first tokens: no relayout
+            room = room_for(len(seq.prompt_ids))
             done, layers = self.prefix.lookup(seq.slot, gen, seq.prompt_ids, self.key_dim, room)
         if layers is not None:
             for layer, (k, v) in zip(cache.layers, layers):

@@ -65,7 +65,8 @@ class PrefixCache:
         if not found:
             return 0, None
         n = len(found) * self.block
-        keys, values = _room(found[0][0], key_dim + 1, max(n, capacity)), _room(found[0][1], 3, max(n, capacity))
+        positions = max(n, capacity)
+        keys, values = _room(found[0][0], key_dim + 1, positions), _room(found[0][1], 3, positions)
         for i, (k, v) in enumerate(found):
             keys.narrow(key_dim + 1, i * self.block, self.block).copy_(k)
             values.narrow(3, i * self.block, self.block).copy_(v)
