@@ -62,6 +62,12 @@ def next_version(done: set[int], published: list[int], every: int, max_pending: 
     return pending[-1] if len(pending) > max_pending else pending[0]
 
 
+def rest_after(seconds: float, max_share: float | None) -> float:
+    """How long to rest after an evaluation of ``seconds`` so evaluating takes at most ``max_share`` of the
+    wall clock (``eval.max_share``; 0 when unset)."""
+    return 0.0 if max_share is None else seconds * (1.0 / max_share - 1.0)
+
+
 def published_versions(adapter_root: Path, current: int) -> list[int]:
     """Versions up to ``current`` whose three adapters are on disk (the learner keeps the files)."""
     return [v for v in range(1, current + 1) if all((adapter_root / adapter_name(r, v)).is_dir() for r in ROLES)]
@@ -260,6 +266,7 @@ class Evaluator:
                             return 0
                         await self._sleep(self.cfg.eval.poll_s)
                         continue
+                    started = time.monotonic()
                     finished, result = await until_stopped(self.evaluate(client, version, registry), self.stop)
                     if not finished:
                         self.log.info("evaluator.abandoned", version=version)
@@ -267,6 +274,10 @@ class Evaluator:
                     self.record(result, scalars)
                     await broker.report_eval(version, result)
                     done.add(version)
+                    rest = rest_after(time.monotonic() - started, self.cfg.eval.max_share)
+                    if rest > 0 and not once:
+                        self.log.info("evaluator.resting", seconds=round(rest, 1), max_share=self.cfg.eval.max_share)
+                        await self._sleep(rest)
             finally:
                 scalars.close()
         return 0

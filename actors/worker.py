@@ -129,6 +129,8 @@ class ActorWorker:
                 continue
             if phase == WARMUP and not self.eval_mode:
                 self._warmup_played += 1
+            if not self.eval_mode:
+                ctx.llm.client.priority = self._request_priority(phase)
             try:
                 if self.eval_mode and self.eval_phase == REFLECT_INIT:  # labels only, nothing trained
                     branch = branch or pool.env()
@@ -176,6 +178,14 @@ class ActorWorker:
                 version=version,
                 **stats.metrics(),
             )
+
+    def _request_priority(self, phase: str) -> int:
+        """The priority of this process's model calls in ``phase``. Reflection-mode initialisation trains on
+        the actors' labels alone and waits for them, so their calls rank with the evaluator's
+        (``eval.priority``): held behind an evaluation (``inference.priority_hold_s``) they stalled the whole
+        run, 2.2 minutes of a 10-minute one (docs/running.md, "A ten-minute try"), not just the actors."""
+        own = self.cfg.inference.request_priority
+        return min(own, self.cfg.eval.priority) if phase == REFLECT_INIT else own
 
     def _has_its_share(self, phase: str) -> bool:
         """Whether this process has played its share of ``phase`` (warm-up demonstrations, reflection

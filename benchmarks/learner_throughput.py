@@ -143,11 +143,9 @@ def peak_rss_gb() -> float:
 
 
 def learner_config(args: argparse.Namespace, overrides: dict):
-    import yaml
+    from comap_async.config import LearnerConfig, load_config
 
-    from comap_async.config import LearnerConfig
-
-    section = (yaml.safe_load(Path(args.config).read_text()) or {}).get("learner") or {}
+    section = load_config(args.config).learner.model_dump()
     return LearnerConfig(**{**section, "batch_size": args.batch_size, "device": args.device, **overrides})
 
 

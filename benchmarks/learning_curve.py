@@ -9,7 +9,8 @@ budget, the evaluator measuring every adapter version on held-out games.
 It runs the ``Procfile`` (broker, inference, learner, actor, evaluator) with ``--config`` on free
 ports in a new run directory, stops it with SIGTERM after ``--minutes``, then prints one row per
 evaluated version (wall time, phase, probes, success rate), the run's env steps/s and learner
-tokens/s, writes ``comap stats --plot`` PNGs into ``--out``, and ends with the line
+tokens/s, the learner's publishes (version and minutes from the start, from its log) and
+``first_coevolve_publish_min``, writes ``comap stats --plot`` PNGs into ``--out``, and ends with the line
 ``wm_delta_f1_gain=X draft_accuracy_gain=Y success_rate_gain=Z`` (latest version minus base).
 
 A ``/stats`` snapshot a minute goes to ``progress.jsonl``; ``--at M`` prints a line with the figures
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,6 +122,28 @@ def phase_rates(snaps: list[dict], phase: str) -> dict:
     }
 
 
+def publishes(log_path: Path, t0: float) -> list[dict]:
+    """The learner's publishes in a run's ``honcho.log`` (JSON lines): version, phase, step and minutes
+    from the start, oldest first (the adapters on disk are rotated; the log keeps every one)."""
+    out = []
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        if '"publish.done"' not in line:
+            continue
+        try:
+            e = json.loads(line[line.index("{") :])
+            t = datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+        except (ValueError, KeyError):
+            continue
+        out.append(
+            {"version": e.get("version"), "phase": e.get("phase"), "step": e.get("step"), "minutes": (t - t0) / 60}
+        )
+    return out
+
+
 def _fmt(v: object) -> str:
     return "n/a" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
@@ -136,6 +160,11 @@ def report(out: Path, at: list[float]) -> None:
     t0 = meta["t0"]
     for row in table(results, t0):
         print(row)
+    published = publishes(out / "honcho.log", t0)
+    if published:
+        print("published (version@minutes): " + " ".join(f"v{p['version']}@{p['minutes']:.1f}" for p in published))
+    first = next((p for p in published if p["phase"] == COEVOLVE), None)
+    print(f"first_coevolve_publish_min={_fmt(None if first is None else first['minutes'])}")
     for minutes in at:
         print(" ".join(f"{k}={_fmt(v)}" for k, v in cut(results, progress, t0, minutes).items()))
     summary = json.loads((out / "stats.json").read_text()) if (out / "stats.json").exists() else {}

@@ -266,24 +266,46 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, value
 
 
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``: sections merge key by key, any other value (a list included) replaces."""
+    out = dict(base)
+    for key, value in over.items():
+        below = out.get(key)
+        out[key] = _merged(below, value) if isinstance(below, dict) and isinstance(value, dict) else value
+    return out
+
+
+def _read_yaml(p: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A config file's mapping, with the file it ``extends`` (a path relative to it) merged underneath."""
+    source = " <- ".join(str(c) for c in (*chain, p))
+    if not p.is_file():
+        raise ConfigError(f"{source}: config file not found")
+    if p.resolve() in {c.resolve() for c in chain}:
+        raise ConfigError(f"{source}: 'extends' loops back to a file already read")
+    try:
+        loaded = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{source}: top level must be a mapping of sections, got {type(loaded).__name__}")
+    parent = loaded.pop("extends", None)
+    if parent is None:
+        return loaded
+    if not isinstance(parent, str):
+        raise ConfigError(f"{source}: extends: expected a file name, got {parent!r}")
+    return _merged(_read_yaml(p.parent / parent, (*chain, p)), loaded)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> CoMapConfig:
-    """Load a YAML config (or the defaults when ``path`` is None), apply overrides, validate."""
+    """Load a YAML config (or the defaults when ``path`` is None), apply overrides, validate. A file may
+    start from another (``extends: local.yaml``, relative to it) and state only what it changes."""
     data: dict[str, Any] = {}
     source = "<defaults>"
     if path is not None:
         source = str(path)
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"{source}: config file not found")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{source}: not valid YAML: {exc}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{source}: top level must be a mapping of sections, got {type(loaded).__name__}")
-        data = loaded
+        data = _read_yaml(Path(path))
     for item in overrides:
         keys, value = parse_override(item)
         node = data

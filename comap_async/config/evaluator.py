@@ -109,6 +109,13 @@ class EvalConfig(Section):
     also wait while the evaluator's run (not only while they wait), so the evaluation takes about the time
     of its own calls while the actors wait that long, instead of both sharing the server for the whole
     evaluation. With vLLM the launcher then adds ``--scheduling-policy priority``."""
+    max_share: float | None = Field(default=None, gt=0, le=1)
+    """At most this share of the wall clock spent evaluating: after an evaluation of T seconds the evaluator
+    rests T x (1 / share - 1) before the next (the newest version then, ``max_pending``). With ``priority``
+    and the server's hold, an evaluator that always has a new version to measure holds the actors' calls for
+    good: the learner trains on the replay while the actors store a fifth of their rate or less (12
+    co-evolution transitions in 12 minutes of ``configs/local-quick.yaml``, docs/running.md, "A ten-minute
+    try"). None: evaluate whenever a version waits."""
     poll_s: float = Field(default=5.0, gt=0)
     """How often the evaluator asks the broker for a new version."""
     nice: int = Field(default=0, ge=0, le=19)

@@ -241,6 +241,38 @@ async def test_actor_idles_after_its_share_of_a_phase_until_the_phase_moves_on(
     assert [e["phase"] for e in stored(broker, "episodes")] == [phase, "coevolve", "coevolve"]
 
 
+async def test_reflection_labels_are_asked_at_the_evaluators_priority(
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen, monkeypatch
+):
+    """The learner waits on the labels in reflect_init: the actors' calls then carry ``eval.priority`` (a
+    server's hold would stall the run behind an evaluation), and their own priority again afterwards."""
+    from comap_async.wire.inference_client import InferenceClient
+
+    asked: list[int] = []
+    complete = InferenceClient.complete
+
+    async def spy(self, *args, **kwargs):
+        asked.append(self.priority)
+        return await complete(self, *args, **kwargs)
+
+    monkeypatch.setattr(InferenceClient, "complete", spy)
+    broker = broker_factory()
+    await announce(broker, "reflect_init")
+    share = ["actor.max_reflect_init_labels=1", "learner.reflect_init_min_samples=1", "eval.priority=-1"]
+    cfg = actor_config(broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=3", *share)
+    games = sorted(valid_seen, key=lambda g: g.name)[:2]
+    worker = ActorWorker(cfg, configure_logging("actor-test"), envs=1, episodes=2, games=games)
+    run = asyncio.create_task(worker.run())
+    while not broker.stats()["stores"]["episodes"]["count"]:
+        await asyncio.sleep(0.2)
+    labelling = len(asked)
+    await announce(broker, "coevolve")
+    await asyncio.wait_for(run, timeout=300)
+    assert [e["phase"] for e in stored(broker, "episodes")] == ["reflect_init", "coevolve"]
+    assert labelling > 0 and set(asked[:labelling]) == {-1}
+    assert len(asked) > labelling and set(asked[labelling:]) == {0}
+
+
 async def test_an_actor_plays_past_its_warmup_share_until_the_learner_has_its_demonstrations(
     broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen
 ):

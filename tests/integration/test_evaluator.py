@@ -8,8 +8,10 @@ held-out games, and `comap stats --json` then holds one result per version.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -177,3 +179,55 @@ async def test_probes_beside_the_games_give_the_figures_of_probes_then_games(
     together, in_turn = ({k: v for k, v in r.items() if k not in timing} for r in results)
     assert together["success_games"] == 3 and together["walkthrough_states"] > 0
     assert together == in_turn
+
+
+async def test_an_evaluator_with_a_share_rests_as_long_as_it_evaluated(
+    broker_factory, server, alfworld_data, model_cache, tiny_model_dir, tmp_path
+):
+    """``eval.max_share=0.5``: after each evaluation the evaluator rests as long as it took, so the actors'
+    calls are not held for good while a new version always waits."""
+    url, adapter_root = server
+    broker = broker_factory()
+    factory = AdapterFactory(tiny_model_dir, adapter_root)
+    for i, role in enumerate(ROLES):
+        factory.random(f"{role}-v1", seed=10 + i)
+    async with BrokerClient(broker.learner_endpoint, timeout_s=10) as client:
+        await client.announce("coevolve", dict.fromkeys(ROLES, 1), {r: f"{r}-v1" for r in ROLES}, step=4)
+    sets = [
+        f"model.cache_dir={model_cache}",
+        f"model.name_or_path={tiny_model_dir}",
+        f"env.data_dir={alfworld_data}",
+        f"run.root={broker.run_root}",
+        "run.name=t",
+        f"broker.learner_port={broker.learner_port}",
+        f"broker.actor_port={broker.actor_port}",
+        f"broker.http_port={broker.http_port}",
+        f"inference.endpoints=['{url}']",
+        f"inference.admin_token={ADMIN_TOKEN}",
+        f"inference.adapter_root={adapter_root}",
+        "eval.max_share=0.5",
+    ]
+    args = ["--config", "configs/test.yaml", *sum((["--set", s] for s in sets), [])]
+    log = tmp_path / "evaluator.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "comap_async", "evaluator", *args],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "COMAP_LOG_JSON": "1"},
+        )
+    eval_dir = broker.run_root / "t" / "eval"
+    try:
+        deadline = time.time() + 600
+        while not (eval_dir / "v1.json").exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert (eval_dir / "v1.json").exists(), log.read_text()[-3000:]
+    v0, v1 = (json.loads((eval_dir / f"v{v}.json").read_text()) for v in (0, 1))
+    resting = [json.loads(line) for line in log.read_text().splitlines() if '"evaluator.resting"' in line]
+    assert resting and resting[0]["seconds"] >= v0["eval_s"]  # the whole evaluation, adapter loads included
+    # v1 waited, although it was published before v0's evaluation ended
+    assert (v1["ts"] - v1["eval_s"]) - v0["ts"] >= resting[0]["seconds"] - 1.0

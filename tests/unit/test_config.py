@@ -116,3 +116,47 @@ def test_admissible_choice_is_recorded_and_keys_a_compared_row_only_when_on():
     key_off = cell_key(off, "src", 7, "draft_only", "valid_seen", [])
     assert "admissible_choice" not in key_off["settings"]["actor"]  # rows stored before the switch keep their keys
     assert cell_key(on, "src", 7, "draft_only", "valid_seen", []) != key_off
+
+
+def test_extends_merges_sections_key_by_key(tmp_path):
+    (tmp_path / "base.yaml").write_text("learner:\n  lr: 0.001\n  batch_size: 4\nenv:\n  task_types: [1, 2]\n")
+    (tmp_path / "child.yaml").write_text("extends: base.yaml\nlearner:\n  lr: 0.0002\nenv:\n  task_types: [3]\n")
+    cfg = load_config(tmp_path / "child.yaml", ["learner.batch_size=2"])
+    assert cfg.learner.lr == 2e-4  # the child's value
+    assert cfg.learner.batch_size == 2  # the base's, then the override's
+    assert cfg.env.task_types == [3]  # a list replaces, never appends
+
+
+def test_extends_chain_and_relative_path(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.yaml").write_text("learner:\n  lr: 0.001\n  batch_size: 4\n")
+    (tmp_path / "sub" / "b.yaml").write_text("extends: ../a.yaml\nlearner:\n  batch_size: 3\n")
+    (tmp_path / "sub" / "c.yaml").write_text("extends: b.yaml\nlearner:\n  lr: 0.0005\n")
+    cfg = load_config(tmp_path / "sub" / "c.yaml")
+    assert (cfg.learner.lr, cfg.learner.batch_size) == (5e-4, 3)
+
+
+@pytest.mark.parametrize(
+    ("files", "match"),
+    [
+        ({"c.yaml": "extends: missing.yaml\n"}, r"c.yaml <- .*missing.yaml: config file not found"),
+        ({"c.yaml": "extends: d.yaml\n", "d.yaml": "extends: c.yaml\n"}, "loops back"),
+        ({"c.yaml": "extends: [a.yaml]\n"}, "extends: expected a file name"),
+        ({"c.yaml": "extends: d.yaml\n", "d.yaml": "- 1\n"}, "top level must be a mapping"),
+    ],
+)
+def test_extends_errors_are_one_line(tmp_path, files, match):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=match) as exc:
+        load_config(tmp_path / "c.yaml")
+    assert "\n" not in str(exc.value)
+
+
+def test_quick_profile_is_the_default_with_short_phases():
+    local, quick = load_config(CONFIGS / "local.yaml"), load_config(CONFIGS / "local-quick.yaml")
+    assert quick.learner.warmup_max_minutes + quick.learner.reflect_init_max_minutes < 10
+    assert quick.learner.warmup_min_demos < local.learner.warmup_min_demos
+    # everything else the CPU default decides is inherited, not restated
+    assert quick.model == local.model and quick.inference == local.inference and quick.gates == local.gates
+    assert quick.env == local.env and quick.learner.lr == local.learner.lr

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from benchmarks.learning_curve import cut, gains
+from benchmarks.learning_curve import cut, gains, publishes
 
 T0 = 1000.0
 
@@ -79,3 +79,21 @@ def test_cut_reports_coevolve_throughput_apart_from_warmup():
     # one snapshot in the phase is no span: no rate rather than a division by zero
     early = cut([], progress, T0, 35)
     assert early["coevolve_minutes"] == 0.0 and early["coevolve_transitions_per_s"] is None
+
+
+def test_publishes_read_from_the_json_log_in_order(tmp_path):
+    log = tmp_path / "honcho.log"
+    t0 = 1_700_000_000.0  # 2023-11-14T22:13:20Z
+    log.write_text(
+        "22:13:20 system      | learner.1 started (pid=1)\n"
+        '22:16:20 learner.1   | {"version": 1, "phase": "reflect_init", "step": 20, "event": "publish.done", '
+        '"timestamp": "2023-11-14T22:16:20Z"}\n'
+        '22:17:00 learner.1   | {"event": "learner.step", "step": 21, "timestamp": "2023-11-14T22:17:00Z"}\n'
+        '22:22:20 learner.1   | {"version": 2, "phase": "coevolve", "step": 30, "event": "publish.done", '
+        '"timestamp": "2023-11-14T22:22:20Z"}\n'
+        '22:22:21 learner.1   | {"event": "publish.done", "timest\n'
+    )
+    got = publishes(log, t0)
+    assert [(p["version"], p["phase"], p["step"]) for p in got] == [(1, "reflect_init", 20), (2, "coevolve", 30)]
+    assert [round(p["minutes"], 3) for p in got] == [3.0, 9.0]
+    assert publishes(tmp_path / "missing.log", t0) == []

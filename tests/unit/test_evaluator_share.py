@@ -1,0 +1,22 @@
+"""``eval.max_share``: how long the evaluator rests after an evaluation (the rule; the process is exercised in
+tests/integration/test_evaluator.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.evaluator import rest_after
+from comap_async.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize(("share", "rest"), [(None, 0.0), (1.0, 0.0), (0.5, 120.0), (0.25, 360.0)])
+def test_rest_keeps_evaluating_to_its_share_of_the_wall_clock(share, rest):
+    assert rest_after(120.0, share) == pytest.approx(rest)
+    if share:
+        assert 120.0 / (120.0 + rest_after(120.0, share)) == pytest.approx(share)
+
+
+@pytest.mark.parametrize("bad", ["0", "1.5", "-0.2"])
+def test_a_share_outside_0_1_is_refused(bad):
+    with pytest.raises(ConfigError, match="eval.max_share"):
+        load_config(None, [f"eval.max_share={bad}"])
