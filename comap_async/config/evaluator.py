@@ -115,7 +115,7 @@ class EvalConfig(Section):
     and the server's hold, an evaluator that always has a new version to measure holds the actors' calls for
     good: the learner trains on the replay while the actors store a fifth of their rate or less (12
     co-evolution transitions in 12 minutes of ``configs/local-quick.yaml``, docs/running.md, "A ten-minute
-    try"). None: evaluate whenever a version waits."""
+    try"). None: evaluate whenever a version waits. ``comap evaluator --once`` never rests."""
     poll_s: float = Field(default=5.0, gt=0)
     """How often the evaluator asks the broker for a new version."""
     nice: int = Field(default=0, ge=0, le=19)

@@ -51,6 +51,25 @@ def server(tiny_model_dir, tmp_path):
     stop_server(proc)
 
 
+def evaluator_args(broker, url, adapter_root, alfworld_data, model_cache, tiny_model_dir, *extra: str) -> list[str]:
+    """``comap evaluator``'s arguments: the test config pointed at this test's broker, server and games."""
+    sets = [
+        f"model.cache_dir={model_cache}",
+        f"model.name_or_path={tiny_model_dir}",
+        f"env.data_dir={alfworld_data}",
+        f"run.root={broker.run_root}",
+        "run.name=t",
+        f"broker.learner_port={broker.learner_port}",
+        f"broker.actor_port={broker.actor_port}",
+        f"broker.http_port={broker.http_port}",
+        f"inference.endpoints=['{url}']",
+        f"inference.admin_token={ADMIN_TOKEN}",
+        f"inference.adapter_root={adapter_root}",
+        *extra,
+    ]
+    return ["--config", "configs/test.yaml", *sum((["--set", s] for s in sets), [])]
+
+
 async def test_evaluator_records_one_result_per_published_version(
     broker_factory, server, alfworld_data, model_cache, tiny_model_dir, tmp_path
 ):
@@ -64,20 +83,7 @@ async def test_evaluator_records_one_result_per_published_version(
             factory.random(f"{role}-v{v}", seed=10 * v + i)
     async with BrokerClient(broker.learner_endpoint, timeout_s=10) as client:
         await client.announce("coevolve", dict.fromkeys(ROLES, 2), {r: f"{r}-v2" for r in ROLES}, step=8)
-    sets = [
-        f"model.cache_dir={model_cache}",
-        f"model.name_or_path={tiny_model_dir}",
-        f"env.data_dir={alfworld_data}",
-        f"run.root={broker.run_root}",
-        "run.name=t",
-        f"broker.learner_port={broker.learner_port}",
-        f"broker.actor_port={broker.actor_port}",
-        f"broker.http_port={broker.http_port}",
-        f"inference.endpoints=['{url}']",
-        f"inference.admin_token={ADMIN_TOKEN}",
-        f"inference.adapter_root={adapter_root}",
-    ]
-    args = ["--config", "configs/test.yaml", *sum((["--set", s] for s in sets), [])]
+    args = evaluator_args(broker, url, adapter_root, alfworld_data, model_cache, tiny_model_dir)
     r = subprocess.run(
         [sys.executable, "-m", "comap_async", "evaluator", "--once", *args],
         cwd=REPO,
@@ -193,21 +199,7 @@ async def test_an_evaluator_with_a_share_rests_as_long_as_it_evaluated(
         factory.random(f"{role}-v1", seed=10 + i)
     async with BrokerClient(broker.learner_endpoint, timeout_s=10) as client:
         await client.announce("coevolve", dict.fromkeys(ROLES, 1), {r: f"{r}-v1" for r in ROLES}, step=4)
-    sets = [
-        f"model.cache_dir={model_cache}",
-        f"model.name_or_path={tiny_model_dir}",
-        f"env.data_dir={alfworld_data}",
-        f"run.root={broker.run_root}",
-        "run.name=t",
-        f"broker.learner_port={broker.learner_port}",
-        f"broker.actor_port={broker.actor_port}",
-        f"broker.http_port={broker.http_port}",
-        f"inference.endpoints=['{url}']",
-        f"inference.admin_token={ADMIN_TOKEN}",
-        f"inference.adapter_root={adapter_root}",
-        "eval.max_share=0.5",
-    ]
-    args = ["--config", "configs/test.yaml", *sum((["--set", s] for s in sets), [])]
+    args = evaluator_args(broker, url, adapter_root, alfworld_data, model_cache, tiny_model_dir, "eval.max_share=0.5")
     log = tmp_path / "evaluator.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
