@@ -135,7 +135,7 @@ def measure_beside_fork(args) -> dict[str, list[tuple[float, float]]]:
     """Fork ``args.fork`` at ``args.version``, run the fork's training processes and measure beside them."""
     import subprocess
 
-    from benchmarks._system import system_running
+    from experiments.system import system_running
     from comap_async.config import load_config
     from comap_async.logsetup import configure_logging
 

@@ -53,7 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._system import run_system, run_to_phase  # noqa: E402 - the repo must be on sys.path first
+from experiments.system import run_system, run_to_phase  # noqa: E402 - the repo must be on sys.path first
 
 
 def variant_overrides(variant: str) -> list[str]:

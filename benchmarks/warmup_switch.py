@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true")
     args = ap.parse_args()
 
-    from benchmarks._system import run_to_phase
+    from experiments.system import run_to_phase
     from benchmarks.method_table import run_slug
     from comap_async.config import load_config
     from comap_async.wire.messages import REFLECT_INIT

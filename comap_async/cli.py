@@ -47,6 +47,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "start a new run from another run's published version (its checkpoint, adapters and "
         "the replay of then): ablations share one warm-up",
     ),
+    "experiment": (
+        "experiments.cli",
+        "run an experiment spec end to end (source, forks trained N steps, every row on the same games, paired "
+        "statistics), resumable; or redraw its report",
+    ),
     "stats": ("comap_async.commands.stats", "live summary of a running system from the broker (--plot DIR for PNGs)"),
 }
 

@@ -1,4 +1,4 @@
-"""``benchmarks._system.system_running``: a benchmark that runs a system stops it however it is stopped,
+"""``experiments.system.system_running``: a benchmark that runs a system stops it however it is stopped,
 also when started as a script's background job (SIGINT ignored) and ended with SIGTERM."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ CHILD = """
 import signal, sys, time
 from pathlib import Path
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell without job control starts a background job
-from benchmarks._system import system_running
+from experiments.system import system_running
 with system_running("sr", "configs/test.yaml", sys.argv[2:], Path(sys.argv[1]), processes=("broker",)) as proc:
     print(proc.pid, flush=True)
     time.sleep(100)

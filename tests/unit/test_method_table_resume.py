@@ -51,7 +51,7 @@ def test_a_forks_training_wait_ends_at_its_time_or_when_the_system_stops(tmp_pat
 
     import pytest
 
-    from benchmarks._system import wait_with_bar
+    from experiments.system import wait_with_bar
 
     running = subprocess.Popen(["sleep", "30"])
     try:
@@ -140,7 +140,7 @@ def test_a_warm_up_sitting_stopped_by_a_signal_still_counts_its_wall_time(tmp_pa
     import json
     import time
 
-    import benchmarks._system as mt
+    import experiments.system as mt
 
     def stopped(*args, **kwargs):
         time.sleep(1.1)

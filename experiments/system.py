@@ -1,6 +1,8 @@
-"""Running the system for a while, shared by the benchmarks that train runs (``method_table.py``,
-``warmup_switch.py``): ``honcho start`` of the training processes for some minutes or until a run reaches
-a phase, with a bar over the wall time, then SIGINT (the learner checkpoints)."""
+"""Running the system for a while, for the experiments and the benchmarks that train runs: ``honcho start``
+of the training processes for some minutes, until a run reaches a phase or a learner step, with a bar over
+the wall time, then SIGINT (the learner checkpoints). honcho is tied to this process: killed by any
+signal, even -9, this process takes the system down with it (SIGINT from the kernel), so a resumed
+experiment never finds the old one's processes on its ports."""
 
 from __future__ import annotations
 
@@ -17,6 +19,14 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINING = ("broker", "inference", "learner", "actor")
+# ``python -c`` asks for PR_SET_PDEATHSIG, then execs the command: the request survives exec, so the
+# command gets SIGINT when this process dies (no preexec_fn, which is unsafe in a threaded parent)
+TIED_EXEC = (
+    sys.executable,
+    "-c",
+    "import os, signal, sys; from comap_async.lifetime import die_with_parent; "
+    "die_with_parent(signal.SIGINT); os.execvp(sys.argv[1], sys.argv[1:])",
+)
 
 
 def wait_with_bar(
@@ -48,6 +58,38 @@ def wait_with_bar(
             bar.refresh()
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie (exited, not yet reaped by its new parent) holds no port or file
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def wait_for_previous_system(pid_file: Path, wait_s: float = 60.0) -> None:
+    """A system this module started before, whose starter died (killed -9: its honcho got SIGINT from the
+    kernel), may still be stopping: wait for it (its learner checkpoints), then kill what is left of it,
+    so the next system does not meet it on its ports or in its run directory."""
+    if not pid_file.exists():
+        return
+    with contextlib.suppress(ValueError, OSError):
+        pid = int(pid_file.read_text())
+        deadline = time.monotonic() + wait_s
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if pid_alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            while pid_alive(pid):
+                time.sleep(0.2)
+    pid_file.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def system_running(name: str, config: str, overrides: list[str], log_dir: Path, processes=TRAINING):
     """``honcho start`` of run ``name``'s ``processes`` (its output appended to ``log_dir/<name>.log``) for
@@ -60,16 +102,19 @@ def system_running(name: str, config: str, overrides: list[str], log_dir: Path, 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     for sig in handlers:
         signal.signal(sig, signal.default_int_handler)
+    pid_file = log_dir / "system.pid"  # one system at a time writes its runs' logs here
+    wait_for_previous_system(pid_file)
     try:
         with open(log_dir / f"{name}.log", "ab") as log:
             proc = subprocess.Popen(
-                ["honcho", "start", *processes],
+                [*TIED_EXEC, "honcho", "start", *processes],
                 cwd=ROOT,
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+            pid_file.write_text(str(proc.pid))
             try:
                 yield proc
             finally:
@@ -80,6 +125,7 @@ def system_running(name: str, config: str, overrides: list[str], log_dir: Path, 
                     except subprocess.TimeoutExpired:
                         os.killpg(proc.pid, signal.SIGKILL)
                         proc.wait()
+                pid_file.unlink(missing_ok=True)
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
