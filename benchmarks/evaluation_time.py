@@ -135,9 +135,9 @@ def measure_beside_fork(args) -> dict[str, list[tuple[float, float]]]:
     """Fork ``args.fork`` at ``args.version``, run the fork's training processes and measure beside them."""
     import subprocess
 
-    from experiments.system import system_running
     from comap_async.config import load_config
     from comap_async.logsetup import configure_logging
+    from experiments.system import system_running
 
     name = f"evaltime-{time.strftime('%Y%m%d-%H%M%S')}"
     sets = [x for o in args.overrides for x in ("--set", o)]

@@ -30,9 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.system import run_records  # noqa: E402
 from comap_async.prompts import Conversation  # noqa: E402
 from comap_async.wire.messages import COEVOLVE  # noqa: E402
+from experiments.system import run_records  # noqa: E402
 
 FORMS = {
     "window": {"env.reflect_turns": False, "env.wm_turns": False},

@@ -36,10 +36,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.system import run_records  # noqa: E402
 from comap_async.inference.speculative import NGRAM_SIZES, NgramIndex, next_budget  # noqa: E402
 from comap_async.prompts.messages import reflection_target  # noqa: E402
 from comap_async.wire.messages import COEVOLVE  # noqa: E402
+from experiments.system import run_records  # noqa: E402
 
 
 def replay(prompt_ids: list[int], out_ids: list[int], k: int, sizes: tuple[int, ...]) -> tuple[int, int, int]:

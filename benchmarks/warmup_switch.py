@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +91,16 @@ def markdown(setting: str, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_slug(text: str, limit: int = 96) -> str:
+    """``learner.bce_gate_labels=false`` -> ``learner-bce_gate_labels-false``: a setting as part of a run
+    name. Past ``limit`` characters (a run name is a directory and a log file's name), the start and a
+    hash of the whole: the same settings always give the same name, different ones different names."""
+    slug = "".join(c if c.isalnum() or c in "_-" else "-" for c in text)
+    if len(slug) <= limit:
+        return slug
+    return f"{slug[: limit - 9]}-{zlib.crc32(text.encode()):08x}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("setting", help="a config key, e.g. actor.warmup_recovery or env.history_k")
@@ -104,10 +115,9 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true")
     args = ap.parse_args()
 
-    from experiments.system import run_to_phase
-    from benchmarks.method_table import run_slug
     from comap_async.config import load_config
     from comap_async.wire.messages import REFLECT_INIT
+    from experiments.system import run_to_phase
 
     args.config = str(Path(args.config).resolve())
     values = [v for v in args.values.split(",") if v]

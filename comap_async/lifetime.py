@@ -1,7 +1,7 @@
 """A child process's lifetime tied to its parent's.
 
 A command that starts a helper process (``comap eval`` and ``comap compare`` their embedded server,
-``method_table.py`` its ``comap compare``, the broker its gate workers) stops it in a ``finally``;
+an experiment its honcho, the broker its gate workers) stops it in a ``finally``;
 a parent killed by a signal runs no ``finally``, and the helper would be left holding the cores.
 Linux's ``PR_SET_PDEATHSIG`` has the kernel signal the child when its parent dies, however it died.
 

@@ -1,0 +1,86 @@
+"""The system an experiment runs for a while (``experiments/system.py``): the wait over a fork's training,
+a warm-up's wall time over sittings, and a system left by a killed runner cleared before the next."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+import experiments.system as system
+
+
+def test_a_forks_training_wait_ends_at_its_time_or_when_the_system_stops(tmp_path):
+    running = subprocess.Popen(["sleep", "30"])
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(subprocess.TimeoutExpired):  # still running at the end of its time: the caller stops it
+            system.wait_with_bar(running, "fork", 0.05, tmp_path)
+        assert 2.5 < time.monotonic() - t0 < 10
+    finally:
+        running.kill()
+        running.wait()
+    stopped = subprocess.Popen(["true"])
+    t0 = time.monotonic()
+    system.wait_with_bar(stopped, "fork", 0.5, tmp_path)  # stopped by itself: returns at once
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_warm_up_sitting_stopped_by_a_signal_still_counts_its_wall_time(tmp_path, monkeypatch):
+    def stopped(*args, **kwargs):
+        time.sleep(1.1)
+        raise SystemExit(143)
+
+    monkeypatch.setattr(system, "run_system", stopped)
+    monkeypatch.setattr(system, "first_version_in_phase", lambda run_dir, phase: None)
+    ledger = tmp_path / "source.json"
+    ledger.write_text(json.dumps({"name": "sw", "wall_s": 600}))
+    with pytest.raises(SystemExit):
+        system.run_to_phase("sw", "coevolve", "cfg.yaml", [], 1.0, tmp_path, tmp_path, ledger)
+    assert json.loads(ledger.read_text())["wall_s"] == 601
+
+
+def test_a_system_left_by_a_killed_runner_is_waited_for_then_killed(tmp_path):
+    # a process group as honcho's is (its own session), ignoring SIGINT as a slow shutdown would
+    left = subprocess.Popen(["bash", "-c", "trap '' INT; sleep 60 & wait"], start_new_session=True)
+    pid_file = tmp_path / "system.pid"
+    pid_file.write_text(str(left.pid))
+    t0 = time.monotonic()
+    system.wait_for_previous_system(pid_file, wait_s=1.0)
+    assert 1.0 <= time.monotonic() - t0 < 10
+    assert left.wait(timeout=5) == -signal.SIGKILL
+    assert not pid_file.exists()
+    with pytest.raises(ProcessLookupError):  # its child went with the group
+        os.killpg(left.pid, 0)
+
+
+def test_a_system_that_stops_by_itself_is_not_waited_for(tmp_path):
+    done = subprocess.Popen(["true"])
+    done.wait()
+    pid_file = tmp_path / "system.pid"
+    pid_file.write_text(str(done.pid))
+    t0 = time.monotonic()
+    system.wait_for_previous_system(pid_file, wait_s=30.0)
+    assert time.monotonic() - t0 < 1 and not pid_file.exists()
+    system.wait_for_previous_system(tmp_path / "none.pid")  # no file: nothing to wait for
+
+
+def test_a_system_is_started_tied_to_its_starter():
+    # honcho is exec'd by a Python that asked for SIGINT when its parent dies: a runner killed with -9 takes
+    # its system down (graceful: the learner checkpoints)
+    pdeathsig = subprocess.run(
+        [
+            *system.TIED_EXEC,
+            "python3",
+            "-c",
+            "import ctypes; s = ctypes.c_int(); ctypes.CDLL(None).prctl(2, ctypes.byref(s)); print(s.value)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert pdeathsig.stdout.strip() == str(int(signal.SIGINT))
