@@ -461,9 +461,8 @@ def game_record(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def what_row_sees(cfg: Any, method: str) -> dict[str, Any]:
-    """What each role of ``method`` reads and how its action is decoded, from the config it is played with."""
-    try:
-        from comap_async.prompts.roles import what_roles_read
-    except ImportError:  # pragma: no cover - the prompts' own description is added with them
-        return {}
+    """What each role of ``method`` reads and how its action is decoded, found by playing the method's own
+    code on a probe game (:func:`actors.roles_read.what_roles_read`), so the table says what differs."""
+    from actors.roles_read import what_roles_read
+
     return what_roles_read(cfg, method)
