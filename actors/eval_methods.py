@@ -2,7 +2,8 @@
 the same games with the same adapters (or the base model) and the same budget of steps.
 
 * ``react``: a short thought, then the action, from the state alone (policy; no world model, no
-  reflection) - one model call per step.
+  reflection) - one model call per step; two with ``actor.admissible_choice`` (the thought, then the
+  action decoded among the admissible commands).
 * ``imagine_and_act``: the policy's draft, the world model's imagined consequence of it, then a
   final action chosen by the policy from that (no KEEP/REVISE decision, so no action gate) -
   three calls per step.
@@ -11,6 +12,10 @@ the same games with the same adapters (or the base model) and the same budget of
   world-model calls, up to ``K x (D - 1)`` more drafts and ``K`` critic calls per step.
 
 ``comap`` itself is :func:`actors.episodes.play_coevolve` in evaluation mode. Nothing is stored.
+With ``actor.admissible_choice`` every method's executed action is decoded among the state's admissible
+commands (the draft, ReAct's action, Imagine-and-Act's final one, the look-ahead's candidates, the repeat
+guard's), so the methods differ in what they read and do, not in how an action is decoded;
+:mod:`actors.roles_read` says what each role reads.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ async def _act(ctx: EpisodeContext, ep: Episode, method: str, s: str) -> tuple[s
         ep.stats.lookahead.append(seen)
         return action, None
     if method == "react":
-        action, _ = await llm.react(s, ctx.cfg.eval.react_max_tokens)
+        action, _ = await llm.react(s, ctx.cfg.eval.react_max_tokens, ep.current.admissible)
         return action, None
     admissible = ep.current.admissible
     seen = ep.draft_state()
@@ -69,7 +74,8 @@ async def play_method(ctx: EpisodeContext, env: Any, game: Any, episode_id: str,
         if action is None:
             ep.stats.parse_problems += 1
             action = FALLBACK_ACTION
-        guarded = await avoid_repeat(ctx, ep, s, action)
+        # the guard drafts from what the draft reads (the episode's turns with env.draft_turns), as in comap
+        guarded = await avoid_repeat(ctx, ep, ep.draft_state(), action)
         if guarded != action:
             action, s_hat = guarded, None
         ep.stats.invalid += bool(admissible) and action not in admissible

@@ -89,6 +89,12 @@ class _Recorder:
         return None
 
 
+def evaluation_config(cfg: Any) -> Any:
+    """``cfg`` as an evaluation episode plays it: every model call at ``eval.temperature``."""
+    t = cfg.eval.temperature
+    return cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"temperature": t, "wm_temperature": t})})
+
+
 async def play_games(
     cfg: Any,
     games: list,
@@ -109,8 +115,7 @@ async def play_games(
     ``(game, EpisodeStats)`` results (``on_result`` is also called with each as its episode ends)."""
     from actors.worker import ActorWorker
 
-    t = cfg.eval.temperature
-    cfg = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"temperature": t, "wm_temperature": t})})
+    cfg = evaluation_config(cfg)
     worker = ActorWorker(
         cfg,
         log,

@@ -26,11 +26,13 @@ from comap_async.config import ActorConfig
 from comap_async.method.gates import canonical_action
 from comap_async.prompts import (
     FINAL_PREFIX,
+    REACT_ACTION_PREFIX,
     Conversation,
     Prompts,
     parse_action,
     parse_react,
     parse_reflection,
+    react_action_head,
     reflection_head,
     revise_probability,
     sequence_confidence,
@@ -314,25 +316,40 @@ class AgentLLM:
         )
         return second_word_probability(c, answer)
 
-    async def react(self, state: str, max_tokens: int) -> tuple[str | None, str | None]:
-        """ReAct's (action, problem): a thought, then the action, from the state alone (policy adapter)."""
-        c = await self._complete(
-            POLICY, self.prompts.react(state), max_tokens, ["<|im_end|>", "\n\n"], self.cfg.temperature
+    async def react(
+        self, state: str, max_tokens: int, admissible: Sequence[str] | None = None
+    ) -> tuple[str | None, str | None]:
+        """ReAct's (action, problem): a thought, then the action, from the state alone (policy adapter).
+        ``admissible``: with ``actor.admissible_choice`` the thought is generated freely up to its line's
+        end and the action after ``Action:`` as one of them (:meth:`choices`), so ReAct's actions are
+        decoded as the draft's are and a comparison of the methods is not one of decodings."""
+        prompt = self.prompts.react(state)
+        choices = self.choices(admissible, " ")
+        if choices is None:
+            c = await self._complete(POLICY, prompt, max_tokens, ["<|im_end|>", "\n\n"], self.cfg.temperature)
+            parsed = parse_react(c["text"])
+            return parsed.value, parsed.problem
+        # a thought that runs on into its action on the same line stops there: the action is the choice's
+        thought = await self._complete(
+            POLICY, prompt, max_tokens, [*STOP_ACTION, REACT_ACTION_PREFIX], self.cfg.temperature
         )
-        parsed = parse_react(c["text"])
+        c = await self._action(
+            prompt + react_action_head(thought["text"]), max_tokens, self.cfg.temperature, None, choices
+        )
+        parsed = parse_action(c["text"])
         return parsed.value, parsed.problem
 
     async def choose(
         self, state: str, a_draft: str, s_hat: str, admissible: Sequence[str] | None = None
     ) -> tuple[str | None, str | None]:
         """Imagine-and-Act's final (action, problem) after the candidate's imagined consequence."""
-        c = await self._complete(
-            POLICY,
+        # decoded as a draft is (``actor.choice_samples`` included), so the final action is chosen alike
+        c = await self._action(
             self.prompts.choose(state, a_draft, s_hat),
             self.cfg.max_draft_tokens,
-            STOP_ACTION,
             self.cfg.temperature,
-            choices=self.choices(admissible, " "),
+            None,
+            self.choices(admissible, " "),
         )
         parsed = parse_action(c["text"])
         return parsed.value, parsed.problem

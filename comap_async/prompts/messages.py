@@ -194,6 +194,13 @@ def react_messages(state: str, wording: Wording = ALFWORLD) -> list[dict[str, st
     )
 
 
+def react_action_head(thought: str) -> str:
+    """What follows ``Thought:`` up to the action when the action is generated on its own (``actor.
+    admissible_choice``): the model's thought up to its line's end, then the ``Action:`` prefix, as
+    the answer's form writes them."""
+    return f"{thought.rstrip()}\n{REACT_ACTION_PREFIX}"
+
+
 def choose_messages(state: str, a_draft: str, s_hat: str, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
     """Imagine-and-Act (the paper's prompting baseline): pick the final action after seeing the
     imagined consequence of a candidate; no KEEP/REVISE decision, so no action gate."""

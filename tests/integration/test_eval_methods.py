@@ -150,3 +150,67 @@ def test_admissible_choice_executes_only_admissible_actions(
     assert all(c["choices"] is None for c in recorded_calls if c["kind"] in ("reflect", "imagine"))
     continued = [c for c in recorded_calls if c["kind"] == "continue"]
     assert continued and all(c["text"] in c["choices"] and c["text"].startswith(" ") for c in continued)
+
+
+def test_admissible_choice_decodes_every_methods_action_among_the_admissible_commands(
+    recorded_calls, roomy_server, alfworld_data, tiny_model_dir, tmp_path
+):
+    """``actor.admissible_choice`` holds for every arm, not only the draft: ReAct's thought is written
+    freely and its action decoded as one of the state's commands, Imagine-and-Act's final action too.
+    The tiny random model's free ReAct answer has no action line: each step executes the fallback command
+    (a parse problem) from one free call, so an executed action that is admissible only counts when no
+    step fell back."""
+    free = play("react", roomy_server, alfworld_data, tiny_model_dir, tmp_path)
+    assert sum(s.parse_problems for s in free) > 0 and all(c["choices"] is None for c in recorded_calls)
+    recorded_calls.clear()
+    stats = play("react", roomy_server, alfworld_data, tiny_model_dir, tmp_path, "actor.admissible_choice=true")
+    n = sum(s.steps for s in stats)
+    assert n >= 2 and sum(s.invalid for s in stats) == 0 and sum(s.parse_problems for s in stats) == 0
+    # per step: the free thought, then the action among the commands, continuing the thought's prompt
+    assert steps_of(recorded_calls, "react") == [["react", "react_action"]] * n
+    thoughts = [c for c in recorded_calls if c["kind"] == "react"]
+    actions = [c for c in recorded_calls if c["kind"] == "react_action"]
+    assert all(c["choices"] is None for c in thoughts)
+    assert all(c["choices"] and c["text"] in c["choices"] and c["text"].startswith(" ") for c in actions)
+    recorded_calls.clear()
+    stats = play(
+        "imagine_and_act", roomy_server, alfworld_data, tiny_model_dir, tmp_path, "actor.admissible_choice=true"
+    )
+    assert sum(s.steps for s in stats) >= 2 and sum(s.invalid for s in stats) == 0
+    chosen = [c for c in recorded_calls if c["kind"] in ("draft", "choose")]
+    assert chosen and all(c["choices"] and c["text"] in c["choices"] for c in chosen)
+
+
+ROLE_OF_KIND = {
+    "draft": "draft",
+    "imagine": "world_model",
+    "reflect": "reflection",
+    "continue": "reflection",
+    "choose": "imagine_and_act",
+    "react": "react",
+    "react_action": "react",
+}
+ACTION_KINDS = {"draft", "continue", "choose", "react_action"}  # the requests that generate an action
+
+
+def test_what_roles_read_matches_the_prompts_of_real_games(
+    recorded_calls, roomy_server, alfworld_data, tiny_model_dir, tmp_path
+):
+    """:func:`actors.roles_read.what_roles_read` against every request of real games in the turns form with
+    decoding among the commands: a role's prompt lists the admissible commands exactly when it says so, and
+    its action requests are constrained to them exactly when it says so."""
+    from actors.roles_read import what_roles_read
+    from tests.fixtures.alfworld import valid_seen_config
+
+    switches = ("env.draft_turns=true", "actor.admissible_choice=true")
+    cfg = valid_seen_config(roomy_server, alfworld_data, tiny_model_dir, tmp_path, *switches)
+    for method in ("comap", "react", "imagine_and_act"):
+        recorded_calls.clear()
+        play(method, roomy_server, alfworld_data, tiny_model_dir, tmp_path, *switches)
+        read = what_roles_read(cfg, method)
+        assert {ROLE_OF_KIND[c["kind"]] for c in recorded_calls} == set(read), method
+        for c in recorded_calls:
+            role = read[ROLE_OF_KIND[c["kind"]]]
+            assert ("Admissible commands:" in c["prompt"]) == role["admissible"], (method, c["kind"])
+            if c["kind"] in ACTION_KINDS:
+                assert (c["choices"] is not None) == role["decoded_among_admissible"], (method, c["kind"])
