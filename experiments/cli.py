@@ -6,7 +6,7 @@
 
 ``run`` is resumable: stopped anywhere (Ctrl-C, kill -9, a restart), the same command goes on, keeping
 the source, the finished forks and the finished games. ``--split``, ``--games`` and ``--data`` replay the
-same spec on other games; their results go to ``results/NAME-SPLIT`` unless ``--out`` says otherwise.
+same spec on other games; their results go to ``results/NAME-SPLIT[-Ngames]`` unless ``--out`` says otherwise.
 """
 
 from __future__ import annotations
@@ -46,10 +46,12 @@ def games_arg(text: str | None) -> int | str | None:
     return int(text)
 
 
-def out_dir(spec_name: str, split: str | None, out: Path | None) -> Path:
+def out_dir(spec_name: str, split: str | None, out: Path | None, games: int | str | None = None) -> Path:
+    """``results/NAME``, with the split and the game count when they are not the spec's: a replay on other
+    games never writes into the spec's own table."""
     if out is not None:
         return out
-    return REPO / "results" / (spec_name + (f"-{split}" if split else ""))
+    return REPO / "results" / (spec_name + (f"-{split}" if split else "") + (f"-{games}games" if games else ""))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,8 +81,10 @@ def run(args: argparse.Namespace) -> int:
     from experiments.runner import Experiment
 
     split = args.split if args.split not in (None, spec.evaluation.split) else None
-    out = out_dir(spec.name, split, args.out)
-    experiment = Experiment(spec, args.spec, out, split=split, games=games_arg(args.games), data=args.data)
+    games = games_arg(args.games)
+    games = games if games != spec.evaluation.games else None
+    out = out_dir(spec.name, split, args.out, games)
+    experiment = Experiment(spec, args.spec, out, split=split, games=games, data=args.data)
     try:
         results = experiment.run(train_only=args.train_only)
     except (EvalIncomplete, ServerStartError) as exc:

@@ -319,9 +319,13 @@ class Experiment:
 
         results = self.results()
         names = [g.name for g in games]
-        if results.get("games") != names or results.get("split") != self.split:
-            if results:
-                say(self.spec.name, "results.json was for other games or another split: started anew")
+        if results and (results.get("games") != names or results.get("split") != self.split):
+            # never dropped silently: it may be a committed table
+            raise SpecError(
+                f"{self.results_path} holds {len(results.get('games', []))} games of {results.get('split')}, not "
+                f"these {len(names)} of {self.split}: give another --out, or remove it to start this table anew"
+            )
+        if not results:
             results = {"experiment": self.spec.name, "split": self.split, "games": names, "rows": {}}
         results["spec"] = str(self.spec_path)
         results["source"] = ledger["source"]

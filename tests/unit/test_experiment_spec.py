@@ -1,0 +1,127 @@
+"""Experiment specs (one-line errors for what cannot run) and the report written from played games (the
+figures per seed and pooled, the comparisons, the noise floor between seeds, the README block)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from experiments.report import readme_tables, write_report
+from experiments.spec import SpecError, load_spec
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = {
+    "config": "configs/local.yaml",
+    "train": {"steps": 40},
+    "arms": {"comap": {"seeds": [0, 1]}, "frozen_wm": {"ablation": ["frozen_wm"]}},
+    "evaluation": {"pairs": [["comap/comap", "comap/draft_only"]]},
+}
+
+
+def spec_file(tmp_path: Path, **change) -> Path:
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump({**BASE, **change}))
+    return path
+
+
+def test_the_committed_specs_load():
+    for path in sorted((REPO / "experiments").glob("*.yaml")):
+        spec = load_spec(path)
+        assert spec.name == path.stem and spec.train.steps >= 1
+
+
+def test_a_spec_names_its_rows_and_forks(tmp_path):
+    spec = load_spec(spec_file(tmp_path))
+    assert spec.name == "exp"
+    assert spec.forks() == [("comap", 0), ("comap", 1), ("frozen_wm", 0)]
+    assert spec.row_names() == [
+        "source/draft_only",
+        "comap/comap",
+        "comap/draft_only",
+        "frozen_wm/comap",
+        "frozen_wm/draft_only",
+    ]
+    assert "comap/comap@s1" in spec.seed_row_names()
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"train": {"steps": 0}}, "train.steps: Input should be greater than or equal to 1"),
+        ({"train": {"minutes": 15}}, "train.steps: Field required"),
+        ({"arms": {"x": {"ablation": ["frozen"]}}}, "arms.x.ablation: unknown frozen; known: frozen_wm"),
+        ({"arms": {"source": {}}}, "arm 'source'"),
+        ({"evaluation": {"arms": ["comap", "guess"]}}, "evaluation.arms: unknown method guess"),
+        ({"evaluation": {"reference": "comap/react"}}, "row 'comap/react' is not played"),
+        ({"evaluation": {"games": 0}}, "games must be 'all' or a positive number"),
+        ({"arms": {"comap": {"seeds": [1, 1]}}}, "seeds must be distinct"),
+        ({"name": "a b"}, "letters, digits"),
+        ({"budget": 3}, "budget: Extra inputs are not permitted"),
+    ],
+)
+def test_a_spec_that_cannot_run_is_one_line_naming_the_field(tmp_path, change, says):
+    with pytest.raises(SpecError) as err:
+        load_spec(spec_file(tmp_path, **change))
+    assert says in str(err.value) and "\n" not in str(err.value) and str(err.value).startswith(str(tmp_path))
+
+
+def test_a_missing_or_broken_file_is_one_line(tmp_path):
+    with pytest.raises(SpecError, match="No such file"):
+        load_spec(tmp_path / "none.yaml")
+    (tmp_path / "bad.yaml").write_text("arms: [")
+    with pytest.raises(SpecError, match="not YAML"):
+        load_spec(tmp_path / "bad.yaml")
+
+
+def played(won: list[int], arm: str, seed: int | None, method: str, step: int) -> dict:
+    games = {f"g{i}": {"won": bool(w), "steps": 10 if w else 50, "revisions": 1} for i, w in enumerate(won)}
+    return {"arm": arm, "seed": seed, "method": method, "step": step, "episodes": games, "wall_s": 60.0}
+
+
+def test_the_report_pools_seeds_compares_rows_and_prints_the_noise_floor(tmp_path):
+    spec = load_spec(spec_file(tmp_path))
+    n = 20
+    results = {
+        "experiment": "exp",
+        "spec": "experiments/alfworld-quick.yaml",
+        "split": "valid_seen",
+        "games": [f"g{i}" for i in range(n)],
+        "source": {"version": 3, "step": 100, "phase": "coevolve"},
+        "forks": {"comap-s0": {"version": 5, "step": 140, "wall_s": 600}},
+        "train_steps": 40,
+        "decoding": "greedy",
+        "rows": {
+            "source/draft_only": played([0] * n, "source", None, "draft_only", 100),
+            "comap/comap@s0": played([1] * 12 + [0] * 8, "comap", 0, "comap", 140),
+            "comap/comap@s1": played([1] * 10 + [0] * 10, "comap", 1, "comap", 140),
+            "comap/draft_only@s0": played([1] * 2 + [0] * 18, "comap", 0, "draft_only", 140),
+            "comap/draft_only@s1": played([0] * n, "comap", 1, "draft_only", 140),
+            "frozen_wm/comap": played([1] * 3 + [0] * 17, "frozen_wm", 0, "comap", 140),
+        },
+    }
+    out = write_report(spec, results, tmp_path)
+    pooled = out["figures"]["comap/comap"]
+    assert pooled["won"] == 22 and pooled["played"] == 40 and pooled["success"] == 0.55
+    assert pooled["per_seed"]["comap/comap@s0"]["won"] == 12
+    assert "frozen_wm/draft_only" not in out["figures"]  # not played: no row, no comparison
+    by_pair = {(c["row"], c["reference"]): c for c in out["comparisons"]}
+    against_drafts = by_pair[("comap/comap", "comap/draft_only")]  # seed with seed
+    assert (against_drafts["only_row"], against_drafts["only_reference"]) == (20, 0)
+    assert against_drafts["verdict"].startswith("comap/comap ahead of comap/draft_only at 95 %")
+    assert by_pair[("frozen_wm/comap", "source/draft_only")]["verdict"].startswith(
+        "frozen_wm/comap not distinguishable from source/draft_only: +0.15"
+    )
+    (noise,) = [c for c in out["noise"] if c["row"] == "comap/comap@s0"]
+    assert noise["reference"] == "comap/comap@s1" and noise["difference"] == 0.1
+    md = (tmp_path / "results.md").read_text()
+    assert "`comap/comap` pooled (2 seeds) | 40 | 22/40 | 0.55" in md and "Noise floor" in md
+    assert (tmp_path / "results.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "results.json").read_text())["verdicts"] == out["verdicts"]
+
+    readme = "intro\n<!-- results: results.json -->\nstale\n<!-- /results -->\nend\n"
+    generated = readme_tables(readme, tmp_path)
+    assert "stale" not in generated and "| `comap/comap@s0` | 40 | 12/20 | 0.60" in generated
+    assert generated.endswith("<!-- /results -->\nend\n") and readme_tables(generated, tmp_path) == generated
