@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
     from comap_async.logsetup import configure_logging
     from comap_async.priority import lower_priority
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, training=True)
     log = configure_logging("actor", run=cfg.run.name)
     if cfg.actor.nice:
         log.info("actor.priority", niceness=lower_priority(cfg.actor.nice))

@@ -84,7 +84,7 @@ def main() -> None:
                 f"model.name_or_path={model}",
                 f"inference.endpoints=['{url}']",
                 f"env.data_dir={Path(args.data).expanduser()}",
-                "env.split=valid_seen",
+                "env.split=train",
                 "env.max_steps=10",
             ],
         )

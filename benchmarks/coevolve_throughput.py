@@ -40,7 +40,7 @@ Each round, for each setting in turn (a window): a fresh run directory, broker (
 what the run records as its method) and ``comap serve``, which loads three LoRA adapters (policy,
 world model, teacher: random, small, the learner's shape; ``--adapters-from RUN/adapters
 --adapter-version N``: a run's trained ones), the registry is set to ``coevolve`` on
-them (no learner), and one actor (``actor.envs`` environments, ``env.split=valid_seen``) plays the
+them (no learner), and one actor (``actor.envs`` environments, ``env.split=train``) plays the
 CoMap loop. After 4 transitions of warm-up, the window is the time to store the next ``--steps``
 transitions times ``actor.envs`` / 4 (every setting's window covers the same steps of its episodes:
 prompts grow along an episode); model calls per step are the server's completion requests in the
@@ -267,7 +267,7 @@ def measure_window(args: argparse.Namespace, name: str, overrides: list[str]) ->
         f"broker.actor_port={free_port()}",
         f"broker.learner_port={lp}",
         f"broker.http_port={http}",
-        "env.split=valid_seen",
+        "env.split=train",  # the broker and actor are training processes: never an evaluation split
         f"inference.port={port}",
         f"inference.endpoints=['http://127.0.0.1:{port}']",
         *overrides,

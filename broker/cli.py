@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from comap_async.wire.curve import KeysError, load_server_keys
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, training=True)
     except ConfigError as exc:
         print(f"comap broker: error: {exc}", file=sys.stderr)
         return 2

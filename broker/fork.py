@@ -174,7 +174,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from comap_async.config import load_config
 
-    cfg = load_config(args.config, [*args.overrides, f"run.name={args.name}"])  # the new run's settings
+    # the new run's settings: a run that trains, refused before anything is copied
+    cfg = load_config(args.config, [*args.overrides, f"run.name={args.name}"], training=True)
     src = Path(args.source).expanduser()
     if not (src / "replay").is_dir():
         src = Path(cfg.run.root).expanduser() / args.source

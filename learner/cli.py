@@ -17,8 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from comap_async.config import load_config
     from comap_async.logsetup import configure_logging
-    from learner.loop import run_learner
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, training=True)
+    from learner.loop import run_learner  # torch: after the config, so a refused one ends in a second
+
     log = configure_logging("learner", run=cfg.run.name)
     return run_learner(cfg, log, args.max_steps)

@@ -209,6 +209,26 @@ class CoMapConfig(Section):
             raise ValueError("inference.endpoints must name at least one server")
         return self
 
+    def training_split_problem(self) -> str | None:
+        """Why training on this config could read an evaluation split, or None: ``env.split`` is
+        ``eval.split`` or one of the environment's evaluation splits (``EnvSpec.eval_splits``).
+        Checked by the processes that train or make training data (:func:`load_config` with
+        ``training=True``), not by the evaluation commands, which play a split named by their own
+        ``--split`` (or ``eval.split``) and never train."""
+        split, spec = self.env.split, lookup_env_spec(self.env.name)
+        held_out = spec.eval_splits or ()
+        if split in held_out:
+            return (
+                f"env.split={split!r} is an evaluation split of {self.env.name} ({', '.join(held_out)}): "
+                f"training must never read an evaluation split; train on {spec.train_split!r}"
+            )
+        if split == self.eval.split:
+            return (
+                f"env.split={split!r} is also eval.split: training must never read the split it is evaluated on; "
+                f"train on {spec.train_split!r} or evaluate another split"
+            )
+        return None
+
     @property
     def adapter_root(self) -> Path:
         """Absolute: the learner publishes paths that the inference servers resolve on their own."""
@@ -298,9 +318,13 @@ def _read_yaml(p: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     return _merged(_read_yaml(p.parent / parent, (*chain, p)), loaded)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> CoMapConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *, training: bool = False
+) -> CoMapConfig:
     """Load a YAML config (or the defaults when ``path`` is None), apply overrides, validate. A file may
-    start from another (``extends: local.yaml``, relative to it) and state only what it changes."""
+    start from another (``extends: local.yaml``, relative to it) and state only what it changes.
+    ``training``: the config of a process that trains or makes training data (learner, actor, broker),
+    refused when that training could read an evaluation split (:meth:`CoMapConfig.training_split_problem`)."""
     data: dict[str, Any] = {}
     source = "<defaults>"
     if path is not None:
@@ -317,6 +341,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         node[keys[-1]] = value
         source = f"{source} (with --set)" if "--set" not in source else source
     try:
-        return CoMapConfig.model_validate(data)
+        cfg = CoMapConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_errors(err, source)) from None
+    problem = cfg.training_split_problem() if training else None
+    if problem:
+        raise ConfigError(f"{source}: {problem}")
+    return cfg

@@ -44,8 +44,10 @@ class EnvConfig(Section):
     """ALFWorld data root (the ``alfworld-download`` layout); ``None`` uses ``$ALFWORLD_DATA``.
     (ScienceWorld needs none: its games ship inside the ``scienceworld`` package.)"""
     split: str = "train"
-    """Split the actors train on (ALFWorld: train, valid_seen, valid_unseen, valid_train;
-    ScienceWorld: train, dev, test); unset, the environment's training split."""
+    """Split the actors train on; unset, the environment's training split (``train``). Training must
+    never read an evaluation split: the learner, actors and broker refuse ``eval.split`` and the
+    environment's evaluation splits (its registry entry's ``eval_splits``; for ALFWorld and
+    ScienceWorld, every split but train)."""
     tasks: list[str] | None = None
     """ScienceWorld: the task names to play (None: all 30)."""
     per_task: int | None = Field(default=None, ge=1)

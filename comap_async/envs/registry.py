@@ -13,7 +13,8 @@ The parts (docs/design.md section 8):
 * ``facts``: a module with ``parse_facts(text)``, ``next_state(facts, text)`` (the canonical facts
   behind Delta-F1 and the world-state gate; ``None`` means unreadable) and, where the environment can
   tell cheaply, ``is_readable(text)``;
-* ``splits``, the one actors train on by default and the held-out one the evaluator measures;
+* ``splits``, the one actors train on by default, the held-out one the evaluator measures and the
+  evaluation splits that training must never read;
 * ``wording``: the prompts' two system messages (:class:`comap_async.prompts.Wording`);
 * ``scored``: whether an episode's return is a partial-progress score (0-100) that moves before
   success does, so comparisons chart the mean score rather than the success rate.
@@ -43,10 +44,28 @@ class EnvSpec:
     held_out_split: str
     wording: Wording
     scored: bool = False
+    eval_splits: tuple[str, ...] | None = None
+    """The splits kept for evaluation, which training must never read: a training process (learner,
+    actor, broker) refuses a config whose ``env.split`` is one of them or is ``eval.split``
+    (:meth:`comap_async.config.CoMapConfig.training_split_problem`); evaluation commands play them
+    through their own ``--split``. Every split held out from the training games is one, including
+    one drawn from the training distribution (ALFWorld's ``valid_train``): a score on it means
+    something only while no training step has seen it. ``None``: every split but ``train_split``."""
 
     def __post_init__(self) -> None:
         if self.train_split not in self.splits or self.held_out_split not in self.splits:
             raise ValueError(f"environment {self.name!r}: its train and held-out splits must be among {self.splits}")
+        held = self.eval_splits
+        if held is None:
+            held = tuple(s for s in self.splits if s != self.train_split)
+            object.__setattr__(self, "eval_splits", held)  # frozen: the default is derived once, here
+        if not set(held) <= set(self.splits) or self.train_split in held:
+            raise ValueError(
+                f"environment {self.name!r}: its evaluation splits must be among {self.splits}, "
+                f"without its train split {self.train_split!r}"
+            )
+        if self.held_out_split not in held:
+            raise ValueError(f"environment {self.name!r}: its held-out split must be one of its evaluation splits")
 
     def create(self, **kwargs: Any) -> Any:
         return load(self.env)(**kwargs)
@@ -102,6 +121,8 @@ register(
         splits=("train", "valid_seen", "valid_unseen", "valid_train"),
         train_split="train",
         held_out_split="valid_seen",
+        # valid_train: other trials of train's own task folders, none of train's trials; held out too
+        eval_splits=("valid_seen", "valid_unseen", "valid_train"),
         wording=ALFWORLD,
     )
 )
@@ -114,6 +135,7 @@ register(
         splits=("train", "dev", "test"),
         train_split="train",
         held_out_split="dev",
+        eval_splits=("dev", "test"),
         wording=Wording(
             agent=(
                 "You are an agent in a text-based science environment. "

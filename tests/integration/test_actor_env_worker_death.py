@@ -33,7 +33,6 @@ def start_actor(broker, server, data, tiny_model_dir, log_path, *extra):
         server,
         tiny_model_dir,
         f"env.data_dir={data}",
-        "env.split=valid_seen",
         "actor.env_workers=1",
         "actor.warmup_explore=0",
         "actor.max_warmup_episodes=1000",

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 def actor_config(broker, server, data, tiny_model_dir, *extra):
     return load_config(
         REPO / "configs" / "test.yaml",
-        system_overrides(broker, server, tiny_model_dir, f"env.data_dir={data}", "env.split=valid_seen", *extra),
+        system_overrides(broker, server, tiny_model_dir, f"env.data_dir={data}", *extra),
     )
 
 
@@ -109,7 +109,7 @@ def check_dialogues(transitions: list[dict]) -> None:
 
 
 async def test_with_turns_roles_each_step_sends_the_conversation_its_reflection_and_world_model_saw(
-    broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, train_games
 ):
     """``env.reflect_turns`` / ``env.wm_turns``: every co-evolution and warm-up transition and every
     reflection-init sample carry the draft's conversation at their step: the task, the first
@@ -117,7 +117,7 @@ async def test_with_turns_roles_each_step_sends_the_conversation_its_reflection_
     switches = ["env.draft_turns=true", "env.reflect_turns=true", "env.wm_turns=true"]
     broker = broker_factory(switches)
     await announce(broker, "coevolve")
-    games = sorted(valid_seen, key=lambda g: g.name)[:2]
+    games = train_games[:2]
     cfg = actor_config(broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=4", *switches)
     results = await asyncio.wait_for(
         ActorWorker(cfg, configure_logging("actor-test"), envs=2, episodes=2, games=games).run(), timeout=300
@@ -159,10 +159,10 @@ async def test_with_turns_roles_each_step_sends_the_conversation_its_reflection_
 
 
 async def test_warmup_expert_episodes_win_and_land_in_demos(
-    broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, train_games
 ):
     broker = broker_factory()  # a fresh broker is in the warmup phase
-    games = sorted(valid_seen, key=lambda g: g.name)[:3]
+    games = train_games[:3]
     cfg = actor_config(broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=50")
     worker = ActorWorker(cfg, configure_logging("actor-test"), envs=3, episodes=3, games=games)
     results = await asyncio.wait_for(worker.run(), timeout=300)
@@ -182,10 +182,10 @@ async def test_warmup_expert_episodes_win_and_land_in_demos(
 
 
 async def test_actor_survives_broker_outage_without_loss_or_duplicates(
-    broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, train_games
 ):
     broker = broker_factory()
-    games = sorted(valid_seen, key=lambda g: g.name)[3:9]
+    games = train_games[3:9]
     cfg = actor_config(
         broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=50", "actor.ack_timeout_s=0.5"
     )
@@ -219,12 +219,12 @@ async def test_actor_survives_broker_outage_without_loss_or_duplicates(
     ],
 )
 async def test_actor_idles_after_its_share_of_a_phase_until_the_phase_moves_on(
-    broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen, phase, share
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, train_games, phase, share
 ):
     """One warm-up episode, or one reflection-init episode's labels, is this actor's share: it plays
     no second episode of the phase and goes on once the learner announces the next one."""
     broker = broker_factory()
-    games = sorted(valid_seen, key=lambda g: g.name)[:3]
+    games = train_games[:3]
     cfg = actor_config(broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=3", *share)
     if phase != "warmup":  # warm-up is where a fresh broker starts
         await announce(broker, phase)
@@ -242,7 +242,7 @@ async def test_actor_idles_after_its_share_of_a_phase_until_the_phase_moves_on(
 
 
 async def test_reflection_labels_are_asked_at_the_evaluators_priority(
-    broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen, monkeypatch
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, train_games, monkeypatch
 ):
     """The learner waits on the labels in reflect_init: the actors' calls then carry ``eval.priority`` (a
     server's hold would stall the run behind an evaluation), and their own priority again afterwards."""
@@ -260,7 +260,7 @@ async def test_reflection_labels_are_asked_at_the_evaluators_priority(
     await announce(broker, "reflect_init")
     share = ["actor.max_reflect_init_labels=1", "learner.reflect_init_min_samples=1", "eval.priority=-1"]
     cfg = actor_config(broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=3", *share)
-    games = sorted(valid_seen, key=lambda g: g.name)[:2]
+    games = train_games[:2]
     worker = ActorWorker(cfg, configure_logging("actor-test"), envs=1, episodes=2, games=games)
     run = asyncio.create_task(worker.run())
     while not broker.stats()["stores"]["episodes"]["count"]:
@@ -274,12 +274,12 @@ async def test_reflection_labels_are_asked_at_the_evaluators_priority(
 
 
 async def test_an_actor_plays_past_its_warmup_share_until_the_learner_has_its_demonstrations(
-    broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, train_games
 ):
     """Turns form without recovery paths sends one demonstration per episode: an episode share below
     ``learner.warmup_min_demos`` would leave the learner waiting for ever, so the actor plays on to it."""
     broker = broker_factory(["env.draft_turns=true"])
-    games = sorted(valid_seen, key=lambda g: g.name)[:3]
+    games = train_games[:3]
     switches = ["env.draft_turns=true", "actor.warmup_recovery=false", "actor.max_warmup_episodes=1"]
     cfg = actor_config(
         broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=3", *switches, "learner.warmup_min_demos=2"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,18 @@ def test_expected_failures_are_one_line(args, message, tmp_path):
     assert r.returncode == 2 and lines, r.stderr
     assert lines[-1].startswith(f"comap {args[0]}: error: ") and message in lines[-1], r.stderr[-2000:]
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("command", ["learner", "actor", "broker"])
+def test_training_on_an_evaluation_split_is_refused_in_one_line_before_anything_starts(command):
+    started = time.monotonic()
+    r = comap(command, "--config", "configs/local.yaml", "--set", "env.split=valid_seen", timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"comap {command}: error: configs/local.yaml (with --set): env.split='valid_seen' is an evaluation split "
+        "of alfworld (valid_seen, valid_unseen, valid_train): training must never read an evaluation split; "
+        "train on 'train'"
+    ], r.stderr[-2000:]
+    assert time.monotonic() - started < 30  # refused on the config alone: no model, games or port first
 
 
 def test_eval_refuses_to_play_a_run_with_another_method_than_it_trained_under(tmp_path):

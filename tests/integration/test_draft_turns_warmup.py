@@ -48,7 +48,7 @@ def check_paths(sent: list[dict]) -> tuple[dict, list[dict]]:
     return walk, recoveries
 
 
-async def test_warmup_sends_the_walkthrough_and_each_recovery_as_one_path(alfworld_data, valid_seen, tiny_model_dir):
+async def test_warmup_sends_the_walkthrough_and_each_recovery_as_one_path(alfworld_data, train_games, tiny_model_dir):
     from comap_async.models import load_model_and_tokenizer
     from learner.batches import Encoder
 
@@ -56,7 +56,7 @@ async def test_warmup_sends_the_walkthrough_and_each_recovery_as_one_path(alfwor
         REPO / "configs" / "test.yaml",
         [f"env.data_dir={alfworld_data}", "env.max_steps=50", "actor.warmup_explore=0.5", "env.draft_turns=true"],
     )
-    game = sorted(valid_seen, key=lambda g: g.name)[1]
+    game = train_games[1]
     sent: list[dict] = []
 
     async def emit(msg):
@@ -82,10 +82,10 @@ async def test_warmup_sends_the_walkthrough_and_each_recovery_as_one_path(alfwor
 
 
 async def test_through_the_broker_the_demos_store_holds_the_paths(
-    broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, train_games
 ):
     broker = broker_factory(["env.draft_turns=true"])  # a fresh broker is in the warmup phase; same method
-    games = sorted(valid_seen, key=lambda g: g.name)[:2]
+    games = train_games[:2]
     cfg = load_config(
         REPO / "configs" / "test.yaml",
         system_overrides(
@@ -93,7 +93,6 @@ async def test_through_the_broker_the_demos_store_holds_the_paths(
             roomy_server,
             tiny_model_dir,
             f"env.data_dir={alfworld_data}",
-            "env.split=valid_seen",
             "env.max_steps=50",
             "actor.warmup_explore=1.0",
             "env.draft_turns=true",

@@ -20,7 +20,7 @@ import yaml
 
 from tests.fixtures.system import honcho_settings
 
-pytestmark = [pytest.mark.alfworld, pytest.mark.slow]
+pytestmark = [pytest.mark.alfworld, pytest.mark.slow, pytest.mark.timeout(1500)]  # three starts of a whole run
 REPO = Path(__file__).resolve().parents[2]
 GAMES = 3
 

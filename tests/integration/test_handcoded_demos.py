@@ -33,9 +33,9 @@ def context(alfworld_data: Path, *overrides: str) -> tuple[EpisodeContext, list[
     return EpisodeContext("a", cfg, None, emit, next_state, Registry), sent
 
 
-async def test_the_plan_is_the_experts_own_winning_play_replayed_from_the_reset(alfworld_data, valid_seen):
+async def test_the_plan_is_the_experts_own_winning_play_replayed_from_the_reset(alfworld_data, train_games):
     ctx, _ = context(alfworld_data)
-    games = sorted(valid_seen, key=lambda g: g.name)[:4]
+    games = train_games[:4]
     searched = 0
     async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=50) as pool:
         env = pool.env()
@@ -57,9 +57,9 @@ async def test_the_plan_is_the_experts_own_winning_play_replayed_from_the_reset(
     assert searched, "the handcoded expert took the walkthrough's path in every game: nothing searched"
 
 
-async def test_a_game_the_expert_does_not_win_demonstrates_the_walkthrough(alfworld_data, valid_seen):
+async def test_a_game_the_expert_does_not_win_demonstrates_the_walkthrough(alfworld_data, train_games):
     ctx, _ = context(alfworld_data)
-    game = sorted(valid_seen, key=lambda g: g.name)[0]
+    game = train_games[0]
     # two steps are too few for any path: the expert's play is cut short unwon
     async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=2) as pool:
         env = pool.env()
@@ -68,9 +68,9 @@ async def test_a_game_the_expert_does_not_win_demonstrates_the_walkthrough(alfwo
         assert first.observation == (await pool.env().reset(game)).observation
 
 
-async def test_warmup_sends_the_experts_search_as_the_demonstrated_path(alfworld_data, valid_seen):
+async def test_warmup_sends_the_experts_search_as_the_demonstrated_path(alfworld_data, train_games):
     ctx, sent = context(alfworld_data, "actor.warmup_explore=0", "env.draft_turns=true")
-    game = sorted(valid_seen, key=lambda g: g.name)[1]
+    game = train_games[1]
     async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=50) as pool:
         _, plan, fallback = await demonstration_start(ctx, pool.env(), game)
         stats = await play_expert(ctx, pool.env(), game, "a:e1", branch=pool.env())

@@ -67,7 +67,6 @@ def play(critic_model, tmp_path, alfworld_data, depth: int):
             f"inference.endpoints=['{url}']",
             f"inference.admin_token={ADMIN_TOKEN}",
             f"env.data_dir={alfworld_data}",
-            "env.split=valid_seen",
             "env.max_steps=3",
             "eval.lookahead_k=3",
             f"eval.lookahead_depth={depth}",

@@ -26,7 +26,7 @@ async def test_a_process_with_another_method_is_refused(broker_factory, roomy_se
     frozen = load_config(None, ["ablation.frozen_wm=true"])
     plain = load_config(
         REPO / "configs" / "test.yaml",
-        system_overrides(broker, roomy_server, tiny_model_dir, f"env.data_dir={alfworld_data}", "env.split=valid_seen"),
+        system_overrides(broker, roomy_server, tiny_model_dir, f"env.data_dir={alfworld_data}"),
     )
     async with BrokerClient(broker.learner_endpoint) as bc:
         assert (await bc.get_registry())["method"] == fingerprint(frozen)

@@ -22,14 +22,14 @@ from tests.integration.test_actor_loop import announce, check_contiguous
 pytestmark = pytest.mark.skipif(shutil.which("java") is None, reason="ScienceWorld needs Java 17+ (.ci/install)")
 REPO = Path(__file__).resolve().parents[2]
 SHORT = ["lifespan-longest-lived", "find-plant", "lifespan-shortest-lived"]  # gold sequences of 4-12 steps
-ENV = ["env.name=scienceworld", "env.split=dev", "env.show_admissible=false", "env.data_dir=null"]
+ENV = ["env.name=scienceworld", "env.split=train", "env.show_admissible=false", "env.data_dir=null"]
 
 
 @pytest.fixture(scope="module")
 def games():
     from comap_async.envs.scienceworld_games import discover_games
 
-    return discover_games("dev", tasks=SHORT, per_task=1, seed=0)
+    return discover_games("train", tasks=SHORT, per_task=1, seed=0)  # the actors train: never on dev or test
 
 
 def sw_config(broker, server, tiny_model_dir, *extra):

@@ -46,7 +46,6 @@ class Run:
             f"run.root={tmp / 'runs'}",
             "run.name=vllm-e2e",
             f"env.data_dir={data}",
-            "env.split=valid_seen",
             "env.max_steps=4",
             f"broker.actor_port={free_port()}",
             f"broker.learner_port={free_port()}",

@@ -47,12 +47,12 @@ def check_explore(transitions: list[dict]) -> tuple[list[dict], list[dict], list
     return list(expert.values()), list(explore.values()), recovery
 
 
-async def test_play_expert_explores_on_the_branch_reproducibly(alfworld_data, valid_seen):
+async def test_play_expert_explores_on_the_branch_reproducibly(alfworld_data, train_games):
     cfg = load_config(
         REPO / "configs" / "test.yaml",
         [f"env.data_dir={alfworld_data}", "env.max_steps=50", "actor.warmup_explore=0.5"],
     )
-    game = sorted(valid_seen, key=lambda g: g.name)[1]
+    game = train_games[1]
 
     async def play(branch_too: bool) -> list[dict]:
         sent: list[dict] = []
@@ -78,10 +78,10 @@ async def test_play_expert_explores_on_the_branch_reproducibly(alfworld_data, va
 
 
 async def test_warmup_stores_explore_transitions_outside_demos(
-    broker_factory, roomy_server, alfworld_data, tiny_model_dir, valid_seen
+    broker_factory, roomy_server, alfworld_data, tiny_model_dir, train_games
 ):
     broker = broker_factory()  # a fresh broker is in the warmup phase
-    games = sorted(valid_seen, key=lambda g: g.name)[:4]
+    games = train_games[:4]
     cfg = load_config(
         REPO / "configs" / "test.yaml",
         system_overrides(
@@ -89,7 +89,6 @@ async def test_warmup_stores_explore_transitions_outside_demos(
             roomy_server,
             tiny_model_dir,
             f"env.data_dir={alfworld_data}",
-            "env.split=valid_seen",
             "env.max_steps=50",
             "actor.warmup_explore=1.0",
         ),

@@ -62,7 +62,6 @@ def test_the_critic_scores_and_the_best_candidate_runs(default_model_server, alf
             f"inference.endpoints=['{url}']",
             f"inference.admin_token={ADMIN_TOKEN}",
             f"env.data_dir={alfworld_data}",
-            "env.split=valid_seen",
             "env.max_steps=3",
             "eval.lookahead_k=3",
             "eval.lookahead_depth=1",
