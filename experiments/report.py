@@ -171,7 +171,9 @@ def markdown(spec: ExperimentSpec, results: dict[str, Any]) -> str:
         + (f", {src['wall_s'] / 60:.0f} minutes from empty" if "wall_s" in src else ""),
         f"- Each fork trained {results['train_steps']} learner steps; "
         + ", ".join(
-            f"`{k}` v{f['version']} ({f['wall_s'] / 60:.0f} min)" for k, f in results["forks"].items() if "version" in f
+            f"`{k}` v{f['version']} ({f['wall_s'] / 60:.0f} min" + gate_text(f) + ")"
+            for k, f in results["forks"].items()
+            if "version" in f
         ),
         f"- Played on {len(results['games'])} games of `{results['split']}`, {results['decoding']}",
         "",
@@ -208,6 +210,11 @@ def markdown(spec: ExperimentSpec, results: dict[str, Any]) -> str:
         lines += ["", "## The action gate's reasons", ""]
         lines += [f"- `{row}`: " + ", ".join(f"{k} {v}" for k, v in g.items()) for row, g in gates.items()]
     return "\n".join(lines) + "\n"
+
+
+def gate_text(fork: dict[str, Any]) -> str:
+    """``; gate opened 3 of 41``: the action gate in the fork's own training (absent in older ledgers)."""
+    return f"; gate opened {fork['gate_opened']} of {fork['gate_samples']}" if "gate_samples" in fork else ""
 
 
 def describe_sees(sees: dict[str, Any]) -> str:

@@ -246,6 +246,9 @@ class Experiment:
             record = ledger["forks"].get(fork)
             same_source = record is not None and record.get("source_version") == source["version"]
             if same_source and "version" in record and version_at_step(run_dir, target) == record["version"]:
+                if "gate_samples" not in record:  # a ledger written before the gate was counted
+                    record["gate_opened"], record["gate_samples"] = training_gate(run_dir)
+                    self.save_ledger(ledger)
                 say(name, f"fork {fork}: trained (v{record['version']} at step {target}), kept")
                 continue
             if record is not None:
@@ -276,9 +279,15 @@ class Experiment:
                     f"fork {fork}: no version at step {target} after {wall / 60:.1f} minutes (newest published: "
                     f"step {reached}); raise train.max_minutes, or see {self.logs / (fork + '.log')}"
                 )
-            record.update(version=version, step=target, wall_s=round(wall))
+            opened, samples = training_gate(run_dir)
+            # a CoMap arm is CoMap only while its action gate opens: how often it did in the fork's own training
+            record.update(version=version, step=target, wall_s=round(wall), gate_opened=opened, gate_samples=samples)
             self.save_ledger(ledger)
-            say(name, f"fork {fork}: v{version} at step {target} in {wall / 60:.1f} minutes")
+            say(
+                name,
+                f"fork {fork}: v{version} at step {target} in {wall / 60:.1f} minutes (its action gate opened on "
+                f"{opened} of {samples} samples)",
+            )
         return ledger["forks"]
 
     # ---- 3. the evaluation ---------------------------------------------------------------------
@@ -451,6 +460,26 @@ class Experiment:
         for line in results["verdicts"]:
             say(self.spec.name, line)
         return results
+
+
+def training_gate(run_dir: Path) -> tuple[int, int]:
+    """(samples whose reflected action the action gate executed, gated samples) over the reflection samples
+    the fork stored itself (stamped after its fork point, ``fork.json``'s ``cut_ts``)."""
+    from broker.fork import FORK_FILE
+    from broker.ingest import record_from_store
+    from broker.store import ReplayStore
+    from comap_async.commands.stats import gates_by_version
+    from comap_async.wire.messages import STORES
+
+    store = ReplayStore(run_dir / "replay", dict.fromkeys(STORES, 1 << 40), readonly=True)
+    try:
+        records = [record_from_store("reflections", raw) for raw in store.iter_store("reflections")]
+    finally:
+        store.close()
+    since_ts = float(json.loads((run_dir / FORK_FILE).read_text())["cut_ts"])
+    own = [rec for rec in records if float(rec.get("ts") or 0.0) > since_ts]
+    gates = gates_by_version(own)
+    return sum(round(g["revision_accepted"] * g["samples"]) for g in gates), sum(g["samples"] for g in gates)
 
 
 def game_record(record: dict[str, Any]) -> dict[str, Any]:

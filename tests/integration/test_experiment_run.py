@@ -133,6 +133,8 @@ def test_an_experiment_killed_twice_resumes_to_the_same_table(tmp_path, tiny_mod
     # both forks trained exactly the budget past the same fork point
     source_step = results["source"]["step"]
     assert {f["step"] for f in results["forks"].values()} == {source_step + 2}
+    for f in results["forks"].values():  # how often each fork's action gate opened in its own training
+        assert 0 <= f["gate_opened"] <= f["gate_samples"]
     assert {r["step"] for name, r in results["rows"].items() if name != "source/draft_only"} == {source_step + 2}
     # the statistics: every row against the reference, the spec's pair, a verdict per comparison
     pairs = {(c["row"], c["reference"]) for c in results["comparisons"]}
