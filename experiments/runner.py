@@ -128,10 +128,12 @@ class Experiment:
         self.data = data or ev.data
         self.config = str((REPO / spec.config).resolve())
         try:
-            cfg = load_config(self.config, spec.set)
-            for arm in spec.arms:  # a warm-up takes hours: a bad arm stops the experiment now
+            # the source and every fork train: an evaluation split as their env.split is refused here, and a bad
+            # arm stops the experiment now, not after a warm-up of hours
+            cfg = load_config(self.config, spec.set, training=True)
+            for arm in spec.arms:
                 for seed in spec.arms[arm].seeds:
-                    load_config(self.config, self.fork_overrides(arm, seed))
+                    load_config(self.config, self.fork_overrides(arm, seed), training=True)
         except ConfigError as exc:
             raise SpecError(f"{spec_path}: {exc}") from None
         root = Path(cfg.run.root).expanduser()

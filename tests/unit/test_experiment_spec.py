@@ -125,3 +125,16 @@ def test_the_report_pools_seeds_compares_rows_and_prints_the_noise_floor(tmp_pat
     generated = readme_tables(readme, tmp_path)
     assert "stale" not in generated and "| `comap/comap@s0` | 40 | 12/20 | 0.60" in generated
     assert generated.endswith("<!-- /results -->\nend\n") and readme_tables(generated, tmp_path) == generated
+
+
+def test_an_experiment_whose_training_reads_an_evaluation_split_is_refused_before_it_starts(tmp_path):
+    from experiments.runner import Experiment
+
+    for change in (
+        {"set": ["env.split=valid_seen"]},  # every process's setting: the source trains on it
+        {"arms": {"comap": {"set": ["env.split=valid_unseen"]}}},  # one arm's fork trains on it
+    ):
+        path = spec_file(tmp_path, **change)
+        with pytest.raises(SpecError) as err:
+            Experiment(load_spec(path), path, tmp_path / "out")
+        assert "training must never read an evaluation split" in str(err.value) and "\n" not in str(err.value)
