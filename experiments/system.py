@@ -34,7 +34,7 @@ def wait_with_bar(
 ) -> bool:
     """Wait up to ``minutes`` for ``proc`` (``TimeoutExpired`` when it is still running then), with a bar
     over the wall time that shows the run's newest published version. True when ``until()`` held
-    (checked every 10 s), False when the process stopped by itself."""
+    (checked every 10 s, and when the process stops), False when the process stopped by itself short of it."""
     from tqdm import tqdm
 
     latest = run_dir / "adapters" / "latest.json"
@@ -44,7 +44,8 @@ def wait_with_bar(
             left = deadline - time.monotonic()
             try:
                 proc.wait(timeout=max(0.0, min(10.0, left)))
-                return False
+                # a system whose learner ends at its step budget stops by itself, its aim reached
+                return until is not None and until()
             except subprocess.TimeoutExpired:
                 if until is not None and until():
                     return True
@@ -90,11 +91,29 @@ def wait_for_previous_system(pid_file: Path, wait_s: float = 60.0) -> None:
     pid_file.unlink(missing_ok=True)
 
 
+def procfile_with(log_dir: Path, name: str, learner_args: list[str]) -> list[str]:
+    """honcho's arguments for the repository's Procfile, or for a copy of it in ``log_dir`` whose learner line
+    ends with ``learner_args`` (``--max-steps N``: the learner stops at its budget, so no step past it is
+    trained and no version at it is rotated away before it is read)."""
+    if not learner_args:
+        return []
+    lines = []
+    for line in (ROOT / "Procfile").read_text().splitlines():
+        if line.startswith("learner:"):
+            line = f"{line} {shlex.join(learner_args)}"
+        lines.append(line)
+    path = log_dir / f"Procfile.{name}"
+    path.write_text("\n".join(lines) + "\n")
+    return ["-f", str(path), "-d", str(ROOT)]
+
+
 @contextlib.contextmanager
-def system_running(name: str, config: str, overrides: list[str], log_dir: Path, processes=TRAINING):
+def system_running(
+    name: str, config: str, overrides: list[str], log_dir: Path, processes=TRAINING, learner_args: list[str] = ()
+):
     """``honcho start`` of run ``name``'s ``processes`` (its output appended to ``log_dir/<name>.log``) for
     the ``with`` block; stopped on leaving it (SIGINT: honcho stops every process, the learner
-    checkpoints; SIGKILL after 90 s)."""
+    checkpoints; SIGKILL after 90 s). ``learner_args`` are added to the learner's command line."""
     env = {**os.environ, "COMAP_OVERRIDES": shlex.join([f"run.name={name}", *overrides])}
     env["COMAP_CONFIG"] = config  # the same config as the evaluation's (honcho's Procfile reads it)
     # SIGINT and SIGTERM both leave the block through its finally: a background job of a script starts with
@@ -107,7 +126,7 @@ def system_running(name: str, config: str, overrides: list[str], log_dir: Path, 
     try:
         with open(log_dir / f"{name}.log", "ab") as log:
             proc = subprocess.Popen(
-                [*TIED_EXEC, "honcho", "start", *processes],
+                [*TIED_EXEC, "honcho", "start", *procfile_with(log_dir, name, list(learner_args)), *processes],
                 cwd=ROOT,
                 env=env,
                 stdout=log,
@@ -139,12 +158,13 @@ def run_system(
     log_dir: Path,
     run_dir: Path,
     until: Callable[[], bool] | None = None,
+    learner_args: list[str] = (),
 ) -> float:
     """Run run ``name`` (in ``run_dir``; a run already there resumes) for ``minutes`` or until
     ``until()``, then stop it (SIGINT: the learner checkpoints); returns the wall time it ran. A system
-    that stops by itself is an error."""
+    that stops by itself short of ``until()`` is an error."""
     t0 = time.time()
-    with system_running(name, config, overrides, log_dir) as proc:
+    with system_running(name, config, overrides, log_dir, learner_args=learner_args) as proc:
         try:
             if wait_with_bar(proc, name, minutes, run_dir, until):
                 return time.time() - t0
