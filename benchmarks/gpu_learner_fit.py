@@ -30,7 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.learner_throughput import OBS  # noqa: E402 - the repo must be on sys.path first
-from comap_async.commands.procfile import SHARED_GPU_MEMORY  # noqa: E402
 
 # Qwen3's published configurations (config.json of Qwen/Qwen3-4B and Qwen/Qwen3-8B)
 SHAPES = {
@@ -110,10 +109,9 @@ def micro_batch(tok, n: int, tokens: int) -> dict:
 
 
 def budget_gb(cfg, total_gb: float) -> tuple[float, str]:
-    shared = set(cfg.learner.gpus) & set(cfg.inference.gpus)
-    if not shared:
+    if not cfg.shared_gpus():
         return total_gb, "the whole card (no inference server on it)"
-    util = cfg.inference.gpu_memory_utilization or SHARED_GPU_MEMORY
+    util = cfg.vllm_memory_share()  # what the server on the shared card is given (comap serve, comap procfile)
     return total_gb * (1.0 - util), f"the card less vLLM's {util:.2f}"
 
 

@@ -46,6 +46,44 @@ class LearnerState:
         return dict(self.__dict__)
 
 
+async def wait_for_servers(inference: Any, endpoints: list[str], log: Any, stop: asyncio.Event) -> bool:
+    """Wait until every inference endpoint answers its health check; False when ``stop`` came first."""
+    for url in endpoints:
+        answered = await wait_until_answers(
+            f"inference {url}", lambda u=url: inference.health(endpoint=u), log, stop, "learner.waiting"
+        )
+        if answered is None:
+            return False
+    return True
+
+
+def shares_gpu_with_inference(cfg: CoMapConfig) -> list[int]:
+    """The GPUs the learner (on CUDA) would share with an inference server (``learner.gpus`` in
+    ``inference.gpus``)."""
+    return cfg.shared_gpus() if cfg.learner.device.startswith("cuda") else []
+
+
+async def wait_before_loading(cfg: CoMapConfig, log: Any) -> bool:
+    """On a card an inference server shares, wait for every server's health before the learner puts
+    its weights there: vLLM sizes its KV cache at start from the memory it sees in use (its profile
+    run), and a learner's weights loaded meanwhile are counted as vLLM's own, leaving its cache about
+    nothing (the 8B config). Healthy, a server has finished that. False when stopped while waiting."""
+    from comap_async.wire.inference_client import InferenceClient
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    inference = InferenceClient.from_config(cfg)
+    try:
+        log.info("learner.waiting_for_shared_gpu", gpus=shares_gpu_with_inference(cfg))
+        return await wait_for_servers(inference, list(cfg.inference.endpoints), log, stop)
+    finally:
+        await inference.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
 class Learner(PhaseControl):
     def __init__(self, cfg: CoMapConfig, log: Any) -> None:
         import torch
@@ -64,14 +102,16 @@ class Learner(PhaseControl):
         # under torchrun: one rank of data-parallel training (before the model: it picks the GPU)
         self.dp = DataParallel.from_env(lc.device)
         self.leader = self.dp is None or self.dp.leader
+        # a rank's card by its index (cuda:1), never the thread-dependent current device a bare "cuda" means
+        device = self.dp.device if self.dp is not None else lc.device
         path = resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)
-        base, tok = load_model_and_tokenizer(path, cfg.model.dtype, lc.device)
+        base, tok = load_model_and_tokenizer(path, cfg.model.dtype, device)
         model = build_peft_model(
             base, lc.lora_r, lc.lora_alpha, lc.lora_dropout, lc.target_modules, lc.gradient_checkpointing
         )
         prompts = Prompts.for_model(path, cfg)
         encoder = Encoder.for_learner(tok, prompts, lc)
-        self.trainer = Trainer(model, encoder, lc, lc.device)
+        self.trainer = Trainer(model, encoder, lc, device)
         self.trainer.ablation = cfg.ablation
         if self.dp is not None:
             from comap_async.wire.messages import ROLES
@@ -160,7 +200,8 @@ class Learner(PhaseControl):
         """Load the registry's adapters from the adapter root into every endpoint.
 
         After a restart of the inference servers, actors must find exactly the versions the
-        registry names; the files are the published ones, so nothing changes for them.
+        registry names; the files are the published ones, so nothing changes for them. A server
+        that kept running already lists them and is left as it is.
         """
         from learner.publish import load_everywhere
 
@@ -176,7 +217,7 @@ class Learner(PhaseControl):
                 path,
                 self.cfg.inference.retries,
                 self.log,
-                inplace=True,
+                reload=True,
             )
         self.log.info("learner.live_adapters_reloaded", adapters=registry.get("adapters"))
 
@@ -204,14 +245,7 @@ class Learner(PhaseControl):
                 if registry is None:
                     return 0
                 check_method(self.cfg, registry.get("method"), "the broker")
-                for url in self.cfg.inference.endpoints:
-                    await wait_until_answers(
-                        f"inference {url}",
-                        lambda u=url: inference.health(endpoint=u),
-                        self.log,
-                        self.stop,
-                        "learner.waiting",
-                    )
+                await wait_for_servers(inference, self.cfg.inference.endpoints, self.log, self.stop)
                 live = int((registry.get("versions") or {}).get("policy", 0))
                 if live > 0 and self.leader:
                     await self.reload_live_adapters(inference, registry)
@@ -369,6 +403,8 @@ def run_learner(cfg: CoMapConfig, log: Any, max_steps: int | None = None) -> int
     import sys
 
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    if shares_gpu_with_inference(cfg) and not asyncio.run(wait_before_loading(cfg, log)):
+        return 0  # stopped before the servers were up: nothing was loaded, nothing to save
     learner = Learner(cfg, log)
     code = asyncio.run(learner.run(max_steps))
     if learner.dp is not None:

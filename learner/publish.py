@@ -95,26 +95,37 @@ async def load_everywhere(
     path: Path,
     retries: int | RetryConfig,
     log: Any,
-    inplace: bool = False,
+    reload: bool = False,
 ) -> None:
     """Load one adapter into every endpoint and check that the endpoint lists it; each failure is
     retried and logged, never skipped.
 
-    A new version is an ordinary load under its new name. In place only where the same name must
-    change (``inplace``: a restarted learner reloading the registry's names) or on a retry (the
-    earlier attempt may have landed before its answer was lost): vLLM keeps the in-place flag on
-    the stored adapter and re-reads it from disk at every step (vLLM issue #33791).
+    Never in place: vLLM keeps the in-place flag on the stored adapter and re-reads it from disk at
+    every engine step for as long as it stays loaded (vLLM issue #33791). A name the endpoint already
+    lists is therefore not loaded again where it holds ``path``'s files: on a ``reload`` (a restarted
+    learner loading the registry's names, published from these very files) and on a retry (the
+    earlier attempt landed before its answer was lost). A new version's name listed before its first
+    attempt is a leftover of a publish that was never announced (the learner died between load and
+    announce and numbers its next version the same), saved over since: it is unloaded, then loaded.
 
     The retries are this function's alone (:func:`publish_policy` of ``retries``): the client is
     called with ``retry=NO_RETRY``, so an endpoint sees at most ``attempts`` loads, not that many
     times the client's own retries."""
     policy = publish_policy(retries)
     for endpoint in endpoints:
+        current = reload  # whether a listed ``name`` on this endpoint holds ``path``'s files
 
         async def attempt(n: int, endpoint: str = endpoint) -> None:
+            nonlocal current
             try:
+                if name in await client.models(endpoint=endpoint):
+                    if current:
+                        return
+                    log.info("publish.stale_adapter", endpoint=endpoint, adapter=name)
+                    await client.unload_adapter(name, missing_ok=True, endpoint=endpoint, retry=retry_policy.NO_RETRY)
+                current = True  # from here on a listed name is this load's
                 await client.load_adapter(
-                    name, str(path), load_inplace=inplace or n > 1, endpoint=endpoint, retry=retry_policy.NO_RETRY
+                    name, str(path), load_inplace=False, endpoint=endpoint, retry=retry_policy.NO_RETRY
                 )
                 # an answered load is not yet a served adapter (verl #7495: a LoRA never delivered
                 # looks like staleness): the endpoint must list it

@@ -10,6 +10,17 @@ from typing import Any
 from comap_async.heap import release_freed_memory
 
 
+def use_device(device: str) -> None:
+    """Make ``device`` (``cuda:N``) the calling thread's current CUDA device: the current device is
+    per thread, and one set in the main thread (torch.distributed's rank set-up) does not reach the
+    step's thread, where kernels and allocations without a device would land on card 0."""
+    import torch
+
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is not None:
+        torch.cuda.set_device(d)
+
+
 async def step_or_stop(learner: Any, micro: list) -> dict[str, float] | None:
     """Run one step in a daemon thread; None when ``stop`` comes first.
 
@@ -32,6 +43,7 @@ async def step_or_stop(learner: Any, micro: list) -> dict[str, float] | None:
 
     def work() -> None:
         try:
+            use_device(learner.trainer.device)
             result = learner.trainer.train_step(micro)
             release_freed_memory()  # the step's activations, freed in this thread's arena
         except BaseException as exc:  # handed to the event loop, which raises it in _train

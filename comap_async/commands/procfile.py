@@ -5,7 +5,8 @@ ports from ``inference.port``) and ``learner.gpus`` (several: ``torchrun``, one 
 per GPU) say where each process runs; every process
 gets its ``CUDA_VISIBLE_DEVICES`` and the list of inference endpoints, so nothing else has to be
 edited by hand. A learner GPU that also serves inference gets a vLLM server that leaves room for
-it (``--gpu-memory-utilization 0.45`` unless ``inference.gpu_memory_utilization`` says otherwise).
+it (``--gpu-memory-utilization 0.45`` unless ``inference.gpu_memory_utilization`` says otherwise;
+decided by ``CoMapConfig.vllm_memory_share``, which a ``comap serve`` started by hand applies too).
 
     comap procfile --config configs/alfworld-qwen3-4b.yaml > Procfile.gpu
     honcho start -f Procfile.gpu
@@ -21,10 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from comap_async.config import ConfigError
-
-SHARED_GPU_MEMORY = 0.45
-"""vLLM's memory share on a GPU the learner also trains on (the rest: the learner's weights,
-activations and optimizer state)."""
 
 
 @dataclass(frozen=True)
@@ -62,8 +59,9 @@ def plan(cfg: Any) -> list[Process]:
     procs = [Process("broker", (), "comap broker")]
     for i, group in enumerate(groups):
         extra = [f"inference.port={inf.port + i}"]
-        if set(group) & set(lc.gpus) and inf.gpu_memory_utilization is None:
-            extra.append(f"inference.gpu_memory_utilization={SHARED_GPU_MEMORY}")
+        share = cfg.vllm_memory_share(group)
+        if share is not None and inf.gpu_memory_utilization is None:  # said on the line: the Procfile shows it
+            extra.append(f"inference.gpu_memory_utilization={share}")
         procs.append(Process(f"inference{i}", group, "comap serve --backend vllm", tuple(extra)))
     # several learner GPUs: data parallel, one torchrun rank per GPU (learner/distributed.py)
     learner = (

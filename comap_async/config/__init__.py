@@ -24,11 +24,12 @@ from comap_async.config.base import ConfigError, RetryConfig, Section, is_loopba
 from comap_async.config.evaluator import EVAL_METHODS, EvalConfig, EvalMethod
 from comap_async.config.learner import AblationConfig, LearnerConfig
 from comap_async.config.run import EnvConfig, GateConfig, ModelConfig, RunConfig
-from comap_async.config.serving import BrokerConfig, InferenceConfig
+from comap_async.config.serving import SHARED_GPU_MEMORY, BrokerConfig, InferenceConfig
 
 __all__ = [
     "EVAL_METHODS",
     "PLAY_SWITCHES",
+    "SHARED_GPU_MEMORY",
     "AblationConfig",
     "ActorConfig",
     "BrokerConfig",
@@ -228,6 +229,20 @@ class CoMapConfig(Section):
                 f"train on {spec.train_split!r} or evaluate another split"
             )
         return None
+
+    def shared_gpus(self, group: Sequence[int] | None = None) -> list[int]:
+        """The GPUs of ``group`` (one vLLM server's; None: every one of ``inference.gpus``) that
+        ``learner.gpus`` also lists: a card vLLM and the learner share."""
+        return sorted(set(self.inference.gpus if group is None else group) & set(self.learner.gpus))
+
+    def vllm_memory_share(self, group: Sequence[int] | None = None) -> float | None:
+        """vLLM's ``--gpu-memory-utilization`` for a server on ``group`` (None: the server's GPUs are
+        not known, any of ``inference.gpus``): ``inference.gpu_memory_utilization`` when set, else
+        :data:`SHARED_GPU_MEMORY` on a card the learner shares, else None (vLLM's own 0.9, which on a
+        shared card leaves the learner too little). ``comap procfile`` and ``comap serve`` both ask here."""
+        if self.inference.gpu_memory_utilization is not None:
+            return self.inference.gpu_memory_utilization
+        return SHARED_GPU_MEMORY if self.shared_gpus(group) else None
 
     @property
     def adapter_root(self) -> Path:

@@ -65,6 +65,11 @@ class BrokerConfig(Section):
     within its timeout is sent again, up to ``attempts`` tries in all (every request is idempotent)."""
 
 
+SHARED_GPU_MEMORY = 0.45
+"""vLLM's memory share on a GPU the learner also trains on (the rest: the learner's weights,
+activations and optimizer state)."""
+
+
 class InferenceConfig(Section):
     backend: Literal["embedded", "vllm"] = "embedded"
     """``embedded`` (aiohttp + transformers + peft, CPU default) or ``vllm`` (GPU)."""
@@ -87,8 +92,9 @@ class InferenceConfig(Section):
     tensor_parallel: int = Field(default=1, ge=1)
     """GPUs per vLLM server (``--tensor-parallel-size``): more than 1 when the model does not fit one."""
     gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0)
-    """vLLM's ``--gpu-memory-utilization``; None: vLLM's own (0.9), or 0.45 where ``comap procfile``
-    puts the learner on the same GPU."""
+    """vLLM's ``--gpu-memory-utilization``; None: vLLM's own (0.9) on a card of its own, 0.45 on one
+    that ``learner.gpus`` also lists (:meth:`comap_async.config.CoMapConfig.vllm_memory_share`, for
+    ``comap serve --backend vllm`` however it is started)."""
     max_loras: int = Field(default=12, ge=1)
     """vLLM's ``--max-loras``, adapters in one batch: 3 roles x 2 versions while actors move to a new
     one, plus the evaluator's and one ``comap eval``'s copies (3 each). Requests naming a 13th wait."""

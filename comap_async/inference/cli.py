@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
                     resolve_model(cfg.model.name_or_path, cfg.model.cache_dir),
                     vllm.find_vllm_python(args.vllm_python),
                     loras,
+                    gpus=vllm.visible_gpus(),
                 )
                 print(" ".join(f"{k}={v}" for k, v in env.items()), " ".join(argv))
                 return 0

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +47,26 @@ def find_vllm_python(explicit: str | None = None) -> str:
     return sys.executable
 
 
+def visible_gpus(environ: Mapping[str, str] | None = None) -> list[int] | None:
+    """The GPU ids ``CUDA_VISIBLE_DEVICES`` gives this server (``comap procfile`` sets it per line);
+    None where it is unset, empty or not a list of ids (UUIDs): the server's GPUs are then not known."""
+    value = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES", "").strip()
+    try:
+        return [int(x) for x in value.split(",")] if value else None
+    except ValueError:
+        return None
+
+
 def build_command(
-    cfg: Any, model_path: str, python: str, lora_modules: dict[str, str] | None = None, extra: list[str] | None = None
+    cfg: Any,
+    model_path: str,
+    python: str,
+    lora_modules: dict[str, str] | None = None,
+    extra: list[str] | None = None,
+    gpus: Sequence[int] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """(argv, environment additions) for vLLM's OpenAI server."""
+    """(argv, environment additions) for vLLM's OpenAI server on ``gpus`` (None: not known, any of
+    ``inference.gpus``; :func:`visible_gpus`)."""
     inf, lr = cfg.inference, cfg.learner
     argv = [
         python,
@@ -97,8 +114,10 @@ def build_command(
     if cfg.eval.priority:
         # vLLM refuses a request's priority unless it schedules by priority (the evaluator's calls go first)
         argv += ["--scheduling-policy", "priority"]
-    if inf.gpu_memory_utilization is not None:
-        argv += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
+    # on a card the learner trains on too, vLLM must not take its default 0.9 of it, whoever started the server
+    share = cfg.vllm_memory_share(gpus)
+    if share is not None:
+        argv += ["--gpu-memory-utilization", str(share)]
     if inf.admin_token:
         # vLLM's key guards every /v1 route, not only the admin ones; the client sends it on all requests
         argv += ["--api-key", inf.admin_token]
@@ -122,7 +141,7 @@ def exec_vllm(
     from comap_async.models import resolve_model
 
     model_path = resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)
-    argv, env = build_command(cfg, model_path, find_vllm_python(python), lora_modules, extra)
+    argv, env = build_command(cfg, model_path, find_vllm_python(python), lora_modules, extra, visible_gpus())
     if log:
         log.info("serve.vllm", argv=" ".join(argv))
     sys.stdout.flush()

@@ -35,6 +35,23 @@ def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
+def test_every_collective_goes_through_the_group_device_helper_on_gloo(tmp_path):
+    """The helper's path is the one NCCL takes (only the device differs: tests/unit/test_distributed_devices.py
+    checks the NCCL decision and its guard): sums, means of gradients, broadcasts and rank 0's objects."""
+    out = torchrun(str(REPO / "tests" / "fixtures" / "dp_collectives_worker.py"), str(tmp_path), timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for got in ranks:
+        assert (got["backend"], got["device"], got["collective_device"]) == ("gloo", "cpu", "cpu")
+        assert got["sum"] == [3, 20]
+        assert got["half"] == [True, "cpu", 1.5]  # back in the caller's dtype and device
+        assert got["broadcast"] == [8]  # rank 1's
+        assert got["follow"] == {"phase": "phase-of-rank-0"}
+        assert got["grads"] == [[[15.0] * 3] * 2, [0.5] * 4]  # a rank that did not reach it counts as 0
+        assert got["params"] == [[[1.0] * 3] * 2, [0.0] * 4]  # rank 0's weights everywhere
+        assert got["calls"] and set(got["calls"]) == {"cpu"}  # every tensor reached gloo on the group's device
+
+
 def test_two_ranks_equal_one_process_at_the_same_global_batch(tiny_model_dir, tmp_path):
     out = torchrun(
         str(REPO / "tests" / "fixtures" / "dp_trainer_worker.py"), str(tiny_model_dir), str(tmp_path), str(STEPS)

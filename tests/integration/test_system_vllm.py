@@ -4,7 +4,7 @@ vLLM's CPU build in its own virtualenv (``COMAP_VLLM_PYTHON``, docs/inference.md
 
 What it shows: a warm-up publish reaches vLLM (loaded under its new name, announced), the actor's
 next episode is played by vLLM with that version, and a learner stopped and started again reloads
-the registry's adapters in place and publishes the next version. Figures (publish-to-live, tokens/s
+the registry's adapters (never in place) and publishes the next version. Figures (publish-to-live, tokens/s
 before and right after a publish) are printed and, with ``COMAP_E2E_FIGURES=path``, written as JSON.
 """
 
@@ -198,7 +198,7 @@ def test_the_system_runs_on_vllm_publishes_and_resumes(tmp_path, alfworld_data):
         ep = run.wait("a co-evolution episode", coevolve_episode, 1800)[0]
         assert ep["policy_version"] >= first["version"] and ep["steps"] >= 1, ep
 
-        # the learner stopped and started again: the registry's adapters reloaded in place, then a new version
+        # the learner stopped and started again: the registry's adapters reloaded (vLLM lists them), then a new version
         before = max(e["version"] for e in run.events("learner", "publish.done"))
         assert run.stop("learner") == 0
         run.start("learner", tag="-resumed")

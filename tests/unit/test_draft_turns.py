@@ -15,6 +15,7 @@ from comap_async.prompts.template import FIT_LEFT_OUT_TURNS
 from comap_async.wire.messages import TurnDemos
 from learner.batches import Encoder
 from learner.packing import pack
+from tests.fixtures.qwen3 import QWEN3_CHAT_TEMPLATE
 
 TASK = "put a clean mug in coffeemachine."
 FIRST = (
@@ -33,12 +34,20 @@ def path_record(targets=TARGETS) -> dict:
     return {"goal": TASK, "first": FIRST, "turns": [list(t) for t in TURNS], "targets": list(targets)}
 
 
-@pytest.fixture(params=[False, True], ids=["task-once", "task-every-turn"])
+def qwen3_chat() -> ChatTemplate:
+    return ChatTemplate(QWEN3_CHAT_TEMPLATE, {"bos_token": "", "eos_token": "<|im_end|>"})
+
+
+@pytest.fixture(
+    params=[(False, "chatml"), (True, "chatml"), (False, "qwen3")], ids=["task-once", "task-every-turn", "qwen3"]
+)
 def encoder(tiny_model_dir, request):
     from comap_async.models import load_model_and_tokenizer
 
+    task_every_turn, template = request.param
     _, tok = load_model_and_tokenizer(str(tiny_model_dir))
-    return Encoder(tok, Prompts(ChatTemplate.from_model_dir(tiny_model_dir), task_every_turn=request.param), 512)
+    chat = qwen3_chat() if template == "qwen3" else ChatTemplate.from_model_dir(tiny_model_dir)
+    return Encoder(tok, Prompts(chat, task_every_turn=task_every_turn), 512)
 
 
 def test_each_demonstrated_action_follows_exactly_the_prompt_the_actor_sends_at_that_step(encoder):
@@ -340,3 +349,43 @@ def test_a_go_while_carrying_is_a_delivery_and_keeps_its_loss_under_the_go_share
     also = Encoder(tok, prompts, 512, demo_loss_share={"go": 1e-9, "deliver": 1e-9})
     also.draft(record)
     assert also.demo_actions == 2
+
+
+def test_qwen3s_template_drops_a_past_turns_think_block_and_the_turns_prompts_still_extend_each_other():
+    """Qwen3's template writes a past answer without the empty ``<think></think>`` block its generation
+    prompt put before it: rendered plainly, step 1's prompt does not start with step 0's prompt, answer
+    and end of turn, and a warm-up path could not train as one sequence. Every turns-form prompt (draft,
+    reflection, world model) keeps the block where the model saw it when it answered."""
+    from comap_async.prompts import draft_turn_messages
+
+    chat = qwen3_chat()
+    prompts = Prompts(chat, reflect_turns=True, wm_turns=True)
+    c0, c1 = Conversation(TASK, FIRST), Conversation(TASK, FIRST, tuple(TURNS[:1]))
+    step0, answer = prompts.draft(c0), TURNS[0][0] + "<|im_end|>"
+    assert step0.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not chat.render(draft_turn_messages(c1)).startswith(step0 + answer)  # the template's own render
+    for i in range(1, len(TURNS)):
+        before, now = Conversation(TASK, FIRST, tuple(TURNS[: i - 1])), Conversation(TASK, FIRST, tuple(TURNS[:i]))
+        assert prompts.draft(now).startswith(prompts.draft(before) + TURNS[i - 1][0] + "<|im_end|>"), i
+        # the world model's conversation: step i extends step i-1 by the real observation
+        wm_before = prompts.world_model("", TURNS[i - 1][0], before)
+        assert prompts.world_model("", TURNS[i][0], now).startswith(wm_before + TURNS[i - 1][1] + "<|im_end|>"), i
+    # the reflection continues the draft's conversation: the draft's prompt, the draft, end of turn
+    draft_prompt = prompts.draft(c1)
+    reflection = prompts.reflect("", "go to fridge 1", "The fridge 1 is closed.", None, c1)
+    assert reflection.startswith(draft_prompt + "go to fridge 1<|im_end|>")
+    past = "<|im_start|>assistant\n" + TURNS[0][0]  # the past answer as the template writes it: no block
+    assert past in chat.render(draft_turn_messages(c1)) and past not in draft_prompt
+    assert "<|im_start|>assistant\n<think>\n\n</think>\n\n" + TURNS[0][0] in draft_prompt
+
+
+def test_a_qwen3_learner_trains_a_warm_up_path(tmp_path):
+    """The learner step that raised ("this model's chat template does not extend a conversation turn by
+    turn") on a Qwen3 model with ``env.draft_turns``."""
+    from comap_async.models import build_tiny_model
+    from tests.fixtures.learner import make_trainer
+
+    model = build_tiny_model(tmp_path / "qwen3", arch="qwen3", chat_template=QWEN3_CHAT_TEMPLATE)
+    trainer = make_trainer(model, max_seq_len=512)
+    metrics = trainer.train_step([{"demos": [path_record()]}])
+    assert metrics["policy/demo_actions"] == 3 and metrics["policy/draft_ce"] > 0

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from comap_async.commands.procfile import SHARED_GPU_MEMORY, plan, render
-from comap_async.config import ConfigError, load_config
+from comap_async.commands.procfile import plan, render
+from comap_async.config import SHARED_GPU_MEMORY, ConfigError, load_config
 from comap_async.inference import vllm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,10 +34,12 @@ def sets(argv: list[str]) -> list[str]:
     return [argv[i + 1] for i, w in enumerate(argv) if w == "--set"]
 
 
-def vllm_argv(argv: list[str]) -> list[str]:
-    """The vLLM command ``comap serve --backend vllm`` would exec for one Procfile line."""
+def vllm_argv(line: tuple[dict[str, str], list[str]]) -> list[str]:
+    """The vLLM command ``comap serve --backend vllm`` would exec for one Procfile line (its
+    ``CUDA_VISIBLE_DEVICES`` tells the server its GPUs)."""
+    env, argv = line
     cfg = load_config(QWEN, sets(argv))
-    return vllm.build_command(cfg, "/models/qwen3-4b", "/venv/bin/python")[0]
+    return vllm.build_command(cfg, "/models/qwen3-4b", "/venv/bin/python", gpus=vllm.visible_gpus(env))[0]
 
 
 def test_one_gpu_host_shares_the_card_between_vllm_and_the_learner():
@@ -46,7 +48,7 @@ def test_one_gpu_host_shares_the_card_between_vllm_and_the_learner():
     assert procs["inference0"][0]["CUDA_VISIBLE_DEVICES"] == "0" == procs["learner"][0]["CUDA_VISIBLE_DEVICES"]
     for name in ("broker", "actor", "evaluator"):
         assert procs[name][0]["CUDA_VISIBLE_DEVICES"] == ""  # no process takes a GPU it was not given
-    argv = vllm_argv(procs["inference0"][1])
+    argv = vllm_argv(procs["inference0"])
     assert argv[argv.index("--port") + 1] == "8000"
     assert argv[argv.index("--gpu-memory-utilization") + 1] == str(SHARED_GPU_MEMORY)
     assert procs["inference0"][1][:4] == ["comap", "serve", "--backend", "vllm"]
@@ -62,7 +64,7 @@ def test_four_gpu_host_three_servers_and_a_learner_of_its_own():
     for i, name in enumerate(servers):
         env, argv = procs[name]
         assert env["CUDA_VISIBLE_DEVICES"] == str(i)
-        cmd = vllm_argv(argv)
+        cmd = vllm_argv((env, argv))
         assert cmd[cmd.index("--port") + 1] == str(8000 + i)
         assert "--gpu-memory-utilization" not in cmd  # a card of its own: vLLM's default
         assert cmd[cmd.index("--max-loras") + 1] == "12" and cmd[cmd.index("--max-num-seqs") + 1] == "256"
@@ -75,9 +77,10 @@ def test_four_gpu_host_three_servers_and_a_learner_of_its_own():
 def test_tensor_parallel_groups_the_gpus_of_one_server():
     procs = lines("inference.gpus=[0,1,2,3]", "inference.tensor_parallel=2", "learner.gpus=[3]")
     assert [procs[n][0]["CUDA_VISIBLE_DEVICES"] for n in ("inference0", "inference1")] == ["0,1", "2,3"]
-    cmd = vllm_argv(procs["inference1"][1])
+    cmd = vllm_argv(procs["inference1"])
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == str(SHARED_GPU_MEMORY)  # shares GPU 3
+    assert "--gpu-memory-utilization" not in vllm_argv(procs["inference0"])  # GPUs 0 and 1 are its own
 
 
 def test_several_learner_gpus_are_torchrun_ranks():

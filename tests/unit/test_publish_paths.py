@@ -74,8 +74,82 @@ async def test_a_load_the_endpoint_does_not_list_fails_the_publish_loudly(tmp_pa
     rec = Forgetful()
     with pytest.raises(PublishError, match="does not list it"):
         await load_everywhere(rec, ["http://e"], "policy-v3", tmp_path, retries=1, log=QuietLog())
-    # the retry replaces in place (the first attempt may have landed); the first never does
-    assert [inplace for _, _, inplace in rec.loads] == [False, True]
-    rec = RecordingEndpoint()
-    await load_everywhere(rec, ["http://e"], "policy-v3", tmp_path, retries=1, log=QuietLog(), inplace=True)
-    assert rec.loads == [("policy-v3", str(tmp_path), True)]  # a restarted learner's reload of a live name
+    # the endpoint never listed it: each attempt is an ordinary load, none in place
+    assert [inplace for _, _, inplace in rec.loads] == [False, False]
+
+
+class ListingServer:
+    """An inference server as the learner sees it: it lists what it serves, refuses an ordinary load
+    of a name it already serves (as vLLM and the embedded server do) and records every load and unload.
+    ``lose_answers``: that many loads land but their answers are lost (the client sees an error)."""
+
+    def __init__(self, served=(), lose_answers=0):
+        self.served = dict.fromkeys(served, "earlier")
+        self.loads, self.unloads, self.lose_answers = [], [], lose_answers
+
+    async def models(self, endpoint=None):
+        return ["base", *self.served]
+
+    async def load_adapter(self, name, path, load_inplace=False, endpoint=None, retry=None):
+        self.loads.append((name, path, load_inplace))
+        if name in self.served and not load_inplace:
+            raise RuntimeError(f"HTTP 400: the lora adapter '{name}' has already been loaded")
+        self.served[name] = path
+        if self.lose_answers:
+            self.lose_answers -= 1
+            raise RuntimeError("connection reset: the answer was lost")
+
+    async def unload_adapter(self, name, missing_ok=False, endpoint=None, retry=None):
+        self.unloads.append(name)
+        self.served.pop(name, None)
+
+
+async def test_a_retry_after_a_load_that_landed_does_not_load_it_again(tmp_path):
+    from learner.publish import load_everywhere
+
+    server = ListingServer(lose_answers=1)
+    await load_everywhere(server, ["http://e"], "policy-v3", tmp_path, retries=2, log=QuietLog())
+    assert server.loads == [("policy-v3", str(tmp_path), False)]  # the retry saw it listed: no second load
+    assert server.served["policy-v3"] == str(tmp_path) and server.unloads == []
+
+
+async def test_a_new_version_left_listed_by_an_unannounced_publish_is_replaced_without_an_in_place_load(tmp_path):
+    """The learner died between loading v3 and announcing it, and numbers its next version 3 again:
+    the server still serves the old v3 from files saved over since."""
+    from learner.publish import load_everywhere
+
+    server = ListingServer(served=["policy-v3"])
+    await load_everywhere(server, ["http://e"], "policy-v3", tmp_path, retries=1, log=QuietLog())
+    assert server.unloads == ["policy-v3"]
+    assert server.loads == [("policy-v3", str(tmp_path), False)] and server.served["policy-v3"] == str(tmp_path)
+
+
+async def test_a_restarted_learner_reloads_only_what_a_server_does_not_list_and_never_in_place(tmp_path):
+    from types import SimpleNamespace
+
+    from comap_async.config import load_config
+    from learner.loop import Learner
+
+    cfg = load_config(None, ['inference.endpoints=["http://kept","http://restarted"]'])
+    registry = {"adapters": {"policy": "policy-v7", "wm": "wm-v7", "wm_teacher": "wm_teacher-v7"}}
+    for name in registry["adapters"].values():
+        (tmp_path / name).mkdir()
+    kept = ListingServer(served=registry["adapters"].values())  # a server that outlived the learner
+    restarted = ListingServer()
+    servers = {"http://kept": kept, "http://restarted": restarted}
+
+    class Both:  # the learner's client: each call goes to the endpoint it names
+        async def models(self, endpoint=None):
+            return await servers[endpoint].models()
+
+        async def load_adapter(self, name, path, load_inplace=False, endpoint=None, retry=None):
+            await servers[endpoint].load_adapter(name, path, load_inplace)
+
+        async def unload_adapter(self, name, missing_ok=False, endpoint=None, retry=None):
+            await servers[endpoint].unload_adapter(name, missing_ok)
+
+    learner = SimpleNamespace(cfg=cfg, adapter_root=tmp_path, log=QuietLog())
+    await Learner.reload_live_adapters(learner, Both(), registry)
+    assert kept.loads == [] and kept.unloads == []  # vLLM re-reads an in-place adapter every step: none here
+    names = list(registry["adapters"].values())
+    assert restarted.loads == [(n, str(tmp_path / n), False) for n in names] and restarted.unloads == []

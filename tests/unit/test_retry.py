@@ -103,17 +103,17 @@ def _failing_client(monkeypatch, client: InferenceClient, ok_after: dict[str, in
     """Replace the one HTTP exchange: per endpoint, fail (retryably) until ``ok_after[ep]`` calls."""
     calls: dict[str, int] = {}
 
-    loaded: list[str] = []
+    loaded: dict[str, list[str]] = {}  # per endpoint: each server lists what it loaded itself
 
     async def once(ep, method, path, body):
         if path == "/v1/models":  # a publish checks that the endpoint lists what it loaded
             import json
 
-            return 200, json.dumps({"object": "list", "data": [{"id": name} for name in loaded]})
+            return 200, json.dumps({"object": "list", "data": [{"id": name} for name in loaded.get(ep, [])]})
         calls[ep] = calls.get(ep, 0) + 1
         if calls[ep] > (ok_after or {}).get(ep, 1 << 30):
             if isinstance(body, dict) and "lora_name" in body:
-                loaded.append(body["lora_name"])
+                loaded.setdefault(ep, []).append(body["lora_name"])
             return 200, "Success"
         raise _Retryable(f"ConnectionRefusedError: scripted {calls[ep]}")
 

@@ -13,7 +13,7 @@ from learner.trainer import StepAborted
 
 class AbortableTrainer:
     def __init__(self) -> None:
-        self.abort, self.step = False, 0
+        self.abort, self.step, self.device = False, 0, "cpu"
 
     def train_step(self, micro):
         while not self.abort:
