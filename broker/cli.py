@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     async def main() -> int:
+        broker = None
         try:
             broker = Broker(cfg, log, keys, replay_dir=args.replay_dir, gate_spec=pool_spec(cfg))
             loop = asyncio.get_running_loop()
@@ -48,6 +49,11 @@ def run(args: argparse.Namespace) -> int:
             await broker.start()
         except Exception as exc:  # port in use, LMDB unreadable...: a clear line, not a traceback wall
             log.error("broker.start_failed", error=f"{type(exc).__name__}: {exc}")
+            if broker is not None:  # what started before the failure (ZeroMQ ports, gate workers) would keep us up
+                try:
+                    await broker.shutdown()
+                except Exception as close_exc:  # noqa: BLE001 - the start's error is the one to report
+                    log.error("broker.close_failed", error=repr(close_exc))
             print(f"comap broker: error: cannot start: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
             return 2
         tune_gc_for_throughput()

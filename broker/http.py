@@ -176,5 +176,9 @@ def make_app(broker: "Broker") -> web.Application:
 async def start_http(broker: "Broker", host: str, port: int) -> web.AppRunner:
     runner = web.AppRunner(make_app(broker), access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:  # a busy port: the runner is not returned, so it is cleaned up here
+        await runner.cleanup()
+        raise
     return runner

@@ -182,7 +182,10 @@ def record_from_store(store: str, value: bytes) -> dict[str, Any]:
 def best_effort_int(raw: Any, field: str) -> int:
     """The ``seq``/``req`` of a message that failed validation, so the sender can match the error."""
     try:
-        obj = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_bin_len=0, max_ext_len=0)
+        # binaries, extension types and array keys read too (the frame's size bounds them): a message
+        # refused for one of them must still be answered with its seq, or its sender resends it forever
+        n = len(raw)
+        obj = msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=False, max_bin_len=n, max_ext_len=n)
         value = obj.get(field) if isinstance(obj, dict) else None
         return value if type(value) is int and abs(value) <= (1 << 62) else -1
     except Exception:  # any garbage: there is no number to echo

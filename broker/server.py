@@ -99,6 +99,12 @@ class Broker:
         self.ctx = zmq.asyncio.Context()
         self.auth = None
         self.endpoints: dict[str, str] = {}
+        # set by start(); None until then, so shutdown() closes what a start that failed half-way opened
+        self.gates: GatePool | None = None
+        self.actor_sock: zmq.asyncio.Socket | None = None
+        self.learner_sock: zmq.asyncio.Socket | None = None
+        self.actor_path: ActorPath | None = None
+        self.http_runner: Any = None
 
     # ---- set-up ------------------------------------------------------------------------------
 
@@ -183,16 +189,23 @@ class Broker:
         await self.shutdown()
 
     async def shutdown(self) -> None:
-        """Drain actors, stop reading, commit and ack what is queued, then close everything."""
+        """Drain actors, stop reading, commit and ack what is queued, then close everything.
+
+        Also after a ``start`` that failed half-way (a busy port): whatever it opened is closed, as
+        ZeroMQ ports and gate workers left open would keep the process alive."""
         self.stopping.set()
-        await self.actor_path.stop()
-        self.gates.close()
+        if self.actor_path is not None:
+            await self.actor_path.stop()
+        if self.gates is not None:
+            self.gates.close()
         await cancel_and_wait(self._tasks)
-        await self.http_runner.cleanup()
+        if self.http_runner is not None:
+            await self.http_runner.cleanup()
         if self.auth is not None:
             self.auth.stop()
         for sock in (*self._monitors, self.actor_sock, self.learner_sock):
-            sock.close(linger=0 if sock in self._monitors else 500)
+            if sock is not None:
+                sock.close(linger=0 if sock in self._monitors else 500)
         self.ctx.destroy(linger=500)  # closes anything left (ZAP socket...) instead of hanging in term()
         self.store.close()
         self.log.info("broker.stopped", stored_total=stored_total(self.store.state["counters"]))

@@ -130,6 +130,9 @@ class SlotManager:
 
     def __init__(self, model: torch.nn.Module, spare_config: Any | None, spares: int = 2) -> None:
         self.base = model
+        # the base model's module names, read once here: later walks of the wrapped model would race
+        # with the engine thread's adds and deletes
+        self._module_names = tuple(n for n, _ in model.named_modules() if n)
         self.peft: Any | None = None
         self.spare_config = spare_config
         self.spare_target = spares if spare_config is not None else 0
@@ -336,6 +339,21 @@ class SlotManager:
         shape = self._shape.get(slot)
         return shape is not None and shape == (frozenset(self._spare_modules), frozenset([self.spare_config.r]))
 
+    def _targets_spare_modules(self, config: Any) -> bool:
+        """Whether ``config`` targets exactly the spare slots' modules of the base model. Filling a spare
+        copies tensors only, so without this an adapter whose ``target_modules`` name no module (or
+        other modules) would load as if it named the spare's."""
+        spare = {k.removeprefix("base_model.model.") for k in self._spare_modules}
+        targets = config.target_modules
+        plain = not getattr(config, "layers_to_transform", None) and not getattr(config, "exclude_modules", None)
+        if plain and isinstance(targets, (list, set, tuple, frozenset)) and set(targets) == spare:
+            return True  # peft saves the module names it adapted: the learner's adapters, without a walk
+        if not isinstance(targets, (str, list, set, tuple, frozenset)) or targets == "all-linear":
+            return False  # peft expands these against the model itself: the slow path
+        from peft.tuners.tuners_utils import check_target_module_exists
+
+        return {n for n in self._module_names if check_target_module_exists(config, n)} == spare
+
     def fill_spare(self, slot: str, files: AdapterFiles) -> bool:
         """Copy the adapter's tensors into an unused spare slot; False when it has another shape or variant."""
         c = files.config
@@ -346,6 +364,8 @@ class SlotManager:
         mods = files.modules()
         if mods is None or set(mods) != set(self._spare_modules):
             return False
+        if not self._targets_spare_modules(c):
+            return False  # the slow path lets peft check the config (a target matching nothing is refused there)
         for key, (a, b) in mods.items():
             m = self._spare_modules[key]
             if m.lora_A[slot].weight.shape != a.shape or m.lora_B[slot].weight.shape != b.shape:

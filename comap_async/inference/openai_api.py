@@ -49,6 +49,7 @@ class ServerState:
     admin_token: str | None = None
     log: Any = None
     chat_template: Any = None  # comap_async.prompts.ChatTemplate of the model (/v1/chat/completions)
+    max_prompt_chars: int | None = None  # no text prompt longer can fit max_prompt_tokens (prompt_chars_bound)
     started: int = field(default_factory=lambda: int(time.time()))
     started_at: float = field(default_factory=time.time)
     requests: dict[tuple[str, int], int] = field(default_factory=dict)
@@ -114,6 +115,26 @@ def _check_admin(request: web.Request) -> None:
 
 
 # ------------------------------------------------------------------ completions
+def prompt_chars_bound(tokenizer: Any, max_prompt_tokens: int) -> int:
+    """The most characters a text prompt of ``max_prompt_tokens`` tokens can have. A token stands for at
+    most as many characters as its vocabulary entry spells (byte-level BPE spells each byte of text as
+    one character, SentencePiece the text itself); doubled for normalizers that compose characters."""
+    return 2 * max_prompt_tokens * max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+
+def check_prompt_chars(state: ServerState, lengths: list[int]) -> None:
+    """Refuse a text prompt too long to fit before it is tokenized: tokenizing an 8 MB prompt took
+    10-32 s and grew the server by 0.9-2.5 GB, to refuse it afterwards all the same."""
+    limit = state.max_prompt_chars
+    for i, n in enumerate(lengths):
+        if limit is not None and n > limit:
+            raise RequestError(
+                f"prompt {i} has {n} characters; no more than {limit} fit in the server's limit of "
+                f"{state.max_prompt_tokens} tokens (inference.max_prompt_tokens)",
+                param="prompt",
+            )
+
+
 def _tokenize(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
     texts = [p for p in prompts if isinstance(p, str)]
     encoded = iter(tokenizer(texts, add_special_tokens=True)["input_ids"]) if texts else iter(())
@@ -181,6 +202,7 @@ async def prepare(state: ServerState, req: CompletionRequest) -> list[list[int]]
             param="prompt",
         )
     state.registry.resolve(req.model)  # 404 before any work
+    check_prompt_chars(state, [len(p) if isinstance(p, str) else 0 for p in req.prompts])
     loop = asyncio.get_running_loop()
     ids = await loop.run_in_executor(state.executor, _tokenize, state.tokenizer, req.prompts)
     _check_lengths(state, req, ids)
@@ -258,15 +280,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await _json(request)
     stream = isinstance(body, dict) and body.get("stream") is True
+    from comap_async.inference.streaming import stream_completions, stream_usage
+
+    include_usage = stream_usage(body, stream) if isinstance(body, dict) else False
     if stream:
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     req = parse_completion_request(body, state.max_new_tokens)
     name = req.model or state.base_name
     ids = await prepare(state, req)
     if stream:
-        from comap_async.inference.streaming import stream_completions
-
-        return await stream_completions(request, state, req, ids, name)
+        return await stream_completions(request, state, req, ids, name, include_usage)
     seqs, futures = submit(state, req, ids)
     await finished(seqs, futures)
     k = req.params.logprobs

@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from comap_async.inference.engine import Engine
-from comap_async.inference.openai_api import ServerState, build_app
+from comap_async.inference.openai_api import ServerState, build_app, prompt_chars_bound
 from comap_async.prompts import ChatTemplate
 
 
@@ -103,6 +103,7 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
         admin_token=inf.admin_token,
         log=log,
         chat_template=ChatTemplate.from_model_dir(path),
+        max_prompt_chars=prompt_chars_bound(tok, inf.max_prompt_tokens),
     )
 
 

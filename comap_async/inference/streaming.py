@@ -70,11 +70,36 @@ async def _send(resp: web.StreamResponse, payload: Any) -> None:
     await resp.write(f"data: {json.dumps(payload) if not isinstance(payload, str) else payload}\n\n".encode())
 
 
+def stream_usage(body: dict[str, Any], stream: bool) -> bool:
+    """Whether a stream ends with a usage chunk: ``stream_options.include_usage``, as OpenAI and vLLM."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise RequestError(
+            "'stream_options' must be an object such as {\"include_usage\": true}", param="stream_options"
+        )
+    return stream and options.get("include_usage", False)
+
+
 async def _stream(
-    request: web.Request, state: Any, req: CompletionRequest, ids: list[list[int]], chunk: Any
+    request: web.Request,
+    state: Any,
+    req: CompletionRequest,
+    ids: list[list[int]],
+    chunk: Any,
+    usage_chunk: Any = None,
 ) -> web.StreamResponse:
-    """Generate and send ``chunk(index, text, finish_reason, stop_reason)`` events as tokens come."""
-    from comap_async.inference.openai_api import finished, submit
+    """Generate and send ``chunk(index, text, finish_reason, stop_reason)`` events as tokens come; with
+    ``usage_chunk(usage)``, the stream ends with that chunk (no choices) and every other one carries
+    ``"usage": null``, as OpenAI sends them with ``stream_options.include_usage``."""
+    from comap_async.inference.openai_api import finished, submit, usage
+
+    if usage_chunk is not None:
+        plain = chunk
+
+        def chunk(*args: Any) -> dict[str, Any]:
+            return {**plain(*args), "usage": None}
 
     if req.params.logprobs is not None:
         raise RequestError("logprobs are not streamed by the embedded server; send stream=false", param="logprobs")
@@ -100,6 +125,8 @@ async def _stream(
                 elif text := d.delta():
                     await _send(resp, chunk(i, text, None, None))
         await finished(seqs, futures)
+        if usage_chunk is not None:
+            await _send(resp, usage_chunk(usage(ids, seqs)))
     except (ConnectionResetError, asyncio.CancelledError):
         for s in seqs:
             s.cancelled = True
@@ -110,38 +137,61 @@ async def _stream(
 
 
 async def stream_completions(
-    request: web.Request, state: Any, req: CompletionRequest, ids: list[list[int]], name: str
+    request: web.Request,
+    state: Any,
+    req: CompletionRequest,
+    ids: list[list[int]],
+    name: str,
+    include_usage: bool = False,
 ) -> web.StreamResponse:
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": cid, "object": "text_completion", "created": created, "model": name}
 
     def chunk(i: int, text: str, finish: str | None, stop: Any) -> dict[str, Any]:
-        return {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": name,
-            "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop}],
-        }
+        choice = {"index": i, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop}
+        return {**head, "choices": [choice]}
 
-    return await _stream(request, state, req, ids, chunk)
+    usage_chunk = (lambda u: {**head, "choices": [], "usage": u}) if include_usage else None
+    return await _stream(request, state, req, ids, chunk, usage_chunk)
 
 
-def chat_request(body: Any, state: Any) -> tuple[CompletionRequest, bool]:
-    """A ``/v1/chat/completions`` body -> the completion request it amounts to, and whether to stream."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    messages = body.get("messages")
-    if (
-        not isinstance(messages, list)
-        or not messages
-        or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
-        )
-    ):
+def message_text(i: int, message: Any) -> str:
+    """A chat message's content as text: a string, or OpenAI's list of text parts (joined by newlines,
+    as vLLM joins them)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, (str, list)) or not isinstance(message.get("role"), str):
         raise RequestError(
             "'messages' must be a non-empty list of {role, content} objects with text content", param="messages"
         )
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(
+                f"messages[{i}].content has a {str(kind)[:40]!r} part: the embedded server reads text parts "
+                '({"type": "text", "text": ...}) only',
+                param="messages",
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def chat_request(body: Any, state: Any) -> tuple[CompletionRequest, bool, bool]:
+    """A ``/v1/chat/completions`` body -> the completion request it amounts to, whether to stream, and
+    whether the stream ends with a usage chunk."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(
+            "'messages' must be a non-empty list of {role, content} objects with text content", param="messages"
+        )
+    texts = [message_text(i, m) for i, m in enumerate(messages)]
+    from comap_async.inference.openai_api import check_prompt_chars
+
+    check_prompt_chars(state, [sum(map(len, texts))])  # before the template copies it
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError("'stream' must be true or false", param="stream")
@@ -154,8 +204,10 @@ def chat_request(body: Any, state: Any) -> tuple[CompletionRequest, bool]:
     if body.get("logprobs"):
         completion["logprobs"] = body.get("top_logprobs") or 0
     # the rendered text, as an actor sends it to /v1/completions (tokenized off the event loop there)
-    completion["prompt"] = state.chat_template.render([{"role": m["role"], "content": m["content"]} for m in messages])
-    return parse_completion_request(completion, state.max_new_tokens), stream
+    completion["prompt"] = state.chat_template.render(
+        [{"role": m["role"], "content": text} for m, text in zip(messages, texts)]
+    )
+    return parse_completion_request(completion, state.max_new_tokens), stream, stream_usage(body, stream)
 
 
 def _chat_logprobs(state: Any, seq: Any, k: int) -> dict[str, Any]:
@@ -183,7 +235,7 @@ def _chat_logprobs(state: Any, seq: Any, k: int) -> dict[str, Any]:
 async def chat(request: web.Request, state: Any, body: Any) -> web.StreamResponse:
     from comap_async.inference.openai_api import finished, prepare, submit, usage
 
-    req, stream = chat_request(body, state)
+    req, stream, include_usage = chat_request(body, state)
     name = req.model or state.base_name
     ids = await prepare(state, req)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -205,7 +257,9 @@ async def chat(request: web.Request, state: Any, body: Any) -> web.StreamRespons
                 ],
             }
 
-        return await _stream(request, state, req, ids, chunk)
+        head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name}
+        usage_chunk = (lambda u: {**head, "choices": [], "usage": u}) if include_usage else None
+        return await _stream(request, state, req, ids, chunk, usage_chunk)
     seqs, futures = submit(state, req, ids)
     await finished(seqs, futures)
     k = req.params.logprobs

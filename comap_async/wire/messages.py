@@ -88,11 +88,15 @@ Facts = Annotated[list[Id], Meta(max_length=MAX_ITEMS)]
 
 def _finite(value: Any, where: str, depth: int = 0) -> None:
     """Refuse a non-finite number anywhere in a free-form map (NaN and infinities are not JSON: the
-    broker's ``/stats`` and ``/records`` would emit them); ``Num`` fields already refuse them."""
+    broker's ``/stats`` and ``/records`` would emit them); ``Num`` fields already refuse them. A map
+    key that is not a string is refused too: JSON has no other, and the broker's stores read maps
+    back with string keys only, so one stored int key (a histogram) would fail every later read."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{where}: non-finite number {value!r}")
     if depth < 16 and isinstance(value, dict):
         for k, v in value.items():
+            if type(k) is not str:
+                raise ValueError(f"{where}.{str(k)[:40]}: map keys must be strings, got {type(k).__name__}")
             _finite(v, f"{where}.{k}", depth + 1)
     elif depth < 16 and isinstance(value, list):
         for i, v in enumerate(value):
@@ -100,7 +104,8 @@ def _finite(value: Any, where: str, depth: int = 0) -> None:
 
 
 class _FiniteMaps:
-    """Checks the struct's :data:`Map` fields (``_maps``) with :func:`_finite` on every decode."""
+    """Checks the struct's :data:`Map` fields (``_maps``) with :func:`_finite` on every decode (finite
+    numbers, string keys)."""
 
     _maps: tuple[str, ...] = ()
 

@@ -140,8 +140,14 @@ def _check_plain(name: str, value: Any, depth: int = 0) -> None:
 def _loose(data: Any, max_bytes: int) -> Any:
     """The frame as plain msgpack (it is well-formed: msgspec read it), to word a rejection."""
     try:
-        return msgpack.unpackb(
-            data, raw=False, strict_map_key=False, max_str_len=max_bytes, max_bin_len=max_bytes, max_ext_len=0
+        return msgpack.unpackb(  # arrays as tuples: an array used as a map key must hash to be worded
+            data,
+            raw=False,
+            strict_map_key=False,
+            use_list=False,
+            max_str_len=max_bytes,
+            max_bin_len=max_bytes,
+            max_ext_len=0,
         )
     except Exception:  # noqa: BLE001 - e.g. a key msgpack-python will not hash; the generic reason serves
         return None
@@ -159,6 +165,13 @@ def _reason(obj: Any, exc: msgspec.ValidationError) -> ProtocolError:
     if cls is None:
         return ProtocolError(f"unknown message type {mtype!r}")
     text = str(exc)
+    detail, _, where = text.partition(" - at `key` in `$.")
+    value = obj.get(where.rstrip("`")) if where and detail.startswith("Expected `str`") else None
+    bad = [k for k in value if type(k) is not str][:1] if type(value) is dict else []
+    if bad:  # a top-level key of a free-form map, worded as messages._finite words nested ones
+        return ProtocolError(
+            f"{mtype}: {where.rstrip('`')}.{str(bad[0])[:40]}: map keys must be strings, got {type(bad[0]).__name__}"
+        )
     detail, _, path = text.partition(" - at `$.")
     field = path.rstrip("`").split("[")[0].split(".")[0] if path else ""
     if detail.startswith("Object missing required field `"):

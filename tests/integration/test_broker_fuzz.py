@@ -206,3 +206,62 @@ async def test_non_finite_numbers_in_free_form_maps_are_refused_and_http_stays_s
     for s in (sock, lsock):
         s.close(0)
     ctx.term()
+
+
+async def test_map_keys_that_are_not_strings_are_refused_and_every_reader_of_the_store_still_works(broker_factory):
+    """A histogram keyed by ints (or a float, bytes, bool or nil key) in an episode's ``metrics`` is
+    refused in one line naming the path, as other invalid messages are. Such an episode used to be
+    acked and stored, and from then on ``/records``, the learner's sample of ``episodes`` and
+    ``comap stats`` failed on every read of that store."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.fixtures.broker import REPO, make_episode
+
+    bp = broker_factory()
+    async with Outbox(bp.actor_endpoint, ack_timeout_s=1.0) as out:
+        await out.put(make_episode(0, metrics={"delta_f1": 0.5}))
+        await out.flush(10)
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(bp.actor_endpoint)
+    cases = [
+        ({1: 3}, "metrics.1", "int"),
+        ({"hist": {2: 1}}, "metrics.hist.2", "int"),
+        ({"h": {1.5: 1}}, "metrics.h.1.5", "float"),
+        ({"h": {b"k": 1}}, "metrics.h.b'k'", "bytes"),
+        ({"h": [{True: 1}]}, "metrics.h[0].True", "bool"),
+        ({"h": {None: 1}}, "metrics.h.None", "NoneType"),
+    ]
+    acks = []
+    for seq, (metrics, _, _) in enumerate(cases, start=1):
+        await sock.send(msgpack.packb({**make_episode(seq, metrics=metrics), "seq": seq}))
+        acks.append(msgpack.unpackb(await asyncio.wait_for(sock.recv(), 10)))
+    async with Outbox(bp.actor_endpoint, ack_timeout_s=1.0) as out:  # a plain episode still lands after them
+        await out.put(make_episode(9, metrics={"delta_f1": 0.25}))
+        await out.flush(10)
+    sock.close(0)
+    ctx.term()
+
+    status, body = bp.http("/records?store=episodes")
+    assert status == 200, body
+    assert [r["id"] for r in json.loads(body)["items"]] == ["a0:ep0", "a0:ep9"]
+    async with BrokerClient(bp.learner_endpoint, timeout_s=5) as client:
+        batch = await client.sample("episodes", 10, seed=1)
+    assert sorted(r["id"] for r in batch.items) == ["a0:ep0", "a0:ep9"]
+    env = {k: v for k, v in os.environ.items() if k not in ("COMAP_OVERRIDES", "COMAP_CONFIG")}
+    shown = subprocess.run(
+        [sys.executable, "-m", "comap_async", "stats", "--set", f"broker.http_port={bp.http_port}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    for seq, (ack, (_, path, kind)) in enumerate(zip(acks, cases), start=1):
+        assert ack["seq"] == seq and not ack["ok"] and ack["retry"] is False, ack
+        assert ack["error"] == f"episode: {path}: map keys must be strings, got {kind}", ack
+    stats = bp.stats()
+    assert stats["stores"]["episodes"]["count"] == 2 and stats["rejects"]["bad_field"] == len(cases)

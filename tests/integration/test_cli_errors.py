@@ -115,6 +115,42 @@ def test_a_broker_whose_replay_dir_is_a_file_says_so_in_one_line(tmp_path):
     assert r.stderr.strip().splitlines()[-1].startswith("comap broker: error: cannot start: "), r.stderr[-1500:]
 
 
+def test_a_broker_whose_http_port_is_busy_exits_in_one_line_with_its_zeromq_ports_closed(tmp_path):
+    from comap_async.ports import free_port
+
+    actor_port, learner_port = free_port(), free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        started = time.monotonic()
+        r = comap(
+            "broker",
+            "--set",
+            f"run.root={tmp_path}",
+            "--set",
+            "run.name=t",
+            "--set",
+            f"broker.actor_port={actor_port}",
+            "--set",
+            f"broker.learner_port={learner_port}",
+            "--set",
+            f"broker.http_port={port}",
+            "--set",
+            "broker.gate_workers=1",
+            timeout=30,  # it used to stay up, listening, until a signal
+        )
+        elapsed = time.monotonic() - started
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("comap broker: error: ")]
+    assert errors == [r.stderr.strip().splitlines()[-1]], r.stderr[-2000:]
+    assert errors[0].startswith("comap broker: error: cannot start: OSError: ") and str(port) in errors[0]
+    assert elapsed < 15  # the imports take a few seconds on a busy machine; nothing waits for a signal
+    for p in (actor_port, learner_port):  # the ZeroMQ ports it bound before the failure are free again
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+
+
 def test_the_procfile_logs_for_people_unless_asked_for_json():
     import subprocess as sp
 

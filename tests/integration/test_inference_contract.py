@@ -334,8 +334,10 @@ async def _settled_slots(server) -> float:
 
 
 async def test_bad_adapters_are_400_and_leave_nothing_loaded(inference_server, adapters):
-    """Wrong tensor shapes (a slow-path size mismatch), non-finite values, and tensors that match none
-    of the modules its config targets: each load answers 400 with the reason and no slot stays behind."""
+    """Wrong tensor shapes (a slow-path size mismatch), non-finite values, tensors that match none of the
+    modules its config targets, and a config whose ``target_modules`` match no module of the model
+    (tensors of the spare slots' shape, which used to fill a spare and load): each load answers 400
+    with the reason and no slot stays behind."""
     if inference_server.kind == "vllm":
         pytest.skip("the embedded server's adapter checks")
     import json as _json
@@ -345,13 +347,14 @@ async def test_bad_adapters_are_400_and_leave_nothing_loaded(inference_server, a
     from safetensors.torch import load_file, save_file
 
     good = adapters.random("badsrc-v1", seed=5, r=4)
+    spare_shaped = adapters.random("badsrc8-v1", seed=7)  # the learner's LoRA shape: the fast path's
     root = inference_server.adapter_root
 
-    def variant(name, edit_tensors=None, edit_config=None):
+    def variant(name, edit_tensors=None, edit_config=None, source=good):
         out = root / name
         if out.exists():
             shutil.rmtree(out)
-        shutil.copytree(good, out)
+        shutil.copytree(source, out)
         if edit_tensors:
             t = load_file(str(out / "adapter_model.safetensors"))
             save_file(edit_tensors(t), str(out / "adapter_model.safetensors"))
@@ -372,6 +375,18 @@ async def test_bad_adapters_are_400_and_leave_nothing_loaded(inference_server, a
                 "nomatch-v1", edit_tensors=lambda t: {f"unrelated.{i}.weight": v for i, v in enumerate(t.values())}
             ),
             "no weights for",
+        ),
+        "notarget-v1": (
+            variant(
+                "notarget-v1", edit_config=lambda c: {**c, "target_modules": ["no_such_proj"]}, source=spare_shaped
+            ),
+            "not found in the base model",
+        ),
+        "notarget-regex-v1": (
+            variant(
+                "notarget-regex-v1", edit_config=lambda c: {**c, "target_modules": ".*nothing"}, source=spare_shaped
+            ),
+            "not found in the base model",
         ),
     }
     async with inference_server.client() as c:

@@ -208,3 +208,35 @@ async def test_computed_prompt_tokens_are_counted_by_adapter_without_version(emb
     assert computed1 == n1 and hit1 == 0
     assert computed2 + hit2 == n2 and hit2 >= 32 and computed2 < n2  # the same slot: served from the cache
     assert computed3 == n3 and hit3 == 0  # another version, another slot: computed again, counted as policy's
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+async def test_an_oversized_prompt_is_refused_before_it_is_tokenized(embedded_server, route):
+    """An 8 MB prompt cannot fit in inference.max_prompt_tokens: it is refused on its length alone. It
+    used to be tokenized first (10-32 s, the server grown by 0.9-2.5 GB), then refused all the same."""
+    import json
+
+    text = "go to cabinet 1 " * 500_000  # 8 MB
+    body = {"prompt": text} if route == "/v1/completions" else {"messages": [{"role": "user", "content": text}]}
+    data = json.dumps({**body, "max_tokens": 4})
+    pid = embedded_server.proc.pid
+    before = _rss_mb(pid)
+    async with aiohttp.ClientSession() as s:
+        started = time.monotonic()
+        async with s.post(embedded_server.url + route, data=data, headers={"Content-Type": "application/json"}) as r:
+            status, answer = r.status, await r.json()
+        elapsed = time.monotonic() - started
+    grown = _rss_mb(pid) - before
+    print(f"{route}: {status} in {elapsed:.2f} s, RSS {before:.0f} MB -> {before + grown:.0f} MB")
+    assert status == 400 and elapsed < 2.0 and grown < 200, f"{status} in {elapsed:.1f} s, RSS +{grown:.0f} MB"
+    message = answer["error"]["message"]
+    assert message.startswith("prompt 0 has 8000000 characters; no more than ") and "max_prompt_tokens" in message
+    assert "\n" not in message
+    async with embedded_server.client() as c:  # the server goes on serving
+        r = await c.complete("look around", max_tokens=3, ignore_eos=True)
+    assert r.usage["completion_tokens"] == 3

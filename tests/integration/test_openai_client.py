@@ -83,3 +83,47 @@ def test_chat_errors_are_the_clients_errors(embedded_server):
         c.chat.completions.create(model="no-such-adapter", messages=MESSAGES, max_tokens=4)
     with pytest.raises(openai.BadRequestError):
         c.chat.completions.create(model=embedded_server.base_name, messages=[], max_tokens=4)
+
+
+def test_chat_content_as_a_list_of_text_parts_is_the_joined_text(embedded_server):
+    """OpenAI clients may send a message's content as text parts; they read as the parts joined by
+    newlines (as vLLM joins them). Other parts (images, audio) are refused in one line."""
+    c = client(embedded_server)
+    kw = dict(model=embedded_server.base_name, max_tokens=8, temperature=0.0)
+    task, question = "Task: put a mug in the coffeemachine.", "What is your next action?"
+    as_parts = [
+        MESSAGES[0],
+        {"role": "user", "content": [{"type": "text", "text": task}, {"type": "text", "text": question}]},
+    ]
+    as_text = [MESSAGES[0], {"role": "user", "content": f"{task}\n{question}"}]
+    parts = c.chat.completions.create(messages=as_parts, **kw)
+    text = c.chat.completions.create(messages=as_text, **kw)
+    assert parts.choices[0].message.content == text.choices[0].message.content
+    assert parts.usage.prompt_tokens == text.usage.prompt_tokens
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(messages=[{"role": "user", "content": [{"type": "text", "text": task}, image]}], **kw)
+    message = err.value.body["message"]
+    assert message.startswith("messages[0].content has a 'image_url' part: ") and "\n" not in message, message
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_stream_with_include_usage_ends_with_a_usage_chunk(embedded_server, kind):
+    """``stream_options.include_usage``: as OpenAI, a last chunk with no choices and the request's usage,
+    and ``usage`` null on every other chunk."""
+    c = client(embedded_server)
+    kw = dict(model=embedded_server.base_name, max_tokens=6, temperature=0.0)
+    if kind == "chat":
+        create, kw = c.chat.completions.create, {**kw, "messages": MESSAGES}
+    else:
+        create, kw = c.completions.create, {**kw, "prompt": "Task: find a mug.\n>"}
+    full = create(**kw)
+    chunks = list(create(**kw, stream=True, stream_options={"include_usage": True}))
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (
+        full.usage.prompt_tokens,
+        full.usage.completion_tokens,
+    )
+    assert len(chunks) >= 2 and all(ch.usage is None and ch.choices for ch in chunks[:-1])
+    assert all(ch.usage is None for ch in create(**kw, stream=True))  # not asked for: no usage chunk

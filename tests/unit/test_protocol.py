@@ -180,3 +180,42 @@ def test_validation_reasons_name_the_field():
         decode(msgpack.packb(m))
     with pytest.raises(ProtocolError, match="schema version"):
         decode(msgpack.packb({**transition(1), "v": 99}))
+
+
+@pytest.mark.parametrize(
+    "mtype, field, value, reason",
+    [
+        ("episode", "metrics", {1: 3}, "metrics.1: map keys must be strings, got int"),
+        ("episode", "metrics", {"hist": {2: 1}}, "metrics.hist.2: map keys must be strings, got int"),
+        ("episode", "metrics", {"h": [{b"k": 1}]}, "metrics.h[0].b'k': map keys must be strings, got bytes"),
+        (
+            "eval_result",
+            "result",
+            {"per_game": {None: 0.5}},
+            "result.per_game.None: map keys must be strings, got NoneType",
+        ),
+        ("announce", "metrics", {"h": {1.5: 1, True: 2}}, "metrics.h.1.5: map keys must be strings, got float"),
+    ],
+)
+def test_map_keys_that_are_not_strings_are_refused_naming_the_path(mtype, field, value, reason):
+    """The broker's stores read maps back with string keys only (as JSON has): a message whose free-form
+    map holds another key is refused by both the decoder and ``validate``, in one line."""
+    base = {
+        "episode": as_map(_valid_messages()[2]),
+        "eval_result": {"v": 1, "type": "eval_result", "req": 1, "version": 1, "result": {}},
+        "announce": {
+            "v": 1,
+            "type": "announce",
+            "req": 1,
+            "phase": "warmup",
+            "versions": {},
+            "adapters": {},
+            "step": 0,
+        },
+    }[mtype]
+    assert base["type"] == mtype
+    m = {**base, field: value}
+    for check in (lambda: decode(msgpack.packb(m)), lambda: protocol.validate(m)):
+        with pytest.raises(ProtocolError) as exc:
+            check()
+        assert str(exc.value) == f"{mtype}: {reason}"
