@@ -146,14 +146,18 @@ def table(results: dict[str, Any]) -> str:
         each = f.get("per_seed", {row: f})
         for name, g in each.items():
             label = name if len(each) > 1 else row
+            if not g["games"]:
+                lines.append(f"| `{label}` (not played yet) | {trained} | — | — | — | — |")
+                continue
             done = "" if g["complete"] else f" (partial: {g['games']} of {len(results['games'])})"
             lines.append(
                 f"| `{label}`{done} | {trained} | {g['won']}/{g['games']} | {g['success']:.2f} {fmt_ci(g['ci95'])} | "
                 f"{g['mean_steps']} | {g['revisions']} of {g['steps']} |"
             )
-        if len(each) > 1:
+        if len(each) > 1 and f["played"]:
             lines.append(
-                f"| `{row}` pooled ({len(each)} seeds) | {trained} | {f['won']}/{f['played']} | "
+                f"| `{row}` pooled ({len(each)} seeds){'' if f['complete'] else ' (partial)'} | {trained} | "
+                f"{f['won']}/{f['played']} | "
                 f"{f['success']:.2f} {fmt_ci(f['ci95'])} | {f['mean_steps']} | {f['revisions']} of {f['steps']} |"
             )
     return "\n".join(lines) + "\n"

@@ -138,3 +138,29 @@ def test_an_experiment_whose_training_reads_an_evaluation_split_is_refused_befor
         with pytest.raises(SpecError) as err:
             Experiment(load_spec(path), path, tmp_path / "out")
         assert "training must never read an evaluation split" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_report_of_an_unfinished_table_shows_what_is_played_and_compares_nothing_unfinished(tmp_path):
+    spec = load_spec(spec_file(tmp_path))
+    results = {
+        "experiment": "exp",
+        "spec": "experiments/alfworld-quick.yaml",
+        "split": "valid_seen",
+        "games": ["g0", "g1", "g2"],
+        "source": {"version": 3, "step": 100, "phase": "coevolve"},
+        "forks": {},
+        "train_steps": 40,
+        "decoding": "greedy",
+        "rows": {
+            "source/draft_only": played([1, 0, 0], "source", None, "draft_only", 100),
+            "comap/comap@s0": played([1, 1], "comap", 0, "comap", 140),  # stopped after two games
+            "comap/comap@s1": played([], "comap", 1, "comap", 140),
+        },
+    }
+    out = write_report(spec, results, tmp_path)
+    assert out["comparisons"] == [] and out["verdicts"] == []
+    md = (tmp_path / "results.md").read_text()
+    assert "| `comap/comap@s0` (partial: 2 of 3) | 40 | 2/2 |" in md
+    assert "| `comap/comap@s1` (not played yet) |" in md
+    assert "| `comap/comap` pooled (2 seeds) (partial) | 40 | 2/2 |" in md
+    assert "No comparison yet" in md
