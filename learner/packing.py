@@ -63,6 +63,28 @@ def _units_share_prompt(unit: Sequence[Seq]) -> bool:
     return all(s.start == unit[0].start and s.ids[: s.start] == head for s in unit)
 
 
+def unit_length(unit: Sequence[Seq]) -> int:
+    """Positions a unit takes in its row: the prompt once, then each target (:func:`pack`)."""
+    return unit[0].start + sum(s.n_target for s in unit)
+
+
+def first_fit(lengths: Sequence[int]) -> tuple[list[tuple[int, int]], int]:
+    """(row, column) of each unit of ``lengths``, and the number of rows: first-fit by decreasing
+    length into rows as wide as the longest unit (:func:`pack`'s layout, computed without tensors so
+    that the padding of a batch can be counted without building it)."""
+    width = max(lengths)
+    free: list[int] = []  # room left in each row
+    placed: list[tuple[int, int]] = [(0, 0)] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, room in enumerate(free) if room >= lengths[i]), None)
+        if row is None:
+            row = len(free)
+            free.append(width)
+        placed[i] = (row, width - free[row])
+        free[row] -= lengths[i]
+    return placed, len(free)
+
+
 def pack(units: Sequence[Sequence[Seq]], pad_id: int, device: str | torch.device = "cpu") -> Packed:
     """Pack ``units`` (each a list of sequences with the same prompt) into rows; see :class:`Packed`.
 
@@ -76,18 +98,9 @@ def pack(units: Sequence[Sequence[Seq]], pad_id: int, device: str | torch.device
             raise ValueError("every sequence of a unit must have the same prompt")
         if u[0].start < 1:
             raise ValueError("a sequence needs at least one prompt token before its target")
-    lengths = [u[0].start + sum(s.n_target for s in u) for u in units]
+    lengths = [unit_length(u) for u in units]
     width = max(lengths)
-    free: list[int] = []  # room left in each row
-    placed: list[tuple[int, int]] = [(0, 0)] * len(units)  # (row, column) of each unit
-    for i in sorted(range(len(units)), key=lambda i: -lengths[i]):
-        row = next((r for r, room in enumerate(free) if room >= lengths[i]), None)
-        if row is None:
-            row = len(free)
-            free.append(width)
-        placed[i] = (row, width - free[row])
-        free[row] -= lengths[i]
-    n_rows = len(free)
+    placed, n_rows = first_fit(lengths)
     ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
     pos = torch.zeros((n_rows, width), dtype=torch.long)
     segment = torch.full((n_rows, width), -1, dtype=torch.long)  # which unit a position holds (-1: padding)
