@@ -117,6 +117,11 @@ def write_report(spec: ExperimentSpec, results: dict[str, Any], out: Path) -> di
     ``results.png`` written in ``out``. Returns ``results``."""
     from experiments.runner import write_json
 
+    source = results.get("source") or {}
+    if (
+        "run_dir" in source
+    ):  # where the source ran on this machine: kept relative, a committed file names no outside path
+        source["run_dir"] = repo_relative(source["run_dir"])
     results["figures"] = {row: pooled_figures(results, row) for row in spec.row_names() if seed_rows(results, row)}
     results["comparisons"], results["noise"] = comparisons(spec, results)
     results["verdicts"] = [c["verdict"] for c in results["comparisons"]]
@@ -124,6 +129,16 @@ def write_report(spec: ExperimentSpec, results: dict[str, Any], out: Path) -> di
     (out / "results.md").write_text(markdown(spec, results))
     chart(results, out / "results.png")
     return results
+
+
+def repo_relative(path: str) -> str:
+    """``path`` relative to the repository when inside it, else its last two parts (a run directory's name)."""
+    repo = Path(__file__).resolve().parents[1]
+    p = Path(path)
+    try:
+        return str(p.resolve().relative_to(repo))
+    except ValueError:
+        return str(Path(*p.parts[-2:])) if len(p.parts) >= 2 else str(p)
 
 
 def fmt_ci(ci: list[float]) -> str:

@@ -342,7 +342,7 @@ class Experiment:
         if not results:
             results = {"experiment": self.spec.name, "split": self.split, "games": names, "rows": {}}
         results["spec"] = str(self.spec_path)
-        results["source"] = ledger["source"]
+        results["source"] = dict(ledger["source"])
         results["forks"] = ledger["forks"]
         results["train_steps"] = self.spec.train.steps
         results["decoding"] = self.spec.evaluation.decoding
