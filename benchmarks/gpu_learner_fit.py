@@ -170,6 +170,7 @@ def replay_records(run: Path) -> dict[str, list[dict]]:
     only co-evolution's transitions where the run has any (what co-evolution trains the world model on)."""
     from broker.ingest import record_from_store
     from broker.store import ReplayStore
+    from comap_async.wire.messages import COEVOLVE
     from comap_async.wire.protocol import STORES
 
     replay = run / "replay" if (run / "replay").is_dir() else run
@@ -181,7 +182,7 @@ def replay_records(run: Path) -> dict[str, list[dict]]:
         pools = {n: [record_from_store(n, raw) for raw in store.iter_store(n)] for n in kinds}
     finally:
         store.close()
-    coevolve = [r for r in pools["transitions"] if r.get("phase") == "coevolve"]
+    coevolve = [r for r in pools["transitions"] if r.get("phase") == COEVOLVE]
     pools["transitions"] = coevolve or pools["transitions"]
     if not any(pools.values()):
         raise SystemExit(f"--lengths-from {run}: its replay holds no transitions, demonstrations or reflections")

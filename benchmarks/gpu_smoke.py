@@ -253,6 +253,7 @@ class System:
 
 def run_system(work: Path, device: str, backend: str, model: str, timeout: float) -> dict[str, float]:
     from comap_async.models import resolve_model
+    from comap_async.wire.messages import POLICY, adapter_family, adapter_name, adapter_version
 
     t0 = time.monotonic()
     deadline = t0 + timeout
@@ -273,19 +274,19 @@ def run_system(work: Path, device: str, backend: str, model: str, timeout: float
         # the learner may publish again before the next poll and the server drop the older version:
         # any published policy from this version on shows the publish delivered
         def delivered() -> int | None:
-            live = [int(m.rsplit("-v", 1)[1]) for m in system.served() if m.startswith("policy-v")]
+            live = [adapter_version(m) for m in system.served() if adapter_family(m) == POLICY]
             return min((v for v in live if v >= version), default=None)
 
-        version = system.wait(f"the server to list policy-v{version} or a later one", delivered, deadline)
+        version = system.wait(f"the server to list {adapter_name(POLICY, version)} or a later one", delivered, deadline)
         times["delivered_s"] = time.monotonic() - t0
 
         def on_version() -> list[dict]:
             return [e for e in system.episodes() if (e.get("policy_version") or 0) >= version]
 
-        episode = system.wait(f"an episode played on policy-v{version} or later", on_version, deadline)[0]
+        episode = system.wait(f"an episode played on {adapter_name(POLICY, version)} or later", on_version, deadline)[0]
         times["episode_s"] = time.monotonic() - t0
         print(
-            f"system first_publish={first['version']} delivered=policy-v{version} "
+            f"system first_publish={first['version']} delivered={adapter_name(POLICY, version)} "
             f"publish_live_ms={first.get('publish_live_ms')} "
             f"episode phase={episode.get('phase')} policy_version={episode.get('policy_version')} "
             f"steps={episode.get('steps')} won={episode.get('won')}",
