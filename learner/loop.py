@@ -31,6 +31,9 @@ from learner.schedule import phase_bce_weight
 from learner.step_thread import step_or_stop
 from learner.threads import QuietWatch
 
+LIVE_CHECK_S = 5.0
+"""How often the learner checks that every endpoint still serves the registry's adapters."""
+
 
 @dataclass
 class LearnerState:
@@ -131,6 +134,8 @@ class Learner(PhaseControl):
         self.actors_quiet = QuietWatch()  # a phase's own threads: the actors idle (learner/threads.py)
         self.history: list[dict[str, Any]] = []  # per-step metrics and ``phase`` of this process (tests, eval)
         self.step_thread: threading.Thread | None = None
+        self.live: dict[str, Any] = {}  # the registry last announced or read: what actors ask the servers for
+        self._publishing = asyncio.Lock()  # a publish's loads and unloads never interleave with a reload
 
     # ------------------------------------------------------------------ persistence
     def resume(self) -> bool:
@@ -170,24 +175,27 @@ class Learner(PhaseControl):
         self.state.version += 1
         if not self.leader:  # rank 0 publishes the weights every rank holds
             return {}
-        finished, result = await until_stopped(
-            publish_adapters(
-                self.trainer.model,
-                self.state.version,
-                self.state.phase,
-                self.trainer.step,
-                root=self.adapter_root,
-                inference=inference,
-                endpoints=list(self.cfg.inference.endpoints),
-                broker=broker,
-                log=self.log,
-                retries=self.cfg.inference.retries,
-                metrics=metrics,
-                keep_steps=pinned_steps(self.ckpt_dir),
-                ablation=self.cfg.ablation.active,
-            ),
-            self.stop,
-        )
+        async with self._publishing:
+            finished, result = await until_stopped(
+                publish_adapters(
+                    self.trainer.model,
+                    self.state.version,
+                    self.state.phase,
+                    self.trainer.step,
+                    root=self.adapter_root,
+                    inference=inference,
+                    endpoints=list(self.cfg.inference.endpoints),
+                    broker=broker,
+                    log=self.log,
+                    retries=self.cfg.inference.retries,
+                    metrics=metrics,
+                    keep_steps=pinned_steps(self.ckpt_dir),
+                    ablation=self.cfg.ablation.active,
+                ),
+                self.stop,
+            )
+            if finished:
+                self.live = result.get("registry") or self.live
         if not finished:
             # shutting down (the servers may already be gone): an unannounced version is never used,
             # and the next start reloads whatever the registry names
@@ -221,6 +229,25 @@ class Learner(PhaseControl):
             )
         self.log.info("learner.live_adapters_reloaded", adapters=registry.get("adapters"))
 
+    async def keep_live_adapters_served(self, inference: Any) -> None:
+        """Every :data:`LIVE_CHECK_S`, reload the live adapters into an endpoint that no longer lists
+        them. A server restarted on its own (by a supervisor, after an OOM kill) comes back serving
+        none, and every actor request naming them fails (404) until the next publish, minutes away on
+        a GPU host; a restarted learner reloads them at its start, this covers the server alone."""
+        while not self.stop.is_set():
+            await asyncio.sleep(LIVE_CHECK_S)
+            names = set((self.live.get("adapters") or {}).values())
+            for endpoint in self.cfg.inference.endpoints if names else ():
+                try:
+                    if names <= set(await inference.models(endpoint=endpoint)):
+                        continue
+                    async with self._publishing:  # the registry read under the lock is the one published last
+                        self.log.info("learner.live_adapters_missing", endpoint=endpoint)
+                        await self.reload_live_adapters(inference, self.live)
+                    break  # the reload went to every endpoint
+                except Exception as exc:  # noqa: BLE001 - a server still down is tried again next round
+                    self.log.info("learner.live_adapters_unchecked", endpoint=endpoint, error=str(exc)[:200])
+
     async def run(self, max_steps: int | None = None) -> int:
         from comap_async.wire.broker_client import BrokerClient
         from comap_async.wire.inference_client import InferenceClient
@@ -238,6 +265,7 @@ class Learner(PhaseControl):
             self.log.info("learner.ablation", active=self.cfg.ablation.active)
         async with BrokerClient.from_config(self.cfg) as broker:
             inference = InferenceClient.from_config(self.cfg)
+            watcher: asyncio.Task | None = None
             try:
                 registry = await wait_until_answers(
                     "broker", broker.get_registry, self.log, self.stop, "learner.waiting"
@@ -251,6 +279,9 @@ class Learner(PhaseControl):
                     await self.reload_live_adapters(inference, registry)
                 # new versions are numbered above anything announced, even after an older checkpoint
                 self.state.version = max(self.state.version, live)
+                self.live = registry
+                if self.leader:  # rank 0 publishes, so it keeps what it published served
+                    watcher = asyncio.create_task(self.keep_live_adapters_served(inference))
                 if not resumed and registry.get("phase") != self.state.phase and self.leader:
                     await broker.announce(
                         self.state.phase,
@@ -284,6 +315,8 @@ class Learner(PhaseControl):
                     await cancel_and_wait([task])
                     self.checkpoint()
             finally:
+                if watcher is not None:
+                    await cancel_and_wait([watcher])
                 await inference.close()
                 if self.writer is not None:
                     self.writer.close()

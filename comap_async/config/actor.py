@@ -32,6 +32,10 @@ class ActorConfig(Section):
     """Resend a message when its ack has not come after this long."""
     spill_dir: str | None = None
     """If set, unacked messages are written here and survive an actor restart."""
+    ack_log: str | None = None
+    """If set, every message the broker acks as stored is appended to this file as one line,
+    ``<type> <id>``, the moment its ack arrives (several actor processes may share it). Off by
+    default; ``benchmarks/chaos_soak.py`` checks the stores against it: every acked id stored once."""
     shutdown_flush_s: float = Field(default=3.0, ge=0.0, le=60.0)
     """On SIGTERM, wait at most this long for the broker to ack what is queued. ``honcho`` kills
     5 s after SIGTERM; what is still unacked then is logged (and kept in ``spill_dir`` if set)."""

@@ -33,6 +33,9 @@ from comap_async.envs.base import GameInfo, RestoreDiverged, StepResult
 from comap_async.errors import CommandError
 
 _START_TIMEOUT_S = 120.0
+_STARTS_AFRESH = frozenset({"reset", "restore", "close"})
+"""The calls that need no earlier state in the worker: after a replacement, any other call (a step
+of a game that lived in the dead worker) fails with the worker's death named, once."""
 
 
 class EnvWorkerError(RuntimeError):
@@ -195,7 +198,9 @@ class AsyncTextEnv:
     async def _call(self, method: str, *args: Any) -> Any:
         async with self._lock:
             if self._worker.dead:  # its environments went with it: this one starts afresh elsewhere
-                self._worker = await self._pool._replacement(self._worker)
+                died, self._worker = self._worker.dead, await self._pool._replacement(self._worker)
+                if method not in _STARTS_AFRESH:  # the game it was in is gone with the dead worker
+                    raise EnvWorkerError(f"{died}; the game this environment was playing is lost: reset it")
             try:
                 return await self._worker.call(next(self._pool._req_ids), self.env_id, method, args)
             except EnvWorkerError as exc:

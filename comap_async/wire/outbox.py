@@ -6,6 +6,8 @@ resent after ``ack_timeout_s`` and right after a (re)connection; the broker dedu
 id, so resending is always safe. The outbox is bounded: :meth:`Outbox.put` waits while it is full,
 which pauses the episode loops instead of dropping data. With ``spill_dir`` each unacked message
 is also a file there, so an actor restarted after a crash resends what was never acknowledged.
+With ``ack_log`` each acknowledged message is appended there as a line ``<type> <id>`` (what a
+soak checks the broker's stores against: every acked id stored exactly once).
 Messages go out in the order they were put: while older ones wait for a connection, new ones
 queue behind them; after a lost connection everything unacked is resent, in order.
 
@@ -37,6 +39,7 @@ from comap_async.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, ProtocolError, 
 class _Entry:
     data: bytes
     msg_id: str
+    mtype: str = ""
     sent_at: float | None = None  # None: due now
     attempts: int = 0
     spill_path: Path | None = None
@@ -51,6 +54,7 @@ class Outbox:
         ack_timeout_s: float = 2.0,
         client_keys: Any = None,
         spill_dir: str | Path | None = None,
+        ack_log: str | Path | None = None,
         on_registry: Callable[[Registry], Any] | None = None,
         on_reject: Callable[[str, str], Any] | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -62,6 +66,8 @@ class Outbox:
         self.ack_timeout_s = ack_timeout_s
         self.client_keys = client_keys
         self.spill_dir = Path(spill_dir).expanduser() if spill_dir else None
+        self.ack_log = Path(ack_log).expanduser() if ack_log else None
+        self._ack_fd: int | None = None
         self.on_registry, self.on_reject = on_registry, on_reject
         self.max_message_bytes = max_message_bytes
         self._own_ctx = ctx is None
@@ -91,6 +97,7 @@ class Outbox:
             max_pending=cfg.actor.outbox_max,
             ack_timeout_s=cfg.actor.ack_timeout_s,
             spill_dir=cfg.actor.spill_dir,
+            ack_log=cfg.actor.ack_log,
             client_keys=keys,
             max_message_bytes=cfg.broker.max_message_bytes,
             **kw,
@@ -113,6 +120,10 @@ class Outbox:
         mon = self._mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
         self.sock = sock
+        if self.ack_log is not None:
+            self.ack_log.parent.mkdir(parents=True, exist_ok=True)
+            # O_APPEND: each line is one write at the end, whole, even with other actors appending too
+            self._ack_fd = os.open(self.ack_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         if self.spill_dir is not None:
             self._load_spill()
         self._tasks = [
@@ -142,6 +153,9 @@ class Outbox:
             self._mon.close(linger=0)
         if self.sock is not None:
             self.sock.close(linger=0)
+        if self._ack_fd is not None:
+            os.close(self._ack_fd)
+            self._ack_fd = None
         if self._own_ctx:
             self.ctx.destroy(linger=0)
 
@@ -171,7 +185,7 @@ class Outbox:
             raise ProtocolError(
                 f"{message_type(msg)} {msg.id!r} is {len(data)} bytes, broker limit {self.max_message_bytes}"
             )
-        entry = _Entry(data, msg.id)
+        entry = _Entry(data, msg.id, message_type(msg))
         if self.spill_dir is not None:
             entry.spill_path = self._spill(seq, data)
         self._pending[seq] = entry
@@ -265,6 +279,8 @@ class Outbox:
             return  # a duplicate ack of a resend
         if ack.ok:
             self.stats["acked"] += 1
+            if self._ack_fd is not None:  # the broker acks after its commit: every line names a stored message
+                os.write(self._ack_fd, f"{entry.mtype} {entry.msg_id}\n".encode())
             self._forget(ack.seq, entry)
         elif ack.retry:
             self.stats["refused"] += 1  # broker storage refused: keep it, resend after the timeout
@@ -306,7 +322,7 @@ class Outbox:
                 self._log("error", "outbox.bad_spill_file", path=str(path), error=str(exc))
                 path.rename(path.with_suffix(".bad"))
                 continue
-            self._pending[self._seq] = _Entry(data, msg.id, spill_path=path)
+            self._pending[self._seq] = _Entry(data, msg.id, message_type(msg), spill_path=path)
             loaded += 1
         if loaded:
             self._log("info", "outbox.spill_loaded", messages=loaded)

@@ -166,3 +166,25 @@ async def test_a_killed_worker_is_replaced_and_past_the_budget_the_pool_gives_up
         await asyncio.sleep(0.3)
         with pytest.raises(EnvPoolExhausted, match="restart budget 1"):
             await env.step("look")
+
+
+async def test_an_idle_environment_on_a_killed_worker_fails_its_next_step_once_naming_the_death(valid_seen):
+    """An environment whose worker was killed while it waited between steps (another episode's
+    call was the one in flight) lost its game with the worker: its next step fails once with the
+    death named (not the replacement worker's "step() before reset()"), and a reset plays again."""
+    import os
+    import signal
+
+    async with AsyncEnvPool(workers=1, max_steps=10, max_restarts=2) as pool:
+        idle = pool.env()
+        await idle.reset(valid_seen[0])
+        os.kill(pool._workers[0].process.pid, signal.SIGKILL)
+        for _ in range(100):  # the pool reads the worker's EOF on the loop
+            if pool._workers[0].dead:
+                break
+            await asyncio.sleep(0.05)
+        with pytest.raises(EnvWorkerError, match=r"died .*the game this environment was playing is lost") as err:
+            await idle.step("look")
+        assert "before reset" not in str(err.value)
+        assert (await idle.reset(valid_seen[0])).observation
+        assert (await idle.step("look")).observation

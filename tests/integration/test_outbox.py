@@ -15,7 +15,7 @@ from actors.registry_view import RegistryView
 from comap_async.wire.messages import Registry
 from comap_async.wire.outbox import Outbox
 from comap_async.wire.protocol import ProtocolError, empty_registry
-from tests.fixtures.broker import make_transition
+from tests.fixtures.broker import make_transition, stored
 from tests.fixtures.core import free_port
 
 
@@ -38,6 +38,25 @@ async def test_outbox_blocks_when_full_and_spills_until_a_broker_acks(broker_fac
     await out2.close()
     assert list(spill.glob("*.msg")) == []
     assert bp.stats()["stores"]["transitions"]["count"] == 4
+
+
+async def test_ack_log_names_each_acked_message_once_its_ack_arrives(broker_factory, tmp_path):
+    """``ack_log``: a line per ack, spilled messages resent by a restarted outbox included; nothing
+    for a message the broker has not acked."""
+    bp = broker_factory(start=False)
+    spill, log = tmp_path / "spill", tmp_path / "acked.log"
+    out = await Outbox(bp.actor_endpoint, ack_timeout_s=0.3, spill_dir=spill, ack_log=log).start()
+    await out.put(make_transition(0, actor="al"))
+    await out.close()  # no broker yet: kept in the spill directory, nothing acked
+    assert log.read_text() == ""
+
+    await asyncio.to_thread(bp.start)
+    out2 = await Outbox(bp.actor_endpoint, ack_timeout_s=0.3, spill_dir=spill, ack_log=log).start()
+    await out2.put(make_transition(1, actor="al"))
+    await out2.flush(10)
+    await out2.close()
+    assert log.read_text().splitlines() == ["transition al:ep0:0", "transition al:ep0:1"]
+    assert {t["id"] for t in stored(bp, "transitions")} == {"al:ep0:0", "al:ep0:1"}
 
 
 async def test_outbox_rejects_invalid_messages_locally():

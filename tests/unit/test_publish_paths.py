@@ -153,3 +153,52 @@ async def test_a_restarted_learner_reloads_only_what_a_server_does_not_list_and_
     assert kept.loads == [] and kept.unloads == []  # vLLM re-reads an in-place adapter every step: none here
     names = list(registry["adapters"].values())
     assert restarted.loads == [(n, str(tmp_path / n), False) for n in names] and restarted.unloads == []
+
+
+async def test_a_server_restarted_alone_gets_the_live_adapters_back_from_the_running_learner(tmp_path, monkeypatch):
+    """A server killed and restarted by its supervisor comes back serving no adapter: the learner,
+    still running, loads the registry's again (not in place) instead of leaving every actor request
+    to fail (404) until its next publish."""
+    import asyncio
+    import functools
+    from types import SimpleNamespace
+
+    from learner import loop
+
+    monkeypatch.setattr(loop, "LIVE_CHECK_S", 0.01)
+    registry = {"adapters": {"policy": "policy-v7", "wm": "wm-v7", "wm_teacher": "wm_teacher-v7"}}
+    names = list(registry["adapters"].values())
+    for name in names:
+        (tmp_path / name).mkdir()
+
+    class Restartable(ListingServer):
+        down = False
+
+        async def models(self, endpoint=None):
+            if self.down:
+                raise ConnectionError("connection refused")
+            return await super().models()
+
+    server = Restartable(served=names)
+    cfg = load_config(None, ['inference.endpoints=["http://e"]'])
+    learner = SimpleNamespace(
+        cfg=cfg, adapter_root=tmp_path, log=QuietLog(), live=registry, _publishing=asyncio.Lock(), stop=asyncio.Event()
+    )
+    learner.reload_live_adapters = functools.partial(loop.Learner.reload_live_adapters, learner)
+    watcher = asyncio.create_task(loop.Learner.keep_live_adapters_served(learner, server))
+    try:
+        await asyncio.sleep(0.1)
+        assert server.loads == []  # served all along: nothing loaded
+        server.down = True  # killed...
+        server.served.clear()
+        await asyncio.sleep(0.1)  # (checks fail meanwhile and are tried again)
+        server.down = False  # ...and back, with no adapter
+        for _ in range(200):
+            if len(server.loads) == len(names):
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        learner.stop.set()
+        watcher.cancel()
+    assert server.loads == [(n, str(tmp_path / n), False) for n in names]
+    assert set(names) <= set(server.served)
