@@ -19,6 +19,7 @@ from actors.branches import judge_step
 from actors.cycles import cycle_stop_for
 from actors.imagined import ImaginedRollouts
 from comap_async.diagnostics import loop_steps
+from comap_async.envs.base import RestoreDiverged
 from comap_async.facts import Facts, NextState, state_delta_f1
 from comap_async.method.gates import canonical_action, decision_first, gate_reflection, world_state_score
 from comap_async.prompts import Conversation, render_state, turns_of
@@ -350,13 +351,34 @@ async def _teach_and_emit(ctx: EpisodeContext, transition: Transition, seen: Con
     await ctx.emit(transition)
 
 
+async def draft_outcome(ep: Episode, env: Any, game: Any, a_draft: str) -> str | None:
+    """The draft's real next observation at ``ep``'s current state: ``env`` restored by replay to
+    it, then the draft taken. None (counted in ``restore_diverged``) where the replay does not
+    rebuild that state."""
+    try:
+        await env.restore(game, list(ep.actions))
+    except RestoreDiverged:
+        ep.stats.restore_diverged += 1
+        return None
+    return (await env.step(a_draft)).observation
+
+
 async def play_coevolve(
-    ctx: EpisodeContext, env: Any, game: Any, episode_id: str, eval_mode: bool = False, branch: Any = None
+    ctx: EpisodeContext,
+    env: Any,
+    game: Any,
+    episode_id: str,
+    eval_mode: bool = False,
+    branch: Any = None,
+    counterfactual: Any = None,
 ) -> EpisodeStats:
     """The CoMap step: draft -> imagine -> reflect -> action gate -> act -> teacher -> transition.
 
     With a ``branch`` environment (evaluation with reflection metrics), every step is judged by
     :func:`actors.branches.judge_step` before it is taken: ``(m, z_draft, z_ref)`` for URR, HRR and BRP.
+    With a ``counterfactual`` environment (training), a step that executes another action than the
+    draft also takes the draft there, from the restored state: its real next observation
+    (``s_next_draft``) is the future the world-state gate shows when it does not trust the imagined one.
     """
     llm = ctx.llm
     overlap = ctx.cfg.actor.overlap_teacher and not eval_mode
@@ -410,6 +432,9 @@ async def play_coevolve(
             if gate.open:
                 ep.stats.revisions_played.append((t, a_draft, refl.a_ref))
             ep.stats.invalid += bool(admissible) and a_exec not in admissible
+            s_next_draft = None
+            if counterfactual is not None and not eval_mode and a_exec != a_draft:
+                s_next_draft = await draft_outcome(ep, counterfactual, game, a_draft)
             ep.advance(a_exec, await env.step(a_exec))
             if a_exec != a_draft:  # revised by the gate, or replaced by the repeat guard
                 s_hat_exec, wm_v = await llm.imagine(s, a_exec, turns_of(seen)), llm.last_version("wm")
@@ -436,6 +461,7 @@ async def play_coevolve(
                     q_ref=refl.q_ref,
                     a_exec=a_exec,
                     s_hat_exec=s_hat_exec,
+                    s_next_draft=s_next_draft,
                     s_hat_teacher="",
                     expert_action=expert,
                     policy_version=policy_v,

@@ -148,8 +148,9 @@ class ActorWorker:
                 elif phase == REFLECT_INIT:
                     branch = branch or pool.env()
                     stats = await play_reflect_init(ctx, env, branch, game, episode_id)
-                else:
-                    stats = await play_coevolve(ctx, env, game, episode_id)
+                else:  # a revised step's draft is also taken on the branch: its real next state
+                    branch = branch or pool.env()
+                    stats = await play_coevolve(ctx, env, game, episode_id, counterfactual=branch)
             except asyncio.CancelledError:
                 raise
             except EnvPoolExhausted:  # the environments keep dying: stop the actor, do not spin

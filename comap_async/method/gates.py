@@ -99,13 +99,14 @@ def world_state_gate_on_facts(
 def future_context(tr: Transition, use_imagined: bool, canon: Callable[[str], str] = canonical_action) -> str:
     """``s̄``, the future the reflection sample shows next to the draft (docs/design.md section 5).
 
-    It always describes the **draft**, as ``ŝ = WM(s, a_draft)`` does at inference: on a step
-    that executed the draft, the student's prediction for it when the world-state gate trusts it,
-    else the real next state; on a revised step the real next state and the executed action's
-    predictions describe another action, so ``s̄`` is the student's prediction for the draft
-    (the text the policy reflected on)."""
+    It always describes the **draft**, as ``ŝ = WM(s, a_draft)`` does at inference, and the
+    world-state gate chooses between the imagined and the real future on every step: when it
+    trusts the student, the student's prediction for the draft (``s_hat_exec`` on a step that
+    executed the draft, ``s_hat`` on a revised one); else the draft's real next state (``s_next``,
+    or on a revised step ``s_next_draft``, which the actor took on a branch). A revised step
+    without ``s_next_draft`` (its branch could not be restored) shows the imagined state."""
     if canon(tr.a_exec) != canon(tr.a_draft):
-        return tr.s_hat
+        return tr.s_hat if use_imagined or tr.s_next_draft is None else tr.s_next_draft
     return tr.s_hat_exec if use_imagined else tr.s_next
 
 

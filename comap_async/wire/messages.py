@@ -214,6 +214,12 @@ class Transition(Message, tag="transition", kw_only=True):
     draft_confidence: Confidence | None = None
     """The draft's geometric-mean token probability, shown in the reflection prompt
     (``actor.reflect_confidence``); None: not measured, the prompt shows nothing."""
+    s_next_draft: Text | None = None
+    """Co-evolution, on a step whose executed action is not the draft: the draft's own real next
+    observation, taken by the actor on a branch restored to the step's state. The reflection sample
+    shows it as ``s̄`` when the world-state gate does not trust the imagined state (the paper's
+    "else the real one": the real future of the action reflected on). None on other steps, and where
+    the branch could not be restored (the sample then shows the imagined state)."""
     ws_score: Confidence | None = None
     """The world-state gate's reliability of the executed action, measured by the actor on its fact
     state (:func:`comap_async.method.gates.world_state_score`); None where no teacher predicted

@@ -55,9 +55,10 @@ class ScriptedLLM:
         return Reflected("REVISE", target, 0.9, 0.2, None)  # confident decision, unsure action: refused
 
 
-async def play_scripted(valid_seen, alfworld_data, *overrides: str):
+async def play_scripted(valid_seen, alfworld_data, *overrides: str, counterfactual: bool = False):
     """One CoMap episode of the first valid_seen game with :class:`ScriptedLLM`: (what the outbox
-    would send, the episode's stats, the config, the model)."""
+    would send, the episode's stats, the config, the model). ``counterfactual``: with a second
+    environment on which revised steps' drafts are taken, as the actor's training episodes have."""
     game = sorted(valid_seen, key=lambda g: g.name)[0]
     cfg = load_config(None, [f"env.data_dir={alfworld_data}", "env.max_steps=6", *overrides])
     sent: list[dict] = []
@@ -71,7 +72,7 @@ async def play_scripted(valid_seen, alfworld_data, *overrides: str):
         await env.reset(game)
         llm = ScriptedLLM(await env.walkthrough())
         ctx = EpisodeContext("test", cfg, llm, emit, next_state, lambda: Registry(versions={"policy": 3, "wm": 2}))
-        stats = await play_coevolve(ctx, env, game, "test:e1")
+        stats = await play_coevolve(ctx, env, game, "test:e1", counterfactual=pool.env() if counterfactual else None)
     return sent, stats, cfg, llm
 
 
@@ -97,6 +98,29 @@ async def test_gate_opens_and_closes_on_a_real_game(valid_seen, alfworld_data):
     assert stats.unreadable_reflections == 1 and sent[-1]["metrics"]["unreadable_reflection_rate"] == pytest.approx(
         1 / 6
     )
+
+
+async def test_a_revised_steps_draft_is_taken_on_a_branch_for_its_real_next_state(valid_seen, alfworld_data):
+    """Training: on each revised step the draft's own real next observation (``s_next_draft``), taken
+    on a second environment restored to the step's state, is what the world-state gate shows when it
+    doubts the imagined state; kept steps carry none, and the episode itself plays as without it."""
+    plain, _, _, _ = await play_scripted(valid_seen, alfworld_data)
+    sent, stats, _, _ = await play_scripted(valid_seen, alfworld_data, counterfactual=True)
+    transitions = [m for m in sent if m["type"] == "transition"]
+    assert [(t["a_exec"], t["s_next"]) for t in transitions] == [
+        (t["a_exec"], t["s_next"]) for t in plain if t["type"] == "transition"
+    ]
+    game = sorted(valid_seen, key=lambda g: g.name)[0]
+    async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=6) as pool:
+        replay = pool.env()
+        for tr in transitions:
+            if tr["a_exec"] != tr["a_draft"]:
+                await replay.restore(game, [t["a_exec"] for t in transitions[: tr["t"]]])
+                assert tr["s_next_draft"] == (await replay.step(tr["a_draft"])).observation != tr["s_next"]
+            else:
+                assert tr.get("s_next_draft") is None
+    assert sum(t.get("s_next_draft") is not None for t in transitions) == stats.revisions == 3
+    assert stats.restore_diverged == 0
 
 
 class PlanFollower:
@@ -138,7 +162,7 @@ async def test_reflection_metrics_judge_every_step_by_two_branches(valid_seen, a
     walkthrough to a win (z_ref = 1). Drafting the walkthrough's action and proposing 'look': the
     gate blocks it (m = 0) and the draft's branch wins (z_draft = 1), so with no executed revision
     URR = HRR = 0 and BRP = 0 (the paper's ε)."""
-    from actors.eval_report import reflection_summary
+    from evaluator.eval_report import reflection_summary
 
     game = sorted(valid_seen, key=lambda g: g.name)[1]
     cfg = load_config(None, [f"env.data_dir={alfworld_data}"])

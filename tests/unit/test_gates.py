@@ -116,8 +116,8 @@ def transition(*args, **over):
 
 
 def test_derived_sample_imagined_state_and_accepted_revision():
-    # the revised step: s_bar is the student's prediction for the *draft* (docs/design.md section 5),
-    # while the gate still scores the executed action's predictions
+    # the revised step: s_bar is the student's prediction for the *draft* (docs/design.md section 5)
+    # when the gate, which scores the executed action's predictions, trusts the student
     tr = transition(
         1,
         o="O",

@@ -95,23 +95,37 @@ def _step(**over):
     return transition(1, facts=sorted(BEFORE), a_draft="go to drawer 3", s_hat=DRAFT_IMAGINED, **over)
 
 
-def test_revised_step_reflects_on_the_drafts_imagined_state():
+def test_revised_step_shows_the_drafts_future_chosen_by_the_world_state_gate():
     """Revised: the real next state and the executed action's predictions describe the refined
-    action, so s̄ is the student's prediction for the draft, whatever the world-state gate says."""
-    for teacher in (PICK, "Nothing happens."):  # gate open (agreement), gate closed
-        tr = _step(
-            decision="REVISE",
-            a_ref="take apple 1 from countertop 1",
-            p_revise=0.9,
-            q_ref=0.9,
-            a_exec="take apple 1 from countertop 1",
-            s_hat_exec=PICK,
-            s_hat_teacher=teacher,
-            s_next=PICK,
-        )
-        d = derive_policy_sample(validate(tr))
-        assert d.s_bar == DRAFT_IMAGINED and d.y == 1 and d.target == "take apple 1 from countertop 1"
-        assert d.ws_imagined == (teacher == PICK)  # the gate's score is still on the executed action
+    action, so s̄ describes the draft, and the world-state gate chooses which future of it: the
+    student's prediction when it trusts the student, else the draft's real next state that the
+    actor took on a branch (``s_next_draft``); a branch that could not be restored leaves none,
+    and the sample shows the imagined state."""
+    draft_real = "You arrive at drawer 3. The drawer 3 is open. In it, you see a fork 1."
+    revised = dict(
+        decision="REVISE",
+        a_ref="take apple 1 from countertop 1",
+        p_revise=0.9,
+        q_ref=0.9,
+        a_exec="take apple 1 from countertop 1",
+        s_hat_exec=PICK,
+        s_next=PICK,
+    )
+    trusted = derive_policy_sample(validate(_step(**revised, s_hat_teacher=PICK, s_next_draft=draft_real)))
+    assert trusted.ws_imagined and trusted.s_bar == DRAFT_IMAGINED
+    assert trusted.y == 1 and trusted.target == "take apple 1 from countertop 1"
+    doubted = derive_policy_sample(
+        validate(_step(**revised, s_hat_teacher="Nothing happens.", s_next_draft=draft_real))
+    )
+    assert not doubted.ws_imagined and doubted.s_bar == draft_real  # the gate applies to revision samples too
+    assert doubted.y == 1 and doubted.target == "take apple 1 from countertop 1"
+    unmeasured = derive_policy_sample(validate(_step(**revised, s_hat_teacher="Nothing happens.")))
+    assert unmeasured.s_bar == DRAFT_IMAGINED
+    # the ablations force one future for every step, revised ones included
+    real = derive_policy_sample(
+        validate(_step(**revised, s_hat_teacher=PICK, s_next_draft=draft_real)), future_state="real"
+    )
+    assert real.s_bar == draft_real
 
 
 def test_kept_step_uses_the_gate():
