@@ -204,9 +204,13 @@ def label_line(labels: dict[str, int]) -> str:
     drafts equal to the expert action, y=0 from ties or worse."""
     if not labels:
         return "labels: (no reflection-initialisation samples yet)"
-    y1, eq, nb = (labels.get(k, 0) for k in ("expert_better", "equal_draft", "not_better"))
+    won, sooner, eq, nb = (labels.get(k, 0) for k in ("expert_better", "expert_sooner", "equal_draft", "not_better"))
+    y1 = won + sooner
     total = y1 + eq + nb
-    return f"labels: y=1 {y1}  y=0 equal drafts {eq}  y=0 ties or worse {nb}  (share y=1 {y1 / total:.3f} of {total})"
+    return (
+        f"labels: y=1 {y1} (the draft's branch lost {won}, won later {sooner})  y=0 equal drafts {eq}  "
+        f"y=0 ties or worse {nb}  (share y=1 {y1 / total:.3f} of {total})"
+    )
 
 
 def _fmt(x: Any, spec: str = ".3f") -> str:

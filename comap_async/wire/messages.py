@@ -40,8 +40,10 @@ KEEP, REVISE = DECISIONS
 Store = Literal["transitions", "reflections", "demos", "episodes", "imagined"]
 STORES: tuple[str, ...] = get_args(Store)
 
-ReflectionLabel = Literal["expert_better", "equal_draft", "not_better"]
-"""Why a reflection-initialisation sample got its label: ``y = 1`` only for ``expert_better``."""
+ReflectionLabel = Literal["expert_better", "expert_sooner", "equal_draft", "not_better"]
+"""Why a reflection-initialisation sample got its label: ``y = 1`` for ``expert_better`` (the
+expert's branch wins, the draft's does not) and ``expert_sooner`` (both win, the expert's in fewer
+steps: the larger discounted return; counted apart, docs/design.md section 12)."""
 REFLECTION_LABELS: tuple[str, ...] = get_args(ReflectionLabel)
 
 Role = Literal["policy", "wm", "wm_teacher"]

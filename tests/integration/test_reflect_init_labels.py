@@ -60,9 +60,9 @@ async def test_labels_follow_the_branches_to_the_episode_end(valid_seen, alfworl
         if t % 2 == 0:  # the draft is the expert action: a keep sample, not skipped
             assert (r["y"], r["label"], r["target"], r["a_draft"]) == (0, "equal_draft", plan[t], plan[t])
             assert r["s_bar"] == observations[t + 1]
-        else:  # 'look' costs a step at best: the expert branch wins in fewer steps
-            assert (r["y"], r["label"], r["target"], r["a_draft"]) == (1, "expert_better", plan[t], "look")
-    assert stats.labels == {"equal_draft": (len(plan) + 1) // 2, "expert_better": len(plan) // 2}
+        else:  # 'look' costs a step at best: both branches win, the expert's in fewer steps
+            assert (r["y"], r["label"], r["target"], r["a_draft"]) == (1, "expert_sooner", plan[t], "look")
+    assert stats.labels == {"equal_draft": (len(plan) + 1) // 2, "expert_sooner": len(plan) // 2}
     assert sent[-1]["type"] == "episode"
 
 
@@ -91,4 +91,4 @@ async def test_with_pairs_each_revise_sample_comes_with_the_expert_draft_as_keep
         t = int(r["id"].split(":")[-2])
         assert (p["s"], p["a_draft"], p["target"], p["y"], p["label"]) == (r["s"], plan[t], plan[t], 0, "equal_draft")
         assert p["s_bar"] == observations[t + 1] and r["a_draft"] == "look"
-    assert stats.labels == {"equal_draft": (len(plan) + 1) // 2 + len(revise), "expert_better": len(revise)}
+    assert stats.labels == {"equal_draft": (len(plan) + 1) // 2 + len(revise), "expert_sooner": len(revise)}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.eval_report import markdown, reflection_summary
 from comap_async.diagnostics import EPS, BranchResult, branch_better, reflection_diagnostics, reflection_label
+from evaluator.eval_report import markdown, reflection_summary
 
 WIN3, WIN5, LOSE = BranchResult(True, 3), BranchResult(True, 5), BranchResult(False, 50)
 
@@ -21,7 +21,7 @@ def test_branch_better_wins_first_then_fewer_steps():
 def test_reflection_labels():
     assert reflection_label(True, None, None) == (0, "equal_draft")  # kept, not skipped
     assert reflection_label(False, WIN3, LOSE) == (1, "expert_better")
-    assert reflection_label(False, WIN3, WIN5) == (1, "expert_better")  # wins in fewer steps
+    assert reflection_label(False, WIN3, WIN5) == (1, "expert_sooner")  # both win, the expert in fewer steps
     assert reflection_label(False, WIN3, WIN3) == (0, "not_better")  # tie: the draft is kept
     assert reflection_label(False, LOSE, LOSE) == (0, "not_better")
     assert reflection_label(False, WIN5, WIN3) == (0, "not_better")
