@@ -22,7 +22,7 @@ not recur with the state, so the premise above does not hold by construction. ``
 applies the stop there on a measured premise instead: the episode ends only when the stretches of
 states between the state's last ``eval.cycle_stop`` occurrences are the same steps, i.e. the policy
 has already played the cycle through ``cycle_stop - 1`` times with the cycle in its context, and is
-taken to play it again. ``benchmarks/cycle_stop.py`` (``eval.cycle_stop_check``) measures how often
+taken to play it again. ``experiments/studies/cycle_stop.py`` (``eval.cycle_stop_check``) measures how often
 that projection is exact for a given model before a configuration relies on it.
 """
 

@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from comap_async.ports import free_port  # noqa: E402 - the repo must be on sys.path first
+from experiments.system import stop_group  # noqa: E402
 
 
 def wait_healthy(
@@ -214,14 +215,3 @@ def stored_transitions(http_port: int) -> int:
 
     with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/stats", timeout=10) as r:
         return json.loads(r.read())["stores"]["transitions"]["written"]
-
-
-def stop_group(proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    """SIGTERM a process started with ``start_new_session=True`` and its children; SIGKILL after ``timeout_s``."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)

@@ -240,3 +240,14 @@ def run_records(run_dir: Path, store: str, who: str) -> list[dict]:
         return [msgpack.unpackb(b, raw=False) for b in replay.iter_store(store)]
     finally:
         replay.close()
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """SIGTERM a process started with ``start_new_session=True`` and its children; SIGKILL after ``timeout_s``."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)

@@ -61,10 +61,11 @@ class EvalConfig(Section):
     draft sees the whole history and a recurring state does not repeat its step by construction. The
     episode then ends only when the stretches of states between the state's last ``cycle_stop``
     occurrences are the same (the cycle already played ``cycle_stop - 1`` times with itself in the
-    context): a measured premise, not a derived one (``benchmarks/cycle_stop.py`` measures it; docs/running.md)."""
+    context): a measured premise, not a derived one (``experiments/studies/cycle_stop.py`` measures it;
+    docs/running.md)."""
     cycle_stop_check: bool = False
     """With ``cycle_stop``: play each episode to its end anyway and record whether the projection was
-    exact (``benchmarks/cycle_stop.py`` measures the premise this way)."""
+    exact (``experiments/studies/cycle_stop.py`` measures the premise this way)."""
 
     @field_validator("cycle_stop")
     @classmethod

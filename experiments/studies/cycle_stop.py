@@ -2,7 +2,7 @@
 to the end with ``eval.cycle_stop_check``: at each episode's first recurring state the projection is
 made and kept, the episode plays on, and at its end the two are compared (actors/cycles.py).
 
-    python benchmarks/cycle_stop.py --split valid_seen --games 10 --adapters N [--occurrences 3]
+    python experiments/studies/cycle_stop.py --split valid_seen --games 10 --adapters N [--occurrences 3]
         [--method comap] [--config configs/local.yaml] [--set key=value ...] [--out DIR]
 
 Runs ``comap eval`` (its own embedded server when none answers) and reads its ``eval.json``. Prints,
@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main() -> int:

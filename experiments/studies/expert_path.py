@@ -1,6 +1,6 @@
 """What the draft policy does on the handcoded expert's own path through held-out games, per verb.
 
-    python benchmarks/expert_path.py RUN_DIR[:VERSION] [RUN_DIR[:VERSION] ...] --games 20 \\
+    python experiments/studies/expert_path.py RUN_DIR[:VERSION] [RUN_DIR[:VERSION] ...] --games 20 \\
         [--split valid_seen] [--verbs finishing] [--config configs/local.yaml] [--set key=value ...] [--out FILE.json]
 
 A held-out figure that says why games are lost where the success rate reads 0: ALFWorld's handcoded
@@ -39,7 +39,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 PASSING = "passing"

@@ -2,9 +2,9 @@
 learner hour, then the held-out probes of each trained policy (issue 29, acceptance 3: a faster
 learner is kept only if it learns as well from the same data).
 
-    python benchmarks/learner_setting.py --replay /work/runs/r31/replay --samples 200 --steps 100 \
+    python experiments/studies/learner_setting.py --replay /work/runs/r31/replay --samples 200 --steps 100 \
         --variants prompt_grad=true,prompt_grad=false --out /tmp/ls                  # warm-up SFT
-    python benchmarks/learner_setting.py --phase reflect_init --init-adapter DIR/policy-v1 ...  # reflection init
+    python experiments/studies/learner_setting.py --phase reflect_init --init-adapter DIR/policy-v1 ...  # reflect init
 
 Each variant trains the policy adapter (from the base model, or from ``--init-adapter``, a peft
 adapter directory such as an end-of-warm-up ``policy-vN``) with the same seed on the same
@@ -29,7 +29,7 @@ A variant's settings reach its probes too (``env.*`` render their prompts). ``--
 variant's own steps (``ceil(E * samples / batch_size)``, its learning-rate schedule with them) instead
 of ``--steps``:
 
-    python benchmarks/learner_setting.py --replay /work/runs/r50/replay --same-actions --samples 240 \
+    python experiments/studies/learner_setting.py --replay /work/runs/r50/replay --same-actions --samples 240 \
         --epochs 1 --variants env.draft_turns=false+demo_loss_share={},env.draft_turns=true --out /tmp/sa
 
 Last line: ``learner_setting A -> B: draft_accuracy X -> Y [p_auc ...] speedup=S`` (B's samples per
@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from comap_async.wire.messages import REFLECT_INIT, WARMUP  # noqa: E402
@@ -171,8 +171,8 @@ def child(args: argparse.Namespace) -> None:
     """Train one variant and save its adapters as version 1 under ``--child-out``; print RESULT."""
     import torch
 
-    from benchmarks.reflect_discrimination import build_trainer
     from comap_async.wire.messages import ROLES, adapter_name
+    from experiments.studies.reflect_discrimination import build_trainer
     from learner.publish import save_adapter
     from learner.schedule import phase_bce_weight
 

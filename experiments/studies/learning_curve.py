@@ -1,10 +1,9 @@
 """A held-out learning curve from an empty run directory: the system under honcho for a wall-clock
 budget, the evaluator measuring every adapter version on held-out games.
 
-    python benchmarks/learning_curve.py [--minutes 90] [--split valid_seen] [--data DIR] [--games 10]
-                                        [--config configs/local.yaml] [--set learner.schedule=rounds] [--out DIR]
-                                        [--at MINUTES ...]
-    python benchmarks/learning_curve.py --report OUT_DIR [--at 45]
+    python experiments/studies/learning_curve.py [--minutes 90] [--split valid_seen] [--data DIR] [--games 10]
+        [--config configs/local.yaml] [--set learner.schedule=rounds] [--out DIR] [--at MINUTES ...]
+    python experiments/studies/learning_curve.py --report OUT_DIR [--at 45]
 
 It runs the ``Procfile`` (broker, inference, learner, actor, evaluator) with ``--config`` on free
 ports in a new run directory, stops it with SIGTERM after ``--minutes``, then prints one row per
@@ -33,12 +32,12 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._inference import stop_group  # noqa: E402 - the repo must be on sys.path first
-from comap_async.ports import free_port  # noqa: E402
+from comap_async.ports import free_port  # noqa: E402 - the repo must be on sys.path first
 from comap_async.wire.messages import COEVOLVE  # noqa: E402
+from experiments.system import stop_group  # noqa: E402
 
 GAINS = ("wm_delta_f1", "draft_accuracy", "success_rate")
 

@@ -13,7 +13,8 @@ fixed seed, so every version is scored on the same rows:
 * ``suffix``: reflection-mode initialisation labels (``source: suffix``), ``--per-label`` of each label;
 * ``gate``: labels the broker made in co-evolution from the gate's own outcomes, the same number.
 
-    python benchmarks/p_level.py RUN_DIR [--versions 18,19|first,last] [--samples-from OTHER_RUN] [--per-label 40]
+    python experiments/studies/p_level.py RUN_DIR [--versions 18,19|first,last] [--samples-from OTHER_RUN]
+        [--per-label 40]
 
 Per adapter and set, a JSON line: mean ``p`` on ``y = 1`` and on ``y = 0`` rows, the AUC, the share of
 rows over ``tau_p``. Last line: ``p_over_tau_first=X p_over_tau_last=Y`` (the ``suffix`` set's share of
@@ -29,14 +30,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from reflect_discrimination import build_trainer, revise_probabilities  # noqa: E402
-
 from actors.probes import auc  # noqa: E402
 from comap_async.wire.messages import POLICY, REFLECT_INIT, adapter_name, adapter_version  # noqa: E402
+from experiments.studies.reflect_discrimination import build_trainer, revise_probabilities  # noqa: E402
 
 
 def labelled_sets(replay: Path, per_label: int, seed: int) -> dict[str, list[dict[str, Any]]]:

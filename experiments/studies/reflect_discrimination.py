@@ -18,7 +18,7 @@ Variants (``--variants``, run one after the other from the same starting adapter
 ``plain`` (the BCE as a run trains it) and ``balanced`` (``learner.bce_balance``: each label's
 samples weigh as much in total as the other's).
 
-    python benchmarks/reflect_discrimination.py --replay RUN/replay --adapter RUN/adapters/policy-v5 \\
+    python experiments/studies/reflect_discrimination.py --replay RUN/replay --adapter RUN/adapters/policy-v5 \\
         [--epochs 2] [--holdout 0.3] [--variants plain,balanced] [--max-train 200] [--set learner.bce_weight=1.0]
 
 Last line: ``plain_discrimination=X balanced_discrimination=Y`` (the held-out ``p_discrimination``
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from actors.probes import auc  # noqa: E402  (the probes' figure, the same function)

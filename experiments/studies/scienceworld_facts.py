@@ -6,7 +6,7 @@ untrained policy would wander. Every real observation goes through
 ``comap_async.envs.scienceworld_facts.next_state``; the unreadable ones are counted (their
 transitions get no Delta-F1) and the most frequent are printed, so a new sentence form shows up.
 
-    python benchmarks/scienceworld_facts.py [--games 30] [--random-steps 30] [--split train]
+    python experiments/studies/scienceworld_facts.py [--games 30] [--random-steps 30] [--split train]
 
 Last line: ``scienceworld_facts_readable=X`` (the readable share of all real observations).
 """
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 

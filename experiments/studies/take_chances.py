@@ -1,6 +1,6 @@
 """Did the agent take the task's object when it could? Played ALFWorld episodes replayed state by state.
 
-    python benchmarks/take_chances.py OUT/eval.json [OUT2/eval.json ...] [--config configs/local.yaml]
+    python experiments/studies/take_chances.py OUT/eval.json [OUT2/eval.json ...] [--config configs/local.yaml]
 
 A held-out figure for where a played game is lost before the success rate can see it: each episode
 of a ``comap eval`` (its ``eval.json`` keeps the executed actions) is replayed in its game (ALFWorld
@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

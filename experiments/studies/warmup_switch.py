@@ -1,7 +1,7 @@
 """A warm-up setting measured on held-out games: one run from empty per value, each trained to the end of
 warm-up SFT, then its end-of-warm-up policy's drafts played alone on the same held-out games.
 
-    python benchmarks/warmup_switch.py actor.warmup_recovery --values true,false --games 20 --out DIR \\
+    python experiments/studies/warmup_switch.py actor.warmup_recovery --values true,false --games 20 --out DIR \\
         [--config configs/local.yaml] [--set key=value ...] [--eval-set model.torch_threads=2] [--resume]
 
 Issue 26 asks that recovery demonstrations (``actor.warmup_recovery``) and the history window
@@ -25,7 +25,7 @@ import sys
 import zlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

@@ -1,10 +1,10 @@
-"""``benchmarks/expert_path.py``'s walk of the handcoded expert on real held-out ALFWorld games."""
+"""``experiments/studies/expert_path.py``'s walk of the handcoded expert on real held-out ALFWorld games."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.expert_path import DELIVERING, PASSING, expert_states
+from experiments.studies.expert_path import DELIVERING, PASSING, expert_states
 from learner.batches import carrying_after
 
 pytestmark = pytest.mark.alfworld

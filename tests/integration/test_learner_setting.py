@@ -1,4 +1,4 @@
-"""``benchmarks/learner_setting.py``: two learner settings train a policy on the same samples read from
+"""``experiments/studies/learner_setting.py``: two learner settings train a policy on the same samples read from
 a real LMDB replay (tiny model), warm-up SFT from the base model and reflection-mode initialisation
 from the warm-up's adapter; each version is probed on real held-out games, ``--resume`` trains
 nothing again, and a replay too small is refused in one line."""
@@ -38,7 +38,8 @@ def test_two_settings_train_the_same_demos_and_are_probed(tmp_path, tiny_model_d
     write_samples(tmp_path / "replay", 6)
     out = tmp_path / "sft"
     evals = sum((["--eval-set", s] for s in honcho_settings(tmp_path, tiny_model_dir, alfworld_data)), [])
-    cmd = [sys.executable, "benchmarks/learner_setting.py", "--replay", str(tmp_path / "replay"), "--samples", "4"]
+    cmd = [sys.executable, "experiments/studies/learner_setting.py", "--replay", str(tmp_path / "replay")]
+    cmd += ["--samples", "4"]
     cmd += ["--steps", "3", "--games", "1", "--model", str(tiny_model_dir), "--config", "configs/test.yaml"]
     cmd += ["--out", str(out), *evals]
     # configs/test.yaml checkpoints activations, which prompts without gradient refuse: one line, before training
@@ -101,7 +102,8 @@ def test_same_actions_train_identical_demonstrations_in_both_prompt_forms(tmp_pa
     write_records(tmp_path / "replay", records + [("transitions", f"t:{r['id']}".encode(), r) for r in transitions])
     evals = sum((["--eval-set", s] for s in honcho_settings(tmp_path, tiny_model_dir, alfworld_data)), [])
     out = tmp_path / "same"
-    cmd = [sys.executable, "benchmarks/learner_setting.py", "--replay", str(tmp_path / "replay"), "--same-actions"]
+    cmd = [sys.executable, "experiments/studies/learner_setting.py", "--replay", str(tmp_path / "replay")]
+    cmd += ["--same-actions"]
     cmd += ["--samples", "4", "--epochs", "1", "--games", "1", "--model", str(tiny_model_dir)]
     cmd += ["--config", "configs/test.yaml", "--out", str(out), *evals]
     cmd += ["--variants", "env.draft_turns=false,env.draft_turns=true"]

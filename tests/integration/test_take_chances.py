@@ -1,11 +1,11 @@
-"""``benchmarks/take_chances.py`` on real held-out ALFWorld games: the expert's own actions replayed."""
+"""``experiments/studies/take_chances.py`` on real held-out ALFWorld games: the expert's own actions replayed."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.expert_path import expert_states
-from benchmarks.take_chances import replay, task_object
+from experiments.studies.expert_path import expert_states
+from experiments.studies.take_chances import replay, task_object
 
 pytestmark = pytest.mark.alfworld
 

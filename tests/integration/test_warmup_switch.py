@@ -1,4 +1,4 @@
-"""``benchmarks/warmup_switch.py``: one run from empty per value to the end of warm-up SFT (the Procfile's
+"""``experiments/studies/warmup_switch.py``: one run from empty per value to the end of warm-up SFT (the Procfile's
 processes under honcho, tiny model, real ALFWorld games), then that version's drafts on held-out games;
 ``--resume`` repeats neither."""
 
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_each_value_warms_up_from_empty_and_its_drafts_are_evaluated(tmp_path, tiny_model_dir, alfworld_data):
     settings = honcho_settings(tmp_path, tiny_model_dir, alfworld_data)
     out = tmp_path / "switch"
-    cmd = [sys.executable, "benchmarks/warmup_switch.py", "env.history_k", "--values", "1,2", "--games", "2"]
+    cmd = [sys.executable, "experiments/studies/warmup_switch.py", "env.history_k", "--values", "1,2", "--games", "2"]
     cmd += ["--out", str(out), "--config", "configs/test.yaml", *sum((["--set", s] for s in settings), [])]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

@@ -145,7 +145,7 @@ def test_unknown_store_name_is_an_error(tmp_path):
 
 
 def test_a_replay_written_before_a_store_existed_opens_read_only_with_that_store_empty(tmp_path):
-    """A run's replay from before the ``imagined`` store (``benchmarks/reflect_discrimination.py``
+    """A run's replay from before the ``imagined`` store (``experiments/studies/reflect_discrimination.py``
     reads old runs read-only): the stores it holds read as written, the new one as empty."""
     import lmdb
 

@@ -1,4 +1,4 @@
-"""``benchmarks/expert_path.py``'s pure parts: which states are asked and how they are summed up."""
+"""``experiments/studies/expert_path.py``'s pure parts: which states are asked and how they are summed up."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from benchmarks.expert_path import FINISHING, is_passing, summary, verbs_of
-from benchmarks.take_chances import Chances, is_chance, task_object
+from experiments.studies.expert_path import FINISHING, is_passing, summary, verbs_of
+from experiments.studies.take_chances import Chances, is_chance, task_object
 
 
 def test_verbs_select_the_states_asked():

@@ -1,4 +1,4 @@
-"""``benchmarks/learner_setting.py --recovery``: warm-up's recovery paths as stored, left out, or
+"""``experiments/studies/learner_setting.py --recovery``: warm-up's recovery paths as stored, left out, or
 learning their recovery action alone (pure logic over stored records)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.learner_setting import recovery_demos  # noqa: E402
+from experiments.studies.learner_setting import recovery_demos  # noqa: E402
 
 MAIN = {"id": "a:e1", "turns": [["go to desk 1", "..."], ["take pen 1 from desk 1", "..."]], "targets": [True, True]}
 RECOVERY = {

@@ -1,4 +1,4 @@
-"""``benchmarks/learner_setting.py --same-actions``: the replay's walkthrough paths, and the same
+"""``experiments/studies/learner_setting.py --same-actions``: the replay's walkthrough paths, and the same
 demonstrated actions in the window form (each step's warm-up transition), read from a real LMDB
 replay; a path whose step has no transition, or too few actions, is refused in one line."""
 
@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.learner_setting import variant_settings, walkthrough_paths, window_demos  # noqa: E402
+from experiments.studies.learner_setting import variant_settings, walkthrough_paths, window_demos  # noqa: E402
 from tests.fixtures.broker import write_records  # noqa: E402
 
 

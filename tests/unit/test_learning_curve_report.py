@@ -1,10 +1,11 @@
-"""The learning-curve benchmark's cut at an earlier wall time (equal-budget comparisons, issue 14)."""
+"""The learning-curve study's cut (``experiments/studies/learning_curve.py``) at an earlier wall time
+(equal-budget comparisons, issue 14)."""
 
 from __future__ import annotations
 
 import math
 
-from benchmarks.learning_curve import cut, gains, publishes
+from experiments.studies.learning_curve import cut, gains, publishes
 
 T0 = 1000.0
 

@@ -1,4 +1,4 @@
-"""``benchmarks/reflect_discrimination.py``: the AUC, and the policy's doubt in its own drafts
+"""``experiments/studies/reflect_discrimination.py``: the AUC, and the policy's doubt in its own drafts
 (the reference ``p`` is compared with) computed as a plain forward pass would."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from actors.probes import auc
-from benchmarks.reflect_discrimination import draft_doubt, draft_doubts
+from experiments.studies.reflect_discrimination import draft_doubt, draft_doubts
 from tests.fixtures.learner import make_trainer, reflection_record
 
 
