@@ -15,7 +15,7 @@ the same games with the same adapters (or the base model) and the same budget of
 With ``actor.admissible_choice`` every method's executed action is decoded among the state's admissible
 commands (the draft, ReAct's action, Imagine-and-Act's final one, the look-ahead's candidates, the repeat
 guard's), so the methods differ in what they read and do, not in how an action is decoded;
-:mod:`actors.roles_read` says what each role reads.
+:mod:`evaluator.roles_read` says what each role reads.
 """
 
 from __future__ import annotations

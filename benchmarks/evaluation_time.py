@@ -75,8 +75,8 @@ FIGURES = ("p_discrimination", "p_auc", "draft_accuracy", "wm_delta_f1", "succes
 
 
 async def evaluate(cfg, version: int, eval_settings: dict, log, adapter_dir: Path) -> dict:
-    from actors.evaluator import Evaluator
     from comap_async.wire.inference_client import InferenceClient
+    from evaluator.evaluator import Evaluator
 
     cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update=eval_settings)})
     async with InferenceClient.from_config(cfg) as client:

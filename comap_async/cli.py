@@ -33,17 +33,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "keys": ("comap_async.commands.keys", "create ZeroMQ CURVE key pairs for the broker and its clients"),
     "learner": ("learner.cli", "train the policy and world-model LoRA adapters continuously; publish them"),
     "actor": ("actors.cli", "run environment workers playing the CoMap loop (phases from the broker)"),
-    "eval": ("actors.evaluate", "evaluate adapters on a split; writes eval.json and eval.md"),
+    "eval": ("evaluator.evaluate", "evaluate adapters on a split; writes eval.json and eval.md"),
     "compare": (
-        "actors.compare",
+        "evaluator.compare",
         "the newest version of each run and the prompting baselines on the same games: one table and one bar chart",
     ),
     "evaluator": (
-        "actors.evaluator",
+        "evaluator.evaluator",
         "held-out probes and success rate of every new adapter version, while the system runs",
     ),
     "fork": (
-        "broker.fork",
+        "experiments.fork",
         "start a new run from another run's published version (its checkpoint, adapters and "
         "the replay of then): ablations share one warm-up",
     ),

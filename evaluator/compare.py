@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.compare_cells import Cell, CellStore, cell_key, with_ablation
 from comap_async.cli import add_config_arguments
+from evaluator.compare_cells import Cell, CellStore, cell_key, with_ablation
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,9 +82,9 @@ def stage_run(
     """Copy ``run_dir``'s version ``spec`` (default its newest complete one) under ``adapter_root``
     with the prefix ``r<index>-``; returns (version, the run's ablation, the prefix). ValueError when
     the run has no such version."""
-    from actors.eval_runner import resolve_version
     from comap_async.run_files import read_run_ablation
     from comap_async.wire.messages import ROLES, adapter_name
+    from evaluator.eval_runner import resolve_version
 
     ablation = read_run_ablation(run_dir) if with_ablation else []
     source = run_dir / "adapters"
@@ -123,9 +123,9 @@ def plan_cells(
 ) -> list[Cell]:
     """The rows in table order: every prompting method (the base model, or ``methods_from``'s staged
     adapters: (its directory, version, prefix)), then every staged run with the CoMap loop."""
-    from actors.compare_report import METHOD_LABELS, run_label
     from comap_async.run_files import read_run_methods
     from comap_async.wire.messages import Registry
+    from evaluator.compare_report import METHOD_LABELS, run_label
 
     cells = []
     played_as = None
@@ -172,10 +172,10 @@ async def play_cells(
     :attr:`Cell.id`."""
     from tqdm import tqdm
 
-    from actors.compare_report import server_per_step
-    from actors.eval_report import episode_record, summarize_records
-    from actors.eval_runner import check_complete, play_games, wait_for_server
     from comap_async.wire.inference_client import InferenceClient
+    from evaluator.compare_report import server_per_step
+    from evaluator.eval_report import episode_record, summarize_records
+    from evaluator.eval_runner import check_complete, play_games, wait_for_server
 
     await wait_for_server(cfg, server, serve_timeout, log)
     reports = {}
@@ -233,11 +233,11 @@ async def play_cells(
 
 
 def run(args: argparse.Namespace) -> int:
-    from actors.compare_report import bar_chart, markdown, row
-    from actors.eval_runner import EvalIncomplete, ServerStartError, start_server, stop_server
     from comap_async.config import EVAL_METHODS, load_config
     from comap_async.envs.registry import env_spec
     from comap_async.logsetup import configure_logging
+    from evaluator.compare_report import bar_chart, markdown, row
+    from evaluator.eval_runner import EvalIncomplete, ServerStartError, start_server, stop_server
 
     out = Path(args.out)
     adapter_root = (out / "adapters").resolve()

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from actors.eval_report import counts_text
+from evaluator.eval_report import counts_text
 
 METHOD_LABELS = {
     "react": "ReAct",
@@ -45,7 +45,7 @@ def row(
     run: str | None = None,
     ablation: list[str] | None = None,
 ) -> dict[str, Any]:
-    """One line of the comparison from an evaluation report (:func:`actors.eval_report.summarize`)."""
+    """One line of the comparison from an evaluation report (:func:`evaluator.eval_report.summarize`)."""
     wins = round(report["success_rate"] * report["games"])
     return {
         "label": label,

@@ -29,7 +29,7 @@ def label_counts(results: list[tuple[Any, Any]]) -> dict[str, int]:
 
 def episode_record(game: Any, stats: Any) -> dict[str, Any]:
     """What the report keeps of one episode (JSON-ready): enough to rebuild the summary, so a
-    comparison stopped between games keeps the episodes it had played (``actors.compare``)."""
+    comparison stopped between games keeps the episodes it had played (``evaluator.compare``)."""
     return {
         "game": game.name,
         "task_type": game.task_type,

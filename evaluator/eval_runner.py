@@ -2,8 +2,8 @@
 
 Evaluation emits no training samples. It needs an inference server: the configured endpoints,
 or, when none answers, an embedded server started for the run and waited for (``serve="auto"``).
-The report is built by :mod:`actors.eval_report`; ``comap eval`` (:mod:`actors.evaluate`) is the
-command line over :func:`run_eval`, and the evaluator process (:mod:`actors.evaluator`) plays its
+The report is built by :mod:`evaluator.eval_report`; ``comap eval`` (:mod:`evaluator.evaluate`) is the
+command line over :func:`run_eval`, and the evaluator process (:mod:`evaluator.evaluator`) plays its
 games through :func:`play_games`.
 """
 
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.eval_report import label_counts, reflection_summary, summarize
 from comap_async.lifetime import tied_env
 from comap_async.ports import free_port
 from comap_async.wire.messages import (
@@ -33,6 +32,7 @@ from comap_async.wire.messages import (
     adapter_name,
     adapter_version,
 )
+from evaluator.eval_report import label_counts, reflection_summary, summarize
 
 
 @dataclass(frozen=True)
@@ -299,7 +299,7 @@ async def _evaluate_with(
         bar.set_postfix_str(f"steps={steps[0]} ({steps[0] / max(time.time() - t0, 1e-9):.2f}/s)")
 
     if spec.probes:
-        from actors.probes import run_probes
+        from evaluator.probes import run_probes
 
         try:
             probes = await run_probes(cfg, games, registry, log, on_game=lambda: bar.update(1), on_step=on_step)

@@ -1,8 +1,8 @@
 """``comap eval``: run a split once with fixed adapters and the action gate; write JSON + Markdown.
 
 This module is the command (its arguments, and the files and lines it writes); the run itself is
-:mod:`actors.eval_runner` (games, the embedded server when none answers) and the report
-:mod:`actors.eval_report`.
+:mod:`evaluator.eval_runner` (games, the embedded server when none answers) and the report
+:mod:`evaluator.eval_report`.
 """
 
 from __future__ import annotations
@@ -92,10 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from actors.eval_report import markdown
-    from actors.eval_runner import EvalIncomplete, EvalSpec, ServerStartError, run_eval
     from comap_async.config import load_config
     from comap_async.logsetup import configure_logging
+    from evaluator.eval_report import markdown
+    from evaluator.eval_runner import EvalIncomplete, EvalSpec, ServerStartError, run_eval
 
     overrides = list(args.overrides) + ([f"env.data_dir={args.data}"] if args.data else [])
     if args.per_task is not None:
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(report, indent=2))
     if "probes" in report:
-        from actors.probes import probe_line
+        from evaluator.probes import probe_line
 
         log.info("eval.done", out=str(out), **{k: v for k, v in report["probes"].items() if not isinstance(v, list)})
         print(probe_line(report["probes"]))

@@ -144,10 +144,10 @@ class Evaluator:
         self, client: Any, version: int, registry: dict[str, Any], adapter_dir: Path | None = None
     ) -> dict[str, Any]:
         """``adapter_dir``: where the version's adapters are (default the run's adapter root; inside it)."""
-        from actors.eval_report import summarize
-        from actors.eval_runner import EvalIncomplete, check_complete, play_games
-        from actors.probes import run_probes
         from comap_async.waiting import cancel_and_wait
+        from evaluator.eval_report import summarize
+        from evaluator.eval_runner import EvalIncomplete, check_complete, play_games
+        from evaluator.probes import run_probes
 
         eval_registry = Registry.serving(version, prefix=self.prefix)
         names = dict(eval_registry.adapters)

@@ -25,7 +25,6 @@ from typing import Any
 
 from actors.episodes import EpisodeContext, play_coevolve
 from actors.eval_methods import play_method
-from actors.eval_runner import evaluation_config
 from actors.llm import AgentLLM
 from comap_async.envs.base import StepResult
 from comap_async.prompts import (
@@ -37,6 +36,7 @@ from comap_async.prompts import (
     Prompts,
 )
 from comap_async.wire.messages import Registry
+from evaluator.eval_runner import evaluation_config
 
 ROLES = ("draft", "world_model", "reflection", "teacher", "react", "imagine_and_act", "critic")
 """The roles a method may call, by the :class:`~actors.llm.AgentLLM` call that plays them: ``react`` is

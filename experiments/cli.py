@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         results = write_report(spec, json.loads(path.read_text()), out)
         print("\n".join(results["verdicts"]) or "no comparison yet: rows unfinished")
         return 0
-    from actors.eval_runner import EvalIncomplete, ServerStartError
+    from evaluator.eval_runner import EvalIncomplete, ServerStartError
     from experiments.runner import Experiment
 
     split = args.split if args.split not in (None, spec.evaluation.split) else None

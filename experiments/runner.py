@@ -199,7 +199,7 @@ class Experiment:
             run_dir = Path(src.run_dir).expanduser()
             run_dir = run_dir if run_dir.is_absolute() else (REPO / run_dir).resolve()
             if src.version is not None:
-                from broker.fork import forkable_versions
+                from experiments.fork import forkable_versions
 
                 meta = forkable_versions(run_dir).get(src.version)
                 if meta is None:
@@ -237,7 +237,7 @@ class Experiment:
     # ---- 2. the forks --------------------------------------------------------------------------
 
     def forks(self, ledger: dict[str, Any], source: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        from broker.fork import ForkError, fork_run
+        from experiments.fork import ForkError, fork_run
         from experiments.system import run_system
 
         name, steps = self.spec.name, self.spec.train.steps
@@ -311,12 +311,12 @@ class Experiment:
         return out
 
     def evaluate(self, rows: list[Row], ledger: dict[str, Any]) -> dict[str, Any]:
-        from actors.compare import split_games, stage_run
-        from actors.compare_cells import cell_key, key_digest, with_ablation
-        from actors.eval_runner import stop_server
         from comap_async.config import load_config
         from comap_async.logsetup import configure_logging
         from comap_async.run_files import read_run_ablation, read_run_methods
+        from evaluator.compare import split_games, stage_run
+        from evaluator.compare_cells import cell_key, key_digest, with_ablation
+        from evaluator.eval_runner import stop_server
 
         overrides = self.eval_overrides()
         cfg = load_config(self.config, overrides)
@@ -384,10 +384,10 @@ class Experiment:
         this process (it stops when this process dies, however)."""
         import subprocess
 
-        from actors.eval_runner import server_command
         from comap_async.config import load_config
         from comap_async.lifetime import tied_env
         from comap_async.ports import free_port
+        from evaluator.eval_runner import server_command
 
         port = free_port()
         cfg = load_config(
@@ -401,11 +401,11 @@ class Experiment:
         return cfg, server
 
     async def _play(self, cfg: Any, server: Any, todo: list, games: list, results: dict[str, Any], log: Any) -> None:
-        from actors.compare_cells import with_ablation
-        from actors.eval_report import episode_record
-        from actors.eval_runner import check_complete, play_games, wait_for_server
         from comap_async.wire.inference_client import InferenceClient
         from comap_async.wire.messages import Registry
+        from evaluator.compare_cells import with_ablation
+        from evaluator.eval_report import episode_record
+        from evaluator.eval_runner import check_complete, play_games, wait_for_server
 
         await wait_for_server(cfg, server, 600.0, log)
         async with InferenceClient.from_config(cfg) as client:
@@ -470,11 +470,11 @@ class Experiment:
 def training_gate(run_dir: Path) -> tuple[int, int]:
     """(samples whose reflected action the action gate executed, gated samples) over the reflection samples
     the fork stored itself (stamped after its fork point, ``fork.json``'s ``cut_ts``)."""
-    from broker.fork import FORK_FILE
     from broker.ingest import record_from_store
     from broker.store import ReplayStore
     from comap_async.commands.stats import gates_by_version
     from comap_async.wire.messages import STORES
+    from experiments.fork import FORK_FILE
 
     store = ReplayStore(run_dir / "replay", dict.fromkeys(STORES, 1 << 40), readonly=True)
     try:
@@ -500,7 +500,7 @@ def game_record(record: dict[str, Any]) -> dict[str, Any]:
 
 def what_row_sees(cfg: Any, method: str) -> dict[str, Any]:
     """What each role of ``method`` reads and how its action is decoded, found by playing the method's own
-    code on a probe game (:func:`actors.roles_read.what_roles_read`), so the table says what differs."""
-    from actors.roles_read import what_roles_read
+    code on a probe game (:func:`evaluator.roles_read.what_roles_read`), so the table says what differs."""
+    from evaluator.roles_read import what_roles_read
 
     return what_roles_read(cfg, method)

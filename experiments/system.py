@@ -181,7 +181,7 @@ def first_version_in_phase(run_dir: Path, phase: str) -> dict | None:
     while it has none. The learner publishes (and pins a checkpoint) as each phase begins, so the first
     ``coevolve`` version is the warmed-up point a table forks (warm-up SFT and reflection-mode initialisation
     done) and the first ``reflect_init`` one is warm-up SFT's end."""
-    from broker.fork import forkable_versions
+    from experiments.fork import forkable_versions
 
     found = {v: m for v, m in forkable_versions(run_dir).items() if m.get("phase") == phase}
     if not found:

@@ -178,11 +178,11 @@ def verbs_of(spec: str) -> frozenset[str] | None:
 
 
 async def measure(args, cfg, models, root, server, log) -> list[dict]:
-    from actors.compare import split_games
-    from actors.eval_runner import wait_for_server
     from comap_async.models import resolve_model
     from comap_async.prompts.template import Prompts
     from comap_async.wire.inference_client import InferenceClient
+    from evaluator.compare import split_games
+    from evaluator.eval_runner import wait_for_server
 
     games = split_games(cfg, args.split, args.games)
     prompts = Prompts.for_model(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir), cfg)
@@ -219,11 +219,11 @@ def main() -> int:
     p.add_argument("--out", default=None, help="write the rows and the summary here (JSON)")
     args = p.parse_args()
 
-    from actors.compare import stage_run
-    from actors.eval_runner import start_server, stop_server
     from comap_async.config import load_config
     from comap_async.logsetup import configure_logging
     from comap_async.wire.messages import POLICY, adapter_name
+    from evaluator.compare import stage_run
+    from evaluator.eval_runner import start_server, stop_server
 
     log = configure_logging("expert_path")
     with tempfile.TemporaryDirectory(prefix="expert-path-") as root:

@@ -32,8 +32,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from actors.probes import auc  # noqa: E402
 from comap_async.wire.messages import POLICY, REFLECT_INIT, adapter_name, adapter_version  # noqa: E402
+from evaluator.probes import auc  # noqa: E402
 from experiments.studies.reflect_discrimination import build_trainer, revise_probabilities  # noqa: E402
 
 

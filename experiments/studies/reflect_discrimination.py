@@ -40,8 +40,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from actors.probes import auc  # noqa: E402  (the probes' figure, the same function)
 from comap_async.wire.messages import REFLECT_INIT  # noqa: E402
+from evaluator.probes import auc  # noqa: E402  (the probes' figure, the same function)
 
 VARIANTS = {"plain": {"bce_balance": False}, "balanced": {"bce_balance": True}}
 

@@ -82,9 +82,9 @@ def main() -> None:
 
     from tqdm import tqdm
 
-    from actors.compare import split_games
     from comap_async.config import load_config
     from comap_async.errors import CommandError
+    from evaluator.compare import split_games
 
     cfg = load_config(args.config, args.overrides)
     if cfg.env.name != "alfworld":

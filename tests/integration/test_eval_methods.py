@@ -196,10 +196,10 @@ ACTION_KINDS = {"draft", "continue", "choose", "react_action"}  # the requests t
 def test_what_roles_read_matches_the_prompts_of_real_games(
     recorded_calls, roomy_server, alfworld_data, tiny_model_dir, tmp_path
 ):
-    """:func:`actors.roles_read.what_roles_read` against every request of real games in the turns form with
+    """:func:`evaluator.roles_read.what_roles_read` against every request of real games in the turns form with
     decoding among the commands: a role's prompt lists the admissible commands exactly when it says so, and
     its action requests are constrained to them exactly when it says so."""
-    from actors.roles_read import what_roles_read
+    from evaluator.roles_read import what_roles_read
     from tests.fixtures.alfworld import valid_seen_config
 
     switches = ("env.draft_turns=true", "actor.admissible_choice=true")

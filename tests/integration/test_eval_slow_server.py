@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from actors import eval_runner, evaluate
+from evaluator import eval_runner, evaluate
 from tests.fixtures.inference import AdapterFactory
 
 pytestmark = pytest.mark.alfworld

@@ -136,8 +136,8 @@ def test_success_games_are_drawn_from_the_split_not_capped_by_the_probe_games(al
     default's success rate then rested on 6 games where its config asks for 10."""
     from types import SimpleNamespace
 
-    from actors.evaluator import Evaluator
     from comap_async.config import load_config
+    from evaluator.evaluator import Evaluator
 
     overrides = [f"run.root={tmp_path}", f"env.data_dir={alfworld_data}", "eval.split=valid_seen"]
     log = SimpleNamespace(info=lambda *a, **k: None, error=lambda *a, **k: None)
@@ -153,10 +153,10 @@ async def test_probes_beside_the_games_give_the_figures_of_probes_then_games(
 ):
     """``eval.probes_beside_games`` (on) against the probes first and the games after: greedy, the same
     games and states, so every figure and row of the evaluation is the same; only the timing differs."""
-    from actors.evaluator import Evaluator
     from comap_async.config import load_config
     from comap_async.logsetup import configure_logging
     from comap_async.wire.inference_client import InferenceClient
+    from evaluator.evaluator import Evaluator
 
     url, adapter_root = server
     factory = AdapterFactory(tiny_model_dir, adapter_root)

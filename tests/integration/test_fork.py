@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from broker.fork import FORK_FILE, ForkError, fork_run, forkable_versions
 from comap_async.logsetup import configure_logging
 from comap_async.run_files import append_run_config, read_run_ablation, read_run_configs
 from comap_async.wire.inference_client import InferenceClient
 from comap_async.wire.messages import ROLES, adapter_name
+from experiments.fork import FORK_FILE, ForkError, fork_run, forkable_versions
 from learner.loop import Learner
 from tests.fixtures.broker import stored
 from tests.integration.test_learner_e2e import fill

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from actors.eval_runner import play_games
 from comap_async.config import load_config
 from comap_async.envs import games_from_config
 from comap_async.envs.base import spread_sample
@@ -18,6 +17,7 @@ from comap_async.method.gates import canonical_action
 from comap_async.models import build_tiny_model
 from comap_async.prompts import CRITIC_WORDS, DecisionTokens, revise_probability
 from comap_async.wire.messages import Registry
+from evaluator.eval_runner import play_games
 from tests.fixtures.core import free_port
 from tests.fixtures.inference import ADMIN_TOKEN, start_server, stop_server
 

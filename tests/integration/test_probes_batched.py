@@ -17,11 +17,11 @@ pytestmark = pytest.mark.alfworld
 def probe(monkeypatch, server, alfworld_data, tiny_model_dir, tmp_path, probe_states: int) -> tuple[list, int]:
     """The probe rows of two spread valid_seen games, one game at a time, and the most drafts in flight."""
     from actors.llm import AgentLLM
-    from actors.probes import run_probes
     from comap_async.envs import games_from_config
     from comap_async.envs.base import spread_sample
     from comap_async.logsetup import configure_logging
     from comap_async.wire.messages import Registry
+    from evaluator.probes import run_probes
 
     cfg = valid_seen_config(
         server, alfworld_data, tiny_model_dir, tmp_path, "actor.envs=1", f"eval.probe_states={probe_states}"

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from actors.compare_cells import CellStore, cell_key
 from comap_async.config import load_config
 from comap_async.envs.base import GameInfo
+from evaluator.compare_cells import CellStore, cell_key
 
 GAMES = [GameInfo(f"/data/valid_seen/g{i}/game.tw-pddl", "valid_seen", 1, f"valid_seen/g{i}/t0") for i in range(3)]
 
@@ -100,7 +100,7 @@ def test_a_row_measured_before_its_adapters_were_written_is_played_again(tmp_pat
 
 def test_the_report_from_stored_records_equals_the_report_from_episodes():
     from actors.episodes import EpisodeStats
-    from actors.eval_report import episode_record, summarize, summarize_records
+    from evaluator.eval_report import episode_record, summarize, summarize_records
 
     results = [
         (GAMES[0], EpisodeStats(steps=6, won=True, reward=1.0, revisions=1, invalid=2, delta_f1=[0.5, 1.0])),
@@ -118,7 +118,7 @@ def test_the_report_from_stored_records_equals_the_report_from_episodes():
 
 def test_an_episodes_record_keeps_the_actions_it_executed_in_order():
     from actors.episodes import EpisodeStats
-    from actors.eval_report import episode_record, summarize
+    from evaluator.eval_report import episode_record, summarize
 
     stats = EpisodeStats(steps=3)
     stats.state_actions = [

@@ -1,10 +1,10 @@
-"""``actors.compare_report``: the success rate's interval and the table's columns."""
+"""``evaluator.compare_report``: the success rate's interval and the table's columns."""
 
 from __future__ import annotations
 
 import pytest
 
-from actors.compare_report import markdown, row, run_label, server_per_step, wilson_interval
+from evaluator.compare_report import markdown, row, run_label, server_per_step, wilson_interval
 
 
 def test_wilson_interval_matches_the_textbook_values():
@@ -46,7 +46,7 @@ def test_a_row_shows_its_wins_interval_and_mean_score():
 def test_a_rows_unreadable_answers_are_counted_over_its_steps():
     """A row whose answers the parser could not read ran the fallback action: the report says how often,
     so such a row is not read as the method acting (a cell recorded before the count says n/a)."""
-    from actors.eval_report import summarize_records
+    from evaluator.eval_report import summarize_records
 
     def episode(steps, parse_problems=None):
         rec = {"game": "g", "won": False, "steps": steps, "score": 0.0, "revisions": 0, "invalid": 0}
@@ -75,7 +75,7 @@ def _report(scores: dict[str, float]) -> dict:
 
 
 def test_rows_are_paired_game_by_game_with_the_methods_own_run():
-    from actors.compare_report import paired_difference
+    from evaluator.compare_report import paired_difference
 
     games = [f"g{i}" for i in range(10)]
     comap = row("CoMap (r-comap)", "run", "comap", _report(dict(zip(games, [10.0] * 10))), run="r", ablation=[])
@@ -103,7 +103,7 @@ def test_the_table_says_which_rows_won_each_game():
 
 
 def test_a_scored_environments_chart_shows_the_mean_score(tmp_path):
-    from actors.compare_report import bar_chart, chart_panels
+    from evaluator.compare_report import bar_chart, chart_panels
 
     rows = [row("CoMap (r)", "run", "comap", _report({"a": 40.0, "b": 10.0}), run="r", ablation=[])]
     assert chart_panels(rows, scored=True) == [("mean score / 100", [0.25]), ("world-model Delta-F1", [None])]
@@ -117,8 +117,8 @@ def test_a_scored_environments_chart_shows_the_mean_score(tmp_path):
 def test_the_action_gates_reasons_are_summed_over_a_rows_episodes():
     """A CoMap row with no revisions says why the gate stayed shut; a row without reflections (or with
     an episode recorded before the reasons were) has none."""
-    from actors.compare_report import markdown, row
-    from actors.eval_report import summarize_records
+    from evaluator.compare_report import markdown, row
+    from evaluator.eval_report import summarize_records
 
     def episode(reasons=None):
         rec = {"game": "g", "won": False, "steps": 3, "score": 0.0, "revisions": 0, "invalid": 0}
@@ -140,9 +140,9 @@ def test_the_action_gates_reasons_are_summed_over_a_rows_episodes():
 def test_played_revisions_are_counted_by_the_verb_they_replaced():
     """A CoMap row says what its revisions replaced (``move -> go`` is where a won game is lost); rows
     without revisions say nothing."""
-    from actors.compare_report import markdown, row
-    from actors.eval_report import markdown as eval_markdown
-    from actors.eval_report import summarize_records
+    from evaluator.compare_report import markdown, row
+    from evaluator.eval_report import markdown as eval_markdown
+    from evaluator.eval_report import summarize_records
 
     def episode(revised=()):
         rec = {"game": "g", "won": False, "steps": 3, "score": 0.0, "revisions": len(revised), "invalid": 0}
@@ -220,7 +220,7 @@ def test_the_servers_time_is_split_per_played_step():
 def test_the_charts_row_labels_fit_in_the_figure():
     import matplotlib.pyplot as plt
 
-    from actors.compare_report import bar_figure, chart_label
+    from evaluator.compare_report import bar_figure, chart_label
 
     switches = ["handcoded_demos", "admissible_choice", "reflect_confidence", "draft_turns"]
     label = run_label([], "r41-comap-learner-policy_wm_aux-0-2-learner-coevolve_lr-0-0001-again", switches)

@@ -109,7 +109,7 @@ def test_handcoded_demonstrations_are_recorded_and_need_alfworld():
 
 
 def test_admissible_choice_is_recorded_and_keys_a_compared_row_only_when_on():
-    from actors.compare_cells import cell_key
+    from evaluator.compare_cells import cell_key
 
     off, on = load_config(None), load_config(None, ["actor.admissible_choice=true"])
     assert "admissible_choice" in on.method_switches and "admissible_choice" not in off.method_switches

@@ -8,7 +8,6 @@ import math
 import msgpack
 import pytest
 
-from actors.compare_cells import cell_key, with_ablation
 from actors.llm import AgentLLM, draft_token_logprobs
 from broker.ingest import Ingest, record_from_store
 from comap_async.config import PLAY_SWITCHES, ActorConfig, CoMapConfig
@@ -16,6 +15,7 @@ from comap_async.method.fingerprint import fingerprint
 from comap_async.method.gates import SampleRule
 from comap_async.prompts import ChatTemplate, DecisionTokens, Prompts
 from comap_async.wire.protocol import ProtocolError, decode
+from evaluator.compare_cells import cell_key, with_ablation
 from tests.fixtures.broker import make_transition
 from tests.fixtures.calls import ScriptedClient
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.evaluator import rest_after
 from comap_async.config import ConfigError, load_config
+from evaluator.evaluator import rest_after
 
 
 @pytest.mark.parametrize(("share", "rest"), [(None, 0.0), (1.0, 0.0), (0.5, 120.0), (0.25, 360.0)])

@@ -154,9 +154,9 @@ def test_the_broker_files_an_imagined_step_in_its_own_store_as_draft_data():
 
 
 def test_a_run_records_the_related_methods_switches_and_the_table_names_them(tmp_path):
-    from actors.compare_report import run_label
     from comap_async.config import load_config
     from comap_async.run_files import read_run_ablation, read_run_methods, write_run_ablation
+    from evaluator.compare_report import run_label
 
     assert load_config(None).method_switches == []
     # rollouts without a share train nothing: the switch is the pair

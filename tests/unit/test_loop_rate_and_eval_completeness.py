@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from actors.episodes import EpisodeStats
-from actors.eval_report import summarize
 from comap_async.diagnostics import loop_steps
+from evaluator.eval_report import summarize
 
 AT_DESK = frozenset({"at(desk 1)"})
 HOLDING = frozenset({"at(desk 1)", "holding(bowl 1)"})
@@ -54,12 +54,12 @@ class AdapterClient:
 
 def one_game_evaluator(monkeypatch, cfg, log, probes, games_played):
     """An evaluator of one probe game and one success game, its probes and games replaced."""
-    import actors.eval_runner
-    import actors.probes
-    from actors.evaluator import Evaluator
+    import evaluator.eval_runner
+    import evaluator.probes
+    from evaluator.evaluator import Evaluator
 
-    monkeypatch.setattr(actors.probes, "run_probes", probes)
-    monkeypatch.setattr(actors.eval_runner, "play_games", games_played)
+    monkeypatch.setattr(evaluator.probes, "run_probes", probes)
+    monkeypatch.setattr(evaluator.eval_runner, "play_games", games_played)
     ev = Evaluator(cfg, log)
     ev.__dict__["games"] = ([SimpleNamespace(name="g")], [SimpleNamespace(name="g")])
     return ev
@@ -186,7 +186,7 @@ async def test_with_admissible_choice_the_guard_decodes_among_the_commands_not_t
 def test_an_evaluation_that_played_a_game_twice_and_another_never_is_incomplete():
     """Each game exactly once: four results for four games are not enough when one game was played
     twice (the per-loop stride of an older worker did that when loops finished at different times)."""
-    from actors.eval_runner import EvalIncomplete, check_complete
+    from evaluator.eval_runner import EvalIncomplete, check_complete
 
     games = [SimpleNamespace(name=f"g{i}") for i in range(4)]
     stats = EpisodeStats()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from actors.probes import ProbeRow, draft_scores, probe_line, summarize_probes
 from comap_async.envs.alfworld_facts import next_state
 from comap_async.facts import state_delta_f1
+from evaluator.probes import ProbeRow, draft_scores, probe_line, summarize_probes
 
 ADMISSIBLE = ("go to fridge 1", "take apple 1 from countertop 1", "look", "inventory")
 
@@ -156,8 +156,8 @@ async def test_a_probed_state_whose_gate_opens_scores_the_revision_it_executes(a
     exist there, and every game whose gate opened was dropped as failed)."""
     from types import SimpleNamespace
 
-    from actors.probes import ProbeState, probe_state, summarize_reflections
     from comap_async.config import CoMapConfig
+    from evaluator.probes import ProbeState, probe_state, summarize_reflections
 
     expert = "take apple 1 from countertop 1"
     st = ProbeState(0, expert, "s", "s", frozenset(), ADMISSIBLE, "You pick up the apple 1.", None)

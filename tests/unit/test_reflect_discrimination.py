@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.probes import auc
+from evaluator.probes import auc
 from experiments.studies.reflect_discrimination import draft_doubt, draft_doubts
 from tests.fixtures.learner import make_trainer, reflection_record
 

@@ -209,8 +209,8 @@ def test_revise_other_action_needs_admissible_choice():
 
 
 def test_choice_samples_needs_admissible_choice_and_keeps_old_row_keys():
-    from actors.compare_cells import cell_key
     from comap_async.config import ConfigError, load_config
+    from evaluator.compare_cells import cell_key
 
     with pytest.raises(ConfigError, match="needs actor.admissible_choice"):
         load_config(None, ["actor.choice_samples=8"])

@@ -1,4 +1,4 @@
-"""What each role of an evaluation method reads (actors/roles_read.py): today's defaults, the config
+"""What each role of an evaluation method reads (evaluator/roles_read.py): today's defaults, the config
 fields it follows, and agreement with the real prompt builders rendering a fixed ALFWorld state."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from actors.episodes import Episode, EpisodeContext
-from actors.roles_read import probe_requests, what_roles_read
 from comap_async.config import EVAL_METHODS, load_config
 from comap_async.envs.base import StepResult
 from comap_async.prompts import ChatTemplate, DecisionTokens, Prompts, turns_of
+from evaluator.roles_read import probe_requests, what_roles_read
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL = REPO / "configs" / "local.yaml"

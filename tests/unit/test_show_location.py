@@ -4,10 +4,10 @@ and absent from a row's key while off, so rows stored before it existed keep the
 
 from __future__ import annotations
 
-from actors.compare import plan_cells
-from actors.compare_cells import cell_key
 from comap_async.config import CoMapConfig
 from comap_async.run_files import write_run_ablation
+from evaluator.compare import plan_cells
+from evaluator.compare_cells import cell_key
 
 
 def test_a_prompting_method_on_a_runs_adapters_is_played_with_that_runs_switches(tmp_path):
