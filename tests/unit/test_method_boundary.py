@@ -19,7 +19,7 @@ ROUTING = {"PHASE_STORES", "PHASE_REQUIRES", "PHASE_FILTERS", "MIXED_IN"}
 
 def reads_outside_the_method(root: Path) -> list[str]:
     out = []
-    for top in ("comap_async", "actors", "broker", "learner"):
+    for top in ("comap_async", "actors", "broker", "learner", "evaluator"):
         for path in sorted((root / top).rglob("*.py")):
             rel = path.relative_to(root)
             if any(home.relative_to(REPO) in rel.parents for home in (DECLARED, METHOD)):
