@@ -195,20 +195,6 @@ def start_comap(name: str, args: list[str], env: dict, log_dir: Path) -> subproc
     )
 
 
-def wait_for(pred, timeout_s: float, what: str, procs: dict | None = None) -> None:
-    """Until ``pred()``; a process of ``procs`` (process -> its log) that exits meanwhile ends the wait
-    with its log's last line."""
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        for proc, log in (procs or {}).items():
-            if proc.poll() is not None:
-                lines = log.read_text(errors="replace").strip().splitlines() or ["(empty log)"]
-                raise SystemExit(f"{what}: {log.name} exited with {proc.returncode}: {lines[-1]}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} after {timeout_s:.0f} s")
-        time.sleep(1)
-
-
 def stored_transitions(http_port: int) -> int:
     """Transitions the broker has written (its ``/stats``)."""
     import json

@@ -75,12 +75,12 @@ from benchmarks._inference import (  # noqa: E402
     start_comap,
     stop_group,
     stored_transitions,
-    wait_for,
     write_random_adapters,
 )
 from comap_async.ports import free_port  # noqa: E402
 from comap_async.wire.inference_client import ENGINE_COUNTERS, parse_engine_counters  # noqa: E402
 from comap_async.wire.messages import COEVOLVE, ROLES, adapter_name  # noqa: E402
+from experiments.system import copy_trained_adapters, wait_for  # noqa: E402
 
 FAST = ["inference.forward=fused", "inference.top_p_candidates=256", "actor.overlap_teacher=true"]
 TURNS_DECISION_FIRST = [*FAST, "env.reflect_turns=true", "env.wm_turns=true", "actor.reflect_decision_first=true"]
@@ -236,20 +236,6 @@ def _healthy(port: int) -> bool:
         return False
 
 
-def copy_trained_adapters(source: Path, version: int, root: Path) -> dict[str, Path]:
-    """A run's adapters of ``version`` (``source/policy-vN``, ``wm-vN``, ``wm_teacher-vN``) copied under
-    ``root`` as version 1, the names a window serves; a missing one ends the benchmark with its path."""
-    import shutil
-
-    out = {}
-    for role in ROLES:
-        src = source / adapter_name(role, version)
-        if not (src / "adapter_model.safetensors").is_file():
-            raise SystemExit(f"--adapters-from: no adapter at {src} (a run's adapter directory and --adapter-version)")
-        out[role] = Path(shutil.copytree(src, root / adapter_name(role, 1), dirs_exist_ok=True))
-    return out
-
-
 def measure_window(args: argparse.Namespace, name: str, overrides: list[str]) -> tuple:
     """One window: a fresh run directory, broker and server with three adapters (random, or
     ``--adapters-from``'s) published as co-evolution's, one actor; the server's counters and the stored
@@ -319,7 +305,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/local.yaml")
     ap.add_argument("--steps", type=int, default=40, help="transitions timed per window of 4 environments")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="0: only check that every setting loads over --config")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument(
         "--adapters-from",
@@ -337,6 +323,16 @@ def main() -> int:
     )
     args = ap.parse_args()
     settings = {k: SETTINGS[k] for k in args.settings}
+    from comap_async.config import ConfigError, load_config
+
+    for name, overrides in settings.items():  # a setting the config refuses ends the run here, before any window
+        try:
+            load_config(args.config, [*args.overrides, *overrides])
+        except ConfigError as err:
+            raise SystemExit(f"coevolve_throughput: setting {name}: {err}") from None
+    if args.rounds == 0:  # only the check above
+        print(f"coevolve_throughput: {len(settings)} settings load over {args.config}")
+        return 0
 
     results: dict[str, list[tuple[float, float, float]]] = {f: [] for f in settings}
     stamp = time.strftime("%Y%m%d-%H%M%S")

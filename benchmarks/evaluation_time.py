@@ -53,7 +53,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._inference import stored_transitions, wait_for  # noqa: E402 - the repo must be on sys.path first
+from benchmarks._inference import stored_transitions  # noqa: E402 - the repo must be on sys.path first
+from experiments.system import wait_for  # noqa: E402
 
 VARIANTS: dict[str, dict] = {
     "together": {},

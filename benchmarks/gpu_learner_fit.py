@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.learner_throughput import OBS  # noqa: E402 - the repo must be on sys.path first
 from learner.flops import (  # noqa: E402
+    SHAPES,
     ModelDims,
     Pass,
     card_peak_tflops,
@@ -57,40 +58,6 @@ from learner.flops import (  # noqa: E402
     padding,
     pass_flops,
 )
-
-# Qwen3's published configurations (config.json of Qwen/Qwen3-4B and Qwen/Qwen3-8B)
-SHAPES = {
-    "qwen3-4b": dict(
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "qwen3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        tie_word_embeddings=False,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=512,
-        tie_word_embeddings=True,
-    ),
-}
 
 
 def shape_of(model_name: str) -> str:

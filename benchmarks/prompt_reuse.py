@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from comap_async.prompts import Conversation  # noqa: E402
 from comap_async.wire.messages import COEVOLVE  # noqa: E402
+from experiments.prefix_model import BlockCache  # noqa: E402
 from experiments.system import run_records  # noqa: E402
 
 FORMS = {
@@ -40,26 +41,6 @@ FORMS = {
     "turns": {"env.reflect_turns": True, "env.wm_turns": True},
 }
 ROLES = ("policy", "wm", "teacher")
-
-
-class BlockCache:
-    """The prefix cache's reuse rule without its tensors (``comap_async/inference/prefix.py``'s chained full blocks)."""
-
-    def __init__(self, block: int) -> None:
-        self.block, self.keys = block, set()
-
-    def computed(self, adapter: str, ids: list[int]) -> int:
-        """Tokens ``ids`` computes: past its longest run of cached full blocks; then its full blocks are kept."""
-        usable = ((len(ids) - 1) // self.block) * self.block
-        prev, hit, chain = None, 0, []
-        for start in range(0, len(ids) - len(ids) % self.block, self.block):
-            key = (adapter, hash((prev, tuple(ids[start : start + self.block]))))
-            chain.append(key)
-            if start < usable and hit == start and key in self.keys:
-                hit = start + self.block
-            prev = key
-        self.keys.update(chain)
-        return len(ids) - hit
 
 
 def episodes(records: list[dict]) -> list[list[dict]]:

@@ -251,3 +251,33 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 120) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def wait_for(pred: Callable[[], bool], timeout_s: float, what: str, procs: dict | None = None) -> None:
+    """Until ``pred()``; a process of ``procs`` (process -> its log) that exits meanwhile ends the wait
+    with its log's last line."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        for proc, log in (procs or {}).items():
+            if proc.poll() is not None:
+                lines = log.read_text(errors="replace").strip().splitlines() or ["(empty log)"]
+                raise SystemExit(f"{what}: {log.name} exited with {proc.returncode}: {lines[-1]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} after {timeout_s:.0f} s")
+        time.sleep(1)
+
+
+def copy_trained_adapters(source: Path, version: int, root: Path) -> dict[str, Path]:
+    """A run's adapters of ``version`` (``source/policy-vN``, ``wm-vN``, ``wm_teacher-vN``) copied under
+    ``root`` as version 1, the names a fresh server serves; a missing one ends the caller with its path."""
+    import shutil
+
+    from comap_async.wire.messages import ROLES, adapter_name
+
+    out = {}
+    for role in ROLES:
+        src = source / adapter_name(role, version)
+        if not (src / "adapter_model.safetensors").is_file():
+            raise SystemExit(f"no adapter at {src} (a run's adapter directory and a version it holds)")
+        out[role] = Path(shutil.copytree(src, root / adapter_name(role, 1), dirs_exist_ok=True))
+    return out

@@ -51,6 +51,43 @@ def card_peak_tflops(device_name: str) -> float | None:
     return None
 
 
+# Qwen3's published configurations (config.json of Qwen/Qwen3-4B and Qwen/Qwen3-8B) and a tiny model of the
+# same architecture, as transformers config fields (``ModelDims.from_shape``; benchmarks/gpu_learner_fit.py
+# builds random models of them)
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-4b": dict(
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    ),
+}
+
+
 @dataclass(frozen=True)
 class ModelDims:
     """What the FLOPs count needs of a decoder: its matmul weights and attention width."""

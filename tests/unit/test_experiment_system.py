@@ -1,5 +1,6 @@
 """The system an experiment runs for a while (``experiments/system.py``): the wait over a fork's training,
-a warm-up's wall time over sittings, and a system left by a killed runner cleared before the next."""
+a warm-up's wall time over sittings, and a system left by a killed runner cleared before the next; a driver's
+wait that ends when a process it waits on exits, and a run's adapters copied to be served as version 1."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -103,3 +105,37 @@ def test_a_fork_s_learner_line_carries_its_step_budget(tmp_path):
     assert learner.endswith("comap learner --config ${COMAP_CONFIG:-configs/local.yaml} --max-steps 40")
     assert [x for x in lines if not x.startswith("learner:")] == [x for x in repo if not x.startswith("learner:")]
     assert system.procfile_with(tmp_path, "source", []) == []  # the repository's Procfile as it is
+
+
+def test_a_process_that_exits_ends_the_wait_with_its_logs_last_line(tmp_path):
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "print('loading'); print('comap serve: error: bad setting'); raise SystemExit(2)"],
+            stdout=out,
+        )
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit, match=r"the server did not come up: serve.log exited with 2: comap serve: error"):
+        system.wait_for(lambda: False, 60, "the server did not come up", {proc: log})
+    assert time.monotonic() - t0 < 30
+
+
+def test_the_wait_ends_when_its_condition_holds_and_times_out_otherwise():
+    system.wait_for(lambda: True, 0, "never")
+    with pytest.raises(TimeoutError, match="nothing after 0 s"):
+        system.wait_for(lambda: False, 0, "nothing")
+
+
+def test_a_runs_adapters_are_served_as_version_1_and_a_missing_one_is_named(tmp_path):
+    source = tmp_path / "run" / "adapters"
+    for role in ("policy", "wm", "wm_teacher"):
+        (source / f"{role}-v7").mkdir(parents=True)
+        (source / f"{role}-v7" / "adapter_model.safetensors").write_bytes(role.encode())
+    copied = system.copy_trained_adapters(source, 7, tmp_path / "window")
+    assert {r: (p.name, (p / "adapter_model.safetensors").read_bytes()) for r, p in copied.items()} == {
+        "policy": ("policy-v1", b"policy"),
+        "wm": ("wm-v1", b"wm"),
+        "wm_teacher": ("wm_teacher-v1", b"wm_teacher"),
+    }
+    with pytest.raises(SystemExit, match=r"no adapter at .*policy-v8"):
+        system.copy_trained_adapters(source, 8, tmp_path / "other")

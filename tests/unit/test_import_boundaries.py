@@ -224,3 +224,43 @@ def test_allowed_imports_pass(tmp_path):
 )
 def test_an_import_cycle_between_packages_is_caught(tmp_path, files, cycle):
     assert import_cycles(_tree(tmp_path, files)) == [cycle]
+
+
+def test_no_test_imports_a_benchmark(tmp_path):
+    """benchmarks/ holds performance checks, each run by its path; what a test needs of one lives in a package
+    (experiments/ or the system's own). An import of ``benchmarks``, of a benchmark module by its bare name
+    (benchmarks/ put on sys.path) or one loaded by name or path in-process all count; running a script as a
+    subprocess does not."""
+    loaders = {"import_module", "run_module", "run_path", "spec_from_file_location"}
+
+    def benchmark_imports(root: Path) -> list[str]:
+        bare = {p.stem for p in (root / "benchmarks").glob("*.py")}
+        out = []
+        for path in sorted((root / "tests").rglob("*.py")):
+            where = path.relative_to(root)
+            for line, name in imports_of(path, module_name(path, root)):
+                if name.split(".")[0] == "benchmarks" or name.split(".")[0] in bare:
+                    out.append(f"{where}:{line}: imports {name}")
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in loaders:
+                    args = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+                    if any(a.startswith("benchmarks") for a in args):
+                        out.append(f"{where}:{node.lineno}: loads {args[0]}")
+        return out
+
+    assert benchmark_imports(REPO) == []
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "env_step.py").write_text("")
+    (tmp_path / "tests" / "unit").mkdir(parents=True)
+    for rel in ("tests/__init__.py", "tests/unit/__init__.py"):
+        (tmp_path / rel).write_text("")
+    (tmp_path / "tests" / "unit" / "test_a.py").write_text("def test_a():\n    from benchmarks.env_step import main\n")
+    (tmp_path / "tests" / "unit" / "test_b.py").write_text("import sys\n\nimport env_step\n")
+    (tmp_path / "tests" / "test_c.py").write_text("import runpy\n\nrunpy.run_path('benchmarks/env_step.py')\n")
+    ok = "import subprocess\nimport sys\n\nsubprocess.run([sys.executable, 'benchmarks/env_step.py'])\n"
+    (tmp_path / "tests" / "test_d.py").write_text(ok)
+    assert benchmark_imports(tmp_path) == [
+        "tests/test_c.py:3: loads benchmarks/env_step.py",
+        "tests/unit/test_a.py:2: imports benchmarks.env_step.main",
+        "tests/unit/test_b.py:3: imports env_step",
+    ]

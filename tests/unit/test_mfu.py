@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks.gpu_learner_fit import SHAPES
 from learner.batches import Seq
 from learner.flops import (
+    SHAPES,
     ModelDims,
     Pass,
     card_peak_tflops,

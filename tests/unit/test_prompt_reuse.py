@@ -1,5 +1,5 @@
-"""``benchmarks/prompt_reuse.py`` counts what the server's prefix cache computes: its block model must
-reuse exactly what :class:`PrefixCache` reuses."""
+"""``benchmarks/prompt_reuse.py`` counts what the server's prefix cache computes: its block model
+(``experiments/prefix_model.py``) must reuse exactly what :class:`PrefixCache` reuses."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 
 import torch
 
-from benchmarks.prompt_reuse import BlockCache
 from comap_async.inference.prefix import PrefixCache
+from experiments.prefix_model import BlockCache
 
 
 def test_the_block_model_computes_what_the_prefix_cache_leaves_to_compute():

@@ -24,7 +24,7 @@ FIELDS = set(Transition.__struct_fields__) - {"v", "id", "t", "s", "o", "seq"}  
 def code_files() -> list[Path]:
     return [
         p
-        for top in ("comap_async", "actors", "broker", "learner", "evaluator", "benchmarks")
+        for top in ("comap_async", "actors", "broker", "learner", "evaluator", "benchmarks", "experiments/studies")
         for p in sorted((REPO / top).rglob("*.py"))
     ]
 
