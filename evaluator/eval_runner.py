@@ -46,6 +46,7 @@ class EvalSpec:
     reflection_metrics: bool = False  # judge every step by two branches: URR, HRR, BRP
     reflect_init_labels: bool = False  # play reflection-mode initialisation and count its labels instead
     probes: bool = False  # the held-out probes along each game's walkthrough instead of the CoMap loop
+    counterfactual: bool = False  # with probes: reflect on each draft under four futures (evaluator.counterfactual)
     method: str = "comap"  # how the agent acts: the CoMap loop or a baseline (comap_async.config.EvalMethod)
 
     def __post_init__(self) -> None:
@@ -58,6 +59,8 @@ class EvalSpec:
                 f"--reflection-metrics, --reflect-init-labels and --probes measure the CoMap loop; "
                 f"they do not apply to --method {self.method}"
             )
+        if self.counterfactual and not self.probes:
+            raise ValueError("--counterfactual is a kind of probe: add --probes")
 
 
 def resolve_version(spec: str, adapter_root: Path) -> int:
@@ -302,14 +305,22 @@ async def _evaluate_with(
         from evaluator.probes import run_probes
 
         try:
-            probes = await run_probes(cfg, games, registry, log, on_game=lambda: bar.update(1), on_step=on_step)
+            probes = await run_probes(
+                cfg,
+                games,
+                registry,
+                log,
+                on_game=lambda: bar.update(1),
+                on_step=on_step,
+                counterfactual=spec.counterfactual,
+            )
         finally:
             bar.close()
         return {
             "split": spec.split,
             "adapter_version": version,
             "games": len(games),
-            "probes": probes,
+            ("counterfactual" if spec.counterfactual else "probes"): probes,
             "wall_s": round(time.time() - t0, 2),
             "game_names": [g.name for g in games],
         }

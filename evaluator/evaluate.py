@@ -63,6 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "world-model Delta-F1 on the expert's and on seeded failure transitions, draft accuracy and "
         "admissible rate; last line wm_delta_f1=X draft_accuracy=Y admissible_rate=Z",
     )
+    p.add_argument(
+        "--counterfactual",
+        action="store_true",
+        help="with --probes: reflect on each walkthrough state's draft four times, shown the world model's "
+        "prediction, the draft's true next state, a contradicting state and none; how p and the gate's "
+        "decision move between them (does the reflection read the world model?)",
+    )
     from comap_async.config import EVAL_METHODS
 
     p.add_argument(
@@ -111,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
             reflection_metrics=args.reflection_metrics,
             reflect_init_labels=args.reflect_init_labels,
             probes=args.probes,
+            counterfactual=args.counterfactual,
             method=args.method or cfg.eval.method,
         )
     except ValueError as exc:
@@ -134,6 +142,13 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(report, indent=2))
+    if "counterfactual" in report:
+        from evaluator.counterfactual import counterfactual_lines
+
+        lines = counterfactual_lines(report["counterfactual"])
+        (out / "eval.md").write_text("```\n" + "\n".join(lines) + "\n```\n")
+        print("\n".join(lines))
+        return 0
     if "probes" in report:
         from evaluator.probes import probe_line
 

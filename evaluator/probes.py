@@ -268,8 +268,10 @@ async def run_probes(
     on_game: Callable[[], None] | None = None,
     on_step: Callable[[], None] | None = None,
     failures_per_game: int = 2,
+    counterfactual: bool = False,
 ) -> dict[str, Any]:
-    """Probe ``games`` with the adapters ``registry`` names (greedy, ``actor.envs`` games at a time)."""
+    """Probe ``games`` with the adapters ``registry`` names (greedy, ``actor.envs`` games at a time).
+    ``counterfactual``: the counterfactual probes instead (:mod:`evaluator.counterfactual`)."""
     from actors.episodes import EpisodeContext
     from actors.llm import AgentLLM
     from actors.registry_view import RegistryView
@@ -277,6 +279,7 @@ async def run_probes(
     from comap_async.models import resolve_model
     from comap_async.prompts import Prompts
     from comap_async.wire.inference_client import InferenceClient, affinity
+    from evaluator.counterfactual import counterfactual_game, rows_as_dicts, summarize_counterfactual
 
     prompts = Prompts.for_model(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir), cfg)
     greedy = cfg.actor.model_copy(update={"temperature": 0.0, "wm_temperature": 0.0})
@@ -291,7 +294,7 @@ async def run_probes(
         queue: asyncio.Queue = asyncio.Queue()
         for g in games:
             queue.put_nowait(g)
-        rows: list[ProbeRow] = []
+        rows: list[Any] = []
         failed: list[str] = []
         slots = asyncio.Semaphore(cfg.eval.probe_states) if cfg.eval.probe_states else None
         pool = env_pool_from_config(cfg, workers=cfg.actor.env_workers)
@@ -304,7 +307,12 @@ async def run_probes(
                     game = queue.get_nowait()
                     affinity.set(f"probe:{game.name}")  # one game's prompts share prefixes: one server's cache
                     try:
-                        rows.extend(await probe_game(ctx, env, branch, game, failures_per_game, cfg.run.seed, slots))
+                        if counterfactual:
+                            rows.extend(await counterfactual_game(ctx, env, branch, game, cfg.run.seed, slots))
+                        else:
+                            rows.extend(
+                                await probe_game(ctx, env, branch, game, failures_per_game, cfg.run.seed, slots)
+                            )
                     except Exception as exc:  # noqa: BLE001 - one game's failure is counted, not fatal
                         failed.append(game.name)
                         log.warning("eval.probe_failed", game=game.name, error=repr(exc)[:300])
@@ -314,9 +322,11 @@ async def run_probes(
             await asyncio.gather(*(worker() for _ in range(min(cfg.actor.envs, len(games)))))
         finally:
             await pool.close()
-    rows.sort(key=lambda r: (r.game, r.t, r.kind))
+    rows.sort(key=lambda r: (r.game, r.t, getattr(r, "kind", "")))
     log.info("eval.probes_done", games=len(games), rows=len(rows), failed=len(failed))
     if failed and len(failed) == len(games):
         raise RuntimeError(f"every probed game failed (first: {failed[0]}); see the eval.probe_failed log lines")
+    if counterfactual:
+        return {**summarize_counterfactual(rows), "failed_games": failed, "rows": rows_as_dicts(rows)}
     # the rows too: a figure added later (p_auc was) can be recomputed on an old report
     return {**summarize_probes(rows), "failed_games": failed, "rows": [dataclasses.asdict(r) for r in rows]}
