@@ -251,9 +251,9 @@ class Encoder:
         """A reflection sample: its decision and ``Final Action:`` prefix always carry a loss, and so
         does a REVISE's final action (the correction, the one thing only it teaches); a KEEP's final
         action, the draft copied, under ``demo_loss_share`` (:func:`carries_loss`, keyed by the
-        sample's id). With every final action subsampled (r40) a REVISE had ~17 targets to learn
+        sample's id). With every final action subsampled a REVISE had ~17 targets to learn
         from among 233 copies, and the reflection wrote the draft after REVISE on every held-out step;
-        with none subsampled (r39) the copies of frequent ``go`` drafts carried full loss too."""
+        with none subsampled the copies of frequent ``go`` drafts carried full loss too."""
         decision = "REVISE" if int(r["y"]) == 1 else "KEEP"
         target = reflection_target(decision, r["target"])
         conversation, room = self._conversation(r), self._room(r, target)

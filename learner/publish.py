@@ -101,10 +101,11 @@ async def load_everywhere(
     retried and logged, never skipped.
 
     Never in place: vLLM keeps the in-place flag on the stored adapter and re-reads it from disk at
-    every engine step for as long as it stays loaded (vLLM issue #33791). A name the endpoint already
-    lists is therefore not loaded again where it holds ``path``'s files: on a ``reload`` (a restarted
-    learner loading the registry's names, published from these very files) and on a retry (the
-    earlier attempt landed before its answer was lost). A new version's name listed before its first
+    every engine step for as long as it stays loaded
+    (https://github.com/vllm-project/vllm/issues/33791). A name the endpoint already lists is therefore
+    not loaded again where it holds ``path``'s files: on a ``reload`` (a restarted learner loading the
+    registry's names, published from these very files) and on a retry (the earlier attempt landed before
+    its answer was lost). A new version's name listed before its first
     attempt is a leftover of a publish that was never announced (the learner died between load and
     announce and numbers its next version the same), saved over since: it is unloaded, then loaded.
 
@@ -127,8 +128,8 @@ async def load_everywhere(
                 await client.load_adapter(
                     name, str(path), load_inplace=False, endpoint=endpoint, retry=retry_policy.NO_RETRY
                 )
-                # an answered load is not yet a served adapter (verl #7495: a LoRA never delivered
-                # looks like staleness): the endpoint must list it
+                # an answered load is not yet a served adapter (a LoRA never delivered looks like staleness:
+                # https://github.com/volcengine/verl/issues/7495): the endpoint must list it
                 if name not in await client.models(endpoint=endpoint):
                     raise PublishError(f"{endpoint} answered the load of {name} but does not list it")
             except Exception as exc:  # any failure of this endpoint: retry, then fail the publish loudly

@@ -3,8 +3,8 @@
 quiet (they idle after their share of the phase's data), else ``model.torch_threads``.
 
 On a 2-core machine a second learner thread while the actors still play their warm-up episodes does not
-share the cores, it fights for them: r40's first three warm-up steps took 209, 161 and 152 s with 2
-threads (r39's, with 1, 11-17 s), and 10-12 s each once the actors had stopped (session 40)."""
+share the cores, it fights for them: a run's first three warm-up steps took 209, 161 and 152 s with 2
+threads (another run's, with 1, 11-17 s), and 10-12 s each once the actors had stopped (docs/findings.md)."""
 
 from __future__ import annotations
 

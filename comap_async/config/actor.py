@@ -69,7 +69,7 @@ class ActorConfig(Section):
     turns form (``env.draft_turns``) a recovery demonstration is the whole path to the off-path state,
     its prefix learned again: ~80 % of the stored paths, weighting the early search steps; there
     leaving them out drafted the expert's finishing steps on 0.52 of held-out states against 0.07
-    after the same 100 learner steps (docs/method-table.md, "Recovery paths crowd the warm-up"), so
+    after the same 100 learner steps (docs/findings.md, "Recovery paths crowd a turns-form warm-up"), so
     turns-form runs set it false. The window form's (the default) is not measured."""
     demonstrations: Literal["walkthrough", "handcoded"] = "walkthrough"
     """The command sequence warm-up demonstrates and reflection-mode initialisation drafts along:
@@ -112,13 +112,13 @@ class ActorConfig(Section):
     """Reflection-mode initialisation: each ``y = 1`` sample (the expert's action does better than
     the draft) comes with a ``y = 0`` one on the same state whose draft is the expert's action (an
     equal draft, which section 11 labels keep), ``s̄`` its real outcome. Without pairs the labels
-    are ~75 % ``y = 1`` on different states, and ``p`` learns the prior, not the draft (measured in
-    docs/reflection-loop.md); with them a state is seen with both labels."""
+    are ~75 % ``y = 1`` on different states, and ``p`` learns the prior, not the draft (docs/findings.md);
+    with them a state is seen with both labels."""
     reflect_confidence: bool = False
     """The reflection prompt shows the draft's own confidence (its geometric-mean token probability,
     read from the draft call's logprobs) as a word: high, medium or low
     (:func:`comap_async.prompts.confidence_word`). Offline the policy's doubt in its drafts ranked
-    wrong ones above right ones (AUC 0.77) where ``p`` did not (0.48), docs/reflection-loop.md. Every
+    wrong ones above right ones (AUC 0.77) where ``p`` did not (0.48), docs/findings.md. Every
     reflection of the run is rendered so (actors, probes, the learner from each record's
     ``draft_confidence``); recorded with the run as the method switch ``reflect_confidence``."""
     imagined_rollouts: int = Field(default=0, ge=0, le=16)

@@ -94,10 +94,10 @@ class LearnerConfig(Section):
     subsamples frequent words. Which turns: a hash of the path's id and the turn, the same on every
     pass; a path keeps at least its last demonstrated action. A ``go`` while the agent carries what it
     took (after a ``take``, before a ``move``) is the word ``deliver``, not ``go``: it names the task's
-    receptacle, and ``go: 0.2`` had left it a fifth of its loss (session 35). The same share covers a
+    receptacle, and ``go: 0.2`` had left it a fifth of its loss. The same share covers a
     KEEP reflection's final action (the draft copied); a reflection's decision and a REVISE's final
-    action (the expert's correction) always carry a loss (session 41: subsampling the corrections
-    too left r40's reflection copying the draft after REVISE on every held-out step)."""
+    action (the expert's correction) always carry a loss (subsampling the corrections too left the
+    reflection copying the draft after REVISE on every held-out step; docs/findings.md)."""
     reflect_weight: float = Field(default=1.0, ge=0.0)
     """Weight of the reflection cross-entropy."""
     bce_weight: float = Field(default=0.01, ge=0.0)
@@ -106,7 +106,7 @@ class LearnerConfig(Section):
     """The BCE's weight in co-evolution, where ``y`` is the action gate's own decision (None:
     ``bce_weight``). A weight raised so that reflection-mode initialisation moves ``p`` within a
     short phase also lets the gate's self-labels pull ``p`` below ``tau_p`` within a few versions,
-    after which every label is KEEP (docs/reflection-loop.md, "Co-evolution goes on")."""
+    after which every label is KEEP (docs/findings.md, "Under self-labelling the gate shuts itself")."""
     bce_gate_labels: bool = True
     """Whether the action gate's own decisions (the co-evolution samples' ``y``) train ``p`` through
     the BCE. False: only the suffix-labelled samples (reflection-mode initialisation's branch outcomes,
@@ -114,7 +114,8 @@ class LearnerConfig(Section):
     samples still train the reflection's text. A label that is the gate's output teaches ``p`` its own
     threshold: a state whose ``p`` is under ``tau_p`` is labelled KEEP, which pulls ``p`` further
     down; with ``bce_balance`` weighing labels by the initialisation's REVISE-heavy counts the gate
-    shut within one version (docs/method-table.md, "The table from r31's v19"). The paper trains on both
+    shut within one version (docs/findings.md, "Under self-labelling the gate shuts itself"). The paper
+    trains on both
     (True)."""
     policy_wm_aux: float = Field(default=0.0, ge=0.0)
     """PaW (``learner/paw.py``): the policy adapter also predicts the next observation of the real
@@ -138,10 +139,10 @@ class LearnerConfig(Section):
     """``bce_balance``'s memory, in learner steps: the label counts it weighs by decay by half over this
     many steps (0: every label since the run began counts alike). With the whole history counted, a
     co-evolution run weighs its labels by reflection-mode initialisation's mix (171 KEEP / 429 REVISE
-    at r31's v19: a KEEP label 1.75, a REVISE one 0.70), which pulled ``p`` under ``tau_p`` as soon as
-    co-evolution's labels were less REVISE-heavy (docs/method-table.md, "The table from r31's v19");
-    a half-life lets the balance follow the mix the learner trains on now. Measured at 10 (r31's v19 fork):
-    it delays the gate's shutting by a version or two, not more (docs/reflection-loop.md)."""
+    in one run: a KEEP label 1.75, a REVISE one 0.70), which pulled ``p`` under ``tau_p`` as soon as
+    co-evolution's labels were less REVISE-heavy; a half-life lets the balance follow the mix the learner
+    trains on now. Measured at 10: it delays the gate's shutting by a version or two, not more
+    (docs/findings.md, "Under self-labelling the gate shuts itself")."""
     schedule: Literal["async", "rounds"] = "async"
     """``async``: train continuously and publish every ``publish_every`` steps;
     ``rounds``: the paper's collect-train-publish loop."""
@@ -165,16 +166,16 @@ class LearnerConfig(Section):
     has nothing to decode, so on a small machine the learner can use the cores for most of the phase;
     co-evolution goes back to ``model.torch_threads`` (docs/running.md).
     They apply once the broker has stored no new episode for a minute (learner/threads.py): before,
-    two threads beside the playing actors made r40's first steps 10x slower."""
+    two threads beside the playing actors made a run's first steps 10x slower."""
     reflect_init_lr: float | None = Field(default=None, gt=0)
     """Peak learning rate of reflection-mode initialisation (``None``: ``lr``). Its BCE trains one
     decision logit on a few hundred labels, a quarter of them REVISE; at warm-up's rate the balanced
-    BCE swung between 0.0003 and 16 from one batch of 4 to the next (docs/method-table.md)."""
+    BCE swung between 0.0003 and 16 from one batch of 4 to the next."""
     coevolve_lr: float | None = Field(default=None, gt=0)
     """Peak learning rate of co-evolution (``None``: ``lr``). Co-evolution starts its own warm-up and
     cosine, so without it an adapter that reflection-mode initialisation left at the end of its decay
-    is driven at warm-up SFT's rate again (docs/reflection-loop.md, "The gate shuts when the rate
-    comes back")."""
+    is driven at warm-up SFT's rate again (docs/findings.md, "The gate also shuts when co-evolution's
+    learning rate climbs back")."""
     reflect_init_torch_threads: int | None = Field(default=None, ge=1)
     """torch threads of reflection-mode initialisation's steps (``None``: ``model.torch_threads``), once the
     broker's reflection labels have stopped growing for a minute: the actors idle after

@@ -69,7 +69,7 @@ class EnvConfig(Section):
     the observation it got (the paper's state, the whole history; no admissible list), instead of the
     rendered ``s_t``. Warm-up then sends each played path as ``turn_demos`` and the learner trains a
     path as one sequence with a loss on every demonstrated action, instead of one ``s_t`` prompt per
-    step (issue 29). The reflection sees ``s_t`` too unless ``env.reflect_turns``, the world model and the
+    step. The reflection sees ``s_t`` too unless ``env.reflect_turns``, the world model and the
     teacher unless ``env.wm_turns``. A play switch.
     Needs a chat template whose prompts extend turn by turn (ChatML: SmolLM2; not Qwen3's, whose
     generation prompt opens an empty think block that a later turn does not keep)."""
@@ -77,14 +77,14 @@ class EnvConfig(Section):
     """``env.draft_turns``: the reflection continues the draft's conversation (its chat turns, the draft as
     the agent's turn, then one user turn with the draft's confidence and imagined result) instead of
     rendering ``s_t`` again: the server's prefix cache holds the draft's prompt, so a reflection computes
-    ~60 new tokens instead of a whole state with its admissible list (issue 29). The actors send the
+    ~60 new tokens instead of a whole state with its admissible list. The actors send the
     conversation with each transition and reflection sample (``Dialogue``) and the learner trains the
     reflection in the same form. A play switch."""
     wm_turns: bool = False
     """``env.draft_turns``: the world model and its EMA teacher see the episode as their own conversation
     (the task and first observation, then each action as a user turn and the real observation it got as
     the model's turn; the teacher's last turn adds the real answer) instead of ``s_t``: a step's prompt
-    extends the previous step's, which the server's prefix cache holds (issue 29). Every transition then
+    extends the previous step's, which the server's prefix cache holds. Every transition then
     carries its conversation (``Dialogue``) and the learner trains both in the same form. A play switch."""
     task_every_turn: bool = False
     """``env.draft_turns``: every observation's turn ends with the task line again (``Task: ...``), not

@@ -121,7 +121,7 @@ class InferenceConfig(Section):
     prefix_cache_block: int = Field(default=8, ge=1, le=512)
     """Embedded server: tokens per prefix-cache block. A prompt reuses whole blocks only, so it recomputes
     half a block of its known prefix on average: with 8, a co-evolution step computed 23 % fewer prompt tokens
-    than with 32 (the size before session 60; docs/inference.md), for a lookup that copies four times as many
+    than with 32 (the earlier size; docs/inference.md), for a lookup that copies four times as many
     blocks."""
     priority_hold_s: float = Field(default=0.0, ge=0)
     """Embedded server: a request waits while one of a lower ``priority`` (the evaluator's, ``eval.priority``)
@@ -133,13 +133,13 @@ class InferenceConfig(Section):
     prefix_cache_outputs: bool = True
     """Embedded server: a finished request's generated tokens join the prefix cache with its prompt, so
     a conversation's next turn (which repeats the reply) is prefilled from after it. Off: only prompts
-    are cached (the path before session 58). Replayed over a live fork's requests, ~6 % fewer computed prompt
+    are cached. Replayed over a live fork's requests, ~6 % fewer computed prompt
     tokens (docs/inference.md)."""
     mixed_step_tokens: int = Field(default=2048, ge=0)
     """Embedded server, fused forward: joining prompts whose uncached parts add up to at most this many
     tokens are prefilled in the same forward as the running rows' next decode step (and as each other),
     so the weights are read once for all of them; a longer one is prefilled on its own first, as with 0
-    (the path before session 59). Like vLLM's mixed prefill-and-decode batches, without chunking."""
+    (the earlier path). Like vLLM's mixed prefill-and-decode batches, without chunking."""
     speculative_tokens: int = Field(default=0, ge=0, le=32)
     """Prompt-lookup speculative decoding: up to this many tokens proposed per row and decode step
     from where the row's last tokens occurred before in its prompt or output, checked in one forward
@@ -151,11 +151,11 @@ class InferenceConfig(Section):
     admissible commands) runs the tokens its choices leave no alternative to (after "take apple 1", " from
     countertop 1" when the apple is nowhere else) in one verify step with its last token, up to this many,
     instead of one decode step each; the output is the same (each is the only token allowed). 0: one
-    token a step (the path before session 57). vLLM has no counterpart (SGLang's jump-forward decoding
+    token a step. vLLM has no counterpart (SGLang's jump-forward decoding
     is the same idea)."""
     kv_in_place: bool = True
     """Embedded server: rows join and leave the running batch's KV cache in place (``BatchCache``); false
-    copies the whole batch at every join and leave, the path before session 55, kept for the comparison
+    copies the whole batch at every join and leave, the earlier path, kept for the comparison
     (``benchmarks/kv_join_leave.py``). The outputs are the same."""
     max_new_tokens: int = Field(default=256, ge=1)
     """Upper bound on ``max_tokens`` per request."""

@@ -203,8 +203,8 @@ class BatchCache(Cache):
 
 
 class RepaddedBatchCache(BatchCache):
-    """The batch copied whole at every join and leave (``inference.kv_in_place`` false): the path before
-    session 55, kept for the comparison in ``benchmarks/kv_join_leave.py`` and ``benchmarks/coevolve_throughput.py``."""
+    """The batch copied whole at every join and leave (``inference.kv_in_place`` false): the earlier
+    path, kept for the comparison in ``benchmarks/kv_join_leave.py`` and ``benchmarks/coevolve_throughput.py``."""
 
     @staticmethod
     def _order(keep: list[int]) -> list[int]:

@@ -24,9 +24,9 @@ NGRAM_SIZES = (4, 3)
 """The suffix lengths looked up, longest first. Shorter ones propose more often and are confirmed less
 often, and on this project's CPUs an unconfirmed token costs about as much as a decode step's row (~4.8
 against ~9 ms of a step's fixed cost a row): ``benchmarks/speculative_acceptance.py`` replays a run's
-outputs and models the decode cost. Over co-evolution outputs of trained adapters (ALFWorld, r50 v4 /
-ScienceWorld, sw48-comap), modelled cost against decoding without speculation, 4 tokens at most:
-(4, 3) 0.79 / 0.72, (3, 2) 0.80 / 0.76, (4, 3, 2, 1) 0.81 / 0.76; 8 tokens at most 0.85 / 0.73."""
+outputs and models the decode cost. Over co-evolution outputs of trained adapters (an ALFWorld run's
+warm-up version / a ScienceWorld run's CoMap fork), modelled cost against decoding without speculation,
+4 tokens at most: (4, 3) 0.79 / 0.72, (3, 2) 0.80 / 0.76, (4, 3, 2, 1) 0.81 / 0.76; 8 tokens at most 0.85 / 0.73."""
 
 
 class NgramIndex:

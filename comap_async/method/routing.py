@@ -14,7 +14,7 @@ PHASE_STORES = {
     WARMUP: ("demos", "transitions"),
     # the paper's reflection-mode initialisation trains the policy's reflection mode (the draft's
     # demonstrations stay as its anchor); the world model rests until co-evolution, so a step's
-    # time goes to reflection samples (docs/reflection-loop.md)
+    # time goes to reflection samples (docs/findings.md)
     REFLECT_INIT: ("demos", "reflections"),
     COEVOLVE: ("demos", "transitions", "reflections"),
 }

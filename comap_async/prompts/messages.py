@@ -117,8 +117,8 @@ def draft_turn_messages(
     """The draft's prompt in ``env.draft_turns`` form: no admissible list (it would be repeated in
     every turn of a trained path); the instruction once, in the first turn. With ``task_every_turn``
     (``env.task_every_turn``) each observation's turn ends with the task line again: 20 steps in, the
-    first turn's task is 600-900 tokens behind the decision (docs/method-table.md, "Where the drafts
-    lose a game", measures it)."""
+    first turn's task is 600-900 tokens behind the decision (docs/findings.md, "Reading which object the
+    task names is what the small policy learns last")."""
     c = conversation
     task = f"Task: {c.task.strip()}"
     messages = _turn(wording.agent, f"{task}\n{c.first.strip()}\n\n{DRAFT_TURNS_ASK}")

@@ -19,7 +19,7 @@ with one of them: the path is walked all the same, at a tenth of the model calls
 the table's 20 games), so more games fit. ``passing`` (alone or in the list) asks where the expert goes
 on although it could take an object in sight (a ``take`` is admissible, the expert's action is not one):
 objects that are not the task's; the ``passing`` group's ``draft takes`` is the share of those states
-where the draft takes one anyway, what lost the played games of session 34. ``delivering`` asks the
+where the draft takes one anyway, which lost played games (docs/findings.md). ``delivering`` asks the
 ``go`` states while the expert holds the object it took (after its ``take``, before its ``move``): where
 the task's receptacle must be chosen. Last line:
 ``expert_path=<version>: finishing=<share> (n) [passing_takes=<share> (n)] [delivering=<share> (n)]

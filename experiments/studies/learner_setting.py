@@ -1,9 +1,9 @@
 """One learner setting against another on the same stored samples of a run: samples trained per
-learner hour, then the held-out probes of each trained policy (issue 29, acceptance 3: a faster
+learner hour, then the held-out probes of each trained policy (a faster
 learner is kept only if it learns as well from the same data).
 
-    python experiments/studies/learner_setting.py --replay /work/runs/r31/replay --samples 200 --steps 100 \
-        --variants prompt_grad=true,prompt_grad=false --out /tmp/ls                  # warm-up SFT
+    python experiments/studies/learner_setting.py --replay runs/NAME/replay --samples 200 --steps 100 \
+        --variants prompt_grad=true,prompt_grad=false --out OUT                  # warm-up SFT
     python experiments/studies/learner_setting.py --phase reflect_init --init-adapter DIR/policy-v1 ...  # reflect init
 
 Each variant trains the policy adapter (from the base model, or from ``--init-adapter``, a peft
@@ -20,17 +20,17 @@ ranks wrong drafts above right ones (``p_auc``, discrimination) and unreadable r
 variants train one after the other in child processes, one torch thread each; run nothing else
 beside it if the speed is to be read.
 
-``--same-actions`` (warm-up; issue 29's acceptance 3: the draft's two prompt forms on identical
-demonstrations): the samples are the replay's walkthrough paths (``turn_demos`` records, a run with
-``env.draft_turns``), shuffled and taken until their demonstrated actions reach ``--samples``; a
-variant with ``env.draft_turns=false`` trains the same actions as window-form demonstrations (each
-step's warm-up transition ``(s, a_exec)``: what the broker stores as a demonstration in that form).
+``--same-actions`` (warm-up: the draft's two prompt forms on identical demonstrations): the samples
+are the replay's walkthrough paths (``turn_demos`` records, a run with ``env.draft_turns``), shuffled
+and taken until their demonstrated actions reach ``--samples``; a variant with ``env.draft_turns=false``
+trains the same actions as window-form demonstrations (each step's warm-up transition ``(s, a_exec)``:
+what the broker stores as a demonstration in that form).
 A variant's settings reach its probes too (``env.*`` render their prompts). ``--epochs E`` sizes each
 variant's own steps (``ceil(E * samples / batch_size)``, its learning-rate schedule with them) instead
 of ``--steps``:
 
-    python experiments/studies/learner_setting.py --replay /work/runs/r50/replay --same-actions --samples 240 \
-        --epochs 1 --variants env.draft_turns=false+demo_loss_share={},env.draft_turns=true --out /tmp/sa
+    python experiments/studies/learner_setting.py --replay runs/NAME/replay --same-actions --samples 240 \
+        --epochs 1 --variants env.draft_turns=false+demo_loss_share={},env.draft_turns=true --out OUT
 
 Last line: ``learner_setting A -> B: draft_accuracy X -> Y [p_auc ...] speedup=S`` (B's samples per
 hour over A's).

@@ -3,9 +3,9 @@ of labelled reflection samples, teacher-forced, for each published policy adapte
 
 Why: the gate opens only where ``p`` is over ``tau_p``. A policy can keep ranking wrong drafts over
 right ones (the AUC) while its whole level of ``p`` slides under ``tau_p`` and the gate shuts; the
-probes' held-out walkthrough states see this late and the played games later still. Session 44 found
-the gate shut within ten learner steps of co-evolution's rate coming back to 1e-3 (docs/reflection-loop.md,
-"The gate shuts when the rate comes back"); this script is that measurement.
+probes' held-out walkthrough states see this late and the played games later still. The gate was
+found shut within ten learner steps of co-evolution's rate coming back to 1e-3 (docs/findings.md, "The
+gate also shuts when co-evolution's learning rate climbs back"); this script is that measurement.
 
 The samples come from a run's replay (``--samples-from``, default the run itself), drawn once with a
 fixed seed, so every version is scored on the same rows:

@@ -8,8 +8,8 @@ is deterministic given the actions), and at every state the admissible commands 
 is a state where a ``take`` of the task's object (the object type in the game's name,
 ``pick_and_place_simple-Pencil-None-Dresser-330`` -> ``pencil``) is admissible: the agent stands where
 the object lies. Per file: the chances and how many of them the agent took, the games with a chance,
-and the games where the task's object was taken at all. Session 36 read with it that the drafts find
-the object in most games and walk past it (docs/method-table.md). Last line, per file:
+and the games where the task's object was taken at all. With it, the drafts were found to reach
+the object in most games and walk past it (docs/findings.md). Last line, per file:
 ``take_chances=<taken>/<chances> (<share>) games_with_chance=<k>/<games> games_taken=<j>``.
 """
 

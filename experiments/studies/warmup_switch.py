@@ -4,9 +4,9 @@ warm-up SFT, then its end-of-warm-up policy's drafts played alone on the same he
     python experiments/studies/warmup_switch.py actor.warmup_recovery --values true,false --games 20 --out DIR \\
         [--config configs/local.yaml] [--set key=value ...] [--eval-set model.torch_threads=2] [--resume]
 
-Issue 26 asks that recovery demonstrations (``actor.warmup_recovery``) and the history window
-(``env.history_k``: what the policy is trained and evaluated on) be chosen by held-out figures, with
-the loop rate before and after. Per value, ``honcho start broker inference learner actor`` runs a
+For settings such as recovery demonstrations (``actor.warmup_recovery``) and the history window
+(``env.history_k``: what the policy is trained and evaluated on), chosen by held-out figures with the
+loop rate before and after. Per value, ``honcho start broker inference learner actor`` runs a
 run named ``ws-<setting>-<value>`` (the value in ``COMAP_OVERRIDES``) from empty until the learner
 publishes its first ``reflect_init`` version, which holds warm-up SFT's final weights, and stops it;
 then ``comap eval --method draft_only`` plays that version greedily on ``--games`` games of ``--split``

@@ -1,4 +1,4 @@
-"""The learner's device-agnostic code on a real CUDA device (issue 27): the fast path equals the
+"""The learner's device-agnostic code on a real CUDA device: the fast path equals the
 reference path there, bf16 autocast trains every loss, a checkpoint taken on the GPU resumes
 bit-identically (the CUDA generators' state included), and the learner process trains on the GPU
 against a real broker and a real embedded server, which then serves what it published.

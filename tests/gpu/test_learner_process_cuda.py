@@ -1,6 +1,6 @@
 """The learner process with ``learner.device: cuda`` (the GPU configs' setting) against a real
 broker and a real embedded server: it trains on the GPU, publishes adapters moved to the CPU, and
-the server serves the published version (issue 27). Skipped without a GPU."""
+the server serves the published version. Skipped without a GPU."""
 
 from __future__ import annotations
 

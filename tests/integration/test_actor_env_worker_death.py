@@ -1,4 +1,4 @@
-"""A real ``comap actor`` whose environment worker is killed with SIGKILL (issue 28, first defect):
+"""A real ``comap actor`` whose environment worker is killed with SIGKILL:
 it replaces the worker and goes on storing episodes; past its restart budget it exits non-zero with
 one line instead of failing episodes for ever."""
 

@@ -1,4 +1,4 @@
-"""Actors end to end (issue 6): real broker subprocess, real embedded server (tiny model), real games."""
+"""Actors end to end: real broker subprocess, real embedded server (tiny model), real games."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Acceptance 4: with CURVE on, only clients holding an authorised key get anything stored."""
+"""With CURVE on, only clients holding an authorised key get anything stored."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Acceptance 1: three actors, 10,000 transitions, the broker SIGKILLed and restarted twice mid-stream;
+"""Three actors, 10,000 transitions, the broker SIGKILLed and restarted twice mid-stream;
 afterwards every transition id is stored exactly once and the counters agree."""
 
 from __future__ import annotations

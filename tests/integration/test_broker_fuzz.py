@@ -1,4 +1,4 @@
-"""Acceptance 2: 10,000 malformed frames from raw ZeroMQ sockets; the broker keeps serving and counts them."""
+"""10,000 malformed frames from raw ZeroMQ sockets; the broker keeps serving and counts them."""
 
 from __future__ import annotations
 

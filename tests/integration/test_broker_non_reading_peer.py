@@ -1,4 +1,4 @@
-"""A peer that floods the broker and never reads its acks (issue 28): the broker's memory stays bounded
+"""A peer that floods the broker and never reads its acks: the broker's memory stays bounded
 (``broker.ack_queue_max`` replies per peer), and an honest actor beside it keeps exactly-once."""
 
 from __future__ import annotations

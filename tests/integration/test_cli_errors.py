@@ -1,4 +1,4 @@
-"""Every command's expected failures end with one line on stderr and exit 2 (issue 28): missing data,
+"""Every command's expected failures end with one line on stderr and exit 2: missing data,
 a missing model, a busy port; ``--debug`` shows the traceback."""
 
 from __future__ import annotations

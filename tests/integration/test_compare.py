@@ -1,4 +1,4 @@
-"""``comap compare`` (issue 17, acceptance 3): two tiny-model runs (CoMap and ``frozen_wm``), written
+"""``comap compare``: two tiny-model runs (CoMap and ``frozen_wm``), written
 by the learner's own publish and run-file functions, against the prompting baselines on the same
 real games; one table and one PNG that opens as an image."""
 

@@ -1,4 +1,4 @@
-"""Data-parallel learner on torch.distributed (issue 27 point 4), proven on CPU with the gloo backend
+"""Data-parallel learner on torch.distributed, proven on CPU with the gloo backend
 and 2 ranks started by torchrun: the weights after N steps equal one process's at the same global
 batch, and in a whole learner run against a real broker and server rank 0 alone publishes."""
 

@@ -1,4 +1,4 @@
-"""The environment contract (issue 30): every registered environment, and a toy one named by one
+"""The environment contract: every registered environment, and a toy one named by one
 config line, keeps the :class:`~comap_async.envs.base.TextEnv` protocol through the environment
 pool the system uses (reset with a task, a walkthrough that wins, the expert's labels, restore by
 replay, unknown commands answered, facts read from the observations, prompt wording); the toy one

@@ -1,6 +1,6 @@
 """A run cancelled while its environment worker is busy (a long ALFWorld reset) must end at once:
 the evaluator abandons its games on SIGTERM, and honcho kills whatever is still alive 5 s later
-(session 19: CI's honcho test failed on exactly this). The worker is killed, not waited for, and
+(CI's honcho test once failed on exactly this). The worker is killed, not waited for, and
 no thread is left behind for ``asyncio.run`` to wait on."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`comap eval` on the tiny model (issue 8, point 2): completes and writes eval.json + eval.md."""
+"""`comap eval` on the tiny model: completes and writes eval.json + eval.md."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_eval_rejects_unknown_adapter_version(tmp_path, alfworld_data, model_cac
 
 
 def test_eval_probes_end_with_the_probe_line(tmp_path, alfworld_data, model_cache):
-    """`comap eval --probes` (issue 14, acceptance 5): greedy probes along the walkthroughs of a
+    """`comap eval --probes`: greedy probes along the walkthroughs of a
     seeded sample spread over task types; eval.json gets a probes section."""
     out = tmp_path / "out"
     cmd = [

@@ -1,4 +1,4 @@
-"""Evaluation methods (issue 17, acceptance 1): each method, played on 2 real valid_seen games with
+"""Evaluation methods: each method, played on 2 real valid_seen games with
 the tiny model on a real embedded server, makes exactly the model calls it should, read from the
 calls the inference client recorded."""
 
@@ -68,7 +68,7 @@ def test_comap_drafts_imagines_reflects_and_gates(
     assert len(steps) == n
     revised = 0
     for step in steps:  # the executed action is imagined again only when the gate revised the draft; a
-        # reflection without a Final Action line is continued for its action (issue 25)
+        # reflection without a Final Action line is continued for its action
         assert step[:3] == ["draft", "imagine", "reflect"] and step[3:] in (
             [],
             ["imagine"],

@@ -1,4 +1,4 @@
-"""`comap eval --serve always` waits for the server it starts (issue 14, point 5 / acceptance 7).
+"""`comap eval --serve always` waits for the server it starts.
 
 The server is real (the embedded one, tiny model); only its start is delayed by a wrapper that
 sleeps before exec'ing it, as a model load on a busy CPU does. A server that never answers ends

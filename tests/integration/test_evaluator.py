@@ -1,4 +1,4 @@
-"""The evaluator process against a real broker and the embedded server (issue 14, acceptance 1).
+"""The evaluator process against a real broker and the embedded server.
 
 Two versions are "published" the way the learner does it (adapter files in the adapter root, an
 announce to the broker); `comap evaluator --once` measures the base model and each version on

@@ -1,4 +1,4 @@
-"""``comap fork`` (issue 26 point 4): a run started from another run's published version resumes at
+"""``comap fork``: a run started from another run's published version resumes at
 that version, with the replay as the source had it then and its own switches; on a real broker,
 a real learner with the tiny model and a real inference server."""
 

@@ -1,4 +1,4 @@
-"""Imagined episodes (issue 31, WebEvolver's world model as a virtual environment) with the tiny
+"""Imagined episodes (WebEvolver's world model as a virtual environment) with the tiny
 model on a real embedded server, a real broker and real valid_seen games: the policy acts and the
 world model answers, no environment step is taken, the steps are stored apart and reach only the
 policy's draft batches."""

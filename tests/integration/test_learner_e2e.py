@@ -1,4 +1,4 @@
-"""The learner against a real broker and a real embedded server (issue 7, points 3-4)."""
+"""The learner against a real broker and a real embedded server."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The learner's phases against a real broker and a real embedded server (issue 13, points 3 and 9):
+"""The learner's phases against a real broker and a real embedded server:
 reflection-mode initialisation trains on reflection samples from its first step, and co-evolution
 trains the world model on co-evolution transitions."""
 

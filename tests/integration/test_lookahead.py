@@ -1,4 +1,4 @@
-"""The look-ahead evaluation method (issue 31, WebEvolver's imagination engine) on real valid_seen
+"""The look-ahead evaluation method (WebEvolver's imagination engine) on real valid_seen
 games with a tiny model on a real embedded server: K sampled candidates, K x D world-model calls
 per step, the policy's critic score read from its answer tokens, the best-scored candidate executed."""
 

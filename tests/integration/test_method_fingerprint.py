@@ -1,4 +1,4 @@
-"""Processes of one run refuse a peer running another method (issue 30): the broker's registry
+"""Processes of one run refuse a peer running another method: the broker's registry
 (every ack, every reply to an announce) carries its fingerprint; a learner started with another
 config stops with one line before it trains, an actor before it plays an episode."""
 

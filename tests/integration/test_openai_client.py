@@ -1,4 +1,4 @@
-"""The embedded server with the official ``openai`` Python client (issue 28): chat completions, streamed
+"""The embedded server with the official ``openai`` Python client: chat completions, streamed
 chat and streamed completions, an adapter chosen by ``model``, errors as the client expects them."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The GPU configs' model, by hub id, offline (issue 27 point 1): a tiny random Qwen3 written into a
+"""The GPU configs' model, by hub id, offline: a tiny random Qwen3 written into a
 temporary Hugging Face cache, whose chat template branches on ``enable_thinking`` like Qwen3's.
 Every role reads the same snapshot: the prompts (actors, evaluator), the learner's model and one
 training step, and ``comap serve`` with an adapter the learner saved."""

@@ -1,4 +1,4 @@
-"""Reflection-mode initialisation labels on a real ALFWorld game (issue 13, point 3; docs/design.md section 11).
+"""Reflection-mode initialisation labels on a real ALFWorld game (docs/design.md section 11).
 
 The model is the only stand-in: a scripted policy drafts the walkthrough's action on even steps
 (keep samples) and ``look`` on odd ones. Both branches run under the game's expert until the

@@ -1,4 +1,4 @@
-"""ScienceWorld through the whole actor path (issue 18, acceptance 2): the real simulator, a real
+"""ScienceWorld through the whole actor path: the real simulator, a real
 broker subprocess (gates on ScienceWorld's canonical facts), the real embedded server on the tiny model."""
 
 from __future__ import annotations

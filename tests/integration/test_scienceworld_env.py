@@ -1,4 +1,4 @@
-"""ScienceWorld behind the TextEnv protocol (issue 18, first part): the real simulator (a JVM from
+"""ScienceWorld behind the TextEnv protocol: the real simulator (a JVM from
 the scienceworld wheel), its split discovery, gold sequences as the expert, restore by replay, the
 step limit, and `comap env check --env scienceworld`."""
 

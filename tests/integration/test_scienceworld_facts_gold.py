@@ -1,4 +1,4 @@
-"""ScienceWorld's canonical facts on the real simulator (issue 18, acceptance 3): every observation of
+"""ScienceWorld's canonical facts on the real simulator: every observation of
 10 gold runs (10 tasks, a seeded dev variation each) is readable, so the real next state scores
 itself Delta-F1 = 1 at every transition; and the facts move with the actions (the metric can tell
 a stale prediction from the real one)."""

@@ -1,4 +1,4 @@
-"""The whole system under honcho (issue 8): warm-up -> publishes -> co-evolution, clean SIGTERM, resume.
+"""The whole system under honcho: warm-up -> publishes -> co-evolution, clean SIGTERM, resume.
 
 The Procfile's own lines run, pointed at configs/test.yaml (tiny model, a few real ALFWorld games)
 through $COMAP_CONFIG / $COMAP_OVERRIDES, on free ports in a temporary run directory.
@@ -166,7 +166,7 @@ def test_honcho_system_runs_stops_cleanly_and_resumes(tmp_path, tiny_model_dir, 
         assert "(no episodes yet)" not in out.stdout
         if "(no gated samples yet)" in out.stdout:
             # the tiny random model rarely puts a decision token among its top-20 alternatives: such a
-            # reflection is unreadable and derives no sample (issue 25); then every gate counted before says so
+            # reflection is unreadable and derives no sample; then every gate counted before says so
             assert set(reasons_before) <= {"unreadable"}, reasons_before
         # the learner's scalars, sent with its last publish (the world model's only once co-evolution
         # transitions exist: it trains on the policy's own rollouts)

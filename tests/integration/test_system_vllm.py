@@ -1,4 +1,4 @@
-"""The whole system on the vLLM backend (issue 27, point 6): broker + vLLM + learner + one actor
+"""The whole system on the vLLM backend: broker + vLLM + learner + one actor
 with the default model, each its own process as the Procfile starts it. Opt-in (marker ``vllm``):
 vLLM's CPU build in its own virtualenv (``COMAP_VLLM_PYTHON``, docs/inference.md).
 

@@ -1,4 +1,4 @@
-"""World-model warm-up on real transitions that include failures (issue 13 point 5), on real games:
+"""World-model warm-up on real transitions that include failures, on real games:
 exploratory actions run on a second environment restored to the expert path; their transitions
 reach the world model's store, never the demonstrations."""
 

@@ -1,4 +1,4 @@
-"""Acceptance (issue 2, point 2): `comap model prepare` gives a directory transformers loads offline,
+"""`comap model prepare` gives a directory transformers loads offline,
 and the real model answers a question sensibly through its chat template."""
 
 from __future__ import annotations

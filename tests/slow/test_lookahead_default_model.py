@@ -1,4 +1,4 @@
-"""The look-ahead method with the real default model (issue 31): its critic's answer is read from
+"""The look-ahead method with the real default model: its critic's answer is read from
 the server's logprobs on most steps, and the executed candidate is the best-scored one."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Training ablations (issue 17, acceptance 2): each switch changes exactly the one mechanism it
+"""Training ablations: each switch changes exactly the one mechanism it
 names, shown on the config, the learner's store requests and phases, and the tiny model's
 training step. (The world-state gate ablations: tests/unit/test_gates.py.)"""
 

@@ -1,4 +1,4 @@
-"""Acceptance (issue 2, point 5): readable configuration errors; every field documented."""
+"""Readable configuration errors; every field documented."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``actor.reflect_confidence`` (issue 25): the draft's own confidence, read from the draft call's
+"""``actor.reflect_confidence``: the draft's own confidence, read from the draft call's
 logprobs, shown in the reflection prompt by the actor and, from the stored sample, by the learner."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``env.draft_turns`` (issue 29's trajectory-form training): a warm-up path trains as one sequence
+"""``env.draft_turns`` (trajectory-form training): a warm-up path trains as one sequence
 whose every demonstrated action sits exactly where the actors' prompt for that step ends, so one
 sequence stands for the per-step samples of its actions (the same tokens, the same losses)."""
 

@@ -1,4 +1,4 @@
-"""The environment registry (issue 30): names, import paths, splits as defaults, clear errors."""
+"""The environment registry: names, import paths, splits as defaults, clear errors."""
 
 from __future__ import annotations
 

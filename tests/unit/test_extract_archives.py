@@ -1,5 +1,5 @@
 """The ALFWorld archives are extracted once per content: a fresh copy of the same archives (a new
-checkout of ../shared, a CI clone) is not extracted again; a changed archive is."""
+checkout of the shared data, a CI clone) is not extracted again; a changed archive is."""
 
 from __future__ import annotations
 

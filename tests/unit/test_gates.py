@@ -1,4 +1,4 @@
-"""Acceptance (issue 2, point 4): worked examples for both gates and Delta-F1."""
+"""Worked examples for both gates and Delta-F1."""
 
 from __future__ import annotations
 
@@ -219,7 +219,7 @@ def _kept_step(teacher: str):
 
 @pytest.mark.parametrize("teacher, gate_picks", [("PICKED", "PICKED"), ("FRIDGE", "REAL NEXT")])
 def test_ws_gate_ablations_fix_the_future_state(teacher, gate_picks):
-    """``no_ws_gate_real`` / ``no_ws_gate_imagined`` (issue 17): s̄ is the real / the imagined next
+    """``no_ws_gate_real`` / ``no_ws_gate_imagined``: s̄ is the real / the imagined next
     state whatever the gate says; the gate's own score is still computed and kept."""
     tr = _kept_step(teacher)
     gated = derive_policy_sample(tr)

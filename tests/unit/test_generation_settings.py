@@ -1,4 +1,4 @@
-"""Generation settings of the paper (issue 13 points 6 and 8): Qwen3 in non-thinking mode, top-p
+"""Generation settings of the paper: Qwen3 in non-thinking mode, top-p
 0.9, separate token budgets, the student rollout sampled, and the adapter versions each call used."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Imagined episodes' filter and storage as pure logic (issue 31): the critic's score decides what
+"""Imagined episodes' filter and storage as pure logic: the critic's score decides what
 is kept, the broker files the kept steps in their own store as the policy's draft data."""
 
 from __future__ import annotations

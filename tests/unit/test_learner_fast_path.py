@@ -1,4 +1,4 @@
-"""Issue 14, point 3: the learner's fast path (packed rows, target-position logits, one pass for a
+"""The learner's fast path (packed rows, target-position logits, one pass for a
 transition's CE target and its rollout, optional bf16) computes the reference path's losses and
 gradients (tiny model, fp32); the comparison would catch a loss taken at the wrong positions."""
 

@@ -1,4 +1,4 @@
-"""The learner's side of issue 13: per-phase LR schedule, per-role clipping, a dropout-free
+"""The learner's fidelity to the paper: per-phase LR schedule, per-role clipping, a dropout-free
 teacher, phase-tagged micro-batches and phase-filtered sampling (docs/design.md sections 5, 6, 11)."""
 
 from __future__ import annotations

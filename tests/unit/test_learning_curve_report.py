@@ -1,5 +1,5 @@
 """The learning-curve study's cut (``experiments/studies/learning_curve.py``) at an earlier wall time
-(equal-budget comparisons, issue 14)."""
+(equal-budget comparisons)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The loop rate on hand-made step lists, and an evaluator version whose success games crashed (issue 26)."""
+"""The loop rate on hand-made step lists, and an evaluator version whose success games crashed."""
 
 from __future__ import annotations
 

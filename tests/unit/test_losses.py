@@ -1,4 +1,4 @@
-"""Acceptance (issue 7, points 1-2): each loss on hand-made tensors; EMA is real weight averaging."""
+"""Each loss on hand-made tensors; EMA is real weight averaging."""
 
 from __future__ import annotations
 

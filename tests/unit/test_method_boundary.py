@@ -1,4 +1,4 @@
-"""The method in one place (issue 30): the ablation flags and the gates' thresholds are read only in
+"""The method in one place: the ablation flags and the gates' thresholds are read only in
 ``comap_async/method/`` (and declared and validated in ``comap_async/config/``); the phase
 routing tables are defined only there. An AST walk over every module of the processes and the core,
 like the import-boundary test."""

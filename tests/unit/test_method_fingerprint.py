@@ -1,4 +1,4 @@
-"""The method fingerprint (issue 30): what it covers, and the one line a mismatch gives."""
+"""The method fingerprint: what it covers, and the one line a mismatch gives."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Model names -> local directories: paths that do not exist, hub ids through the local hub cache
-(issue 27: a hub id used to reach the chat-template reader as a relative path)."""
+(a hub id once reached the chat-template reader as a relative path)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Acceptance (issue 2, point 2): the CLI lists working subcommands; models load through one path."""
+"""The CLI lists working subcommands; models load through one path."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""PaW's auxiliary loss (issue 31): the policy predicts next observations of the real transitions
+"""PaW's auxiliary loss: the policy predicts next observations of the real transitions
 with the highest action entropy, under a noise-tolerant loss and an adaptive weight; off unless
 switched on. Pure functions by hand, then the tiny trainer with its real LoRA adapters."""
 

@@ -1,4 +1,4 @@
-"""Process priority: actors and the evaluator yield the CPU to the learner (issue 14, point 4)."""
+"""Process priority: actors and the evaluator yield the CPU to the learner."""
 
 from __future__ import annotations
 

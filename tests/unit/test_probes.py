@@ -1,4 +1,4 @@
-"""Held-out probes on hand-made transitions (issue 14, point 1): pure scoring and summaries."""
+"""Held-out probes on hand-made transitions: pure scoring and summaries."""
 
 from __future__ import annotations
 

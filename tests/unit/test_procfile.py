@@ -1,4 +1,4 @@
-"""``comap procfile`` (issue 27 point 2): the Procfile of a 1-GPU and a 4-GPU host from the config's
+"""``comap procfile``: the Procfile of a 1-GPU and a 4-GPU host from the config's
 device plan, and the vLLM command each inference line starts."""
 
 from __future__ import annotations

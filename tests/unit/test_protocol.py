@@ -1,4 +1,4 @@
-"""Acceptance (issue 2, point 3): the decoder turns any bytes into a valid message or ProtocolError."""
+"""The decoder turns any bytes into a valid message or ProtocolError."""
 
 from __future__ import annotations
 

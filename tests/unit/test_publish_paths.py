@@ -29,11 +29,12 @@ async def test_relative_run_dir_publishes_absolute_paths(tiny_model_dir, tmp_pat
     assert [n for n, _, _ in rec.loads] == ["policy-v1", "wm-v1", "wm_teacher-v1"]
     for _, path, inplace in rec.loads:
         assert os.path.isabs(path) and os.path.isfile(os.path.join(path, "adapter_model.safetensors"))
-        assert not inplace  # a new version is an ordinary load under its new name (vLLM #33791)
+        # a new version is an ordinary load under its new name (vLLM re-reads an in-place adapter every step)
+        assert not inplace
 
 
 async def test_every_published_version_records_its_ablation(tiny_model_dir, tmp_path):
-    """Issue 17: a saved version says what produced it (``comap.json`` beside peft's files)."""
+    """A saved version says what produced it (``comap.json`` beside peft's files)."""
     import json
 
     from comap_async.run_files import VERSION_META

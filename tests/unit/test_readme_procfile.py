@@ -1,4 +1,4 @@
-"""The README quotes `comap procfile`'s output for a 4-GPU host (issue 27): it must be what the command writes."""
+"""The README quotes `comap procfile`'s output for a 4-GPU host: it must be what the command writes."""
 
 from __future__ import annotations
 

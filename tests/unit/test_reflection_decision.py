@@ -1,4 +1,4 @@
-"""The reflection loop's decision (issue 25): always an action, one p, no cross-entropy on the decision,
+"""The reflection loop's decision: always an action, one p, no cross-entropy on the decision,
 nothing unreadable stored, the teacher starting from the student when co-evolution begins."""
 
 from __future__ import annotations

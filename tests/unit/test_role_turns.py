@@ -1,4 +1,4 @@
-"""``env.reflect_turns`` and ``env.wm_turns`` (issue 29): the reflection continues the draft's
+"""``env.reflect_turns`` and ``env.wm_turns``: the reflection continues the draft's
 conversation, so its prompt starts with the draft's, token for token (the server's prefix cache holds
 that part); the world model and its teacher see the episode as their own conversation, so a step's prompt
 extends the previous step's; the learner trains each in the same form from the conversation the actor
@@ -212,7 +212,7 @@ def test_a_malformed_conversation_is_refused_on_the_wire():
 def test_a_reflection_fitted_to_the_servers_limit_leaves_room_for_its_continuation(tiny_model_dir, tok):
     """A reflection that leaves out its Final Action line is continued from its prompt plus the decision's
     head (``actors/llm.py``): that request must fit the servers' limit too. Left unreserved, a 50-step
-    evaluation game sent 2,053 tokens against 2,048 and the evaluation lost its success rate (session 55)."""
+    evaluation game sent 2,053 tokens against 2,048 and the evaluation lost its success rate."""
     import dataclasses
 
     from comap_async.prompts import reflection_head

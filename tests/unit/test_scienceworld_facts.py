@@ -1,4 +1,4 @@
-"""ScienceWorld's canonical facts on real observations (issue 18, acceptance 3).
+"""ScienceWorld's canonical facts on real observations.
 
 Every text below was returned by the scienceworld 1.2.3 simulator (gold runs and random valid
 actions over dev and train variations, simplifications ``easy``); the expected facts are written

@@ -1,4 +1,4 @@
-"""Issue 16, acceptance 2: the Transition's fields, the phase names and the adapter-name format are
+"""The Transition's fields, the phase names and the adapter-name format are
 declared in one module (``comap_async/wire/messages.py``); every other module names them from there.
 
 An AST walk over the code (docstrings and comments do not count): a dict, list, tuple or set

@@ -1,5 +1,5 @@
 """State-level canonical facts (docs/design.md section 11): Delta-F1 and the world-state gate compare the
-changes an action makes to the *state*, with worked examples (issue 13, point 2), and the future
+changes an action makes to the *state*, with worked examples, and the future
 context of a reflection sample always describes the draft (point 1)."""
 
 from __future__ import annotations

@@ -92,7 +92,8 @@ def test_a_pinned_checkpoint_outlives_the_rotation(tiny_model_dir, tmp_path):
 
 def test_the_pinned_checkpoints_version_keeps_its_adapters(tiny_model_dir, tmp_path):
     """The adapters published at a pinned checkpoint's step outlive the adapters' rotation too: a
-    fork from that version needs both (r31's v19 had lost its adapters, its checkpoint kept)."""
+    fork from that version needs both (a run's first co-evolution version once lost its adapters, its
+    checkpoint kept)."""
     import json
 
     from learner.checkpoint import pinned_steps

@@ -1,4 +1,4 @@
-"""World-model warm-up on failures too (issue 13 point 5): the exploratory actions and how the
+"""World-model warm-up on failures too: the exploratory actions and how the
 broker stores their transitions (for the world model only, never as demonstrations)."""
 
 from __future__ import annotations

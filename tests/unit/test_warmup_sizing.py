@@ -1,4 +1,4 @@
-"""Warm-up sized by data and time (issue 14, point 4): the phase ends after ``warmup_epochs`` passes
+"""Warm-up sized by data and time: the phase ends after ``warmup_epochs`` passes
 over the demonstrations (at least ``warmup_steps``) or ``warmup_max_minutes`` of training, and the
 learning rate spans that budget."""
 
