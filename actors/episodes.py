@@ -371,6 +371,7 @@ async def play_coevolve(
     eval_mode: bool = False,
     branch: Any = None,
     counterfactual: Any = None,
+    oracle: Any = None,
 ) -> EpisodeStats:
     """The CoMap step: draft -> imagine -> reflect -> action gate -> act -> teacher -> transition.
 
@@ -379,6 +380,9 @@ async def play_coevolve(
     With a ``counterfactual`` environment (training), a step that executes another action than the
     draft also takes the draft there, from the restored state: its real next observation
     (``s_next_draft``) is the future the world-state gate shows when it does not trust the imagined one.
+    With an ``oracle`` environment (evaluation, ``comap_oracle``), the reflection is shown the draft's
+    true next state taken there instead of the world model's prediction (the world model's own where
+    the replay diverges); no Delta-F1 is counted, the world model having predicted nothing.
     """
     llm = ctx.llm
     overlap = ctx.cfg.actor.overlap_teacher and not eval_mode
@@ -406,7 +410,9 @@ async def play_coevolve(
             if a_draft is None:  # unparseable draft: fall back to a harmless command, as the paper's agents do
                 ep.stats.parse_problems += 1
                 a_draft = FALLBACK_ACTION
-            s_hat = await llm.imagine(s, a_draft, turns_of(seen))
+            s_hat = await draft_outcome(ep, oracle, game, a_draft) if oracle is not None else None
+            if s_hat is None:
+                s_hat = await llm.imagine(s, a_draft, turns_of(seen))
             wm_v = llm.last_version("wm")
             refl = await llm.reflect(
                 s,
@@ -441,7 +447,7 @@ async def play_coevolve(
             else:
                 s_hat_exec = s_hat
             score = state_delta_f1(ctx.next_state, ep.facts_before, s_hat_exec, ep.current.observation)
-            if score is not None:
+            if score is not None and oracle is None:
                 ep.stats.delta_f1.append(score)
             if eval_mode:
                 continue

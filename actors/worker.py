@@ -108,7 +108,7 @@ class ActorWorker:
         return f"{self.actor_id}:e{self._counter}"
 
     async def _episode_loop(self, ctx: EpisodeContext, pool: Any, games: list, rng: random.Random) -> None:
-        env, branch = pool.env(), None
+        env, branch, oracle = pool.env(), None, None
         while (episode_id := self._claim_episode()) is not None:
             affinity.set(episode_id)  # the episode's requests share prefixes: one server's cache holds them
             if not self.eval_mode:  # what the learner trains from this episode must be what it meant
@@ -135,12 +135,16 @@ class ActorWorker:
                 if self.eval_mode and self.eval_phase == REFLECT_INIT:  # labels only, nothing trained
                     branch = branch or pool.env()
                     stats = await play_reflect_init(ctx, env, branch, game, episode_id)
-                elif self.eval_mode and self.eval_method != "comap":
+                elif self.eval_mode and self.eval_method not in ("comap", "comap_oracle"):
                     stats = await play_method(ctx, env, game, episode_id, self.eval_method)
                 elif self.eval_mode:
                     if self.reflection_metrics:
                         branch = branch or pool.env()
-                    stats = await play_coevolve(ctx, env, game, episode_id, eval_mode=True, branch=branch)
+                    if self.eval_method == "comap_oracle":  # the draft's true next state, from a third environment
+                        oracle = oracle or pool.env()
+                    stats = await play_coevolve(
+                        ctx, env, game, episode_id, eval_mode=True, branch=branch, oracle=oracle
+                    )
                 elif phase == WARMUP:
                     if self.cfg.actor.warmup_explore > 0:  # exploratory actions run on a second environment
                         branch = branch or pool.env()

@@ -14,6 +14,7 @@ METHOD_LABELS = {
     "imagine_and_act": "Imagine-and-Act",
     "draft_only": "Draft only",
     "comap": "CoMap",
+    "comap_oracle": "CoMap, true next states",
     "lookahead": "Look-ahead (WebEvolver)",
 }
 

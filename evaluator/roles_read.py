@@ -116,6 +116,10 @@ class _ProbeEnv:
     async def walkthrough(self) -> list[str]:
         return []
 
+    async def restore(self, game: Any, actions: Any) -> StepResult:
+        self.t = len(actions)
+        return self._result()
+
 
 class _Server:
     """The inference server's stand-in: records each request and answers a choice with its first
@@ -204,8 +208,9 @@ async def _play(cfg: Any, method: str, training: bool) -> list[ProbeRequest]:
     # the facts only key the repeat guard and the cycle stop: every probe state is a new one
     ctx = EpisodeContext("probe", cfg, llm, emit, lambda facts, o: facts | {o}, lambda: Registry.serving(0))
     game = SimpleNamespace(name="probe", split=cfg.env.split)
-    if method == "comap":  # as actors.worker plays it
-        await play_coevolve(ctx, env, game, "probe", eval_mode=not training)
+    if method in ("comap", "comap_oracle"):  # as actors.worker plays it
+        oracle = _ProbeEnv(steps) if method == "comap_oracle" else None
+        await play_coevolve(ctx, env, game, "probe", eval_mode=not training, oracle=oracle)
     else:
         await play_method(ctx, env, game, "probe", method)
     return server.requests

@@ -8,10 +8,12 @@ from pydantic import Field, field_validator
 
 from comap_async.config.base import RequestPriority, Section
 
-EvalMethod = Literal["comap", "react", "imagine_and_act", "draft_only", "lookahead"]
+EvalMethod = Literal["comap", "comap_oracle", "react", "imagine_and_act", "draft_only", "lookahead"]
 """How an evaluated agent acts (``actors/eval_methods.py``): ``comap`` (draft, imagine, reflect,
-action gate), ``react`` (a thought then an action from the state alone: no world model, no
-reflection), ``imagine_and_act`` (the draft's imagined consequence, then a final action chosen
+action gate), ``comap_oracle`` (the CoMap loop with the draft's true next state, taken on a
+second environment restored to the step's state, shown in place of the world model's prediction:
+an oracle world model, for evaluation only), ``react`` (a thought then an action from the state
+alone: no world model, no reflection), ``imagine_and_act`` (the draft's imagined consequence, then a final action chosen
 from it: no action gate), ``draft_only`` (the policy's draft executed as is), ``lookahead``
 (WebEvolver's imagination engine: ``eval.lookahead_k`` sampled candidates, each imagined
 ``eval.lookahead_depth`` steps ahead by the world model and scored by the policy as critic; the
@@ -43,14 +45,14 @@ class EvalConfig(Section):
     many drafts are sampled at ``repeat_guard_temperature`` (concurrently) and the first one not yet
     tried there is executed instead; none: the action stands. With ``actor.admissible_choice`` (any N >
     0) one draft is decoded instead, as the episode decodes, among the admissible commands not tried
-    there. 0 = off (the paper's agents have none; measured on held-out games: docs/reflection-loop.md,
-    "The anti-loop guard"; docs/method-table.md)."""
+    there. 0 = off (the paper's agents have none; on held-out games it took the loop rate to 0 and won
+    no more: docs/findings.md)."""
     repeat_guard_temperature: float = Field(default=1.0, gt=0.0)
     """Temperature of the guard's alternative drafts."""
     probes_beside_games: bool = True
     """Run the probes and the success games at once (their calls share the server's batches): an
     evaluation then lasts about as long as its longest game, whose calls go one after another, instead
-    of the probes and then the games. False: the probes first, then the games (before session 56)."""
+    of the probes and then the games. False: the probes first, then the games."""
     cycle_stop: int = Field(default=0, ge=0)
     """End a greedy evaluation episode (``temperature`` 0, no repeat guard, not ``lookahead``) when its
     textual state occurs this many times (0 = off; at least 2): the steps since the previous

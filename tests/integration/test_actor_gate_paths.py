@@ -123,6 +123,38 @@ async def test_a_revised_steps_draft_is_taken_on_a_branch_for_its_real_next_stat
     assert stats.restore_diverged == 0
 
 
+async def test_the_oracle_loop_reflects_on_the_drafts_true_next_state(valid_seen, alfworld_data):
+    """``comap_oracle``: the reflection is shown the draft's real next observation, taken on another
+    environment restored to the step, and the world model is not asked about the draft."""
+    game = sorted(valid_seen, key=lambda g: g.name)[0]
+    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "env.max_steps=4"])
+    shown: list[str] = []
+
+    class Recording(ScriptedLLM):
+        async def reflect(self, state, a_draft, s_hat, *args, **kw):
+            shown.append(s_hat)
+            return await super().reflect(state, a_draft, s_hat, *args, **kw)
+
+    async def emit(msg):
+        return None
+
+    async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=4) as pool:
+        env, oracle, replay = pool.env(), pool.env(), pool.env()
+        await env.reset(game)
+        llm = Recording(await env.walkthrough())
+        ctx = EpisodeContext("test", cfg, llm, emit, next_state, lambda: Registry(versions={"policy": 3, "wm": 2}))
+        stats = await play_coevolve(ctx, env, game, "test:e1", eval_mode=True, oracle=oracle)
+        truth = []
+        prefix: list[str] = []
+        for t in range(len(shown)):
+            await replay.restore(game, prefix)
+            truth.append((await replay.step("look")).observation)  # every draft is 'look'
+            prefix.append(llm.plan[t] if t % 2 == 0 and t != 5 else "look")
+    assert shown == truth and len(shown) == stats.steps == 4
+    assert llm.imagined == [llm.plan[t] for t in range(4) if t % 2 == 0]  # only the executed revisions
+    assert stats.delta_f1 == []  # the world model predicted none of the drafts: nothing to score
+
+
 class PlanFollower:
     """Follows the walkthrough, either by drafting it or by revising a 'look' draft toward it."""
 
@@ -246,7 +278,7 @@ async def test_overlapped_teacher_sends_the_same_transitions(valid_seen, alfworl
 
 
 async def test_no_action_gate_executes_every_revision(valid_seen, alfworld_data):
-    """``ablation.no_action_gate`` (issue 17): the refused revisions of the test above (confident
+    """``ablation.no_action_gate``: the refused revisions of the test above (confident
     decision, unsure action) are executed too; only the gate changes."""
     sent, stats, cfg, _ = await play_scripted(valid_seen, alfworld_data, "ablation.no_action_gate=true")
     transitions = [m for m in sent if m["type"] == "transition"]

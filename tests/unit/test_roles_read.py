@@ -46,6 +46,8 @@ def test_todays_defaults_what_each_arm_reads():
         "imagine_and_act": seen(True, WINDOW3, True),
     }
     assert what_roles_read(cfg, "lookahead") == {"draft": draft, "world_model": world, "critic": world}
+    # the oracle bound: the CoMap loop with the true next state in place of the world model's prediction
+    assert what_roles_read(cfg, "comap_oracle") == {"draft": draft, "reflection": seen(True, WINDOW3, True)}
     # co-evolution's loop also asks the teacher, which reads what the world model reads
     assert what_roles_read(cfg, "comap", training=True)["teacher"] == world
 
@@ -59,7 +61,7 @@ def test_every_drafting_method_drafts_from_the_same_text():
         return next(r for r in probe_requests(cfg, method) if r.last and r.role == "draft")
 
     first = draft("draft_only")
-    for method in ("comap", "imagine_and_act", "lookahead"):
+    for method in ("comap", "comap_oracle", "imagine_and_act", "lookahead"):
         assert (draft(method).prompt, draft(method).choices) == (first.prompt, first.choices), method
 
 
