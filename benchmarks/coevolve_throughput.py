@@ -28,11 +28,11 @@ in alternating rounds on one machine:
   every prompt prefilled in a forward of its own (``inference.mixed_step_tokens=0``);
   ``fast_turns_decision_first_spec4_block32``: with prefix-cache blocks of 32 tokens (``inference.prefix_cache_block``);
   ``fast_envs8_turns_decision_first_spec4``: with 8 environments.
-* ``filed``: ``fast`` as it was when issue 29 was filed: the draft's prompt in the window form
+* ``filed``: ``fast`` as it was before the conversation forms: the draft's prompt in the window form
   (``env.draft_turns=false``), the 256 MB prefix cache, the KV copied at every join and leave and the
   forced tokens of an admissible command decoded one a step, only prompts in the prefix cache, each prompt
-  prefilled in a forward of its own, prefix-cache blocks of 32 tokens (issue 29,
-  acceptance 2 compares against it).
+  prefilled in a forward of its own, prefix-cache blocks of 32 tokens (the baseline every speed-up
+  is read against).
 
     python benchmarks/coevolve_throughput.py [--config configs/local.yaml] [--steps 40] [--rounds 2]
 
@@ -50,7 +50,7 @@ Last line: ``coevolve_env_steps_per_s=X model_calls_per_step=Y`` (``fast``, medi
 without ``fast`` the first setting's, named), after one line per setting (with the prompt tokens
 prefilled per env step, those the prefix cache did not serve, in all and by adapter role) and
 ``coevolve_speedup_vs_reference=Z`` (fast / reference), the other settings' ratios to ``fast`` and,
-with ``filed``, every setting's ratio to it (issue 29, acceptance 2). ``fast_cache`` and
+with ``filed``, every setting's ratio to it. ``fast_cache`` and
 ``fast_history`` (the whole history as the state) need a window long enough for histories to grow
 (``--steps 200``: four 50-step episodes).
 """
@@ -124,34 +124,34 @@ SETTINGS = {
     # 8 at most: a row's budget doubles only while its proposals are confirmed (the teacher copying the real
     # observation it is shown), so a row whose guesses fail stays at 1-2 tokens
     "fast_turns_decision_first_spec8": [*TURNS_DECISION_FIRST, "inference.speculative_tokens=8"],
-    # the same with the draft's admissible command decoded one token a step, its forced tokens too (before
-    # session 57)
+    # the same with the draft's admissible command decoded one token a step, its forced tokens too (the
+    # earlier path)
     "fast_turns_decision_first_spec4_unforced": [
         *TURNS_DECISION_FIRST,
         "inference.speculative_tokens=4",
         "inference.forced_choice_tokens=0",
     ],
-    # the same with the running batch's KV copied whole at every join and leave (before session 55)
+    # the same with the running batch's KV copied whole at every join and leave (the earlier path)
     "fast_turns_decision_first_spec4_repadded": [
         *TURNS_DECISION_FIRST,
         "inference.speculative_tokens=4",
         "inference.kv_in_place=false",
     ],
-    # the same with only prompts in the prefix cache (before session 58): a reply's keys and values are
+    # the same with only prompts in the prefix cache (the earlier path): a reply's keys and values are
     # computed again in the next turn's prefill
     "fast_turns_decision_first_spec4_prompts_cached": [
         *TURNS_DECISION_FIRST,
         "inference.speculative_tokens=4",
         "inference.prefix_cache_outputs=false",
     ],
-    # the same with every prompt prefilled in a forward of its own (before session 59): the running rows'
+    # the same with every prompt prefilled in a forward of its own (the earlier path): the running rows'
     # decode step reads the weights again right after
     "fast_turns_decision_first_spec4_unmixed": [
         *TURNS_DECISION_FIRST,
         "inference.speculative_tokens=4",
         "inference.mixed_step_tokens=0",
     ],
-    # the same with prefix-cache blocks of 32 tokens (before session 60): a prompt recomputes 16 tokens of its
+    # the same with prefix-cache blocks of 32 tokens (the earlier size): a prompt recomputes 16 tokens of its
     # known prefix on average instead of 4
     "fast_turns_decision_first_spec4_block32": [
         *TURNS_DECISION_FIRST,
@@ -171,9 +171,9 @@ SETTINGS = {
         "env.reflect_turns=true",
         "env.wm_turns=true",
     ],
-    # issue 29's "today": every prompt re-rendered from the last history_k pairs (nothing for the cache
-    # to extend from one step to the next), a cache too small for 4 episodes' reflections, and the batch's
-    # KV copied at every join and leave
+    # the path before the conversation forms: every prompt re-rendered from the last history_k pairs (nothing for
+    # the cache to extend from one step to the next), a cache too small for 4 episodes' reflections, and the
+    # batch's KV copied at every join and leave
     "filed": [
         *FAST,
         "inference.prefix_cache_mb=256",

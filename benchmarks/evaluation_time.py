@@ -5,7 +5,7 @@ several evaluator settings, alternating, against the servers of a running system
 * ``together``: the config's evaluator (the probes' walkthrough states sent to the server together,
   ``eval.probe_states``, 8 by default; reflections read from their decision token first);
 * ``one_by_one``: ``together`` with the probes' states one after another (``eval.probe_states=0``);
-* ``filed``: the evaluator issue 29 was filed against: states one after another, every
+* ``filed``: the evaluator as first built: states one after another, every
   reflection generated whole (``eval.reflect_decision_first=false``), the games after the probes,
   4 at a time at the actors' priority, and no cycle stop in the draft's turns form (each pinned, since
   ``configs/local.yaml`` has changed them since);
@@ -13,14 +13,14 @@ several evaluator settings, alternating, against the servers of a running system
 * ``priority_envs8``: ``priority`` with 8 success games at a time (``eval.envs=8``), so the evaluation's
   calls alone can fill the server's batch (``inference.max_batch_size``, 8) while they go first;
 * ``priority_envs8_in_turn``: ``priority_envs8`` with the probes first and the games after
-  (``eval.probes_beside_games=false``, the evaluator before session 56);
+  (``eval.probes_beside_games=false``, the earlier evaluator);
 * ``priority_envs10``: ``priority`` with every one of the 10 success games at once (``eval.envs=10``):
   with 8, the last two games start when the first two end, and a 50-step game among them ends last.
 
     honcho start   # the run to measure beside: actors and learner busy
     python benchmarks/evaluation_time.py --config configs/local.yaml --set run.name=local --version 20
-    # or the system started here, on a fork of a run's version (acceptance 1 of issue 29):
-    python benchmarks/evaluation_time.py --fork r50 --version 22 --variants filed together priority
+    # or the system started here, on a fork of a run's version:
+    python benchmarks/evaluation_time.py --fork NAME --version 22 --variants filed together priority
 
 The version's adapters are loaded under names of the benchmark's own (``bench-policy-v<N>``...),
 copied first (the learner rotates old versions away), so the run's own evaluator may evaluate beside

@@ -1,6 +1,6 @@
 """What a row joining or leaving the embedded server's running batch costs, in place (``BatchCache``,
 ``inference.kv_in_place``, the default) against copying the whole batch each time (``RepaddedBatchCache``,
-the path before session 55), on the KV geometry of the default model, one thread.
+the earlier path), on the KV geometry of the default model, one thread.
 
 A seeded trace like co-evolution's in the turns forms: up to ``--rows`` rows whose prompts are
 conversations of ``--min-tokens``-``--max-tokens`` tokens; each event is a row joining (its prefilled

@@ -6,7 +6,7 @@ activation checkpointing, full-vocabulary logits over a window, one pass per kin
     python benchmarks/learner_throughput.py [--model smollm2-135m-instruct|tiny|DIR] [--steps 3] [--rounds 2]
     python benchmarks/learner_throughput.py --variants reference,new --rounds 1 --steps 1   # quick look
     python benchmarks/learner_throughput.py --qwen3-4b-shape   # random Qwen3-4B-shaped model, GPU only
-    python benchmarks/learner_throughput.py --warmup --headline new,detached   # issue 29: warm-up SFT's steps
+    python benchmarks/learner_throughput.py --warmup --headline new,detached   # warm-up SFT's steps
     python benchmarks/learner_throughput.py --warmup --headline new,turns --variants new,turns  # env.draft_turns
     python benchmarks/learner_throughput.py --warmup --headline turns,turns-2-threads --variants turns,turns-2-threads
     python benchmarks/learner_throughput.py --warmup --busy 1 --headline turns,turns-2-threads-passive \\

@@ -5,8 +5,8 @@ In-process, one thread, the default model's fused forward: a decode step of ``--
 policy, the world model and its teacher), and a prompt of ``--prompt`` new tokens after ``--context``
 cached ones on the policy's adapter (a conversation's next turn). Each round times, interleaved:
 
-* ``alone``: the prompt's forward, then the decode step's (``mixed_step_tokens=0``, the path before
-  session 59);
+* ``alone``: the prompt's forward, then the decode step's (``mixed_step_tokens=0``, the earlier
+  path);
 * ``mixed``: one forward of both (:meth:`FusedLlama.forward_parts`);
 * ``decode``: the decode step by itself (what the prompt's tokens add to it).
 

@@ -13,10 +13,10 @@ The bandwidth bound is the decode rate at batch 8 if a step cost only streaming 
 8 / (weight bytes / memory read rate), the read rate measured here (one thread summing 256 MiB).
 
     python benchmarks/serve_batching.py [--rounds 2] [--max-tokens 64]
-    COMAP_VLLM_PYTHON=~/.venvs/vllm-cpu/bin/python python benchmarks/serve_batching.py --pair vllm,fused
+    COMAP_VLLM_PYTHON="$VLLM_VENV/bin/python" python benchmarks/serve_batching.py --pair vllm,fused
 
 Last line: ``decode_speedup_vs_reference=X`` (fused / reference aggregate tokens/s at 8 clients).
-With ``--pair vllm,fused`` (issue 29: the peer a CPU user would pick instead, vLLM's CPU build,
+With ``--pair vllm,fused`` (the peer a CPU user would pick instead, vLLM's CPU build,
 docs/inference.md "vLLM on this CPU") the reference is vLLM served by ``comap serve --backend vllm``
 on the same model, adapters and requests, pinned to as many cores as the embedded server has
 threads (``--threads``); the last line is then ``fused_over_vllm_1=X fused_over_vllm_8=Y``. vLLM's

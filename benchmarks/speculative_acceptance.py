@@ -16,7 +16,7 @@ tokens confirmed, tokens proposed and not confirmed (each costs a token of compu
 Then the decode cost with speculation over the cost without it, by a two-term model of a decode step on
 the machine: ``--row-ms`` for each row's share of a step's fixed cost (reading the weights), ``--token-ms``
 for each token the step computes, confirmed or not (defaults: a 4-row step of 61 ms and ~4.8 ms a token,
-measured in ``coevolve_throughput.py`` windows, session 50). Last line:
+measured in ``coevolve_throughput.py`` windows). Last line:
 ``decode_steps_per_token=X decode_cost_ratio=Y`` over all roles (1.0 and 1.0 without speculation).
 
 ``--live``: the same prompts served by two engines on the real model with the run's adapters of
