@@ -188,7 +188,11 @@ def markdown(spec: ExperimentSpec, results: dict[str, Any]) -> str:
         "",
         f"- Fork point: v{src['version']} at learner step {src['step']} ({src['phase']})"
         + (f", {src['wall_s'] / 60:.0f} minutes from empty" if "wall_s" in src else ""),
-        f"- Each fork trained {results['train_steps']} learner steps; "
+        (
+            "- No fork: every row plays the fork point"
+            if not results["forks"]
+            else f"- Each fork trained {results['train_steps']} learner steps; "
+        )
         + ", ".join(
             f"`{k}` v{f['version']} ({f['wall_s'] / 60:.0f} min" + gate_text(f) + ")"
             for k, f in results["forks"].items()

@@ -344,7 +344,7 @@ class Experiment:
         results["spec"] = str(self.spec_path)
         results["source"] = dict(ledger["source"])
         results["forks"] = ledger["forks"]
-        results["train_steps"] = self.spec.train.steps
+        results["train_steps"] = self.spec.train.steps if self.spec.train is not None else 0
         results["decoding"] = self.spec.evaluation.decoding
         self.out.mkdir(parents=True, exist_ok=True)
 

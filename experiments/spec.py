@@ -124,8 +124,10 @@ class ExperimentSpec(Strict):
     config: str
     set: list[str] = []
     source: SourceSpec = SourceSpec()
-    train: TrainSpec
-    arms: dict[str, ArmSpec]
+    train: TrainSpec | None = None
+    """Required with arms: every fork's training budget."""
+    arms: dict[str, ArmSpec] = {}
+    """The forks; none: the table plays the fork point alone, in each of ``evaluation.source``'s ways."""
     evaluation: EvalSpec = EvalSpec()
 
     @field_validator("name")
@@ -138,8 +140,6 @@ class ExperimentSpec(Strict):
     @field_validator("arms")
     @classmethod
     def _arm_names(cls, arms: dict[str, ArmSpec]) -> dict[str, ArmSpec]:
-        if not arms:
-            raise ValueError("arms: at least one")
         for name in arms:
             if name == "source" or not all(c.isalnum() or c in "-_" for c in name):
                 raise ValueError(f"arm {name!r}: letters, digits, - and _ only, and not 'source'")
@@ -149,6 +149,10 @@ class ExperimentSpec(Strict):
     def _rows_exist(self) -> ExperimentSpec:
         from comap_async.config import EVAL_METHODS, AblationConfig
 
+        if self.arms and self.train is None:
+            raise ValueError("train: required with arms (every fork's steps)")
+        if not self.arms and not self.evaluation.source:
+            raise ValueError("arms: none, and evaluation.source plays nothing: the table would have no row")
         known = ", ".join(AblationConfig.model_fields)
         for arm, spec in self.arms.items():
             unknown = [a for a in spec.ablation if a not in AblationConfig.model_fields]

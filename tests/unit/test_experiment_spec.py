@@ -30,7 +30,19 @@ def spec_file(tmp_path: Path, **change) -> Path:
 def test_the_committed_specs_load():
     for path in sorted((REPO / "experiments").glob("*.yaml")):
         spec = load_spec(path)
-        assert spec.name == path.stem and spec.train.steps >= 1
+        assert spec.name == path.stem and (not spec.arms or spec.train.steps >= 1)
+
+
+def test_a_table_of_the_fork_point_alone_needs_no_training(tmp_path):
+    """No arms: every row plays the fork point, each in one of ``evaluation.source``'s ways."""
+    path = tmp_path / "exp.yaml"
+    body = {"config": "configs/local.yaml", "evaluation": {"source": ["draft_only", "comap", "comap_oracle"]}}
+    path.write_text(yaml.safe_dump(body))
+    spec = load_spec(path)
+    assert spec.forks() == [] and spec.row_names() == ["source/draft_only", "source/comap", "source/comap_oracle"]
+    path.write_text(yaml.safe_dump({**body, "evaluation": {"source": []}}))
+    with pytest.raises(SpecError, match="the table would have no row"):
+        load_spec(path)
 
 
 def test_a_spec_names_its_rows_and_forks(tmp_path):
@@ -52,6 +64,7 @@ def test_a_spec_names_its_rows_and_forks(tmp_path):
     [
         ({"train": {"steps": 0}}, "train.steps: Input should be greater than or equal to 1"),
         ({"train": {"minutes": 15}}, "train.steps: Field required"),
+        ({"train": None}, "train: required with arms"),
         ({"arms": {"x": {"ablation": ["frozen"]}}}, "arms.x.ablation: unknown frozen; known: frozen_wm"),
         ({"arms": {"source": {}}}, "arm 'source'"),
         ({"evaluation": {"arms": ["comap", "guess"]}}, "evaluation.arms: unknown method guess"),
