@@ -150,6 +150,30 @@ async def unload_everywhere(client: Any, endpoints: list[str], name: str, log: A
             log.warning("publish.unload_failed", endpoint=endpoint, adapter=name, error=str(exc))
 
 
+RELISTS = 3
+"""How many times :func:`reload_until_listed` loads a version's missing adapters again."""
+
+
+async def reload_until_listed(
+    client: Any, endpoints: list[str], version: int, paths: dict[str, Path], retries: int | RetryConfig, log: Any
+) -> None:
+    """Just before the announce, every endpoint lists every role's adapter of ``version``; those it
+    does not list are loaded again. An endpoint restarted while the roles were loaded one after the
+    other (by its supervisor, after a crash) lost the earlier ones: announced, they would fail every
+    actor request naming them. :class:`PublishError` after :data:`RELISTS` rounds."""
+    for endpoint in endpoints:
+        for _ in range(RELISTS):
+            listed = set(await client.models(endpoint=endpoint))
+            missing = [role for role in paths if adapter_name(role, version) not in listed]
+            if not missing:
+                break
+            log.warning("publish.relisting", endpoint=endpoint, missing=[adapter_name(r, version) for r in missing])
+            for role in missing:
+                await load_everywhere(client, [endpoint], adapter_name(role, version), paths[role], retries, log)
+        else:
+            raise PublishError(f"{endpoint} keeps losing version {version}'s adapters ({RELISTS} reloads)")
+
+
 async def publish_adapters(
     model: Any,
     version: int,
@@ -181,6 +205,7 @@ async def publish_adapters(
     t_saved = time.perf_counter()
     for role, path in paths.items():
         await load_everywhere(inference, endpoints, adapter_name(role, version), path, retries, log)
+    await reload_until_listed(inference, endpoints, version, paths, retries, log)
     t_loaded = time.perf_counter()
     registry = await broker.announce(
         phase=phase,

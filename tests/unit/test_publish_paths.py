@@ -60,6 +60,51 @@ async def test_every_published_version_records_its_ablation(tiny_model_dir, tmp_
     assert json.loads((tmp_path / "latest.json").read_text())["ablation"] == ["frozen_wm"]
 
 
+async def test_a_server_restarted_between_two_loads_gets_the_version_again_before_the_announce(
+    tiny_model_dir, tmp_path
+):
+    """A server that restarts after the first role's load comes back without it: the publish finds it
+    unlisted just before the announce and loads it again, so the version is announced only when the
+    endpoint lists all three."""
+    trainer = make_trainer(tiny_model_dir)
+
+    class Restarting(RecordingEndpoint):
+        def __init__(self):
+            super().__init__()
+            self.served: set[str] = set()
+            self.listed_at_announce: set[str] | None = None
+
+        async def load_adapter(self, name, path, load_inplace=False, endpoint=None, retry=None):
+            await super().load_adapter(name, path, load_inplace, endpoint, retry)
+            self.served.add(name)
+            if len(self.loads) == 2:  # killed and restarted by its supervisor: serves nothing
+                self.served.clear()
+
+        async def models(self, endpoint=None):
+            return sorted(self.served)
+
+        async def announce(self, **kw):
+            self.listed_at_announce = set(self.served)
+            return kw
+
+    rec = Restarting()
+    await publish_adapters(
+        trainer.model,
+        4,
+        "coevolve",
+        8,
+        root=tmp_path,
+        inference=rec,
+        endpoints=["http://e"],
+        broker=rec,
+        log=QuietLog(),
+    )
+    names = {"policy-v4", "wm-v4", "wm_teacher-v4"}
+    assert rec.listed_at_announce == names
+    loads = [n for n, _, _ in rec.loads]
+    assert loads.count("policy-v4") == 2 and loads[-1] == "policy-v4"  # the role lost before the others loaded
+
+
 class Forgetful(RecordingEndpoint):
     """Answers every load with success but lists none of them (an adapter never delivered)."""
 
