@@ -270,12 +270,20 @@ def _suggest(model: type[BaseModel], loc: tuple) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+REMOVED_FIELDS: dict[str, str] = {}
+"""Fields a config may still name from an older release, dotted (``learner.fast_path``), each with what
+replaced it: a config naming one is refused with that one line instead of "unknown field". A field goes
+here when its path is deleted; its last figure stays in docs/benchmarks.md."""
+
+
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
         loc = tuple(e["loc"])
         field = ".".join(str(p) for p in loc) or "<root>"
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and field in REMOVED_FIELDS:
+            reason = f"removed: {REMOVED_FIELDS[field]}"
+        elif e["type"] == "extra_forbidden":
             reason = "unknown field" + _suggest(CoMapConfig, loc)
         elif e["type"] == "value_error":
             reason = str(e["ctx"].get("error", e["msg"])) if e.get("ctx") else e["msg"]

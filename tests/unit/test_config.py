@@ -27,6 +27,23 @@ def test_misspelled_field_names_file_field_and_suggestion(tmp_path):
     assert "did you mean 'max_staleness'" in msg
 
 
+def test_a_removed_field_is_one_line_naming_its_replacement(tmp_path, monkeypatch):
+    """Every entry of ``REMOVED_FIELDS`` (and one put there for the test): a config or an override that
+    names it is refused with the line saying what replaced it, not "unknown field"."""
+    from comap_async import config
+
+    monkeypatch.setitem(config.REMOVED_FIELDS, "broker.old_knob", "the broker decides this itself now")
+    for dotted, replacement in config.REMOVED_FIELDS.items():
+        section, key = dotted.split(".", 1)
+        f = tmp_path / "old.yaml"
+        f.write_text(yaml.safe_dump({section: {key: 1}}))
+        with pytest.raises(ConfigError) as exc:
+            load_config(f)
+        assert str(exc.value) == f"{f}: {dotted}: removed: {replacement}"
+        with pytest.raises(ConfigError, match=f"{dotted}: removed: "):
+            load_config(None, [f"{dotted}=1"])
+
+
 def test_out_of_range_threshold(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text("gates:\n  tau_q: 1.7\n")
