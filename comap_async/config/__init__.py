@@ -171,10 +171,6 @@ class CoMapConfig(Section):
                 f"actor.demonstrations: handcoded needs ALFWorld's handcoded expert (env.name is {self.env.name})"
             )
         if self.env.draft_turns:
-            # the reference path builds window-form draft samples from s_t: mixed in, they would train the
-            # draft on a prompt form it never sees
-            if not lr.fast_path:
-                raise ValueError("env.draft_turns does not combine with learner.fast_path: false yet")
             if lr.policy_wm_aux > 0 and lr.policy_wm_aux_entropy != "acting":
                 raise ValueError(
                     "learner.policy_wm_aux with env.draft_turns selects by the actors' entropy: set "
@@ -270,7 +266,14 @@ def _suggest(model: type[BaseModel], loc: tuple) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-REMOVED_FIELDS: dict[str, str] = {}
+REMOVED_FIELDS: dict[str, str] = {
+    "inference.client_transport": "http:// endpoints always use the lean keep-alive client, https:// ones aiohttp "
+    "(docs/benchmarks.md has the figure that chose it)",
+    "learner.fast_path": "the learner always computes its losses at the target positions over packed rows; "
+    "the reference computation is a test oracle (tests/fixtures/reference_path.py)",
+    "learner.prompt_grad": "the learner always trains through the prompts' keys and values "
+    "(docs/benchmarks.md has the figure that chose it)",
+}
 """Fields a config may still name from an older release, dotted (``learner.fast_path``), each with what
 replaced it: a config naming one is refused with that one line instead of "unknown field". A field goes
 here when its path is deleted; its last figure stays in docs/benchmarks.md."""

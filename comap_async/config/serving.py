@@ -186,10 +186,6 @@ class InferenceConfig(Section):
     vllm_cpu_kv_cache_gb: int = Field(default=2, ge=1)
     """vLLM on a CPU only (``VLLM_CPU_KVCACHE_SPACE``, ignored by its GPU backend): GiB of KV cache.
     Without it vLLM's CPU backend takes ~92% of the host's memory (measured: 22 GB of 24)."""
-    client_transport: Literal["keepalive", "aiohttp"] = "keepalive"
-    """HTTP client for ``http://`` endpoints: ``keepalive`` (a lean HTTP/1.1 keep-alive client, measured
-    ~3x less CPU per request than aiohttp's, which actors feel at 4-5 requests per step) or ``aiohttp``
-    (aiohttp's ClientSession). ``https://`` endpoints always use aiohttp."""
 
     @model_validator(mode="before")
     @classmethod

@@ -13,8 +13,8 @@
   A caller that retries around the client (the learner's publish) passes ``retry=NO_RETRY``.
 * Adapter load/unload go to *every* endpoint: an adapter is only usable once all servers have it.
 * Plain ``http://`` endpoints go through :mod:`.http1` (a lean keep-alive client: ~3x less CPU per
-  request than aiohttp's, which actors feel at 4-5 requests per step) unless ``transport="aiohttp"``;
-  ``https://`` endpoints always use aiohttp.
+  request than aiohttp's, which actors feel at 4-5 requests per step); ``https://`` endpoints use
+  aiohttp.
 """
 
 from __future__ import annotations
@@ -115,21 +115,17 @@ class InferenceClient:
         connect_timeout_s: float = 5.0,
         avoid_s: float = 2.0,
         seed: int | None = None,
-        transport: str = "keepalive",
         affinity_slack: int = 4,
         priority: int = 0,
     ) -> None:
         """``retry``: the retry policy (default: ``RetryConfig()``, 6 attempts); ``retries`` (attempts
         after the first), ``backoff_s`` and ``backoff_max_s`` override single fields of it.
         ``priority``: vLLM's ``priority`` field on every completion (lower is admitted first; 0: none sent)."""
-        if transport not in ("keepalive", "aiohttp"):
-            raise ValueError(f"transport must be 'keepalive' or 'aiohttp', not {transport!r}")
         eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not eps:
             raise ValueError("InferenceClient needs at least one endpoint")
         self.endpoints = [e.rstrip("/") for e in eps]
         self.token = token
-        self.transport = transport
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self.retry = retry_policy.policy(
@@ -151,7 +147,6 @@ class InferenceClient:
     @classmethod
     def from_config(cls, cfg: Any, **kw: Any) -> "InferenceClient":
         inf = cfg.inference
-        kw.setdefault("transport", inf.client_transport)
         return cls(
             inf.endpoints,
             **{
@@ -228,7 +223,7 @@ class InferenceClient:
     def _is_lean(self, endpoint: str) -> bool:
         lean = self._lean.get(endpoint)  # decided once per endpoint, not per request
         if lean is None:
-            lean = self._lean[endpoint] = self.transport == "keepalive" and endpoint.lower().startswith("http://")
+            lean = self._lean[endpoint] = endpoint.lower().startswith("http://")
         return lean
 
     async def _once(self, endpoint: str, method: str, path: str, body: Any) -> tuple[int, str]:
