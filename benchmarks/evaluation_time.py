@@ -1,26 +1,20 @@
 """How long one evaluation of one version takes (the evaluator's: probes on ``eval.games`` games and
-``eval.success_games`` games of the CoMap loop, at once unless ``eval.probes_beside_games`` is off) in
+``eval.success_games`` games of the CoMap loop, at once) in
 several evaluator settings, alternating, against the servers of a running system:
 
 * ``together``: the config's evaluator (the probes' walkthrough states sent to the server together,
   ``eval.probe_states``, 8 by default; reflections read from their decision token first);
 * ``one_by_one``: ``together`` with the probes' states one after another (``eval.probe_states=0``);
-* ``filed``: the evaluator as first built: states one after another, every
-  reflection generated whole (``eval.reflect_decision_first=false``), the games after the probes,
-  4 at a time at the actors' priority, and no cycle stop in the draft's turns form (each pinned, since
-  ``configs/local.yaml`` has changed them since);
 * ``priority``: ``together`` with its model calls admitted ahead of the actors' (``eval.priority=-1``);
 * ``priority_envs8``: ``priority`` with 8 success games at a time (``eval.envs=8``), so the evaluation's
   calls alone can fill the server's batch (``inference.max_batch_size``, 8) while they go first;
-* ``priority_envs8_in_turn``: ``priority_envs8`` with the probes first and the games after
-  (``eval.probes_beside_games=false``, the earlier evaluator);
 * ``priority_envs10``: ``priority`` with every one of the 10 success games at once (``eval.envs=10``):
   with 8, the last two games start when the first two end, and a 50-step game among them ends last.
 
     honcho start   # the run to measure beside: actors and learner busy
     python benchmarks/evaluation_time.py --config configs/local.yaml --set run.name=local --version 20
     # or the system started here, on a fork of a run's version:
-    python benchmarks/evaluation_time.py --fork NAME --version 22 --variants filed together priority
+    python benchmarks/evaluation_time.py --fork NAME --version 22 --variants one_by_one together priority
 
 The version's adapters are loaded under names of the benchmark's own (``bench-policy-v<N>``...),
 copied first (the learner rotates old versions away), so the run's own evaluator may evaluate beside
@@ -59,17 +53,8 @@ from experiments.system import wait_for  # noqa: E402
 VARIANTS: dict[str, dict] = {
     "together": {},
     "one_by_one": {"probe_states": 0},
-    "filed": {
-        "probe_states": 0,
-        "reflect_decision_first": False,
-        "probes_beside_games": False,
-        "envs": 4,
-        "priority": 0,
-        "cycle_stop_turns": False,
-    },
     "priority": {"priority": -1},
     "priority_envs8": {"priority": -1, "envs": 8},
-    "priority_envs8_in_turn": {"priority": -1, "envs": 8, "probes_beside_games": False},
     "priority_envs10": {"priority": -1, "envs": 10},
 }
 FIGURES = ("p_discrimination", "p_auc", "draft_accuracy", "wm_delta_f1", "success_rate", "loop_rate")

@@ -171,16 +171,13 @@ class Evaluator:
             )
 
         try:
-            if self.cfg.eval.probes_beside_games:  # the longest game sets the time; the probes fill its batches
-                both = [asyncio.ensure_future(probes()), asyncio.ensure_future(games())]
-                try:
-                    probe_part, played = await asyncio.gather(*both)
-                except BaseException:  # the first error as it was raised, the other part stopped
-                    await cancel_and_wait(both)
-                    raise
-            else:
-                probe_part = await probes()
-                played = await games()
+            # the probes beside the games: the longest game sets the time; the probes fill its batches
+            both = [asyncio.ensure_future(probes()), asyncio.ensure_future(games())]
+            try:
+                probe_part, played = await asyncio.gather(*both)
+            except BaseException:  # the first error as it was raised, the other part stopped
+                await cancel_and_wait(both)
+                raise
             result: dict[str, Any] = {
                 "version": version,
                 "adapters": names,

@@ -269,6 +269,8 @@ def _suggest(model: type[BaseModel], loc: tuple) -> str:
 REMOVED_FIELDS: dict[str, str] = {
     "inference.client_transport": "http:// endpoints always use the lean keep-alive client, https:// ones aiohttp "
     "(docs/benchmarks.md has the figure that chose it)",
+    "eval.probes_beside_games": "the evaluator always runs its probes beside its success games "
+    "(docs/benchmarks.md has the figure that chose it)",
     "learner.fast_path": "the learner always computes its losses at the target positions over packed rows; "
     "the reference computation is a test oracle (tests/fixtures/reference_path.py)",
     "learner.prompt_grad": "the learner always trains through the prompts' keys and values "

@@ -49,10 +49,6 @@ class EvalConfig(Section):
     no more: docs/findings.md)."""
     repeat_guard_temperature: float = Field(default=1.0, gt=0.0)
     """Temperature of the guard's alternative drafts."""
-    probes_beside_games: bool = True
-    """Run the probes and the success games at once (their calls share the server's batches): an
-    evaluation then lasts about as long as its longest game, whose calls go one after another, instead
-    of the probes and then the games. False: the probes first, then the games."""
     cycle_stop: int = Field(default=0, ge=0)
     """End a greedy evaluation episode (``temperature`` 0, no repeat guard, not ``lookahead``) when its
     textual state occurs this many times (0 = off; at least 2): the steps since the previous
