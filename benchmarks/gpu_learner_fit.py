@@ -5,7 +5,7 @@ The GPU configs (configs/alfworld-qwen3-{4b,8b}.yaml) put vLLM and the learner o
 so the learner has the rest. This builds a random model with the config's model shape (Qwen3-4B or
 Qwen3-8B: their published layer sizes, bf16 as ``model.dtype`` says, nothing downloaded), the three
 LoRA adapters and the Trainer from the config's ``learner`` section (batch size, sequence cap,
-activation checkpointing, autocast, fast path), and trains micro-batches of ``batch_size`` rows of
+activation checkpointing, autocast), and trains micro-batches of ``batch_size`` rows of
 each kind the learner trains (world-model transitions, demonstrations, reflections) at each
 ``--prompt-tokens`` length; prompts longer than ``learner.max_seq_len`` are cut as in a run.
 
@@ -220,8 +220,8 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run this on a GPU host (or --shape tiny --device cpu, or --cpu-padding-only)")
-    if (args.mfu or args.cpu_padding_only) and (not lc.fast_path or not lc.prompt_grad or lc.policy_wm_aux > 0):
-        raise SystemExit("the FLOPs count follows the fast path with learner.prompt_grad: true and no policy_wm_aux")
+    if (args.mfu or args.cpu_padding_only) and lc.policy_wm_aux > 0:
+        raise SystemExit("the FLOPs count follows the learner's step without policy_wm_aux")
     pools = replay_records(args.lengths_from) if args.lengths_from else None  # fails before the model is built
     torch.manual_seed(0)
     tok_dir = tokenizer_dir(args.tokenizer, cfg, shape)
@@ -256,7 +256,7 @@ def main() -> None:
         f"config={Path(args.config).name} shape={shape} "
         f"params_b={'not built' if args.cpu_padding_only else f'{params:.2f}'} dtype={cfg.model.dtype} "
         f"batch_size={lc.batch_size} grad_accum={lc.grad_accum} max_seq_len={lc.max_seq_len} "
-        f"checkpointing={lc.gradient_checkpointing} fast_path={lc.fast_path} autocast={trainer.forward.amp_dtype} "
+        f"checkpointing={lc.gradient_checkpointing} autocast={trainer.forward.amp_dtype} "
         f"chunk_tokens={lc.chunk_tokens} card_gb={total:.1f} budget_gb={budget:.1f} ({why}) device={name!r} "
         f"peak_tflops={peak} tokenizer={tok_dir} decoder_matmul_params_b={dims.params / 1e9:.3f} "
         f"lora_params_m={dims.lora_params / 1e6:.2f} built_s={time.perf_counter() - t0:.1f}",

@@ -1,12 +1,11 @@
 """Training tokens/s and peak RSS of the learner step (world model CE+KL and policy losses) on
-realistic records: the learner as configured (configs/local.yaml: ``learner.fast_path``,
-``learner.autocast``, ``learner.gradient_checkpointing``) against the reference path (fp32,
-activation checkpointing, full-vocabulary logits over a window, one pass per kind of row).
+realistic records: the learner as configured (configs/local.yaml: ``learner.autocast``,
+``learner.gradient_checkpointing``), and variants of it.
 
     python benchmarks/learner_throughput.py [--model smollm2-135m-instruct|tiny|DIR] [--steps 3] [--rounds 2]
-    python benchmarks/learner_throughput.py --variants reference,new --rounds 1 --steps 1   # quick look
-    python benchmarks/learner_throughput.py --qwen3-4b-shape   # random Qwen3-4B-shaped model, GPU only
-    python benchmarks/learner_throughput.py --warmup --headline new,detached   # warm-up SFT's steps
+    python benchmarks/learner_throughput.py --variants new --rounds 1 --steps 1   # quick look
+    python benchmarks/learner_throughput.py --qwen3-4b-shape --variants new   # random Qwen3-4B-shaped model, GPU only
+    python benchmarks/learner_throughput.py --headline fp32,new --variants fp32,new   # bf16 autocast's gain
     python benchmarks/learner_throughput.py --warmup --headline new,turns --variants new,turns  # env.draft_turns
     python benchmarks/learner_throughput.py --warmup --headline turns,turns-2-threads --variants turns,turns-2-threads
     python benchmarks/learner_throughput.py --warmup --busy 1 --headline turns,turns-2-threads-passive \\
@@ -15,17 +14,22 @@ activation checkpointing, full-vocabulary logits over a window, one pass per kin
 ``--warmup`` times warm-up SFT's step (demonstrations and transitions without a student rollout,
 so no KL; no reflection samples) and
 reports demonstrated actions trained per learner hour; ``--headline A,B`` alternates those two variants
-(default ``reference,new``) and ends with ``speedup`` of B over A (with ``turns``, a variant whose
+round by round and ends with ``speedup`` of B over A (with ``turns``, a variant whose
 demonstration records are warm-up paths of ``PATH_TURNS`` actions: ``demos_per_hour_ratio``).
+Without ``--headline``, ``new`` runs ``--rounds`` times and the other variants once.
 
-Every variant runs in its own child process (its peak RSS is its own); the reference and the new
-path alternate round by round, so a machine that gets busier or quieter affects both alike.
+Every variant runs in its own child process (its peak RSS is its own); the two variants of the
+headline alternate round by round, so a machine that gets busier or quieter affects both alike.
 Each child times ``--steps`` steps after one untimed warm-up step. The same records make the
-same training tokens in every variant (the sequences' own lengths: the fast path computes fewer
-positions for them, that is its point), so tokens/s ratios are step-time ratios. Variants at more
-than one torch thread are reported apart and are not part of the headline.
+same training tokens in every variant (the sequences' own lengths), so tokens/s ratios are
+step-time ratios. Variants at more than one torch thread are reported apart.
 
-Last line: ``learner_tokens_per_s=X reference_tokens_per_s=Y speedup=Z``.
+The reference computation this benchmark once compared against (``learner.fast_path: false``,
+removed; its figure, 3.86x, is in docs/benchmarks.md) is a test oracle now:
+tests/fixtures/reference_path.py.
+
+Last line: ``A_tokens_per_s=X B_tokens_per_s=Y speedup=Z`` with ``--headline``, else
+``learner_tokens_per_s=X``.
 """
 
 from __future__ import annotations
@@ -48,25 +52,11 @@ OBS = (
 )
 
 # name -> (learner overrides on top of the config's learner section, torch threads, description)
-REFERENCE = {"fast_path": False, "autocast": "off", "gradient_checkpointing": True}
 VARIANTS = {
-    "reference": (REFERENCE, 1, "today's path: fp32, activation checkpointing, window logits"),
-    "reference-no-ckpt": ({**REFERENCE, "gradient_checkpointing": False}, 1, "the same without checkpointing"),
-    "fast-fp32": (
-        {"fast_path": True, "autocast": "off", "gradient_checkpointing": False},
-        1,
-        "fast path in fp32, no checkpointing",
-    ),
+    "fp32": ({"autocast": "off", "gradient_checkpointing": False}, 1, "in fp32, no checkpointing"),
     "new": ({}, 1, "the learner as configured"),
     "new-2-threads": ({}, 2, "as configured, 2 torch threads (not in the headline)"),
     "new-no-ckpt": ({"gradient_checkpointing": False}, 1, "as configured, without activation checkpointing"),
-    # prompt_grad: false runs without checkpointing (config/learner.py): compare it with new-no-ckpt where
-    # the config checkpoints (the GPU configs)
-    "detached": (
-        {"prompt_grad": False, "gradient_checkpointing": False},
-        1,
-        "as configured, prompts' keys and values without gradient",
-    ),
     "turns": ({}, 1, "as configured, each demonstration record a warm-up path (env.draft_turns)"),
     # learner.warmup_torch_threads: the actors idle for most of warm-up, leaving the second core free
     "turns-2-threads": ({}, 2, "turns with 2 torch threads (learner.warmup_torch_threads=2)"),
@@ -77,7 +67,6 @@ VARIANT_ENV = {"turns-2-threads-passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
 BUSY = "import os, sys\nos.nice(5)\nwhile True:\n    pass\n"
 """A process that keeps one core busy at the actors' niceness (``actor.nice``): ``--busy``."""
 PATH_TURNS = 10  # a turns record's demonstrated actions: valid_seen walkthroughs take 5-40 steps
-HEADLINE = ("reference", "new")
 LOSSES = ("wm/ce", "wm/kl", "policy/draft_ce", "policy/reflect_ce", "policy/bce")
 
 
@@ -219,7 +208,6 @@ def child(args: argparse.Namespace) -> None:
                 "autocast": str(trainer.forward.amp_dtype).replace("torch.", "")
                 if trainer.forward.amp_dtype
                 else "fp32",
-                "fast_path": cfg.fast_path,
                 "checkpointing": cfg.gradient_checkpointing,
                 "losses": {k: first[k] for k in LOSSES if k in first},
             }
@@ -269,18 +257,18 @@ def main() -> None:
     ap.add_argument(
         "--config",
         default=str(ROOT / "configs" / ("alfworld-qwen3-4b.yaml" if gpu_shape else "local.yaml")),
-        help="its learner section is the new path (the reference overrides fast_path, autocast, "
-        "checkpointing); default configs/local.yaml (with --qwen3-4b-shape: alfworld-qwen3-4b.yaml)",
+        help="its learner section is the variants' (each overrides some of it); default configs/local.yaml "
+        "(with --qwen3-4b-shape: alfworld-qwen3-4b.yaml)",
     )
     ap.add_argument("--batch-size", type=int, default=2, help="samples per store (configs/local.yaml: 2)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per child process")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating reference/new rounds for the headline")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the headline's variants (alternating)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--device", default="cuda" if gpu_shape else "cpu")
     ap.add_argument("--qwen3-4b-shape", action="store_true", help="random model with Qwen3-4B's shapes (needs a GPU)")
     ap.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
     ap.add_argument("--warmup", action="store_true", help="time warm-up SFT's step (no reflection samples)")
-    ap.add_argument("--headline", default=",".join(HEADLINE), help="the two variants alternated and compared: A,B")
+    ap.add_argument("--headline", default="", help="two variants alternated and compared: A,B (default: none)")
     ap.add_argument(
         "--busy", type=int, default=0, help="processes keeping a core busy beside every variant (actors still playing)"
     )
@@ -293,7 +281,7 @@ def main() -> None:
         if not torch.cuda.is_available():
             raise SystemExit("--qwen3-4b-shape needs a GPU")
     pair = [v.strip() for v in args.headline.split(",") if v.strip()]
-    if len(pair) != 2:
+    if args.headline and len(pair) != 2:
         raise SystemExit(f"--headline takes two variants A,B, not {args.headline!r}")
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
     wanted += [v for v in pair if v not in wanted]
@@ -301,10 +289,10 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     results: dict[str, list[dict]] = {v: [] for v in wanted}
-    headline = pair
+    headline = pair or (["new"] if "new" in wanted else [])
     busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(args.busy)]
     try:
-        for r in range(args.rounds):  # reference and new alternate; the order flips every round
+        for r in range(args.rounds):  # the headline's two variants alternate; the order flips every round
             for v in headline if r % 2 == 0 else headline[::-1]:
                 results[v].append(run_child(args, v))
         for v in wanted:
@@ -333,7 +321,7 @@ def main() -> None:
         print(
             f"variant={v} tokens_per_s={rate[v]:.1f} step_s={seconds / steps:.2f} tokens_per_step={tokens // steps} "
             f"{mem}={max(y['peak_gb'] for y in res):.2f} threads={x['threads']} precision={x['autocast']} "
-            f"fast_path={x['fast_path']} checkpointing={x['checkpointing']} runs={len(res)} "
+            f"checkpointing={x['checkpointing']} runs={len(res)} "
             f"demos_per_hour={per_hour[v]:.0f} first_step: {losses}"
         )
     # what a warm-up path buys is demonstrated actions per hour, not tokens/s
@@ -343,14 +331,9 @@ def main() -> None:
             f"{a}_demos_per_hour={per_hour[a]:.0f} {b}_demos_per_hour={per_hour[b]:.0f} "
             f"demos_per_hour_ratio={per_hour[b] / per_hour[a]:.2f}"
         )
-    elif pair != list(HEADLINE):
+    elif pair:
         a, b = pair
         print(f"{a}_tokens_per_s={rate[a]:.1f} {b}_tokens_per_s={rate[b]:.1f} speedup={rate[b] / rate[a]:.2f}")
-    elif "reference" in rate and "new" in rate:
-        print(
-            f"learner_tokens_per_s={rate['new']:.1f} reference_tokens_per_s={rate['reference']:.1f} "
-            f"speedup={rate['new'] / rate['reference']:.2f}"
-        )
     elif "new" in rate:
         print(f"learner_tokens_per_s={rate['new']:.1f}")
 

@@ -17,12 +17,9 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from comap_async.config import LearnerConfig
 from comap_async.method.gates import action_verb
 from comap_async.prompts import Conversation, DecisionTokens, Prompts, reflection_head, reflection_target
-from learner.losses import IGNORE
 
 KEEP_HEAD = 128  # kept from a truncated prompt's start: header + system prompt + task are 49-83 SmolLM2 tokens
 
@@ -273,49 +270,3 @@ class Encoder:
             if s.ids[s.start : s.start + len(head)] == head:  # the head's tokens stay apart from the action's
                 s.loss = [i < len(head) for i in range(s.n_target)]
         return s
-
-
-def collate(seqs: list[Seq], pad_id: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Left-padded ``input_ids``, ``attention_mask``, ``position_ids``, ``labels`` (targets only),
-    and each row's target span (``starts`` are positions in the padded row).
-
-    Left padding puts every target in the last positions of its row, so the model computes the
-    vocabulary projection only for the last ``keep`` positions (:func:`logits_window`): with a
-    49k vocabulary that projection would otherwise dominate the learner's memory.
-    """
-    width = max(len(s.ids) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), width), dtype=torch.long)
-    labels = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
-    starts = []
-    for i, s in enumerate(seqs):
-        pad = width - len(s.ids)
-        ids[i, pad:] = torch.tensor(s.ids)
-        attn[i, pad:] = 1
-        start = pad + s.start
-        labels[i, start : start + s.n_target] = ids[i, start : start + s.n_target]
-        if s.loss is not None:  # context tokens among the targets (a path's observations) carry none
-            labels[i, start : start + s.n_target][~torch.tensor(s.loss, dtype=torch.bool)] = IGNORE
-        starts.append(start)
-    positions = (attn.cumsum(-1) - 1).clamp(min=0)
-    out = {
-        "input_ids": ids.to(device),
-        "attention_mask": attn.to(device),
-        "position_ids": positions.to(device),
-        "labels": labels.to(device),
-        "starts": torch.tensor(starts, device=device),
-        "lengths": torch.tensor([s.n_target for s in seqs], device=device),
-    }
-    if any(s.change is not None for s in seqs):  # labels of the change tokens only (-100 elsewhere)
-        change = labels.clone()
-        for i, (s, start) in enumerate(zip(seqs, starts)):
-            keep = torch.tensor(s.change if s.change is not None else [False] * s.n_target, dtype=torch.bool)
-            change[i, start : start + s.n_target][~keep] = IGNORE
-        out["change_labels"] = change.to(device)
-    return out
-
-
-def logits_window(batch: dict[str, torch.Tensor]) -> int:
-    """How many final positions need logits: from the one predicting the earliest target token on."""
-    width = batch["input_ids"].shape[1]
-    return int(width - batch["starts"].min().item() + 1)

@@ -184,14 +184,14 @@ def padding(passes: Iterable[Pass]) -> Padding:
 
 
 def micro_batch_passes(trainer: Any, micro_batch: dict[str, list[dict[str, Any]]]) -> list[Pass]:
-    """The passes :meth:`learner.trainer.Trainer.train_step` runs over one micro-batch on the fast path
+    """The passes :meth:`learner.trainer.Trainer.train_step` runs over one micro-batch
     (``learner.chunk_tokens``' chunks each their own pass): the world model's EMA teacher (forward only),
     the world model and the policy. Built from the trainer's own units; nothing runs on the model."""
     from learner.packing import chunk_by_tokens, unit_length
 
     cfg, enc = trainer.cfg, trainer.encoder
-    if not cfg.fast_path or not cfg.prompt_grad or cfg.policy_wm_aux > 0:
-        raise ValueError("the count follows the fast path with learner.prompt_grad: true and no policy_wm_aux")
+    if cfg.policy_wm_aux > 0:
+        raise ValueError("the count follows the learner's step without policy_wm_aux")
     counters = (enc.truncated, enc.demo_actions)  # encoding here must not show in the next step's metrics
     passes: list[Pass] = []
     records = [] if trainer.freeze_wm else micro_batch.get("transitions") or []

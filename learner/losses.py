@@ -30,7 +30,7 @@ def masked_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of ``logits`` [N, V] (the positions that predict a target token only) against
     ``targets`` [N], averaged over the N tokens: :func:`masked_token_ce` without the positions
-    that carry no loss (the fast path projects only these)."""
+    that carry no loss (the learner projects only these)."""
     if targets.numel() == 0:
         return _zero(logits)
     return F.cross_entropy(logits.float(), targets)

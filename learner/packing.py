@@ -1,6 +1,6 @@
-"""The fast path's batches: sequences packed into rows for one forward pass (:func:`pack`), the
-prompt-detached form of the same units (:func:`detach_prompts`), and micro-batches cut by token
-budget (:func:`chunk_by_tokens`). The dense reference batches are :func:`learner.batches.collate`'s."""
+"""The learner's batches: sequences packed into rows for one forward pass (:func:`pack`), and
+micro-batches cut by token budget (:func:`chunk_by_tokens`). The dense reference batches of the test
+oracle are tests/fixtures/reference_path.py's ``collate``."""
 
 from __future__ import annotations
 
@@ -40,11 +40,10 @@ class Packed:
     first: list[int]
     counts: list[int]
     change: torch.Tensor | None  # [N] bool: is target token k a change token (None: no sequence has flags)
-    tokens: int  # the sequences' own tokens (sum of their lengths, as the reference path counts them)
+    tokens: int  # the sequences' own tokens (sum of their lengths, as the reference computation counts them)
     layout: list[
         list[Unit]
     ]  # per row, its units: what ``attention_mask`` says, for learner.peft_model.packed_attention
-    units: list[list[Seq]]  # as given to :func:`pack` (the prompt-detached forward reads them)
 
 
 @dataclass
@@ -157,75 +156,6 @@ def pack(units: Sequence[Sequence[Seq]], pad_id: int, device: str | torch.device
         change=torch.tensor(change, device=device) if any(s.change is not None for s in seqs) else None,
         tokens=sum(len(s.ids) for s in seqs),
         layout=[sorted(units_of_row, key=lambda u: u.offset) for units_of_row in layout],
-        units=[list(u) for u in units],
-    )
-
-
-# ---------------------------------------------------------------- prompts without gradient
-@dataclass
-class Detached:
-    """The two passes of ``learner.prompt_grad: false`` over :func:`pack`'s units.
-
-    ``context``: each unit's prompt but its last token, left-padded, one row per unit (run without
-    gradient, for its keys and values). ``tail``: per sequence, the prompt's last token and its
-    target tokens but the last, right-padded, one row per sequence, attending to its unit's
-    context row (``unit_of``) and causally to itself. ``rows``, ``cols``: the tail position whose
-    output predicts each target token, in :class:`Packed`'s order.
-    """
-
-    context_ids: torch.Tensor  # [U, P]
-    context_pos: torch.Tensor  # [U, P]
-    context_mask: torch.Tensor  # [U, 1, P, P] bool
-    tail_ids: torch.Tensor  # [S, T]
-    tail_pos: torch.Tensor  # [S, T]
-    tail_mask: torch.Tensor  # [S, 1, T, P + T] bool
-    unit_of: torch.Tensor  # [S]
-    rows: torch.Tensor  # [N]
-    cols: torch.Tensor  # [N]
-
-
-def detach_prompts(units: Sequence[Sequence[Seq]], pad_id: int, device: str | torch.device = "cpu") -> Detached:
-    contexts = [u[0].ids[: u[0].start - 1] for u in units]
-    width = max(len(c) for c in contexts)
-    n_units = len(units)
-    c_ids = torch.full((n_units, width), pad_id, dtype=torch.long)
-    c_pos = torch.zeros((n_units, width), dtype=torch.long)
-    c_valid = torch.zeros((n_units, width), dtype=torch.bool)
-    for i, c in enumerate(contexts):
-        at = width - len(c)
-        c_ids[i, at:] = torch.tensor(c, dtype=torch.long)
-        c_pos[i, at:] = torch.arange(len(c))
-        c_valid[i, at:] = True
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    # a padding query sees itself: no row of the softmax is empty, so no NaN reaches a key or value
-    c_mask = (causal & c_valid.unsqueeze(1)) | torch.eye(width, dtype=torch.bool)
-    seqs = [(i, s) for i, u in enumerate(units) for s in u]
-    tail = max(s.n_target for _, s in seqs)
-    t_ids = torch.full((len(seqs), tail), pad_id, dtype=torch.long)
-    t_pos = torch.zeros((len(seqs), tail), dtype=torch.long)
-    rows: list[int] = []
-    cols: list[int] = []
-    for j, (_, s) in enumerate(seqs):
-        p, n = s.start, s.n_target
-        t_ids[j, :n] = torch.tensor(s.ids[p - 1 : p - 1 + n], dtype=torch.long)
-        t_pos[j, :n] = torch.arange(p - 1, p - 1 + n)
-        kept = [i for i in range(n) if s.loss is None or s.loss[i]]
-        rows += [j] * len(kept)
-        cols += kept
-    unit_of = torch.tensor([i for i, _ in seqs], dtype=torch.long)
-    to_context = c_valid[unit_of].unsqueeze(1).expand(-1, tail, -1)
-    to_tail = torch.ones(tail, tail, dtype=torch.bool).tril().expand(len(seqs), -1, -1)
-    t_mask = torch.cat([to_context, to_tail], dim=2)
-    return Detached(
-        context_ids=c_ids.to(device),
-        context_pos=c_pos.to(device),
-        context_mask=c_mask.unsqueeze(1).to(device),
-        tail_ids=t_ids.to(device),
-        tail_pos=t_pos.to(device),
-        tail_mask=t_mask.unsqueeze(1).to(device),
-        unit_of=unit_of.to(device),
-        rows=torch.tensor(rows, device=device),
-        cols=torch.tensor(cols, device=device),
     )
 
 

@@ -10,17 +10,17 @@ initialisation and co-evolution each get their own linear warm-up and cosine dec
 own step budget. Gradients are clipped per role, so a large world-model gradient never shrinks
 the policy's update (or the other way round).
 
-Two code paths compute the same losses (``learner.fast_path``; tests/unit/test_learner_fast_path.py
-compares them). The reference path (learner/reference_path.py) runs the causal LM over left-padded batches, one pass per
-kind of row, and projects a window of final positions onto the whole vocabulary. The fast path
-(the default) runs the decoder over packed rows (:func:`learner.packing.pack`: a transition's CE
-target and its rollout share one pass over their prompt; attention per unit,
-:func:`learner.peft_model.packed_attention`), projects only the positions that predict a target
-token, and goes through a micro-batch in chunks of ``learner.chunk_tokens`` whose backward runs
-right after their forward (each term is a sum over the chunk divided by the micro-batch's count,
-so loss and gradient are the whole micro-batch's). On CPU its LoRA dropout draws cheaper masks
-(:class:`learner.peft_model.FastDropout`). The forward passes of both paths, and ``learner.autocast``'s
-bf16, are :class:`learner.forward.Forward`'s.
+The losses are computed from the positions that carry them: the decoder runs over packed rows
+(:func:`learner.packing.pack`: a transition's CE target and its rollout share one pass over their
+prompt; attention per unit, :func:`learner.peft_model.packed_attention`), projects only the positions
+that predict a target token, and goes through a micro-batch in chunks of ``learner.chunk_tokens`` whose
+backward runs right after their forward (each term is a sum over the chunk divided by the micro-batch's
+count, so loss and gradient are the whole micro-batch's). On CPU its LoRA dropout draws cheaper masks
+(:class:`learner.peft_model.FastDropout`). The forward passes, and ``learner.autocast``'s bf16, are
+:class:`learner.forward.Forward`'s. The reference computation (left-padded batches, one causal-LM pass
+per kind of row, a window of final positions projected onto the whole vocabulary) is a test oracle:
+tests/fixtures/reference_path.py; tests/unit/test_learner_fast_path.py holds these losses and
+gradients to it.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import torch
 
 from comap_async.config import AblationConfig, LearnerConfig
 from comap_async.method.routing import world_model_terms
-from learner import losses, reference_path
-from learner.batches import Encoder, Seq, collate
+from learner import losses
+from learner.batches import Encoder, Seq
 from learner.checkpoint import rng_state
 from learner.ema import copy_student_to_teacher, ema_update, paired_lora_tensors
 from learner.forward import Forward, per_sequence
@@ -99,9 +99,6 @@ class Trainer:
         self.pad_id = self.encoder.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.encoder.tokenizer.eos_token_id
-        self.fast = bool(self.cfg.fast_path)
-        if self.cfg.policy_wm_aux > 0 and not self.fast:
-            raise ValueError("learner.policy_wm_aux (PaW) is computed on the fast path: set learner.fast_path: true")
         self.paw_weight = AdaptiveWeight(self.cfg.policy_wm_aux)
         self.forward = Forward(self.model, self.cfg, self.pad_id, self.device)
 
@@ -112,8 +109,8 @@ class Trainer:
         with self.update_lock:
             copy_student_to_teacher(self._pairs)
 
-    # ------------------------------------------------------------------ the fast path's sums
-    # Each fast-path term is summed over a chunk of sequences (one forward), then divided by the
+    # ------------------------------------------------------------------ the sums
+    # Each term is summed over a chunk of sequences (one forward), then divided by the
     # micro-batch's count: chunks give the same loss and gradient as one pass, with the
     # activations of one chunk alive at a time (learner.chunk_tokens).
 
@@ -231,12 +228,6 @@ class Trainer:
         self, records: list[dict[str, Any]], scale: float
     ) -> tuple[dict[str, float], int, float | None]:
         """Forward and backward of the world-model loss of one micro-batch: (metrics, tokens, change NLL)."""
-        if not self.fast:
-            ce, kl, n, change_nll = self.world_model_losses(records)
-            loss = losses.world_model_loss(ce, kl, self.cfg.eta)
-            if loss.requires_grad:  # else no term had anything to train on
-                (loss * scale).backward()
-            return self._wm_metrics(float(ce.detach()), float(kl.detach())), n, change_nll
         units = self._wm_units(records)
         if not units:  # nothing left to train on (self-distillation only, and no rollouts in these records)
             return {}, 0, None
@@ -273,16 +264,6 @@ class Trainer:
     ) -> tuple[dict[str, float], int]:
         """Forward and backward of the policy loss of one micro-batch: (metrics, tokens)."""
         c = self.cfg
-        if not self.fast:
-            draft_ce, reflect_ce, bce, n = self.policy_losses(demos, reflections)
-            loss = losses.policy_loss(draft_ce, reflect_ce, bce, c.draft_weight, c.reflect_weight, self._bce_w)
-            (loss * scale).backward()
-            return {
-                "policy/draft_ce": float(draft_ce.detach()),
-                "policy/reflect_ce": float(reflect_ce.detach()),
-                "policy/bce": float(bce.detach()),
-                "policy/loss": float(loss.detach()),
-            }, n
         items = self._policy_items(demos, reflections)
         if not items:  # every path of the micro-batch was cut before its first demonstrated action
             return {"policy/draft_ce": 0.0, "policy/reflect_ce": 0.0, "policy/bce": 0.0, "policy/loss": 0.0}, 0
@@ -316,15 +297,13 @@ class Trainer:
     def world_model_losses(self, records: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, int, float | None]:
         """(CE on real next states, KL(teacher || student) on rollout tokens, tokens processed,
         NLL on the change tokens of the real next states: a metric, None when there are none)."""
-        if self.fast:  # one pass (a training step goes through _world_model_step's chunks)
-            units = self._wm_units(records)
-            if not units:
-                zero = torch.zeros((), device=self.device)
-                return zero, zero, 0, None
-            part = self._wm_sums(units)
-            change_nll = part["change"] / part["n_change"] if part["n_change"] else None
-            return part["ce"] / max(part["n_ce"], 1), part["kl"] / max(part["n_kl"], 1), part["tokens"], change_nll
-        return reference_path.world_model_losses(self, records)
+        units = self._wm_units(records)  # one pass (a training step goes through _world_model_step's chunks)
+        if not units:
+            zero = torch.zeros((), device=self.device)
+            return zero, zero, 0, None
+        part = self._wm_sums(units)
+        change_nll = part["change"] / part["n_change"] if part["n_change"] else None
+        return part["ce"] / max(part["n_ce"], 1), part["kl"] / max(part["n_kl"], 1), part["tokens"], change_nll
 
     def teacher_logits(self, seqs: list) -> torch.Tensor:
         """The EMA teacher's logits on its rollout tokens [B, L, V], without gradient or dropout.
@@ -337,27 +316,20 @@ class Trainer:
         self.model.eval()
         try:
             with torch.no_grad():
-                if self.fast:
-                    packed = pack([[s] for s in seqs], self.pad_id, self.device)
-                    return per_sequence(self.forward.target_logits(packed), packed.counts)[0]
-                t_batch = collate(seqs, self.pad_id, self.device)
-                t_all, t_win = self.forward.window_logits(t_batch)
+                packed = pack([[s] for s in seqs], self.pad_id, self.device)
+                return per_sequence(self.forward.target_logits(packed), packed.counts)[0]
         finally:
             self.model.train(was_training)
-        pos, _ = losses.rollout_positions(t_win["starts"], t_win["lengths"], t_all.shape[1])
-        return losses.gather_positions(t_all, pos)
 
     def policy_losses(self, demos: list[dict[str, Any]], reflections: list[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
         """(draft CE, reflection CE, revise BCE, tokens processed) with the policy adapter."""
-        if self.fast:  # one pass (a training step goes through _policy_step's chunks)
-            part = self._policy_sums(self._policy_items(demos, reflections))
-            return (
-                part["draft"] / max(part["n_draft"], 1),
-                part["reflect"] / max(part["n_reflect"], 1),
-                part["bce"] / max(part["n_bce"], 1),
-                part["tokens"],
-            )
-        return reference_path.policy_losses(self, demos, reflections)
+        part = self._policy_sums(self._policy_items(demos, reflections))  # one pass (train_step: chunks)
+        return (
+            part["draft"] / max(part["n_draft"], 1),
+            part["reflect"] / max(part["n_reflect"], 1),
+            part["bce"] / max(part["n_bce"], 1),
+            part["tokens"],
+        )
 
     # ------------------------------------------------------------------ the step
     def train_step(self, micro_batches: list[dict[str, list[dict[str, Any]]]]) -> dict[str, float]:

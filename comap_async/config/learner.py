@@ -40,30 +40,15 @@ class LearnerConfig(Section):
     """Micro-batches per optimizer step."""
     gradient_checkpointing: bool = True
     """Recompute activations in the backward pass: ~30 % more compute for a fraction of the memory.
-    The fast path (``fast_path``) needs it only for long sequences (the 135M default model peaks at
-    ~3 GB without it at batch 2); the reference path peaked above 20 GB without it at 640 tokens."""
+    The learner needs it only for long sequences (the 135M default model peaks at ~3 GB without it
+    at batch 2)."""
     max_seq_len: int = Field(default=1024, ge=16)
     """Longer sequences are truncated from the left of the prompt."""
     max_path_tokens: int = Field(default=2048, ge=64)
     """``env.draft_turns``: a warm-up path trained as one sequence ends after the last whole turn
     that fits (counted in ``learner/truncated``); its first demonstrated action always stays."""
-    fast_path: bool = True
-    """Compute the losses from the positions that carry them: hidden states first, then the
-    vocabulary projection of the target positions only (for the KL: the rollout positions
-    only); the world model's CE target and its rollout share one pass over their common prompt;
-    sequences are packed by length. Same losses and gradients as the reference path
-    (``false``: full-vocabulary logits over a window, one pass per kind of row), checked by
-    tests/unit/test_learner_fast_path.py."""
-    prompt_grad: bool = True
-    """Fast path: ``false`` computes each sequence's prompt (all but its last token) in a pass
-    without gradient and trains the targets against those keys and values (a second pass over
-    the last prompt token and the targets). The loss is the same; the gradient leaves out the
-    path through the prompt's keys and values, and a step costs about a forward of the prompt
-    instead of a forward and backward (a ~600-token prompt for a ~5-token action in warm-up).
-    ``benchmarks/learner_throughput.py`` measures the speed, held-out draft accuracy decides
-    (docs/running.md, "Learner")."""
     chunk_tokens: int = Field(default=1024, ge=0)
-    """Fast path: a micro-batch's sequences go through the model in chunks of at most this many
+    """A micro-batch's sequences go through the model in chunks of at most this many
     tokens (at least one sequence each), each chunk's backward right after its forward, so only
     one chunk's activations are alive; the loss and gradient are the whole micro-batch's. 0: one
     pass per loss."""
@@ -217,17 +202,6 @@ class LearnerConfig(Section):
     """``rounds`` schedule: episodes collected per round."""
     prefetch: int = Field(default=4, ge=1)
     """Batches fetched ahead of the model."""
-
-    @model_validator(mode="after")
-    def _prompt_grad_path(self) -> "LearnerConfig":
-        # checkpointing would recompute the targets' pass, appending its keys and values to the
-        # prompts' a second time; without prompt gradients there are no prompt activations to save
-        if not self.prompt_grad and (not self.fast_path or self.gradient_checkpointing):
-            raise ValueError(
-                "learner.prompt_grad: false runs on the fast path without activation checkpointing: "
-                "set learner.fast_path: true and learner.gradient_checkpointing: false"
-            )
-        return self
 
 
 class AblationConfig(Section):

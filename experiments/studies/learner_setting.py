@@ -3,7 +3,7 @@ learner hour, then the held-out probes of each trained policy (a faster
 learner is kept only if it learns as well from the same data).
 
     python experiments/studies/learner_setting.py --replay runs/NAME/replay --samples 200 --steps 100 \
-        --variants prompt_grad=true,prompt_grad=false --out OUT                  # warm-up SFT
+        --variants KEY=VALUE,KEY=VALUE --out OUT                                  # warm-up SFT
     python experiments/studies/learner_setting.py --phase reflect_init --init-adapter DIR/policy-v1 ...  # reflect init
 
 Each variant trains the policy adapter (from the base model, or from ``--init-adapter``, a peft
@@ -288,7 +288,7 @@ def main() -> None:
         action="store_true",
         help="warm-up on the replay's walkthrough paths, each variant in its own prompt form (--samples: actions)",
     )
-    ap.add_argument("--variants", default="prompt_grad=true,prompt_grad=false", help="two learner settings A,B")
+    ap.add_argument("--variants", default="", help="two learner settings A,B (required)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--games", type=int, default=6, help="held-out games whose walkthrough states are probed")
     ap.add_argument("--split", default="valid_seen")

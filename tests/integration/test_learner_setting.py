@@ -42,27 +42,31 @@ def test_two_settings_train_the_same_demos_and_are_probed(tmp_path, tiny_model_d
     cmd += ["--samples", "4"]
     cmd += ["--steps", "3", "--games", "1", "--model", str(tiny_model_dir), "--config", "configs/test.yaml"]
     cmd += ["--out", str(out), *evals]
-    # configs/test.yaml checkpoints activations, which prompts without gradient refuse: one line, before training
-    refused = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert refused.returncode != 0 and "--variants prompt_grad=false: " in refused.stderr
+    # a setting the config refuses: one line, before training
+    refused = subprocess.run(
+        [*cmd, "--variants", "lr=1e-4,lr=0"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert refused.returncode != 0 and "--variants lr=0: " in refused.stderr
     assert "Traceback" not in refused.stderr and not out.exists()
-    cmd += ["--variants", "prompt_grad=true,prompt_grad=false+gradient_checkpointing=false"]
+    cmd += ["--variants", "gradient_checkpointing=true,gradient_checkpointing=false+chunk_tokens=0"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
 
-    for variant in ("prompt_grad-true", "prompt_grad-false_gradient_checkpointing-false"):
+    for variant in ("gradient_checkpointing-true", "gradient_checkpointing-false_chunk_tokens-0"):
         result = json.loads((out / variant / "result.json").read_text())
         assert result["samples"] == 3 * 2  # steps x configs/test.yaml's batch size
         assert result["states"] > 0 and 0 <= result["draft_accuracy"] <= 1
         assert (out / variant / "adapters" / "policy-v1" / "adapter_model.safetensors").exists()
     last = done.stdout.strip().splitlines()[-1]
-    assert last.startswith("learner_setting prompt_grad=true -> prompt_grad=false+gradient_checkpointing=false: draft")
+    assert last.startswith(
+        "learner_setting gradient_checkpointing=true -> gradient_checkpointing=false+chunk_tokens=0: draft"
+    )
     assert "speedup=" in last
 
-    before = (out / "prompt_grad-true" / "result.json").stat().st_mtime_ns
+    before = (out / "gradient_checkpointing-true" / "result.json").stat().st_mtime_ns
     again = subprocess.run([*cmd, "--resume"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert (out / "prompt_grad-true" / "result.json").stat().st_mtime_ns == before
+    assert (out / "gradient_checkpointing-true" / "result.json").stat().st_mtime_ns == before
 
     short = [*cmd[:5], "50", *cmd[6:]]
     refused = subprocess.run(short, cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -70,14 +74,12 @@ def test_two_settings_train_the_same_demos_and_are_probed(tmp_path, tiny_model_d
     assert "Traceback" not in refused.stderr
 
     # reflection-mode initialisation from the warm-up's adapter, on the 6 suffix samples (not the gate's)
-    init = out / "prompt_grad-true" / "adapters" / "policy-v1"
+    init = out / "gradient_checkpointing-true" / "adapters" / "policy-v1"
     refl = [*cmd[:6], "--phase", "reflect_init", "--init-adapter", str(init), *cmd[6:]]
     refl[refl.index("--out") + 1] = str(tmp_path / "refl")
     done = subprocess.run(refl, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    result = json.loads(
-        (tmp_path / "refl" / "prompt_grad-false_gradient_checkpointing-false" / "result.json").read_text()
-    )
+    result = json.loads((tmp_path / "refl" / "gradient_checkpointing-false_chunk_tokens-0" / "result.json").read_text())
     assert result["samples"] == 3 * 2  # steps x reflect_init_batch_size (configs/test.yaml: batch_size's 2)
     assert "p_auc" in result and result["reflection_problem_rate"] is not None
     assert "p_auc" in done.stdout.strip().splitlines()[-1]

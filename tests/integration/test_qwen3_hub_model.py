@@ -51,7 +51,7 @@ def test_prompts_and_a_learner_step_from_the_hub_id(offline_hub, tmp_path):
     from comap_async.logsetup import configure_logging
     from learner.loop import Learner
 
-    cfg = load_config(None, [f"model.name_or_path={REPO_ID}", f"run.root={tmp_path}", "learner.fast_path=true"])
+    cfg = load_config(None, [f"model.name_or_path={REPO_ID}", f"run.root={tmp_path}"])
     path = resolve_model(REPO_ID, cfg.model.cache_dir)
     assert path.startswith(str(offline_hub)) and path.endswith("c0ffee")
     prompts = Prompts.for_model(path, cfg)

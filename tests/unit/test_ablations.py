@@ -85,10 +85,10 @@ def test_no_reflect_init_goes_from_warmup_to_coevolution():
 
 
 # ------------------------------------------------------------------ the training step
-@pytest.mark.parametrize("fast_path", [True, False])
-def test_no_wmsd_drops_the_kl_term(tiny_model_dir, monkeypatch, fast_path):
-    full = make_trainer(tiny_model_dir, fast_path=fast_path).train_step([batch()])
-    trainer = make_trainer(tiny_model_dir, fast_path=fast_path)
+@pytest.mark.parametrize("reference", [False, True])
+def test_no_wmsd_drops_the_kl_term(tiny_model_dir, monkeypatch, reference):
+    full = make_trainer(tiny_model_dir, reference=reference).train_step([batch()])
+    trainer = make_trainer(tiny_model_dir, reference=reference)
     trainer.ablation = AblationConfig(no_wmsd=True)
     monkeypatch.setattr(trainer, "teacher_logits", lambda seqs: pytest.fail("the teacher ran under no_wmsd"))
     m = trainer.train_step([batch()])
@@ -97,10 +97,10 @@ def test_no_wmsd_drops_the_kl_term(tiny_model_dir, monkeypatch, fast_path):
     assert m["wm/ce"] == pytest.approx(full["wm/ce"], rel=1e-5) and m["wm/loss"] == pytest.approx(m["wm/ce"], rel=1e-6)
 
 
-@pytest.mark.parametrize("fast_path", [True, False])
-def test_no_real_ce_keeps_only_self_distillation(tiny_model_dir, fast_path):
-    full = make_trainer(tiny_model_dir, fast_path=fast_path).train_step([batch()])
-    trainer = make_trainer(tiny_model_dir, fast_path=fast_path)
+@pytest.mark.parametrize("reference", [False, True])
+def test_no_real_ce_keeps_only_self_distillation(tiny_model_dir, reference):
+    full = make_trainer(tiny_model_dir, reference=reference).train_step([batch()])
+    trainer = make_trainer(tiny_model_dir, reference=reference)
     trainer.ablation = AblationConfig(no_real_ce=True)
     m = trainer.train_step([batch()])
     assert "wm/ce" not in m and "wm/change_nll" not in m

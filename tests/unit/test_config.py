@@ -108,16 +108,6 @@ def test_eval_method_is_validated():
         load_config(None, ["eval.method=reflexion"])
 
 
-def test_prompts_without_gradient_refuse_activation_checkpointing():
-    with pytest.raises(ConfigError, match="learner.prompt_grad: false runs on the fast path without activation"):
-        load_config(None, ["learner.prompt_grad=false"])  # the bare default checkpoints
-    with pytest.raises(ConfigError, match="learner.prompt_grad"):
-        load_config(
-            None, ["learner.prompt_grad=false", "learner.gradient_checkpointing=false", "learner.fast_path=false"]
-        )
-    assert not load_config(CONFIGS / "local.yaml", ["learner.prompt_grad=false"]).learner.prompt_grad
-
-
 def test_handcoded_demonstrations_are_recorded_and_need_alfworld():
     on = load_config(None, ["actor.demonstrations=handcoded"])
     assert "handcoded_demos" in on.method_switches and "handcoded_demos" not in load_config(None).method_switches

@@ -164,7 +164,6 @@ def test_the_switch_is_a_play_switch_and_refuses_what_would_mix_prompt_forms():
     assert "draft_turns" in cfg.method_switches
     for bad, name in (
         ({"learner": {"policy_wm_aux": 0.1}}, "learner.policy_wm_aux"),  # selecting by the window form's entropy
-        ({"learner": {"fast_path": False}}, "learner.fast_path"),
     ):
         with pytest.raises(ValueError, match=name):
             CoMapConfig.model_validate({"env": {"draft_turns": True}, **bad})
@@ -258,11 +257,12 @@ def test_demo_loss_share_subsamples_the_frequent_words_turns_and_keeps_the_rest(
 def test_demo_loss_share_covers_a_keeps_final_action_not_a_revises_nor_the_decision(tiny_model_dir):
     """A KEEP reflection whose final action's word is subsampled keeps the loss on its decision and
     ``Final Action:`` prefix only (the same tokens); a ``take`` keeps it on every token, and so does a
-    REVISE's correction whatever its word; both the fast path's packing and the reference path's
-    collation leave the subsampled action's tokens out."""
+    REVISE's correction whatever its word; both the learner's packing and the reference
+    oracle's collation leave the subsampled action's tokens out."""
     from comap_async.models import load_model_and_tokenizer
     from comap_async.prompts import reflection_head
-    from learner.batches import IGNORE, collate
+    from learner.losses import IGNORE
+    from tests.fixtures.reference_path import collate
 
     _, tok = load_model_and_tokenizer(str(tiny_model_dir))
     prompts = Prompts(ChatTemplate.from_model_dir(tiny_model_dir))

@@ -1,6 +1,7 @@
-"""The learner's fast path (packed rows, target-position logits, one pass for a
-transition's CE target and its rollout, optional bf16) computes the reference path's losses and
-gradients (tiny model, fp32); the comparison would catch a loss taken at the wrong positions."""
+"""The learner (packed rows, target-position logits, one pass for a transition's CE target and its
+rollout, optional bf16) computes the reference computation's losses and gradients (the test oracle
+tests/fixtures/reference_path.py; tiny model, fp32); the comparison would catch a loss taken at the
+wrong positions."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ LOSSES = (
     "wm/loss",
     "policy/loss",
 )
-RTOL = 1e-4  # fp32: the two paths differ only in summation order
+RTOL = 1e-4  # fp32: the learner and the oracle differ only in summation order
 
 
 def mixed_batch() -> dict:
@@ -72,12 +73,10 @@ def step_with_grads(trainer, batch) -> tuple[dict, dict]:
 
 
 def pair(tiny_model_dir, common: dict | None = None, **fast_cfg):
-    """A reference-path and a fast-path trainer with the same adapters (``common``: settings of both)."""
+    """The oracle's trainer and the learner's with the same adapters (``common``: settings of both)."""
     common = common or {}
-    ref = make_trainer(
-        tiny_model_dir, **{"fast_path": False, "gradient_checkpointing": True, "autocast": "off", **common}
-    )
-    fast = make_trainer(tiny_model_dir, **{"fast_path": True, "gradient_checkpointing": False, **common, **fast_cfg})
+    ref = make_trainer(tiny_model_dir, reference=True, **{"gradient_checkpointing": True, "autocast": "off", **common})
+    fast = make_trainer(tiny_model_dir, **{"gradient_checkpointing": False, **common, **fast_cfg})
     states = randomize_adapters(ref)
     for role, state in states.items():
         load_adapter_state(fast.model, role, state)
@@ -125,12 +124,12 @@ def test_the_comparison_catches_a_loss_taken_one_position_off(tiny_model_dir, mo
 
 
 def test_packed_attention_follows_the_layout_and_equals_the_dense_mask(tiny_model_dir, monkeypatch):
-    """The fast path's attention (per-unit causal kernels) gives the hidden states the dense
+    """The learner's attention (per-unit causal kernels) gives the hidden states the dense
     [W, W] mask gives, at every non-padding position; and it is what the trainer really runs."""
     import learner.peft_model as model_mod
     from learner.peft_model import activate
 
-    trainer = make_trainer(tiny_model_dir, fast_path=True)
+    trainer = make_trainer(tiny_model_dir)
     assert trainer.forward.packed_attention
     enc = trainer.encoder
     rec = wm_record(0, rollout="You arrive at fridge 1. The fridge 1 is open.")
@@ -206,7 +205,7 @@ def test_pack_shares_a_prompt_and_keeps_units_apart():
     assert p.rows.tolist() == [0, 0, 0, 0, 0, 1, 1]
     assert p.cols.tolist() == [2, 3, 2, 5, 6, 5, 2]  # the prompt's last position predicts both first tokens
     assert p.owner.tolist() == [0, 0, 1, 1, 1, 2, 3] and p.first == [0, 2, 5, 6] and p.counts == [2, 3, 1, 1]
-    assert p.tokens == 5 + 7 + 3 + 4  # the sequences' own lengths, as the reference path counts them
+    assert p.tokens == 5 + 7 + 3 + 4  # the sequences' own lengths, as the oracle counts them
     with pytest.raises(ValueError, match="same prompt"):
         pack([[ce, short]], pad_id=0)
 
@@ -239,45 +238,6 @@ def test_autocast_auto_follows_the_hardware(monkeypatch):
     assert forward_mod.resolve_autocast("auto", "cpu") is None
 
 
-@pytest.mark.parametrize("chunk_tokens", [0, 400])
-def test_detached_prompts_give_the_reference_losses_and_other_gradients(tiny_model_dir, chunk_tokens):
-    """``learner.prompt_grad: false``: the prompts' keys and values come from a pass without
-    gradient, so every loss equals the reference path's (the same forward: positions, masks, the
-    context rows of a unit's two targets) while the gradient leaves out the path through the
-    prompt: it differs, and still reaches every LoRA tensor."""
-    ref, fast = pair(tiny_model_dir, chunk_tokens=chunk_tokens, prompt_grad=False)
-    (ma, ga), (mb, gb) = step_with_grads(ref, mixed_batch()), step_with_grads(fast, mixed_batch())
-    for name in LOSSES:
-        assert abs(ma[name] - mb[name]) / max(abs(ma[name]), 1e-3) < RTOL, name
-    assert ma["learner/tokens"] == mb["learner/tokens"]
-    assert ga.keys() == gb.keys() and len(ga) > 0
-    assert all(torch.isfinite(g).all() and g.abs().max() > 0 for g in gb.values())
-    flat_a = torch.cat([ga[n].flatten() for n in sorted(ga)])
-    flat_b = torch.cat([gb[n].flatten() for n in sorted(gb)])
-    assert (flat_a - flat_b).abs().max() > 100 * RTOL * flat_a.abs().max()
-    assert torch.nn.functional.cosine_similarity(flat_a, flat_b, dim=0) > 0.3
-
-
-def test_detach_prompts_lays_out_contexts_and_tails():
-    from learner.packing import detach_prompts
-
-    prompt = [5, 6, 7]
-    ce, rollout = Seq(prompt + [8, 9], 3, 2), Seq(prompt + [10, 11, 12, 13], 3, 3)
-    short = Seq([20, 21, 22], 2, 1)
-    d = detach_prompts([[ce, rollout], [short]], pad_id=0)
-    assert d.context_ids.tolist() == [[5, 6], [0, 20]]  # all but the prompt's last token, left-padded
-    assert d.context_pos.tolist() == [[0, 1], [0, 0]]
-    assert d.tail_ids.tolist() == [[7, 8, 0], [7, 10, 11], [21, 0, 0]]  # last prompt token + targets but the last
-    assert d.tail_pos[:2].tolist() == [[2, 3, 0], [2, 3, 4]] and d.tail_pos[2, 0] == 1
-    assert d.unit_of.tolist() == [0, 0, 1]
-    assert list(zip(d.rows.tolist(), d.cols.tolist())) == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 0)]
-    m = d.tail_mask[:, 0]
-    assert m[2, 0].tolist() == [False, True, True, False, False]  # the short unit's context, not its padding
-    assert m[1, 2].tolist() == [True, True, True, True, True]
-    assert m[0, 0].tolist() == [True, True, True, False, False]
-    assert d.context_mask[1, 0, 0].tolist() == [True, False]  # padding sees itself only
-
-
 def test_chunk_by_tokens_keeps_every_unit_within_the_budget_longest_first():
     from learner.packing import chunk_by_tokens
 
@@ -290,7 +250,7 @@ def test_chunk_by_tokens_keeps_every_unit_within_the_budget_longest_first():
 
 def test_subsampled_targets_give_the_reference_losses(tiny_model_dir):
     """``learner.demo_loss_share``: a warm-up path's subsampled turns and a reflection's subsampled
-    final action carry no loss on either path (the reference path's labels honour ``Seq.loss``)."""
+    final action carry no loss in the learner or the oracle (the oracle's labels honour ``Seq.loss``)."""
     path = {
         "id": "p0",
         "goal": "put a mug in fridge.",

@@ -142,8 +142,8 @@ def test_teacher_logits_inside_a_train_step_are_an_eval_mode_forward(tiny_model_
     """With LoRA dropout 0.5 the teacher's logits (the distillation target) equal a dropout-free
     forward of the teacher adapter; in train mode they were a noisy sample."""
     from learner import losses
-    from learner.batches import collate
     from learner.peft_model import activate, adapter_parameters
+    from tests.fixtures.reference_path import collate, window_logits
 
     trainer = make_trainer(tiny_model_dir, lora_dropout=0.5)
     torch.manual_seed(1)
@@ -155,7 +155,7 @@ def test_teacher_logits_inside_a_train_step_are_an_eval_mode_forward(tiny_model_
     activate(trainer.model, "wm_teacher", trainable=False)
     trainer.model.eval()
     with torch.no_grad():
-        logits, win = trainer.forward.window_logits(collate([t_seq], trainer.pad_id))
+        logits, win = window_logits(trainer.forward, collate([t_seq], trainer.pad_id))
         pos, _ = losses.rollout_positions(win["starts"], win["lengths"], logits.shape[1])
         expected = losses.gather_positions(logits, pos)
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from learner import losses
 from learner.ema import ema_update, paired_lora_tensors
 from learner.peft_model import adapter_parameters
-from tests.fixtures.learner import demo_record, reflection_record, wm_record
+from tests.fixtures.learner import demo_record, make_trainer, reflection_record, wm_record
 
 
 def test_kl_zero_when_logits_match_and_positive_otherwise():
@@ -137,13 +137,13 @@ def test_trainer_balances_the_bce_by_the_labels_it_has_trained_on(tiny_trainer, 
     assert tiny_trainer.label_counts == [1, 3]  # resumed, the balance goes on where it was
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_the_gates_own_labels_leave_the_bce_when_switched_off(tiny_trainer, fast):
+@pytest.mark.parametrize("reference", [False, True])
+def test_the_gates_own_labels_leave_the_bce_when_switched_off(tiny_model_dir, reference):
     """``learner.bce_gate_labels`` false: only suffix-labelled samples train ``p``; the gate's samples
     still train the reflection's text, and the label counts (``bce_balance``) leave them out too."""
     suffix = [dict(reflection_record(1), source="suffix"), dict(reflection_record(0), source="suffix")]
     gate = [dict(reflection_record(0), source="gate"), dict(reflection_record(0), source="gate")]
-    tiny_trainer.fast = fast
+    tiny_trainer = make_trainer(tiny_model_dir, reference=reference)
     tiny_trainer.cfg = tiny_trainer.cfg.model_copy(update={"bce_balance": False, "bce_gate_labels": True})
     _, reflect_all, bce_all, _ = tiny_trainer.policy_losses([], suffix + gate)
     _, _, bce_suffix, _ = tiny_trainer.policy_losses([], suffix)

@@ -106,7 +106,7 @@ def test_a_micro_batch_is_the_teacher_the_world_model_and_the_policy_passes():
 
     ce, rollout, teacher = seq(20, 3), seq(20, 4), seq(25, 4)
     trainer = SimpleNamespace(
-        cfg=SimpleNamespace(fast_path=True, prompt_grad=True, policy_wm_aux=0.0, chunk_tokens=0),
+        cfg=SimpleNamespace(policy_wm_aux=0.0, chunk_tokens=0),
         encoder=SimpleNamespace(truncated=0, demo_actions=0),
         freeze_wm=False,
         _wm_units=lambda records: [([ce, rollout], [True, False], teacher)],

@@ -63,8 +63,6 @@ def test_off_by_default_and_on_with_its_switch(tiny_model_dir):
     on = make_trainer(tiny_model_dir, autocast="off", policy_wm_aux=0.2, policy_wm_aux_share=0.5)
     metrics = on.train_step([mb])
     assert metrics["policy/wm_aux_selected"] == 2 and metrics["policy/wm_aux_weight"] > 0
-    with pytest.raises(ValueError, match="fast path"):
-        make_trainer(tiny_model_dir, policy_wm_aux=0.2, fast_path=False)
 
 
 def test_it_trains_on_the_transitions_the_policy_is_least_sure_of(tiny_model_dir):

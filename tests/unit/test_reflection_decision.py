@@ -110,11 +110,11 @@ def test_the_decision_format_term_is_blind_to_which_word():
     assert torch.allclose(losses.decision_format_nll(shifted, 2, 5), expected, atol=1e-6)
 
 
-@pytest.mark.parametrize("fast_path", [True, False])
-def test_the_decision_token_carries_no_cross_entropy(tiny_model_dir, fast_path):
+@pytest.mark.parametrize("reference", [False, True])
+def test_the_decision_token_carries_no_cross_entropy(tiny_model_dir, reference):
     """The reflection CE over a sample is the CE of its tokens after the decision word's first token,
     plus the decision-neutral format term there; the BCE is the only loss on the choice."""
-    t = make_trainer(tiny_model_dir, fast_path=fast_path, chunk_tokens=0)
+    t = make_trainer(tiny_model_dir, reference=reference, chunk_tokens=0)
     t.model.eval()
     record = reflection_record(1)
     _, reflect_ce, bce, _ = t.policy_losses([], [record])

@@ -118,7 +118,7 @@ def test_padded_batch_losses_equal_per_sequence_losses(tiny_model_dir):
     """Left padding, position ids and the logits window change nothing: a batch of mixed lengths
     gives the token-weighted mean of each sequence's own unpadded loss."""
     from learner import losses
-    from learner.batches import collate
+    from tests.fixtures.reference_path import collate, window_logits
 
     trainer = make_trainer(tiny_model_dir)
     model, enc = trainer.model, trainer.encoder
@@ -133,7 +133,7 @@ def test_padded_batch_losses_equal_per_sequence_losses(tiny_model_dir):
     activate(model, "policy", trainable=False)
     with torch.no_grad():
         batch = collate(seqs, trainer.pad_id)
-        logits, win = trainer.forward.window_logits(batch)
+        logits, win = window_logits(trainer.forward, batch)
         assert logits.shape[1] < batch["input_ids"].shape[1]  # only the window was projected
         batched = losses.masked_token_ce(logits, win["labels"]).item()
         total, count = 0.0, 0
@@ -203,8 +203,9 @@ def test_change_token_nll_counts_only_tokens_new_to_the_previous_observation(tin
     """``wm/change_nll`` is the CE over the real next observation's tokens that the observation
     before the action did not contain (end of text excluded), computed from the same logits."""
     from learner import losses
-    from learner.batches import change_token_flags, collate
+    from learner.batches import change_token_flags
     from learner.peft_model import activate
+    from tests.fixtures.reference_path import collate, window_logits
 
     assert change_token_flags([5, 6, 7, 5], [5, 9]) == [False, True, True, False]
     trainer = make_trainer(tiny_model_dir)
@@ -218,7 +219,7 @@ def test_change_token_nll_counts_only_tokens_new_to_the_previous_observation(tin
 
     activate(trainer.model, "wm", trainable=False)
     with torch.no_grad():
-        logits, win = trainer.forward.window_logits(collate([seq], trainer.pad_id))
+        logits, win = window_logits(trainer.forward, collate([seq], trainer.pad_id))
         per_token = torch.nn.functional.cross_entropy(
             logits[0, :-1].float(), win["labels"][0, 1:].clamp(min=0), reduction="none"
         )
