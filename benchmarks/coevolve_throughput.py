@@ -1,9 +1,6 @@
 """Co-evolution env steps/s of one actor on the embedded server, today's path against the fast one,
 in alternating rounds on one machine:
 
-* ``reference``: ``inference.forward=transformers``, ``inference.top_p_candidates=0`` (top-p sampling
-  sorts the vocabulary), ``actor.overlap_teacher=false``: the path before the fused forward and the overlapped teacher;
-* ``fused``: the fused forward alone (sampling and actor as the reference);
 * ``fast``: the defaults: fused forward, top-p from the top candidates, the teacher overlapped with
   the next draft (with ``configs/local.yaml``: the draft's turns form and a 2 GB prefix cache).
 * ``fast_cache``: ``fast`` with a 2 GB prefix cache (the built-in default is 256 MB);
@@ -49,7 +46,7 @@ window over those transitions.
 Last line: ``coevolve_env_steps_per_s=X model_calls_per_step=Y`` (``fast``, medians over rounds;
 without ``fast`` the first setting's, named), after one line per setting (with the prompt tokens
 prefilled per env step, those the prefix cache did not serve, in all and by adapter role) and
-``coevolve_speedup_vs_reference=Z`` (fast / reference), the other settings' ratios to ``fast`` and,
+the other settings' ratios to ``fast`` and,
 with ``filed``, every setting's ratio to it. ``fast_cache`` and
 ``fast_history`` (the whole history as the state) need a window long enough for histories to grow
 (``--steps 200``: four 50-step episodes).
@@ -82,11 +79,9 @@ from comap_async.wire.inference_client import ENGINE_COUNTERS, parse_engine_coun
 from comap_async.wire.messages import COEVOLVE, ROLES, adapter_name  # noqa: E402
 from experiments.system import copy_trained_adapters, wait_for  # noqa: E402
 
-FAST = ["inference.forward=fused", "inference.top_p_candidates=256", "actor.overlap_teacher=true"]
+FAST = ["inference.forward=fused", "actor.overlap_teacher=true"]
 TURNS_DECISION_FIRST = [*FAST, "env.reflect_turns=true", "env.wm_turns=true", "actor.reflect_decision_first=true"]
 SETTINGS = {
-    "reference": ["inference.forward=transformers", "inference.top_p_candidates=0", "actor.overlap_teacher=false"],
-    "fused": ["inference.forward=fused", "inference.top_p_candidates=0", "actor.overlap_teacher=false"],
     "fast": FAST,
     # the fast path with a prefix cache that holds every in-flight episode's prompts (a step's
     # reflection shares its draft's prompt up to the state's end; 256 MB holds ~5.8k fp32 tokens of
@@ -379,8 +374,6 @@ def main() -> int:
             f"{f}: coevolve_env_steps_per_s={med[f][0]:.3f} model_calls_per_step={med[f][1]:.2f} "
             f"prefill_tokens_per_step={med[f][2]:.0f}"
         )
-    if "reference" in med and "fast" in med:
-        print(f"coevolve_speedup_vs_reference={med['fast'][0] / med['reference'][0]:.2f}")
     for other in (s for s in med if s.startswith("fast_") and "fast" in med):
         print(f"coevolve_{other}_vs_fast={med[other][0] / med['fast'][0]:.2f}")
     if "filed" in med:

@@ -165,11 +165,6 @@ class InferenceConfig(Section):
     about 3x the decode rate on CPU) or ``transformers`` (transformers' forward with peft's LoRA
     layers in ``model.dtype``: the reference path). Models the fused forward does not know fall
     back to ``transformers`` with a warning."""
-    top_p_candidates: int = Field(default=256, ge=0)
-    """Embedded server: top-p/top-k rows are sampled from their this-many most likely tokens when
-    those hold the nucleus (else from a sort of the whole vocabulary, the same distribution); 0
-    sorts the whole vocabulary of every row (the reference: ~4 ms a row for SmolLM2's 49k tokens,
-    more than a batch-8 decode step)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Embedded server, fused forward: weights and KV-cache dtype. ``auto``: bfloat16 where the
     CPU multiplies bf16 in hardware (avx512_bf16/AMX), else float32. The residual stream, norms,

@@ -139,7 +139,6 @@ class Engine(SpeculativeSteps, PrefillSteps):
         log: Any = None,
         prefix_cache: PrefixCache | None = None,
         fused: FusedLlama | None = None,
-        top_candidates: int = 256,
         speculative_tokens: int = 0,
         forced_tokens: int = 0,
         proposer: Proposer = ngram_proposal,
@@ -153,7 +152,6 @@ class Engine(SpeculativeSteps, PrefillSteps):
         self.fused = fused
         self.key_dim = 3 if fused is not None else 2
         self.cache_arg = kv_cache_argument(slots.forward_model)
-        self.top_candidates = top_candidates
         self.speculative_tokens = speculative_tokens
         self.forced_tokens = forced_tokens
         self.propose = proposer
@@ -370,7 +368,6 @@ class Engine(SpeculativeSteps, PrefillSteps):
                 [s.params for s in rows],
                 [s.generator for s in rows],
                 self._default_gen,
-                self.top_candidates,
                 allowed_tokens(rows),
             )
         except Exception as exc:

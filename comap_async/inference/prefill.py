@@ -172,9 +172,7 @@ class PrefillSteps:
         self.stats.prompt_tokens += n
         by = self.stats.computed_by_adapter
         by[seq.adapter] = by.get(seq.adapter, 0) + p.computed
-        step = sample_step(
-            p.logits, [seq.params], [seq.generator], self._default_gen, self.top_candidates, allowed_tokens([seq])
-        )[0]
+        step = sample_step(p.logits, [seq.params], [seq.generator], self._default_gen, allowed_tokens([seq]))[0]
         p.logits = None
         seq.t_first = time.monotonic()
         if not self._append(seq, step):

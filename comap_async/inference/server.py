@@ -74,7 +74,6 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
         log=log,
         prefix_cache=(PrefixCache(inf.prefix_cache_block, inf.prefix_cache_mb << 20) if inf.prefix_cache_mb else None),
         fused=fused,
-        top_candidates=inf.top_p_candidates,
         speculative_tokens=inf.speculative_tokens,
         forced_tokens=inf.forced_choice_tokens,
         kv_in_place=inf.kv_in_place,

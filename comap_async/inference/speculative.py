@@ -160,7 +160,6 @@ class SpeculativeSteps:
                 [rows[i].params for i in active],
                 [rows[i].generator for i in active],
                 self._default_gen,
-                self.top_candidates,
                 allowed_tokens([rows[i] for i in active]),
             )
             going_on = []

@@ -205,12 +205,10 @@ def sample_step(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator,
-    top_candidates: int = 256,
     allowed: list[list[int] | None] | None = None,
 ) -> list[StepOutput]:
     """Pick one token per row of ``logits`` ``[batch, vocab]`` with each row's own sampling parameters.
 
-    ``top_candidates``: see :func:`sample_top`; 0 sorts the whole vocabulary of every top-p/top-k row.
     ``allowed``: per row, the only tokens it may take (decoding to a list of choices), or None; the
     reported logprobs stay the unmasked model's.
     """
@@ -235,7 +233,7 @@ def sample_step(
             tokens[i] = _draw(torch.softmax(logits[i] / p.temperature, dim=-1), g)
     if nucleus:
         gens = [generators[i] if generators[i] is not None else default_generator for i in nucleus]
-        picked = sample_top(logits[nucleus], [params[i] for i in nucleus], gens, top_candidates)
+        picked = sample_top(logits[nucleus], [params[i] for i in nucleus], gens)
         for i, tok in zip(nucleus, picked):
             tokens[i] = tok
     kmax = max((p.logprobs or 0) for p in params)
@@ -266,11 +264,6 @@ def sample_top(
     """
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
     scaled = logits / temps
-    if candidates <= 0:
-        return [
-            _draw(torch.softmax(_filter_top(scaled[i], p.top_k, p.top_p), dim=-1), g)
-            for i, (p, g) in enumerate(zip(params, generators))
-        ]
     k = min(scaled.shape[1], max(candidates, max(p.top_k for p in params)))
     vals, idx = torch.topk(scaled, k, dim=-1)  # descending
     probs = torch.exp(vals - torch.logsumexp(scaled, dim=-1, keepdim=True))  # under the full softmax
