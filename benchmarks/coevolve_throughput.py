@@ -19,17 +19,11 @@ in alternating rounds on one machine:
   ``fast_turns_decision_first``: with co-evolution's reflections read decision first
   (``actor.reflect_decision_first``); ``fast_turns_decision_first_spec4``: with prompt-lookup speculative
   decoding too (``inference.speculative_tokens=4``); ``fast_turns_decision_first_spec8``: 8 at most;
-  ``fast_turns_decision_first_spec4_unforced``: with the admissible commands' forced tokens decoded one a step
-  (``inference.forced_choice_tokens=0``); ``fast_turns_decision_first_spec4_prompts_cached``: with only prompts
+  ``fast_turns_decision_first_spec4_prompts_cached``: with only prompts
   in the prefix cache (``inference.prefix_cache_outputs=false``); ``fast_turns_decision_first_spec4_unmixed``: with
   every prompt prefilled in a forward of its own (``inference.mixed_step_tokens=0``);
   ``fast_turns_decision_first_spec4_block32``: with prefix-cache blocks of 32 tokens (``inference.prefix_cache_block``);
   ``fast_envs8_turns_decision_first_spec4``: with 8 environments.
-* ``filed``: ``fast`` as it was before the conversation forms: the draft's prompt in the window form
-  (``env.draft_turns=false``), the 256 MB prefix cache, the KV copied at every join and leave and the
-  forced tokens of an admissible command decoded one a step, only prompts in the prefix cache, each prompt
-  prefilled in a forward of its own, prefix-cache blocks of 32 tokens (the baseline every speed-up
-  is read against).
 
     python benchmarks/coevolve_throughput.py [--config configs/local.yaml] [--steps 40] [--rounds 2]
 
@@ -46,8 +40,7 @@ window over those transitions.
 Last line: ``coevolve_env_steps_per_s=X model_calls_per_step=Y`` (``fast``, medians over rounds;
 without ``fast`` the first setting's, named), after one line per setting (with the prompt tokens
 prefilled per env step, those the prefix cache did not serve, in all and by adapter role) and
-the other settings' ratios to ``fast`` and,
-with ``filed``, every setting's ratio to it. ``fast_cache`` and
+the other settings' ratios to ``fast``. ``fast_cache`` and
 ``fast_history`` (the whole history as the state) need a window long enough for histories to grow
 (``--steps 200``: four 50-step episodes).
 """
@@ -119,13 +112,6 @@ SETTINGS = {
     # 8 at most: a row's budget doubles only while its proposals are confirmed (the teacher copying the real
     # observation it is shown), so a row whose guesses fail stays at 1-2 tokens
     "fast_turns_decision_first_spec8": [*TURNS_DECISION_FIRST, "inference.speculative_tokens=8"],
-    # the same with the draft's admissible command decoded one token a step, its forced tokens too (the
-    # earlier path)
-    "fast_turns_decision_first_spec4_unforced": [
-        *TURNS_DECISION_FIRST,
-        "inference.speculative_tokens=4",
-        "inference.forced_choice_tokens=0",
-    ],
     # the same with the running batch's KV copied whole at every join and leave (the earlier path)
     "fast_turns_decision_first_spec4_repadded": [
         *TURNS_DECISION_FIRST,
@@ -165,20 +151,6 @@ SETTINGS = {
         "actor.envs=8",
         "env.reflect_turns=true",
         "env.wm_turns=true",
-    ],
-    # the path before the conversation forms: every prompt re-rendered from the last history_k pairs (nothing for
-    # the cache to extend from one step to the next), a cache too small for 4 episodes' reflections, and the
-    # batch's KV copied at every join and leave
-    "filed": [
-        *FAST,
-        "inference.prefix_cache_mb=256",
-        "env.draft_turns=false",
-        "learner.demo_loss_share={}",
-        "inference.kv_in_place=false",
-        "inference.forced_choice_tokens=0",
-        "inference.prefix_cache_outputs=false",
-        "inference.mixed_step_tokens=0",
-        "inference.prefix_cache_block=32",
     ],
 }
 
@@ -376,9 +348,6 @@ def main() -> int:
         )
     for other in (s for s in med if s.startswith("fast_") and "fast" in med):
         print(f"coevolve_{other}_vs_fast={med[other][0] / med['fast'][0]:.2f}")
-    if "filed" in med:
-        for other in (s for s in med if s != "filed"):
-            print(f"coevolve_{other}_vs_filed={med[other][0] / med['filed'][0]:.2f}")
     head = "fast" if "fast" in med else next(iter(med))
     print(
         f"coevolve_env_steps_per_s={med[head][0]:.3f} model_calls_per_step={med[head][1]:.2f}"

@@ -146,13 +146,6 @@ class InferenceConfig(Section):
     pass; the output is the one decoding token by token gives (``comap_async/inference/speculative.py``).
     The roles copy much of their prompts (the teacher the real observation, a reflection the draft).
     0: off. vLLM: its ``ngram`` method (``--speculative-config``) with the same count."""
-    forced_choice_tokens: int = Field(default=4, ge=0, le=32)
-    """Embedded server: a row decoded to a list of choices (``structured_outputs.choice``, the actors'
-    admissible commands) runs the tokens its choices leave no alternative to (after "take apple 1", " from
-    countertop 1" when the apple is nowhere else) in one verify step with its last token, up to this many,
-    instead of one decode step each; the output is the same (each is the only token allowed). 0: one
-    token a step. vLLM has no counterpart (SGLang's jump-forward decoding
-    is the same idea)."""
     kv_in_place: bool = True
     """Embedded server: rows join and leave the running batch's KV cache in place (``BatchCache``); false
     copies the whole batch at every join and leave, the earlier path, kept for the comparison

@@ -88,7 +88,7 @@ def families(state: Any) -> list[Metric]:
         out,
         "choice_forced_tokens_total",
         "counter",
-        "Tokens a row's choices forced, run in a verify step (inference.forced_choice_tokens).",
+        "Tokens a row's choices forced, run in a verify step (up to 4 a step).",
         [({}, st.forced_tokens)],
     )
     _line(

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from comap_async.inference.engine import Engine
 from comap_async.inference.openai_api import ServerState, build_app, prompt_chars_bound
+from comap_async.inference.speculative import FORCED_CHOICE_TOKENS
 from comap_async.prompts import ChatTemplate
 
 
@@ -75,7 +76,7 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
         prefix_cache=(PrefixCache(inf.prefix_cache_block, inf.prefix_cache_mb << 20) if inf.prefix_cache_mb else None),
         fused=fused,
         speculative_tokens=inf.speculative_tokens,
-        forced_tokens=inf.forced_choice_tokens,
+        forced_tokens=FORCED_CHOICE_TOKENS,
         kv_in_place=inf.kv_in_place,
         cache_outputs=inf.prefix_cache_outputs,
         priority_hold_s=inf.priority_hold_s,

@@ -20,6 +20,13 @@ import torch
 
 from comap_async.inference.token_sampling import sample_step
 
+FORCED_CHOICE_TOKENS = 4
+"""The embedded server's ``forced_tokens``: a row decoded to a list of choices (``structured_outputs.choice``,
+the actors' admissible commands) runs the tokens its choices leave no alternative to (after "take apple 1",
+" from countertop 1" when the apple is nowhere else) in one verify step with its last token, up to this many,
+instead of one decode step each; the output is the same (each is the only token allowed). vLLM has no
+counterpart (SGLang's jump-forward decoding is the same idea)."""
+
 NGRAM_SIZES = (4, 3)
 """The suffix lengths looked up, longest first. Shorter ones propose more often and are confirmed less
 often, and on this project's CPUs an unconfirmed token costs about as much as a decode step's row (~4.8
