@@ -19,8 +19,7 @@ in alternating rounds on one machine:
   ``fast_turns_decision_first``: with co-evolution's reflections read decision first
   (``actor.reflect_decision_first``); ``fast_turns_decision_first_spec4``: with prompt-lookup speculative
   decoding too (``inference.speculative_tokens=4``); ``fast_turns_decision_first_spec8``: 8 at most;
-  ``fast_turns_decision_first_spec4_prompts_cached``: with only prompts
-  in the prefix cache (``inference.prefix_cache_outputs=false``); ``fast_turns_decision_first_spec4_unmixed``: with
+  ``fast_turns_decision_first_spec4_unmixed``: with
   every prompt prefilled in a forward of its own (``inference.mixed_step_tokens=0``);
   ``fast_turns_decision_first_spec4_block32``: with prefix-cache blocks of 32 tokens (``inference.prefix_cache_block``);
   ``fast_envs8_turns_decision_first_spec4``: with 8 environments.
@@ -117,13 +116,6 @@ SETTINGS = {
         *TURNS_DECISION_FIRST,
         "inference.speculative_tokens=4",
         "inference.kv_in_place=false",
-    ],
-    # the same with only prompts in the prefix cache (the earlier path): a reply's keys and values are
-    # computed again in the next turn's prefill
-    "fast_turns_decision_first_spec4_prompts_cached": [
-        *TURNS_DECISION_FIRST,
-        "inference.speculative_tokens=4",
-        "inference.prefix_cache_outputs=false",
     ],
     # the same with every prompt prefilled in a forward of its own (the earlier path): the running rows'
     # decode step reads the weights again right after

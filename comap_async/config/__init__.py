@@ -275,6 +275,8 @@ REMOVED_FIELDS: dict[str, str] = {
     "hold the nucleus, else from a full sort (docs/benchmarks.md has the figure that chose it)",
     "inference.forced_choice_tokens": "a row decoded to a list of choices always runs up to 4 forced tokens in one "
     "verify step (docs/benchmarks.md has the figure that chose it)",
+    "inference.prefix_cache_outputs": "a finished request's reply always joins the prefix cache with its prompt "
+    "(docs/benchmarks.md has the figure that chose it)",
     "learner.fast_path": "the learner always computes its losses at the target positions over packed rows; "
     "the reference computation is a test oracle (tests/fixtures/reference_path.py)",
     "learner.prompt_grad": "the learner always trains through the prompts' keys and values "

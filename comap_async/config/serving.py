@@ -130,11 +130,6 @@ class InferenceConfig(Section):
     and an actor's turns-form conversation re-prefilled after a publish is ~1,400 tokens (~4 s). Held, the
     actors' calls wait out an evaluation (the server's time is the same, the evaluation no longer shares
     it): keep it well under the clients' ``request_timeout_s``."""
-    prefix_cache_outputs: bool = True
-    """Embedded server: a finished request's generated tokens join the prefix cache with its prompt, so
-    a conversation's next turn (which repeats the reply) is prefilled from after it. Off: only prompts
-    are cached. Replayed over a live fork's requests, ~6 % fewer computed prompt
-    tokens (docs/inference.md)."""
     mixed_step_tokens: int = Field(default=2048, ge=0)
     """Embedded server, fused forward: joining prompts whose uncached parts add up to at most this many
     tokens are prefilled in the same forward as the running rows' next decode step (and as each other),

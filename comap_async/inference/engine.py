@@ -143,7 +143,6 @@ class Engine(SpeculativeSteps, PrefillSteps):
         forced_tokens: int = 0,
         proposer: Proposer = ngram_proposal,
         kv_in_place: bool = True,
-        cache_outputs: bool = True,
         priority_hold_s: float = 0.0,
         mixed_step_tokens: int = 0,
     ) -> None:
@@ -161,7 +160,6 @@ class Engine(SpeculativeSteps, PrefillSteps):
         self.log = log
         self.stats = EngineStats()
         self.prefix = prefix_cache
-        self.cache_outputs = cache_outputs
         self.priority_hold_s = priority_hold_s
         # only the fused forward runs several batches with their own caches in one forward
         self.mixed_step_tokens = mixed_step_tokens if fused is not None else 0
@@ -391,7 +389,7 @@ class Engine(SpeculativeSteps, PrefillSteps):
         """After a decode or verify step: only the ``keep`` rows stay in the batch; the step is counted (less
         the ``joining`` prompts' share of its forward)."""
         if len(keep) != len(rows):
-            if self.prefix is not None and self.cache_outputs:
+            if self.prefix is not None:
                 self._store_outputs(rows, keep)
             self._running = [rows[i] for i in self._cache.select(keep)]
         st = self.stats

@@ -78,7 +78,6 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
         speculative_tokens=inf.speculative_tokens,
         forced_tokens=FORCED_CHOICE_TOKENS,
         kv_in_place=inf.kv_in_place,
-        cache_outputs=inf.prefix_cache_outputs,
         priority_hold_s=inf.priority_hold_s,
         mixed_step_tokens=inf.mixed_step_tokens,
     )
