@@ -111,12 +111,6 @@ SETTINGS = {
     # 8 at most: a row's budget doubles only while its proposals are confirmed (the teacher copying the real
     # observation it is shown), so a row whose guesses fail stays at 1-2 tokens
     "fast_turns_decision_first_spec8": [*TURNS_DECISION_FIRST, "inference.speculative_tokens=8"],
-    # the same with the running batch's KV copied whole at every join and leave (the earlier path)
-    "fast_turns_decision_first_spec4_repadded": [
-        *TURNS_DECISION_FIRST,
-        "inference.speculative_tokens=4",
-        "inference.kv_in_place=false",
-    ],
     # the same with every prompt prefilled in a forward of its own (the earlier path): the running rows'
     # decode step reads the weights again right after
     "fast_turns_decision_first_spec4_unmixed": [

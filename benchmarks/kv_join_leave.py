@@ -1,16 +1,15 @@
-"""What a row joining or leaving the embedded server's running batch costs, in place (``BatchCache``,
-``inference.kv_in_place``, the default) against copying the whole batch each time (``RepaddedBatchCache``,
-the earlier path), on the KV geometry of the default model, one thread.
+"""What a row joining or leaving the embedded server's running batch costs, in place (``BatchCache``; copying
+the whole batch each time, the earlier path, went with ``inference.kv_in_place``: docs/benchmarks.md), on the
+KV geometry of the default model, one thread.
 
 A seeded trace like co-evolution's in the turns forms: up to ``--rows`` rows whose prompts are
 conversations of ``--min-tokens``-``--max-tokens`` tokens; each event is a row joining (its prefilled
-KV merged into the batch), a row leaving, or a few decode steps (every row gains a column). Both
-caches replay the same trace, in alternating order over ``--rounds``; the decode steps' column writes
-are timed apart, since both pay them alike.
+KV merged into the batch), a row leaving, or a few decode steps (every row gains a column). The cache
+replays the trace ``--rounds`` times; the decode steps' column writes are timed apart.
 
     python benchmarks/kv_join_leave.py [--rounds 3] [--events 400]
 
-Last line: ``kv_join_leave_ms repadded=X in_place=Y speedup=Z`` (median milliseconds per join or leave).
+Last line: ``kv_join_leave_ms in_place=Y`` (median milliseconds per join or leave).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from comap_async.inference.kvcache import BatchCache, RepaddedBatchCache  # noqa: E402
+from comap_async.inference.kvcache import BatchCache  # noqa: E402
 
 SMOLLM2_135M = {"num_hidden_layers": 30, "num_key_value_heads": 3, "head_dim": 64}
 
@@ -72,7 +71,7 @@ def replay(kind: type, geo: dict[str, int], events: list[tuple[str, int]], rows:
     joins_leaves, decode = [], 0.0
     for op, arg in events:
         if op == "join":
-            joiner = prefilled(kind, geo, arg, dtype)  # prefill's own cost is the same for both: not timed
+            joiner = prefilled(kind, geo, arg, dtype)  # prefill's own cost: not timed
             t0 = time.perf_counter()
             cache.merge(joiner)
             joins_leaves.append(time.perf_counter() - t0)
@@ -113,7 +112,7 @@ def main() -> int:
     geo = geometry(args.model_dir)
     dtype = torch.bfloat16
     events = trace(0, args.events, args.rows, args.min_tokens, args.max_tokens)
-    kinds = {"repadded": RepaddedBatchCache, "in_place": BatchCache}
+    kinds = {"in_place": BatchCache}
     ms: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(args.rounds):
         for name in list(kinds)[:: 1 if r % 2 == 0 else -1]:
@@ -125,10 +124,7 @@ def main() -> int:
                 flush=True,
             )
     med = {k: statistics.median(v) for k, v in ms.items()}
-    print(
-        f"kv_join_leave_ms repadded={med['repadded']:.1f} in_place={med['in_place']:.1f} "
-        f"speedup={med['repadded'] / med['in_place']:.1f}"
-    )
+    print(f"kv_join_leave_ms in_place={med['in_place']:.1f}")
     return 0
 
 

@@ -277,6 +277,8 @@ REMOVED_FIELDS: dict[str, str] = {
     "verify step (docs/benchmarks.md has the figure that chose it)",
     "inference.prefix_cache_outputs": "a finished request's reply always joins the prefix cache with its prompt "
     "(docs/benchmarks.md has the figure that chose it)",
+    "inference.kv_in_place": "rows always join and leave the running batch's KV cache in place "
+    "(docs/benchmarks.md has the figure that chose it)",
     "learner.fast_path": "the learner always computes its losses at the target positions over packed rows; "
     "the reference computation is a test oracle (tests/fixtures/reference_path.py)",
     "learner.prompt_grad": "the learner always trains through the prompts' keys and values "

@@ -141,10 +141,6 @@ class InferenceConfig(Section):
     pass; the output is the one decoding token by token gives (``comap_async/inference/speculative.py``).
     The roles copy much of their prompts (the teacher the real observation, a reflection the draft).
     0: off. vLLM: its ``ngram`` method (``--speculative-config``) with the same count."""
-    kv_in_place: bool = True
-    """Embedded server: rows join and leave the running batch's KV cache in place (``BatchCache``); false
-    copies the whole batch at every join and leave, the earlier path, kept for the comparison
-    (``benchmarks/kv_join_leave.py``). The outputs are the same."""
     max_new_tokens: int = Field(default=256, ge=1)
     """Upper bound on ``max_tokens`` per request."""
     forward: Literal["fused", "transformers"] = "fused"

@@ -28,7 +28,7 @@ import torch
 from comap_async.heap import release_freed_memory
 from comap_async.inference.adapters import BASE, SlotManager
 from comap_async.inference.fused import FusedLlama, Part
-from comap_async.inference.kvcache import BatchCache, RepaddedBatchCache
+from comap_async.inference.kvcache import BatchCache
 from comap_async.inference.prefill import Prefill, PrefillSteps
 from comap_async.inference.prefix import PrefixCache
 from comap_async.inference.speculative import NgramIndex, Proposer, SpeculativeSteps, allowed_tokens, ngram_proposal
@@ -142,7 +142,6 @@ class Engine(SpeculativeSteps, PrefillSteps):
         speculative_tokens: int = 0,
         forced_tokens: int = 0,
         proposer: Proposer = ngram_proposal,
-        kv_in_place: bool = True,
         priority_hold_s: float = 0.0,
         mixed_step_tokens: int = 0,
     ) -> None:
@@ -164,7 +163,6 @@ class Engine(SpeculativeSteps, PrefillSteps):
         # only the fused forward runs several batches with their own caches in one forward
         self.mixed_step_tokens = mixed_step_tokens if fused is not None else 0
         self.num_layers = model.config.get_text_config().num_hidden_layers
-        self.cache_kind = BatchCache if kv_in_place else RepaddedBatchCache
         eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if tokenizer.eos_token_id is not None:
@@ -288,7 +286,7 @@ class Engine(SpeculativeSteps, PrefillSteps):
 
     def _new_cache(self, rows: int = 1) -> BatchCache:
         """A cache of ``rows`` rows once reallocated: the running batch's holds the largest batch, a prefill's one."""
-        return self.cache_kind(self.num_layers, transposed=self.fused is not None, rows_hint=rows)
+        return BatchCache(self.num_layers, transposed=self.fused is not None, rows_hint=rows)
 
     def _forward(
         self,

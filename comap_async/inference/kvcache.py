@@ -202,38 +202,5 @@ class BatchCache(Cache):
         return self.mask
 
 
-class RepaddedBatchCache(BatchCache):
-    """The batch copied whole at every join and leave (``inference.kv_in_place`` false): the earlier
-    path, kept for the comparison in ``benchmarks/kv_join_leave.py`` and ``benchmarks/coevolve_throughput.py``."""
-
-    @staticmethod
-    def _order(keep: list[int]) -> list[int]:
-        return list(keep)
-
-    def _keep(self, layer: BufferLayer, keep: list[int], trim: int) -> None:
-        idx = torch.tensor(keep, dtype=torch.long)
-        n = layer.n - trim
-        k = layer.kbuf.index_select(0, idx).narrow(layer.kdim, layer.off + trim, n)
-        v = layer.vbuf.index_select(0, idx)[:, :, layer.off + trim : layer.off + layer.n]
-        layer._set(*with_capacity(k, v, n, self.transposed), n)
-
-    def _join(self, mine: BufferLayer, theirs: BufferLayer, total: int) -> None:
-        mine.relayout(mine.b + theirs.b, room_for(total), left=total - mine.n)
-        mine.append_rows(theirs, total, mine.b + theirs.b)
-
-
 def _shape(b: int, h: int, cap: int, d: int, transposed: bool) -> tuple[int, int, int, int]:
     return (b, h, d, cap) if transposed else (b, h, cap, d)
-
-
-def with_capacity(
-    k: torch.Tensor, v: torch.Tensor, n: int, transposed: bool = False, cap: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """New buffers with room to grow holding the first ``n`` positions of ``k`` and ``v``."""
-    b, h, _, d = v.shape
-    cap = cap or room_for(n)
-    kdim = 3 if transposed else 2
-    kb, vb = k.new_zeros(*_shape(b, h, cap, d, transposed)), v.new_zeros(b, h, cap, d)
-    kb.narrow(kdim, 0, n).copy_(k.narrow(kdim, 0, n))
-    vb[:, :, :n] = v[:, :, :n]
-    return kb, vb

@@ -77,7 +77,6 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
         fused=fused,
         speculative_tokens=inf.speculative_tokens,
         forced_tokens=FORCED_CHOICE_TOKENS,
-        kv_in_place=inf.kv_in_place,
         priority_hold_s=inf.priority_hold_s,
         mixed_step_tokens=inf.mixed_step_tokens,
     )

@@ -523,33 +523,29 @@ def test_priority_hold_keeps_worse_priorities_waiting_while_a_better_one_runs(ti
     assert actor.out_ids == evaluator.out_ids[:4]
 
 
-def test_joins_and_leaves_in_place_give_the_tokens_of_copying_the_batch(tiny_model_dir):
-    """``inference.kv_in_place`` (the default) against the batch copied at every join and leave: the same
-    tokens for greedy and seeded sampled rows of different lengths joining and leaving a batch of 3,
-    with and without speculative decoding (its verify steps add columns a rejection masks again)."""
+def test_joins_and_leaves_in_place_give_the_same_tokens_with_and_without_verify_steps(tiny_model_dir):
+    """Rows joining and leaving the batch's KV cache in place: the same tokens for greedy and seeded sampled
+    rows of different lengths joining and leaving a batch of 3, with and without speculative decoding (its
+    verify steps add columns a rejection masks again)."""
     from comap_async.inference.token_sampling import make_generator
 
     outputs = {}
-    for in_place in (True, False):
-        for spec in (0, 3):
-            eng = make_engine(tiny_model_dir, "fused", kv_in_place=in_place, speculative_tokens=spec)
-            eng.start()
-            try:
-                tok = eng.tokenizer
-                seqs = [
-                    Sequence(
-                        tok(p).input_ids,
-                        SamplingParams(
-                            max_tokens=4 + 5 * i, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True
-                        ),
-                        generator=make_generator(i),
-                    )
-                    for i, p in enumerate(PROMPTS * 2)
-                ]
-                run(eng, seqs, stagger_s=0.003)
-                assert eng.stats.batch_rows > eng.stats.steps  # rows were really batched
-                outputs[in_place, spec] = [s.out_ids for s in seqs]
-            finally:
-                eng.stop()
-    assert outputs[True, 0] == outputs[False, 0]
-    assert outputs[True, 3] == outputs[False, 3]
+    for spec in (0, 3):
+        eng = make_engine(tiny_model_dir, "fused", speculative_tokens=spec)
+        eng.start()
+        try:
+            tok = eng.tokenizer
+            seqs = [
+                Sequence(
+                    tok(p).input_ids,
+                    SamplingParams(max_tokens=4 + 5 * i, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True),
+                    generator=make_generator(i),
+                )
+                for i, p in enumerate(PROMPTS * 2)
+            ]
+            run(eng, seqs, stagger_s=0.003)
+            assert eng.stats.batch_rows > eng.stats.steps  # rows were really batched
+            outputs[spec] = [s.out_ids for s in seqs]
+        finally:
+            eng.stop()
+    assert outputs[0] == outputs[3]

@@ -10,7 +10,7 @@ import torch
 from comap_async.config import load_config
 from comap_async.inference import vllm
 from comap_async.inference.adapters import resolve_adapter_dir
-from comap_async.inference.kvcache import BatchCache, RepaddedBatchCache
+from comap_async.inference.kvcache import BatchCache
 from comap_async.inference.token_sampling import (
     RequestError,
     SamplingParams,
@@ -270,15 +270,14 @@ def test_vllm_command_asks_for_ngram_speculation_only_when_the_config_does():
     assert spec == {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4, "prompt_lookup_min": 3}
 
 
-@pytest.mark.parametrize("kind", [BatchCache, RepaddedBatchCache])
-def test_batch_cache_joins_and_leaves_in_place_as_a_repadded_batch_would(kind):
+def test_batch_cache_joins_and_leaves_in_place_as_a_repadded_batch_would():
     """Random joins (shorter and longer rows), decode and verify columns, and leaves: every layer's keys and
     values stay each row's own columns right-aligned over zeros (as re-padding the whole batch gives), and
     in place the buffers are reallocated only when the batch outgrows them."""
     rng = random.Random(0)
     heads, dim = 2, 3
     for transposed in (False, True):
-        cache, rows, token = kind(2, transposed=transposed, rows_hint=4), [], 0
+        cache, rows, token = BatchCache(2, transposed=transposed, rows_hint=4), [], 0
         copies, joins_and_leaves, buffers = 0, 0, None
         for _ in range(300):
             op, before = rng.random(), len(rows)
@@ -319,8 +318,5 @@ def test_batch_cache_joins_and_leaves_in_place_as_a_repadded_batch_would(kind):
                 assert torch.equal(layer.values, -keys)
             copies += before > 1 and bool(rows) and cache.layers[0].kbuf is not buffers
             buffers = cache.layers[0].kbuf
-        # re-padding copies the batch at every join and leave (of a batch of several rows: one row is cheap)
-        if kind is RepaddedBatchCache:
-            assert copies == joins_and_leaves
-        else:
-            assert 4 * copies < joins_and_leaves, (copies, joins_and_leaves)
+        # re-padding would copy the batch at every join and leave (of a batch of several rows: one row is cheap)
+        assert 4 * copies < joins_and_leaves, (copies, joins_and_leaves)
