@@ -19,8 +19,6 @@ in alternating rounds on one machine:
   ``fast_turns_decision_first``: with co-evolution's reflections read decision first
   (``actor.reflect_decision_first``); ``fast_turns_decision_first_spec4``: with prompt-lookup speculative
   decoding too (``inference.speculative_tokens=4``); ``fast_turns_decision_first_spec8``: 8 at most;
-  ``fast_turns_decision_first_spec4_unmixed``: with
-  every prompt prefilled in a forward of its own (``inference.mixed_step_tokens=0``);
   ``fast_turns_decision_first_spec4_block32``: with prefix-cache blocks of 32 tokens (``inference.prefix_cache_block``);
   ``fast_envs8_turns_decision_first_spec4``: with 8 environments.
 
@@ -111,13 +109,6 @@ SETTINGS = {
     # 8 at most: a row's budget doubles only while its proposals are confirmed (the teacher copying the real
     # observation it is shown), so a row whose guesses fail stays at 1-2 tokens
     "fast_turns_decision_first_spec8": [*TURNS_DECISION_FIRST, "inference.speculative_tokens=8"],
-    # the same with every prompt prefilled in a forward of its own (the earlier path): the running rows'
-    # decode step reads the weights again right after
-    "fast_turns_decision_first_spec4_unmixed": [
-        *TURNS_DECISION_FIRST,
-        "inference.speculative_tokens=4",
-        "inference.mixed_step_tokens=0",
-    ],
     # the same with prefix-cache blocks of 32 tokens (the earlier size): a prompt recomputes 16 tokens of its
     # known prefix on average instead of 4
     "fast_turns_decision_first_spec4_block32": [

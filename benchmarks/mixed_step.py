@@ -1,12 +1,12 @@
-"""What prefilling a joining prompt in the running rows' decode-step forward saves (``inference.mixed_step_tokens``).
+"""What prefilling a joining prompt in the running rows' decode-step forward saves (``MIXED_STEP_TOKENS``).
 
 In-process, one thread, the default model's fused forward: a decode step of ``--rows`` rows with
 ``--context`` tokens of KV cache each, the rows spread over three adapters (co-evolution mixes the
 policy, the world model and its teacher), and a prompt of ``--prompt`` new tokens after ``--context``
 cached ones on the policy's adapter (a conversation's next turn). Each round times, interleaved:
 
-* ``alone``: the prompt's forward, then the decode step's (``mixed_step_tokens=0``, the earlier
-  path);
+* ``alone``: the prompt's forward, then the decode step's (the earlier path, and a prompt's
+  still when it is longer than ``MIXED_STEP_TOKENS``);
 * ``mixed``: one forward of both (:meth:`FusedLlama.forward_parts`);
 * ``decode``: the decode step by itself (what the prompt's tokens add to it).
 

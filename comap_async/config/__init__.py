@@ -279,6 +279,8 @@ REMOVED_FIELDS: dict[str, str] = {
     "(docs/benchmarks.md has the figure that chose it)",
     "inference.kv_in_place": "rows always join and leave the running batch's KV cache in place "
     "(docs/benchmarks.md has the figure that chose it)",
+    "inference.mixed_step_tokens": "joining prompts of up to 2048 uncached tokens are always prefilled in the "
+    "decode step's forward (docs/benchmarks.md has the figure that chose it)",
     "learner.fast_path": "the learner always computes its losses at the target positions over packed rows; "
     "the reference computation is a test oracle (tests/fixtures/reference_path.py)",
     "learner.prompt_grad": "the learner always trains through the prompts' keys and values "

@@ -130,11 +130,6 @@ class InferenceConfig(Section):
     and an actor's turns-form conversation re-prefilled after a publish is ~1,400 tokens (~4 s). Held, the
     actors' calls wait out an evaluation (the server's time is the same, the evaluation no longer shares
     it): keep it well under the clients' ``request_timeout_s``."""
-    mixed_step_tokens: int = Field(default=2048, ge=0)
-    """Embedded server, fused forward: joining prompts whose uncached parts add up to at most this many
-    tokens are prefilled in the same forward as the running rows' next decode step (and as each other),
-    so the weights are read once for all of them; a longer one is prefilled on its own first, as with 0
-    (the earlier path). Like vLLM's mixed prefill-and-decode batches, without chunking."""
     speculative_tokens: int = Field(default=0, ge=0, le=32)
     """Prompt-lookup speculative decoding: up to this many tokens proposed per row and decode step
     from where the row's last tokens occurred before in its prompt or output, checked in one forward

@@ -102,7 +102,7 @@ def families(state: Any) -> list[Metric]:
         out,
         "mixed_prefills_total",
         "counter",
-        "Prompts prefilled in a forward shared with a decode step or other prompts (inference.mixed_step_tokens).",
+        "Prompts prefilled in a forward shared with a decode step or other prompts.",
         [({}, st.mixed_prefills)],
     )
     _line(

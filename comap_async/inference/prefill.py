@@ -20,6 +20,12 @@ from comap_async.inference.kvcache import BatchCache, room_for
 from comap_async.inference.speculative import allowed_tokens
 from comap_async.inference.token_sampling import sample_step
 
+MIXED_STEP_TOKENS = 2048
+"""The embedded server's ``mixed_step_tokens`` (fused forward): joining prompts whose uncached parts add up to at
+most this many tokens are prefilled in the same forward as the running rows' next decode step (and as each
+other), so the weights are read once for all of them; a longer one is prefilled on its own first. Like vLLM's
+mixed prefill-and-decode batches, without chunking."""
+
 
 @dataclass(eq=False)
 class Prefill:

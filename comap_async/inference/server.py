@@ -12,6 +12,7 @@ from aiohttp import web
 
 from comap_async.inference.engine import Engine
 from comap_async.inference.openai_api import ServerState, build_app, prompt_chars_bound
+from comap_async.inference.prefill import MIXED_STEP_TOKENS
 from comap_async.inference.speculative import FORCED_CHOICE_TOKENS
 from comap_async.prompts import ChatTemplate
 
@@ -78,7 +79,7 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
         speculative_tokens=inf.speculative_tokens,
         forced_tokens=FORCED_CHOICE_TOKENS,
         priority_hold_s=inf.priority_hold_s,
-        mixed_step_tokens=inf.mixed_step_tokens,
+        mixed_step_tokens=MIXED_STEP_TOKENS,
     )
     engine.start()
     engine.call(slots.fill_spares).result()

@@ -30,6 +30,7 @@ def make_engine(tiny_model_dir, forward: str, dtype: str = "float32", **kw) -> E
     from peft import LoraConfig
 
     from comap_async.config import InferenceConfig
+    from comap_async.inference.prefill import MIXED_STEP_TOKENS
     from comap_async.inference.server import build_fused
 
     model, tok = load_model_and_tokenizer(str(tiny_model_dir))
@@ -38,7 +39,7 @@ def make_engine(tiny_model_dir, forward: str, dtype: str = "float32", **kw) -> E
     inf = InferenceConfig(forward=forward, dtype=dtype, max_batch_size=kw.get("max_batch_size", 3))
     fused = build_fused(model, slots, inf)
     assert (fused is not None) == (forward == "fused")
-    defaults = {"max_batch_size": 3, "batch_wait_ms": 0, "mixed_step_tokens": InferenceConfig().mixed_step_tokens}
+    defaults = {"max_batch_size": 3, "batch_wait_ms": 0, "mixed_step_tokens": MIXED_STEP_TOKENS}
     return Engine(model, tok, slots, **{**defaults, **kw}, fused=fused)
 
 

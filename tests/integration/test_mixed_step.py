@@ -1,4 +1,4 @@
-"""Prompts prefilled in the running batch's decode-step forward (``inference.mixed_step_tokens``), on the tiny model."""
+"""Prompts prefilled in the running batch's decode-step forward (``MIXED_STEP_TOKENS``), on the tiny model."""
 
 from __future__ import annotations
 
