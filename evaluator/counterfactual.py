@@ -32,7 +32,7 @@ from typing import Any
 
 from comap_async.method.gates import canonical_action
 from comap_async.prompts import turns_of
-from evaluator.probes import ProbeState, auc, draft_scores, walkthrough_states
+from evaluator.probes import ProbeState, _mean, auc, draft_scores, each_state, walkthrough_states
 
 FUTURES = ("imagined", "real", "contradicting", "none")
 """What the reflection is shown in place of the imagined state, the CoMap loop's first."""
@@ -139,22 +139,8 @@ async def counterfactual_game(
     plan = [st.expert for st in states]
     failed = await failure_answer(branch, game, states[0])
     lock = asyncio.Lock()
-
-    async def one(st: ProbeState) -> CounterfactualRow | None:
-        if slots is None:
-            return await reflect_under_futures(ctx, game, st, plan, branch, lock, failed)
-        async with slots:
-            return await reflect_under_futures(ctx, game, st, plan, branch, lock, failed)
-
-    if slots is None:
-        rows = [await one(st) for st in states]
-    else:
-        rows = list(await asyncio.gather(*(one(st) for st in states)))
+    rows = await each_state(states, lambda st: reflect_under_futures(ctx, game, st, plan, branch, lock, failed), slots)
     return [r for r in rows if r is not None]
-
-
-def _mean(xs: Sequence[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
 
 
 def _future_figures(rows: Sequence[CounterfactualRow], key: str) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,14 +250,22 @@ async def probe_game(
     together, at most ``slots`` states at a time (one state at a time without it: the calls of a
     state still go in order)."""
     states = await walkthrough_states(ctx, env, branch, game, failures, seed)
+    return [row for rows in await each_state(states, lambda st: probe_state(ctx, game, st), slots) for row in rows]
+
+
+async def each_state(
+    states: Sequence[ProbeState], probe: Callable[[ProbeState], Awaitable[Any]], slots: asyncio.Semaphore | None
+) -> list[Any]:
+    """``probe`` of every state, in order: one state after another without ``slots``, else all
+    together, at most ``slots`` at a time (the server batches their calls)."""
     if slots is None:
-        return [row for st in states for row in await probe_state(ctx, game, st)]
+        return [await probe(st) for st in states]
 
-    async def one(st: ProbeState) -> list[ProbeRow]:
+    async def one(st: ProbeState) -> Any:
         async with slots:
-            return await probe_state(ctx, game, st)
+            return await probe(st)
 
-    return [row for rows in await asyncio.gather(*(one(st) for st in states)) for row in rows]
+    return list(await asyncio.gather(*(one(st) for st in states)))
 
 
 async def run_probes(
