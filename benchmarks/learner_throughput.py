@@ -156,16 +156,11 @@ def child(args: argparse.Namespace) -> None:
     if args.qwen3_4b_shape:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        cfg4b = AutoConfig.for_model(
-            "qwen3",
-            hidden_size=2560,
-            intermediate_size=9728,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=len(tok),
-        )
+        from learner.flops import SHAPES
+
+        # the tokenizer's vocabulary, untied as this benchmark's recorded figures were measured
+        shape = {**SHAPES["qwen3-4b"], "vocab_size": len(tok), "tie_word_embeddings": False}
+        cfg4b = AutoConfig.for_model("qwen3", **shape)
         with torch.device(args.device):  # initialised on the card: a 4B model's CPU init takes a minute
             base = AutoModelForCausalLM.from_config(cfg4b, dtype=torch.bfloat16)
     cfg = learner_config(args, overrides)
