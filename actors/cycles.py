@@ -1,7 +1,7 @@
 """Ending a greedy evaluation episode that has entered a cycle, with the figures it would have had.
 
-In an evaluation whose every model call is greedy (``eval.temperature`` 0, no repeat guard, no
-sampled look-ahead candidates), a step is a function of its textual state: the same state gives
+In an evaluation whose every model call is greedy (``eval.temperature`` 0, no sampled
+look-ahead candidates), a step is a function of its textual state: the same state gives
 the same draft, imagined result, reflection and executed action. When a state recurs, the steps
 since its previous occurrence repeat until the episode's step cap, so the game is lost and the rest
 of the episode is known without playing it. The small policies this system trains on a CPU repeat
@@ -32,7 +32,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-COUNTERS = ("revisions", "invalid", "parse_problems", "reflection_problems", "unreadable_reflections", "guarded")
+COUNTERS = ("revisions", "invalid", "parse_problems", "reflection_problems", "unreadable_reflections")
 """Integer fields of :class:`~actors.episodes.EpisodeStats` that grow per step."""
 SEQUENCES = ("delta_f1", "state_actions", "judged_steps", "lookahead")
 """List fields of :class:`~actors.episodes.EpisodeStats` that grow per step."""
@@ -41,7 +41,7 @@ SEQUENCES = ("delta_f1", "state_actions", "judged_steps", "lookahead")
 def deterministic(cfg: Any, method: str) -> bool:
     """Whether every call of an evaluation episode of ``method`` is greedy under ``cfg``."""
     ev = cfg.eval
-    return ev.temperature == 0 and ev.repeat_guard == 0 and method != "lookahead"
+    return ev.temperature == 0 and method != "lookahead"
 
 
 def cycle_stop_for(cfg: Any, method: str) -> "CycleStop | None":

@@ -91,8 +91,6 @@ class EpisodeStats:
     """``actor.imagined_rollouts``: imagined episodes sent / dropped by the filter (:mod:`actors.imagined`)."""
     imagined_scores: list[float] = field(default_factory=list)
     """The critic's scores of the imagined episodes it read (kept or not): what the filter cut at."""
-    guarded: int = 0
-    """Evaluation with ``eval.repeat_guard``: steps whose repeated action was replaced (:func:`avoid_repeat`)."""
     judged_steps: list[tuple[int, int, int]] = field(default_factory=list)
     """Evaluation with reflection metrics: per step, ``(m, z_draft, z_ref)`` (docs/design.md section 11)."""
     cycle_projected: int = 0
@@ -131,8 +129,6 @@ class EpisodeStats:
             out["imagined_score_max"] = max(self.imagined_scores)
         if self.demo_fallback:
             out["demo_fallback"] = 1.0
-        if self.guarded:
-            out["guard_rate"] = self.guarded / n
         if self.cycle_projected:
             out["cycle_projected_steps"] = float(self.cycle_projected)
         if self.lookahead:  # how often the look-ahead overruled the first sampled candidate
@@ -312,34 +308,6 @@ def dialogue_of(conversation: Conversation) -> Dialogue:
     return Dialogue(task=conversation.task, first=conversation.first, turns=list(conversation.turns))
 
 
-async def avoid_repeat(ctx: EpisodeContext, ep: Episode, state: str | Conversation, action: str) -> str:
-    """``eval.repeat_guard``: ``action``, or, when it was already taken from the episode's current
-    state (canonical facts and action, as :func:`~comap_async.diagnostics.loop_steps` counts a
-    loop), the first of the guard's sampled drafts not tried there yet (``action`` when none is).
-    With ``actor.admissible_choice`` the guard's one draft is decoded, as the episode decodes, among
-    the admissible commands not tried there: the policy's preferred untried command."""
-    ev = ctx.cfg.eval
-    tried = {a for facts, a in ep.stats.state_actions if facts == ep.facts}
-    if ev.repeat_guard <= 0 or canonical_action(action) not in tried:
-        return action
-    admissible = ep.current.admissible
-    if ctx.cfg.actor.admissible_choice and admissible:
-        untried = [a for a in admissible if canonical_action(a) not in tried]
-        other = (await ctx.llm.draft(state, admissible=untried))[0] if untried else None
-        if other is None:
-            return action
-        ep.stats.guarded += 1
-        return other
-    drafts = await asyncio.gather(
-        *(ctx.llm.draft(state, ev.repeat_guard_temperature, admissible) for _ in range(ev.repeat_guard))
-    )
-    for other, _ in drafts:
-        if other is not None and canonical_action(other) not in tried:
-            ep.stats.guarded += 1
-            return other
-    return action
-
-
 async def _teach_and_emit(ctx: EpisodeContext, transition: Transition, seen: Conversation | None) -> None:
     """The teacher's prediction of the observed next state (``s_next``; ``seen``: the draft's conversation
     at the step), the world-state gate's reliability of the two predictions on this actor's fact state,
@@ -429,8 +397,6 @@ async def play_coevolve(
             gate = gate_reflection(ctx.cfg, refl, a_draft)
             ep.stats.gate_reasons[gate.reason] = ep.stats.gate_reasons.get(gate.reason, 0) + 1
             a_exec = refl.a_ref if gate.open else a_draft
-            if eval_mode:
-                a_exec = await avoid_repeat(ctx, ep, seen, a_exec)
             if branch is not None:
                 z_draft, z_ref = await judge_step(branch, game, list(ep.actions), a_draft, refl.a_ref, plan)
                 ep.stats.judged_steps.append((int(gate.open), z_draft, z_ref))
@@ -442,7 +408,7 @@ async def play_coevolve(
             if counterfactual is not None and not eval_mode and a_exec != a_draft:
                 s_next_draft = await draft_outcome(ep, counterfactual, game, a_draft)
             ep.advance(a_exec, await env.step(a_exec))
-            if a_exec != a_draft:  # revised by the gate, or replaced by the repeat guard
+            if a_exec != a_draft:  # revised by the gate
                 s_hat_exec, wm_v = await llm.imagine(s, a_exec, turns_of(seen)), llm.last_version("wm")
             else:
                 s_hat_exec = s_hat

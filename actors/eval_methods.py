@@ -24,7 +24,7 @@ from typing import Any
 
 from actors import lookahead
 from actors.cycles import cycle_stop_for
-from actors.episodes import FALLBACK_ACTION, Episode, EpisodeContext, EpisodeStats, avoid_repeat
+from actors.episodes import FALLBACK_ACTION, Episode, EpisodeContext, EpisodeStats
 from comap_async.facts import state_delta_f1
 from comap_async.prompts import turns_of
 from comap_async.wire.messages import COEVOLVE
@@ -74,10 +74,6 @@ async def play_method(ctx: EpisodeContext, env: Any, game: Any, episode_id: str,
         if action is None:
             ep.stats.parse_problems += 1
             action = FALLBACK_ACTION
-        # the guard drafts from what the draft reads (the episode's turns with env.draft_turns), as in comap
-        guarded = await avoid_repeat(ctx, ep, ep.draft_state(), action)
-        if guarded != action:
-            action, s_hat = guarded, None
         ep.stats.invalid += bool(admissible) and action not in admissible
         ep.advance(action, await env.step(action))
         if s_hat is not None:  # the world model's Delta-F1 where its prediction was of the executed action

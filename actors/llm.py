@@ -15,7 +15,6 @@ read its version there.)
 from __future__ import annotations
 
 import asyncio
-import zlib
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -275,32 +274,8 @@ class AgentLLM:
     async def _action(
         self, prompt: str, budget: int, temperature: float, logprobs: int | None, choices: list[str] | None
     ) -> dict[str, Any]:
-        """One action line of the policy's: decoded among ``choices`` (None: freely); a greedy one with
-        ``actor.choice_samples`` is the likeliest whole command (:meth:`_likeliest_choice`)."""
-        if choices is not None and temperature == 0 and self.cfg.choice_samples:
-            return await self._likeliest_choice(prompt, choices, budget)
+        """One action line of the policy's: decoded among ``choices`` (None: freely)."""
         return await self._complete(POLICY, prompt, budget, STOP_ACTION, temperature, logprobs, choices)
-
-    async def _likeliest_choice(self, prompt: str, choices: list[str], budget: int) -> dict[str, Any]:
-        """``actor.choice_samples``: the token-greedy choice and N sampled ones (the policy's own
-        distribution, seeded by the prompt so an evaluation replays), the likeliest whole command
-        among them by :func:`choice_logprob` (the greedy one on a tie)."""
-        greedy, sampled = await asyncio.gather(
-            self._complete(POLICY, prompt, budget, STOP_ACTION, 0.0, 1, choices),
-            self._complete_all(
-                POLICY,
-                prompt,
-                budget,
-                STOP_ACTION,
-                1.0,
-                1,
-                choices,
-                n=self.cfg.choice_samples,
-                top_p=1.0,
-                seed=zlib.crc32(prompt.encode()),
-            ),
-        )
-        return max([greedy, *sampled["choices"]], key=choice_logprob)
 
     async def critic(self, state: str, trajectory: list[tuple[str, str]]) -> float | None:
         """The policy's judgement of an imagined continuation of ``state``: P(YES) over the critic's
@@ -343,7 +318,7 @@ class AgentLLM:
         self, state: str, a_draft: str, s_hat: str, admissible: Sequence[str] | None = None
     ) -> tuple[str | None, str | None]:
         """Imagine-and-Act's final (action, problem) after the candidate's imagined consequence."""
-        # decoded as a draft is (``actor.choice_samples`` included), so the final action is chosen alike
+        # decoded as a draft is, so the final action is chosen alike
         c = await self._action(
             self.prompts.choose(state, a_draft, s_hat),
             self.cfg.max_draft_tokens,

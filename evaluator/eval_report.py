@@ -41,7 +41,6 @@ def episode_record(game: Any, stats: Any) -> dict[str, Any]:
         "invalid": stats.invalid,
         "parse_problems": stats.parse_problems,
         "loops": stats.loops,
-        "guarded": stats.guarded,
         "delta_f1": list(stats.delta_f1),
         # the actions executed, canonical, in order: what a lost game did (its loops, its invalid commands)
         # can be read after the fact without playing it again
@@ -85,7 +84,6 @@ def summarize_records(records: list[dict[str, Any]], split: str, version: int, w
             if all("parse_problems" in r for r in records)
             else None
         ),
-        "guard_rate": sum(r["guarded"] for r in records) / total_steps,
         "gate_reasons": gate_reasons(records),
         "revision_verbs": revision_verbs(records),
         # eval.cycle_stop: steps counted above but not played (the episode had entered a cycle)

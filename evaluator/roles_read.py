@@ -205,7 +205,7 @@ async def _play(cfg: Any, method: str, training: bool) -> list[ProbeRequest]:
     async def emit(_: Any) -> None:
         return None
 
-    # the facts only key the repeat guard and the cycle stop: every probe state is a new one
+    # the facts only key the cycle stop: every probe state is a new one
     ctx = EpisodeContext("probe", cfg, llm, emit, lambda facts, o: facts | {o}, lambda: Registry.serving(0))
     game = SimpleNamespace(name="probe", split=cfg.env.split)
     if method in ("comap", "comap_oracle"):  # as actors.worker plays it

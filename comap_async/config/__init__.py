@@ -161,11 +161,6 @@ class CoMapConfig(Section):
                 "learner.policy_wm_aux_entropy: acting reads the draft's confidence, which the actors measure "
                 "with actor.reflect_confidence: true"
             )
-        if self.actor.choice_samples and not self.actor.admissible_choice:
-            raise ValueError(
-                "actor.choice_samples rescores drafts decoded among the admissible commands: it needs "
-                "actor.admissible_choice"
-            )
         if self.actor.demonstrations == "handcoded" and self.env.name != "alfworld":
             raise ValueError(
                 f"actor.demonstrations: handcoded needs ALFWorld's handcoded expert (env.name is {self.env.name})"
@@ -285,6 +280,12 @@ REMOVED_FIELDS: dict[str, str] = {
     "the reference computation is a test oracle (tests/fixtures/reference_path.py)",
     "learner.prompt_grad": "the learner always trains through the prompts' keys and values "
     "(docs/benchmarks.md has the figure that chose it)",
+    "actor.choice_samples": "greedy decoding among the admissible commands is token by token; the likeliest "
+    "whole command changed nothing that mattered at 4.5x the server time (docs/findings.md)",
+    "eval.repeat_guard": "evaluation episodes have no anti-loop guard; it took the loop rate to 0 and won no "
+    "more games (docs/findings.md)",
+    "eval.repeat_guard_temperature": "evaluation episodes have no anti-loop guard; it took the loop rate to 0 "
+    "and won no more games (docs/findings.md)",
 }
 """Fields a config may still name from an older release, dotted (``learner.fast_path``), each with what
 replaced it: a config naming one is refused with that one line instead of "unknown field". A field goes

@@ -88,7 +88,7 @@ class ActorConfig(Section):
     like the temperature: a comparison plays every row with the config's; recorded with a run that
     trains with it as the method switch ``admissible_choice``. On vLLM a choice may come back in
     another tokenization than the tokenizer's (its grammar admits any), so its logprobs, hence the
-    draft's confidence and ``choice_samples``' ranking, can read lower than the embedded server's
+    draft's confidence, can read lower than the embedded server's
     (docs/inference.md, "Known vLLM differences")."""
     revise_other_action: bool = False
     """With ``admissible_choice``: a reflection that decides REVISE and names the draft again (what the
@@ -98,16 +98,6 @@ class ActorConfig(Section):
     action gate still executes it only when the policy is confident in it (``q > tau_q``); a KEEP, or a
     REVISE that names another action, is left as written. Recorded with a run that trains with it
     as the method switch ``revise_other_action``."""
-    choice_samples: int = Field(default=0, ge=0, le=16)
-    """With ``admissible_choice``, for greedy decoding among the admissible commands (temperature 0,
-    as evaluations play: the draft, and a reflection's final action continued from ``Final
-    Action:``): 0 takes the token-by-token greedy path through the choices; N > 0 also samples N
-    choices from the policy's own distribution over them (temperature 1, one request) and takes the
-    likeliest whole command among those and the greedy one, by the sum of its tokens' logprobs (end
-    token included).
-    Token-greedy picks the likeliest first word: where ten ``go to`` commands share 0.6 and one
-    ``take`` has 0.3, it goes on walking. A decoding setting (a comparison plays every row with the
-    config's); sampled drafts (co-evolution's temperature) are unchanged."""
     reflect_init_pairs: bool = False
     """Reflection-mode initialisation: each ``y = 1`` sample (the expert's action does better than
     the draft) comes with a ``y = 0`` one on the same state whose draft is the expert's action (an

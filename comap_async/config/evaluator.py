@@ -39,18 +39,8 @@ class EvalConfig(Section):
     lookahead_temperature: float = Field(default=0.7, gt=0.0)
     """``lookahead``: temperature of the candidates' drafts (distinct candidates need sampling, also
     when the evaluation is greedy)."""
-    repeat_guard: int = Field(default=0, ge=0, le=16)
-    """Anti-loop guard of evaluation episodes: when the action about to be executed was already taken
-    from the same state (the loop rate's definition: the same canonical facts and action), up to this
-    many drafts are sampled at ``repeat_guard_temperature`` (concurrently) and the first one not yet
-    tried there is executed instead; none: the action stands. With ``actor.admissible_choice`` (any N >
-    0) one draft is decoded instead, as the episode decodes, among the admissible commands not tried
-    there. 0 = off (the paper's agents have none; on held-out games it took the loop rate to 0 and won
-    no more: docs/findings.md)."""
-    repeat_guard_temperature: float = Field(default=1.0, gt=0.0)
-    """Temperature of the guard's alternative drafts."""
     cycle_stop: int = Field(default=0, ge=0)
-    """End a greedy evaluation episode (``temperature`` 0, no repeat guard, not ``lookahead``) when its
+    """End a greedy evaluation episode (``temperature`` 0, not ``lookahead``) when its
     textual state occurs this many times (0 = off; at least 2): the steps since the previous
     occurrence would repeat to ``env.max_steps``, so the game is lost and every figure of the episode
     is extended as those steps would have gone (:mod:`actors.cycles`)."""

@@ -150,7 +150,7 @@ def summary(rows: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
                 "draft_is_expert": sum(x["draft"] == x["expert"] for x in xs) / len(xs),
                 "p_expert": sum(math.exp(x["expert_logprob"]) for x in xs) / len(xs),
                 # the expert's command likelier as a whole than the token-greedy draft: what decoding the
-                # likeliest whole command (actor.choice_samples) could win at most
+                # likeliest whole command could win at most
                 "expert_likelier": sum(
                     x["draft"] != x["expert"] and x["expert_logprob"] > x["draft_logprob"] for x in xs
                 )

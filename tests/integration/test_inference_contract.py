@@ -196,40 +196,6 @@ async def test_choice_decoding_returns_one_of_the_choices(inference_server, refe
     assert_matches(ref[: len(want)], one.choices[0].logprobs.token_logprobs[: len(want)], inference_server.logprob_tol)
 
 
-async def test_choice_samples_take_the_likeliest_whole_command(inference_server):
-    """``actor.choice_samples``: a greedy draft among the admissible commands is the likeliest whole
-    command (each command's own log-probability, end token included, read by decoding it as the only
-    choice), not the token-by-token greedy path; the same on a second call. The commands are built so
-    that the two differ: the first word the model prefers starts only a long command."""
-    from actors.llm import AgentLLM, choice_logprob
-    from comap_async.config import ActorConfig
-
-    prompts = Prompts(ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}"))
-    async with inference_server.client() as c:
-        preferred = (
-            await c.complete(STATE, max_tokens=4, temperature=0.0, structured_outputs={"choice": ["look", "go"]})
-        ).text
-        other = "go" if preferred == "look" else "look"
-        admissible = [f"{preferred} to the fridge 1 and the sinkbasin 2 and the countertop 3", other]
-
-        def agent(**kw):
-            return AgentLLM(c, prompts, ActorConfig(admissible_choice=True, **kw), inference_server.base_name)
-
-        first = await agent(choice_samples=16).draft_scored(STATE, 0.0, confidence=True, admissible=admissible)
-        again = await agent(choice_samples=16).draft_scored(STATE, 0.0, confidence=True, admissible=admissible)
-        token_greedy, _ = await agent().draft(STATE, temperature=0.0, admissible=admissible)
-        whole = {}
-        for a in admissible:
-            one = await c.complete(
-                STATE, max_tokens=32, temperature=0.0, logprobs=1, structured_outputs={"choice": [a]}
-            )
-            whole[a] = choice_logprob(one.raw["choices"][0])
-    likeliest = max(whole, key=whole.get)
-    assert token_greedy == admissible[0] != likeliest, (token_greedy, whole)
-    assert first.action == again.action == likeliest, (first.action, whole)
-    assert first.confidence is not None and 0 < first.confidence <= 1
-
-
 async def test_unknown_adapter_is_404(inference_server):
     async with inference_server.client() as c:
         with pytest.raises(InferenceError) as err:

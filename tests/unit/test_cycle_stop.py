@@ -116,9 +116,6 @@ def test_only_a_greedy_evaluation_is_stopped():
     assert (
         cycle_stop_for(on.model_copy(update={"eval": on.eval.model_copy(update={"temperature": 0.7})}), "comap") is None
     )
-    assert (
-        cycle_stop_for(on.model_copy(update={"eval": on.eval.model_copy(update={"repeat_guard": 4})}), "comap") is None
-    )
     assert cycle_stop_for(CoMapConfig(), "comap") is None  # off by default
 
 

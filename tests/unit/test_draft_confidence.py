@@ -56,7 +56,7 @@ async def test_off_the_draft_asks_no_logprobs_and_the_prompt_is_as_before():
     client = ScriptedClient(draft, draft)
     off = await make_llm(client, on=False).draft_scored("state")
     assert off.confidence is None and client.calls[0]["logprobs"] is None
-    # the plain draft (the repeat guard's and the look-ahead's samples) never asks, whatever the switch
+    # the plain draft (the look-ahead's samples) never asks, whatever the switch
     assert (await make_llm(client, on=True).draft("state")) == ("look", None)
     assert client.calls[1]["logprobs"] is None
     prompts = make_llm(client, on=False).prompts

@@ -208,17 +208,6 @@ def test_revise_other_action_needs_admissible_choice():
     assert {"admissible_choice", "revise_other_action"} <= set(on.method_switches)
 
 
-def test_choice_samples_needs_admissible_choice_and_keeps_old_row_keys():
-    from comap_async.config import ConfigError, load_config
-    from evaluator.compare_cells import cell_key
-
-    with pytest.raises(ConfigError, match="needs actor.admissible_choice"):
-        load_config(None, ["actor.choice_samples=8"])
-    off, on = load_config(None, []), load_config(None, ["actor.admissible_choice=true", "actor.choice_samples=8"])
-    assert "choice_samples" not in cell_key(off, "run", 1, "draft_only", "valid_seen", [])["settings"]["actor"]
-    assert cell_key(on, "run", 1, "draft_only", "valid_seen", [])["settings"]["actor"]["choice_samples"] == 8
-
-
 def choice(text: str, lps: list[float]) -> dict:
     return {"text": text, "logprobs": {"tokens": [text] * len(lps), "token_logprobs": lps, "top_logprobs": []}}
 
@@ -229,65 +218,6 @@ def test_choice_logprob_is_the_whole_commands_end_token_included():
     assert choice_logprob(choice("go to drawer 1", [-0.1, -0.1, -0.1, -0.2, -3.0])) == pytest.approx(-3.5)
     assert choice_logprob(choice("look", [])) == float("-inf")
     assert choice_logprob({"text": "look"}) == float("-inf")
-
-
-async def test_choice_samples_execute_the_likeliest_of_the_greedy_and_sampled_commands():
-    prompts = Prompts(ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}"), decision=DECISION)
-    llm = AgentLLM(None, prompts, ActorConfig(admissible_choice=True, choice_samples=3), "base")
-    greedy = {"choices": [choice("go to shelf 1", [-0.5, -0.1, -2.0, -1.0, -0.1])]}
-    sampled = {
-        "choices": [
-            choice("go to shelf 2", [-0.5, -0.1, -2.0, -1.5, -0.1]),
-            choice("take pen 1", [-1.2, -0.3, -0.1, -0.1]),
-        ]
-    }
-
-    class Client:
-        calls: list[dict] = []
-
-        async def complete(self, **kw):
-            self.calls.append(kw)
-            return sampled if kw.get("n") else greedy
-
-    llm.client = Client()
-    draft = await llm.draft_scored("state", 0.0, admissible=["go to shelf 1", "go to shelf 2", "take pen 1"])
-    assert draft.action == "take pen 1"
-    greedy_call, sampled_call = sorted(llm.client.calls, key=lambda kw: kw.get("n", 1))
-    assert greedy_call["temperature"] == 0.0 and sampled_call["temperature"] == 1.0 and sampled_call["n"] == 3
-    assert (
-        sampled_call["top_p"] == 1.0 and sampled_call["seed"] is not None
-    )  # the policy's own distribution, replayable
-    # a sampled draft (co-evolution's temperature) is one call, as before
-    Client.calls = []
-    await llm.draft_scored("state", 0.7, admissible=["go to shelf 1", "take pen 1"])
-    assert len(llm.client.calls) == 1 and "n" not in llm.client.calls[0]
-
-
-async def test_choice_samples_choose_a_continued_final_action_as_the_likeliest_command():
-    prompts = Prompts(ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}"), decision=DECISION)
-    cfg = ActorConfig(admissible_choice=True, revise_other_action=True, choice_samples=4, temperature=0.0)
-    llm = AgentLLM(None, prompts, cfg, "base")
-    toks = [" RE", "VISE", "\n", "Final", " Action", ":", " go", " to", " desk", " 1"]
-    revise = {" RE": math.log(0.8), " KE": math.log(0.1)}
-    reflection = {"choices": [choice(" REVISE\nFinal Action: go to desk 1", [math.log(0.8)] * 10)]}
-    reflection["choices"][0]["logprobs"].update(tokens=toks, top_logprobs=[revise] + [{}] * 9)
-    greedy = {"choices": [choice(" look", [math.log(0.3), math.log(0.5)])]}
-    sampled = {"choices": [choice(" take bowl 1 from desk 1", [math.log(0.5), math.log(0.9), -0.01, -0.01])]}
-
-    class Client:
-        calls: list[dict] = []
-
-        async def complete(self, **kw):
-            self.calls.append(kw)
-            if not kw["prompt"].endswith("Final Action:"):
-                return reflection
-            return sampled if kw.get("n") else greedy
-
-    llm.client = Client()
-    r = await llm.reflect("state", "go to desk 1", "s", admissible=["go to desk 1", "take bowl 1 from desk 1", "look"])
-    assert r.decision == "REVISE" and r.a_ref == "take bowl 1 from desk 1"
-    assert [kw.get("n", 1) for kw in llm.client.calls] == [1, 1, 4]
-    assert llm.client.calls[2]["structured_outputs"] == {"choice": [" take bowl 1 from desk 1", " look"]}
 
 
 def test_a_state_with_more_commands_than_a_request_may_list_is_a_clear_error():
