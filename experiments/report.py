@@ -36,6 +36,24 @@ def outcomes(results: dict[str, Any], row: str) -> list[list[int]] | None:
     return [[int(results["rows"][n]["episodes"][g]["won"]) for n in names] for g in results["games"]]
 
 
+PAPER_REFLECTION = {"urr": 0.16, "hrr": 0.08, "brp": 0.92}
+"""The paper's URR, HRR and BRP on ALFWorld (Qwen3-4B), shown beside a judged row's."""
+
+
+def reflection_figures(episodes: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """URR, HRR, BRP and their sums over the judged steps of ``episodes`` (each game's ``judged`` counts
+    by ``(m, z_draft, z_ref)``), by the one definition (:func:`comap_async.diagnostics.reflection_diagnostics`);
+    None when no game was judged."""
+    from comap_async.diagnostics import reflection_diagnostics
+
+    steps = [
+        tuple(int(c) for c in code) for e in episodes for code, n in (e.get("judged") or {}).items() for _ in range(n)
+    ]
+    if not steps:
+        return None
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in reflection_diagnostics(steps).items()}
+
+
 def row_figures(results: dict[str, Any], name: str) -> dict[str, Any]:
     """One played row's figures (a seed's, or a row with one seed)."""
     row = results["rows"][name]
@@ -61,6 +79,7 @@ def row_figures(results: dict[str, Any], name: str) -> dict[str, Any]:
         "wm_delta_f1": round(sum(f1) / len(f1), 4) if f1 else None,
         "wall_s": row["wall_s"],
         "complete": n == len(results["games"]),
+        **({"reflection": judged} if (judged := reflection_figures(eps)) else {}),
     }
 
 
@@ -86,8 +105,18 @@ def pooled_figures(results: dict[str, Any], row: str) -> dict[str, Any]:
         "revisions": sum(f["revisions"] for f in each.values()),
         "steps": steps,
         "complete": all(f["complete"] for f in each.values()),
+        **({"reflection": judged} if (judged := reflection_figures(pooled_episodes(results, names))) else {}),
         "per_seed": each,
     }
+
+
+def pooled_episodes(results: dict[str, Any], names: list[str]) -> list[dict[str, Any]]:
+    return [
+        results["rows"][n]["episodes"][g]
+        for n in names
+        for g in results["games"]
+        if g in results["rows"][n]["episodes"]
+    ]
 
 
 def comparisons(spec: ExperimentSpec, results: dict[str, Any]) -> tuple[list[dict], list[dict]]:
@@ -228,6 +257,32 @@ def markdown(spec: ExperimentSpec, results: dict[str, Any]) -> str:
     if sees:
         lines += ["", "## What each row reads", ""]
         lines += [f"- `{row}`: {describe_sees(s)}" for row, s in sees.items()]
+    judged = {
+        name: g["reflection"]
+        for row, f in results["figures"].items()
+        for name, g in {**f.get("per_seed", {}), row: f}.items()
+        if g.get("reflection")
+    }
+    if judged:
+        paper = PAPER_REFLECTION
+        lines += [
+            "",
+            "## Reflection: URR, HRR, BRP",
+            "",
+            "Every step of a judged row played twice more from its state, the draft first and the reflected action "
+            "first, each continued by the game's expert to the episode's end (docs/design.md section 11). URR: "
+            "executed revisions among drafts that would have won; HRR: those that then lost; BRP: executed "
+            f"revisions that turned a loss into a win. The paper (ALFWorld, Qwen3-4B): URR {paper['urr']}, "
+            f"HRR {paper['hrr']}, BRP {paper['brp']}.",
+            "",
+            "| row | judged steps | executed revisions | winning drafts | URR | HRR | BRP |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        lines += [
+            f"| `{name}` | {r['steps']} | {r['sum_m']} | {r['sum_z_draft']} | {r['urr']:.2f} | {r['hrr']:.2f} | "
+            f"{r['brp']:.2f} |"
+            for name, r in judged.items()
+        ]
     gates = {row: f["gate_reasons"] for row, f in results["figures"].items() if f.get("gate_reasons")}
     if gates:
         lines += ["", "## The action gate's reasons", ""]

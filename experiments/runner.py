@@ -356,13 +356,22 @@ class Experiment:
             version, _, prefix = stage_run(row.run_dir, prefix_id, adapter_root, str(row.version), with_ablation=False)
             digest = adapters_digest(row.run_dir / "adapters", version)
             row_cfg = with_ablation(cfg, ablation, methods)
-            key = key_digest(cell_key(row_cfg, digest, version, row.method, self.split, games))
+            judged = row.name in self.spec.judged_rows()
+            # a judged row's games carry its branch counts: it is another cell than the same row unjudged
+            key = key_digest(
+                {
+                    **cell_key(row_cfg, digest, version, row.method, self.split, games),
+                    **({"judged": True} if judged else {}),
+                }
+            )
             held = results["rows"].get(row.name)
             if held is not None and held.get("key") != key:
                 say(self.spec.name, f"row {row.name}: its adapters or settings changed: played again")
                 held = None
             if held is None:
                 held = {"key": key, "arm": row.arm, "seed": row.seed, "method": row.method, "step": row.step}
+                if judged:
+                    held["judged"] = True
                 held.update(version=version, adapters=digest, episodes={}, wall_s=0.0)
                 held["sees"] = what_row_sees(row_cfg, row.method)
                 results["rows"][row.name] = held
@@ -420,7 +429,7 @@ class Experiment:
                 t0, wall_before = time.time(), held["wall_s"]
 
                 def on_result(game: Any, stats: Any, held: dict = held, name: str = row.name) -> None:
-                    held["episodes"][game.name] = game_record(episode_record(game, stats))
+                    held["episodes"][game.name] = game_record(episode_record(game, stats), stats.judged_steps)
                     held["wall_s"] = round(wall_before + time.time() - t0, 1)
                     write_json(self.results_path, results)
                     won = sum(e["won"] for e in held["episodes"].values())
@@ -440,6 +449,7 @@ class Experiment:
                     envs=self.spec.evaluation.envs,
                     method=row.method,
                     on_result=on_result,
+                    reflection_metrics=bool(held.get("judged")),
                 )
                 check_complete(played, left, row.name)
                 # a finished row lists its games in the split's order, so its part of the file is the same
@@ -487,14 +497,21 @@ def training_gate(run_dir: Path) -> tuple[int, int]:
     return sum(round(g["revision_accepted"] * g["samples"]) for g in gates), sum(g["samples"] for g in gates)
 
 
-def game_record(record: dict[str, Any]) -> dict[str, Any]:
+def game_record(record: dict[str, Any], judged_steps: list[tuple[int, int, int]] | None = None) -> dict[str, Any]:
     """What results.json keeps of a game: its outcome and how the loop played it (no action list: the
-    file stays small enough to commit)."""
+    file stays small enough to commit); a judged row's game also its steps counted by ``(m, z_draft,
+    z_ref)`` (``"101": 2``: two executed revisions whose draft would have lost and whose action wins),
+    from which the row's URR, HRR and BRP are computed (:func:`experiments.report.reflection_figures`)."""
     keep = ("won", "steps", "score", "revisions", "invalid", "loops", "parse_problems", "gate_reasons")
     f1 = record.get("delta_f1") or []
+    judged: dict[str, int] = {}
+    for step in judged_steps or ():
+        code = "".join(str(int(v)) for v in step)
+        judged[code] = judged.get(code, 0) + 1
     return {
         **{k: record[k] for k in keep if k in record},
         **({"delta_f1": round(sum(f1) / len(f1), 4)} if f1 else {}),
+        **({"judged": dict(sorted(judged.items()))} if judged_steps is not None and judged_steps else {}),
     }
 
 

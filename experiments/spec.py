@@ -110,6 +110,11 @@ class EvalSpec(Strict):
     pairs: list[tuple[str, str]] = []
     set: list[str] = []
     """Settings of the evaluation only (e.g. ``model.torch_threads=2``: the server has the cores to itself)."""
+    judged: list[str] = []
+    """CoMap rows whose every step is also judged by two branches, the draft's and the reflected action's,
+    each continued by the game's expert to the episode's end: the paper's URR, HRR and BRP. A pooled row
+    name judges each of its seeds. Judging plays no model call, only the environment (it does not change
+    the row's games), but each judged step replays its branches from the episode's start."""
 
     @field_validator("games")
     @classmethod
@@ -166,10 +171,26 @@ class ExperimentSpec(Strict):
             if bad:
                 raise ValueError(f"{where}: unknown method {', '.join(bad)}; known: {', '.join(EVAL_METHODS)}")
         rows = set(self.row_names()) | set(self.seed_row_names())
-        for name in [self.evaluation.reference, *(x for pair in self.evaluation.pairs for x in pair)]:
+        for name in [
+            self.evaluation.reference,
+            *(x for pair in self.evaluation.pairs for x in pair),
+            *self.evaluation.judged,
+        ]:
             if name not in rows:
                 raise ValueError(f"evaluation: row {name!r} is not played; rows: {', '.join(sorted(rows))}")
+        for name in self.evaluation.judged:
+            if name.split("/", 1)[1].split("@", 1)[0] != "comap":
+                raise ValueError(f"evaluation.judged: {name!r} is not a CoMap row (only its steps revise a draft)")
         return self
+
+    def judged_rows(self) -> set[str]:
+        """The played rows (a seed's, or a one-seed row) that ``evaluation.judged`` names."""
+        seeds = self.seed_row_names()
+        out = set()
+        for name in self.evaluation.judged:
+            each = [s for s in seeds if s.startswith(name + "@s")]
+            out.update(each or [name])
+        return out
 
     def plays(self, arm: str) -> list[str]:
         """How ``arm``'s end (or the fork point, ``source``) is played."""

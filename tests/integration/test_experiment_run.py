@@ -42,6 +42,7 @@ def write_spec(tmp_path: Path, settings: list[str]) -> Path:
             "arms": ["comap"],
             "reference": "source/draft_only",
             "pairs": [["comap/comap", "frozen_wm/comap"]],
+            "judged": ["frozen_wm/comap"],  # its steps judged by two branches: URR, HRR, BRP
         },
     }
     path = tmp_path / "tiny-two-arms.yaml"
@@ -149,6 +150,14 @@ def test_an_experiment_killed_twice_resumes_to_the_same_table(tmp_path, tiny_mod
     assert figures["games"] == GAMES and 0.0 <= figures["ci95"][0] <= figures["ci95"][1] <= 1.0
     md = (out / "results.md").read_text()
     assert "| `comap/comap` |" in md and "Verdicts" in md and (out / "results.png").stat().st_size > 1000
+    # the judged row: every game's steps counted by (m, z_draft, z_ref), the paper's rates from them
+    judged = results["rows"]["frozen_wm/comap"]
+    assert judged["judged"] and "judged" not in results["rows"]["comap/comap"]
+    for record in judged["episodes"].values():
+        assert sum(record["judged"].values()) == record["steps"]
+    reflection = results["figures"]["frozen_wm/comap"]["reflection"]
+    assert reflection["steps"] == results["figures"]["frozen_wm/comap"]["steps"]
+    assert 0.0 <= reflection["urr"] <= 1.0 and "## Reflection: URR, HRR, BRP" in md
 
     # nothing of the experiment's systems is left running: its pid file gone, the broker's port free
     assert not (tmp_path / "runs" / "experiments" / "tiny-two-arms" / "logs" / "system.pid").exists()

@@ -73,12 +73,59 @@ def test_a_spec_names_its_rows_and_forks(tmp_path):
         ({"arms": {"comap": {"seeds": [1, 1]}}}, "seeds must be distinct"),
         ({"name": "a b"}, "letters, digits"),
         ({"budget": 3}, "budget: Extra inputs are not permitted"),
+        ({"evaluation": {"judged": ["frozen_wm/react"]}}, "row 'frozen_wm/react' is not played"),
+        ({"evaluation": {"judged": ["comap/draft_only"]}}, "evaluation.judged: 'comap/draft_only' is not a CoMap row"),
     ],
 )
 def test_a_spec_that_cannot_run_is_one_line_naming_the_field(tmp_path, change, says):
     with pytest.raises(SpecError) as err:
         load_spec(spec_file(tmp_path, **change))
     assert says in str(err.value) and "\n" not in str(err.value) and str(err.value).startswith(str(tmp_path))
+
+
+def test_judged_rows_name_each_seed_of_a_pooled_row(tmp_path):
+    spec = load_spec(spec_file(tmp_path, evaluation={"judged": ["comap/comap", "frozen_wm/comap"]}))
+    assert spec.judged_rows() == {"comap/comap@s0", "comap/comap@s1", "frozen_wm/comap"}
+    assert load_spec(spec_file(tmp_path, evaluation={"judged": ["comap/comap@s1"]})).judged_rows() == {"comap/comap@s1"}
+
+
+def test_a_judged_games_record_counts_its_steps_and_the_report_computes_the_papers_rates(tmp_path):
+    """URR, HRR, BRP of a judged row come from its games' step counts by the one definition
+    (``comap_async.diagnostics.reflection_diagnostics``), pooled over games and seeds."""
+    from comap_async.diagnostics import reflection_diagnostics
+    from experiments.runner import game_record
+
+    steps = [(1, 1, 0), (1, 0, 1), (0, 1, 1), (0, 0, 0), (1, 0, 1)]
+    record = game_record({"won": False, "steps": 5}, steps)
+    assert record["judged"] == {"000": 1, "011": 1, "101": 2, "110": 1}
+    assert "judged" not in game_record({"won": True, "steps": 3}, [])  # an unjudged row's game
+    spec = load_spec(spec_file(tmp_path, evaluation={"judged": ["comap/comap"]}))
+    results = {
+        "experiment": "exp",
+        "spec": "experiments/exp.yaml",
+        "split": "valid_seen",
+        "games": ["g0", "g1"],
+        "source": {"version": 3, "step": 100, "phase": "coevolve"},
+        "forks": {},
+        "train_steps": 40,
+        "decoding": "greedy",
+        "rows": {
+            "source/draft_only": played([0, 0], "source", None, "draft_only", 100),
+            "comap/comap@s0": played([0, 1], "comap", 0, "comap", 140),
+            "comap/comap@s1": played([0, 0], "comap", 1, "comap", 140),
+        },
+    }
+    results["rows"]["comap/comap@s0"]["episodes"]["g0"]["judged"] = record["judged"]
+    results["rows"]["comap/comap@s0"]["episodes"]["g1"]["judged"] = {"010": 2}
+    results["rows"]["comap/comap@s1"]["episodes"]["g0"]["judged"] = {"101": 1}
+    out = write_report(spec, results, tmp_path)
+    want = reflection_diagnostics([*steps, (0, 1, 0), (0, 1, 0), (1, 0, 1)])
+    pooled = out["figures"]["comap/comap"]["reflection"]
+    assert pooled["steps"] == 8 and pooled["urr"] == round(want["urr"], 4) and pooled["brp"] == round(want["brp"], 4)
+    assert out["figures"]["comap/comap"]["per_seed"]["comap/comap@s1"]["reflection"]["sum_m"] == 1
+    assert "reflection" not in out["figures"]["source/draft_only"]
+    md = (tmp_path / "results.md").read_text()
+    assert "## Reflection: URR, HRR, BRP" in md and "HRR 0.08, BRP 0.92" in md and "| `comap/comap` | 8 |" in md
 
 
 def test_a_missing_or_broken_file_is_one_line(tmp_path):
