@@ -19,7 +19,7 @@ the policy saw and its action; in the turns form (``env.draft_turns``) each kept
 :class:`~comap_async.wire.messages.TurnDemos` path (``imagined``), the real turns as context and the
 imagined actions as targets, trained as the warm-up's paths are. The broker stores them apart (the
 ``imagined`` store); the learner mixes them into the draft loss's demonstrations at
-``learner.imagined_share`` in co-evolution, and never into the world model's data (the world model
+``learner.phases.coevolve.imagined_demo_share`` in co-evolution, and never into the world model's data (the world model
 would learn from its own answers).
 
 WebEvolver's own filter is not in its released code in a form this setting can reuse; the

@@ -199,7 +199,7 @@ class ActorWorker:
         if phase == WARMUP:
             # ...and at least the demonstrations the learner waits for, so one actor alone lets warm-up start
             # (turns form without recovery paths: one per episode, so 100 episodes held the learner for ever)
-            need = self.cfg.learner.warmup_min_demos
+            need = self.cfg.learner.phases.warmup.min_samples
             return self._warmup_played >= a.max_warmup_episodes and self._demos_sent >= need
         if phase == REFLECT_INIT:
             return a.max_reflect_init_labels is not None and self._labels_sent >= a.max_reflect_init_labels

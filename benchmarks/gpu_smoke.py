@@ -159,8 +159,8 @@ class System:
             "actor.envs=2",
             f"learner.device={device}",
             # the shortest warm-up that publishes: its first publish ends it, then co-evolution plays on it
-            "learner.warmup_steps=2",
-            "learner.warmup_min_demos=4",
+            "learner.phases.warmup.steps=2",
+            "learner.phases.warmup.min_samples=4",
             "learner.publish_every=2",
             "learner.checkpoint_every=1000",
             "ablation.no_reflect_init=true",

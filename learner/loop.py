@@ -21,13 +21,13 @@ from typing import Any
 from comap_async.config import CoMapConfig
 from comap_async.heap import resident_gb
 from comap_async.method.fingerprint import check_method
-from comap_async.method.routing import first_phase, world_model_frozen
+from comap_async.method.phases import first_phase, phase_spec
+from comap_async.method.routing import world_model_frozen
 from comap_async.run_files import append_run_config, write_run_ablation
 from comap_async.waiting import cancel_and_wait, until_stopped, wait_until_answers
 from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
 from learner.phases import PhaseControl
 from learner.prefetch import Prefetcher
-from learner.schedule import phase_bce_weight
 from learner.step_thread import step_or_stop
 from learner.threads import QuietWatch
 
@@ -41,8 +41,8 @@ class LearnerState:
     version: int = 0
     phase_start: int = 0
     round_episodes: int = 0  # episodes written when the current round started (rounds schedule)
-    phase_budget: int | None = None  # the phase's step budget when sized by data (warmup_epochs)
-    phase_seconds: float = 0.0  # training time spent in the phase (warmup_max_minutes)
+    phase_budget: int | None = None  # the phase's step budget when sized by data (its spec's epochs)
+    phase_seconds: float = 0.0  # training time spent in the phase (its spec's max_minutes)
     tokens_total: int = 0  # tokens trained since the run began: wall-clock throughput (async vs rounds)
 
     def as_dict(self) -> dict[str, Any]:
@@ -291,11 +291,7 @@ class Learner(PhaseControl):
                     )
                 if self.state.phase == WARMUP:
                     await self.wait_for_demos(broker)
-                shares = {
-                    "transitions": lc.wm_anchor_share,
-                    "reflections": lc.reflect_init_share,
-                    "imagined": lc.imagined_share,
-                }
+                shares = dict(phase_spec(lc, COEVOLVE).shares)  # only co-evolution mixes stores
                 rank = self.dp.rank if self.dp is not None else 0  # each rank samples its own micro-batches
                 prefetch = Prefetcher(
                     broker,
@@ -306,7 +302,7 @@ class Learner(PhaseControl):
                     self.log,
                     shares,
                     self.cfg.ablation,
-                    {REFLECT_INIT: {"reflections": self.reflect_init_batch}},
+                    {REFLECT_INIT: {"reflections": phase_spec(lc, REFLECT_INIT).batch_size}},
                 )
                 task = asyncio.create_task(prefetch.run())
                 try:
@@ -375,7 +371,7 @@ class Learner(PhaseControl):
             phase = self.state.phase
             threads = await self.follow_threads(phase, broker)
             self.trainer.freeze_wm = world_model_frozen(self.cfg, phase)
-            self.trainer.bce_weight = phase_bce_weight(lc, phase)
+            self.trainer.bce_weight = phase_spec(lc, phase).bce_weight
             metrics = await self._step_or_stop(micro)
             if metrics is None:  # SIGTERM during a step: checkpoint the last completed one, now
                 break

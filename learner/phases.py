@@ -9,35 +9,24 @@ the learner's ``cfg``, ``state`` (:class:`learner.loop.LearnerState`), ``trainer
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from typing import Any
 
-from comap_async.method.routing import after_warmup
-from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
+from comap_async.method.phases import phase_spec
+from comap_async.wire.messages import REFLECT_INIT, WARMUP
 from learner.threads import QUIET_STORE, own_threads, phase_threads
 
 
 class PhaseControl:
     def next_phase(self) -> str | None:
         """The phase to switch to after this step, or None to stay."""
-        lc, s, step = self.cfg.learner, self.state, self.trainer.step
-        limit = {WARMUP: lc.warmup_max_minutes, REFLECT_INIT: lc.reflect_init_max_minutes}.get(s.phase)
-        out_of_time = limit is not None and s.phase_seconds >= 60 * limit
-        if s.phase == WARMUP and (step - s.phase_start >= (s.phase_budget or lc.warmup_steps) or out_of_time):
-            return after_warmup(self.cfg)
-        if s.phase == REFLECT_INIT and (
-            step - s.phase_start >= (s.phase_budget or lc.reflect_init_steps) or out_of_time
-        ):
-            return COEVOLVE
-        return None
+        s = self.state
+        spec = phase_spec(self.cfg.learner, s.phase, self.cfg.ablation)
+        return spec.then if spec.done(self.trainer.step - s.phase_start, s.phase_budget, s.phase_seconds) else None
 
     def _publish_every(self) -> int:
         """Steps between publishes in the current phase (never in warm-up unless configured)."""
-        lc = self.cfg.learner
-        if self.state.phase == WARMUP:
-            return lc.warmup_publish_every or 1 << 62
-        return lc.publish_every
+        return phase_spec(self.cfg.learner, self.state.phase).publish_every or 1 << 62
 
     async def wait_for_store(self, broker: Any, store: str, key: str, need: int, event: str) -> int | None:
         """Poll the broker's stats until ``stores[store][key] >= need`` (one log line per 10 s);
@@ -58,12 +47,6 @@ class PhaseControl:
         """Samples one optimizer step trains on, over every rank (a budget's unit)."""
         lc = self.cfg.learner
         return lc.batch_size * lc.grad_accum * (self.dp.world if self.dp is not None else 1)
-
-    @property
-    def reflect_init_batch(self) -> int:
-        """Reflection samples per micro-batch of reflection-mode initialisation."""
-        lc = self.cfg.learner
-        return lc.reflect_init_batch_size or lc.batch_size
 
     def follow_budget(self, phase: str) -> None:
         """Enter ``phase`` with the step budget just sized from the broker's counts, rank 0's on every
@@ -89,35 +72,27 @@ class PhaseControl:
         return threads
 
     async def wait_for_demos(self, broker: Any) -> None:
-        """Warm-up starts once the broker holds ``warmup_min_demos`` demonstrations."""
-        demos = await self.wait_for_store(
-            broker, "demos", "count", self.cfg.learner.warmup_min_demos, "learner.waiting_for_demos"
-        )
-        lc = self.cfg.learner
-        if demos is not None and lc.warmup_epochs is not None and self.state.phase_budget is None:
-            # sized by the data there is when training starts: later demonstrations only add variety
-            self.state.phase_budget = max(lc.warmup_steps, math.ceil(lc.warmup_epochs * demos / self.global_batch))
-            self.follow_budget(WARMUP)
-            self.log.info("learner.warmup_budget", demos=demos, epochs=lc.warmup_epochs, steps=self.state.phase_budget)
+        """Warm-up starts once the broker holds its spec's ``min_samples`` demonstrations."""
+        await self.wait_for_phase_data(broker, WARMUP)
 
     async def wait_for_reflections(self, broker: Any) -> int | None:
-        """``reflect_init`` trains once the broker holds ``reflect_init_min_samples`` reflection
-        samples: the actors start labelling them only when the phase is announced. With
-        ``reflect_init_epochs`` the phase's budget is then sized by the samples held."""
-        lc = self.cfg.learner
+        """``reflect_init`` trains once the broker holds its spec's ``min_samples`` reflection samples: the
+        actors start labelling them only when the phase is announced."""
+        return await self.wait_for_phase_data(broker, REFLECT_INIT)
+
+    async def wait_for_phase_data(self, broker: Any, phase: str) -> int | None:
+        """Wait until the store ``phase`` requires holds its spec's ``min_samples`` items; a phase sized by
+        data (its spec's ``epochs``) then gets its budget from the items held. Returns the count reached, or
+        None when stopping."""
+        spec = phase_spec(self.cfg.learner, phase, self.cfg.ablation)
         have = await self.wait_for_store(
-            broker, "reflections", "count", lc.reflect_init_min_samples, "learner.waiting_for_reflections"
+            broker, spec.requires, "count", spec.min_samples, f"learner.waiting_for_{spec.requires}"
         )
-        if have is not None and lc.reflect_init_epochs is not None and self.state.phase_budget is None:
-            per_step = self.global_batch // lc.batch_size * self.reflect_init_batch
-            self.state.phase_budget = max(lc.reflect_init_steps, math.ceil(lc.reflect_init_epochs * have / per_step))
-            self.follow_budget(REFLECT_INIT)
-            self.log.info(
-                "learner.reflect_init_budget",
-                samples=have,
-                epochs=lc.reflect_init_epochs,
-                steps=self.state.phase_budget,
-            )
+        if have is not None and spec.epochs is not None and self.state.phase_budget is None:
+            # sized by the data there is when training starts: later items only add variety
+            self.state.phase_budget = spec.sized_steps(have, self.global_batch // self.cfg.learner.batch_size)
+            self.follow_budget(phase)
+            self.log.info(f"learner.{phase}_budget", held=have, epochs=spec.epochs, steps=self.state.phase_budget)
         return have
 
     async def wait_for_round(self, broker: Any) -> None:

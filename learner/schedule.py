@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from comap_async.config import LearnerConfig
-from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
+from comap_async.method.phases import phase_spec
+from comap_async.wire.messages import WARMUP
 
 
 def cosine_with_warmup(step: int, total: int, warmup_ratio: float, floor: float = 0.1) -> float:
@@ -24,15 +25,6 @@ def cosine_with_warmup(step: int, total: int, warmup_ratio: float, floor: float 
 
 
 MAX_GRAD_NORM = 1.0  # per role (the paper's trainer clips at 1.0)
-PHASE_BUDGET = {WARMUP: "warmup_steps", REFLECT_INIT: "reflect_init_steps", COEVOLVE: "total_steps"}
-"""The ``LearnerConfig`` field holding each phase's step budget: the horizon of its LR schedule."""
-
-
-def phase_lr(cfg: LearnerConfig, phase: str) -> float:
-    """The phase's peak rate: ``reflect_init_lr`` in reflection-mode initialisation and ``coevolve_lr`` in
-    co-evolution when set, else ``lr``."""
-    own = {REFLECT_INIT: cfg.reflect_init_lr, COEVOLVE: cfg.coevolve_lr}.get(phase)
-    return cfg.lr if own is None else own
 
 
 class PhaseSchedule:
@@ -40,7 +32,8 @@ class PhaseSchedule:
 
     One schedule over the global step let warm-up SFT end before the rate reached its peak (a
     20-step phase inside a 10,000-step warm-up ratio); here each phase restarts the warm-up and
-    the cosine decay over its own budget (co-evolution: ``total_steps``, then flat at the floor).
+    the cosine decay over its own budget (its spec's ``steps`` or the budget sized by data; co-evolution's
+    ``learner.phases.coevolve.steps``, then flat at the floor) at its spec's peak ``lr``.
     The rate is a pure function of (phase, phase_start, step), so a trainer resumed from a
     checkpoint at any step uses exactly the rate an uninterrupted one would.
     """
@@ -53,16 +46,16 @@ class PhaseSchedule:
 
     def enter(self, phase: str, start: int, budget: int | None = None) -> None:
         """Start ``phase`` at global step ``start`` (the number of steps completed before it);
-        ``budget`` replaces the configured step budget (warm-up sized by data)."""
-        if phase not in PHASE_BUDGET:
-            raise ValueError(f"unknown phase {phase!r}; expected one of {list(PHASE_BUDGET)}")
+        ``budget`` replaces the configured step budget (a phase sized by data)."""
+        phase_spec(self.cfg, phase)  # refuses an unknown phase
         self.phase, self.phase_start, self.budget = phase, int(start), budget
 
     def lr_at(self, step: int) -> float:
         """The rate of the step that runs when ``step`` steps are complete."""
-        budget = max(1, self.budget or getattr(self.cfg, PHASE_BUDGET[self.phase]))
+        spec = phase_spec(self.cfg, self.phase)
+        budget = max(1, self.budget or spec.steps)
         since = max(0, step - self.phase_start)
-        return phase_lr(self.cfg, self.phase) * cosine_with_warmup(since, budget, self.cfg.warmup_ratio)
+        return spec.lr * cosine_with_warmup(since, budget, self.cfg.warmup_ratio)
 
     def apply(self, step: int) -> float:
         """Set the optimizer's rate for the step about to be taken; returns it."""
@@ -92,11 +85,3 @@ def clip_per_role(role_params: dict[str, list[torch.nn.Parameter]], max_norm: fl
         grads = [p for p in params if p.grad is not None]
         norms[role] = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
     return norms
-
-
-def phase_bce_weight(cfg: LearnerConfig, phase: str) -> float:
-    """The BCE's weight in ``phase``: ``coevolve_bce_weight`` in co-evolution when set (its labels
-    are the action gate's own decisions there), else ``bce_weight``."""
-    if phase == COEVOLVE and cfg.coevolve_bce_weight is not None:
-        return cfg.coevolve_bce_weight
-    return cfg.bce_weight

@@ -1,6 +1,6 @@
-"""How many torch threads the learner's step uses: ``learner.warmup_torch_threads`` in warm-up SFT and
-``learner.reflect_init_torch_threads`` in reflection-mode initialisation, each once the actors have gone
-quiet (they idle after their share of the phase's data), else ``model.torch_threads``.
+"""How many torch threads the learner's step uses: the phase spec's own (``learner.phases.warmup.torch_threads``
+in warm-up SFT, ``learner.phases.reflect_init.torch_threads`` in reflection-mode initialisation), each once the
+actors have gone quiet (they idle after their share of the phase's data), else ``model.torch_threads``.
 
 On a 2-core machine a second learner thread while the actors still play their warm-up episodes does not
 share the cores, it fights for them: a run's first three warm-up steps took 209, 161 and 152 s with 2
@@ -12,6 +12,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from comap_async.config import CoMapConfig
+from comap_async.method.phases import phase_spec
 from comap_async.wire.messages import REFLECT_INIT, WARMUP
 
 ACTORS_QUIET_S = 60.0
@@ -41,7 +42,7 @@ QUIET_STORE = {WARMUP: "episodes", REFLECT_INIT: "reflections"}
 
 def own_threads(cfg: CoMapConfig, phase: str) -> int | None:
     """The phase's own torch threads when configured (``None``: ``model.torch_threads`` throughout)."""
-    return {WARMUP: cfg.learner.warmup_torch_threads, REFLECT_INIT: cfg.learner.reflect_init_torch_threads}.get(phase)
+    return phase_spec(cfg.learner, phase).torch_threads
 
 
 def phase_threads(cfg: CoMapConfig, phase: str, actors_quiet: bool = True) -> int:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
+
+from pydantic import BaseModel
 
 from comap_async.cli import add_config_arguments
 
@@ -15,16 +18,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import yaml
 
-    from comap_async.config import CoMapConfig, load_config
+    from comap_async.config import load_config
 
     cfg = load_config(args.config, args.overrides)
     if not args.explain:
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
         return 0
-    for section, field in CoMapConfig.model_fields.items():
-        print(f"{section}:  # {field.description}")
-        sub = getattr(cfg, section)
-        for name, f in type(sub).model_fields.items():
-            desc = " ".join((f.description or "").split())
-            print(f"  {name}: {getattr(sub, name)!r}  # {desc}")
+    explain(cfg)
     return 0
+
+
+def explain(section: Any, indent: str = "") -> None:
+    """Every field of ``section`` with its value and docstring; a nested section (``learner.phases``)
+    as a heading with its own fields below it."""
+    for name, f in type(section).model_fields.items():
+        value, desc = getattr(section, name), " ".join((f.description or "").split())
+        if isinstance(value, BaseModel):
+            print(f"{indent}{name}:  # {desc}")
+            explain(value, indent + "  ")
+        else:
+            print(f"{indent}{name}: {value!r}  # {desc}")

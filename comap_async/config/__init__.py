@@ -98,7 +98,7 @@ class CoMapConfig(Section):
         model's and the teacher's own conversation),
         ``task_every_turn`` (those turns repeat the task)."""
         on = []
-        if self.actor.imagined_rollouts > 0 and self.learner.imagined_share > 0:
+        if self.actor.imagined_rollouts > 0 and self.learner.phases.coevolve.imagined_demo_share > 0:
             on.append("imagined_episodes")
         if self.learner.policy_wm_aux > 0:
             on.append("paw")
@@ -137,11 +137,11 @@ class CoMapConfig(Section):
                 raise ValueError(
                     f"broker.capacity_{store} ({cap}) must be larger than learner.batch_size ({lr.batch_size})"
                 )
-        cap = self.actor.max_reflect_init_labels
-        if cap is not None and cap < lr.reflect_init_min_samples:
+        cap, need = self.actor.max_reflect_init_labels, lr.phases.reflect_init.min_samples
+        if cap is not None and cap < need:
             raise ValueError(
-                f"actor.max_reflect_init_labels ({cap}) must be at least learner.reflect_init_min_samples "
-                f"({lr.reflect_init_min_samples}): the phase would wait for labels no actor sends"
+                f"actor.max_reflect_init_labels ({cap}) must be at least learner.phases.reflect_init.min_samples "
+                f"({need}): the phase would wait for labels no actor sends"
             )
         if self.actor.revise_other_action and not self.actor.admissible_choice:
             raise ValueError(
@@ -286,10 +286,30 @@ REMOVED_FIELDS: dict[str, str] = {
     "more games (docs/findings.md)",
     "eval.repeat_guard_temperature": "evaluation episodes have no anti-loop guard; it took the loop rate to 0 "
     "and won no more games (docs/findings.md)",
+    # the per-phase settings moved into one section per phase (learner.phases.<phase>)
+    "learner.warmup_steps": "now learner.phases.warmup.steps",
+    "learner.warmup_epochs": "now learner.phases.warmup.epochs",
+    "learner.warmup_max_minutes": "now learner.phases.warmup.max_minutes",
+    "learner.warmup_min_demos": "now learner.phases.warmup.min_samples",
+    "learner.warmup_publish_every": "now learner.phases.warmup.publish_every",
+    "learner.warmup_torch_threads": "now learner.phases.warmup.torch_threads",
+    "learner.reflect_init_steps": "now learner.phases.reflect_init.steps",
+    "learner.reflect_init_epochs": "now learner.phases.reflect_init.epochs",
+    "learner.reflect_init_max_minutes": "now learner.phases.reflect_init.max_minutes",
+    "learner.reflect_init_min_samples": "now learner.phases.reflect_init.min_samples",
+    "learner.reflect_init_batch_size": "now learner.phases.reflect_init.batch_size",
+    "learner.reflect_init_lr": "now learner.phases.reflect_init.lr",
+    "learner.reflect_init_torch_threads": "now learner.phases.reflect_init.torch_threads",
+    "learner.total_steps": "now learner.phases.coevolve.steps",
+    "learner.coevolve_lr": "now learner.phases.coevolve.lr",
+    "learner.coevolve_bce_weight": "now learner.phases.coevolve.bce_weight",
+    "learner.imagined_share": "now learner.phases.coevolve.imagined_demo_share",
+    "learner.reflect_init_share": "now learner.phases.coevolve.suffix_label_share",
+    "learner.wm_anchor_share": "now learner.phases.coevolve.warmup_transition_share",
 }
 """Fields a config may still name from an older release, dotted (``learner.fast_path``), each with what
 replaced it: a config naming one is refused with that one line instead of "unknown field". A field goes
-here when its path is deleted; its last figure stays in docs/benchmarks.md."""
+here when its path is deleted or moved; a deleted one's last figure stays in docs/benchmarks.md."""
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

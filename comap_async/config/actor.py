@@ -14,13 +14,13 @@ class ActorConfig(Section):
     """Episodes run concurrently in one actor process."""
     max_warmup_episodes: int = Field(default=100, ge=1)
     """Expert episodes one actor process plays in ``warmup``; then, once it has also sent
-    ``learner.warmup_min_demos`` demonstrations (so one actor alone lets warm-up training start), it
+    ``learner.phases.warmup.min_samples`` demonstrations (so one actor alone lets warm-up training start), it
     idles (polling the registry) until the learner moves on, leaving the CPU to the learner."""
     max_reflect_init_labels: int | None = Field(default=None, ge=1)
     """Suffix-labelled reflection samples one actor process sends in ``reflect_init``; then it idles
     as after its warm-up share (the learner sized the phase by the labels held when it started, so
     later ones only add variety, and rolling them out takes the learner's CPU). At least
-    ``learner.reflect_init_min_samples``, so one actor alone lets the phase start. ``None``: no cap."""
+    ``learner.phases.reflect_init.min_samples``, so one actor alone lets the phase start. ``None``: no cap."""
     env_workers: int = Field(default=1, ge=1)
     """Worker processes hosting this actor's environments (several environments each)."""
     env_restarts: int = Field(default=5, ge=0)
@@ -116,7 +116,7 @@ class ActorConfig(Section):
     co-evolution episode, this many imagined episodes start from its real states (drawn with the run
     seed); in each the policy drafts and the world model answers for ``imagined_depth`` steps, no
     environment step taken (:mod:`actors.imagined`). Kept ones are sent for the policy's draft
-    training (``learner.imagined_share``), never the world model's."""
+    training (``learner.phases.coevolve.imagined_demo_share``), never the world model's."""
     imagined_depth: int = Field(default=3, ge=1, le=16)
     """Steps of an imagined episode (the policy's action and the world model's answer each)."""
     imagined_min_score: float = Field(default=0.5, ge=0.0, le=1.0)

@@ -9,6 +9,104 @@ from pydantic import Field, field_validator, model_validator
 from comap_async.config.base import Section
 
 
+class WarmupPhase(Section):
+    """Warm-up SFT: the draft and the world model on expert demonstrations and their transitions."""
+
+    steps: int = Field(default=200, ge=0)
+    """Optimizer steps of warm-up SFT before ``reflect_init`` (the least, with ``epochs``; 0: no warm-up)."""
+    epochs: float | None = Field(default=None, gt=0)
+    """Size warm-up SFT by data: this many passes over the demonstrations the broker holds when warm-up
+    training starts (``ceil(epochs * demos / (batch_size * grad_accum * ranks))`` steps, at least ``steps``);
+    the learning-rate schedule spans that budget. ``None``: ``steps`` alone."""
+    max_minutes: float | None = Field(default=None, gt=0)
+    """...and by time: warm-up SFT ends after this many minutes of training even when its step budget is
+    not spent (a slow machine still reaches co-evolution). ``None``: no time limit."""
+    min_samples: int = Field(default=200, ge=1)
+    """Demonstrations the broker must hold before warm-up training starts."""
+    publish_every: int | None = Field(default=None, ge=1)
+    """Also publish every this many steps of warm-up SFT (the evaluator then draws the warm-up part of
+    the learning curve; actors keep replaying demonstrations). ``None``: the first publish ends warm-up."""
+    torch_threads: int | None = Field(default=None, ge=1)
+    """torch threads of the learner's warm-up SFT steps (``None``: ``model.torch_threads``). The actors
+    idle once they have played ``actor.max_warmup_episodes`` (a few minutes into warm-up) and the server
+    has nothing to decode, so on a small machine the learner can use the cores for most of the phase;
+    co-evolution goes back to ``model.torch_threads`` (docs/running.md).
+    They apply once the broker has stored no new episode for a minute (learner/threads.py): before,
+    two threads beside the playing actors made a run's first steps 10x slower."""
+
+
+class ReflectInitPhase(Section):
+    """Reflection-mode initialisation: the policy's reflection mode on suffix-labelled samples."""
+
+    steps: int = Field(default=100, ge=0)
+    """Optimizer steps on suffix-labelled reflection samples before ``coevolve`` (the least, with
+    ``epochs``; 0: none)."""
+    epochs: float | None = Field(default=None, gt=0)
+    """Size reflection-mode initialisation by data: this many passes over the reflection samples the
+    broker holds when its training starts (``ceil(epochs * samples / (batch_size * grad_accum * ranks))``
+    steps with this phase's ``batch_size``, at least ``steps``; the paper: 3 epochs). ``None``: ``steps`` alone."""
+    max_minutes: float | None = Field(default=None, gt=0)
+    """...and by time: reflection-mode initialisation ends after this many minutes of training.
+    ``None``: no time limit."""
+    min_samples: int = Field(default=32, ge=1)
+    """Reflection samples the broker must hold before ``reflect_init`` training starts: the actors
+    only begin labelling them when the phase begins, and a step without any trains nothing of
+    the reflection mode."""
+    batch_size: int | None = Field(default=None, ge=1)
+    """Reflection samples per micro-batch of reflection-mode initialisation (``None``: ``learner.batch_size``);
+    its steps train no world model, so more of them fit a step's time."""
+    lr: float | None = Field(default=None, gt=0)
+    """Peak learning rate of reflection-mode initialisation (``None``: ``learner.lr``). Its BCE trains one
+    decision logit on a few hundred labels, a quarter of them REVISE; at warm-up's rate the balanced
+    BCE swung between 0.0003 and 16 from one batch of 4 to the next."""
+    torch_threads: int | None = Field(default=None, ge=1)
+    """torch threads of reflection-mode initialisation's steps (``None``: ``model.torch_threads``), once the
+    broker's reflection labels have stopped growing for a minute: the actors idle after
+    ``actor.max_reflect_init_labels`` and the phase is then the learner's alone."""
+
+
+class CoevolvePhase(Section):
+    """Co-evolution: both roles on the policy's own rollouts, gated, with earlier phases' data mixed in."""
+
+    steps: int = Field(default=100_000, ge=1)
+    """Co-evolution's step budget: horizon of its cosine schedule (counted from the start of
+    ``coevolve``; the learner keeps training at the floor afterwards)."""
+    lr: float | None = Field(default=None, gt=0)
+    """Peak learning rate of co-evolution (``None``: ``learner.lr``). Co-evolution starts its own warm-up and
+    cosine, so without it an adapter that reflection-mode initialisation left at the end of its decay
+    is driven at warm-up SFT's rate again (docs/findings.md, "The gate also shuts when co-evolution's
+    learning rate climbs back")."""
+    bce_weight: float | None = Field(default=None, ge=0.0)
+    """The BCE's weight in co-evolution, where ``y`` is the action gate's own decision (None:
+    ``learner.bce_weight``). A weight raised so that reflection-mode initialisation moves ``p`` within a
+    short phase also lets the gate's self-labels pull ``p`` below ``tau_p`` within a few versions,
+    after which every label is KEEP (docs/findings.md, "Under self-labelling the gate shuts itself")."""
+    imagined_demo_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Expected share of each micro-batch's demonstrations drawn from the imagined store instead
+    (``actor.imagined_rollouts``), trained with the draft loss; 0: none."""
+    suffix_label_share: float = Field(default=0.5, ge=0.0, le=1.0)
+    """Expected share of each reflection batch drawn from the suffix-labelled samples of
+    reflection-mode initialisation (labelled by outcome, not by a policy version: never stale); the
+    rest are the gate's samples of the policy's own steps. Without them a gate that stays shut
+    trains only keep samples and keeps itself shut."""
+    warmup_transition_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Expected share of each world-model batch drawn from warm-up transitions (an anchor on real
+    expert-path data); the rest are co-evolution transitions, the policy's own rollouts that
+    self-distillation is defined on."""
+
+
+class PhasesConfig(Section):
+    """The learner's settings of each phase, read by the method as one spec per phase
+    (:func:`comap_async.method.phases.phase_spec`)."""
+
+    warmup: WarmupPhase = Field(default_factory=WarmupPhase)
+    """Warm-up SFT."""
+    reflect_init: ReflectInitPhase = Field(default_factory=ReflectInitPhase)
+    """Reflection-mode initialisation."""
+    coevolve: CoevolvePhase = Field(default_factory=CoevolvePhase)
+    """Co-evolution."""
+
+
 class LearnerConfig(Section):
     device: str = "cpu"
     """torch device of the learner (``cpu``, ``cuda``)."""
@@ -29,11 +127,8 @@ class LearnerConfig(Section):
     """AdamW weight decay."""
     warmup_ratio: float = Field(default=0.03, ge=0.0, le=1.0)
     """Share of each phase's step budget spent in linear learning-rate warm-up before its cosine
-    decay (``warmup_steps``, ``reflect_init_steps``, ``total_steps``; the paper's 0.03): every
+    decay (``phases.<phase>.steps``, or the budget a phase sized by data; the paper's 0.03): every
     phase starts its own schedule, so a short phase still reaches the peak rate."""
-    total_steps: int = Field(default=100_000, ge=1)
-    """Co-evolution's step budget: horizon of its cosine schedule (counted from the start of
-    ``coevolve``; the learner keeps training at the floor afterwards)."""
     batch_size: int = Field(default=8, ge=1)
     """Samples per store per micro-batch."""
     grad_accum: int = Field(default=1, ge=1)
@@ -87,15 +182,10 @@ class LearnerConfig(Section):
     """Weight of the reflection cross-entropy."""
     bce_weight: float = Field(default=0.01, ge=0.0)
     """Weight of the BCE on the revise probability."""
-    coevolve_bce_weight: float | None = Field(default=None, ge=0.0)
-    """The BCE's weight in co-evolution, where ``y`` is the action gate's own decision (None:
-    ``bce_weight``). A weight raised so that reflection-mode initialisation moves ``p`` within a
-    short phase also lets the gate's self-labels pull ``p`` below ``tau_p`` within a few versions,
-    after which every label is KEEP (docs/findings.md, "Under self-labelling the gate shuts itself")."""
     bce_gate_labels: bool = True
     """Whether the action gate's own decisions (the co-evolution samples' ``y``) train ``p`` through
     the BCE. False: only the suffix-labelled samples (reflection-mode initialisation's branch outcomes,
-    mixed in at ``reflect_init_share``) do, and only they are counted for ``bce_balance``; the gate's
+    mixed in at ``phases.coevolve.suffix_label_share``) do, and only they are counted for ``bce_balance``; the gate's
     samples still train the reflection's text. A label that is the gate's output teaches ``p`` its own
     threshold: a state whose ``p`` is under ``tau_p`` is labelled KEEP, which pulls ``p`` further
     down; with ``bce_balance`` weighing labels by the initialisation's REVISE-heavy counts the gate
@@ -131,69 +221,8 @@ class LearnerConfig(Section):
     schedule: Literal["async", "rounds"] = "async"
     """``async``: train continuously and publish every ``publish_every`` steps;
     ``rounds``: the paper's collect-train-publish loop."""
-    warmup_steps: int = Field(default=200, ge=0)
-    """Optimizer steps of warm-up SFT before ``reflect_init`` (the least, with ``warmup_epochs``)."""
-    warmup_epochs: float | None = Field(default=None, gt=0)
-    """Size warm-up SFT by data: this many passes over the demonstrations the broker holds when warm-up
-    training starts (``ceil(epochs * demos / (batch_size * grad_accum * ranks))`` steps, at least ``warmup_steps``); the
-    learning-rate schedule spans that budget. ``None``: ``warmup_steps`` alone."""
-    warmup_publish_every: int | None = Field(default=None, ge=1)
-    """Also publish every this many steps of warm-up SFT (the evaluator then draws the warm-up part of
-    the learning curve; actors keep replaying demonstrations). ``None``: the first publish ends warm-up."""
-    warmup_max_minutes: float | None = Field(default=None, gt=0)
-    """...and by time: warm-up SFT ends after this many minutes of training even when its step budget is
-    not spent (a slow machine still reaches co-evolution). ``None``: no time limit."""
-    warmup_min_demos: int = Field(default=200, ge=1)
-    """Demonstrations the broker must hold before warm-up training starts."""
-    warmup_torch_threads: int | None = Field(default=None, ge=1)
-    """torch threads of the learner's warm-up SFT steps (``None``: ``model.torch_threads``). The actors
-    idle once they have played ``actor.max_warmup_episodes`` (a few minutes into warm-up) and the server
-    has nothing to decode, so on a small machine the learner can use the cores for most of the phase;
-    co-evolution goes back to ``model.torch_threads`` (docs/running.md).
-    They apply once the broker has stored no new episode for a minute (learner/threads.py): before,
-    two threads beside the playing actors made a run's first steps 10x slower."""
-    reflect_init_lr: float | None = Field(default=None, gt=0)
-    """Peak learning rate of reflection-mode initialisation (``None``: ``lr``). Its BCE trains one
-    decision logit on a few hundred labels, a quarter of them REVISE; at warm-up's rate the balanced
-    BCE swung between 0.0003 and 16 from one batch of 4 to the next."""
-    coevolve_lr: float | None = Field(default=None, gt=0)
-    """Peak learning rate of co-evolution (``None``: ``lr``). Co-evolution starts its own warm-up and
-    cosine, so without it an adapter that reflection-mode initialisation left at the end of its decay
-    is driven at warm-up SFT's rate again (docs/findings.md, "The gate also shuts when co-evolution's
-    learning rate climbs back")."""
-    reflect_init_torch_threads: int | None = Field(default=None, ge=1)
-    """torch threads of reflection-mode initialisation's steps (``None``: ``model.torch_threads``), once the
-    broker's reflection labels have stopped growing for a minute: the actors idle after
-    ``actor.max_reflect_init_labels`` and the phase is then the learner's alone."""
-    reflect_init_steps: int = Field(default=100, ge=0)
-    """Optimizer steps on suffix-labelled reflection samples before ``coevolve``."""
-    reflect_init_min_samples: int = Field(default=32, ge=1)
-    """Reflection samples the broker must hold before ``reflect_init`` training starts: the actors
-    only begin labelling them when the phase begins, and a step without any trains nothing of
-    the reflection mode."""
-    reflect_init_epochs: float | None = Field(default=None, gt=0)
-    """Size reflection-mode initialisation by data: this many passes over the reflection samples the
-    broker holds when its training starts
-    (``ceil(epochs * samples / (reflect_init_batch_size * grad_accum * ranks))`` steps, at least
-    ``reflect_init_steps``; the paper: 3 epochs). ``None``: ``reflect_init_steps`` alone."""
-    reflect_init_batch_size: int | None = Field(default=None, ge=1)
-    """Reflection samples per micro-batch of reflection-mode initialisation (``None``: ``batch_size``);
-    its steps train no world model, so more of them fit a step's time."""
-    reflect_init_max_minutes: float | None = Field(default=None, gt=0)
-    """...and by time: reflection-mode initialisation ends after this many minutes of training.
-    ``None``: no time limit."""
-    imagined_share: float = Field(default=0.0, ge=0.0, le=1.0)
-    """``coevolve``: expected share of each micro-batch's demonstrations drawn from the imagined
-    store instead (``actor.imagined_rollouts``), trained with the draft loss; 0: none."""
-    reflect_init_share: float = Field(default=0.5, ge=0.0, le=1.0)
-    """``coevolve``: expected share of each reflection batch drawn from the suffix-labelled samples of
-    reflection-mode initialisation (labelled by outcome, not by a policy version: never stale); the
-    rest are the gate's samples of the policy's own steps. Without them a gate that stays shut
-    trains only keep samples and keeps itself shut."""
-    wm_anchor_share: float = Field(default=0.0, ge=0.0, le=1.0)
-    """``coevolve``: expected share of each world-model batch drawn from warm-up transitions (an
-    anchor on real expert-path data); the rest are co-evolution transitions, the policy's own
-    rollouts that self-distillation is defined on."""
+    phases: PhasesConfig = Field(default_factory=PhasesConfig)
+    """Each phase's own settings: its step budget, when it starts and ends, its rate, threads and shares."""
     publish_every: int = Field(default=50, ge=1)
     """Publish adapters every this many optimizer steps."""
     checkpoint_every: int = Field(default=50, ge=1)

@@ -23,15 +23,15 @@ PHASE_STORES = {
 PHASE_REQUIRES = {WARMUP: "demos", REFLECT_INIT: "reflections"}
 # Which phases' items a store is sampled from, per phase (absent: any). Reflection-mode
 # initialisation trains on the suffix-labelled samples; co-evolution's world model on the policy's
-# own rollouts (the warm-up transitions come in only as ``learner.wm_anchor_share``).
+# own rollouts (the warm-up transitions come in only as ``learner.phases.coevolve.warmup_transition_share``).
 PHASE_FILTERS = {
     (REFLECT_INIT, "reflections"): [REFLECT_INIT],
     (COEVOLVE, "transitions"): [COEVOLVE],
     (COEVOLVE, "reflections"): [COEVOLVE],
 }
 # ``coevolve`` mixes in items of an earlier phase, each with a configured probability: warm-up
-# transitions as the world model's anchor (``learner.wm_anchor_share``) and the suffix-labelled
-# reflection samples (``learner.reflect_init_share``).
+# transitions as the world model's anchor (``learner.phases.coevolve.warmup_transition_share``) and the
+# suffix-labelled reflection samples (``learner.phases.coevolve.suffix_label_share``).
 MIXED_IN = {"transitions": [WARMUP], "reflections": [REFLECT_INIT]}
 
 
@@ -85,21 +85,6 @@ def store_requests(
         if n - mixed:
             reqs.append((store, n - mixed, phases))
     return reqs
-
-
-def first_phase(cfg: Any) -> str:
-    """Where a fresh learner starts: warm-up, unless it has no steps; else reflection-mode
-    initialisation, unless that is ablated (``no_reflect_init``)."""
-    if cfg.learner.warmup_steps > 0:
-        return WARMUP
-    return COEVOLVE if cfg.ablation.no_reflect_init else REFLECT_INIT
-
-
-def after_warmup(cfg: Any) -> str:
-    """The phase after warm-up: reflection-mode initialisation, unless it has no steps or is ablated."""
-    if cfg.learner.reflect_init_steps > 0 and not cfg.ablation.no_reflect_init:
-        return REFLECT_INIT
-    return COEVOLVE
 
 
 def world_model_frozen(cfg: Any, phase: str) -> bool:

@@ -279,8 +279,9 @@ class Imagined(Message, tag="imagined", kw_only=True):
     """One step of an imagined episode (WebEvolver's world model as a virtual environment,
     ``actor.imagined_rollouts``): from a real state, the policy acted and the world model answered;
     ``s`` is the state the policy saw (the real history, then the imagined pairs before this step),
-    ``target`` the policy's action there. No environment step was taken: the broker stores it apart,
-    for the policy's draft training only (``learner.imagined_share``), never for the world model."""
+    ``target`` the policy's action there. No environment step was taken: the broker stores it apart, for
+    the policy's draft training only (``learner.phases.coevolve.imagined_demo_share``), never for the world
+    model."""
 
     seq: Int
     id: Id

@@ -13,7 +13,7 @@ section of ``--config`` plus the variant's ``learner.*`` settings (``KEY=VALUE``
 ``+``). ``--phase warmup``: a step is
 ``learner.batch_size`` demonstrations (warm-up SFT's draft loss; the world model, which the
 draft accuracy does not read, is left at the base model). ``--phase reflect_init``: a step is
-``learner.reflect_init_batch_size`` suffix-labelled reflection samples and ``learner.batch_size``
+``learner.phases.reflect_init.batch_size`` suffix-labelled reflection samples and ``learner.batch_size``
 demonstrations (reflection-mode initialisation's micro-batch and losses). Then ``comap eval
 --probes`` on ``--games`` held-out games: draft accuracy, and for ``reflect_init`` how ``p``
 ranks wrong drafts above right ones (``p_auc``, discrimination) and unreadable reflections. The
@@ -171,19 +171,19 @@ def child(args: argparse.Namespace) -> None:
     """Train one variant and save its adapters as version 1 under ``--child-out``; print RESULT."""
     import torch
 
+    from comap_async.method.phases import phase_spec
     from comap_async.wire.messages import ROLES, adapter_name
     from experiments.studies.reflect_discrimination import build_trainer
     from learner.publish import save_adapter
-    from learner.schedule import phase_bce_weight
 
     torch.set_num_threads(1)
     cfg = variant_config(args, args.child)
     lc = cfg.learner
     demos, reflections = training_data(args, cfg.env.draft_turns)
-    n_refl = (lc.reflect_init_batch_size or lc.batch_size) if args.phase == REFLECT_INIT else 0
+    n_refl = phase_spec(lc, REFLECT_INIT).batch_size if args.phase == REFLECT_INIT else 0
     steps = args.steps if args.epochs is None else math.ceil(args.epochs * len(demos) / lc.batch_size)
     trainer = build_trainer(cfg, Path(args.init_adapter) if args.init_adapter else None, {}, steps, args.phase)
-    trainer.bce_weight = phase_bce_weight(lc, args.phase)
+    trainer.bce_weight = phase_spec(lc, args.phase).bce_weight
     losses, seconds, trained = [], 0.0, 0
     loss_name = "policy/draft_ce" if args.phase == WARMUP else "policy/loss"
     for step in range(steps):

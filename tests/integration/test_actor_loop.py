@@ -143,7 +143,7 @@ async def test_with_turns_roles_each_step_sends_the_conversation_its_reflection_
     await announce(init, "reflect_init")
     cfg = actor_config(
         init, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=4", *switches,
-        "actor.max_reflect_init_labels=2", "learner.reflect_init_min_samples=2",
+        "actor.max_reflect_init_labels=2", "learner.phases.reflect_init.min_samples=2",
     )  # fmt: skip
     worker = ActorWorker(cfg, configure_logging("actor-test"), envs=1, episodes=2, games=games)
     run = asyncio.create_task(worker.run())
@@ -214,8 +214,8 @@ async def test_actor_survives_broker_outage_without_loss_or_duplicates(
 @pytest.mark.parametrize(
     "phase, share",
     [
-        ("warmup", ["actor.max_warmup_episodes=1", "learner.warmup_min_demos=1"]),
-        ("reflect_init", ["actor.max_reflect_init_labels=1", "learner.reflect_init_min_samples=1"]),
+        ("warmup", ["actor.max_warmup_episodes=1", "learner.phases.warmup.min_samples=1"]),
+        ("reflect_init", ["actor.max_reflect_init_labels=1", "learner.phases.reflect_init.min_samples=1"]),
     ],
 )
 async def test_actor_idles_after_its_share_of_a_phase_until_the_phase_moves_on(
@@ -258,7 +258,7 @@ async def test_reflection_labels_are_asked_at_the_evaluators_priority(
     monkeypatch.setattr(InferenceClient, "complete", spy)
     broker = broker_factory()
     await announce(broker, "reflect_init")
-    share = ["actor.max_reflect_init_labels=1", "learner.reflect_init_min_samples=1", "eval.priority=-1"]
+    share = ["actor.max_reflect_init_labels=1", "learner.phases.reflect_init.min_samples=1", "eval.priority=-1"]
     cfg = actor_config(broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=3", *share)
     games = train_games[:2]
     worker = ActorWorker(cfg, configure_logging("actor-test"), envs=1, episodes=2, games=games)
@@ -277,12 +277,18 @@ async def test_an_actor_plays_past_its_warmup_share_until_the_learner_has_its_de
     broker_factory, roomy_server, alfworld_data, tiny_model_dir, train_games
 ):
     """Turns form without recovery paths sends one demonstration per episode: an episode share below
-    ``learner.warmup_min_demos`` would leave the learner waiting for ever, so the actor plays on to it."""
+    ``learner.phases.warmup.min_samples`` would leave the learner waiting for ever, so the actor plays on to it."""
     broker = broker_factory(["env.draft_turns=true"])
     games = train_games[:3]
     switches = ["env.draft_turns=true", "actor.warmup_recovery=false", "actor.max_warmup_episodes=1"]
     cfg = actor_config(
-        broker, roomy_server, alfworld_data, tiny_model_dir, "env.max_steps=3", *switches, "learner.warmup_min_demos=2"
+        broker,
+        roomy_server,
+        alfworld_data,
+        tiny_model_dir,
+        "env.max_steps=3",
+        *switches,
+        "learner.phases.warmup.min_samples=2",
     )
     worker = ActorWorker(cfg, configure_logging("actor-test"), envs=1, episodes=4, games=games)
     run = asyncio.create_task(worker.run())
@@ -298,4 +304,4 @@ async def test_an_actor_plays_past_its_warmup_share_until_the_learner_has_its_de
 
 def test_a_label_cap_below_the_phase_minimum_is_refused():
     with pytest.raises(ValueError, match="max_reflect_init_labels"):
-        load_config(None, ["actor.max_reflect_init_labels=10", "learner.reflect_init_min_samples=64"])
+        load_config(None, ["actor.max_reflect_init_labels=10", "learner.phases.reflect_init.min_samples=64"])

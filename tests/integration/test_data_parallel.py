@@ -88,9 +88,9 @@ def test_torchrun_learner_rank_zero_alone_publishes(broker_factory, roomy_server
         "learner.batch_size=2",
         "learner.lr=0.01",
         "learner.lora_dropout=0.0",
-        "learner.warmup_min_demos=4",
-        "learner.warmup_steps=4",
-        "learner.warmup_publish_every=2",
+        "learner.phases.warmup.min_samples=4",
+        "learner.phases.warmup.steps=4",
+        "learner.phases.warmup.publish_every=2",
         "learner.autocast=off",
     )
     out = torchrun(

@@ -31,7 +31,9 @@ async def test_a_fork_resumes_at_the_forked_version_with_the_replay_of_then_and_
     source = broker_factory()
     await fill(source, warmup_transitions(8))
     # warm-up publishes v1 at step 2 and v2 at step 4, where reflection-mode initialisation begins
-    cfg = config(source, roomy_server, tiny_model_dir, "learner.warmup_steps=4", "learner.warmup_publish_every=2")
+    cfg = config(
+        source, roomy_server, tiny_model_dir, "learner.phases.warmup.steps=4", "learner.phases.warmup.publish_every=2"
+    )
     learner = Learner(cfg, configure_logging("learner-test"))
     assert await asyncio.wait_for(learner.run(max_steps=4), 300) == 0
     await asyncio.sleep(0.05)
@@ -66,8 +68,8 @@ async def test_a_fork_resumes_at_the_forked_version_with_the_replay_of_then_and_
         target,
         roomy_server,
         tiny_model_dir,
-        "learner.warmup_steps=4",
-        "learner.warmup_publish_every=2",
+        "learner.phases.warmup.steps=4",
+        "learner.phases.warmup.publish_every=2",
         f"inference.adapter_root={fork_adapters}",
         "ablation.frozen_wm=true",
     )

@@ -97,7 +97,7 @@ def config(broker, server, tiny_model_dir, *extra):
             "learner.batch_size=2",
             "learner.lr=0.01",
             "learner.lora_dropout=0.0",
-            "learner.warmup_min_demos=4",
+            "learner.phases.warmup.min_samples=4",
             "learner.prefetch=4",
             "learner.publish_every=100",
             "learner.checkpoint_every=100",
@@ -115,17 +115,17 @@ async def _until(cond, timeout_s: float, what: str) -> None:
 
 async def test_every_reflect_init_step_trains_on_reflection_samples(broker_factory, roomy_server, tiny_model_dir):
     """Warm-up batches still queued when ``reflect_init`` begins are dropped, the phase waits for
-    ``reflect_init_min_samples`` reflection samples, and each of its steps has reflection CE and BCE."""
+    ``learner.phases.reflect_init.min_samples`` reflection samples, and each of its steps has reflection CE and BCE."""
     broker = broker_factory()
     await fill(broker, warmup_transitions(8))
     cfg = config(
         broker,
         roomy_server,
         tiny_model_dir,
-        "learner.warmup_steps=3",
-        "learner.reflect_init_steps=3",
-        "learner.reflect_init_min_samples=4",
-        "learner.warmup_torch_threads=2",
+        "learner.phases.warmup.steps=3",
+        "learner.phases.reflect_init.steps=3",
+        "learner.phases.reflect_init.min_samples=4",
+        "learner.phases.warmup.torch_threads=2",
         "model.torch_threads=1",
     )
     learner = Learner(cfg, configure_logging("learner-test"))
@@ -137,7 +137,7 @@ async def test_every_reflect_init_step_trains_on_reflection_samples(broker_facto
         assert learner.trainer.step == 3, "reflect_init trained before any reflection sample was stored"
         await fill(broker, suffix_reflections(range(2)))
         await asyncio.sleep(2.0)
-        assert learner.trainer.step == 3, "reflect_init trained with fewer than reflect_init_min_samples"
+        assert learner.trainer.step == 3, "reflect_init trained with fewer than its min_samples"
         await fill(broker, suffix_reflections(range(2, 6)))
         await asyncio.wait_for(run, 120)
     finally:
@@ -170,16 +170,16 @@ async def test_coevolve_trains_the_world_model_on_coevolve_transitions(broker_fa
         broker,
         roomy_server,
         tiny_model_dir,
-        "learner.warmup_steps=0",
-        "learner.reflect_init_steps=1",
-        "learner.reflect_init_min_samples=2",
+        "learner.phases.warmup.steps=0",
+        "learner.phases.reflect_init.steps=1",
+        "learner.phases.reflect_init.min_samples=2",
     )
     learner = Learner(cfg, configure_logging("learner-test"))
     await asyncio.wait_for(learner.run(max_steps=4), 180)
     hist = learner.history
     assert [h["phase"] for h in hist] == ["reflect_init", "coevolve", "coevolve", "coevolve"]
     (start,) = read_run_configs(learner.run_dir)  # the settings it trained with, read back
-    assert start["step"] == 0 and start["config"]["learner"]["reflect_init_steps"] == 1
+    assert start["step"] == 0 and start["config"]["learner"]["phases"]["reflect_init"]["steps"] == 1
     assert start["config"]["broker"]["http_token"] is False  # tokens: whether set, never the value
     for i, h in enumerate(hist[1:], 2):
         assert h["wm/kl"] > 0 and h["wm/ce"] > 0, (i, h)

@@ -80,7 +80,7 @@ def test_two_settings_train_the_same_demos_and_are_probed(tmp_path, tiny_model_d
     done = subprocess.run(refl, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "refl" / "gradient_checkpointing-false_chunk_tokens-0" / "result.json").read_text())
-    assert result["samples"] == 3 * 2  # steps x reflect_init_batch_size (configs/test.yaml: batch_size's 2)
+    assert result["samples"] == 3 * 2  # steps x the phase's batch_size (configs/test.yaml: learner.batch_size's 2)
     assert "p_auc" in result and result["reflection_problem_rate"] is not None
     assert "p_auc" in done.stdout.strip().splitlines()[-1]
     too_many = [*refl[:5], "7", *refl[6:]]

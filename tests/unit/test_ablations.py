@@ -72,7 +72,7 @@ def test_phase_stores_drop_only_the_ablated_data(name, phase, dropped):
 
 
 def _next_phase(ablation: AblationConfig, phase: str, step: int) -> str | None:
-    cfg = load_config(None, ["learner.warmup_steps=2", "learner.reflect_init_steps=3"])
+    cfg = load_config(None, ["learner.phases.warmup.steps=2", "learner.phases.reflect_init.steps=3"])
     cfg = cfg.model_copy(update={"ablation": ablation})
     learner = SimpleNamespace(cfg=cfg, state=LearnerState(phase=phase), trainer=SimpleNamespace(step=step))
     return Learner.next_phase(learner)

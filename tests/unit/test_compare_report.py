@@ -223,7 +223,7 @@ def test_the_charts_row_labels_fit_in_the_figure():
     from evaluator.compare_report import bar_figure, chart_label
 
     switches = ["handcoded_demos", "admissible_choice", "reflect_confidence", "draft_turns"]
-    label = run_label([], "r41-comap-learner-policy_wm_aux-0-2-learner-coevolve_lr-0-0001-again", switches)
+    label = run_label([], "r41-comap-learner-policy_wm_aux-0-2-learner-phases-coevolve-lr-0-0001-again", switches)
     rows = [row(label, "run", "comap", _report({"a": 100.0, "b": 0.0}), run="r", ablation=[])] * 6
     rows.append(row("Draft only", "method", "draft_only", _report({"a": 100.0, "b": 100.0})))
     fig = bar_figure(rows, "valid_seen, 2 games")

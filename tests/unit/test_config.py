@@ -44,6 +44,19 @@ def test_a_removed_field_is_one_line_naming_its_replacement(tmp_path, monkeypatc
             load_config(None, [f"{dotted}=1"])
 
 
+def test_a_flat_phase_setting_names_its_section_in_one_line(tmp_path):
+    """The per-phase settings moved into ``learner.phases.<phase>``: an old config's flat name gets the
+    line naming the new one, and ``--set`` reaches a setting three levels down."""
+    f = tmp_path / "old.yaml"
+    f.write_text("learner:\n  warmup_steps: 180\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(f)
+    assert str(exc.value) == f"{f}: learner.warmup_steps: removed: now learner.phases.warmup.steps"
+    cfg = load_config(None, ["learner.phases.warmup.steps=180", "learner.phases.coevolve.lr=1e-4"])
+    assert cfg.learner.phases.warmup.steps == 180 and cfg.learner.phases.coevolve.lr == 1e-4
+    assert cfg.learner.phases.reflect_init.steps == 100  # a sibling keeps its default
+
+
 def test_out_of_range_threshold(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text("gates:\n  tau_q: 1.7\n")
@@ -162,8 +175,9 @@ def test_extends_errors_are_one_line(tmp_path, files, match):
 
 def test_quick_profile_is_the_default_with_short_phases():
     local, quick = load_config(CONFIGS / "local.yaml"), load_config(CONFIGS / "local-quick.yaml")
-    assert quick.learner.warmup_max_minutes + quick.learner.reflect_init_max_minutes < 10
-    assert quick.learner.warmup_min_demos < local.learner.warmup_min_demos
+    quick_phases, local_phases = quick.learner.phases, local.learner.phases
+    assert quick_phases.warmup.max_minutes + quick_phases.reflect_init.max_minutes < 10
+    assert quick_phases.warmup.min_samples < local_phases.warmup.min_samples
     # everything else the CPU default decides is inherited, not restated
     assert quick.model == local.model and quick.inference == local.inference and quick.gates == local.gates
     assert quick.env == local.env and quick.learner.lr == local.learner.lr

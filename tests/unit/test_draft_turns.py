@@ -120,7 +120,8 @@ def test_a_trained_path_moves_the_per_step_draft_losses_of_its_actions(tiny_mode
 
 def test_a_step_counts_the_imagined_episodes_among_its_demonstrations(tiny_model_dir):
     """``policy/imagined_demos``: how many of a step's demonstrations came from the imagined store (a path in
-    the turns form, or a window-form step of one), so a run shows what ``learner.imagined_share`` trained."""
+    the turns form, or a window-form step of one), so a run shows what
+    ``learner.phases.coevolve.imagined_demo_share`` trained."""
     from tests.fixtures.learner import make_trainer
 
     trainer = make_trainer(tiny_model_dir, max_seq_len=512)

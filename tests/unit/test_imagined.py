@@ -161,7 +161,10 @@ def test_a_run_records_the_related_methods_switches_and_the_table_names_them(tmp
     assert load_config(None).method_switches == []
     # rollouts without a share train nothing: the switch is the pair
     assert load_config(None, ["actor.imagined_rollouts=2"]).method_switches == []
-    cfg = load_config(None, ["actor.imagined_rollouts=2", "learner.imagined_share=0.25", "learner.policy_wm_aux=0.1"])
+    cfg = load_config(
+        None,
+        ["actor.imagined_rollouts=2", "learner.phases.coevolve.imagined_demo_share=0.25", "learner.policy_wm_aux=0.1"],
+    )
     assert cfg.method_switches == ["imagined_episodes", "paw"]
     write_run_ablation(tmp_path, ["frozen_wm"], cfg.method_switches)
     assert read_run_ablation(tmp_path) == ["frozen_wm"] and read_run_methods(tmp_path) == ["imagined_episodes", "paw"]

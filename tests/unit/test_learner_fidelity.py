@@ -29,12 +29,18 @@ def _schedule(**cfg):
     return PhaseSchedule(opt, LearnerConfig(**cfg))
 
 
+def _phases(warmup: int, reflect_init: int, coevolve: int, /, **peak_lr: float) -> dict:
+    """``learner.phases`` with these step budgets, and a phase's own peak rate where named."""
+    steps = {"warmup": warmup, "reflect_init": reflect_init, "coevolve": coevolve}
+    return {phase: {"steps": n, **({"lr": peak_lr[phase]} if phase in peak_lr else {})} for phase, n in steps.items()}
+
+
 def test_each_phase_warms_up_to_the_peak_and_decays_over_its_own_budget():
     """configs/local.yaml's budgets: warm-up SFT (20 steps) reaches the peak rate and ends near the
     floor; reflection initialisation starts its own warm-up; co-evolution decays over
-    ``total_steps`` from its own start and stays flat at the floor afterwards."""
+    ``phases.coevolve.steps`` from its own start and stays flat at the floor afterwards."""
     lr = 1e-4
-    sched = _schedule(lr=lr, warmup_ratio=0.03, warmup_steps=20, reflect_init_steps=5, total_steps=1000)
+    sched = _schedule(lr=lr, warmup_ratio=0.03, phases=_phases(20, 5, 1000))
     warm = [sched.lr_at(s) for s in range(20)]
     assert max(warm) == pytest.approx(lr) and warm[-1] < 0.2 * lr
     sched.enter("reflect_init", 20)
@@ -43,13 +49,13 @@ def test_each_phase_warms_up_to_the_peak_and_decays_over_its_own_budget():
     sched.enter("coevolve", 25)
     co = [sched.lr_at(s) for s in range(25, 25 + 1200)]
     assert co[:30] == sorted(co[:30]) and co[29] == pytest.approx(lr)  # 30 = 3% of 1000 steps of warm-up
-    assert co[1000] == pytest.approx(0.1 * lr) and co[-1] == co[1000]  # flat at the floor after total_steps
+    assert co[1000] == pytest.approx(0.1 * lr) and co[-1] == co[1000]  # flat at the floor after its steps
     with pytest.raises(ValueError, match="unknown phase"):
         sched.enter("rounds", 0)
 
 
 def test_reflection_initialisation_peaks_at_its_own_rate_when_set():
-    sched = _schedule(lr=1e-3, reflect_init_lr=2e-4, warmup_steps=20, reflect_init_steps=5, total_steps=100)
+    sched = _schedule(lr=1e-3, phases=_phases(20, 5, 100, reflect_init=2e-4))
     assert max(sched.lr_at(s) for s in range(20)) == pytest.approx(1e-3)
     sched.enter("reflect_init", 20)
     assert sched.lr_at(20) == pytest.approx(2e-4) and max(sched.lr_at(s) for s in range(20, 25)) == pytest.approx(2e-4)
@@ -58,18 +64,16 @@ def test_reflection_initialisation_peaks_at_its_own_rate_when_set():
 
 
 def test_coevolution_peaks_at_its_own_rate_when_set():
-    sched = _schedule(lr=1e-3, coevolve_lr=1e-4, warmup_steps=20, reflect_init_steps=5, total_steps=100)
+    sched = _schedule(lr=1e-3, phases=_phases(20, 5, 100, coevolve=1e-4))
     sched.enter("reflect_init", 20)
-    assert max(sched.lr_at(s) for s in range(20, 25)) == pytest.approx(1e-3)  # reflect_init_lr unset: lr
+    assert max(sched.lr_at(s) for s in range(20, 25)) == pytest.approx(1e-3)  # reflect_init's lr unset: lr
     sched.enter("coevolve", 25)
     co = [sched.lr_at(s) for s in range(25, 125)]
     assert max(co) == pytest.approx(1e-4) and co[3] == pytest.approx(1e-4)  # 3 = 3% of 100 steps of warm-up
 
 
 def test_train_step_uses_the_phase_schedule(tiny_model_dir):
-    trainer = make_trainer(
-        tiny_model_dir, lr=1e-3, warmup_ratio=0.5, warmup_steps=4, reflect_init_steps=3, total_steps=8
-    )
+    trainer = make_trainer(tiny_model_dir, lr=1e-3, warmup_ratio=0.5, phases=_phases(4, 3, 8))
     got = [trainer.train_step([{"demos": [demo_record(0)]}])["learner/lr"] for _ in range(4)]
     trainer.scheduler.enter("reflect_init", 4)
     got += [trainer.train_step([{"demos": [demo_record(0)]}])["learner/lr"] for _ in range(3)]
@@ -79,7 +83,7 @@ def test_train_step_uses_the_phase_schedule(tiny_model_dir):
 
 
 def test_a_resumed_trainer_gets_the_same_rate_as_an_uninterrupted_one(tiny_model_dir, tmp_path):
-    kw = dict(lr=1e-3, warmup_ratio=0.5, warmup_steps=2, reflect_init_steps=6, total_steps=8)
+    kw = dict(lr=1e-3, warmup_ratio=0.5, phases=_phases(2, 6, 8))
     a = make_trainer(tiny_model_dir, **kw)
     for _ in range(2):
         a.train_step([{"demos": [demo_record(0)]}])
@@ -267,10 +271,10 @@ def test_reflection_mode_initialisation_is_sized_by_its_samples_and_capped_in_ti
     from comap_async.config import load_config
     from learner.loop import Learner, LearnerState
 
-    cfg = load_config(None, ["learner.reflect_init_steps=3", "learner.reflect_init_max_minutes=1"])
+    cfg = load_config(None, ["learner.phases.reflect_init.steps=3", "learner.phases.reflect_init.max_minutes=1"])
     state = LearnerState(phase="reflect_init", phase_start=10, phase_budget=40)
     learner = SimpleNamespace(cfg=cfg, state=state, trainer=SimpleNamespace(step=30))
-    assert Learner.next_phase(learner) is None  # 20 of 40 steps: the data's budget, not reflect_init_steps
+    assert Learner.next_phase(learner) is None  # 20 of 40 steps: the data's budget, not the phase's steps
     learner.trainer.step = 50
     assert Learner.next_phase(learner) == "coevolve"
     learner.trainer.step, state.phase_seconds = 20, 61.0
@@ -295,10 +299,10 @@ async def test_wait_for_reflections_sizes_the_phase_by_epochs_over_the_samples_h
         cfg = load_config(
             None,
             [
-                "learner.reflect_init_min_samples=64",
-                "learner.reflect_init_epochs=1.5",
+                "learner.phases.reflect_init.min_samples=64",
+                "learner.phases.reflect_init.epochs=1.5",
                 "learner.batch_size=4",
-                "learner.reflect_init_steps=10",
+                "learner.phases.reflect_init.steps=10",
                 *overrides,
             ],
         )
@@ -312,7 +316,7 @@ async def test_wait_for_reflections_sizes_the_phase_by_epochs_over_the_samples_h
         )
         learner.wait_for_store = lambda *a: Learner.wait_for_store(learner, *a)
         learner.global_batch = Learner.global_batch.fget(learner)
-        learner.reflect_init_batch = Learner.reflect_init_batch.fget(learner)
+        learner.wait_for_phase_data = lambda *a: Learner.wait_for_phase_data(learner, *a)
         learner.follow_budget = lambda phase: Learner.follow_budget(learner, phase)
         return learner
 
@@ -324,10 +328,10 @@ async def test_wait_for_reflections_sizes_the_phase_by_epochs_over_the_samples_h
     learner = learner_with("learner.grad_accum=2")
     await Learner.wait_for_reflections(learner, Broker())
     assert learner.state.phase_budget == 17  # ceil(1.5 * 90 / 8)
-    # 6 reflection samples per micro-batch (learner.reflect_init_batch_size): 12 per optimizer step
-    learner = learner_with("learner.grad_accum=2", "learner.reflect_init_batch_size=6")
+    # 6 reflection samples per micro-batch (learner.phases.reflect_init.batch_size): 12 per optimizer step
+    learner = learner_with("learner.grad_accum=2", "learner.phases.reflect_init.batch_size=6")
     await Learner.wait_for_reflections(learner, Broker())
-    assert learner.state.phase_budget == 12  # ceil(1.5 * 90 / 12), at least reflect_init_steps (10)
+    assert learner.state.phase_budget == 12  # ceil(1.5 * 90 / 12), at least the phase's steps (10)
 
 
 class FakeBroker:
@@ -391,6 +395,6 @@ def test_revise_label_share_is_the_share_of_y1_among_trained_reflection_samples(
 
 def test_learner_config_rejects_an_anchor_share_outside_zero_to_one():
     with pytest.raises(ValueError):
-        LearnerConfig(wm_anchor_share=1.5)
+        LearnerConfig(phases={"coevolve": {"warmup_transition_share": 1.5}})
     with pytest.raises(ValueError):
-        LearnerConfig(reflect_init_min_samples=0)
+        LearnerConfig(phases={"reflect_init": {"min_samples": 0}})

@@ -262,15 +262,15 @@ def test_a_checkpoint_resumes_on_any_device(tiny_model_dir, tmp_path, monkeypatc
 
 
 def test_the_phase_bce_weight_is_the_one_trained(tiny_model_dir):
-    """``learner.coevolve_bce_weight``: co-evolution's BCE weight, set on the trainer by the loop;
-    the other phases keep ``bce_weight``. The loss trained is the logged terms at that weight."""
+    """``learner.phases.coevolve.bce_weight``: co-evolution's BCE weight (its phase spec's), set on the
+    trainer by the loop; the other phases keep ``bce_weight``. The loss trained is the logged terms at that weight."""
     from comap_async.config import LearnerConfig
+    from comap_async.method.phases import phase_spec
     from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
-    from learner.schedule import phase_bce_weight
 
-    cfg = LearnerConfig(bce_weight=1.0, coevolve_bce_weight=0.01)
-    assert [phase_bce_weight(cfg, p) for p in (WARMUP, REFLECT_INIT, COEVOLVE)] == [1.0, 1.0, 0.01]
-    assert phase_bce_weight(LearnerConfig(bce_weight=0.5), COEVOLVE) == 0.5
+    cfg = LearnerConfig(bce_weight=1.0, phases={"coevolve": {"bce_weight": 0.01}})
+    assert [phase_spec(cfg, p).bce_weight for p in (WARMUP, REFLECT_INIT, COEVOLVE)] == [1.0, 1.0, 0.01]
+    assert phase_spec(LearnerConfig(bce_weight=0.5), COEVOLVE).bce_weight == 0.5
     batch = {"reflections": [reflection_record(1), reflection_record(0)]}
     for weight in (1.0, 0.0):
         trainer = make_trainer(tiny_model_dir, bce_weight=1.0)
