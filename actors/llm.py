@@ -14,7 +14,6 @@ read its version there.)
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Any
 
 from actors.registry_view import RegistryView
 from comap_async.config import ActorConfig
+from comap_async.method.decision import sequence_confidence, top_k_revise_probability
 from comap_async.method.gates import canonical_action
 from comap_async.prompts import (
     FINAL_PREFIX,
@@ -33,8 +33,6 @@ from comap_async.prompts import (
     parse_reflection,
     react_action_head,
     reflection_head,
-    revise_probability,
-    sequence_confidence,
 )
 from comap_async.wire.inference_client import MAX_CHOICES
 from comap_async.wire.messages import POLICY, WM, WM_TEACHER, adapter_version
@@ -85,11 +83,12 @@ def _choice(resp: dict[str, Any]) -> dict[str, Any]:
     return resp["choices"][0]
 
 
-def second_word_probability(choice: dict[str, Any], words: Any) -> float | None:
-    """P(the second of two answer words) over the pair at a completion's first generated position (a
-    reflection's ``p_revise``, the critic's P(YES)); None when neither is among that position's top-k."""
+def first_top_logprobs(choice: dict[str, Any]) -> dict[str, float] | None:
+    """The top-k alternatives (token text -> logprob) at a completion's first generated position, where a
+    reflection's decision and the critic's answer are read (:func:`top_k_revise_probability`); None when
+    the server sent none."""
     tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
-    return revise_probability(tops[0] if tops else None, words)
+    return tops[0] if tops else None
 
 
 def token_spans(text: str, tokens: list[str], start: int, end: int) -> list[tuple[int, int]]:
@@ -289,7 +288,7 @@ class AgentLLM:
         c = await self._complete(
             POLICY, self.prompts.critic(state, trajectory), 1, ["<|im_end|>"], 0.0, self.cfg.logprobs
         )
-        return second_word_probability(c, answer)
+        return top_k_revise_probability(first_top_logprobs(c), answer)
 
     async def react(
         self, state: str, max_tokens: int, admissible: Sequence[str] | None = None
@@ -384,7 +383,7 @@ class AgentLLM:
         prompt = self.prompts.reflect(state, a_draft, s_hat, confidence, conversation)
         if keep_at_or_below is not None:
             first = await self._complete(POLICY, prompt, 1, ["<|im_end|>"], self.cfg.temperature, self.cfg.logprobs)
-            p_first = second_word_probability(first, decision_tokens)
+            p_first = top_k_revise_probability(first_top_logprobs(first), decision_tokens)
             # unreadable (None): the whole reflection below is, too, and says so
             if p_first is not None and p_first <= keep_at_or_below:
                 return Reflected("KEEP", a_draft, p_first, 0.0, None)
@@ -394,7 +393,7 @@ class AgentLLM:
         text = c["text"]
         lp = c.get("logprobs") or {}
         tokens, token_lps = lp.get("tokens") or [], lp.get("token_logprobs") or []
-        p_revise = second_word_probability(c, decision_tokens)
+        p_revise = top_k_revise_probability(first_top_logprobs(c), decision_tokens)
         if p_revise is None:
             return Reflected("KEEP", a_draft, 0.0, 0.0, "no_decision_logprob", readable=False)
         # the final action's own budget (the paper: 16 new tokens): a longer one is cut to its first tokens

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from comap_async.method.decision import revise_logit
+
 IGNORE = -100
 
 
@@ -70,26 +72,17 @@ def self_distillation_kl(
     return kl.mean()
 
 
-def revise_probability(decision_logits: torch.Tensor, keep_id: int, revise_id: int) -> torch.Tensor:
-    """``p`` = P(REVISE) / (P(REVISE) + P(KEEP)) at the decision position: a softmax over the two
-    decision tokens (:class:`comap_async.prompts.DecisionTokens`). The same function as
-    :func:`comap_async.prompts.revise_probability`, which the actor applies to the server's logprobs."""
-    two = torch.stack([decision_logits[:, keep_id], decision_logits[:, revise_id]], dim=-1).float()
-    return torch.softmax(two, dim=-1)[:, 1]
-
-
 def revise_bce(
     decision_logits: torch.Tensor, keep_id: int, revise_id: int, y: torch.Tensor, weight: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Binary cross-entropy of the revise probability against the gate label ``y`` (0/1), averaged
-    over the samples (each multiplied by ``weight`` when given: :func:`label_balance_weights`)."""
+    """Binary cross-entropy of the revise probability ``p`` against the gate label ``y`` (0/1), averaged
+    over the samples (each multiplied by ``weight`` when given: :func:`label_balance_weights`). ``p`` is
+    the sigmoid of :func:`comap_async.method.decision.revise_logit`, the one the actor's gate reads; the
+    loss takes that logit itself, which stays exact for confident logits where ``log p`` would not."""
     if decision_logits.shape[0] == 0:
         return _zero(decision_logits)
-    two = torch.stack([decision_logits[:, keep_id], decision_logits[:, revise_id]], dim=-1).float()
-    # log-space form of BCE(softmax(two)[:, 1], y): numerically stable for confident logits
-    logp = torch.log_softmax(two, dim=-1)
-    y = y.float()
-    per_sample = -(y * logp[:, 1] + (1 - y) * logp[:, 0])
+    logit = revise_logit(decision_logits[:, keep_id], decision_logits[:, revise_id])
+    per_sample = F.binary_cross_entropy_with_logits(logit, y.to(logit.dtype), reduction="none")
     return (per_sample if weight is None else per_sample * weight).mean()
 
 

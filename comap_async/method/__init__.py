@@ -7,10 +7,15 @@ Read in this order:
    differs from the draft), the world-state gate (show the imagined next state only where the student
    and the EMA teacher agree on the facts it changes, F1 >= ``tau_ws``), and the reflection sample a
    co-evolution transition becomes (:class:`~comap_async.method.gates.SampleRule`);
-2. :mod:`comap_async.method.routing` - the phases and what each trains on: the stores, the phase
+2. :mod:`comap_async.method.decision` - the action gate's two numbers, each one function for the actor's
+   logprobs and the learner's logits alike: ``p``, the sigmoid of the decision logit ``revise - keep``
+   (the learner's BCE takes that logit), and ``q``, the reflected action's geometric-mean token
+   probability;
+3. :mod:`comap_async.method.routing` - the phases and what each trains on: the stores, the phase
    filters, the mixed-in shares, and the ablations that leave data or loss terms out.
 
 The losses themselves are in ``learner/losses.py`` (one small function per term, on tensors). The
-ablation flags and the gate thresholds are read here and nowhere else (``tests/unit/test_method_boundary.py``).
+ablation flags and the gate thresholds are read here and nowhere else, and ``p`` and ``q`` computed nowhere
+else (``tests/unit/test_method_boundary.py``).
 The definitions follow docs/design.md section 11.
 """

@@ -53,8 +53,6 @@ from comap_async.prompts.parsing import (
     parse_action,
     parse_react,
     parse_reflection,
-    revise_probability,
-    sequence_confidence,
 )
 from comap_async.prompts.template import (
     TEMPLATE_VARIABLES,
@@ -98,8 +96,6 @@ __all__ = [
     "reflection_head",
     "reflection_target",
     "render_state",
-    "revise_probability",
-    "sequence_confidence",
     "teacher_messages",
     "turns_of",
     "wording_for",

@@ -1,13 +1,10 @@
-"""Reading the model's answers: actions, ReAct answers, reflections, the gate's ``p`` and ``q``."""
+"""Reading the model's answers: actions, ReAct answers, reflections (the gate's ``p`` and ``q`` are
+:mod:`comap_async.method.decision`'s)."""
 
 from __future__ import annotations
 
-import math
 import re
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-
-from comap_async.prompts.template import DecisionTokens
 
 _ACTION_PREFIX = re.compile(r"^\s*(?:>|action\s*:|final action\s*:|command\s*:|\d+[.)])\s*", re.IGNORECASE)
 
@@ -69,26 +66,3 @@ def parse_reflection(completion: str) -> Reflection:
     final = parse_action(fm.group(1)).value if fm else None
     problem = None if decision and final else ("no_decision" if not decision else "no_final_action")
     return Reflection(decision, final, problem)
-
-
-def revise_probability(logprobs: Mapping[str, float] | None, decision: DecisionTokens) -> float | None:
-    """``p`` = P(REVISE) / (P(REVISE) + P(KEEP)) at the decision position: a softmax over the two
-    decision tokens' log-probabilities (``logprobs``: token text -> logprob, e.g. a server's top-k
-    alternatives; the learner's ``learner.losses.revise_probability`` is the same function of its
-    logits). A token missing from a top-k list has less probability than every listed one and counts
-    as 0; None when neither is listed (the reflection cannot be read)."""
-    if not logprobs:
-        return None
-    keep, revise = logprobs.get(decision.keep), logprobs.get(decision.revise)
-    if keep is None and revise is None:
-        return None
-    if keep is None or revise is None:
-        return 1.0 if keep is None else 0.0
-    return 1.0 / (1.0 + math.exp(min(keep - revise, 700.0)))
-
-
-def sequence_confidence(token_logprobs: Sequence[float]) -> float:
-    """Geometric-mean token probability (``q_ref``); 0 for an empty sequence."""
-    if not token_logprobs:
-        return 0.0
-    return math.exp(sum(token_logprobs) / len(token_logprobs))

@@ -55,8 +55,8 @@ class DecisionTokens:
     token of `` KEEP`` and of `` REVISE`` in one model's tokenizer, as text (what a server's logprobs
     name) and as ids (what the learner's logits index).
 
-    ``p`` (:func:`revise_probability`) is read from these two tokens only, by the actor (the server's
-    logprobs), the learner (its logits), the probes and the metrics alike (docs/design.md section 6)."""
+    ``p`` (:mod:`comap_async.method.decision`) is read from these two tokens only, by the actor (the
+    server's logprobs), the learner (its logits), the probes and the metrics alike (docs/design.md section 6)."""
 
     keep: str
     revise: str

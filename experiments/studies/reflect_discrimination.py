@@ -67,7 +67,7 @@ def revise_probabilities(trainer: Any, samples: list[dict[str, Any]]) -> list[fl
     """Teacher-forced ``p`` at the decision position of each sample."""
     import torch
 
-    from learner import losses
+    from comap_async.method.decision import revise_probability
     from learner.packing import pack
     from learner.peft_model import activate
 
@@ -80,7 +80,7 @@ def revise_probabilities(trainer: Any, samples: list[dict[str, Any]]) -> list[fl
             packed = pack([[enc.reflection(r)] for r in part], trainer.pad_id, trainer.device)
             logits = trainer.forward.target_logits(packed)
             at = torch.tensor(packed.first, dtype=torch.long)
-            ps.extend(losses.revise_probability(logits[at].float(), enc.keep_id, enc.revise_id).tolist())
+            ps.extend(revise_probability(logits[at, enc.keep_id], logits[at, enc.revise_id]).tolist())
     return ps
 
 

@@ -13,7 +13,8 @@ import math
 import aiohttp
 import pytest
 
-from comap_async.prompts import ChatTemplate, DecisionTokens, Prompts, revise_probability
+from comap_async.method.decision import revise_probability, top_k_revise_probability
+from comap_async.prompts import ChatTemplate, DecisionTokens, Prompts
 from comap_async.wire.inference_client import InferenceError
 
 pytestmark = pytest.mark.timeout(300)
@@ -83,13 +84,11 @@ async def test_decision_logprobs_give_p_revise(inference_server, adapters, refer
         assert abs(lp.top_logprobs[0][key] - value) < inference_server.logprob_tol
     decision = DecisionTokens.from_model_dir(inference_server.model_dir)  # what actors read
     assert (decision.keep_id, decision.revise_id) == (keep, revise)
-    p = revise_probability(lp.top_logprobs[0], decision)
+    p = top_k_revise_probability(lp.top_logprobs[0], decision)
     assert p is not None and 0.15 < p < 0.85, lp.top_logprobs[0]
-    assert p == pytest.approx(revise_probability(ref_top, decision), abs=inference_server.logprob_tol)
-    # one p: the learner's function of the same logits (its BCE's probability) gives the actor's value
-    from learner.losses import revise_probability as learner_p
-
-    assert p == pytest.approx(float(learner_p(ref.unsqueeze(0), keep, revise)[0]), abs=inference_server.logprob_tol)
+    assert p == pytest.approx(top_k_revise_probability(ref_top, decision), abs=inference_server.logprob_tol)
+    # one p: the same function of the reference's logits (the learner's tensors) gives the actor's value
+    assert p == pytest.approx(float(revise_probability(ref[keep], ref[revise])), abs=inference_server.logprob_tol)
 
 
 async def test_adapter_changes_output_and_unload_restores_base(inference_server, adapters):

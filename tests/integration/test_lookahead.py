@@ -13,9 +13,10 @@ from comap_async.config import load_config
 from comap_async.envs import games_from_config
 from comap_async.envs.base import spread_sample
 from comap_async.logsetup import configure_logging
+from comap_async.method.decision import top_k_revise_probability
 from comap_async.method.gates import canonical_action
 from comap_async.models import build_tiny_model
-from comap_async.prompts import CRITIC_WORDS, DecisionTokens, revise_probability
+from comap_async.prompts import CRITIC_WORDS, DecisionTokens
 from comap_async.wire.messages import Registry
 from evaluator.eval_runner import play_games
 from tests.fixtures.core import free_port
@@ -94,7 +95,7 @@ def test_lookahead_imagines_each_candidate_and_executes_the_best_scored(critic_m
     # the critic's score is P(YES) of its first answer token, as the server's logprobs give it
     answer = DecisionTokens.from_model_dir(model, CRITIC_WORDS)
     read = [
-        revise_probability(c["raw"]["choices"][0]["logprobs"]["top_logprobs"][0], answer)
+        top_k_revise_probability(c["raw"]["choices"][0]["logprobs"]["top_logprobs"][0], answer)
         for c in calls
         if c["kind"] == "critic"
     ]

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from comap_async.method.decision import revise_probability
 from learner import losses
 from learner.ema import ema_update, paired_lora_tensors
 from learner.peft_model import adapter_parameters
@@ -55,7 +56,7 @@ def test_bce_matches_torch_on_two_token_probability():
     p = torch.softmax(torch.stack([logits[:, keep], logits[:, revise]], -1), -1)[:, 1]
     expected = F.binary_cross_entropy(p, y.float())
     assert losses.revise_bce(logits, keep, revise, y).item() == pytest.approx(expected.item(), rel=1e-5)
-    assert torch.allclose(losses.revise_probability(logits, keep, revise), p)
+    assert torch.allclose(revise_probability(logits[:, keep], logits[:, revise]), p)
 
 
 def test_masked_prompt_tokens_contribute_nothing():

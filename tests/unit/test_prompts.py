@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from comap_async import prompts
 from comap_async.prompts import (
     ChatTemplate,
-    DecisionTokens,
     Prompts,
     parse_action,
     parse_reflection,
     render_state,
-    revise_probability,
 )
 
 
@@ -88,24 +84,6 @@ def test_parse_reflection_tolerates_junk(completion, decision, action):
     r = parse_reflection(completion)
     assert (r.decision, r.final_action) == (decision, action)
     assert (r.problem is None) == (decision is not None and action is not None)
-
-
-def test_revise_probability_reads_exactly_the_two_decision_tokens():
-    # SmolLM2 splits " REVISE" into " RE"+"V"+"ISE" and " KEEP" into " KE"+"EP"
-    d = DecisionTokens(" KE", " RE", 7, 9)
-    top = {" RE": math.log(0.3), " KE": math.log(0.1), " the": math.log(0.5)}
-    assert revise_probability(top, d) == pytest.approx(0.75)
-    # spelling variants are other tokens: the learner's softmax over the two ids does not see them either
-    assert revise_probability({**top, " keep": math.log(0.05), " Keep": math.log(0.04)}, d) == pytest.approx(0.75)
-    assert revise_probability({" RE": -1.0, " the": -0.1}, d) == 1.0  # KEEP below every listed token
-    assert revise_probability({" KE": -1.0, " the": -0.1}, d) == 0.0
-    assert revise_probability({" the": -0.1}, d) is None
-    assert revise_probability(None, d) is None
-
-
-def test_sequence_confidence_is_geometric_mean():
-    assert prompts.sequence_confidence([math.log(0.5), math.log(0.8)]) == pytest.approx(math.sqrt(0.4))
-    assert prompts.sequence_confidence([]) == 0.0
 
 
 def test_chat_template_matches_transformers(tiny_model_dir):

@@ -12,6 +12,7 @@ import torch
 from actors.llm import AgentLLM
 from broker.ingest import Ingest
 from comap_async.config import ActorConfig, CoMapConfig
+from comap_async.method.decision import revise_probability
 from comap_async.method.gates import SampleRule, gate_reflection
 from comap_async.prompts import ChatTemplate, DecisionTokens, Prompts, reflection_target
 from comap_async.wire.protocol import decode
@@ -131,7 +132,7 @@ def test_the_decision_token_carries_no_cross_entropy(tiny_model_dir, reference):
     ce = torch.nn.functional.cross_entropy(logits[at[1:]], torch.tensor(seq.ids[seq.start + 1 :]), reduction="sum")
     fmt = losses.decision_format_nll(logits[at[:1]], enc.keep_id, enc.revise_id).sum()
     assert float(reflect_ce) == pytest.approx(float((ce + fmt) / seq.n_target), rel=1e-4)
-    p = losses.revise_probability(logits[at[:1]], enc.keep_id, enc.revise_id)
+    p = revise_probability(logits[at[0], enc.keep_id], logits[at[0], enc.revise_id])
     assert float(bce) == pytest.approx(float(-torch.log(p)), rel=1e-4)
 
 
