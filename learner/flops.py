@@ -194,18 +194,17 @@ def micro_batch_passes(trainer: Any, micro_batch: dict[str, list[dict[str, Any]]
         raise ValueError("the count follows the learner's step without policy_wm_aux")
     counters = (enc.truncated, enc.demo_actions)  # encoding here must not show in the next step's metrics
     passes: list[Pass] = []
-    records = [] if trainer.freeze_wm else micro_batch.get("transitions") or []
-    units = trainer._wm_units(records) if records else []
-    for chunk in chunk_by_tokens(cfg.chunk_tokens, units, lambda u: unit_length(u[0])) if units else []:
-        teachers = [t for _, _, t in chunk if t is not None]
+    batch = trainer.micro_batch(micro_batch)
+    units = batch.world_model.units
+    for chunk in chunk_by_tokens(cfg.chunk_tokens, units, lambda u: u.length) if units else []:
+        teachers = [u.teacher for u in chunk if u.teacher is not None]
         if teachers:
             passes.append(Pass("wm_teacher", False, tuple(unit_length([t]) for t in teachers), _loss(teachers)))
-        seqs = [s for u, _, _ in chunk for s in u]
-        passes.append(Pass("wm", True, tuple(unit_length(u) for u, _, _ in chunk), _loss(seqs)))
-    demos, reflections = micro_batch.get("demos") or [], micro_batch.get("reflections") or []
-    items = trainer._policy_items(demos, reflections) if demos or reflections else []
-    for chunk in chunk_by_tokens(cfg.chunk_tokens, items, lambda item: len(item[0].ids)) if items else []:
-        seqs = [s for s, *_ in chunk]
+        seqs = [s for u in chunk for s in u.seqs]
+        passes.append(Pass("wm", True, tuple(u.length for u in chunk), _loss(seqs)))
+    samples = batch.policy_samples()
+    for chunk in chunk_by_tokens(cfg.chunk_tokens, samples, lambda sample: sample.length) if samples else []:
+        seqs = [sample.seq for sample in chunk]
         passes.append(Pass("policy", True, tuple(unit_length([s]) for s in seqs), _loss(seqs)))
     enc.truncated, enc.demo_actions = counters
     return passes

@@ -7,6 +7,8 @@ differentiable) when nothing counts, so a micro-batch without such tokens adds n
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -126,3 +128,84 @@ def policy_loss(
 ) -> torch.Tensor:
     """Expert-draft anchor + gated reflection CE + weighted BCE on the revise probability."""
     return draft_weight * draft_ce + reflect_weight * reflect_ce + bce_weight * bce
+
+
+Term = torch.Tensor | float
+"""A loss term: a tensor to differentiate, or its value (a float) to log."""
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    """The weights of a learner step's loss terms."""
+
+    draft: float = 1.0
+    """``learner.draft_weight``: the expert-draft anchor's CE."""
+    reflect: float = 1.0
+    """``learner.reflect_weight``: the reflection's CE."""
+    bce: float = 0.01
+    """The BCE on ``p`` in the phase being trained (:attr:`learner.trainer.Trainer.bce_weight`)."""
+    eta: float = 0.5
+    """``learner.eta``: self-distillation's KL beside the world model's CE."""
+    wm_aux: float = 0.0
+    """PaW's adaptive weight of the policy's auxiliary world-model term (learner/paw.py)."""
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """A learner step's loss terms, each the mean over the tokens (or samples) it counts, or a chunk's
+    share of that mean (its sum over the chunk divided by the micro-batch's count); None: not in this
+    loss (not computed, not logged)."""
+
+    wm_ce: Term | None = None
+    """The world model's CE on the real next state (:func:`token_ce`)."""
+    wm_kl: Term | None = None
+    """Self-distillation, KL(teacher || student) on the student's rollout (:func:`self_distillation_kl`)."""
+    draft_ce: Term | None = None
+    """The policy's CE on demonstrated actions (:func:`token_ce`)."""
+    reflect_ce: Term | None = None
+    """The policy's CE on the reflection's text, with the decision position's format term
+    (:func:`token_ce`, :func:`decision_format_nll`)."""
+    bce: Term | None = None
+    """The BCE of ``p`` against the decision label (:func:`revise_bce`)."""
+    wm_aux: Term | None = None
+    """PaW: the policy's generalized CE on next observations (:func:`learner.paw.generalized_ce`)."""
+
+
+def _value(term: Term) -> float:
+    return float(term.detach()) if isinstance(term, torch.Tensor) else float(term)
+
+
+def step_loss(terms: StepTerms, weights: LossWeights) -> tuple[Term, dict[str, float]]:
+    """The loss of ``terms`` (the one composition of the learner's terms: world model
+    ``CE + eta * KL``, policy ``draft CE + reflection CE + bce_weight * BCE``, PaW's weighted auxiliary
+    term; a term that is None adds nothing) and its namespaced metrics (``wm/*``, ``policy/*``).
+    Tensors give the loss to differentiate, floats the values to log."""
+    total: Term | None = None
+    metrics: dict[str, float] = {}
+    if terms.wm_ce is not None or terms.wm_kl is not None:
+        ce = 0.0 if terms.wm_ce is None else terms.wm_ce
+        kl = 0.0 if terms.wm_kl is None else terms.wm_kl
+        world_model = world_model_loss(ce, kl, weights.eta)
+        if terms.wm_ce is not None:
+            metrics["wm/ce"] = _value(ce)
+        if terms.wm_kl is not None:
+            metrics["wm/kl"] = _value(kl)
+        metrics["wm/loss"] = _value(world_model)
+        total = world_model
+    if terms.draft_ce is not None or terms.reflect_ce is not None or terms.bce is not None:
+        draft = 0.0 if terms.draft_ce is None else terms.draft_ce
+        reflect = 0.0 if terms.reflect_ce is None else terms.reflect_ce
+        bce = 0.0 if terms.bce is None else terms.bce
+        policy = policy_loss(draft, reflect, bce, weights.draft, weights.reflect, weights.bce)
+        metrics |= {
+            "policy/draft_ce": _value(draft),
+            "policy/reflect_ce": _value(reflect),
+            "policy/bce": _value(bce),
+            "policy/loss": _value(policy),
+        }
+        total = policy if total is None else total + policy
+    if terms.wm_aux is not None:
+        aux = weights.wm_aux * terms.wm_aux
+        metrics |= {"policy/wm_aux": _value(terms.wm_aux), "policy/wm_aux_weight": weights.wm_aux}
+        total = aux if total is None else total + aux
+    return (0.0 if total is None else total), metrics

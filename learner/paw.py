@@ -75,11 +75,11 @@ class AdaptiveWeight:
         return min(10 * self.base, self.base * self.policy / max(self.aux, 1e-6))
 
 
-def policy_wm_aux_step(
-    trainer: Any, records: list[dict[str, Any]], scale: float, policy_loss: float
-) -> dict[str, float]:
-    """Select the micro-batch's transitions by the policy's action entropy, then the weighted
-    generalized cross-entropy of their next observations under the policy adapter, backward."""
+def policy_wm_aux_term(trainer: Any, records: list[dict[str, Any]]) -> tuple[torch.Tensor, dict[str, float]] | None:
+    """Select the micro-batch's transitions by the policy's action entropy, then the generalized
+    cross-entropy of their next observations under the policy adapter: (the term, to differentiate,
+    and the selection's metrics), None when no transition is usable. The trainer weighs it
+    (:class:`AdaptiveWeight`) and composes it with the step's other terms (:func:`learner.losses.step_loss`)."""
     from learner.packing import pack
     from learner.peft_model import activate
 
@@ -88,7 +88,7 @@ def policy_wm_aux_step(
     if cfg.policy_wm_aux_entropy == "acting":  # only steps whose draft's confidence the actor measured
         usable = [r for r in usable if (r.get("draft_confidence") or 0.0) > 0.0]
     if not usable:
-        return {}
+        return None
     if cfg.policy_wm_aux_entropy == "acting":
         per_row = acting_entropy(usable)
     else:
@@ -106,11 +106,7 @@ def policy_wm_aux_step(
     packed = pack([[enc.world_model_ce(usable[i])] for i in chosen], trainer.pad_id, trainer.device)
     with trainer.forward.amp():
         loss = generalized_ce(trainer.forward.target_logits(packed), packed.targets, cfg.policy_wm_aux_q)
-    weight = trainer.paw_weight.update(policy_loss, float(loss.detach()))
-    (weight * loss * scale).backward()
-    return {
-        "policy/wm_aux": float(loss.detach()),
-        "policy/wm_aux_weight": weight,
+    return loss, {
         "policy/wm_aux_selected": float(len(chosen)),
         "policy/wm_aux_entropy": float(per_row.mean()),
     }

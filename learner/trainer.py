@@ -3,7 +3,9 @@
 A micro-batch is a dict of store name -> records as the broker serves them:
 ``transitions`` (world model: CE on ``s_next``, KL on the stored rollout ``s_hat_exec``),
 ``demos`` (policy draft CE on the expert action) and ``reflections`` (policy reflection CE + BCE).
-Whatever stores a micro-batch holds are trained; the phase decides what the loop fetches.
+Whatever stores a micro-batch holds are trained; the phase decides what the loop fetches. Each is read
+once into its typed batches (:func:`learner.batch_types.micro_batch`), and every loss the step
+differentiates or logs is :func:`learner.losses.step_loss`'s composition of the terms.
 
 The learning rate follows the phase (:class:`learner.schedule.PhaseSchedule`): warm-up SFT, reflection-mode
 initialisation and co-evolution each get their own linear warm-up and cosine decay over their
@@ -25,6 +27,7 @@ gradients to it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -36,12 +39,26 @@ import torch
 from comap_async.config import AblationConfig, LearnerConfig
 from comap_async.method.routing import world_model_terms
 from learner import losses
-from learner.batches import Encoder, Seq
+from learner.batch_types import (
+    DraftBatch,
+    MicroBatch,
+    PolicySample,
+    Records,
+    ReflectionBatch,
+    WorldModelBatch,
+    WorldModelUnit,
+    draft_batch,
+    micro_batch,
+    policy_samples,
+    reflection_batch,
+    world_model_batch,
+)
+from learner.batches import Encoder
 from learner.checkpoint import rng_state
 from learner.ema import copy_student_to_teacher, ema_update, paired_lora_tensors
 from learner.forward import Forward, per_sequence
 from learner.packing import chunk_by_tokens, pack
-from learner.paw import AdaptiveWeight, policy_wm_aux_step
+from learner.paw import AdaptiveWeight, policy_wm_aux_term
 from learner.peft_model import (
     TRAINED,
     activate,
@@ -52,14 +69,6 @@ from learner.schedule import MAX_GRAD_NORM, PhaseSchedule, clip_per_role
 
 class StepAborted(RuntimeError):
     """A step stopped before its update because the learner is shutting down."""
-
-
-def imagined_demos(micro_batches: list[dict[str, list[dict[str, Any]]]]) -> int:
-    """The step's demonstrations that are imagined episodes (``learner.imagined_share``): a path in the
-    turns form (``imagined``) or a step of one (``source: imagined``)."""
-    return sum(
-        bool(r.get("imagined")) or r.get("source") == "imagined" for mb in micro_batches for r in mb.get("demos") or []
-    )
 
 
 @dataclass
@@ -83,8 +92,8 @@ class Trainer:
     """Set per step by the learner (``ablation.frozen_wm`` after warm-up): the world model is not
     trained (its records are ignored) and the EMA teacher is not updated."""
     bce_weight: float | None = None
-    """The BCE's weight in the phase being trained (the loop sets it: :func:`learner.schedule.phase_bce_weight`);
-    None: ``cfg.bce_weight``."""
+    """The BCE's weight in the phase being trained (the loop sets it from the phase's spec:
+    :func:`comap_async.method.phases.phase_spec`); None: ``cfg.bce_weight``."""
 
     def __post_init__(self) -> None:
         self.role_params = {role: [p for _, p in adapter_parameters(self.model, role)] for role in TRAINED}
@@ -109,37 +118,50 @@ class Trainer:
         with self.update_lock:
             copy_student_to_teacher(self._pairs)
 
+    # ------------------------------------------------------------------ the batches
+    def micro_batch(self, records: Records) -> MicroBatch:
+        """A served micro-batch's typed batches (the world model's empty while it is frozen); the
+        reflection samples' BCE weights are the step's to set (:meth:`weigh`)."""
+        real_ce, distill = world_model_terms(self.ablation)
+        return micro_batch(
+            self.encoder,
+            records,
+            real_ce=real_ce,
+            distill=distill,
+            bce_gate_labels=self.cfg.bce_gate_labels,
+            train_world_model=not self.freeze_wm,
+        )
+
+    def weigh(self, reflections: ReflectionBatch) -> ReflectionBatch:
+        """``reflections`` with their BCE weights (``learner.bce_balance``, from the label counts so far)."""
+        weights = self.bce_weights(torch.tensor(reflections.y, dtype=torch.long))
+        reflections.weight = None if weights is None else weights.tolist()
+        return reflections
+
+    @property
+    def loss_weights(self) -> losses.LossWeights:
+        """The weights :func:`learner.losses.step_loss` composes this step's terms with."""
+        c = self.cfg
+        return losses.LossWeights(draft=c.draft_weight, reflect=c.reflect_weight, bce=self._bce_w, eta=c.eta)
+
+    def _wm_terms(self, ce: losses.Term, kl: losses.Term) -> losses.StepTerms:
+        """The world-model terms an ablation keeps (a dropped one is neither in the loss nor logged)."""
+        real_ce, distill = world_model_terms(self.ablation)
+        return losses.StepTerms(wm_ce=ce if real_ce else None, wm_kl=kl if distill else None)
+
     # ------------------------------------------------------------------ the sums
     # Each term is summed over a chunk of sequences (one forward), then divided by the
     # micro-batch's count: chunks give the same loss and gradient as one pass, with the
     # activations of one chunk alive at a time (learner.chunk_tokens).
 
-    def _wm_units(self, records: list[dict[str, Any]]) -> list[tuple[list[Seq], list[bool], Seq | None]]:
-        """Per transition, its unit(s): (sequences, which are CE rows, the teacher's rollout sequence)."""
-        enc, (real_ce, distill) = self.encoder, world_model_terms(self.ablation)
-        units: list[tuple[list[Seq], list[bool], Seq | None]] = []
-        for r in records:
-            ce_seq = enc.world_model_ce(r) if real_ce else None
-            pair = enc.world_model_rollout(r) if distill else None
-            if ce_seq is None:
-                if pair is not None:
-                    units.append(([pair[0]], [False], pair[1]))
-            elif pair is None:
-                units.append(([ce_seq], [True], None))
-            elif pair[0].ids[: pair[0].start] == ce_seq.ids[: ce_seq.start]:
-                units.append(([ce_seq, pair[0]], [True, False], pair[1]))  # one pass over the prompt for both
-            else:  # a prompt truncated differently for the two targets
-                units += [([ce_seq], [True], None), ([pair[0]], [False], pair[1])]
-        return units
-
-    def _wm_sums(self, units: list[tuple[list[Seq], list[bool], Seq | None]]) -> dict[str, Any]:
+    def _wm_sums(self, units: list[WorldModelUnit]) -> dict[str, Any]:
         """The world-model terms summed over ``units`` (one teacher pass, one student pass)."""
-        teachers = [t for _, _, t in units if t is not None]
+        teachers = [u.teacher for u in units if u.teacher is not None]
         teacher_logits = self.teacher_logits(teachers) if teachers else None
         activate(self.model, "wm", trainable=True)
-        packed = pack([seqs for seqs, _, _ in units], self.pad_id, self.device)
+        packed = pack([u.seqs for u in units], self.pad_id, self.device)
         logits = self.forward.target_logits(packed)
-        is_ce = [flag for _, flags, _ in units for flag in flags]
+        is_ce = [flag for u in units for flag in u.is_ce]
         ce_rows = torch.tensor(is_ce, device=logits.device)[packed.owner]
         n_ce = int(ce_rows.sum())
         out = {
@@ -165,37 +187,27 @@ class Trainer:
             out["n_kl"] = sum(counts)
         return out
 
-    def in_bce(self, record: dict[str, Any]) -> bool:
-        """Whether a reflection sample's ``y`` trains ``p`` (``learner.bce_gate_labels``)."""
-        return self.cfg.bce_gate_labels or record.get("source") == "suffix"
-
-    def _policy_items(self, demos: list[dict[str, Any]], reflections: list[dict[str, Any]]) -> list[tuple]:
-        """``(seq, None, False)`` per demonstration, ``(seq, y, in the BCE)`` per reflection sample. A
-        warm-up path none of whose demonstrated actions fits ``learner.max_path_tokens`` carries no loss
-        and is left out (it is counted in ``learner/truncated``)."""
-        enc = self.encoder
-        drafts = [seq for seq in map(enc.draft, demos) if seq.n_loss]
-        return [(seq, None, False) for seq in drafts] + [
-            (enc.reflection(r), int(r["y"]), self.in_bce(r)) for r in reflections
-        ]
-
-    def _policy_sums(self, items: list[tuple[Seq, int | None, bool]]) -> dict[str, Any]:
-        """The policy terms summed over ``items`` (:meth:`_policy_items`)."""
+    def _policy_sums(self, samples: list[PolicySample]) -> dict[str, Any]:
+        """The policy terms summed over ``samples`` (:func:`learner.batch_types.policy_samples`)."""
         activate(self.model, "policy", trainable=True)
-        packed = pack([[seq] for seq, *_ in items], self.pad_id, self.device)
+        packed = pack([[s.seq] for s in samples], self.pad_id, self.device)
         logits = self.forward.target_logits(packed)
-        is_draft = torch.tensor([y is None for _, y, _ in items], device=logits.device)[packed.owner]
+        is_draft = torch.tensor([s.y is None for s in samples], device=logits.device)[packed.owner]
         n_draft = int(is_draft.sum())
         n_reflect = len(packed.targets) - n_draft
-        refl = [i for i, (_, y, _) in enumerate(items) if y is not None]
+        refl = [i for i, s in enumerate(samples) if s.y is not None]
         # the decision position predicts the reflection's first target token (`` KEEP``/`` REVISE``):
         # the BCE trains the choice there, the reflection's text term only that a decision word comes
         at = torch.tensor([packed.first[i] for i in refl], dtype=torch.long, device=logits.device)
         decision_logits = logits[at]
-        labelled = [j for j, i in enumerate(refl) if items[i][2]]
-        y = torch.tensor([items[refl[j]][1] for j in labelled], device=logits.device)
+        labelled = [j for j, i in enumerate(refl) if samples[i].in_bce]  # the decisions whose y trains p
+        in_bce = [samples[refl[j]] for j in labelled]
+        y = torch.tensor([s.y for s in in_bce], device=logits.device)
+        weight = None  # unweighted unless learner.bce_balance gave the samples weights
+        if in_bce and in_bce[0].weight is not None:
+            weight = torch.tensor([s.weight for s in in_bce], device=logits.device)
         keep_id, revise_id = self.encoder.keep_id, self.encoder.revise_id
-        bce = losses.revise_bce(decision_logits[labelled], keep_id, revise_id, y, self.bce_weights(y))
+        bce = losses.revise_bce(decision_logits[labelled], keep_id, revise_id, y, weight)
         text = ~is_draft
         text[at] = False
         n_text = int(text.sum())
@@ -224,84 +236,80 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             raise StepAborted(f"step {self.step + 1} abandoned (shutdown)")
 
-    def _world_model_step(
-        self, records: list[dict[str, Any]], scale: float
-    ) -> tuple[dict[str, float], int, float | None]:
+    def _world_model_step(self, batch: WorldModelBatch, scale: float) -> tuple[dict[str, float], int, float | None]:
         """Forward and backward of the world-model loss of one micro-batch: (metrics, tokens, change NLL)."""
-        units = self._wm_units(records)
-        if not units:  # nothing left to train on (self-distillation only, and no rollouts in these records)
+        if not batch.units:  # nothing left to train on (self-distillation only, and no rollouts in these records)
             return {}, 0, None
-        n_ce = sum(seq.n_target for seqs, flags, _ in units for seq, flag in zip(seqs, flags) if flag)
-        n_kl = sum(seq.n_target for seqs, flags, _ in units for seq, flag in zip(seqs, flags) if not flag)
+        n_ce, n_kl = max(batch.n_ce, 1), max(batch.n_kl, 1)
         total = {"ce": 0.0, "kl": 0.0, "change": 0.0, "n_change": 0, "tokens": 0}
-        for chunk in chunk_by_tokens(
-            self.cfg.chunk_tokens, units, lambda u: u[0][0].start + sum(seq.n_target for seq in u[0])
-        ):
+        for chunk in chunk_by_tokens(self.cfg.chunk_tokens, batch.units, lambda u: u.length):
             self._check_abort()
             part = self._wm_sums(chunk)
-            loss = losses.world_model_loss(part["ce"] / max(n_ce, 1), part["kl"] / max(n_kl, 1), self.cfg.eta)
+            loss, _ = losses.step_loss(self._wm_terms(part["ce"] / n_ce, part["kl"] / n_kl), self.loss_weights)
             (loss * scale).backward()
             for k in total:
                 total[k] += float(part[k].detach()) if isinstance(part[k], torch.Tensor) else part[k]
-        ce, kl = total["ce"] / max(n_ce, 1), total["kl"] / max(n_kl, 1)
+        _, metrics = losses.step_loss(self._wm_terms(total["ce"] / n_ce, total["kl"] / n_kl), self.loss_weights)
         change_nll = total["change"] / total["n_change"] if total["n_change"] else None
-        return self._wm_metrics(ce, kl), int(total["tokens"]), change_nll
-
-    def _wm_metrics(self, ce: float, kl: float) -> dict[str, float]:
-        """The world-model scalars; a term an ablation drops is not logged (it is not in the loss)."""
-        real_ce, distill = world_model_terms(self.ablation)
-        out = {"wm/ce": ce} if real_ce else {}
-        if distill:
-            out["wm/kl"] = kl
-        return out | {"wm/loss": ce + self.cfg.eta * kl}
+        return metrics, int(total["tokens"]), change_nll
 
     @property
     def _bce_w(self) -> float:
         return self.cfg.bce_weight if self.bce_weight is None else self.bce_weight
 
     def _policy_step(
-        self, demos: list[dict[str, Any]], reflections: list[dict[str, Any]], scale: float
+        self, drafts: DraftBatch, reflections: ReflectionBatch, scale: float
     ) -> tuple[dict[str, float], int]:
         """Forward and backward of the policy loss of one micro-batch: (metrics, tokens)."""
-        c = self.cfg
-        items = self._policy_items(demos, reflections)
-        if not items:  # every path of the micro-batch was cut before its first demonstrated action
-            return {"policy/draft_ce": 0.0, "policy/reflect_ce": 0.0, "policy/bce": 0.0, "policy/loss": 0.0}, 0
-        n_draft = max(1, sum(seq.n_loss for seq, y, _ in items if y is None))
-        n_reflect = max(1, sum(seq.n_loss for seq, y, _ in items if y is not None))
-        n_bce = max(1, sum(in_bce for _, y, in_bce in items if y is not None))
+        samples = policy_samples(drafts, reflections)
+        if not samples:  # every path of the micro-batch was cut before its first demonstrated action
+            return losses.step_loss(losses.StepTerms(draft_ce=0.0, reflect_ce=0.0, bce=0.0), self.loss_weights)[1], 0
+        n_draft, n_reflect, n_bce = max(1, drafts.n_loss), max(1, reflections.n_loss), max(1, reflections.n_bce)
         total = {"draft": 0.0, "reflect": 0.0, "bce": 0.0, "tokens": 0}
-        for chunk in chunk_by_tokens(self.cfg.chunk_tokens, items, lambda item: len(item[0].ids)):
+        for chunk in chunk_by_tokens(self.cfg.chunk_tokens, samples, lambda sample: sample.length):
             self._check_abort()
             part = self._policy_sums(chunk)
-            loss = losses.policy_loss(
-                part["draft"] / n_draft,
-                part["reflect"] / n_reflect,
-                part["bce"] / n_bce,
-                c.draft_weight,
-                c.reflect_weight,
-                self._bce_w,
+            terms = losses.StepTerms(
+                draft_ce=part["draft"] / n_draft, reflect_ce=part["reflect"] / n_reflect, bce=part["bce"] / n_bce
             )
+            loss, _ = losses.step_loss(terms, self.loss_weights)
             (loss * scale).backward()
             for k in total:
                 total[k] += float(part[k].detach()) if isinstance(part[k], torch.Tensor) else part[k]
-        draft_ce, reflect_ce, bce = total["draft"] / n_draft, total["reflect"] / n_reflect, total["bce"] / n_bce
-        loss = c.draft_weight * draft_ce + c.reflect_weight * reflect_ce + self._bce_w * bce
-        return {
-            "policy/draft_ce": draft_ce,
-            "policy/reflect_ce": reflect_ce,
-            "policy/bce": bce,
-            "policy/loss": loss,
-        }, int(total["tokens"])
+        terms = losses.StepTerms(
+            draft_ce=total["draft"] / n_draft, reflect_ce=total["reflect"] / n_reflect, bce=total["bce"] / n_bce
+        )
+        return losses.step_loss(terms, self.loss_weights)[1], int(total["tokens"])
+
+    def _policy_wm_aux_step(
+        self, transitions: list[dict[str, Any]], scale: float, policy_loss: float
+    ) -> dict[str, float]:
+        """PaW (learner/paw.py): forward and backward of the policy's weighted auxiliary world-model term."""
+        aux = policy_wm_aux_term(self, transitions)
+        if aux is None:
+            return {}
+        term, selection = aux
+        weight = self.paw_weight.update(policy_loss, float(term.detach()))
+        loss, metrics = losses.step_loss(
+            losses.StepTerms(wm_aux=term), dataclasses.replace(self.loss_weights, wm_aux=weight)
+        )
+        (loss * scale).backward()
+        return metrics | selection
 
     def world_model_losses(self, records: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, int, float | None]:
         """(CE on real next states, KL(teacher || student) on rollout tokens, tokens processed,
         NLL on the change tokens of the real next states: a metric, None when there are none)."""
-        units = self._wm_units(records)  # one pass (a training step goes through _world_model_step's chunks)
-        if not units:
+        return self.world_model_batch_losses(
+            world_model_batch(self.encoder, records, *world_model_terms(self.ablation))
+        )
+
+    def world_model_batch_losses(self, batch: WorldModelBatch) -> tuple[torch.Tensor, torch.Tensor, int, float | None]:
+        """:meth:`world_model_losses` of a typed batch, in one pass (a training step goes through
+        :meth:`_world_model_step`'s chunks)."""
+        if not batch.units:
             zero = torch.zeros((), device=self.device)
             return zero, zero, 0, None
-        part = self._wm_sums(units)
+        part = self._wm_sums(batch.units)
         change_nll = part["change"] / part["n_change"] if part["n_change"] else None
         return part["ce"] / max(part["n_ce"], 1), part["kl"] / max(part["n_kl"], 1), part["tokens"], change_nll
 
@@ -323,7 +331,15 @@ class Trainer:
 
     def policy_losses(self, demos: list[dict[str, Any]], reflections: list[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
         """(draft CE, reflection CE, revise BCE, tokens processed) with the policy adapter."""
-        part = self._policy_sums(self._policy_items(demos, reflections))  # one pass (train_step: chunks)
+        drafts = draft_batch(self.encoder, demos)
+        return self.policy_batch_losses(
+            drafts, self.weigh(reflection_batch(self.encoder, reflections, self.cfg.bce_gate_labels))
+        )
+
+    def policy_batch_losses(self, drafts: DraftBatch, reflections: ReflectionBatch) -> tuple[torch.Tensor, ...]:
+        """:meth:`policy_losses` of typed batches, in one pass (a training step goes through
+        :meth:`_policy_step`'s chunks)."""
+        part = self._policy_sums(policy_samples(drafts, reflections))
         return (
             part["draft"] / max(part["n_draft"], 1),
             part["reflect"] / max(part["n_reflect"], 1),
@@ -344,36 +360,33 @@ class Trainer:
             sums[name] = sums.get(name, 0.0) + value * scale
 
         change_nlls: list[float] = []  # a metric over the micro-batches that have change tokens
+        batches = [self.micro_batch(mb) for mb in micro_batches]
         labels = [0, 0]  # reflection samples trained with y = 0, y = 1
-        for mb in micro_batches:
-            for r in mb.get("reflections") or []:
-                if self.in_bce(r):
-                    labels[int(r["y"])] += 1
+        for batch in batches:
+            labels = [a + b for a, b in zip(labels, batch.reflections.label_counts())]
         # counted before the loss, over every rank's samples: the step's own samples weigh in its balance
         seen = self.data_parallel.sum(labels) if self.data_parallel is not None else labels
         keep = 0.5 ** (1.0 / self.cfg.bce_balance_halflife) if self.cfg.bce_balance_halflife else 1.0
         self.label_counts = [keep * self.label_counts[0] + seen[0], keep * self.label_counts[1] + seen[1]]
 
-        for mb in micro_batches:
+        for batch in batches:
             self._check_abort()
-            wm_records = [] if self.freeze_wm else mb.get("transitions") or []
-            if wm_records:
-                metrics, n, change_nll = self._world_model_step(wm_records, scale)
+            if batch.world_model.units:
+                metrics, n, change_nll = self._world_model_step(batch.world_model, scale)
                 for name, value in metrics.items():
                     add(name, value)
                 if change_nll is not None:
                     change_nlls.append(change_nll)
                 tokens += n
-            demos, refl = mb.get("demos") or [], mb.get("reflections") or []
-            if demos or refl:
-                metrics, n = self._policy_step(demos, refl, scale)
+            if batch.drafts.records or batch.reflections.seqs:
+                metrics, n = self._policy_step(batch.drafts, self.weigh(batch.reflections), scale)
                 for name, value in metrics.items():
                     add(name, value)
                 tokens += n
-                if self.cfg.policy_wm_aux > 0 and mb.get("transitions"):  # PaW (learner/paw.py)
+                if self.cfg.policy_wm_aux > 0 and batch.transitions:  # PaW (learner/paw.py)
                     self._check_abort()
-                    for name, value in policy_wm_aux_step(
-                        self, mb["transitions"], scale, metrics["policy/loss"]
+                    for name, value in self._policy_wm_aux_step(
+                        batch.transitions, scale, metrics["policy/loss"]
                     ).items():
                         add(name, value)
         if self.data_parallel is not None:
@@ -399,7 +412,7 @@ class Trainer:
             **sums,
             "learner/truncated": truncated,
             "policy/demo_actions": demo_actions,
-            "policy/imagined_demos": imagined_demos(micro_batches),
+            "policy/imagined_demos": sum(batch.drafts.imagined for batch in batches),
             "learner/lr": lr,
             "learner/grad_norm": math.sqrt(sum(v * v for v in norms.values())),
             "learner/grad_norm_policy": norms["policy"],

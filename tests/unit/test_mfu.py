@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from learner.batches import Seq
+from learner.batch_types import DraftBatch, MicroBatch, ReflectionBatch, WorldModelBatch, WorldModelUnit
+from learner.batches import RecordKind, Seq
 from learner.flops import (
     SHAPES,
     ModelDims,
@@ -108,9 +109,11 @@ def test_a_micro_batch_is_the_teacher_the_world_model_and_the_policy_passes():
     trainer = SimpleNamespace(
         cfg=SimpleNamespace(policy_wm_aux=0.0, chunk_tokens=0),
         encoder=SimpleNamespace(truncated=0, demo_actions=0),
-        freeze_wm=False,
-        _wm_units=lambda records: [([ce, rollout], [True, False], teacher)],
-        _policy_items=lambda demos, refl: [(seq(10, 2), None, False), (seq(12, 5), 1, True)],
+        micro_batch=lambda records: MicroBatch(
+            world_model=WorldModelBatch([WorldModelUnit([ce, rollout], [True, False], teacher)]),
+            drafts=DraftBatch([seq(10, 2)], [RecordKind.DEMO_STEP], records=1),
+            reflections=ReflectionBatch([seq(12, 5)], [1], [RecordKind.SUFFIX_REFLECTION], [True]),
+        ),
     )
     passes = micro_batch_passes(trainer, {"transitions": [{}], "demos": [{}], "reflections": [{}]})
     assert passes == [
