@@ -12,7 +12,10 @@ Read in this order:
    (the learner's BCE takes that logit), and ``q``, the reflected action's geometric-mean token
    probability;
 3. :mod:`comap_async.method.routing` - the phases and what each trains on: the stores, the phase
-   filters, the mixed-in shares, and the ablations that leave data or loss terms out.
+   filters, the mixed-in shares, and the ablations that leave data or loss terms out;
+4. :mod:`comap_async.method.phases` - each phase as one spec built from ``learner.phases.<phase>``:
+   its stores, when it starts and ends (budget, sized by data, capped in time), its rate, BCE weight,
+   shares and threads.
 
 The losses themselves are in ``learner/losses.py`` (one small function per term, on tensors). The
 ablation flags and the gate thresholds are read here and nowhere else, and ``p`` and ``q`` computed nowhere
