@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from comap_async.diagnostics import branch_outcome
 from comap_async.method.gates import canonical_action
+from comap_async.method.labels import branch_outcome
 
 if TYPE_CHECKING:
     from actors.episodes import Episode
@@ -19,7 +19,7 @@ async def play_branch(env: Any, game: Any, prefix: list[str], first: str, plan: 
     ends (won, or ``env.max_steps`` counted from the start of the episode). The expert is
     walkthrough-consistent: while the branch has followed the game's walkthrough ``plan`` exactly
     it takes the walkthrough's next command, off it the handcoded expert's (which never begins
-    with its reset-time ``look``). Returns the :class:`~comap_async.diagnostics.BranchResult` and
+    with its reset-time ``look``). Returns the :class:`~comap_async.method.labels.BranchResult` and
     the real observation right after ``first``."""
     await env.restore(game, prefix)
     r = await env.step(first)

@@ -11,9 +11,9 @@ from typing import Any
 from actors.branches import expert_plan_action, play_branch
 from actors.episodes import Episode, EpisodeContext, EpisodeStats, dialogue_of, registry_versions
 from actors.explore import explore_action
-from comap_async.diagnostics import reflection_label
 from comap_async.envs.base import RestoreDiverged, StepResult
 from comap_async.method.gates import canonical_action
+from comap_async.method.labels import reflection_label
 from comap_async.prompts import Conversation
 from comap_async.wire.messages import KEEP, REFLECT_INIT, WARMUP, Reflection, Transition, TurnDemos
 

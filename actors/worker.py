@@ -22,6 +22,7 @@ from actors.expert_play import play_expert, play_reflect_init
 from actors.registry_view import RegistryView
 from comap_async.envs.pool import EnvPoolExhausted
 from comap_async.method.fingerprint import check_method
+from comap_async.method.phases import phase_spec
 from comap_async.waiting import cancel_and_wait, wait_until_answers
 from comap_async.wire.inference_client import affinity
 from comap_async.wire.messages import COEVOLVE, POLICY, REFLECT_INIT, WARMUP, Registry
@@ -199,7 +200,7 @@ class ActorWorker:
         if phase == WARMUP:
             # ...and at least the demonstrations the learner waits for, so one actor alone lets warm-up start
             # (turns form without recovery paths: one per episode, so 100 episodes held the learner for ever)
-            need = self.cfg.learner.phases.warmup.min_samples
+            need = phase_spec(self.cfg.learner, WARMUP).min_samples
             return self._warmup_played >= a.max_warmup_episodes and self._demos_sent >= need
         if phase == REFLECT_INIT:
             return a.max_reflect_init_labels is not None and self._labels_sent >= a.max_reflect_init_labels

@@ -9,9 +9,9 @@ from typing import Any
 
 def reflection_summary(judged: list[tuple[int, int, int]], max_steps: int) -> dict[str, Any]:
     """URR, HRR, BRP over every evaluated step ``(m, z_draft, z_ref)``, exactly as the paper's
-    appendix C.2 defines them (:func:`comap_async.diagnostics.reflection_diagnostics`), with the
+    appendix C.2 defines them (:func:`comap_async.method.labels.reflection_diagnostics`), with the
     raw sums. Branches continue under the game's expert until the episode ends (``max_steps``)."""
-    from comap_async.diagnostics import EPS, reflection_diagnostics
+    from comap_async.method.labels import EPS, reflection_diagnostics
 
     return {**reflection_diagnostics(judged), "eps": EPS, "branch_max_steps": max_steps}
 

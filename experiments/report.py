@@ -42,9 +42,9 @@ PAPER_REFLECTION = {"urr": 0.16, "hrr": 0.08, "brp": 0.92}
 
 def reflection_figures(episodes: list[dict[str, Any]]) -> dict[str, Any] | None:
     """URR, HRR, BRP and their sums over the judged steps of ``episodes`` (each game's ``judged`` counts
-    by ``(m, z_draft, z_ref)``), by the one definition (:func:`comap_async.diagnostics.reflection_diagnostics`);
+    by ``(m, z_draft, z_ref)``), by the one definition (:func:`comap_async.method.labels.reflection_diagnostics`);
     None when no game was judged."""
-    from comap_async.diagnostics import reflection_diagnostics
+    from comap_async.method.labels import reflection_diagnostics
 
     steps = [
         tuple(int(c) for c in code) for e in episodes for code, n in (e.get("judged") or {}).items() for _ in range(n)

@@ -91,8 +91,8 @@ def test_judged_rows_name_each_seed_of_a_pooled_row(tmp_path):
 
 def test_a_judged_games_record_counts_its_steps_and_the_report_computes_the_papers_rates(tmp_path):
     """URR, HRR, BRP of a judged row come from its games' step counts by the one definition
-    (``comap_async.diagnostics.reflection_diagnostics``), pooled over games and seeds."""
-    from comap_async.diagnostics import reflection_diagnostics
+    (``comap_async.method.labels.reflection_diagnostics``), pooled over games and seeds."""
+    from comap_async.method.labels import reflection_diagnostics
     from experiments.runner import game_record
 
     steps = [(1, 1, 0), (1, 0, 1), (0, 1, 1), (0, 0, 0), (1, 0, 1)]

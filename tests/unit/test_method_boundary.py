@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from comap_async.config import AblationConfig, GateConfig
-from comap_async.method import decision
+from comap_async.method import decision, labels
 
 REPO = Path(__file__).resolve().parents[2]
 METHOD = REPO / "comap_async" / "method"
@@ -20,11 +20,13 @@ DECLARED = REPO / "comap_async" / "config"
 FLAGS = set(AblationConfig.model_fields) | set(GateConfig.model_fields)
 ROUTING = {"PHASE_STORES", "PHASE_REQUIRES", "PHASE_FILTERS", "MIXED_IN"}
 DEFINITIONS = {
-    name
-    for name, f in vars(decision).items()
-    if inspect.isfunction(f) and f.__module__ == decision.__name__ and not name.startswith("_")
+    name: module.__name__
+    for module in (decision, labels)
+    for name, f in vars(module).items()
+    if inspect.isfunction(f) and f.__module__ == module.__name__ and not name.startswith("_")
 }
-"""``p`` and ``q``'s functions: another function of one of these names is a second definition."""
+"""``p`` and ``q``'s functions, the label rule's and the reflection metrics': another function of one of
+these names is a second definition (name -> the module that defines it)."""
 SQUASHES = {"exp", "expit", "sigmoid", "logsigmoid", "log_sigmoid", "softmax", "log_softmax"}
 """What turns the two decision scores into ``p`` (a softmax over the pair is a sigmoid of their
 difference, and either is built from exp), or a mean log-probability into ``q``."""
@@ -94,7 +96,7 @@ def computes_p_or_q(tree: ast.Module) -> list[tuple[int, str]]:
     out = []
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name in DEFINITIONS:
-            out.append((node.lineno, f"defines {node.name} (comap_async.method.decision's)"))
+            out.append((node.lineno, f"defines {node.name} ({DEFINITIONS[node.name]}'s)"))
     for nodes in _scopes(tree):
         derived: set[str] = set()
         assigns = [n for n in nodes if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and n.value]
@@ -120,6 +122,13 @@ def computes_p_or_q(tree: ast.Module) -> list[tuple[int, str]]:
     return sorted(out)
 
 
+def _names_learner(node: ast.AST) -> bool:
+    """``cfg.learner``, ``self.cfg.learner``, ``learner``, ``lc``: what a ``LearnerConfig`` is read through."""
+    return (isinstance(node, ast.Attribute) and node.attr == "learner") or (
+        isinstance(node, ast.Name) and node.id in ("learner", "lc")
+    )
+
+
 def reads_outside_the_method(root: Path) -> list[str]:
     out = []
     for top in ("comap_async", "actors", "broker", "learner", "evaluator"):
@@ -132,6 +141,9 @@ def reads_outside_the_method(root: Path) -> list[str]:
             for node in ast.walk(tree):
                 if isinstance(node, ast.Attribute) and node.attr in FLAGS:
                     out.append(f"{rel}:{node.lineno}: reads .{node.attr}")
+                # a phase's settings are read as its spec (comap_async.method.phases), not from the config
+                if isinstance(node, ast.Attribute) and node.attr == "phases" and _names_learner(node.value):
+                    out.append(f"{rel}:{node.lineno}: reads learner.phases")
                 targets = (
                     node.targets
                     if isinstance(node, ast.Assign)
@@ -145,7 +157,7 @@ def reads_outside_the_method(root: Path) -> list[str]:
     return out
 
 
-def test_ablation_flags_gate_thresholds_routing_and_p_and_q_live_in_the_method_package():
+def test_ablation_flags_gate_thresholds_phases_routing_p_q_and_labels_live_in_the_method_package():
     assert reads_outside_the_method(REPO) == []
 
 
@@ -156,11 +168,18 @@ def test_the_walk_catches_a_flag_read_and_a_routing_table_elsewhere(tmp_path):
         "def f(cfg):\n    return cfg.ablation.no_action_gate or cfg.gates.tau_p\n"
     )
     (tmp_path / "learner" / "y.py").write_text("PHASE_STORES = {}\n")
+    (tmp_path / "learner" / "w.py").write_text(
+        "def steps(cfg, lc):\n    return cfg.learner.phases.warmup.steps + lc.phases.coevolve.steps\n"
+    )
+    (tmp_path / "actors" / "v.py").write_text("def reflection_label(equal, expert, draft):\n    return 0, 'keep'\n")
     (tmp_path / "comap_async" / "method").mkdir()
     (tmp_path / "comap_async" / "method" / "z.py").write_text("def g(a):\n    return a.frozen_wm\n")  # allowed
     assert reads_outside_the_method(tmp_path) == [
+        "actors/v.py:1: defines reflection_label (comap_async.method.labels's)",
         "actors/x.py:2: reads .no_action_gate",
         "actors/x.py:2: reads .tau_p",
+        "learner/w.py:2: reads learner.phases",
+        "learner/w.py:2: reads learner.phases",
         "learner/y.py:1: defines PHASE_STORES",
     ]
 

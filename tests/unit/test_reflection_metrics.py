@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from comap_async.diagnostics import EPS, BranchResult, branch_better, reflection_diagnostics, reflection_label
+from comap_async.method.labels import EPS, BranchResult, branch_better, reflection_diagnostics, reflection_label
 from evaluator.eval_report import markdown, reflection_summary
 
 WIN3, WIN5, LOSE = BranchResult(True, 3), BranchResult(True, 5), BranchResult(False, 50)
