@@ -12,15 +12,16 @@ in alternating rounds on one machine:
 * ``fast_spec4`` / ``fast_spec8``: ``fast`` with prompt-lookup speculative decoding
   (``inference.speculative_tokens`` 4 / 8: the teacher rewrites the real observation it is shown, a
   reflection the draft); ``fast_envs8_spec4`` / ``fast_envs8_spec8``: with 8 environments too.
-* ``fast_reflect_turns``: ``fast`` with the reflection continuing the draft's conversation
-  (``env.reflect_turns``); ``fast_envs8_reflect_turns``: with 8 environments too.
-* ``fast_turns``: every role a conversation over the episode (``env.reflect_turns`` and ``env.wm_turns``:
-  the world model and its teacher too); ``fast_envs8_turns``: with 8 environments too;
+* ``fast_turns``: every role a conversation over the episode (``env.prompt_form: all_turns``: the
+  reflection continues the draft's conversation, the world model and its teacher have their own);
+  ``fast_envs8_turns``: with 8 environments too;
   ``fast_turns_decision_first``: with co-evolution's reflections read decision first
   (``actor.reflect_decision_first``); ``fast_turns_decision_first_spec4``: with prompt-lookup speculative
   decoding too (``inference.speculative_tokens=4``); ``fast_turns_decision_first_spec8``: 8 at most;
   ``fast_turns_decision_first_spec4_block32``: with prefix-cache blocks of 32 tokens (``inference.prefix_cache_block``);
   ``fast_envs8_turns_decision_first_spec4``: with 8 environments.
+  (The reflection's turns alone, ``fast_reflect_turns``, are no ``env.prompt_form``: dropped, ``fast_turns``
+  measures them with the world model's and the teacher's.)
 
     python benchmarks/coevolve_throughput.py [--config configs/local.yaml] [--steps 40] [--rounds 2]
 
@@ -70,7 +71,7 @@ from comap_async.wire.messages import COEVOLVE, ROLES, adapter_name  # noqa: E40
 from experiments.system import copy_trained_adapters, wait_for  # noqa: E402
 
 FAST = ["inference.forward=fused", "actor.overlap_teacher=true"]
-TURNS_DECISION_FIRST = [*FAST, "env.reflect_turns=true", "env.wm_turns=true", "actor.reflect_decision_first=true"]
+TURNS_DECISION_FIRST = [*FAST, "env.prompt_form=all_turns", "actor.reflect_decision_first=true"]
 SETTINGS = {
     "fast": FAST,
     # the fast path with a prefix cache that holds every in-flight episode's prompts (a step's
@@ -93,13 +94,11 @@ SETTINGS = {
     "fast_envs8_spec4": [*FAST, "inference.prefix_cache_mb=2048", "actor.envs=8", "inference.speculative_tokens=4"],
     "fast_spec8": [*FAST, "inference.speculative_tokens=8"],
     "fast_envs8_spec8": [*FAST, "inference.prefix_cache_mb=2048", "actor.envs=8", "inference.speculative_tokens=8"],
-    # the reflection continues the draft's conversation (the cache holds the draft's prompt): ~60 new
-    # tokens a reflection instead of the state and its admissible list again
-    "fast_reflect_turns": [*FAST, "env.reflect_turns=true"],
-    "fast_envs8_reflect_turns": [*FAST, "inference.prefix_cache_mb=2048", "actor.envs=8", "env.reflect_turns=true"],
-    # every role a conversation over the episode: the world model's and the teacher's prompts extend their
-    # previous step's too (~1,000 computed prompt tokens a step with trained adapters, 2/3 of the server's time)
-    "fast_turns": [*FAST, "env.reflect_turns=true", "env.wm_turns=true"],
+    # every role a conversation over the episode: the reflection continues the draft's (the cache holds the
+    # draft's prompt: ~60 new tokens a reflection instead of the state again), the world model's and the
+    # teacher's prompts extend their previous step's (~1,000 computed prompt tokens a step with trained
+    # adapters, 2/3 of the server's time)
+    "fast_turns": [*FAST, "env.prompt_form=all_turns"],
     # a reflection whose p_revise is at or under tau_p (the gate keeps the draft whatever follows) stops
     # at its decision token: most of the policy's decoded tokens a step
     "fast_turns_decision_first": TURNS_DECISION_FIRST,
@@ -126,8 +125,7 @@ SETTINGS = {
         *FAST,
         "inference.prefix_cache_mb=2048",
         "actor.envs=8",
-        "env.reflect_turns=true",
-        "env.wm_turns=true",
+        "env.prompt_form=all_turns",
     ],
 }
 
@@ -283,7 +281,7 @@ def main() -> int:
     for r in range(args.rounds):
         for forward in list(settings) if r % 2 == 0 else list(settings)[::-1]:
             # a run directory and broker per window: a setting may change what the run records as its
-            # method (env.draft_turns), and every process of a run must agree on it
+            # method (env.prompt_form), and every process of a run must agree on it
             c0, c1, n0, n1, t0, t1 = measure_window(
                 args, f"coevolve-tp-{stamp}-r{r}-{forward}", [*args.overrides, *settings[forward]]
             )

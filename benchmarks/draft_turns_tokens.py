@@ -1,5 +1,5 @@
-"""What a demonstrated action costs the learner in each draft prompt form (``env.draft_turns``), on real
-held-out walkthroughs: no model runs, only the environment and the model's tokenizer.
+"""What a demonstrated action costs the learner in each draft prompt form (``env.prompt_form`` window,
+draft_turns), on real held-out walkthroughs: no model runs, only the environment and the model's tokenizer.
 
     python benchmarks/draft_turns_tokens.py [--split valid_seen] [--games 10] [--config configs/local.yaml]
 

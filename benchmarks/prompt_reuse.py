@@ -1,7 +1,10 @@
 """Prompt tokens a co-evolution step computes under the embedded server's prefix cache, replayed offline
-from a run's stored episodes: each role's prompts as the actors render them today, against the
-reflection continuing the draft's conversation (``env.reflect_turns``) and the world model and its
-teacher as their own conversations (``env.wm_turns``).
+from a run's stored episodes: each role's prompts with only the draft's turns (``window``: the
+reflection, the world model and the teacher read ``s_t``; ``env.prompt_form: draft_turns``), against
+every role's turns (``turns``: the reflection continuing the draft's conversation and the world model
+and its teacher as their own conversations; ``env.prompt_form: all_turns``). The reflection's turns
+alone are no prompt form: their figure is the ``turns`` line's policy column with the ``window``
+line's world model and teacher columns (each role's adapter has its own cache).
 
 For each stored episode (its main transitions in order: the conversation at step t is the first
 observation and the executed actions before t with what they got) the calls of a CoMap step are
@@ -36,10 +39,10 @@ from experiments.prefix_model import BlockCache  # noqa: E402
 from experiments.system import run_records  # noqa: E402
 
 FORMS = {
-    "window": {"env.reflect_turns": False, "env.wm_turns": False},
-    "reflect_turns": {"env.reflect_turns": True, "env.wm_turns": False},
-    "turns": {"env.reflect_turns": True, "env.wm_turns": True},
+    "window": "draft_turns",
+    "turns": "all_turns",
 }
+"""Each counted form: its ``env.prompt_form``."""
 ROLES = ("policy", "wm", "teacher")
 
 
@@ -67,7 +70,7 @@ def step_calls(prompts, r: dict, seen: Conversation) -> list[tuple[str, str]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--config", default="configs/local.yaml", help="the run's config (draft_turns on)")
+    ap.add_argument("--config", default="configs/local.yaml", help="the run's config")
     ap.add_argument("--phase", default=COEVOLVE, help="the transitions' phase (warmup: the expert's steps)")
     ap.add_argument("--episodes", type=int, default=40, help="the run's last N episodes of the phase")
     ap.add_argument(
@@ -85,16 +88,14 @@ def main() -> int:
     played = played[-args.episodes :]
     if not played:
         raise SystemExit(f"prompt_reuse: {args.run_dir} stored no whole {args.phase} episode")
-    base = load_config(args.config, ["env.draft_turns=true"])
+    base = load_config(args.config)
     tok = Tokenizer.from_file(
         str(Path(resolve_model(base.model.name_or_path, base.model.cache_dir)) / "tokenizer.json")
     )
     steps = sum(len(e) for e in played)
     per_step = {}
-    for form, switches in FORMS.items():
-        cfg = load_config(
-            args.config, ["env.draft_turns=true", *(f"{k}={str(v).lower()}" for k, v in switches.items())]
-        )
+    for form, prompt_form in FORMS.items():
+        cfg = load_config(args.config, [f"env.prompt_form={prompt_form}"])
         prompts = Prompts.for_model(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir), cfg)
         cache, computed, sent = BlockCache(args.block or cfg.inference.prefix_cache_block), dict.fromkeys(ROLES, 0), 0
         for episode in played:

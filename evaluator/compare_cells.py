@@ -67,7 +67,7 @@ DECODING_SWITCHES = (
 def cell_key(cfg: Any, source: str, version: int, method: str, split: str, games: list) -> dict[str, Any]:
     """What a row's figures depend on: the adapters (run directory and version), the method, the
     games, and the settings that change how an episode is played (not where files or servers are)."""
-    from comap_async.config import PLAY_SWITCHES
+    from comap_async.config import PLAY_SWITCHES, PROMPT_FORM_SWITCHES
 
     settings = cfg.model_dump(mode="json", include={"env", "eval", "gates", "actor", "model", "ablation"})
     settings["env"].pop("data_dir", None)
@@ -81,6 +81,9 @@ def cell_key(cfg: Any, source: str, version: int, method: str, split: str, games
     for section, key in (*PLAY_SWITCHES.values(), *DECODING_SWITCHES):
         if not settings[section].get(key):
             settings[section].pop(key, None)
+    # the prompt form as the play switches it replaced, each stored only when on: rows stored before
+    # it keep their keys
+    settings["env"].update(dict.fromkeys(PROMPT_FORM_SWITCHES[settings["env"].pop("prompt_form")], True))
     settings["eval"].pop("envs", None)
     settings["seed"] = cfg.run.seed
     settings["inference"] = cfg.model_dump(mode="json", include={"inference": {"forward", "dtype"}})["inference"]

@@ -23,12 +23,13 @@ from comap_async.config.actor import ActorConfig
 from comap_async.config.base import ConfigError, RetryConfig, Section, is_loopback, lookup_env_spec
 from comap_async.config.evaluator import EVAL_METHODS, EvalConfig, EvalMethod
 from comap_async.config.learner import AblationConfig, LearnerConfig
-from comap_async.config.run import EnvConfig, GateConfig, ModelConfig, RunConfig
+from comap_async.config.run import PROMPT_FORM_SWITCHES, EnvConfig, GateConfig, ModelConfig, PromptForm, RunConfig
 from comap_async.config.serving import SHARED_GPU_MEMORY, BrokerConfig, InferenceConfig
 
 __all__ = [
     "EVAL_METHODS",
     "PLAY_SWITCHES",
+    "PROMPT_FORM_SWITCHES",
     "SHARED_GPU_MEMORY",
     "AblationConfig",
     "ActorConfig",
@@ -53,13 +54,34 @@ __all__ = [
 PLAY_SWITCHES: dict[str, tuple[str, str]] = {
     "reflect_confidence": ("actor", "reflect_confidence"),
     "show_location": ("env", "show_location"),
-    "draft_turns": ("env", "draft_turns"),
-    "reflect_turns": ("env", "reflect_turns"),
-    "wm_turns": ("env", "wm_turns"),
-    "task_every_turn": ("env", "task_every_turn"),
 }
 """The method switches that change how an episode is played, not only what is trained: name ->
-(section, field). A run's ``ablation.json`` names them; ``comap compare`` plays each run with its own."""
+(section, field). A run's ``ablation.json`` names them; ``comap compare`` plays each run with its own.
+``env.prompt_form`` is played so too, recorded by its switch names (:data:`PROMPT_FORM_SWITCHES`)."""
+
+
+TURN_SWITCHES = ("draft_turns", "reflect_turns", "wm_turns", "task_every_turn")
+"""The switch names a run recorded for its prompt form (``task_every_turn`` by runs before its removal)."""
+
+
+def prompt_form_of(methods: Sequence[str]) -> PromptForm:
+    """The ``env.prompt_form`` a run recorded with ``methods`` (its ``ablation.json``) played:
+    ``all_turns`` for ``reflect_turns`` and ``wm_turns``, ``draft_turns`` for ``draft_turns``, else
+    ``window``. A set no form expresses (one of ``reflect_turns`` and ``wm_turns`` without the other,
+    ``task_every_turn``) is refused in one line: that run cannot be played as it trained."""
+    named = {name for name in TURN_SWITCHES if name in methods}
+    if "task_every_turn" in named:
+        raise ConfigError(
+            "methods name task_every_turn, since removed (docs/findings.md): this run cannot be played as it trained"
+        )
+    if {"reflect_turns", "wm_turns"} <= named:
+        return "all_turns"
+    if named & {"reflect_turns", "wm_turns"}:
+        raise ConfigError(
+            f"methods name {' and '.join(sorted(named))}: env.prompt_form has no form with one of reflect_turns "
+            "and wm_turns without the other, so this run cannot be played as it trained"
+        )
+    return "draft_turns" if "draft_turns" in named else "window"
 
 
 class CoMapConfig(Section):
@@ -93,10 +115,10 @@ class CoMapConfig(Section):
         ``admissible_choice`` (actions decoded as one of the admissible commands), ``revise_other_action``
         (a REVISE naming the draft chooses among the other commands),
         ``reflect_confidence`` (the draft's confidence shown in the reflection prompt), ``show_location``
-        (where the agent is, in every state), ``draft_turns`` (the draft sees the episode as chat turns),
+        (where the agent is, in every state), and ``env.prompt_form`` by its switch names
+        (:data:`PROMPT_FORM_SWITCHES`): ``draft_turns`` (the draft sees the episode as chat turns),
         ``reflect_turns`` (the reflection continues the draft's conversation), ``wm_turns`` (the world
-        model's and the teacher's own conversation),
-        ``task_every_turn`` (those turns repeat the task)."""
+        model's and the teacher's own conversation)."""
         on = []
         if self.actor.imagined_rollouts > 0 and self.learner.phases.coevolve.imagined_demo_share > 0:
             on.append("imagined_episodes")
@@ -109,15 +131,19 @@ class CoMapConfig(Section):
         if self.actor.revise_other_action:
             on.append("revise_other_action")
         on.extend(name for name, (section, key) in PLAY_SWITCHES.items() if getattr(getattr(self, section), key))
+        on.extend(PROMPT_FORM_SWITCHES[self.env.prompt_form])
         return on
 
     def playing(self, methods: Sequence[str]) -> "CoMapConfig":
-        """This config with exactly the switches of :data:`PLAY_SWITCHES` named in ``methods`` on:
-        a run evaluated as it trained (``comap compare`` from its ``ablation.json``)."""
+        """This config with exactly the switches of :data:`PLAY_SWITCHES` named in ``methods`` on and
+        the prompt form they name (:func:`prompt_form_of`): a run evaluated as it trained (``comap
+        compare`` from its ``ablation.json``)."""
         update: dict[str, Any] = {}
         for name, (section, key) in PLAY_SWITCHES.items():
             current = update.get(section, getattr(self, section))
             update[section] = current.model_copy(update={key: name in methods})
+        env = update.get("env", self.env)
+        update["env"] = env.model_copy(update={"prompt_form": prompt_form_of(methods)})
         return self.model_copy(update=update)
 
     @model_validator(mode="after")
@@ -147,14 +173,10 @@ class CoMapConfig(Section):
             raise ValueError(
                 "actor.revise_other_action chooses among the admissible commands: it needs actor.admissible_choice"
             )
-        for turns in ("reflect_turns", "wm_turns"):
-            if getattr(self.env, turns) and not self.env.draft_turns:
-                raise ValueError(f"env.{turns} renders the chat turns the draft sees: it needs env.draft_turns")
-        if self.env.task_every_turn and not self.env.draft_turns:
-            raise ValueError("env.task_every_turn repeats the task in the draft's chat turns: it needs env.draft_turns")
         if self.learner.demo_loss_share and not self.env.draft_turns:
             raise ValueError(
-                "learner.demo_loss_share subsamples the demonstrated turns of a path: it needs env.draft_turns"
+                "learner.demo_loss_share subsamples the demonstrated turns of a path: it needs env.prompt_form "
+                "draft_turns or all_turns"
             )
         if lr.policy_wm_aux > 0 and lr.policy_wm_aux_entropy == "acting" and not self.actor.reflect_confidence:
             raise ValueError(
@@ -168,8 +190,9 @@ class CoMapConfig(Section):
         if self.env.draft_turns:
             if lr.policy_wm_aux > 0 and lr.policy_wm_aux_entropy != "acting":
                 raise ValueError(
-                    "learner.policy_wm_aux with env.draft_turns selects by the actors' entropy: set "
-                    "learner.policy_wm_aux_entropy: acting (a transition does not carry the turns its draft saw)"
+                    f"learner.policy_wm_aux with env.prompt_form {self.env.prompt_form} selects by the actors' "
+                    "entropy: set learner.policy_wm_aux_entropy: acting (a transition does not carry the turns its "
+                    "draft saw)"
                 )
             if lr.max_path_tokens > self.inference.max_prompt_tokens:
                 raise ValueError(
@@ -306,6 +329,14 @@ REMOVED_FIELDS: dict[str, str] = {
     "learner.imagined_share": "now learner.phases.coevolve.imagined_demo_share",
     "learner.reflect_init_share": "now learner.phases.coevolve.suffix_label_share",
     "learner.wm_anchor_share": "now learner.phases.coevolve.warmup_transition_share",
+    # the four booleans that chose each role's prompt became one choice (env.prompt_form)
+    "env.draft_turns": "now env.prompt_form: draft_turns (all_turns adds the reflection's and the world model's turns)",
+    "env.reflect_turns": "now env.prompt_form: all_turns (the draft's, the reflection's and the world model's "
+    "turns together)",
+    "env.wm_turns": "now env.prompt_form: all_turns (the draft's, the reflection's and the world model's "
+    "turns together)",
+    "env.task_every_turn": "the draft's turns name the task once, in the first turn; repeating it in every "
+    "turn changed nothing (docs/findings.md)",
 }
 """Fields a config may still name from an older release, dotted (``learner.fast_path``), each with what
 replaced it: a config naming one is refused with that one line instead of "unknown field". A field goes

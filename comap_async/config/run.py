@@ -36,6 +36,17 @@ class ModelConfig(Section):
     """torch intra-op threads per process; 1 is fastest when several processes share few cores."""
 
 
+PromptForm = Literal["window", "draft_turns", "all_turns"]
+
+PROMPT_FORM_SWITCHES: dict[str, tuple[str, ...]] = {
+    "window": (),
+    "draft_turns": ("draft_turns",),
+    "all_turns": ("draft_turns", "reflect_turns", "wm_turns"),
+}
+"""``env.prompt_form`` by the switch names a run records for it (its ``ablation.json``, the method's
+fingerprint): the names of the play switches the form replaced, so a run's record reads as before."""
+
+
 class EnvConfig(Section):
     name: str = "alfworld"
     """Which text environment the actors play: a registered one (``alfworld``, ``scienceworld``:
@@ -64,31 +75,24 @@ class EnvConfig(Section):
     show_admissible: bool = True
     """Whether ``s_t`` lists the admissible commands (ScienceWorld has hundreds to thousands per
     state: its configs turn this off)."""
-    draft_turns: bool = False
-    """The draft sees the episode as chat turns: the task and first observation, then each action and
-    the observation it got (the paper's state, the whole history; no admissible list), instead of the
-    rendered ``s_t``. Warm-up then sends each played path as ``turn_demos`` and the learner trains a
-    path as one sequence with a loss on every demonstrated action, instead of one ``s_t`` prompt per
-    step. The reflection sees ``s_t`` too unless ``env.reflect_turns``, the world model and the
-    teacher unless ``env.wm_turns``. A play switch.
-    Needs a chat template whose prompts extend turn by turn (ChatML: SmolLM2; not Qwen3's, whose
-    generation prompt opens an empty think block that a later turn does not keep)."""
-    reflect_turns: bool = False
-    """``env.draft_turns``: the reflection continues the draft's conversation (its chat turns, the draft as
-    the agent's turn, then one user turn with the draft's confidence and imagined result) instead of
-    rendering ``s_t`` again: the server's prefix cache holds the draft's prompt, so a reflection computes
-    ~60 new tokens instead of a whole state with its admissible list. The actors send the
-    conversation with each transition and reflection sample (``Dialogue``) and the learner trains the
-    reflection in the same form. A play switch."""
-    wm_turns: bool = False
-    """``env.draft_turns``: the world model and its EMA teacher see the episode as their own conversation
-    (the task and first observation, then each action as a user turn and the real observation it got as
-    the model's turn; the teacher's last turn adds the real answer) instead of ``s_t``: a step's prompt
-    extends the previous step's, which the server's prefix cache holds. Every transition then
-    carries its conversation (``Dialogue``) and the learner trains both in the same form. A play switch."""
-    task_every_turn: bool = False
-    """``env.draft_turns``: every observation's turn ends with the task line again (``Task: ...``), not
-    only the first turn: the task stays next to each decision as the episode grows. A play switch."""
+    prompt_form: PromptForm = "window"
+    """What each role's prompt is made of. ``window``: every role reads the rendered state ``s_t``
+    (the last ``history_k`` steps). ``draft_turns``: the draft sees the episode as chat turns, the
+    task and first observation, then each action and the observation it got (the paper's state, the
+    whole history; no admissible list); warm-up then sends each played path as ``turn_demos`` and the
+    learner trains a path as one sequence with a loss on every demonstrated action, instead of one
+    ``s_t`` prompt per step; the reflection, the world model and the teacher still read ``s_t``.
+    ``all_turns``: ``draft_turns``, and the reflection continues the draft's conversation (the draft
+    as the agent's turn, then one user turn with its confidence and imagined result: the server's
+    prefix cache holds the draft's prompt, so a reflection computes ~60 new tokens instead of a whole
+    state), and the world model and its EMA teacher see the episode as their own conversation (each
+    action a user turn, the real observation the model's turn; the teacher's last turn adds the real
+    answer), a step's prompt extending the previous step's; the actors send the conversation with
+    each transition and reflection sample (``Dialogue``) and the learner trains both in that form.
+    A play switch: a run records it by the names ``draft_turns``, ``reflect_turns``, ``wm_turns``
+    (:data:`PROMPT_FORM_SWITCHES`). The turns forms need a chat template whose prompts extend turn by
+    turn (ChatML: SmolLM2; not Qwen3's, whose generation prompt opens an empty think block that a
+    later turn does not keep)."""
     show_location: bool = False
     """Whether ``s_t`` shows where the agent is (``Where you are:``, the environment's
     ``StepResult.location``; ScienceWorld: the room's description, refreshed every step) unless the
@@ -96,6 +100,21 @@ class EnvConfig(Section):
     loses the room after ``history_k`` steps without ``look around``. A play switch: a run records it
     and ``comap compare`` plays the run with it as trained. No effect where the environment gives none
     (ALFWorld)."""
+
+    @property
+    def draft_turns(self) -> bool:
+        """The draft sees the episode as chat turns (``prompt_form`` ``draft_turns`` or ``all_turns``)."""
+        return "draft_turns" in PROMPT_FORM_SWITCHES[self.prompt_form]
+
+    @property
+    def reflect_turns(self) -> bool:
+        """The reflection continues the draft's conversation (``prompt_form`` ``all_turns``)."""
+        return "reflect_turns" in PROMPT_FORM_SWITCHES[self.prompt_form]
+
+    @property
+    def wm_turns(self) -> bool:
+        """The world model and its teacher see their own conversation (``prompt_form`` ``all_turns``)."""
+        return "wm_turns" in PROMPT_FORM_SWITCHES[self.prompt_form]
 
     @model_validator(mode="after")
     def _split_of_env(self) -> "EnvConfig":

@@ -111,21 +111,16 @@ def turns_of(seen: str | Conversation) -> Conversation | None:
 DRAFT_TURNS_ASK = "Answer each observation with your next action: one command only."
 
 
-def draft_turn_messages(
-    conversation: Conversation, wording: Wording = ALFWORLD, task_every_turn: bool = False
-) -> list[dict[str, str]]:
-    """The draft's prompt in ``env.draft_turns`` form: no admissible list (it would be repeated in
-    every turn of a trained path); the instruction once, in the first turn. With ``task_every_turn``
-    (``env.task_every_turn``) each observation's turn ends with the task line again: 20 steps in, the
-    first turn's task is 600-900 tokens behind the decision (docs/findings.md, "Reading which object the
-    task names is what the small policy learns last")."""
+def draft_turn_messages(conversation: Conversation, wording: Wording = ALFWORLD) -> list[dict[str, str]]:
+    """The draft's prompt in the turns form (``env.prompt_form`` ``draft_turns``, ``all_turns``): no
+    admissible list (it would be repeated in every turn of a trained path); the task and the
+    instruction once, in the first turn (repeating the task line in every turn changed nothing:
+    docs/findings.md)."""
     c = conversation
-    task = f"Task: {c.task.strip()}"
-    messages = _turn(wording.agent, f"{task}\n{c.first.strip()}\n\n{DRAFT_TURNS_ASK}")
+    messages = _turn(wording.agent, f"Task: {c.task.strip()}\n{c.first.strip()}\n\n{DRAFT_TURNS_ASK}")
     for action, observation in c.turns:
         messages.append({"role": "assistant", "content": action.strip()})
-        said = f"{observation.strip()}\n{task}" if task_every_turn else observation.strip()
-        messages.append({"role": "user", "content": said})
+        messages.append({"role": "user", "content": observation.strip()})
     return messages
 
 
@@ -172,15 +167,13 @@ def reflect_turn_messages(
     s_hat: str | None,
     wording: Wording = ALFWORLD,
     confidence: float | None = None,
-    task_every_turn: bool = False,
 ) -> list[dict[str, str]]:
-    """The reflection continuing the draft's conversation (``env.reflect_turns``): the draft's
+    """The reflection continuing the draft's conversation (``env.prompt_form`` ``all_turns``): the draft's
     messages, the draft as the agent's turn, then one user turn with what :func:`reflect_messages`
     adds to a state. Its prompt starts with the draft's prompt, which the server's prefix cache holds."""
-    messages = draft_turn_messages(conversation, wording, task_every_turn)
-    task = f"\nTask: {conversation.task.strip()}" if task_every_turn else ""
+    messages = draft_turn_messages(conversation, wording)
     messages.append({"role": "assistant", "content": a_draft.strip()})
-    said = f"{REFLECT_TURN_HEAD}{task}\n{_draft_judged(s_hat, confidence)}\n{REFLECT_ASK}"
+    said = f"{REFLECT_TURN_HEAD}\n{_draft_judged(s_hat, confidence)}\n{REFLECT_ASK}"
     messages.append({"role": "user", "content": said})
     return messages
 

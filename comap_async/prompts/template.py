@@ -248,8 +248,6 @@ class Prompts:
     """The servers' prompt limit (``inference.max_prompt_tokens``): a draft prompt of the episode's
     turns that would pass it leaves out its oldest turns (:meth:`draft`). None: no limit applied."""
     count_tokens: Callable[[str], int] | None = field(default=None, compare=False, repr=False)
-    task_every_turn: bool = False
-    """``env.task_every_turn``: the turns' draft prompt repeats the task line in every observation's turn."""
     reflect_turns: bool = False
     """``env.reflect_turns``: the reflection continues the draft's conversation (:meth:`reflect`)."""
     wm_turns: bool = False
@@ -273,7 +271,6 @@ class Prompts:
             wording=wording_for(cfg.env.name),
             decision=decision,
             critic_answer=critic_answer,
-            task_every_turn=cfg.env.task_every_turn,
             reflect_turns=cfg.env.reflect_turns,
             wm_turns=cfg.env.wm_turns,
         )
@@ -312,7 +309,7 @@ class Prompts:
         limit (the config checks), so a trained prompt is never one the actors cut."""
 
         def render(c: Conversation) -> str:
-            return self.chat.render_as_generated(draft_turn_messages(c, self.wording, self.task_every_turn))
+            return self.chat.render_as_generated(draft_turn_messages(c, self.wording))
 
         return self._fit(conversation, render) if fit else render(conversation)
 
@@ -357,7 +354,7 @@ class Prompts:
             return self.chat.render(reflect_messages(state, a_draft, shown, self.wording, confidence)) + DECISION_PREFIX
 
         def render(c: Conversation) -> str:
-            messages = reflect_turn_messages(c, a_draft, shown, self.wording, confidence, self.task_every_turn)
+            messages = reflect_turn_messages(c, a_draft, shown, self.wording, confidence)
             return self.chat.render_as_generated(messages) + DECISION_PREFIX
 
         # the servers must take the continuation's request too; the learner's own limit counts the head as target
@@ -390,12 +387,13 @@ class Prompts:
         count: Callable[[str], int] | None,
         reserve: str = "",
     ) -> str:
-        """A role's prompt in the turns form its ``env.<setting>`` chose: ``conversation`` rendered and fitted
-        (:meth:`_fit`); a caller without one (a sample stored by a run without the setting) is refused."""
+        """A role's prompt in the turns form ``env.prompt_form`` ``all_turns`` chose for it (``setting``:
+        ``reflect_turns``, ``wm_turns``): ``conversation`` rendered and fitted (:meth:`_fit`); a caller
+        without one (a sample stored by a run in another prompt form) is refused."""
         if conversation is None:
             raise ValueError(
-                f"env.{setting}: this prompt has no conversation to continue (a sample stored by a run without "
-                "the setting?)"
+                f"env.prompt_form all_turns ({setting}): this prompt has no conversation to continue (a sample "
+                "stored by a run in another prompt form?)"
             )
         return self._fit(conversation, render, limit, count, reserve)
 

@@ -10,7 +10,7 @@ per episode, the step the stop would have ended it at and whether every figure t
 (won, steps, loops, invalid actions, revisions, parse problems, gate reasons, Delta-F1 scores) is
 the played one. Last line: ``episodes=N recurred=R exact=E outcome_exact=O steps_saved=S`` (O: the
 projections whose won, steps and reward were the played ones; S: the share of all played steps that
-the stop would have skipped). In the draft's turns form (``--set env.draft_turns=true --set
+the stop would have skipped). In the draft's turns form (``--set env.prompt_form=draft_turns --set
 eval.cycle_stop_turns=true``) the premise is measured, not derived (actors/cycles.py).
 """
 

@@ -227,7 +227,7 @@ def main() -> int:
 
     log = configure_logging("expert_path")
     with tempfile.TemporaryDirectory(prefix="expert-path-") as root:
-        overrides = [*args.overrides, "env.draft_turns=true", f"inference.adapter_root={root}"]
+        overrides = [*args.overrides, "env.prompt_form=draft_turns", f"inference.adapter_root={root}"]
         cfg = load_config(args.config, overrides)
         if cfg.env.name != "alfworld":
             print(

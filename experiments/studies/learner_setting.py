@@ -21,8 +21,8 @@ variants train one after the other in child processes, one torch thread each; ru
 beside it if the speed is to be read.
 
 ``--same-actions`` (warm-up: the draft's two prompt forms on identical demonstrations): the samples
-are the replay's walkthrough paths (``turn_demos`` records, a run with ``env.draft_turns``), shuffled
-and taken until their demonstrated actions reach ``--samples``; a variant with ``env.draft_turns=false``
+are the replay's walkthrough paths (``turn_demos`` records, a run in a turns prompt form, ``env.prompt_form``), shuffled
+and taken until their demonstrated actions reach ``--samples``; a variant with ``env.prompt_form=window``
 trains the same actions as window-form demonstrations (each step's warm-up transition ``(s, a_exec)``:
 what the broker stores as a demonstration in that form).
 A variant's settings reach its probes too (``env.*`` render their prompts). ``--epochs E`` sizes each
@@ -30,7 +30,7 @@ variant's own steps (``ceil(E * samples / batch_size)``, its learning-rate sched
 of ``--steps``:
 
     python experiments/studies/learner_setting.py --replay runs/NAME/replay --same-actions --samples 240 \
-        --epochs 1 --variants env.draft_turns=false+demo_loss_share={},env.draft_turns=true --out OUT
+        --epochs 1 --variants env.prompt_form=window+demo_loss_share={},env.prompt_form=draft_turns --out OUT
 
 Last line: ``learner_setting A -> B: draft_accuracy X -> Y [p_auc ...] speedup=S`` (B's samples per
 hour over A's).
@@ -118,7 +118,7 @@ def walkthrough_paths(replay: Path, actions: int, seed: int) -> list[dict]:
     if held < actions:
         raise SystemExit(
             f"{replay} holds {len(paths)} walkthrough paths of {held} demonstrated actions, fewer than --samples "
-            f"{actions} (--same-actions reads the turn_demos of a run with env.draft_turns)"
+            f"{actions} (--same-actions reads the turn_demos of a run with env.prompt_form draft_turns or all_turns)"
         )
     return out
 
@@ -219,7 +219,7 @@ def model_overrides(args: argparse.Namespace) -> list[str]:
 
 def variant_settings(variant: str) -> list[str]:
     """A variant's overrides: ``KEY=VALUE`` parts joined by ``+``, a learner key unless it names the
-    ``env`` section (``env.draft_turns=false``)."""
+    ``env`` section (``env.prompt_form=window``)."""
     return [part if part.startswith("env.") else f"learner.{part}" for part in variant.split("+")]
 
 

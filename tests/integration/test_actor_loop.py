@@ -111,10 +111,10 @@ def check_dialogues(transitions: list[dict]) -> None:
 async def test_with_turns_roles_each_step_sends_the_conversation_its_reflection_and_world_model_saw(
     broker_factory, roomy_server, alfworld_data, tiny_model_dir, train_games
 ):
-    """``env.reflect_turns`` / ``env.wm_turns``: every co-evolution and warm-up transition and every
+    """``env.prompt_form: all_turns``: every co-evolution and warm-up transition and every
     reflection-init sample carry the draft's conversation at their step: the task, the first
     observation and the executed actions with what they got, in order."""
-    switches = ["env.draft_turns=true", "env.reflect_turns=true", "env.wm_turns=true"]
+    switches = ["env.prompt_form=all_turns"]
     broker = broker_factory(switches)
     await announce(broker, "coevolve")
     games = train_games[:2]
@@ -278,9 +278,9 @@ async def test_an_actor_plays_past_its_warmup_share_until_the_learner_has_its_de
 ):
     """Turns form without recovery paths sends one demonstration per episode: an episode share below
     ``learner.phases.warmup.min_samples`` would leave the learner waiting for ever, so the actor plays on to it."""
-    broker = broker_factory(["env.draft_turns=true"])
+    broker = broker_factory(["env.prompt_form=draft_turns"])
     games = train_games[:3]
-    switches = ["env.draft_turns=true", "actor.warmup_recovery=false", "actor.max_warmup_episodes=1"]
+    switches = ["env.prompt_form=draft_turns", "actor.warmup_recovery=false", "actor.max_warmup_episodes=1"]
     cfg = actor_config(
         broker,
         roomy_server,

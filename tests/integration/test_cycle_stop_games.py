@@ -62,7 +62,7 @@ def test_the_turns_form_ends_a_cycle_played_through_twice(roomy_server, alfworld
     """``eval.cycle_stop_turns``: the draft sees the whole history, so the stop is a measured premise;
     the stopped games end where the played-through ones' projections were made, with their figures
     wherever the check found the projection exact, and fewer environment steps run."""
-    turns = ("env.draft_turns=true", "eval.cycle_stop=3", "eval.cycle_stop_turns=true")
+    turns = ("env.prompt_form=draft_turns", "eval.cycle_stop=3", "eval.cycle_stop_turns=true")
     checked, played_all = play(
         "comap", roomy_server, alfworld_data, tiny_model_dir, tmp_path, *turns, "eval.cycle_stop_check=true"
     )

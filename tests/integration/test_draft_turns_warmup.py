@@ -54,7 +54,7 @@ async def test_warmup_sends_the_walkthrough_and_each_recovery_as_one_path(alfwor
 
     cfg = load_config(
         REPO / "configs" / "test.yaml",
-        [f"env.data_dir={alfworld_data}", "env.max_steps=50", "actor.warmup_explore=0.5", "env.draft_turns=true"],
+        [f"env.data_dir={alfworld_data}", "env.max_steps=50", "actor.warmup_explore=0.5", "env.prompt_form=draft_turns"],
     )
     game = train_games[1]
     sent: list[dict] = []
@@ -84,7 +84,7 @@ async def test_warmup_sends_the_walkthrough_and_each_recovery_as_one_path(alfwor
 async def test_through_the_broker_the_demos_store_holds_the_paths(
     broker_factory, roomy_server, alfworld_data, tiny_model_dir, train_games
 ):
-    broker = broker_factory(["env.draft_turns=true"])  # a fresh broker is in the warmup phase; same method
+    broker = broker_factory(["env.prompt_form=draft_turns"])  # a fresh broker is in the warmup phase; same method
     games = train_games[:2]
     cfg = load_config(
         REPO / "configs" / "test.yaml",
@@ -95,7 +95,7 @@ async def test_through_the_broker_the_demos_store_holds_the_paths(
             f"env.data_dir={alfworld_data}",
             "env.max_steps=50",
             "actor.warmup_explore=1.0",
-            "env.draft_turns=true",
+            "env.prompt_form=draft_turns",
         ),
     )
     worker = ActorWorker(cfg, configure_logging("actor-test"), envs=2, episodes=2, games=games)

@@ -202,7 +202,7 @@ def test_what_roles_read_matches_the_prompts_of_real_games(
     from evaluator.roles_read import what_roles_read
     from tests.fixtures.alfworld import valid_seen_config
 
-    switches = ("env.draft_turns=true", "actor.admissible_choice=true")
+    switches = ("env.prompt_form=draft_turns", "actor.admissible_choice=true")
     cfg = valid_seen_config(roomy_server, alfworld_data, tiny_model_dir, tmp_path, *switches)
     for method in ("comap", "react", "imagine_and_act"):
         recorded_calls.clear()

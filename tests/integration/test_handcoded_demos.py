@@ -69,7 +69,7 @@ async def test_a_game_the_expert_does_not_win_demonstrates_the_walkthrough(alfwo
 
 
 async def test_warmup_sends_the_experts_search_as_the_demonstrated_path(alfworld_data, train_games):
-    ctx, sent = context(alfworld_data, "actor.warmup_explore=0", "env.draft_turns=true")
+    ctx, sent = context(alfworld_data, "actor.warmup_explore=0", "env.prompt_form=draft_turns")
     game = train_games[1]
     async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=50) as pool:
         _, plan, fallback = await demonstration_start(ctx, pool.env(), game)

@@ -103,14 +103,14 @@ async def test_in_the_turns_form_each_imagined_episode_is_one_path_trained_on_it
     from comap_async.prompts import ChatTemplate, Prompts
     from learner.batches import Encoder
 
-    broker = broker_factory(["env.draft_turns=true"])
+    broker = broker_factory(["env.prompt_form=draft_turns"])
     await announce(broker, "coevolve")
     cfg = actor_config(
         broker,
         roomy_server,
         alfworld_data,
         tiny_model_dir,
-        "env.draft_turns=true",
+        "env.prompt_form=draft_turns",
         "env.max_steps=3",
         "actor.imagined_rollouts=2",
         "actor.imagined_depth=2",

@@ -108,15 +108,15 @@ def test_same_actions_train_identical_demonstrations_in_both_prompt_forms(tmp_pa
     cmd += ["--same-actions"]
     cmd += ["--samples", "4", "--epochs", "1", "--games", "1", "--model", str(tiny_model_dir)]
     cmd += ["--config", "configs/test.yaml", "--out", str(out), *evals]
-    cmd += ["--variants", "env.draft_turns=false,env.draft_turns=true"]
+    cmd += ["--variants", "env.prompt_form=window,env.prompt_form=draft_turns"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    window = json.loads((out / "env.draft_turns-false" / "result.json").read_text())
-    turns = json.loads((out / "env.draft_turns-true" / "result.json").read_text())
+    window = json.loads((out / "env.prompt_form-window" / "result.json").read_text())
+    turns = json.loads((out / "env.prompt_form-draft_turns" / "result.json").read_text())
     assert window["samples"] == turns["samples"] == 4
     assert (window["steps"], turns["steps"]) == (2, 1)
     assert window["states"] > 0 and turns["states"] > 0
-    eval_log = (out / "env.draft_turns-false" / "eval.log").read_text()
+    eval_log = (out / "env.prompt_form-window" / "eval.log").read_text()
     assert "Traceback" not in eval_log
 
     # the paths alone (no warm-up transitions): the window form has nothing to train, said before any training

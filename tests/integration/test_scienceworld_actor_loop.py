@@ -124,14 +124,14 @@ def test_comap_eval_reports_success_rate_and_mean_score(roomy_server, tiny_model
     assert "mean score" in r.stdout and "success rate" in r.stdout
 
 
-TURNS = [*ENV, "env.draft_turns=true"]
+TURNS = [*ENV, "env.prompt_form=draft_turns"]
 
 
 async def test_turns_warmup_stores_each_gold_path_whole(broker_factory, roomy_server, tiny_model_dir, games):
     """The ALFWorld CPU recipe's prompt form on ScienceWorld: each gold run goes to the demos store as
     one path of chat turns (its observations the simulator's own), no step as its own demonstration."""
     broker = broker_factory(TURNS)
-    cfg = sw_config(broker, roomy_server, tiny_model_dir, "env.draft_turns=true", "env.max_steps=30")
+    cfg = sw_config(broker, roomy_server, tiny_model_dir, "env.prompt_form=draft_turns", "env.max_steps=30")
     worker = ActorWorker(cfg, configure_logging("actor-test"), envs=3, episodes=3, games=games)
     results = await asyncio.wait_for(worker.run(), timeout=300)
     assert [s.won for _, s in results] == [True, True, True] and worker.metrics.failures == 0
@@ -155,7 +155,7 @@ async def test_turns_coevolve_drafts_are_valid_commands_under_admissible_choice(
     broker = broker_factory([*TURNS, "actor.admissible_choice=true"])
     await announce(broker, "coevolve")
     cfg = sw_config(
-        broker, roomy_server, tiny_model_dir, "env.draft_turns=true", "actor.admissible_choice=true", "env.max_steps=3"
+        broker, roomy_server, tiny_model_dir, "env.prompt_form=draft_turns", "actor.admissible_choice=true", "env.max_steps=3"
     )
     worker = ActorWorker(cfg, configure_logging("actor-test"), envs=3, episodes=3, games=games)
     results = await asyncio.wait_for(worker.run(), timeout=300)

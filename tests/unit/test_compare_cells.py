@@ -43,6 +43,19 @@ def test_the_key_ignores_where_things_live_and_sees_what_changes_play():
         assert other != key()
 
 
+@pytest.mark.parametrize(
+    ("form", "on"),
+    [("window", []), ("draft_turns", ["draft_turns"]), ("all_turns", ["draft_turns", "reflect_turns", "wm_turns"])],
+)
+def test_the_prompt_form_keys_a_row_as_the_switches_it_replaced_did(form, on):
+    """Rows stored while the form was four booleans keep their keys (and so ``--resume``): each on
+    one named true, the ones off absent."""
+    env = key(f"env.prompt_form={form}", "learner.demo_loss_share={}")["settings"]["env"]
+    assert "prompt_form" not in env
+    turns = {"draft_turns", "reflect_turns", "wm_turns", "task_every_turn"}
+    assert {k: v for k, v in env.items() if k in turns} == dict.fromkeys(on, True)
+
+
 def test_a_stored_row_is_read_back_only_for_its_own_key(tmp_path):
     store = CellStore(tmp_path)
     report = {"success_rate": 0.15, "games": 3}

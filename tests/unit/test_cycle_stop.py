@@ -151,7 +151,7 @@ def test_a_repeated_cycle_stop_projects_the_whole_episode(occurrences):
 
 
 def test_the_turns_form_is_stopped_only_when_asked():
-    turns = CoMapConfig(env={"draft_turns": True}, eval={"cycle_stop": 3})
+    turns = CoMapConfig(env={"prompt_form": "draft_turns"}, eval={"cycle_stop": 3})
     assert cycle_stop_for(turns, "comap") is None  # the draft's whole history does not recur with the state
     asked = turns.model_copy(update={"eval": turns.eval.model_copy(update={"cycle_stop_turns": True})})
     stop = cycle_stop_for(asked, "comap")

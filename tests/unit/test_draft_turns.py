@@ -38,16 +38,13 @@ def qwen3_chat() -> ChatTemplate:
     return ChatTemplate(QWEN3_CHAT_TEMPLATE, {"bos_token": "", "eos_token": "<|im_end|>"})
 
 
-@pytest.fixture(
-    params=[(False, "chatml"), (True, "chatml"), (False, "qwen3")], ids=["task-once", "task-every-turn", "qwen3"]
-)
+@pytest.fixture(params=["chatml", "qwen3"])
 def encoder(tiny_model_dir, request):
     from comap_async.models import load_model_and_tokenizer
 
-    task_every_turn, template = request.param
     _, tok = load_model_and_tokenizer(str(tiny_model_dir))
-    chat = qwen3_chat() if template == "qwen3" else ChatTemplate.from_model_dir(tiny_model_dir)
-    return Encoder(tok, Prompts(chat, task_every_turn=task_every_turn), 512)
+    chat = qwen3_chat() if request.param == "qwen3" else ChatTemplate.from_model_dir(tiny_model_dir)
+    return Encoder(tok, Prompts(chat), 512)
 
 
 def test_each_demonstrated_action_follows_exactly_the_prompt_the_actor_sends_at_that_step(encoder):
@@ -161,20 +158,24 @@ def test_the_broker_stores_a_path_as_one_demo_and_no_per_step_demo_for_its_steps
 
 
 def test_the_switch_is_a_play_switch_and_refuses_what_would_mix_prompt_forms():
-    cfg = CoMapConfig.model_validate({"env": {"draft_turns": True}})
+    cfg = CoMapConfig.model_validate({"env": {"prompt_form": "draft_turns"}})
     assert "draft_turns" in cfg.method_switches
     for bad, name in (
         ({"learner": {"policy_wm_aux": 0.1}}, "learner.policy_wm_aux"),  # selecting by the window form's entropy
     ):
         with pytest.raises(ValueError, match=name):
-            CoMapConfig.model_validate({"env": {"draft_turns": True}, **bad})
+            CoMapConfig.model_validate({"env": {"prompt_form": "draft_turns"}, **bad})
     # imagined episodes go as turns paths (tests/unit/test_imagined.py)
-    CoMapConfig.model_validate({"env": {"draft_turns": True}, "actor": {"imagined_rollouts": 1}})
+    CoMapConfig.model_validate({"env": {"prompt_form": "draft_turns"}, "actor": {"imagined_rollouts": 1}})
 
 
 def test_an_episode_longer_than_the_servers_limit_leaves_out_its_oldest_turns(tiny_model_dir):
     cfg = CoMapConfig.model_validate(
-        {"env": {"draft_turns": True}, "inference": {"max_prompt_tokens": 600}, "learner": {"max_path_tokens": 600}}
+        {
+            "env": {"prompt_form": "draft_turns"},
+            "inference": {"max_prompt_tokens": 600},
+            "learner": {"max_path_tokens": 600},
+        }
     )
     prompts = Prompts.for_model(tiny_model_dir, cfg)
     long = Conversation(TASK, FIRST, tuple(TURNS) * 10)
@@ -197,14 +198,18 @@ def test_an_episode_longer_than_the_servers_limit_leaves_out_its_oldest_turns(ti
     assert prompts.count_tokens(whole.draft(short)) <= 600 and prompts.draft(short) == whole.draft(short)
     assert whole.count_tokens is None
     with pytest.raises(ValueError, match="max_path_tokens"):
-        CoMapConfig.model_validate({"env": {"draft_turns": True}, "inference": {"max_prompt_tokens": 1024}})
+        CoMapConfig.model_validate({"env": {"prompt_form": "draft_turns"}, "inference": {"max_prompt_tokens": 1024}})
 
 
 def test_the_learner_cuts_a_path_at_its_length_cap_not_at_the_prompt_limit(tiny_model_dir):
     from comap_async.models import load_model_and_tokenizer
 
     cfg = CoMapConfig.model_validate(
-        {"env": {"draft_turns": True}, "inference": {"max_prompt_tokens": 300}, "learner": {"max_path_tokens": 300}}
+        {
+            "env": {"prompt_form": "draft_turns"},
+            "inference": {"max_prompt_tokens": 300},
+            "learner": {"max_path_tokens": 300},
+        }
     )
     _, tok = load_model_and_tokenizer(str(tiny_model_dir))
     enc = Encoder(tok, Prompts.for_model(tiny_model_dir, cfg), 512, 300)
@@ -297,30 +302,64 @@ def test_carries_loss_keeps_about_the_share_stably():
 def test_demo_loss_share_needs_the_turns_form():
     from comap_async.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="needs env.draft_turns"):
+    with pytest.raises(ConfigError, match="needs env.prompt_form draft_turns or all_turns"):
         load_config(None, ["learner.demo_loss_share={go: 0.2}"])
-    cfg = load_config(None, ["env.draft_turns=true", "learner.demo_loss_share={go: 0.2, open: 0.2}"])
+    cfg = load_config(None, ["env.prompt_form=draft_turns", "learner.demo_loss_share={go: 0.2, open: 0.2}"])
     assert cfg.learner.demo_loss_share == {"go": 0.2, "open": 0.2}
 
 
-def test_task_every_turn_ends_each_observation_turn_with_the_task_and_is_a_play_switch(tiny_model_dir):
-    from comap_async.config import ConfigError, load_config
+def test_the_task_is_named_once_in_the_first_turn(tiny_model_dir):
     from comap_async.prompts import draft_turn_messages
 
     conversation = Conversation(TASK, FIRST, tuple(TURNS))
-    once = draft_turn_messages(conversation)
-    every = draft_turn_messages(conversation, task_every_turn=True)
-    users = [m["content"] for m in every if m["role"] == "user"]
-    assert users[0] == once[1]["content"] and users[0].startswith(f"Task: {TASK}")
-    assert users[1:] == [f"{o}\nTask: {TASK}" for _, o in TURNS]
-    assert [m for m in every if m["role"] == "assistant"] == [m for m in once if m["role"] == "assistant"]
-    cfg = load_config(None, ["env.draft_turns=true", "env.task_every_turn=true"])
-    assert "task_every_turn" in cfg.method_switches
-    prompts = Prompts.for_model(tiny_model_dir, cfg)
-    assert prompts.task_every_turn and prompts.draft(conversation).count(f"Task: {TASK}") == len(TURNS) + 1
-    assert not cfg.playing(["draft_turns"]).env.task_every_turn
-    with pytest.raises(ConfigError, match="needs env.draft_turns"):
-        load_config(None, ["env.task_every_turn=true"])
+    users = [m["content"] for m in draft_turn_messages(conversation) if m["role"] == "user"]
+    assert users[0].startswith(f"Task: {TASK}") and users[1:] == [o for _, o in TURNS]
+    prompts = Prompts.for_model(tiny_model_dir, CoMapConfig.model_validate({"env": {"prompt_form": "draft_turns"}}))
+    assert prompts.draft(conversation).count(f"Task: {TASK}") == 1
+
+
+RECORDED = {"window": [], "draft_turns": ["draft_turns"], "all_turns": ["draft_turns", "reflect_turns", "wm_turns"]}
+"""Each prompt form by the switch names runs recorded before it was one field (ablation.json, the fingerprint)."""
+
+
+@pytest.mark.parametrize("form", list(RECORDED))
+def test_a_prompt_form_is_recorded_by_its_switch_names_and_played_back_from_them(form):
+    from comap_async.config import load_config
+    from comap_async.method.fingerprint import method_settings
+
+    cfg = load_config(None, [f"env.prompt_form={form}"])
+    names = RECORDED[form]
+    assert cfg.method_switches == names and method_settings(cfg)["methods"] == sorted(names)
+    assert [cfg.env.draft_turns, cfg.env.reflect_turns, cfg.env.wm_turns] == [
+        n in names for n in ("draft_turns", "reflect_turns", "wm_turns")
+    ]
+    for played in (CoMapConfig(), CoMapConfig.model_validate({"env": {"prompt_form": "all_turns"}})):
+        assert played.playing(names).env.prompt_form == form
+        assert played.playing([*names, "show_location"]).env.prompt_form == form
+    with pytest.raises(AttributeError):  # read from the form, never set by its old names
+        cfg.env.draft_turns = True
+
+
+@pytest.mark.parametrize(
+    "names",
+    [["draft_turns", "reflect_turns"], ["draft_turns", "wm_turns"], ["draft_turns", "task_every_turn"]],
+    ids=["reflect-only", "wm-only", "task-every-turn"],
+)
+def test_a_recorded_set_no_prompt_form_expresses_is_refused_in_one_line(names):
+    from comap_async.config import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot be played as it trained") as refused:
+        CoMapConfig().playing(names)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("old", ["draft_turns", "reflect_turns", "wm_turns", "task_every_turn"])
+def test_the_old_switches_are_refused_with_their_replacement(old):
+    from comap_async.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=f"env.{old}: removed: ") as refused:
+        load_config(None, [f"env.{old}=true"])
+    assert ("prompt_form" in str(refused.value)) == (old != "task_every_turn")
 
 
 def test_a_go_while_carrying_is_a_delivery_and_keeps_its_loss_under_the_go_share(tiny_model_dir):

@@ -57,7 +57,7 @@ def episode(steps: int):
 async def play(min_score: float, scores: dict, steps: int = 5, rollouts: int = 3, depth: int = 2, turns=False):
     cfg = CoMapConfig.model_validate(
         {
-            "env": {"draft_turns": turns},
+            "env": {"prompt_form": "draft_turns" if turns else "window"},
             "actor": {"imagined_rollouts": rollouts, "imagined_depth": depth, "imagined_min_score": min_score},
         }
     )
@@ -218,7 +218,7 @@ def test_a_long_real_prefix_leaves_out_its_oldest_turns_so_the_imagined_actions_
     from comap_async.prompts import Prompts
     from comap_async.prompts.template import FIT_LEFT_OUT_TURNS
 
-    prompts = Prompts.for_model(tiny_model_dir, CoMapConfig.model_validate({"env": {"draft_turns": True}}))
+    prompts = Prompts.for_model(tiny_model_dir, CoMapConfig.model_validate({"env": {"prompt_form": "draft_turns"}}))
     llm = ScriptedLLM({})
     llm.prompts = prompts
     ep = episode(40)
@@ -230,7 +230,7 @@ def test_a_long_real_prefix_leaves_out_its_oldest_turns_so_the_imagined_actions_
 
     # a learner's path limit halfway between the imagined turns alone and the whole episode with them
     limit = (tokens(imagined) + tokens((*ep.history, *imagined))) // 2
-    cfg = CoMapConfig.model_validate({"env": {"draft_turns": True}, "learner": {"max_path_tokens": limit}})
+    cfg = CoMapConfig.model_validate({"env": {"prompt_form": "draft_turns"}, "learner": {"max_path_tokens": limit}})
     path = turns_path(SimpleNamespace(cfg=cfg, llm=llm, actor="a"), ep, 40, steps, None)
     kept = len(path.turns) - 2
     assert 0 < kept < 40 and (40 - kept) % FIT_LEFT_OUT_TURNS == 0

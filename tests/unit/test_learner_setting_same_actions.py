@@ -67,7 +67,7 @@ def test_a_path_step_without_its_transition_is_refused(tmp_path):
 
 
 def test_variant_settings_name_learner_keys_unless_env():
-    assert variant_settings("env.draft_turns=false+demo_loss_share={}") == [
-        "env.draft_turns=false",
+    assert variant_settings("env.prompt_form=window+demo_loss_share={}") == [
+        "env.prompt_form=window",
         "learner.demo_loss_share={}",
     ]

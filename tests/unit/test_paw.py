@@ -111,7 +111,7 @@ def test_acting_entropy_selects_the_drafts_the_actor_was_least_sure_of(tiny_mode
 def test_the_turns_form_takes_pa_w_with_the_actors_entropy_only():
     from comap_async.config import load_config
 
-    turns = ["env.draft_turns=true", "learner.policy_wm_aux=0.2"]
+    turns = ["env.prompt_form=draft_turns", "learner.policy_wm_aux=0.2"]
     with pytest.raises(ValueError, match="policy_wm_aux_entropy: acting"):
         load_config(None, turns)
     with pytest.raises(ValueError, match="reflect_confidence"):

@@ -37,14 +37,13 @@ def tok(tiny_model_dir):
     return load_model_and_tokenizer(str(tiny_model_dir))[1]
 
 
-def turns_prompts(model_dir, task_every_turn=False) -> Prompts:
+def turns_prompts(model_dir) -> Prompts:
     chat = ChatTemplate.from_model_dir(model_dir)
-    return Prompts(chat, task_every_turn=task_every_turn, reflect_turns=True, wm_turns=True)
+    return Prompts(chat, reflect_turns=True, wm_turns=True)
 
 
-@pytest.mark.parametrize("task_every_turn", [False, True], ids=["task-once", "task-every-turn"])
-def test_the_reflection_continues_the_drafts_prompt_token_for_token(tiny_model_dir, tok, task_every_turn):
-    prompts = turns_prompts(tiny_model_dir, task_every_turn)
+def test_the_reflection_continues_the_drafts_prompt_token_for_token(tiny_model_dir, tok):
+    prompts = turns_prompts(tiny_model_dir)
     conversation = Conversation(TASK, FIRST, tuple(TURNS[:2]))
     draft = prompts.draft(conversation)
     reflection = prompts.reflect(STATE, DRAFT, IMAGINED, 0.95, conversation)
@@ -54,7 +53,7 @@ def test_the_reflection_continues_the_drafts_prompt_token_for_token(tiny_model_d
     assert ids[: len(draft_ids)] == draft_ids  # what the server's prefix cache can serve
     added = reflection[len(draft) :]
     assert IMAGINED in added and "high" in added and "Admissible commands" not in reflection
-    assert (f"Task: {TASK}" in added) == task_every_turn
+    assert f"Task: {TASK}" not in added  # named once, in the draft's first turn
     # the imagined state stays out under the ablation no_future_state, as in the window form
     blind = Prompts(ChatTemplate.from_model_dir(tiny_model_dir), reflect_turns=True, future_state=False)
     assert IMAGINED not in blind.reflect(STATE, DRAFT, IMAGINED, 0.95, conversation)
@@ -65,17 +64,17 @@ def test_without_the_switch_the_reflection_renders_the_state_whatever_it_is_give
     conversation = Conversation(TASK, FIRST, tuple(TURNS[:2]))
     window = Prompts(chat).reflect(STATE, DRAFT, IMAGINED, 0.5, conversation)
     assert window == chat.render(reflect_messages(STATE, DRAFT, IMAGINED, confidence=0.5)) + DECISION_PREFIX
-    with pytest.raises(ValueError, match="env.reflect_turns"):
+    with pytest.raises(ValueError, match=r"env.prompt_form all_turns \(reflect_turns\)"):
         turns_prompts(tiny_model_dir).reflect(STATE, DRAFT, IMAGINED)
 
 
 @pytest.mark.parametrize("switch", ["reflect_turns", "wm_turns"])
-def test_each_switch_is_a_play_switch_that_needs_the_drafts_turns(switch):
-    cfg = CoMapConfig.model_validate({"env": {"draft_turns": True, switch: True}})
+def test_each_roles_turns_come_with_all_turns_and_are_played_as_recorded(switch):
+    cfg = CoMapConfig.model_validate({"env": {"prompt_form": "all_turns"}})
+    assert getattr(cfg.env, switch) and cfg.env.draft_turns
     assert switch in cfg.method_switches
     assert switch not in cfg.playing(["draft_turns"]).method_switches
-    with pytest.raises(ValueError, match=f"env.{switch}"):
-        CoMapConfig.model_validate({"env": {switch: True}})
+    assert not getattr(CoMapConfig.model_validate({"env": {"prompt_form": "draft_turns"}}).env, switch)
 
 
 def test_a_transitions_conversation_reaches_its_reflection_sample_and_the_learner_trains_the_sent_prompt(
@@ -146,7 +145,7 @@ def test_the_world_models_prompt_extends_the_previous_steps_and_the_teachers_add
     chat = ChatTemplate.from_model_dir(tiny_model_dir)
     assert Prompts(chat).world_model(STATE, action, steps[2]) == chat.render(world_model_messages(STATE, action))
     assert Prompts(chat).teacher(STATE, action, real, steps[2]) == chat.render(teacher_messages(STATE, action, real))
-    with pytest.raises(ValueError, match="env.wm_turns"):
+    with pytest.raises(ValueError, match=r"env.prompt_form all_turns \(wm_turns\)"):
         prompts.world_model(STATE, action)
 
 
@@ -194,7 +193,8 @@ def test_a_learner_step_trains_every_role_from_records_in_the_turns_form(tiny_mo
     metrics = trainer.train_step([{"transitions": [wm], "reflections": [{**refl, "dialogue": dialogue}]}])
     for key in ("wm/ce", "wm/kl", "policy/bce", "policy/reflect_ce"):
         assert metrics[key] > 0 and metrics[key] < 100, (key, metrics[key])
-    with pytest.raises(ValueError, match="env.reflect_turns"):  # a window-form sample cannot be read in this form
+    # a window-form sample cannot be read in this form
+    with pytest.raises(ValueError, match=r"all_turns \(reflect_turns\)"):
         trainer.train_step([{"reflections": [refl]}])
 
 

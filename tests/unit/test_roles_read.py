@@ -16,7 +16,7 @@ from evaluator.roles_read import probe_requests, what_roles_read
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL = REPO / "configs" / "local.yaml"
-WINDOW_FORM = ["env.draft_turns=false", "learner.demo_loss_share={}"]  # the share needs the turns form
+WINDOW_FORM = ["env.prompt_form=window", "learner.demo_loss_share={}"]  # the share needs the turns form
 
 TURNS = {"history": "turns", "k": None}
 WINDOW3 = {"history": "window", "k": 3}
@@ -27,7 +27,7 @@ def seen(admissible: bool, history: dict, decoded: bool | None) -> dict:
 
 
 def test_todays_defaults_what_each_arm_reads():
-    """configs/local.yaml (env.draft_turns on, show_admissible on, reflect_turns and wm_turns off,
+    """configs/local.yaml (env.prompt_form draft_turns, show_admissible on,
     actor.admissible_choice on): the draft reads the episode's turns without the admissible list yet is
     decoded among it; every other role reads the rendered state, a window of 3 steps with the list."""
     cfg = load_config(LOCAL)
@@ -68,7 +68,7 @@ def test_every_drafting_method_drafts_from_the_same_text():
 def test_it_follows_the_config_fields_the_prompts_read():
     window = load_config(LOCAL, WINDOW_FORM)
     assert what_roles_read(window, "draft_only") == {"draft": seen(True, WINDOW3, True)}
-    turns = load_config(LOCAL, ["env.reflect_turns=true", "env.wm_turns=true"])
+    turns = load_config(LOCAL, ["env.prompt_form=all_turns"])
     read = what_roles_read(turns, "comap", training=True)
     assert all(read[r] == seen(False, TURNS, read[r]["decoded_among_admissible"]) for r in read)
     assert what_roles_read(turns, "react") == {"react": seen(True, WINDOW3, True)}  # ReAct renders s_t
@@ -141,7 +141,7 @@ def rendered(cfg) -> dict[str, str]:
 
 @pytest.mark.parametrize(
     "overrides",
-    [[], WINDOW_FORM, ["env.reflect_turns=true", "env.wm_turns=true"], ["env.show_admissible=false"]],
+    [[], WINDOW_FORM, ["env.prompt_form=all_turns"], ["env.show_admissible=false"]],
     ids=["local", "window", "all-turns", "no-list"],
 )
 def test_what_a_role_is_said_to_read_is_what_its_real_prompt_shows(overrides):
