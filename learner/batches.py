@@ -256,8 +256,8 @@ class Encoder:
                 prompt = self.prompts.turns_prompt(conversation, fit=False)
                 if not prompt.startswith(text):
                     raise ValueError(
-                        "env.draft_turns: this model's chat template does not extend a conversation turn by turn "
-                        "(a step's prompt is not the previous step's prompt, action and end of turn)"
+                        "env.prompt_form draft_turns: this model's chat template does not extend a conversation turn "
+                        "by turn (a step's prompt is not the previous step's prompt, action and end of turn)"
                     )
                 gap = self._ids(prompt[len(text) :])
                 text = prompt
