@@ -83,8 +83,7 @@ class Trainer:
     ablation: AblationConfig = field(default_factory=AblationConfig)
     """``no_wmsd`` / ``no_real_ce`` drop a world-model loss term (it is then neither computed nor logged)."""
     label_counts: list[float] = field(default_factory=lambda: [0, 0])
-    """Reflection samples trained on so far with y = 0 and y = 1 (``learner.bce_balance``'s weights),
-    each step's older counts decayed by ``learner.bce_balance_halflife``."""
+    """Reflection samples trained on so far with y = 0 and y = 1 (``learner.bce_balance``'s weights)."""
     data_parallel: Any = None
     """A :class:`learner.distributed.DataParallel` under torchrun: gradients and label counts are
     averaged/summed over the ranks before each optimizer step."""
@@ -366,8 +365,7 @@ class Trainer:
             labels = [a + b for a, b in zip(labels, batch.reflections.label_counts())]
         # counted before the loss, over every rank's samples: the step's own samples weigh in its balance
         seen = self.data_parallel.sum(labels) if self.data_parallel is not None else labels
-        keep = 0.5 ** (1.0 / self.cfg.bce_balance_halflife) if self.cfg.bce_balance_halflife else 1.0
-        self.label_counts = [keep * self.label_counts[0] + seen[0], keep * self.label_counts[1] + seen[1]]
+        self.label_counts = [self.label_counts[0] + seen[0], self.label_counts[1] + seen[1]]
 
         for batch in batches:
             self._check_abort()

@@ -305,6 +305,8 @@ REMOVED_FIELDS: dict[str, str] = {
     "(docs/benchmarks.md has the figure that chose it)",
     "actor.choice_samples": "greedy decoding among the admissible commands is token by token; the likeliest "
     "whole command changed nothing that mattered at 4.5x the server time (docs/findings.md)",
+    "learner.bce_balance_halflife": "the BCE's label balance counts every label since the run began; a "
+    "half-life only delayed the gate's shutting by a version or two (docs/findings.md)",
     "eval.repeat_guard": "evaluation episodes have no anti-loop guard; it took the loop rate to 0 and won no "
     "more games (docs/findings.md)",
     "eval.repeat_guard_temperature": "evaluation episodes have no anti-loop guard; it took the loop rate to 0 "

@@ -210,14 +210,6 @@ class LearnerConfig(Section):
     bce_balance: bool = False
     """Weigh the BCE's two labels alike (by the label counts the learner has trained on so far): a
     skewed mix is then not learned as a constant ``p``. Not in the paper (its BCE is unweighted)."""
-    bce_balance_halflife: float = Field(default=0.0, ge=0.0)
-    """``bce_balance``'s memory, in learner steps: the label counts it weighs by decay by half over this
-    many steps (0: every label since the run began counts alike). With the whole history counted, a
-    co-evolution run weighs its labels by reflection-mode initialisation's mix (171 KEEP / 429 REVISE
-    in one run: a KEEP label 1.75, a REVISE one 0.70), which pulled ``p`` under ``tau_p`` as soon as
-    co-evolution's labels were less REVISE-heavy; a half-life lets the balance follow the mix the learner
-    trains on now. Measured at 10: it delays the gate's shutting by a version or two, not more
-    (docs/findings.md, "Under self-labelling the gate shuts itself")."""
     schedule: Literal["async", "rounds"] = "async"
     """``async``: train continuously and publish every ``publish_every`` steps;
     ``rounds``: the paper's collect-train-publish loop."""

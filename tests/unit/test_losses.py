@@ -160,22 +160,3 @@ def test_the_gates_own_labels_leave_the_bce_when_switched_off(tiny_model_dir, re
     tiny_trainer.label_counts = [0, 0]
     tiny_trainer.train_step([{"reflections": suffix + gate}])
     assert tiny_trainer.label_counts == [1, 1]
-
-
-def test_the_balance_forgets_old_labels_at_its_half_life(tiny_trainer):
-    """``learner.bce_balance_halflife``: the counts the BCE is balanced by halve over that many steps, so
-    an initialisation's REVISE-heavy mix stops setting co-evolution's weights."""
-    keep = [dict(reflection_record(0), source="suffix")]
-    tiny_trainer.cfg = tiny_trainer.cfg.model_copy(update={"bce_balance": True, "bce_balance_halflife": 0.0})
-    tiny_trainer.label_counts = [171, 429]
-    tiny_trainer.train_step([{"reflections": keep}])
-    assert tiny_trainer.label_counts == [172, 429]  # 0: every label since the start counts alike
-    tiny_trainer.cfg = tiny_trainer.cfg.model_copy(update={"bce_balance_halflife": 2.0})
-    tiny_trainer.label_counts = [171, 429]
-    for _ in range(2):
-        tiny_trainer.train_step([{"reflections": keep}])
-    assert tiny_trainer.label_counts[1] == pytest.approx(429 / 2)
-    assert tiny_trainer.label_counts[0] == pytest.approx(171 / 2 + 0.5**0.5 + 1)
-    y = torch.tensor([0, 1])
-    weights = losses.label_balance_weights(y, tuple(tiny_trainer.label_counts))
-    assert float(weights[0]) < 1.75  # KEEP weighs less than with the initialisation's counts
