@@ -260,9 +260,12 @@ class SlotManager:
             return None
         return name
 
-    def fill_spares(self) -> None:
-        while len(self.spares) < self.spare_target:
+    def fill_spares(self, most: int | None = None) -> None:
+        """Build spares up to the pool's size, or ``most`` of them."""
+        built = 0
+        while len(self.spares) < self.spare_target and (most is None or built < most):
             self.new_spare()
+            built += 1
 
     def _modules_of(self, slot: str) -> dict[str, Any]:
         prefix = "base_model.model."
@@ -309,6 +312,9 @@ class SlotManager:
 
     def _drop(self, name: str) -> None:
         self._shape.pop(name, None)
+        with self._lock:
+            # slot names are never reused: an entry kept here would outlive its slot, one per slot built
+            self.generation.pop(name, None)
         self.stacks.release(name)
         if self.peft is not None and name in self.peft.peft_config:
             self.peft.delete_adapter(name)

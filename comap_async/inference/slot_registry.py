@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from concurrent.futures import Executor, ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,14 @@ class AdapterRegistry:
         self.bindings: dict[str, Binding] = {}
         self.refs: Counter[str] = Counter()
         self.retired: set[str] = set()
-        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # per adapter name, while a load or unload of it runs or waits (then removed: a publish a second
+        # names three new adapters, and a lock kept per name ever seen would grow without end)
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._lock_users: Counter[str] = Counter()
+        # a spare refill is queued or waiting for its delay: a publish asks for one per adapter it loads,
+        # and refills queued on the structure thread ahead of the deletes of retired slots let slots pile
+        # up (peft modules, LoRA stack rows) faster than they were freed
+        self._refill_pending = False
         self.loads = Counter()  # "fast" / "slow"
         self.load_seconds = 0.0
         self._structure = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comap-slots")
@@ -96,7 +104,7 @@ class AdapterRegistry:
         name = self._check_name(name)
         if not isinstance(load_inplace, bool):
             raise RequestError("'load_inplace' must be true or false", param="load_inplace")
-        async with self._locks[name]:
+        async with self._name_lock(name):
             if name in self.bindings and not load_inplace:
                 raise RequestError(
                     f"The lora adapter '{name}' has already been loaded. If you want to load the "
@@ -153,7 +161,7 @@ class AdapterRegistry:
     async def unload(self, name: Any) -> str:
         if not isinstance(name, str) or not name:
             raise RequestError("'lora_name' needs to be provided to unload a LoRA adapter.", param="lora_name")
-        async with self._locks[name]:
+        async with self._name_lock(name):
             b = self.bindings.pop(name, None)
             if b is None:
                 raise RequestError(f"The lora adapter '{name}' cannot be found.", status=404, param="lora_name")
@@ -161,6 +169,20 @@ class AdapterRegistry:
             if self.log:
                 self.log.info("adapter.unloaded", name=name, slot=b.slot)
             return f"Success: LoRA adapter '{name}' removed successfully."
+
+    @asynccontextmanager
+    async def _name_lock(self, name: str):
+        """Serialize the loads and unloads of one name; its lock lives while someone holds or awaits it."""
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        self._lock_users[name] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            self._lock_users[name] -= 1
+            if self._lock_users[name] <= 0:
+                del self._lock_users[name]
+                del self._locks[name]
 
     def _retire(self, slot: str) -> None:
         if self.refs.get(slot, 0) > 0:
@@ -174,19 +196,46 @@ class AdapterRegistry:
             fut = self._structural(lambda: self.slots.delete(slot))
             fut.add_done_callback(self._log_failure)
 
-    def _refill(self) -> None:
-        """Build spares again. transformers' forward: while no request is decoding (building a slot
-        stalls the engine ~0.2 s). Fused: beside the decoding, after ``REFILL_DELAY_S``: building
-        holds the GIL (~0.2 s a slot), and the first requests for a version just loaded (the rest of
-        a publish, then the actors) should not wait behind it."""
+    def _refill(self, delay: bool = True) -> None:
+        """Build spares again, one per change of the structure queue, so that the deletes of retired
+        slots queued meanwhile run between them (a pass that built until the pool was full ran as long
+        as a publish storm kept taking spares, and the deletes behind it piled slots up: peft modules,
+        LoRA stack rows, whose capacity doubles and never shrinks). transformers' forward: while no
+        request is decoding (building a slot stalls the engine ~0.2 s). Fused: beside the decoding,
+        after ``REFILL_DELAY_S`` (``delay``): building holds the GIL (~0.2 s a slot), and the first
+        requests for a version just loaded (the rest of a publish, then the actors) should not wait
+        behind it."""
+        if self._refill_pending:
+            return
+        self._refill_pending = True
+        loop = asyncio.get_running_loop()
+
+        def build_one() -> None:
+            # cleared as the build starts: a spare taken during it asks for the next one (at most one queued)
+            self._refill_pending = False
+            self.slots.fill_spares(most=1)
+
+        def built(fut: concurrent.futures.Future) -> None:
+            if fut.cancelled() or fut.exception() is not None or loop.is_closed():
+                return
+            try:
+                loop.call_soon_threadsafe(self._refill_rest)
+            except RuntimeError:  # the loop closed meanwhile: the server is stopping
+                pass
 
         def submit() -> None:
-            self._structural(self.slots.fill_spares, idle=True).add_done_callback(self._log_failure)
+            fut = self._structural(build_one, idle=True)
+            fut.add_done_callback(self._log_failure)
+            fut.add_done_callback(built)
 
-        if self.engine.fused is None:
+        if self.engine.fused is None or not delay:
             submit()
         else:
-            asyncio.get_running_loop().call_later(REFILL_DELAY_S, submit)
+            loop.call_later(REFILL_DELAY_S, submit)
+
+    def _refill_rest(self) -> None:
+        if len(self.slots.spares) < self.slots.spare_target:
+            self._refill(delay=False)
 
     def _structural(self, fn, idle: bool = False) -> concurrent.futures.Future:
         """Run a change of peft's modules (add, build a spare, delete) where no forward pass can see it.
