@@ -8,7 +8,8 @@ soak's publish a second.
 
 The server runs in this process (``create_state`` and the aiohttp app of ``comap serve``, on
 loopback, the client talking HTTP to it), so that besides the resident set the script can count
-what the server holds: Python objects, torch tensors and their bytes, the allocator's bytes in use
+what the server holds: Python objects, the Python allocator's blocks (ints and strings too,
+which the collector does not see), torch tensors and their bytes, the C allocator's bytes in use
 (glibc ``mallinfo2``), peft adapter slots, LoRA stack rows and capacity, the structure thread's
 queue, the registry's per-name locks and the slots' generation entries. The prefix cache is kept
 small (``--prefix-cache-mb``) so that it is full by the end of the warm-up: its budget bounds it,
@@ -264,6 +265,7 @@ def main(args: argparse.Namespace) -> None:
     print(
         f"adapter_churn_counts objects_per_100={slope_per_100(samples, 'objects', args.warmup):.0f} "
         f"tensors_per_100={slope_per_100(samples, 'tensors', args.warmup):.0f} "
+        f"python_blocks_per_100={slope_per_100(samples, 'py_blocks', args.warmup):.0f} "
         f"heap_mb_per_100={slope_per_100(samples, 'heap_mb', args.warmup):.1f} "
         f"peak_slots={max(s['peak_slots'] for s in samples)} peft_slots={last['peft_slots']} "
         f"generation_entries={last['generation_entries']} name_locks={last['name_locks']} "
