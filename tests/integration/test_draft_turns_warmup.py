@@ -54,7 +54,12 @@ async def test_warmup_sends_the_walkthrough_and_each_recovery_as_one_path(alfwor
 
     cfg = load_config(
         REPO / "configs" / "test.yaml",
-        [f"env.data_dir={alfworld_data}", "env.max_steps=50", "actor.warmup_explore=0.5", "env.prompt_form=draft_turns"],
+        [
+            f"env.data_dir={alfworld_data}",
+            "env.max_steps=50",
+            "actor.warmup_explore=0.5",
+            "env.prompt_form=draft_turns",
+        ],
     )
     game = train_games[1]
     sent: list[dict] = []

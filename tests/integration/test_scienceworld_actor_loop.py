@@ -155,7 +155,12 @@ async def test_turns_coevolve_drafts_are_valid_commands_under_admissible_choice(
     broker = broker_factory([*TURNS, "actor.admissible_choice=true"])
     await announce(broker, "coevolve")
     cfg = sw_config(
-        broker, roomy_server, tiny_model_dir, "env.prompt_form=draft_turns", "actor.admissible_choice=true", "env.max_steps=3"
+        broker,
+        roomy_server,
+        tiny_model_dir,
+        "env.prompt_form=draft_turns",
+        "actor.admissible_choice=true",
+        "env.max_steps=3",
     )
     worker = ActorWorker(cfg, configure_logging("actor-test"), envs=3, episodes=3, games=games)
     results = await asyncio.wait_for(worker.run(), timeout=300)
