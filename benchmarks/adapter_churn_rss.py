@@ -41,6 +41,7 @@ from _inference import write_random_adapters  # noqa: E402
 from comap_async.config import load_config  # noqa: E402
 from comap_async.ports import free_port  # noqa: E402
 from comap_async.wire.inference_client import InferenceClient  # noqa: E402
+from comap_async.wire.messages import adapter_name  # noqa: E402
 
 ROLES = ("policy", "world", "teacher")
 LIVE_VERSIONS = 3  # the learner's publish keeps the newest three versions loaded
@@ -184,18 +185,21 @@ async def churn(url: str, server: InProcessServer, src: Path, root: Path, args: 
         await client.complete("Hello", max_tokens=2)
         for v in range(1, args.cycles + 1):
             for i, role in enumerate(ROLES):
-                path = root / f"{role}-v{v}"
+                path = root / adapter_name(role, v)
                 shutil.copytree(src / f"a{(v + i) % 4}", path)
-                await client.load_adapter(f"{role}-v{v}", str(path))
+                await client.load_adapter(adapter_name(role, v), str(path))
             prompt = f"Step {v}: you are in the middle of a room. Looking around you, you see a desk. " * 4
             await asyncio.gather(
-                *(client.complete(prompt + role, model=f"{role}-v{v}", max_tokens=8, temperature=0.7) for role in ROLES)
+                *(
+                    client.complete(prompt + role, model=adapter_name(role, v), max_tokens=8, temperature=0.7)
+                    for role in ROLES
+                )
             )
             old = v - LIVE_VERSIONS
             if old >= 1:
                 for role in ROLES:
-                    await client.unload_adapter(f"{role}-v{old}")
-                    shutil.rmtree(root / f"{role}-v{old}")
+                    await client.unload_adapter(adapter_name(role, old))
+                    shutil.rmtree(root / adapter_name(role, old))
             if v % args.every == 0:
                 row = {"cycle": v, **server.holdings(), "peak_slots": peak["slots"], "peak_queue": peak["queue"]}
                 samples.append(row)
