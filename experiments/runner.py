@@ -349,6 +349,7 @@ class Experiment:
         self.out.mkdir(parents=True, exist_ok=True)
 
         plan = []
+        judged_rows = self.spec.judged_rows()
         for i, row in enumerate(rows):
             ablation = read_run_ablation(row.run_dir) if row.arm != SOURCE else []
             methods = read_run_methods(row.run_dir)
@@ -356,7 +357,7 @@ class Experiment:
             version, _, prefix = stage_run(row.run_dir, prefix_id, adapter_root, str(row.version), with_ablation=False)
             digest = adapters_digest(row.run_dir / "adapters", version)
             row_cfg = with_ablation(cfg, ablation, methods)
-            judged = row.name in self.spec.judged_rows()
+            judged = row.name in judged_rows
             # a judged row's games carry its branch counts: it is another cell than the same row unjudged
             key = key_digest(
                 {
@@ -511,7 +512,7 @@ def game_record(record: dict[str, Any], judged_steps: list[tuple[int, int, int]]
     return {
         **{k: record[k] for k in keep if k in record},
         **({"delta_f1": round(sum(f1) / len(f1), 4)} if f1 else {}),
-        **({"judged": dict(sorted(judged.items()))} if judged_steps is not None and judged_steps else {}),
+        **({"judged": dict(sorted(judged.items()))} if judged else {}),
     }
 
 
