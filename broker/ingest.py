@@ -40,6 +40,7 @@ from comap_async.wire.messages import (
     Transition,
     TurnDemos,
 )
+from comap_async.wire.records import is_demo_path, is_suffix_label
 
 ENVELOPE = ("v", "type", "seq")
 
@@ -151,7 +152,7 @@ def record_counters(store: str, rec: dict[str, Any]) -> dict[str, int]:
             return out | {"gate_ag_total": 1, "gate_ag_unreadable": 1}
         return out | ({"gate_ws_unscored": 1} if rec.get("ws_score") is None else {})
     if store == "reflections":
-        if rec.get("source") == "suffix":
+        if is_suffix_label(rec):
             return {"stored_reflection_msgs": 1, f"reflect_label_{rec['label']}": 1}
         return {
             "stored_derived": 1,
@@ -165,7 +166,7 @@ def record_counters(store: str, rec: dict[str, Any]) -> dict[str, int]:
         return {"stored_imagined": 1}
     if store == "episodes":
         return {"stored_episodes": 1}
-    if store == "demos" and "turns" in rec:
+    if store == "demos" and is_demo_path(rec):
         return {"stored_turn_demos": 1, "stored_demo_turns": sum(rec["targets"])}
     return {}  # demos: counted with their warm-up transition
 

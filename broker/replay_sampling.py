@@ -25,6 +25,7 @@ from broker.ingest import record_from_store
 from broker.store import ReplayStore
 from comap_async.wire.messages import REFLECT_INIT, WARMUP
 from comap_async.wire.protocol import PHASES
+from comap_async.wire.records import is_suffix_label
 
 STALENESS_STORES = ("transitions", "reflections")
 # The phase of a record that has no ``phase`` field: suffix-labelled reflection samples
@@ -56,7 +57,7 @@ def lazy_permutation(rng: random.Random, lo: int, hi: int) -> Iterator[int]:
 def is_stale(item: dict[str, Any], current_policy: int, max_staleness: int) -> bool:
     """Too far behind the current policy to train on. Suffix-labelled reflection samples never are:
     their label comes from the rollouts' outcome, not from the policy version that drafted."""
-    if item.get("source") == "suffix":
+    if is_suffix_label(item):
         return False
     version = item.get("policy_version")
     return isinstance(version, int) and current_policy - version > max_staleness

@@ -21,7 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from learner.batches import Encoder, RecordKind, Seq, is_imagined, record_kind
+from comap_async.wire.records import RecordKind, is_imagined, record_kind
+from learner.batches import Encoder, Seq
 from learner.packing import unit_length
 
 Records = Mapping[str, list[dict[str, Any]]]

@@ -12,7 +12,6 @@ longest prompts (see configs/local.yaml).
 
 from __future__ import annotations
 
-import enum
 import zlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,48 +20,9 @@ from typing import Any
 from comap_async.config import LearnerConfig
 from comap_async.method.gates import action_verb
 from comap_async.prompts import Conversation, DecisionTokens, Prompts, reflection_head, reflection_target
+from comap_async.wire.records import RecordKind, record_kind
 
 KEEP_HEAD = 128  # kept from a truncated prompt's start: header + system prompt + task are 49-83 SmolLM2 tokens
-
-
-class RecordKind(enum.Enum):
-    """What a record the broker serves a learner is, for the losses it trains (:func:`record_kind`)."""
-
-    TRANSITION = "transition"
-    """A real transition (store ``transitions``): the world model's CE on ``s_next`` given ``(s, a_exec)``,
-    and self-distillation on the student's rollout ``s_hat_exec`` when it has one."""
-    DEMO_STEP = "demo_step"
-    """A demonstration in the window form (store ``demos``): one step's state ``s`` and expert action ``target``."""
-    DEMO_PATH = "demo_path"
-    """A demonstration in the turns form (``env.draft_turns``): a warm-up path, its ``turns`` and which of
-    their actions are demonstrations (``targets``)."""
-    GATE_REFLECTION = "gate_reflection"
-    """A reflection sample whose decision label ``y`` is the action gate's (co-evolution)."""
-    SUFFIX_REFLECTION = "suffix_reflection"
-    """A reflection sample labelled by suffix rollouts during reflection-mode initialisation (``source: suffix``)."""
-
-
-MICRO_BATCH_STORES = ("transitions", "demos", "reflections")
-"""The keys of a micro-batch as the learner's prefetcher hands it to the trainer (imagined episodes
-come under ``demos``)."""
-
-
-def record_kind(store: str, record: Mapping[str, Any]) -> RecordKind:
-    """The kind of ``record``, served under ``store`` of a micro-batch: the one place the learner tells
-    the forms and label sources apart by the fields the broker writes (the wire format is unchanged)."""
-    if store == "transitions":
-        return RecordKind.TRANSITION
-    if store == "demos":
-        return RecordKind.DEMO_PATH if "turns" in record else RecordKind.DEMO_STEP
-    if store == "reflections":
-        return RecordKind.SUFFIX_REFLECTION if record.get("source") == "suffix" else RecordKind.GATE_REFLECTION
-    raise ValueError(f"a micro-batch holds no store {store!r} (it holds {', '.join(MICRO_BATCH_STORES)})")
-
-
-def is_imagined(record: Mapping[str, Any]) -> bool:
-    """Whether a demonstration comes from an imagined episode (``learner.phases.coevolve.imagined_demo_share``):
-    a path in the turns form marked ``imagined`` or one step of such an episode (``source: imagined``)."""
-    return bool(record.get("imagined")) or record.get("source") == "imagined"
 
 
 @dataclass

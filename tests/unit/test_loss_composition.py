@@ -141,7 +141,7 @@ def test_a_step_over_every_kind_of_record_moves_no_figure(tiny_model_dir):
 
 
 def test_each_record_is_of_one_kind_decided_by_its_store_and_fields():
-    from learner.batches import RecordKind, is_imagined, record_kind
+    from comap_async.wire.records import RecordKind, is_imagined, record_kind
 
     assert record_kind("transitions", wm_record()) is RecordKind.TRANSITION
     assert record_kind("demos", demo_record()) is RecordKind.DEMO_STEP
@@ -156,7 +156,7 @@ def test_each_record_is_of_one_kind_decided_by_its_store_and_fields():
 
 
 def test_a_micro_batch_is_read_once_into_its_typed_batches(tiny_model_dir):
-    from learner.batches import RecordKind
+    from comap_async.wire.records import RecordKind
 
     trainer = make_trainer(tiny_model_dir, bce_gate_labels=False)
     first, second = every_kind()

@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from comap_async.wire.records import RecordKind
 from learner.batch_types import DraftBatch, MicroBatch, ReflectionBatch, WorldModelBatch, WorldModelUnit
-from learner.batches import RecordKind, Seq
+from learner.batches import Seq
 from learner.flops import (
     SHAPES,
     ModelDims,
