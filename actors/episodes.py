@@ -51,6 +51,10 @@ class EpisodeContext:
     """The current registry (the actor's :class:`~actors.registry_view.RegistryView`)."""
     on_step: Callable[[], None] | None = None
     """Called after every real environment step (evaluation's progress bar)."""
+    cycle_check: bool = False
+    """Evaluation with ``eval.cycle_stop`` (``comap eval --cycle-check``): play each episode to its end
+    and record whether the projection made at its first recurring state was exact
+    (:attr:`EpisodeStats.cycle_check`)."""
 
 
 @dataclass
@@ -99,7 +103,7 @@ class EpisodeStats:
     demo_fallback: bool = False
     """``actor.demonstrations: handcoded``: the expert lost this game, so the walkthrough was demonstrated."""
     cycle_check: dict[str, Any] | None = None
-    """``eval.cycle_stop_check``: how the projection at the first recurrence compared with the episode
+    """``comap eval --cycle-check``: how the projection at the first recurrence compared with the episode
     played to its end (:func:`actors.cycles.compare`)."""
 
     @property
@@ -356,7 +360,7 @@ async def play_coevolve(
     overlap = ctx.cfg.actor.overlap_teacher and not eval_mode
     ep = Episode(ctx, game, episode_id, await env.reset(game))
     plan = await env.walkthrough() if branch is not None else []
-    cycles = cycle_stop_for(ctx.cfg, "comap") if eval_mode else None
+    cycles = cycle_stop_for(ctx.cfg, "comap", ctx.cycle_check) if eval_mode else None
     previous: Any = None  # the last step's teacher request and transition, still to be sent
     imagined = ImaginedRollouts(ctx, ep) if not eval_mode and ctx.cfg.actor.imagined_rollouts > 0 else None
     try:

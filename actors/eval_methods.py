@@ -29,6 +29,9 @@ from comap_async.facts import state_delta_f1
 from comap_async.prompts import turns_of
 from comap_async.wire.messages import COEVOLVE
 
+REACT_MAX_TOKENS = 96
+"""Tokens of a ReAct answer: a one-sentence thought and the action line."""
+
 
 async def _act(ctx: EpisodeContext, ep: Episode, method: str, s: str) -> tuple[str | None, str | None]:
     """``(action, s_hat)`` of one step (action None: unparseable); ``s_hat`` is the imagined state of the executed
@@ -39,7 +42,7 @@ async def _act(ctx: EpisodeContext, ep: Episode, method: str, s: str) -> tuple[s
         ep.stats.lookahead.append(seen)
         return action, None
     if method == "react":
-        action, _ = await llm.react(s, ctx.cfg.eval.react_max_tokens, ep.current.admissible)
+        action, _ = await llm.react(s, REACT_MAX_TOKENS, ep.current.admissible)
         return action, None
     admissible = ep.current.admissible
     seen = ep.draft_state()
@@ -65,7 +68,7 @@ async def _act(ctx: EpisodeContext, ep: Episode, method: str, s: str) -> tuple[s
 async def play_method(ctx: EpisodeContext, env: Any, game: Any, episode_id: str, method: str) -> EpisodeStats:
     """One evaluation episode of ``method`` (``react``, ``imagine_and_act``, ``draft_only`` or ``lookahead``)."""
     ep = Episode(ctx, game, episode_id, await env.reset(game))
-    cycles = cycle_stop_for(ctx.cfg, method)
+    cycles = cycle_stop_for(ctx.cfg, method, ctx.cycle_check)
     while not ep.current.done:
         s, admissible = ep.state(), ep.current.admissible
         if cycles is not None and cycles.stop(s, ep.stats):

@@ -2,9 +2,9 @@
 ``call_web.py``): several candidate actions, each played a few steps ahead in the world model's
 imagination, scored by the policy acting as critic; the best-scored candidate is executed.
 
-Per step, with ``K = eval.lookahead_k`` and ``D = eval.lookahead_depth``:
+Per step, with ``K = eval.lookahead_k`` and ``D =`` :data:`DEPTH`:
 
-1. ``K`` drafts sampled at ``eval.lookahead_temperature`` are the candidates (a canonical duplicate
+1. ``K`` drafts sampled at :data:`TEMPERATURE` are the candidates (a canonical duplicate
    is played once; an unparseable draft is dropped; none left: the fallback command);
 2. for each candidate the world model answers ``D`` times: the candidate, then the policy's draft
    from each imagined state (the imagined state is the real history plus the imagined pairs, without
@@ -26,6 +26,13 @@ from typing import Any
 
 from comap_async.method.gates import canonical_action
 from comap_async.prompts import turns_of
+
+DEPTH = 1
+"""Imagined steps per candidate (the world model answers each; the policy drafts the next action from
+the imagined state). WebEvolver looks ahead one to a few steps."""
+TEMPERATURE = 0.7
+"""Temperature of the candidates' drafts: distinct candidates need sampling, also when the evaluation is
+greedy."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +63,7 @@ async def choose(ctx: Any, ep: Any, fallback: str) -> tuple[str, LookaheadStep]:
     ev, llm, s = ctx.cfg.eval, ctx.llm, ep.state()
     seen = ep.draft_state()
     admissible = ep.current.admissible
-    drafts = await asyncio.gather(
-        *(llm.draft(seen, ev.lookahead_temperature, admissible) for _ in range(ev.lookahead_k))
-    )
+    drafts = await asyncio.gather(*(llm.draft(seen, TEMPERATURE, admissible) for _ in range(ev.lookahead_k)))
     candidates: list[str] = []
     for action, _ in drafts:
         if action is not None and canonical_action(action) not in {canonical_action(c) for c in candidates}:
@@ -66,7 +71,7 @@ async def choose(ctx: Any, ep: Any, fallback: str) -> tuple[str, LookaheadStep]:
     if not candidates:
         ep.stats.parse_problems += 1
         return fallback, LookaheadStep((fallback,), (None,), 0)
-    futures = await asyncio.gather(*(imagine_ahead(ctx, ep, c, ev.lookahead_depth) for c in candidates))
+    futures = await asyncio.gather(*(imagine_ahead(ctx, ep, c, DEPTH) for c in candidates))
     scores = await asyncio.gather(*(llm.critic(s, future) for future in futures))
     best = max(range(len(candidates)), key=lambda i: (scores[i] if scores[i] is not None else -1.0, -i))
     return candidates[best], LookaheadStep(tuple(candidates), tuple(scores), best)

@@ -77,6 +77,7 @@ class ActorWorker:
         on_step: Any = None,
         eval_method: str = "comap",
         on_result: Any = None,
+        cycle_check: bool = False,
     ) -> None:
         self.cfg, self.log = cfg, log
         self.n_envs = envs or cfg.actor.envs
@@ -87,6 +88,7 @@ class ActorWorker:
         self.eval_method = eval_method  # evaluation: the CoMap loop or a baseline (actors/eval_methods.py)
         self.on_step = on_step  # called after every environment step (evaluation's progress bar)
         self.on_result = on_result  # called with (game, stats) as each episode ends (a resumable comparison)
+        self.cycle_check = cycle_check  # evaluation: play recurring episodes on, comparing the projection
         self.split = split
         self.games = games
         self.actor_id = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns() % 10**9}"
@@ -263,7 +265,14 @@ class ActorWorker:
             llm.base_model = await self._base_model(client)
             await pool.start()
             ctx = EpisodeContext(
-                self.actor_id, cfg, llm, outbox.put, get_next_state(cfg.env.name), self.registry.get, self.on_step
+                self.actor_id,
+                cfg,
+                llm,
+                outbox.put,
+                get_next_state(cfg.env.name),
+                self.registry.get,
+                self.on_step,
+                self.cycle_check,
             )
             rng = random.Random(f"{cfg.run.seed}-{self.actor_id}")
             loops = [asyncio.create_task(self._episode_loop(ctx, pool, games, rng)) for _ in range(self.n_envs)]

@@ -48,6 +48,7 @@ class EvalSpec:
     probes: bool = False  # the held-out probes along each game's walkthrough instead of the CoMap loop
     counterfactual: bool = False  # with probes: reflect on each draft under four futures (evaluator.counterfactual)
     method: str = "comap"  # how the agent acts: the CoMap loop or a baseline (comap_async.config.EvalMethod)
+    cycle_check: bool = False  # with eval.cycle_stop: play on, recording whether each projection was exact
 
     def __post_init__(self) -> None:
         from comap_async.config import EVAL_METHODS
@@ -111,11 +112,14 @@ async def play_games(
     phase: str = COEVOLVE,
     method: str = "comap",
     on_result: Callable[[Any, Any], None] | None = None,
+    cycle_check: bool = False,
 ) -> list:
     """Play each game once with the adapters ``registry`` names, at ``eval.temperature`` (``phase``: the CoMap loop, or
     reflection-mode initialisation for its labels; ``method``: the CoMap loop or a baseline of
     :mod:`actors.eval_methods`); nothing is stored. Returns the
-    ``(game, EpisodeStats)`` results (``on_result`` is also called with each as its episode ends)."""
+    ``(game, EpisodeStats)`` results (``on_result`` is also called with each as its episode ends).
+    ``cycle_check``: with ``eval.cycle_stop``, every episode is played to its end and records whether the
+    stop's projection was exact (``EpisodeStats.cycle_check``; ``experiments/studies/cycle_stop.py``)."""
     from actors.worker import ActorWorker
 
     cfg = evaluation_config(cfg)
@@ -131,6 +135,7 @@ async def play_games(
         on_step=on_step,
         eval_method=method,
         on_result=on_result,
+        cycle_check=cycle_check,
     )
     return await worker.run(outbox=_Recorder(on_game), registry=registry)
 
@@ -337,6 +342,7 @@ async def _evaluate_with(
             reflection_metrics=spec.reflection_metrics,
             phase=REFLECT_INIT if spec.reflect_init_labels else COEVOLVE,
             method=spec.method,
+            cycle_check=spec.cycle_check,
         )
     finally:
         bar.close()

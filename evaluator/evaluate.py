@@ -70,6 +70,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "prediction, the draft's true next state, a contradicting state and none; how p and the gate's "
         "decision move between them (does the reflection read the world model?)",
     )
+    p.add_argument(
+        "--cycle-check",
+        action="store_true",
+        help="with eval.cycle_stop: play every game to its end anyway, and record per game whether the "
+        "projection made at its first recurring state was what was played (eval.json's cycle_check; "
+        "experiments/studies/cycle_stop.py reads it)",
+    )
     from comap_async.config import EVAL_METHODS
 
     p.add_argument(
@@ -80,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "action gate), react (a thought then an action, no world model, no reflection), "
         "imagine_and_act (the draft's imagined consequence, then a chosen final action, no action "
         "gate), draft_only (the policy's draft executed as is) or lookahead (K sampled candidates "
-        "imagined D steps ahead by the world model, the critic's best executed: eval.lookahead_*)",
+        "imagined D steps ahead by the world model, the critic's best executed: eval.lookahead_k)",
     )
     p.add_argument(
         "--serve",
@@ -110,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)
     log = configure_logging("eval", run=cfg.run.name)
     try:
+        if args.cycle_check and cfg.eval.cycle_stop == 0:
+            raise ValueError("--cycle-check measures eval.cycle_stop's projections: set it (--set eval.cycle_stop=3)")
         spec = EvalSpec(
             split=args.split,
             games=args.games,
@@ -120,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
             probes=args.probes,
             counterfactual=args.counterfactual,
             method=args.method or cfg.eval.method,
+            cycle_check=args.cycle_check,
         )
     except ValueError as exc:
         print(f"comap eval: error: {exc}", file=sys.stderr)

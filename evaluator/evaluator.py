@@ -1,8 +1,8 @@
 """``comap evaluator``: held-out figures for every adapter version, while the system runs.
 
 A process beside the actors (a ``Procfile`` line): it asks the broker for the registry, and for
-the base model once and then every ``eval.every_versions``-th published version (the newest
-when it falls behind) it runs the probes on ``eval.games`` games of ``eval.split`` and the full
+the base model once and then every published version (the newest when it falls behind:
+:data:`MAX_PENDING`) it runs the probes on ``eval.games`` games of ``eval.split`` and the full
 CoMap loop on ``eval.success_games`` of them. Each result goes to ``<run dir>/eval/v<N>.json``,
 to the broker (``comap stats`` shows it, ``--plot`` draws it) and to TensorBoard (``eval/...``).
 
@@ -25,6 +25,11 @@ from comap_async.cli import add_config_arguments
 from comap_async.wire.messages import ROLES, Registry, adapter_name
 
 EVAL_PREFIX = "eval-"  # the evaluator serves its own copies of a version's adapters: a publish may retire the learner's
+MAX_PENDING = 2
+"""When more versions than this wait for evaluation (the learner publishes faster than the evaluator
+measures), the newest is evaluated next and the ones between are skipped."""
+POLL_S = 5.0
+"""How often the evaluator asks the broker for a new version when none waits."""
 
 SCALARS = (
     "wm_delta_f1",
@@ -48,15 +53,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--once", action="store_true", help="evaluate the pending versions once and exit (tests, scripts)")
 
 
-def next_version(done: set[int], published: list[int], every: int, max_pending: int) -> int | None:
-    """The version to evaluate now: the base model (0) first, then the oldest published multiple
-    of ``every`` newer than anything evaluated; the newest instead when more than ``max_pending``
-    are waiting (the evaluator fell behind the learner: the ones between are skipped). None when
-    there is nothing to do."""
+def next_version(done: set[int], published: list[int], max_pending: int = MAX_PENDING) -> int | None:
+    """The version to evaluate now: the base model (0) first, then the oldest published version newer
+    than anything evaluated; the newest instead when more than ``max_pending`` are waiting (the
+    evaluator fell behind the learner: the ones between are skipped). None when there is nothing to do."""
     if 0 not in done:
         return 0
     newest_done = max(done)
-    pending = sorted(v for v in published if v > newest_done and v % every == 0)
+    pending = sorted(v for v in published if v > newest_done)
     if not pending:
         return None
     return pending[-1] if len(pending) > max_pending else pending[0]
@@ -251,17 +255,12 @@ class Evaluator:
                     version = (
                         None
                         if registry is None
-                        else next_version(
-                            done,
-                            published_versions(self.cfg.adapter_root, current),
-                            self.cfg.eval.every_versions,
-                            self.cfg.eval.max_pending,
-                        )
+                        else next_version(done, published_versions(self.cfg.adapter_root, current))
                     )
                     if version is None:
                         if once:
                             return 0
-                        await self._sleep(self.cfg.eval.poll_s)
+                        await self._sleep(POLL_S)
                         continue
                     started = time.monotonic()
                     finished, result = await until_stopped(self.evaluate(client, version, registry), self.stop)

@@ -311,6 +311,18 @@ REMOVED_FIELDS: dict[str, str] = {
     "more games (docs/findings.md)",
     "eval.repeat_guard_temperature": "evaluation episodes have no anti-loop guard; it took the loop rate to 0 "
     "and won no more games (docs/findings.md)",
+    # the evaluator's tuning constants
+    "eval.lookahead_depth": "the look-ahead imagines one step per candidate (actors.lookahead.DEPTH)",
+    "eval.lookahead_temperature": "the look-ahead's candidates are drafted at 0.7 (actors.lookahead.TEMPERATURE)",
+    "eval.react_max_tokens": "a ReAct answer is up to 96 tokens (actors.eval_methods.REACT_MAX_TOKENS)",
+    "eval.every_versions": "the evaluator measures every published version (the newest when more than "
+    "evaluator.evaluator.MAX_PENDING wait)",
+    "eval.max_pending": "the evaluator skips to the newest version when more than 2 wait "
+    "(evaluator.evaluator.MAX_PENDING)",
+    "eval.poll_s": "the evaluator asks the broker for a new version every 5 s (evaluator.evaluator.POLL_S)",
+    "eval.cycle_stop_turns": "eval.cycle_stop applies in the draft's turns form too, on a cycle played through "
+    "alike: its projections had the played outcome in 11 of 11 recurring games (docs/findings.md)",
+    "eval.cycle_stop_check": "now comap eval --cycle-check (experiments/studies/cycle_stop.py passes it)",
     # the per-phase settings moved into one section per phase (learner.phases.<phase>)
     "learner.warmup_steps": "now learner.phases.warmup.steps",
     "learner.warmup_epochs": "now learner.phases.warmup.epochs",

@@ -16,7 +16,7 @@ an oracle world model, for evaluation only), ``react`` (a thought then an action
 alone: no world model, no reflection), ``imagine_and_act`` (the draft's imagined consequence, then a final action chosen
 from it: no action gate), ``draft_only`` (the policy's draft executed as is), ``lookahead``
 (WebEvolver's imagination engine: ``eval.lookahead_k`` sampled candidates, each imagined
-``eval.lookahead_depth`` steps ahead by the world model and scored by the policy as critic; the
+``actors.lookahead.DEPTH`` steps ahead by the world model and scored by the policy as critic; the
 best-scored one executed: ``actors/lookahead.py``)."""
 EVAL_METHODS: tuple[str, ...] = EvalMethod.__args__
 
@@ -33,27 +33,16 @@ class EvalConfig(Section):
     model's): 0, greedy, so that a version's success rate does not hinge on one sampled game."""
     lookahead_k: int = Field(default=3, ge=1, le=16)
     """``lookahead``: candidate actions per step (sampled drafts; canonical duplicates played once)."""
-    lookahead_depth: int = Field(default=1, ge=1, le=8)
-    """``lookahead``: imagined steps per candidate (the world model answers each; the policy drafts
-    the next action from the imagined state). WebEvolver looks ahead one to a few steps."""
-    lookahead_temperature: float = Field(default=0.7, gt=0.0)
-    """``lookahead``: temperature of the candidates' drafts (distinct candidates need sampling, also
-    when the evaluation is greedy)."""
     cycle_stop: int = Field(default=0, ge=0)
     """End a greedy evaluation episode (``temperature`` 0, not ``lookahead``) when its
     textual state occurs this many times (0 = off; at least 2): the steps since the previous
     occurrence would repeat to ``env.max_steps``, so the game is lost and every figure of the episode
-    is extended as those steps would have gone (:mod:`actors.cycles`)."""
-    cycle_stop_turns: bool = False
-    """With ``cycle_stop``: apply it in the draft's turns form (``env.draft_turns``) too, where the
-    draft sees the whole history and a recurring state does not repeat its step by construction. The
-    episode then ends only when the stretches of states between the state's last ``cycle_stop``
-    occurrences are the same (the cycle already played ``cycle_stop - 1`` times with itself in the
-    context): a measured premise, not a derived one (``experiments/studies/cycle_stop.py`` measures it;
-    docs/running.md)."""
-    cycle_stop_check: bool = False
-    """With ``cycle_stop``: play each episode to its end anyway and record whether the projection was
-    exact (``experiments/studies/cycle_stop.py`` measures the premise this way)."""
+    is extended as those steps would have gone (:mod:`actors.cycles`). In the draft's turns form
+    (``env.draft_turns``), where the draft sees the whole history, the episode ends only when the
+    stretches of states between the state's last ``cycle_stop`` occurrences are the same (the cycle
+    already played ``cycle_stop - 1`` times with itself in the context): a measured premise
+    (``experiments/studies/cycle_stop.py``; docs/findings.md: the projections had the played outcome
+    in 11 of 11 recurring games)."""
 
     @field_validator("cycle_stop")
     @classmethod
@@ -68,8 +57,6 @@ class EvalConfig(Section):
     the action gate keeps the draft whatever the reflection would say, so the episode is the same and
     the server decodes fewer tokens. Such a step's reflection is not read, so it is not counted in the
     unreadable answers. Not under ``no_action_gate`` (there every reflection's action counts)."""
-    react_max_tokens: int = Field(default=96, ge=8)
-    """Tokens of a ReAct answer (a one-sentence thought and the action line)."""
     games: int = Field(default=10, ge=1)
     """Games of the probes (world-model Delta-F1, draft accuracy along walkthroughs), drawn with the
     run seed and spread over the task types; the same games for every version."""
@@ -83,11 +70,6 @@ class EvalConfig(Section):
     """Games played with the full CoMap loop for the success rate (``eval.envs`` at a time; slow on a
     CPU: a game is up to ``env.max_steps`` steps of 4-5 model calls); 0 = probes only. Fewer than
     ~10 cannot show a rate: one game reads 0 or 1."""
-    every_versions: int = Field(default=1, ge=1)
-    """Evaluate every K-th published version (and the base model once), oldest first."""
-    max_pending: int = Field(default=2, ge=1)
-    """When more versions than this wait for evaluation (the learner publishes faster than the
-    evaluator measures), the newest is evaluated next and the ones between are skipped."""
     envs: int = Field(default=4, ge=1)
     """Games the evaluator plays at once (their calls share the server's batches): it shares the
     inference servers with the actors."""
@@ -100,13 +82,12 @@ class EvalConfig(Section):
     evaluation. With vLLM the launcher then adds ``--scheduling-policy priority``."""
     max_share: float | None = Field(default=None, gt=0, le=1)
     """At most this share of the wall clock spent evaluating: after an evaluation of T seconds the evaluator
-    rests T x (1 / share - 1) before the next (the newest version then, ``max_pending``). With ``priority``
-    and the server's hold, an evaluator that always has a new version to measure holds the actors' calls for
-    good: the learner trains on the replay while the actors store a fifth of their rate or less (12
-    co-evolution transitions in 12 minutes of ``configs/local-quick.yaml``, docs/running.md, "A ten-minute
-    try"). None: evaluate whenever a version waits. ``comap evaluator --once`` never rests."""
-    poll_s: float = Field(default=5.0, gt=0)
-    """How often the evaluator asks the broker for a new version."""
+    rests T x (1 / share - 1) before the next (the newest version then, when more than
+    ``evaluator.evaluator.MAX_PENDING`` wait). With ``priority`` and the server's hold, an evaluator that
+    always has a new version to measure holds the actors' calls for good: the learner trains on the replay
+    while the actors store a fifth of their rate or less (12 co-evolution transitions in 12 minutes of
+    ``configs/local-quick.yaml``, docs/running.md, "A ten-minute try"). None: evaluate whenever a version
+    waits. ``comap evaluator --once`` never rests."""
     nice: int = Field(default=0, ge=0, le=19)
     """Niceness added to the evaluator process and its environment workers: a measurement should
     yield the CPU to the learner and the actors (the CPU default sets 10)."""

@@ -1,5 +1,5 @@
 """Is ``eval.cycle_stop``'s premise true here, and what does it save? One greedy evaluation played
-to the end with ``eval.cycle_stop_check``: at each episode's first recurring state the projection is
+to the end (``comap eval --cycle-check``): at each episode's first recurring state the projection is
 made and kept, the episode plays on, and at its end the two are compared (actors/cycles.py).
 
     python experiments/studies/cycle_stop.py --split valid_seen --games 10 --adapters N [--occurrences 3]
@@ -10,8 +10,8 @@ per episode, the step the stop would have ended it at and whether every figure t
 (won, steps, loops, invalid actions, revisions, parse problems, gate reasons, Delta-F1 scores) is
 the played one. Last line: ``episodes=N recurred=R exact=E outcome_exact=O steps_saved=S`` (O: the
 projections whose won, steps and reward were the played ones; S: the share of all played steps that
-the stop would have skipped). In the draft's turns form (``--set env.prompt_form=draft_turns --set
-eval.cycle_stop_turns=true``) the premise is measured, not derived (actors/cycles.py).
+the stop would have skipped). In the draft's turns form (``--set env.prompt_form=draft_turns``, as in
+``configs/local.yaml``) the premise is measured, not derived (actors/cycles.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def main() -> int:
     cmd = [sys.executable, "-m", "comap_async", "eval", "--config", args.config, "--split", args.split]
     cmd += ["--games", str(args.games), "--adapters", args.adapters, "--method", args.method, "--out", str(out)]
     cmd += [] if args.envs is None else ["--envs", str(args.envs)]
-    overrides = [f"eval.cycle_stop={args.occurrences}", "eval.cycle_stop_check=true", *args.set]
+    cmd += ["--cycle-check"]
+    overrides = [f"eval.cycle_stop={args.occurrences}", *args.set]
     for item in overrides:
         cmd += ["--set", item]
     if subprocess.run(cmd, cwd=REPO).returncode != 0:

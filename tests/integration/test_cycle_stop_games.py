@@ -1,6 +1,7 @@
 """``eval.cycle_stop`` on real valid_seen games with the tiny model on a real embedded server: the
 greedy episodes that recur are ended early, their figures are those of the episodes played to the
-end (measured in the same test with ``eval.cycle_stop_check``), and fewer environment steps run."""
+end (measured in the same test with ``play_games(cycle_check=True)``, ``comap eval --cycle-check``), and
+fewer environment steps run."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ NO_HISTORY = "env.history_k=0"
 recurs at once, as a trained policy's take/move loop does over a longer cycle."""
 
 
-def play(method: str, server, alfworld_data, tiny_model_dir, tmp_path, *extra: str):
-    """The two games' statistics and the environment steps actually taken."""
+def play(method: str, server, alfworld_data, tiny_model_dir, tmp_path, *extra: str, check: bool = False):
+    """The two games' statistics and the environment steps actually taken (``check``: every game played to
+    its end, the stop's projection compared)."""
     env_steps = [0]
 
     def on_step() -> None:
@@ -33,6 +35,7 @@ def play(method: str, server, alfworld_data, tiny_model_dir, tmp_path, *extra: s
         NO_HISTORY,
         *extra,
         on_step=on_step,
+        cycle_check=check,
     )
     return stats, env_steps[0]
 
@@ -46,7 +49,7 @@ def test_recurring_games_end_early_with_the_figures_of_the_whole_game(
     method, roomy_server, alfworld_data, tiny_model_dir, tmp_path
 ):
     checked, played_all = play(
-        method, roomy_server, alfworld_data, tiny_model_dir, tmp_path, "eval.cycle_stop=2", "eval.cycle_stop_check=true"
+        method, roomy_server, alfworld_data, tiny_model_dir, tmp_path, "eval.cycle_stop=2", check=True
     )
     recurred = [s for s in checked if s.cycle_check is not None]
     assert recurred, "with no history, the tiny model's invalid commands should revisit a state"
@@ -59,13 +62,11 @@ def test_recurring_games_end_early_with_the_figures_of_the_whole_game(
 
 
 def test_the_turns_form_ends_a_cycle_played_through_twice(roomy_server, alfworld_data, tiny_model_dir, tmp_path):
-    """``eval.cycle_stop_turns``: the draft sees the whole history, so the stop is a measured premise;
+    """The turns form: the draft sees the whole history, so the stop is a measured premise;
     the stopped games end where the played-through ones' projections were made, with their figures
     wherever the check found the projection exact, and fewer environment steps run."""
-    turns = ("env.prompt_form=draft_turns", "eval.cycle_stop=3", "eval.cycle_stop_turns=true")
-    checked, played_all = play(
-        "comap", roomy_server, alfworld_data, tiny_model_dir, tmp_path, *turns, "eval.cycle_stop_check=true"
-    )
+    turns = ("env.prompt_form=draft_turns", "eval.cycle_stop=3")
+    checked, played_all = play("comap", roomy_server, alfworld_data, tiny_model_dir, tmp_path, *turns, check=True)
     recurred = [s for s in checked if s.cycle_check is not None]
     assert recurred, "with no history, the tiny model's invalid commands should repeat a cycle"
     stopped, played = play("comap", roomy_server, alfworld_data, tiny_model_dir, tmp_path, *turns)

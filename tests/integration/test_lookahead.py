@@ -58,7 +58,10 @@ def calls(recorded_calls) -> list[dict]:
     return recorded_calls  # every model call of the episode, classified as in test_eval_methods.py
 
 
-def play(critic_model, tmp_path, alfworld_data, depth: int):
+def play(critic_model, tmp_path, alfworld_data, monkeypatch, depth: int):
+    from actors import lookahead
+
+    monkeypatch.setattr(lookahead, "DEPTH", depth)
     model, url = critic_model
     cfg = load_config(
         REPO / "configs" / "test.yaml",
@@ -70,7 +73,6 @@ def play(critic_model, tmp_path, alfworld_data, depth: int):
             f"env.data_dir={alfworld_data}",
             "env.max_steps=3",
             "eval.lookahead_k=3",
-            f"eval.lookahead_depth={depth}",
         ],
     )
     games = spread_sample(games_from_config(cfg, "valid_seen"), 2, cfg.run.seed)
@@ -83,8 +85,10 @@ def play(critic_model, tmp_path, alfworld_data, depth: int):
     return model, [s for _, s in results]
 
 
-def test_lookahead_imagines_each_candidate_and_executes_the_best_scored(critic_model, calls, tmp_path, alfworld_data):
-    model, stats = play(critic_model, tmp_path, alfworld_data, depth=1)
+def test_lookahead_imagines_each_candidate_and_executes_the_best_scored(
+    critic_model, calls, tmp_path, alfworld_data, monkeypatch
+):
+    model, stats = play(critic_model, tmp_path, alfworld_data, monkeypatch, depth=1)
     steps = [step for s in stats for step in s.lookahead]
     assert len(steps) == sum(s.steps for s in stats) >= 4
     kinds = [c["kind"] for c in calls]
@@ -112,8 +116,10 @@ def test_lookahead_imagines_each_candidate_and_executes_the_best_scored(critic_m
         assert len({canonical_action(c) for c in step.candidates}) == len(step.candidates)  # duplicates played once
 
 
-def test_a_deeper_lookahead_asks_the_world_model_up_to_k_times_d(critic_model, calls, tmp_path, alfworld_data):
-    _, stats = play(critic_model, tmp_path, alfworld_data, depth=3)
+def test_a_deeper_lookahead_asks_the_world_model_up_to_k_times_d(
+    critic_model, calls, tmp_path, alfworld_data, monkeypatch
+):
+    _, stats = play(critic_model, tmp_path, alfworld_data, monkeypatch, depth=3)
     steps = [step for s in stats for step in s.lookahead]
     candidates = sum(len(step.candidates) for step in steps)
     imagined = sum(c["kind"] == "imagine" for c in calls)

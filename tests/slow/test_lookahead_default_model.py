@@ -64,7 +64,6 @@ def test_the_critic_scores_and_the_best_candidate_runs(default_model_server, alf
             f"env.data_dir={alfworld_data}",
             "env.max_steps=3",
             "eval.lookahead_k=3",
-            "eval.lookahead_depth=1",
         ],
     )
     games = spread_sample(games_from_config(cfg, "valid_seen"), 2, cfg.run.seed)

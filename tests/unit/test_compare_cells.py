@@ -30,7 +30,7 @@ def test_the_key_ignores_where_things_live_and_sees_what_changes_play():
         "eval.envs=8",
     )
     for other in (
-        key("eval.react_max_tokens=64"),
+        key("eval.lookahead_k=4"),
         key("env.max_steps=30"),
         key("gates.tau_p=0.7"),
         key("ablation.no_action_gate=true"),
@@ -62,7 +62,7 @@ def test_a_stored_row_is_read_back_only_for_its_own_key(tmp_path):
     assert store.load(key()) is None
     store.save(key(), report)
     assert store.load(key()) == report
-    assert store.load(key("eval.react_max_tokens=64")) is None
+    assert store.load(key("eval.lookahead_k=4")) is None
     assert not list(store.root.glob("*.tmp"))
 
 
@@ -80,7 +80,7 @@ def test_a_rows_finished_episodes_are_read_back_for_its_own_key_until_the_row_is
     episodes = [{"game": "valid_seen/g0/t0", "won": True, "steps": 5}]
     store.save_partial(key(), episodes, 12.5)
     assert store.load_partial(key()) == ({"valid_seen/g0/t0": episodes[0]}, 12.5)
-    assert store.load_partial(key("eval.react_max_tokens=64")) == ({}, 0.0)
+    assert store.load_partial(key("eval.lookahead_k=4")) == ({}, 0.0)
     store.save(key(), {"success_rate": 1.0})
     assert store.load_partial(key()) == ({}, 0.0) and store.load(key()) == {"success_rate": 1.0}
 
@@ -97,7 +97,7 @@ def test_a_row_measured_before_its_adapters_were_written_is_played_again(tmp_pat
     store = CellStore(tmp_path / "out")
     k = key(source=str(run))
     store.save(k, {"success_rate": 0.15})
-    store.save_partial(key("eval.react_max_tokens=64", source=str(run)), [{"game": "g0"}], 3.0)
+    store.save_partial(key("eval.lookahead_k=4", source=str(run)), [{"game": "g0"}], 3.0)
     assert store.load(k) == {"success_rate": 0.15} and store.stale == []
     (run / "adapters" / "policy-v8" / "adapter_model.safetensors").write_bytes(b"later, another version")
     assert store.load(k) == {"success_rate": 0.15}
@@ -106,7 +106,7 @@ def test_a_row_measured_before_its_adapters_were_written_is_played_again(tmp_pat
     weights.write_bytes(b"new")  # the run forked again and published v7 anew
     os.utime(weights, (newer, newer))
     assert store.load(k) is None
-    assert store.load_partial(key("eval.react_max_tokens=64", source=str(run))) == ({}, 0.0)
+    assert store.load_partial(key("eval.lookahead_k=4", source=str(run))) == ({}, 0.0)
     assert len(store.stale) == 2 and len(list(store.root.glob("*.stale"))) == 2  # kept aside, not deleted
     assert store.load(key(source="base")) is None and CellStore.published_at(key(source="base")) == 0.0
 

@@ -150,13 +150,14 @@ def test_a_repeated_cycle_stop_projects_the_whole_episode(occurrences):
     assert figures(stopped) == figures(whole)
 
 
-def test_the_turns_form_is_stopped_only_when_asked():
-    turns = CoMapConfig(env={"prompt_form": "draft_turns"}, eval={"cycle_stop": 3})
-    assert cycle_stop_for(turns, "comap") is None  # the draft's whole history does not recur with the state
-    asked = turns.model_copy(update={"eval": turns.eval.model_copy(update={"cycle_stop_turns": True})})
-    stop = cycle_stop_for(asked, "comap")
-    assert stop is not None and stop.repeated
+def test_the_turns_form_is_stopped_on_a_repeated_cycle():
+    """The draft's whole history does not recur with the state: in the turns form a recurrence counts
+    only on a cycle played through alike (the premise measured: docs/findings.md)."""
+    stop = cycle_stop_for(CoMapConfig(env={"prompt_form": "draft_turns"}, eval={"cycle_stop": 3}), "comap")
+    assert stop is not None and stop.repeated and not stop.check
     assert not cycle_stop_for(CoMapConfig(eval={"cycle_stop": 3}), "comap").repeated
+    assert cycle_stop_for(CoMapConfig(eval={"cycle_stop": 3}), "draft_only", check=True).check
+    assert cycle_stop_for(CoMapConfig(), "comap", check=True) is None  # the stop off: nothing to check
 
 
 def test_an_outcome_that_differs_is_not_outcome_exact():
