@@ -357,7 +357,6 @@ async def play_coevolve(
     the replay diverges); no Delta-F1 is counted, the world model having predicted nothing.
     """
     llm = ctx.llm
-    overlap = ctx.cfg.actor.overlap_teacher and not eval_mode
     ep = Episode(ctx, game, episode_id, await env.reset(game))
     plan = await env.walkthrough() if branch is not None else []
     cycles = cycle_stop_for(ctx.cfg, "comap", ctx.cycle_check) if eval_mode else None
@@ -392,7 +391,7 @@ async def play_coevolve(
                 s_hat,
                 confidence,
                 admissible,
-                keep_at_or_below=decision_first(ctx.cfg, eval_mode),
+                keep_at_or_below=decision_first(ctx.cfg),
                 conversation=turns_of(seen),
             )
             ep.stats.parse_problems += refl.problem is not None
@@ -447,10 +446,7 @@ async def play_coevolve(
                 ),
                 turns_of(seen),
             )
-            if overlap:
-                previous = asyncio.ensure_future(send)
-            else:
-                await send
+            previous = asyncio.ensure_future(send)  # its teacher call goes out beside the next step's draft
     except asyncio.CancelledError:
         if previous is not None:
             previous.cancel()

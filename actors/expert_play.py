@@ -17,6 +17,12 @@ from comap_async.method.labels import reflection_label
 from comap_async.prompts import Conversation
 from comap_async.wire.messages import KEEP, REFLECT_INIT, WARMUP, Reflection, Transition, TurnDemos
 
+EXPLORE_INVALID = 0.5
+"""Of warm-up's exploratory actions (``actor.warmup_explore``), the share that are inadmissible commands
+built from the entities in the admissible list (a take from the wrong receptacle, ``open`` an object,
+``go to`` an object: the game answers ``Nothing happens.``); the rest are sampled admissible non-expert
+commands (:func:`actors.explore.explore_action`)."""
+
 
 async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str, branch: Any = None) -> EpisodeStats:
     """Warm-up: replay the game's demonstration (:func:`demonstration_start`: the walkthrough, or the
@@ -43,7 +49,7 @@ async def play_expert(ctx: EpisodeContext, env: Any, game: Any, episode_id: str,
         o, s, label = ep.current.observation, ep.state(), ep.current.expert_action
         explored = None
         if branch is not None and a.warmup_explore > 0 and rng.random() < a.warmup_explore:
-            x_action = explore_action(rng, ep.current.admissible, action, a.warmup_explore_invalid)
+            x_action = explore_action(rng, ep.current.admissible, action, EXPLORE_INVALID)
             if x_action is not None:
                 try:
                     await branch.restore(game, [taken for taken, _ in ep.history])

@@ -2,7 +2,7 @@
 ``data/traj_synthesizing_world_model.py``): imagined episodes that become policy training data.
 
 In each co-evolution episode, ``actor.imagined_rollouts`` of its real states (steps drawn with the
-run seed) each start an imagined episode of up to ``actor.imagined_depth`` steps: the policy drafts
+run seed) each start an imagined episode of up to :data:`DEPTH` steps: the policy drafts
 from the state, the student world model answers, and the answer becomes the next state's
 observation (the real history, then the imagined pairs; no admissible list, as the environment has
 not said what it would accept there). No environment step is taken. A rollout starts when the real
@@ -13,8 +13,8 @@ ended early start, at its end, from played steps not used yet.
 
 The filter (the issue's "stated rule"): the policy, as critic (the look-ahead's prompt: "does this
 continuation bring the task closer to done?"), scores the whole imagined episode from its real
-start; it is kept when P(YES) is at least ``actor.imagined_min_score`` (0 keeps every one and asks
-no critic). Each kept step is one :class:`~comap_async.wire.messages.Imagined` message: the state
+start; it is kept when P(YES) is at least :data:`MIN_SCORE` (0 would keep every one and ask no
+critic). Each kept step is one :class:`~comap_async.wire.messages.Imagined` message: the state
 the policy saw and its action; in the turns form (``env.draft_turns``) each kept episode is one
 :class:`~comap_async.wire.messages.TurnDemos` path (``imagined``), the real turns as context and the
 imagined actions as targets, trained as the warm-up's paths are. The broker stores them apart (the
@@ -36,6 +36,13 @@ from typing import Any
 from comap_async.prompts import Conversation, render_state, turns_of
 from comap_async.prompts.template import FIT_LEFT_OUT_TURNS
 from comap_async.wire.messages import POLICY, WM, Imagined, TurnDemos
+
+DEPTH = 3
+"""Steps of an imagined episode (the policy's action and the world model's answer each)."""
+MIN_SCORE = 0.5
+"""The filter: an imagined episode is kept when the policy, as critic, scores it at least this (P(YES)
+that it brings the task closer to done, the look-ahead's critic); 0 keeps every one without asking the
+critic (at 0.5 one of 16 was kept in a fork, at 0 all were: docs/findings.md)."""
 
 
 async def imagine_from(ctx: Any, ep: Any, t: int, depth: int) -> list[tuple[str, str, str]]:
@@ -131,14 +138,13 @@ class ImaginedRollouts:
 
 async def _play_and_emit(ctx: Any, ep: Any, t: int) -> None:
     """One imagined episode from real step ``t``; its steps go out if the filter keeps it."""
-    a = ctx.cfg.actor
-    steps = await imagine_from(ctx, ep, t, a.imagined_depth)
+    steps = await imagine_from(ctx, ep, t, DEPTH)
     score = None
-    if steps and a.imagined_min_score > 0:
+    if steps and MIN_SCORE > 0:
         score = await ctx.llm.critic(steps[0][0], [(action, answer) for _, action, answer in steps])
         if score is not None:
             ep.stats.imagined_scores.append(score)
-    kept = bool(steps) and (a.imagined_min_score <= 0 or (score is not None and score >= a.imagined_min_score))
+    kept = bool(steps) and (MIN_SCORE <= 0 or (score is not None and score >= MIN_SCORE))
     if not kept:
         ep.stats.imagined_dropped += 1
         return

@@ -41,6 +41,9 @@ STOP_ACTION = ["\n", "<|im_end|>"]
 STOP_STATE = ["<|im_end|>", "\n\n"]
 TEACHER_TEMPERATURE = 0.0
 """The EMA teacher predicts greedily: its prediction is the world-state gate's reference."""
+TOP_LOGPROBS = 20
+"""Top-k alternatives asked for per token where a probability is read from two tokens (the reflection's
+decision, the critic's answer): both must be among them (vLLM's default cap is 20)."""
 
 # role -> the model name this task's most recent call for that role used (copied on write, so a
 # task never changes a mapping another task sees)
@@ -257,7 +260,7 @@ class AgentLLM:
         scored = self.cfg.reflect_confidence if confidence is None else confidence
         c = await self._action(
             self.prompts.draft(state),
-            self.cfg.max_draft_tokens,
+            self.cfg.max_tokens["draft"],
             self.cfg.temperature if temperature is None else temperature,
             1 if scored else None,
             self.choices(admissible),
@@ -285,9 +288,7 @@ class AgentLLM:
                 "this model's tokenizer does not separate the critic's answers ' NO' / ' YES' at "
                 "their first token: the lookahead method cannot read a score"
             )
-        c = await self._complete(
-            POLICY, self.prompts.critic(state, trajectory), 1, ["<|im_end|>"], 0.0, self.cfg.logprobs
-        )
+        c = await self._complete(POLICY, self.prompts.critic(state, trajectory), 1, ["<|im_end|>"], 0.0, TOP_LOGPROBS)
         return top_k_revise_probability(first_top_logprobs(c), answer)
 
     async def react(
@@ -320,7 +321,7 @@ class AgentLLM:
         # decoded as a draft is, so the final action is chosen alike
         c = await self._action(
             self.prompts.choose(state, a_draft, s_hat),
-            self.cfg.max_draft_tokens,
+            self.cfg.max_tokens["draft"],
             self.cfg.temperature,
             None,
             self.choices(admissible, " "),
@@ -329,15 +330,15 @@ class AgentLLM:
         return parsed.value, parsed.problem
 
     async def imagine(self, state: str, action: str, conversation: Conversation | None = None) -> str:
-        """The world model's (student's) predicted observation, sampled at ``actor.wm_temperature``:
+        """The world model's (student's) predicted observation, sampled at ``actor.temperature``:
         it is the rollout self-distillation trains on (``s_hat_exec``), as in the paper.
         ``conversation``: the draft's at this state (``env.wm_turns``: the prompt renders it, not ``state``)."""
         c = await self._complete(
             WM,
             self.prompts.world_model(state, action, conversation),
-            self.cfg.max_wm_tokens,
+            self.cfg.max_tokens["wm"],
             STOP_STATE,
-            self.cfg.wm_temperature,
+            self.cfg.temperature,
         )
         return c["text"].strip()
 
@@ -346,7 +347,7 @@ class AgentLLM:
         c = await self._complete(
             WM_TEACHER,
             self.prompts.teacher(state, action, real_next, conversation),
-            self.cfg.max_wm_tokens,
+            self.cfg.max_tokens["wm"],
             STOP_STATE,
             TEACHER_TEMPERATURE,
         )
@@ -363,7 +364,7 @@ class AgentLLM:
         conversation: Conversation | None = None,
     ) -> Reflected:
         """Decision, refined action, ``p`` and ``q`` of one reflection; always an action when ``p`` can be read.
-        ``keep_at_or_below`` (``eval.reflect_decision_first``: the action gate's ``tau_p``): the decision
+        ``keep_at_or_below`` (``actor.reflect_decision_first``: the action gate's ``tau_p``): the decision
         token is generated alone first, and a ``p`` at or below it is a KEEP of the draft with nothing more
         generated; above it the reflection is generated whole from the same prompt (the server's prefix
         cache holds it), as without the setting.
@@ -382,13 +383,13 @@ class AgentLLM:
             raise ValueError("Prompts.decision is not set: build the prompts with Prompts.for_model(model_dir, cfg)")
         prompt = self.prompts.reflect(state, a_draft, s_hat, confidence, conversation)
         if keep_at_or_below is not None:
-            first = await self._complete(POLICY, prompt, 1, ["<|im_end|>"], self.cfg.temperature, self.cfg.logprobs)
+            first = await self._complete(POLICY, prompt, 1, ["<|im_end|>"], self.cfg.temperature, TOP_LOGPROBS)
             p_first = top_k_revise_probability(first_top_logprobs(first), decision_tokens)
             # unreadable (None): the whole reflection below is, too, and says so
             if p_first is not None and p_first <= keep_at_or_below:
                 return Reflected("KEEP", a_draft, p_first, 0.0, None)
         c = await self._complete(
-            POLICY, prompt, self.cfg.max_reflection_tokens, ["<|im_end|>"], self.cfg.temperature, self.cfg.logprobs
+            POLICY, prompt, self.cfg.max_tokens["reflection"], ["<|im_end|>"], self.cfg.temperature, TOP_LOGPROBS
         )
         text = c["text"]
         lp = c.get("logprobs") or {}
@@ -398,7 +399,7 @@ class AgentLLM:
             return Reflected("KEEP", a_draft, 0.0, 0.0, "no_decision_logprob", readable=False)
         # the final action's own budget (the paper: 16 new tokens): a longer one is cut to its first tokens
         spans = action_token_spans(text, tokens[: len(token_lps)])
-        budget = self.cfg.max_final_action_tokens
+        budget = self.cfg.max_tokens["final_action"]
         truncated = len(spans) > budget
         if truncated:
             cut = spans[budget - 1][1]

@@ -27,6 +27,10 @@ from comap_async.waiting import cancel_and_wait, wait_until_answers
 from comap_async.wire.inference_client import affinity
 from comap_async.wire.messages import COEVOLVE, POLICY, REFLECT_INIT, WARMUP, Registry
 
+SHUTDOWN_FLUSH_S = 3.0
+"""On SIGTERM, how long the actor waits at most for the broker to ack what is queued: ``honcho`` kills 5 s
+after SIGTERM; what is still unacked then is logged (and kept in ``actor.spill_dir`` if set)."""
+
 
 class ActorMetrics:
     """Steps/s, success by adapter version, revision and invalid-action rates (logged periodically)."""
@@ -292,7 +296,7 @@ class ActorWorker:
         finally:
             reporter.cancel()
             if own_outbox:  # first: a broker stopping at the same time drains only briefly
-                await outbox.close(flush_timeout=cfg.actor.shutdown_flush_s if self.stop.is_set() else 60.0)
+                await outbox.close(flush_timeout=SHUTDOWN_FLUSH_S if self.stop.is_set() else 60.0)
             await pool.close(timeout=1.0 if self.stop.is_set() else 5.0)  # honcho kills 5 s after SIGTERM
             await client.close()
             if refresher is not None:

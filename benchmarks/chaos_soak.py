@@ -227,7 +227,6 @@ class Soak:
             *(f"broker.capacity_{s}=1000000" for s in ("transitions", "reflections", "demos", "episodes", "imagined")),
             f"actor.spill_dir={work / 'spill'}",
             f"actor.ack_log={self.ack_log}",
-            "actor.env_restarts=1000",  # the soak kills workers on purpose; the budget is for crash loops
         ]
         env = tied_env({**os.environ, "COMAP_LOG_JSON": "1", "PYTHONUNBUFFERED": "1", "COMAP_OVERRIDES": ""})
         config = str(REPO / "configs" / "test.yaml")

@@ -1,8 +1,9 @@
 """Co-evolution env steps/s of one actor on the embedded server, today's path against the fast one,
 in alternating rounds on one machine:
 
-* ``fast``: the defaults: fused forward, top-p from the top candidates, the teacher overlapped with
-  the next draft (with ``configs/local.yaml``: the draft's turns form and a 2 GB prefix cache).
+* ``fast``: the defaults, with reflections generated whole: fused forward, top-p from the top
+  candidates, the teacher overlapped with the next draft (with ``configs/local.yaml``: the draft's turns
+  form and a 2 GB prefix cache; its ``actor.reflect_decision_first`` off, as when the figures were taken).
 * ``fast_cache``: ``fast`` with a 2 GB prefix cache (the built-in default is 256 MB);
 * ``fast_history``: ``fast_cache`` with the whole interaction history as the state
   (``env.history_k=50``, the paper's state) instead of the last 3 pairs.
@@ -70,7 +71,7 @@ from comap_async.wire.inference_client import ENGINE_COUNTERS, parse_engine_coun
 from comap_async.wire.messages import COEVOLVE, ROLES, adapter_name  # noqa: E402
 from experiments.system import copy_trained_adapters, wait_for  # noqa: E402
 
-FAST = ["inference.forward=fused", "actor.overlap_teacher=true"]
+FAST = ["inference.forward=fused", "actor.reflect_decision_first=false"]
 TURNS_DECISION_FIRST = [*FAST, "env.prompt_form=all_turns", "actor.reflect_decision_first=true"]
 SETTINGS = {
     "fast": FAST,

@@ -178,10 +178,10 @@ def live(args, cfg, path, records, roles) -> int:
         for role, render in roles.items():
             prompt, _ = render(r)
             sampled = role == "world model"
-            budget = act.max_reflection_tokens if role == "reflection" else act.max_wm_tokens
+            budget = act.max_tokens["reflection" if role == "reflection" else "wm"]
             params = SamplingParams(
                 max_tokens=budget,
-                temperature=act.wm_temperature if sampled else 0.0,
+                temperature=act.temperature if sampled else 0.0,
                 seed=i if sampled else None,
                 stop=("\n\n",) if role != "reflection" else (),
             )

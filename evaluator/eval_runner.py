@@ -96,7 +96,7 @@ class _Recorder:
 def evaluation_config(cfg: Any) -> Any:
     """``cfg`` as an evaluation episode plays it: every model call at ``eval.temperature``."""
     t = cfg.eval.temperature
-    return cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"temperature": t, "wm_temperature": t})})
+    return cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"temperature": t})})
 
 
 async def play_games(

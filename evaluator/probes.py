@@ -290,7 +290,7 @@ async def run_probes(
     from evaluator.counterfactual import counterfactual_game, rows_as_dicts, summarize_counterfactual
 
     prompts = Prompts.for_model(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir), cfg)
-    greedy = cfg.actor.model_copy(update={"temperature": 0.0, "wm_temperature": 0.0})
+    greedy = cfg.actor.model_copy(update={"temperature": 0.0})
     async with InferenceClient.from_config(cfg) as client:
         models = await client.models()
         llm = AgentLLM(client, prompts, greedy, base_model=models[0] if models else "", registry=RegistryView(registry))

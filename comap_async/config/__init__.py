@@ -351,6 +351,30 @@ REMOVED_FIELDS: dict[str, str] = {
     "turns together)",
     "env.task_every_turn": "the draft's turns name the task once, in the first turn; repeating it in every "
     "turn changed nothing (docs/findings.md)",
+    # the actor's tuning constants
+    "actor.outbox_max": "an actor keeps at most 1024 unacknowledged messages before its episodes pause "
+    "(comap_async/wire/outbox.py, OUTBOX_MAX)",
+    "actor.shutdown_flush_s": "on SIGTERM an actor waits at most 3 s for the broker's acks "
+    "(actors/worker.py, SHUTDOWN_FLUSH_S)",
+    "actor.env_restarts": "an actor stops when its environment workers die more than 5 times within 10 minutes "
+    "(comap_async/envs/__init__.py, ENV_RESTARTS)",
+    "actor.logprobs": "the actors always ask for the 20 likeliest alternatives per token (actors/llm.py, TOP_LOGPROBS)",
+    "actor.warmup_explore_invalid": "half of warm-up's exploratory actions are inadmissible commands "
+    "(actors/expert_play.py, EXPLORE_INVALID)",
+    "actor.overlap_teacher": "a step's teacher call always runs beside the next step's draft "
+    "(docs/benchmarks.md has the figure that chose it)",
+    "actor.wm_temperature": "the student world model samples at actor.temperature (every config set them equal)",
+    "actor.imagined_depth": "an imagined episode is 3 steps (actors/imagined.py, DEPTH)",
+    "actor.imagined_min_score": "an imagined episode is kept when the critic scores it at least 0.5 "
+    "(actors/imagined.py, MIN_SCORE)",
+    "actor.max_draft_tokens": "now actor.max_tokens: {draft: N}",
+    "actor.max_action_tokens": "now actor.max_tokens: {draft: N}",
+    "actor.max_reflection_tokens": "now actor.max_tokens: {reflection: N}",
+    "actor.max_final_action_tokens": "now actor.max_tokens: {final_action: N}",
+    "actor.max_wm_tokens": "now actor.max_tokens: {wm: N}",
+    "actor.max_state_tokens": "now actor.max_tokens: {wm: N}",
+    "eval.reflect_decision_first": "now actor.reflect_decision_first, one setting for co-evolution and "
+    "evaluation episodes alike",
 }
 """Fields a config may still name from an older release, dotted (``learner.fast_path``), each with what
 replaced it: a config naming one is refused with that one line instead of "unknown field". A field goes

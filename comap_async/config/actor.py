@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator
 
 from comap_async.config.base import Section
+
+TOKEN_BUDGETS: dict[str, int] = {"draft": 32, "reflection": 40, "final_action": 16, "wm": 128}
+"""``actor.max_tokens``' keys and their defaults (the CPU default's budgets; the paper's: 64, 128, 16, 192)."""
 
 
 class ActorConfig(Section):
@@ -23,11 +26,6 @@ class ActorConfig(Section):
     ``learner.phases.reflect_init.min_samples``, so one actor alone lets the phase start. ``None``: no cap."""
     env_workers: int = Field(default=1, ge=1)
     """Worker processes hosting this actor's environments (several environments each)."""
-    env_restarts: int = Field(default=5, ge=0)
-    """Environment worker processes that may die and be replaced (with a backoff) in one actor's life;
-    past that the actor stops with an error instead of failing episodes for ever."""
-    outbox_max: int = Field(default=1024, ge=1)
-    """Unacknowledged messages kept before the episode loops pause (backpressure)."""
     ack_timeout_s: float = Field(default=2.0, gt=0)
     """Resend a message when its ack has not come after this long."""
     spill_dir: str | None = None
@@ -36,28 +34,20 @@ class ActorConfig(Section):
     """If set, every message the broker acks as stored is appended to this file as one line,
     ``<type> <id>``, the moment its ack arrives (several actor processes may share it). Off by
     default; ``benchmarks/chaos_soak.py`` checks the stores against it: every acked id stored once."""
-    shutdown_flush_s: float = Field(default=3.0, ge=0.0, le=60.0)
-    """On SIGTERM, wait at most this long for the broker to ack what is queued. ``honcho`` kills
-    5 s after SIGTERM; what is still unacked then is logged (and kept in ``spill_dir`` if set)."""
     temperature: float = Field(default=0.7, ge=0.0)
-    """Sampling temperature for drafts and reflections (the paper: 0.7)."""
-    wm_temperature: float = Field(default=0.7, ge=0.0)
-    """Sampling temperature of the student world model's predictions (``s_hat``, ``s_hat_exec``):
-    the rollout self-distillation trains on is sampled, as in the paper (0.7); 0 = greedy. The EMA
-    teacher's prediction (the world-state gate's reference) is always greedy."""
+    """Sampling temperature of drafts, reflections and the student world model's predictions
+    (``s_hat``, ``s_hat_exec``: the rollout self-distillation trains on is sampled, as in the paper);
+    the paper: 0.7; 0 = greedy. The EMA teacher's prediction (the world-state gate's reference) is
+    always greedy."""
     top_p: float = Field(default=0.9, gt=0.0, le=1.0)
     """Nucleus sampling of every sampled call: drafts, reflections, student predictions (the paper: 0.9)."""
-    max_draft_tokens: int = Field(default=32, ge=1)
-    """New-token budget of a drafted action (the paper: 64; the GPU configs set it). Formerly
-    ``max_action_tokens``, still accepted."""
-    max_reflection_tokens: int = Field(default=40, ge=1)
-    """New-token budget of a reflection: the decision and the ``Final Action:`` line (the paper: 128)."""
-    max_final_action_tokens: int = Field(default=16, ge=1)
-    """New-token budget of the final (refined) action after ``Final Action:`` (the paper: 16): a
-    longer one is cut to its first tokens (``q_ref`` over those) and counted as a parse problem."""
-    max_wm_tokens: int = Field(default=128, ge=1)
-    """New-token budget of a world-model prediction, student or teacher (the paper: 192; the GPU
-    configs set it). Formerly ``max_state_tokens``, still accepted."""
+    max_tokens: dict[str, int] = Field(default_factory=lambda: dict(TOKEN_BUDGETS))
+    """New-token budgets by call, a mapping of up to four keys (one left out keeps its default,
+    :data:`TOKEN_BUDGETS`, sized for the CPU default): ``draft``, a drafted action (default 32, the
+    paper: 64); ``reflection``, a reflection's decision and ``Final Action:`` line (40; 128);
+    ``final_action``, the refined action after ``Final Action:`` (16; 16): a longer one is cut to its
+    first tokens (``q_ref`` over those) and counted as a parse problem; ``wm``, a world-model
+    prediction, student or teacher (128; 192). The GPU configs set the paper's four."""
     warmup_explore: float = Field(default=0.3, ge=0.0, le=1.0)
     """Share of warm-up steps that also execute a non-expert action on a second environment,
     restored to the expert path by replay, and record that real transition for the world model only
@@ -114,49 +104,37 @@ class ActorConfig(Section):
     imagined_rollouts: int = Field(default=0, ge=0, le=16)
     """WebEvolver's world model as a virtual environment (arXiv 2504.21024; off: 0): after each
     co-evolution episode, this many imagined episodes start from its real states (drawn with the run
-    seed); in each the policy drafts and the world model answers for ``imagined_depth`` steps, no
-    environment step taken (:mod:`actors.imagined`). Kept ones are sent for the policy's draft
-    training (``learner.phases.coevolve.imagined_demo_share``), never the world model's."""
-    imagined_depth: int = Field(default=3, ge=1, le=16)
-    """Steps of an imagined episode (the policy's action and the world model's answer each)."""
-    imagined_min_score: float = Field(default=0.5, ge=0.0, le=1.0)
-    """The filter: an imagined episode is kept when the policy, as critic, scores it at least this
-    (P(YES) that it brings the task closer to done, the look-ahead's critic); 0 keeps every one
-    without asking the critic."""
-    warmup_explore_invalid: float = Field(default=0.5, ge=0.0, le=1.0)
-    """Of those exploratory actions, the share that are inadmissible commands built from the entities
-    in the admissible list (a take from the wrong receptacle, ``open`` an object, ``go to`` an object:
-    the game answers ``Nothing happens.``); the rest are sampled admissible non-expert commands."""
-    logprobs: int = Field(default=20, ge=1, le=20)
-    """Top-k alternatives requested per token: ``p`` is read from the decision position's two tokens,
-    which must be among them (vLLM's default cap is 20)."""
-    overlap_teacher: bool = True
-    """Request the teacher's prediction of a step together with the next step's draft (both need only
-    the new observation) instead of before it: one model round trip less per step on the critical
-    path, and fuller batches at the server. The stored transitions are the same."""
+    seed); in each the policy drafts and the world model answers for three steps, no environment step
+    taken, and the policy as critic scores the episode (P(YES) that it brings the task closer to
+    done); one scored at least 0.5 is kept (:mod:`actors.imagined`, ``DEPTH`` and ``MIN_SCORE``). Kept
+    ones are sent for the policy's draft training (``learner.phases.coevolve.imagined_demo_share``),
+    never the world model's."""
     reflect_decision_first: bool = False
-    """Co-evolution's reflections are read decision first, as ``eval.reflect_decision_first`` reads an
-    evaluation's: one generated token gives ``p_revise``, and at or below ``gates.tau_p`` the step is a
-    KEEP of the draft with nothing more generated (the broker's action gate keeps the draft there
-    whatever the reflection's action, so the policy sample is the same: target the draft, ``y = 0``).
-    What changes is the transition's reflection fields on such a step (``a_ref`` the draft, ``q_ref``
-    0) and that a reflection whose sampled text would have been unreadable there now stores a sample.
-    Not under ``no_action_gate`` (its gate reads every reflection's action)."""
+    """Reflections are read decision first, in co-evolution and in evaluation episodes alike: one
+    generated token gives ``p_revise``, and at or below ``gates.tau_p`` the step is a KEEP of the draft
+    with nothing more generated (the action gate keeps the draft there whatever the reflection's
+    action; above it the reflection is generated whole from the same prompt, whose blocks the prefix
+    cache holds). An evaluation episode is the same and its server decodes fewer tokens; such a step's
+    reflection is not read, so it is not counted among the unreadable answers. In co-evolution the
+    broker's gate, too, keeps the draft there, so the policy sample is the same (target the draft,
+    ``y = 0``); what changes is the transition's reflection fields on such a step (``a_ref`` the draft,
+    ``q_ref`` 0) and that a reflection whose sampled text would have been unreadable there now stores
+    a sample. Not under ``no_action_gate`` (its gate reads every reflection's action)."""
     nice: int = Field(default=0, ge=0, le=19)
     """Niceness added to the actor process and its environment workers: under CPU contention the
     learner (and the inference server) run first. The CPU default sets 5 so the actors, whose rate
     is bounded by inference anyway, never starve the learner of its core."""
 
-    @model_validator(mode="before")
+    @field_validator("max_tokens", mode="before")
     @classmethod
-    def _renamed_budgets(cls, data: Any) -> Any:
-        """The token budgets' former names keep working (configs and ``--set`` overrides)."""
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        for old, new in (("max_action_tokens", "max_draft_tokens"), ("max_state_tokens", "max_wm_tokens")):
-            if old in data:
-                if new in data:
-                    raise ValueError(f"actor.{old} is the former name of actor.{new}: set only one")
-                data[new] = data.pop(old)
-        return data
+    def _token_budgets(cls, value: Any) -> dict[str, int]:
+        """Only the four calls' keys, each a positive int; a key left out keeps its default."""
+        if not isinstance(value, dict):
+            raise ValueError(f"a mapping of {', '.join(TOKEN_BUDGETS)} to token counts, got {value!r}")
+        unknown = sorted(str(k) for k in value if k not in TOKEN_BUDGETS)
+        if unknown:
+            raise ValueError(f"unknown key {', '.join(unknown)}: the budgets are {', '.join(TOKEN_BUDGETS)}")
+        for key, n in value.items():
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{key} must be a positive number of tokens, got {n!r}")
+        return {**TOKEN_BUDGETS, **value}

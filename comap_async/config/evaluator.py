@@ -51,12 +51,6 @@ class EvalConfig(Section):
             raise ValueError("cycle_stop is 0 (off) or at least 2 (a state must recur before a cycle is known)")
         return v
 
-    reflect_decision_first: bool = False
-    """CoMap evaluation episodes read a reflection's decision first (one generated token gives
-    ``p_revise``) and generate the rest only when ``p_revise`` passes ``gates.tau_p``: at or below it
-    the action gate keeps the draft whatever the reflection would say, so the episode is the same and
-    the server decodes fewer tokens. Such a step's reflection is not read, so it is not counted in the
-    unreadable answers. Not under ``no_action_gate`` (there every reflection's action counts)."""
     games: int = Field(default=10, ge=1)
     """Games of the probes (world-model Delta-F1, draft accuracy along walkthroughs), drawn with the
     run seed and spread over the task types; the same games for every version."""

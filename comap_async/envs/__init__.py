@@ -31,6 +31,13 @@ __all__ = [
     "register",
 ]
 
+ENV_RESTARTS = 5
+ENV_RESTART_WINDOW_S = 600.0
+"""A pool built from a config replaces dead environment workers (with a backoff) up to ``ENV_RESTARTS``
+times within any ``ENV_RESTART_WINDOW_S``; one more death in that time stops its owner with an error
+instead of failing episodes for ever. A crash loop spends the budget in well under a minute (its
+backoff sums to 15.5 s), while workers killed now and then, as by ``benchmarks/chaos_soak.py``, never do."""
+
 
 def get_fact_parser(env_name: str) -> Callable[[str], frozenset[str] | None]:
     """The canonical-facts parser of an environment (``None`` from it means unreadable text)."""
@@ -61,7 +68,8 @@ def env_pool_from_config(cfg: "CoMapConfig", workers: int = 1) -> "AsyncEnvPool"
     return AsyncEnvPool(
         workers=workers,
         env_name=cfg.env.name,
-        max_restarts=cfg.actor.env_restarts,
+        max_restarts=ENV_RESTARTS,
+        restart_window_s=ENV_RESTART_WINDOW_S,
         max_steps=cfg.env.max_steps,
         seed=cfg.run.seed,
     )

@@ -7,8 +7,9 @@ an env's requests therefore never overlap, while envs on different workers step 
 Replies come back through the event loop's reader callback on the worker's pipe, so waiting
 costs the loop nothing. A worker that dies fails its pending calls with :class:`EnvWorkerError`
 (the episode it was serving fails once); the next call of any of its environments starts a
-replacement worker, after a backoff, up to ``max_restarts`` times in the pool's life, after which
-calls raise :class:`EnvPoolExhausted` (the owner should stop rather than fail episodes for ever).
+replacement worker, after a backoff, up to ``max_restarts`` times in the pool's life (or within any
+``restart_window_s``), after which calls raise :class:`EnvPoolExhausted` (the owner should stop rather
+than fail episodes for ever).
 
     async with AsyncEnvPool(workers=2, max_steps=50) as pool:
         env = pool.env()
@@ -24,6 +25,7 @@ import multiprocessing as mp
 import os
 import select
 import signal
+import time
 import traceback
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
@@ -235,13 +237,16 @@ class AsyncEnvPool:
         env_name: str = "alfworld",
         start_method: str = "spawn",
         max_restarts: int = 5,
+        restart_window_s: float | None = None,
         **env_kwargs: Any,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.num_workers = workers
         self.max_restarts = max_restarts
+        self.restart_window_s = restart_window_s  # None: the budget is the pool's life's
         self.restarts = 0  # dead workers replaced so far
+        self._restart_times: list[float] = []  # when each replacement started (monotonic)
         self._replaced: dict[int, _Worker] = {}  # id of a dead worker -> the worker that took its place
         self._restart_lock = asyncio.Lock()
         self.env_name = env_name
@@ -270,12 +275,18 @@ class AsyncEnvPool:
                 return self._replaced[id(dead)]
             if dead not in self._workers:
                 raise EnvWorkerError("environment pool closed")
-            if self.restarts >= self.max_restarts:
+            now = time.monotonic()
+            if self.restart_window_s is not None:
+                self._restart_times = [t for t in self._restart_times if now - t < self.restart_window_s]
+            recent = len(self._restart_times)
+            if recent >= self.max_restarts:
+                within = "" if self.restart_window_s is None else f" within {self.restart_window_s:g} s"
                 raise EnvPoolExhausted(
-                    f"{self.env_name} environment workers died {self.restarts + 1} times "
+                    f"{self.env_name} environment workers died {recent + 1} times{within} "
                     f"(restart budget {self.max_restarts}); last: {dead.dead}"
                 )
-            await asyncio.sleep(min(0.5 * 2**self.restarts, 8.0))  # a crash loop must not spin
+            self._restart_times.append(now)
+            await asyncio.sleep(min(0.5 * 2**recent, 8.0))  # a crash loop must not spin
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, dead.stop, 1.0)  # reap it (no zombie)
             fresh = _Worker(self._ctx, self.env_name, self.env_kwargs)

@@ -209,12 +209,11 @@ def gate_reflection(cfg: Any, refl: Any, a_draft: str) -> ActionGateResult:
     return action_gate(refl.p_revise, refl.q_ref, refl.a_ref, a_draft, cfg.gates.tau_p, cfg.gates.tau_q)
 
 
-def decision_first(cfg: Any, eval_mode: bool) -> float | None:
+def decision_first(cfg: Any) -> float | None:
     """The ``p_revise`` at or below which a reflection need not be generated past its decision token
-    (``eval.reflect_decision_first`` in evaluation episodes, ``actor.reflect_decision_first`` in
-    co-evolution): CoMap's gate keeps the draft there whatever follows. None (generate it whole) when
-    the setting is off, and under ``no_action_gate``, whose gate reads every reflection's action."""
-    on = cfg.eval.reflect_decision_first if eval_mode else cfg.actor.reflect_decision_first
-    if not on or cfg.ablation.no_action_gate:
+    (``actor.reflect_decision_first``, in co-evolution and evaluation episodes alike): CoMap's gate keeps
+    the draft there whatever follows. None (generate it whole) when the setting is off, and under
+    ``no_action_gate``, whose gate reads every reflection's action."""
+    if not cfg.actor.reflect_decision_first or cfg.ablation.no_action_gate:
         return None
     return cfg.gates.tau_p

@@ -34,6 +34,10 @@ from comap_async.waiting import cancel_and_wait
 from comap_async.wire.messages import Ack, ActorMessage, Registry
 from comap_async.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, ProtocolError, decode, encode, message_type, validate
 
+OUTBOX_MAX = 1024
+"""Unacknowledged messages an actor's outbox keeps before :meth:`Outbox.put` waits (the episode loops
+pause: backpressure, nothing dropped)."""
+
 
 @dataclass(slots=True)
 class _Entry:
@@ -50,7 +54,7 @@ class Outbox:
         self,
         endpoint: str,
         *,
-        max_pending: int = 1024,
+        max_pending: int = OUTBOX_MAX,
         ack_timeout_s: float = 2.0,
         client_keys: Any = None,
         spill_dir: str | Path | None = None,
@@ -94,7 +98,6 @@ class Outbox:
         endpoint, keys = client_connection(cfg, cfg.broker.actor_port, kw.pop("client_keys", None))
         return cls(
             endpoint,
-            max_pending=cfg.actor.outbox_max,
             ack_timeout_s=cfg.actor.ack_timeout_s,
             spill_dir=cfg.actor.spill_dir,
             ack_log=cfg.actor.ack_log,

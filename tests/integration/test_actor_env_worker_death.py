@@ -1,6 +1,6 @@
 """A real ``comap actor`` whose environment worker is killed with SIGKILL:
-it replaces the worker and goes on storing episodes; past its restart budget it exits non-zero with
-one line instead of failing episodes for ever."""
+it replaces the worker and goes on storing episodes; past its restart budget (a crash loop) it exits
+non-zero with one line instead of failing episodes for ever."""
 
 from __future__ import annotations
 
@@ -53,11 +53,18 @@ async def wait_for_episodes(broker, n: int, proc, timeout: float = 120) -> int:
     return have
 
 
+def cmdline(pid: int) -> bytes:
+    """A process's command line (empty once it is gone or a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return b""
+
+
 def env_worker_of(proc) -> int:
     """The actor's environment worker (a spawn child running _worker_main; not the resource tracker)."""
     for pid in children(proc.pid):
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline:
+        if b"spawn_main" in cmdline(pid):
             return pid
     raise AssertionError(f"no env worker among {children(proc.pid)}")
 
@@ -87,17 +94,31 @@ async def test_a_killed_env_worker_is_replaced_and_episodes_go_on(
 async def test_past_its_restart_budget_the_actor_exits_with_one_line(
     broker_factory, roomy_server, alfworld_data, tiny_model_dir, tmp_path
 ):
+    """A crash loop: every worker killed as soon as it is there. The budget (``ENV_RESTARTS`` within
+    ``ENV_RESTART_WINDOW_S``) is spent in well under a minute, and one more death stops the actor."""
+    from comap_async.envs import ENV_RESTART_WINDOW_S, ENV_RESTARTS
+
     broker = broker_factory()
-    proc = start_actor(
-        broker, roomy_server, alfworld_data, tiny_model_dir, tmp_path / "actor.log", "actor.env_restarts=0"
-    )
+    proc = start_actor(broker, roomy_server, alfworld_data, tiny_model_dir, tmp_path / "actor.log")
+    killed: set[int] = set()
     try:
         await wait_for_episodes(broker, 1, proc)
-        os.kill(env_worker_of(proc), signal.SIGKILL)
-        rc = proc.wait(60)
+        deadline = time.monotonic() + 150  # the backoffs sum to 15.5 s, each replacement's start a few more
+        while proc.poll() is None and time.monotonic() < deadline:
+            alive = [pid for pid in children(proc.pid) if pid not in killed and b"spawn_main" in cmdline(pid)]
+            for pid in alive:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            await asyncio.sleep(0.2)
+        rc = proc.wait(30)
     finally:
         if proc.poll() is None:
             proc.kill()
     lines = (tmp_path / "actor.log").read_text().strip().splitlines()
-    assert rc == 2 and lines[-1].startswith("comap actor: error: alfworld environment workers died 1 times"), lines[-5:]
+    expected = (
+        f"comap actor: error: alfworld environment workers died {ENV_RESTARTS + 1} times within "
+        f"{ENV_RESTART_WINDOW_S:g} s (restart budget {ENV_RESTARTS})"
+    )
+    assert rc == 2 and lines[-1].startswith(expected), lines[-5:]
+    assert len(killed) == ENV_RESTARTS + 1
     assert "Traceback" not in "\n".join(lines)

@@ -39,6 +39,14 @@ def env_steps(monkeypatch) -> list[str]:
     return steps
 
 
+@pytest.fixture
+def short_unfiltered(monkeypatch) -> None:
+    """Imagined episodes of two steps, every one kept (no critic): the tiny model's scores decide nothing."""
+    monkeypatch.setattr("actors.imagined.DEPTH", 2)
+    monkeypatch.setattr("actors.imagined.MIN_SCORE", 0)
+
+
+@pytest.mark.usefixtures("short_unfiltered")
 async def test_imagined_steps_come_from_the_world_model_are_stored_apart_and_train_only_the_draft(
     broker_factory, roomy_server, alfworld_data, tiny_model_dir, recorded_calls, env_steps
 ):
@@ -51,8 +59,6 @@ async def test_imagined_steps_come_from_the_world_model_are_stored_apart_and_tra
         tiny_model_dir,
         "env.max_steps=3",
         "actor.imagined_rollouts=2",
-        "actor.imagined_depth=2",
-        "actor.imagined_min_score=0",
     )
     worker = ActorWorker(cfg, configure_logging("actor-test"), envs=2, episodes=2)
     results = await asyncio.wait_for(worker.run(), timeout=300)
@@ -96,6 +102,7 @@ async def test_imagined_steps_come_from_the_world_model_are_stored_apart_and_tra
     assert not ids & {r.get("id") for r in mb.get("transitions", [])}
 
 
+@pytest.mark.usefixtures("short_unfiltered")
 async def test_in_the_turns_form_each_imagined_episode_is_one_path_trained_on_its_imagined_actions_only(
     broker_factory, roomy_server, alfworld_data, tiny_model_dir, recorded_calls, env_steps
 ):
@@ -113,8 +120,6 @@ async def test_in_the_turns_form_each_imagined_episode_is_one_path_trained_on_it
         "env.prompt_form=draft_turns",
         "env.max_steps=3",
         "actor.imagined_rollouts=2",
-        "actor.imagined_depth=2",
-        "actor.imagined_min_score=0",
     )
     worker = ActorWorker(cfg, configure_logging("actor-test"), envs=2, episodes=2)
     results = await asyncio.wait_for(worker.run(), timeout=300)

@@ -77,26 +77,30 @@ def test_template_without_the_flag_renders_as_before():
 # ------------------------------------------------------------------ point 8: config
 def test_paper_generation_defaults_and_gpu_budgets():
     a = ActorConfig()
-    assert a.top_p == 0.9 and a.temperature == 0.7 and a.wm_temperature == 0.7
+    assert a.top_p == 0.9 and a.temperature == 0.7
     for name in ("alfworld-qwen3-4b.yaml", "alfworld-qwen3-8b.yaml"):
         g = load_config(REPO / "configs" / name).actor
-        assert (g.max_draft_tokens, g.max_reflection_tokens, g.max_final_action_tokens, g.max_wm_tokens) == (
-            64,
-            128,
-            16,
-            192,
-        )
-        assert (g.temperature, g.wm_temperature, g.top_p) == (0.7, 0.7, 0.9)
+        assert g.max_tokens == {"draft": 64, "reflection": 128, "final_action": 16, "wm": 192}
+        assert (g.temperature, g.top_p) == (0.7, 0.9)
     for name in ("local.yaml", "test.yaml"):  # CPU configs keep small budgets
-        c = load_config(REPO / "configs" / name).actor
-        assert c.max_draft_tokens < 64 and c.max_reflection_tokens < 128 and c.max_wm_tokens < 192
+        c = load_config(REPO / "configs" / name).actor.max_tokens
+        assert c["draft"] < 64 and c["reflection"] < 128 and c["wm"] < 192
 
 
-def test_former_budget_names_still_work():
-    c = load_config(None, ["actor.max_action_tokens=9", "actor.max_state_tokens=33"]).actor
-    assert (c.max_draft_tokens, c.max_wm_tokens) == (9, 33)
-    with pytest.raises(ConfigError, match="former name"):
-        load_config(None, ["actor.max_action_tokens=9", "actor.max_draft_tokens=10"])
+def test_a_budget_left_out_keeps_its_default_and_only_the_four_calls_have_one(tmp_path):
+    c = load_config(None, ["actor.max_tokens.wm=192"]).actor.max_tokens
+    assert c == {"draft": 32, "reflection": 40, "final_action": 16, "wm": 192}
+    f = tmp_path / "gpu.yaml"
+    f.write_text("actor:\n  max_tokens: {draft: 64}\n")
+    assert load_config(f).actor.max_tokens["draft"] == 64
+    with pytest.raises(ConfigError, match=r"actor.max_tokens: unknown key state: the budgets are draft, reflection"):
+        load_config(None, ["actor.max_tokens.state=9"])
+    for bad in ("0", "true", "'9'"):
+        with pytest.raises(ConfigError, match=r"actor.max_tokens: draft must be a positive number of tokens"):
+            load_config(None, [f"actor.max_tokens.draft={bad}"])
+    # the four fields they replaced, and the names before those, are refused with the line naming the key
+    with pytest.raises(ConfigError, match=r"actor.max_state_tokens: removed: now actor.max_tokens: \{wm: N\}"):
+        load_config(None, ["actor.max_state_tokens=33"])
 
 
 # ------------------------------------------------------------------ point 8: AgentLLM calls
@@ -142,9 +146,7 @@ def make_llm(client, **actor) -> AgentLLM:
 
 async def test_each_role_samples_with_its_own_settings():
     client = FakeClient()
-    llm = make_llm(
-        client, max_draft_tokens=64, max_reflection_tokens=128, max_final_action_tokens=16, max_wm_tokens=192
-    )
+    llm = make_llm(client, max_tokens={"draft": 64, "reflection": 128, "final_action": 16, "wm": 192})
     await llm.draft("s")
     await llm.imagine("s", "look")
     await llm.reflect("s", "look", "o")
@@ -155,20 +157,20 @@ async def test_each_role_samples_with_its_own_settings():
     # the student rollout that self-distillation trains on is sampled, not greedy
     assert (student["max_tokens"], student["temperature"], student["top_p"]) == (192, 0.7, 0.9)
     assert (teacher["max_tokens"], teacher["temperature"]) == (192, 0.0)  # the gate's reference stays greedy
-    llm = make_llm(client := FakeClient(), wm_temperature=0.0)
+    llm = make_llm(client := FakeClient(), temperature=0.0)
     await llm.imagine("s", "look")
-    assert client.calls[0]["temperature"] == 0.0  # configurable (0 = greedy)
+    assert client.calls[0]["temperature"] == 0.0  # at actor.temperature (0 = greedy)
 
 
 async def test_final_action_has_its_own_budget():
     long = "Final Action: take the very long named apple 1 from the countertop 1 near the window"
-    llm = make_llm(FakeClient(reflection=" KEEP\n" + long), max_final_action_tokens=4)
+    llm = make_llm(FakeClient(reflection=" KEEP\n" + long), max_tokens={"final_action": 4})
     r = await llm.reflect("s", "look", "o")
     assert r.a_ref == "take the very long" and r.problem == "final_action_truncated"
     assert r.q_ref == pytest.approx(0.5)
-    r = await make_llm(FakeClient(reflection=" KEEP\nFinal Action: open fridge 1"), max_final_action_tokens=4).reflect(
-        "s", "d", "o"
-    )
+    r = await make_llm(
+        FakeClient(reflection=" KEEP\nFinal Action: open fridge 1"), max_tokens={"final_action": 4}
+    ).reflect("s", "d", "o")
     assert r.a_ref == "open fridge 1" and r.problem is None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import msgpack
 from msgspec.structs import replace as msgspec_replace
@@ -55,11 +56,9 @@ def episode(steps: int):
 
 
 async def play(min_score: float, scores: dict, steps: int = 5, rollouts: int = 3, depth: int = 2, turns=False):
+    """Imagined episodes of ``depth`` steps kept from ``min_score`` (the method's constants, patched)."""
     cfg = CoMapConfig.model_validate(
-        {
-            "env": {"prompt_form": "draft_turns" if turns else "window"},
-            "actor": {"imagined_rollouts": rollouts, "imagined_depth": depth, "imagined_min_score": min_score},
-        }
+        {"env": {"prompt_form": "draft_turns" if turns else "window"}, "actor": {"imagined_rollouts": rollouts}}
     )
     sent, llm = [], ScriptedLLM(scores)
 
@@ -67,7 +66,9 @@ async def play(min_score: float, scores: dict, steps: int = 5, rollouts: int = 3
         sent.append(msg)
 
     ep = episode(steps)
-    await ImaginedRollouts(SimpleNamespace(cfg=cfg, llm=llm, emit=emit, actor="a"), ep).finish()  # after the episode
+    ctx = SimpleNamespace(cfg=cfg, llm=llm, emit=emit, actor="a")
+    with patch.multiple("actors.imagined", DEPTH=depth, MIN_SCORE=min_score):
+        await ImaginedRollouts(ctx, ep).finish()  # after the episode
     return sent, ep, llm
 
 
@@ -97,12 +98,14 @@ async def test_the_critic_keeps_what_it_scores_at_least_min_score_and_drops_unre
     assert sorted(ep.stats.imagined_scores) == [0.3, 0.6, 0.9]  # every score read, the dropped one too
 
 
-async def test_a_rollout_goes_out_while_its_episode_is_still_running_and_a_short_episode_keeps_its_count():
+async def test_a_rollout_goes_out_while_its_episode_is_still_running_and_a_short_episode_keeps_its_count(
+    monkeypatch,
+):
     """On a CPU a 50-step episode outlasts a 20-minute fork: rollouts start when the real episode
     reaches their drawn steps and are sent when they end, not held back to the episode's end."""
-    cfg = CoMapConfig.model_validate(
-        {"env": {"max_steps": 6}, "actor": {"imagined_rollouts": 6, "imagined_depth": 1, "imagined_min_score": 0}}
-    )
+    monkeypatch.setattr("actors.imagined.DEPTH", 1)
+    monkeypatch.setattr("actors.imagined.MIN_SCORE", 0)
+    cfg = CoMapConfig.model_validate({"env": {"max_steps": 6}, "actor": {"imagined_rollouts": 6}})
     sent = []
 
     async def emit(msg):

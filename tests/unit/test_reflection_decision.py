@@ -26,7 +26,7 @@ DECISION = DecisionTokens(" KE", " RE", 0, 1)
 
 def make_llm(client) -> AgentLLM:
     prompts = Prompts(ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}"), decision=DECISION)
-    return AgentLLM(client, prompts, ActorConfig(max_final_action_tokens=16), "base")
+    return AgentLLM(client, prompts, ActorConfig(max_tokens={"final_action": 16}), "base")
 
 
 async def test_a_reflection_without_a_final_action_line_is_continued_into_an_action():
@@ -235,17 +235,12 @@ async def test_a_decision_first_reflection_generates_past_its_decision_only_when
     from comap_async.method.gates import decision_first
 
     cfg = CoMapConfig()
-    assert decision_first(cfg, eval_mode=False) is None and decision_first(cfg, eval_mode=True) is None
-    on = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"reflect_decision_first": True})})
-    assert decision_first(on, eval_mode=True) == on.gates.tau_p
-    assert decision_first(on, eval_mode=False) is None  # co-evolution has its own setting
+    assert decision_first(cfg) is None
+    # one setting for co-evolution and evaluation episodes alike (eval.reflect_decision_first was the second)
+    on = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"reflect_decision_first": True})})
+    assert decision_first(on) == cfg.gates.tau_p
     ungated = on.model_copy(update={"ablation": on.ablation.model_copy(update={"no_action_gate": True})})
-    assert decision_first(ungated, eval_mode=True) is None
-    coevolve = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"reflect_decision_first": True})})
-    assert decision_first(coevolve, eval_mode=False) == cfg.gates.tau_p
-    assert decision_first(coevolve, eval_mode=True) is None
-    ungated = coevolve.model_copy(update={"ablation": coevolve.ablation.model_copy(update={"no_action_gate": True})})
-    assert decision_first(ungated, eval_mode=False) is None
+    assert decision_first(ungated) is None
     # p at or below tau_p: one token generated, a KEEP of the draft, which the gate keeps as it would have
     keep = (" KE", [" KE"], [-0.2], {" KE": -0.2, " RE": -1.8})
     client = ScriptedClient(keep)
@@ -260,7 +255,7 @@ async def test_a_decision_first_reflection_generates_past_its_decision_only_when
     toks = [" RE", "VISE", "\n", "Final", " Action", ":", " open", " fridge", " 1"]
     client = ScriptedClient((" RE", [" RE"], [math.log(0.8)], revise), (text, toks, [math.log(0.9)] * 9, revise))
     r = await make_llm(client).reflect("state", "go to desk 1", "s", keep_at_or_below=0.5)
-    assert [c["max_tokens"] for c in client.calls] == [1, make_llm(client).cfg.max_reflection_tokens]
+    assert [c["max_tokens"] for c in client.calls] == [1, make_llm(client).cfg.max_tokens["reflection"]]
     assert client.calls[0]["prompt"] == client.calls[1]["prompt"]
     assert r.decision == "REVISE" and r.a_ref == "open fridge 1" and r.p_revise == pytest.approx(0.8 / 0.9)
     assert gate_reflection(cfg, r, "go to desk 1").open
