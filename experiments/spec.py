@@ -76,7 +76,8 @@ class TrainSpec(Strict):
 
 class ArmSpec(Strict):
     ablation: list[str] = []
-    """Ablation switches on in this arm (``comap_async.config.AblationConfig``); none: the method itself."""
+    """The ablations switched on in this arm (names of ``comap_async.config.AblationName``; they replace
+    an ``ablation`` of ``set``); none: the method itself."""
     set: list[str] = []
     """More settings of this arm's training and play (e.g. a related method's switch)."""
     seeds: list[int] = [0]
@@ -152,15 +153,15 @@ class ExperimentSpec(Strict):
 
     @model_validator(mode="after")
     def _rows_exist(self) -> ExperimentSpec:
-        from comap_async.config import EVAL_METHODS, AblationConfig
+        from comap_async.config import ABLATIONS, EVAL_METHODS
 
         if self.arms and self.train is None:
             raise ValueError("train: required with arms (every fork's steps)")
         if not self.arms and not self.evaluation.source:
             raise ValueError("arms: none, and evaluation.source plays nothing: the table would have no row")
-        known = ", ".join(AblationConfig.model_fields)
+        known = ", ".join(ABLATIONS)
         for arm, spec in self.arms.items():
-            unknown = [a for a in spec.ablation if a not in AblationConfig.model_fields]
+            unknown = [a for a in spec.ablation if a not in ABLATIONS]
             if unknown:
                 raise ValueError(f"arms.{arm}.ablation: unknown {', '.join(unknown)}; known: {known}")
         for where, methods in [

@@ -190,7 +190,7 @@ class Learner(PhaseControl):
                     retries=self.cfg.inference.retries,
                     metrics=metrics,
                     keep_steps=pinned_steps(self.ckpt_dir),
-                    ablation=self.cfg.ablation.active,
+                    ablation=self.cfg.ablation,
                 ),
                 self.stop,
             )
@@ -259,10 +259,10 @@ class Learner(PhaseControl):
         lc = self.cfg.learner
         # what this run is: CoMap itself ([]) or the ablations switched on (comap compare reads it)
         if self.leader:
-            write_run_ablation(self.run_dir, self.cfg.ablation.active, self.cfg.method_switches)
+            write_run_ablation(self.run_dir, self.cfg.ablation, self.cfg.method_switches)
             append_run_config(self.run_dir, self.cfg.model_dump(mode="json"), self.trainer.step, self.state.phase)
-        if self.cfg.ablation.active:
-            self.log.info("learner.ablation", active=self.cfg.ablation.active)
+        if self.cfg.ablation:
+            self.log.info("learner.ablation", active=self.cfg.ablation)
         async with BrokerClient.from_config(self.cfg) as broker:
             inference = InferenceClient.from_config(self.cfg)
             watcher: asyncio.Task | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,7 @@ class Prefetcher:
         seed: int,
         log: Any,
         shares: dict[str, float] | None = None,
-        ablation: Any = None,
+        ablation: Collection[str] = (),
         sizes: dict[str, dict[str, int]] | None = None,
     ) -> None:
         self.broker, self.state, self.batch_size, self.log = broker, state, batch_size, log

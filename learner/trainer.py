@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from comap_async.config import AblationConfig, LearnerConfig
+from comap_async.config import LearnerConfig
 from comap_async.method.routing import world_model_terms
 from learner import losses
 from learner.batch_types import (
@@ -80,15 +80,16 @@ class Trainer:
     step: int = 0
     _pairs: list = field(default_factory=list, init=False)
     abort: bool = False  # set from another thread: the step in flight stops at its next micro-batch (or chunk)
-    ablation: AblationConfig = field(default_factory=AblationConfig)
-    """``no_wmsd`` / ``no_real_ce`` drop a world-model loss term (it is then neither computed nor logged)."""
+    ablation: list[str] = field(default_factory=list)
+    """The ablations switched on (``cfg.ablation``): ``no_wmsd`` / ``no_real_ce`` drop a world-model loss
+    term (it is then neither computed nor logged)."""
     label_counts: list[float] = field(default_factory=lambda: [0, 0])
     """Reflection samples trained on so far with y = 0 and y = 1 (``learner.bce_balance``'s weights)."""
     data_parallel: Any = None
     """A :class:`learner.distributed.DataParallel` under torchrun: gradients and label counts are
     averaged/summed over the ranks before each optimizer step."""
     freeze_wm: bool = False
-    """Set per step by the learner (``ablation.frozen_wm`` after warm-up): the world model is not
+    """Set per step by the learner (the ablation ``frozen_wm`` after warm-up): the world model is not
     trained (its records are ignored) and the EMA teacher is not updated."""
     bce_weight: float | None = None
     """The BCE's weight in the phase being trained (the loop sets it from the phase's spec:

@@ -22,16 +22,18 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from comap_async.config.actor import ActorConfig
 from comap_async.config.base import ConfigError, RetryConfig, Section, is_loopback, lookup_env_spec
 from comap_async.config.evaluator import EVAL_METHODS, EvalConfig, EvalMethod
-from comap_async.config.learner import AblationConfig, LearnerConfig
+from comap_async.config.learner import ABLATIONS, AblationName, Ablations, LearnerConfig, ablations
 from comap_async.config.run import PROMPT_FORM_SWITCHES, EnvConfig, GateConfig, ModelConfig, PromptForm, RunConfig
 from comap_async.config.serving import SHARED_GPU_MEMORY, BrokerConfig, InferenceConfig
 
 __all__ = [
+    "ABLATIONS",
     "EVAL_METHODS",
     "PLAY_SWITCHES",
     "PROMPT_FORM_SWITCHES",
     "SHARED_GPU_MEMORY",
-    "AblationConfig",
+    "AblationName",
+    "Ablations",
     "ActorConfig",
     "BrokerConfig",
     "CoMapConfig",
@@ -45,6 +47,7 @@ __all__ = [
     "ModelConfig",
     "RetryConfig",
     "RunConfig",
+    "ablations",
     "is_loopback",
     "load_config",
     "parse_override",
@@ -103,8 +106,11 @@ class CoMapConfig(Section):
     """Training."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """The evaluator process (held-out probes and success rate per adapter version)."""
-    ablation: AblationConfig = Field(default_factory=AblationConfig)
-    """Ablations of the paper's study (one mechanism off each; default: none, CoMap itself)."""
+    ablation: Ablations = Field(
+        default_factory=list,
+        description="The ablations of the paper's study switched on, a list of names (default []: CoMap itself), "
+        "each turning off one mechanism: " + "; ".join(f"{name}: {what}" for name, what in ABLATIONS.items()),
+    )
 
     @property
     def method_switches(self) -> list[str]:
@@ -375,10 +381,22 @@ REMOVED_FIELDS: dict[str, str] = {
     "actor.max_state_tokens": "now actor.max_tokens: {wm: N}",
     "eval.reflect_decision_first": "now actor.reflect_decision_first, one setting for co-evolution and "
     "evaluation episodes alike",
+    # the ablations became one list
+    "ablation.frozen_wm": "now one list of the ablations switched on: ablation: [frozen_wm]",
+    "ablation.no_wmsd": "now one list of the ablations switched on: ablation: [no_wmsd]",
+    "ablation.no_real_ce": "now one list of the ablations switched on: ablation: [no_real_ce]",
+    "ablation.no_ws_gate_real": "now one list of the ablations switched on: ablation: [no_ws_gate_real]",
+    "ablation.no_ws_gate_imagined": "now one list of the ablations switched on: ablation: [no_ws_gate_imagined]",
+    "ablation.no_action_gate": "now one list of the ablations switched on: ablation: [no_action_gate]",
+    "ablation.no_future_state": "now one list of the ablations switched on: ablation: [no_future_state]",
+    "ablation.no_reflect_init": "now one list of the ablations switched on: ablation: [no_reflect_init]",
+    "ablation.no_expert_sft": "now one list of the ablations switched on: ablation: [no_expert_sft]",
+    "ablation.no_wm_warmup": "now one list of the ablations switched on: ablation: [no_wm_warmup]",
 }
 """Fields a config may still name from an older release, dotted (``learner.fast_path``), each with what
 replaced it: a config naming one is refused with that one line instead of "unknown field". A field goes
-here when its path is deleted or moved; a deleted one's last figure stays in docs/benchmarks.md."""
+here when its path is deleted or moved; a deleted one's last figure stays in docs/benchmarks.md. A section
+that became one value (``ablation``) lists its old keys, so its old mapping gets a line for each."""
 
 
 def _format_errors(err: ValidationError, source: str) -> str:
@@ -386,6 +404,11 @@ def _format_errors(err: ValidationError, source: str) -> str:
     for e in err.errors():
         loc = tuple(e["loc"])
         field = ".".join(str(p) for p in loc) or "<root>"
+        inp = e.get("input")
+        old = [f"{field}.{k}" for k in inp if f"{field}.{k}" in REMOVED_FIELDS] if isinstance(inp, dict) and loc else []
+        if old and e["type"] != "extra_forbidden":  # a section that became one value, written the old way
+            lines += [f"{source}: {dotted}: removed: {REMOVED_FIELDS[dotted]}" for dotted in old]
+            continue
         if e["type"] == "extra_forbidden" and field in REMOVED_FIELDS:
             reason = f"removed: {REMOVED_FIELDS[field]}"
         elif e["type"] == "extra_forbidden":
@@ -464,6 +487,9 @@ def load_config(
         for k in keys[:-1]:
             nxt = node.setdefault(k, {})
             if not isinstance(nxt, dict):
+                dotted = ".".join(keys)
+                if dotted in REMOVED_FIELDS:
+                    raise ConfigError(f"--set {item!r}: {dotted}: removed: {REMOVED_FIELDS[dotted]}")
                 raise ConfigError(f"--set {item!r}: '{k}' is not a section")
             node = nxt
         node[keys[-1]] = value

@@ -1,10 +1,10 @@
-"""The learner's section and the ablation switches of the paper's study."""
+"""The learner's section and the ablations of the paper's study."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, TypeAdapter, field_validator
 
 from comap_async.config.base import Section
 
@@ -225,49 +225,71 @@ class LearnerConfig(Section):
     """Batches fetched ahead of the model."""
 
 
-class AblationConfig(Section):
-    """The paper's ablation study: each switch turns off exactly one mechanism of CoMap (all off:
-    the method itself). Every process reads the same section; the learner records it in the run
-    directory (``ablation.json``) and with every published adapter version."""
+AblationName = Literal[
+    "frozen_wm",
+    "no_wmsd",
+    "no_real_ce",
+    "no_ws_gate_real",
+    "no_ws_gate_imagined",
+    "no_action_gate",
+    "no_future_state",
+    "no_reflect_init",
+    "no_expert_sft",
+    "no_wm_warmup",
+]
+"""One ablation of the paper's study: each turns off exactly one mechanism of CoMap."""
 
-    frozen_wm: bool = False
-    """The world model is not trained after warm-up, and its EMA teacher is frozen with it."""
-    no_wmsd: bool = False
-    """No world-model self-distillation: the KL term is dropped, the real-state CE kept."""
-    no_real_ce: bool = False
-    """Self-distillation only: the world model's CE on real next states is dropped."""
-    no_ws_gate_real: bool = False
-    """No world-state gate, ``s̄`` always the real next state."""
-    no_ws_gate_imagined: bool = False
-    """No world-state gate, ``s̄`` always the world model's imagined state."""
-    no_action_gate: bool = False
-    """No action gate: the reflected action is executed whenever it differs from the draft (in the
-    actors, and in the broker's reading of what was executed for the policy's samples)."""
-    no_future_state: bool = False
-    """The reflection prompt without the imagined state, in training and at inference (the world
-    model still predicts and trains; the policy no longer sees its prediction)."""
-    no_reflect_init: bool = False
-    """Warm-up goes straight to co-evolution (no reflection-mode initialisation)."""
-    no_expert_sft: bool = False
-    """No draft anchor: after warm-up the policy is not trained on expert demonstrations."""
-    no_wm_warmup: bool = False
-    """The world model is not trained during warm-up (the policy's warm-up SFT is kept)."""
+ABLATIONS: dict[str, str] = {
+    "frozen_wm": "the world model is not trained after warm-up, and its EMA teacher is frozen with it",
+    "no_wmsd": "no world-model self-distillation: the KL term is dropped, the real-state CE kept",
+    "no_real_ce": "self-distillation only: the world model's CE on real next states is dropped",
+    "no_ws_gate_real": "no world-state gate, s̄ always the real next state",
+    "no_ws_gate_imagined": "no world-state gate, s̄ always the world model's imagined state",
+    "no_action_gate": "no action gate: the reflected action is executed whenever it differs from the draft (in "
+    "the actors, and in the broker's reading of what was executed for the policy's samples)",
+    "no_future_state": "the reflection prompt without the imagined state, in training and at inference (the "
+    "world model still predicts and trains; the policy no longer sees its prediction)",
+    "no_reflect_init": "warm-up goes straight to co-evolution (no reflection-mode initialisation)",
+    "no_expert_sft": "no draft anchor: after warm-up the policy is not trained on expert demonstrations",
+    "no_wm_warmup": "the world model is not trained during warm-up (the policy's warm-up SFT is kept)",
+}
+"""What each :data:`AblationName` turns off (``comap config --explain`` shows them with ``ablation``)."""
 
-    @model_validator(mode="after")
-    def _consistent(self) -> "AblationConfig":
-        if self.no_wmsd and self.no_real_ce:
-            raise ValueError(
-                "ablation.no_wmsd and ablation.no_real_ce together leave the world model no loss; "
-                "use ablation.frozen_wm for an untrained world model"
-            )
-        if self.no_ws_gate_real and self.no_ws_gate_imagined:
-            raise ValueError(
-                "ablation.no_ws_gate_real and ablation.no_ws_gate_imagined contradict each other: "
-                "s̄ is either always the real or always the imagined state"
-            )
-        return self
 
-    @property
-    def active(self) -> list[str]:
-        """The switched-on ablations, by name ([] for CoMap itself)."""
-        return [name for name, on in self.model_dump().items() if on]
+def _names(value: Any) -> Any:
+    """``--set ablation=frozen_wm``: one name is a list of one. The mapping of switches that came
+    before the list is refused (``config.REMOVED_FIELDS`` names the new form for each old key)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        raise ValueError("a list of the ablations switched on (ablation: [frozen_wm]), not a mapping of switches")
+    return value
+
+
+def _consistent(names: list[str]) -> list[str]:
+    """The set of ``names``, sorted; refused when two of them contradict each other."""
+    on = sorted(set(names))
+    if {"no_wmsd", "no_real_ce"} <= set(on):
+        raise ValueError(
+            "no_wmsd and no_real_ce together leave the world model no loss; use frozen_wm for an untrained world model"
+        )
+    if {"no_ws_gate_real", "no_ws_gate_imagined"} <= set(on):
+        raise ValueError(
+            "no_ws_gate_real and no_ws_gate_imagined contradict each other: "
+            "s̄ is either always the real or always the imagined state"
+        )
+    return on
+
+
+Ablations = Annotated[list[AblationName], BeforeValidator(_names), AfterValidator(_consistent)]
+"""The ablations switched on (``[]``: CoMap itself): a set, stored sorted, read by membership
+(``"frozen_wm" in cfg.ablation``). Every process reads the same list; the learner records it in the run
+directory (``ablation.json``) and with every published adapter version."""
+
+_ABLATIONS = TypeAdapter(Ablations)
+
+
+def ablations(names: Any) -> list[str]:
+    """``names`` validated as the ``ablation`` field is (a run's recorded list, an experiment arm's):
+    known names, none contradicting another, sorted without duplicates; ValidationError otherwise."""
+    return _ABLATIONS.validate_python(names)

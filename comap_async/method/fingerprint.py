@@ -27,7 +27,7 @@ def method_settings(cfg: Any) -> dict[str, Any]:
     return {
         "env": cfg.env.name,
         "rule": dataclasses.asdict(SampleRule.from_config(cfg)),
-        "ablation": sorted(cfg.ablation.active),
+        "ablation": sorted(cfg.ablation),
         "methods": sorted(cfg.method_switches),
     }
 

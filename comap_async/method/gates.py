@@ -190,8 +190,8 @@ class SampleRule:
     @classmethod
     def from_config(cls, cfg: Any) -> "SampleRule":
         g, a = cfg.gates, cfg.ablation
-        future = "real" if a.no_ws_gate_real else "imagined" if a.no_ws_gate_imagined else "gate"
-        return cls(g.tau_p, g.tau_q, g.tau_ws, future, not a.no_action_gate)
+        future = "real" if "no_ws_gate_real" in a else "imagined" if "no_ws_gate_imagined" in a else "gate"
+        return cls(g.tau_p, g.tau_q, g.tau_ws, future, "no_action_gate" not in a)
 
     def derive(self, tr: Transition) -> PolicySample:
         return derive_policy_sample(
@@ -204,7 +204,7 @@ def gate_reflection(cfg: Any, refl: Any, a_draft: str) -> ActionGateResult:
     be read; under the ablation ``no_action_gate`` open for any different action; else CoMap's gate."""
     if not refl.readable:
         return ActionGateResult(False, "unreadable")
-    if cfg.ablation.no_action_gate:
+    if "no_action_gate" in cfg.ablation:
         return ungated_action(refl.a_ref, a_draft)
     return action_gate(refl.p_revise, refl.q_ref, refl.a_ref, a_draft, cfg.gates.tau_p, cfg.gates.tau_q)
 
@@ -214,6 +214,6 @@ def decision_first(cfg: Any) -> float | None:
     (``actor.reflect_decision_first``, in co-evolution and evaluation episodes alike): CoMap's gate keeps
     the draft there whatever follows. None (generate it whole) when the setting is off, and under
     ``no_action_gate``, whose gate reads every reflection's action."""
-    if not cfg.actor.reflect_decision_first or cfg.ablation.no_action_gate:
+    if not cfg.actor.reflect_decision_first or "no_action_gate" in cfg.ablation:
         return None
     return cfg.gates.tau_p

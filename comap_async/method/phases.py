@@ -11,7 +11,7 @@ config's per-phase fields.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,10 +69,10 @@ class PhaseSpec:
         return steps >= (budget or self.steps) or out_of_time
 
 
-def phase_spec(learner: Any, phase: str, ablation: Any = None) -> PhaseSpec:
-    """The spec of ``phase`` under ``learner`` (a ``LearnerConfig``) and ``ablation`` (an ``AblationConfig``;
-    None: the method itself, for a caller that reads only rates, budgets and weights, as the trainer's
-    schedule does)."""
+def phase_spec(learner: Any, phase: str, ablation: Collection[str] = ()) -> PhaseSpec:
+    """The spec of ``phase`` under ``learner`` (a ``LearnerConfig``) and ``ablation`` (the ablations
+    switched on, ``cfg.ablation``; none: the method itself, for a caller that reads only rates, budgets
+    and weights, as the trainer's schedule does)."""
     lc = learner
     if phase not in PHASES:
         raise ValueError(f"unknown phase {phase!r}; expected one of {list(PHASES)}")
@@ -135,11 +135,11 @@ def first_phase(cfg: Any) -> str:
     reflection-mode initialisation, unless that is ablated (``no_reflect_init``)."""
     if cfg.learner.phases.warmup.steps > 0:
         return WARMUP
-    return COEVOLVE if cfg.ablation.no_reflect_init else REFLECT_INIT
+    return COEVOLVE if "no_reflect_init" in cfg.ablation else REFLECT_INIT
 
 
-def after_warmup(learner: Any, ablation: Any = None) -> str:
+def after_warmup(learner: Any, ablation: Collection[str] = ()) -> str:
     """The phase after warm-up: reflection-mode initialisation, unless it has no steps or is ablated."""
-    if learner.phases.reflect_init.steps > 0 and not (ablation is not None and ablation.no_reflect_init):
+    if learner.phases.reflect_init.steps > 0 and "no_reflect_init" not in ablation:
         return REFLECT_INIT
     return COEVOLVE

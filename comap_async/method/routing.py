@@ -6,6 +6,7 @@ the ablations that leave data or loss terms out. Pure functions of the phase and
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 from typing import Any
 
 from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
@@ -35,17 +36,16 @@ PHASE_FILTERS = {
 MIXED_IN = {"transitions": [WARMUP], "reflections": [REFLECT_INIT]}
 
 
-def phase_stores(phase: str, ablation: Any = None) -> tuple[str, ...]:
-    """The stores a micro-batch of ``phase`` samples, under ``ablation`` (an ``AblationConfig``):
-    ``no_wm_warmup`` and ``frozen_wm`` leave out the world model's transitions in warm-up and after
-    it respectively, ``no_expert_sft`` the demonstrations (the draft anchor) after warm-up."""
+def phase_stores(phase: str, ablation: Collection[str] = ()) -> tuple[str, ...]:
+    """The stores a micro-batch of ``phase`` samples, under ``ablation`` (the ablations switched on,
+    ``cfg.ablation``): ``no_wm_warmup`` and ``frozen_wm`` leave out the world model's transitions in
+    warm-up and after it respectively, ``no_expert_sft`` the demonstrations (the draft anchor) after
+    warm-up."""
     stores = PHASE_STORES[phase]
-    if ablation is None:
-        return stores
     drop = set()
-    if (ablation.no_wm_warmup and phase == WARMUP) or (ablation.frozen_wm and phase != WARMUP):
+    if ("no_wm_warmup" in ablation and phase == WARMUP) or ("frozen_wm" in ablation and phase != WARMUP):
         drop.add("transitions")
-    if ablation.no_expert_sft and phase != WARMUP:
+    if "no_expert_sft" in ablation and phase != WARMUP:
         drop.add("demos")
     return tuple(s for s in stores if s not in drop)
 
@@ -55,7 +55,7 @@ def store_requests(
     n: int,
     shares: dict[str, float],
     rng: random.Random,
-    ablation: Any = None,
+    ablation: Collection[str] = (),
     sizes: dict[str, int] | None = None,
 ) -> list[tuple[str, int, list[str] | None]]:
     """The (store, n, phases) sample requests that make one micro-batch of ``phase``: ``n`` items of
@@ -89,15 +89,15 @@ def store_requests(
 
 def world_model_frozen(cfg: Any, phase: str) -> bool:
     """``frozen_wm``: after warm-up the world model is not trained and its teacher not updated."""
-    return cfg.ablation.frozen_wm and phase != WARMUP
+    return "frozen_wm" in cfg.ablation and phase != WARMUP
 
 
-def world_model_terms(ablation: Any) -> tuple[bool, bool]:
+def world_model_terms(ablation: Collection[str]) -> tuple[bool, bool]:
     """(the real-state cross-entropy, the self-distillation KL) the world model's loss holds:
     ``no_real_ce`` and ``no_wmsd`` each leave one out (the config refuses both at once)."""
-    return not ablation.no_real_ce, not ablation.no_wmsd
+    return "no_real_ce" not in ablation, "no_wmsd" not in ablation
 
 
-def reflection_shows_future(ablation: Any) -> bool:
+def reflection_shows_future(ablation: Collection[str]) -> bool:
     """Whether the reflection prompt shows the imagined state (``no_future_state`` leaves it out)."""
-    return not ablation.no_future_state
+    return "no_future_state" not in ablation

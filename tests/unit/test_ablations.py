@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import random
 from types import SimpleNamespace
+from typing import get_args
 
 import pytest
 import torch
 
-from comap_async.config import AblationConfig, ConfigError, load_config
+from comap_async.config import ABLATIONS, AblationName, ConfigError, ablations, load_config
 from comap_async.method.gates import SampleRule
 from comap_async.method.routing import PHASE_STORES, phase_stores, store_requests
 from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, ROLES, WARMUP
@@ -30,20 +31,47 @@ def batch():
 
 
 # ------------------------------------------------------------------ config
-def test_ablation_config_names_what_is_on_and_refuses_contradictions():
-    assert load_config(None).ablation.active == []
-    cfg = load_config(None, ["ablation.frozen_wm=true", "ablation.no_ws_gate_real=true"])
-    assert cfg.ablation.active == ["frozen_wm", "no_ws_gate_real"]
+def test_the_ablations_are_one_sorted_set_of_names_that_refuses_contradictions(tmp_path):
+    assert load_config(None).ablation == [] and set(ABLATIONS) == set(get_args(AblationName))
+    cfg = load_config(None, ["ablation=[no_ws_gate_real, frozen_wm, no_ws_gate_real]"])
+    assert cfg.ablation == ["frozen_wm", "no_ws_gate_real"]  # duplicates collapse, order-free, stored sorted
+    assert load_config(None, ["ablation=frozen_wm"]).ablation == ["frozen_wm"]  # one name, without brackets
+    f = tmp_path / "frozen.yaml"
+    f.write_text("ablation: [no_action_gate, frozen_wm]\n")
+    assert load_config(f).ablation == ["frozen_wm", "no_action_gate"] == ablations(["no_action_gate", "frozen_wm"])
     assert SampleRule.from_config(cfg).future_state == "real"
-    imagined = load_config(None, ["ablation.no_ws_gate_imagined=true"])
+    imagined = load_config(None, ["ablation=no_ws_gate_imagined"])
     assert SampleRule.from_config(imagined).future_state == "imagined"
     assert SampleRule.from_config(load_config(None)) == SampleRule()  # CoMap itself: the gates, the defaults
-    with pytest.raises(ConfigError, match="leave the world model no loss"):
-        load_config(None, ["ablation.no_wmsd=true", "ablation.no_real_ce=true"])
+    with pytest.raises(ConfigError, match="ablation: no_wmsd and no_real_ce together leave the world model no loss"):
+        load_config(None, ["ablation=[no_wmsd, no_real_ce]"])
     with pytest.raises(ConfigError, match="contradict"):
-        load_config(None, ["ablation.no_ws_gate_real=true", "ablation.no_ws_gate_imagined=true"])
-    with pytest.raises(ConfigError, match="did you mean 'no_wmsd'"):
-        load_config(None, ["ablation.no_wmsdd=true"])
+        load_config(None, ["ablation=[no_ws_gate_real, no_ws_gate_imagined]"])
+    with pytest.raises(ConfigError, match="ablation.0: Input should be 'frozen_wm', .*got 'no_wmsdd'"):
+        load_config(None, ["ablation=no_wmsdd"])
+    with pytest.raises(ValueError, match="contradict"):
+        ablations(["no_ws_gate_real", "no_ws_gate_imagined"])  # a run's recorded list is checked as the field is
+
+
+def test_the_switches_written_the_old_way_get_the_list_in_one_line(tmp_path):
+    """``ablation: {frozen_wm: true}`` and ``--set ablation.frozen_wm=true`` (the ten booleans before the
+    list) are refused with the line naming the new form, on defaults and on a config that has the list."""
+    new = "now one list of the ablations switched on: ablation: [frozen_wm]"
+    f = tmp_path / "old.yaml"
+    f.write_text("ablation:\n  frozen_wm: true\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(f)
+    assert str(exc.value) == f"{f}: ablation.frozen_wm: removed: {new}"
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["ablation.frozen_wm=true"])
+    assert str(exc.value) == f"<defaults> (with --set): ablation.frozen_wm: removed: {new}"
+    f.write_text("ablation: [no_action_gate]\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(f, ["ablation.frozen_wm=true"])
+    assert str(exc.value) == f"--set 'ablation.frozen_wm=true': ablation.frozen_wm: removed: {new}"
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["ablation={}"])
+    assert "\n" not in str(exc.value) and "ablation: a list of the ablations switched on" in str(exc.value)
 
 
 # ------------------------------------------------------------------ what the learner samples
@@ -63,15 +91,15 @@ def test_ablation_config_names_what_is_on_and_refuses_contradictions():
     ],
 )
 def test_phase_stores_drop_only_the_ablated_data(name, phase, dropped):
-    ablation = AblationConfig(**{name: True})
+    ablation = [name]
     assert set(PHASE_STORES[phase]) - set(phase_stores(phase, ablation)) == dropped
-    assert phase_stores(phase, AblationConfig()) == phase_stores(phase, None) == PHASE_STORES[phase]
+    assert phase_stores(phase, []) == phase_stores(phase) == PHASE_STORES[phase]
     shares = {"transitions": 0.5, "reflections": 0.5}
     requested = {store for store, _, _ in store_requests(phase, 8, shares, random.Random(0), ablation)}
     assert requested == set(phase_stores(phase, ablation))  # warm-up anchors of frozen_wm's world model too
 
 
-def _next_phase(ablation: AblationConfig, phase: str, step: int) -> str | None:
+def _next_phase(ablation: list[str], phase: str, step: int) -> str | None:
     cfg = load_config(None, ["learner.phases.warmup.steps=2", "learner.phases.reflect_init.steps=3"])
     cfg = cfg.model_copy(update={"ablation": ablation})
     learner = SimpleNamespace(cfg=cfg, state=LearnerState(phase=phase), trainer=SimpleNamespace(step=step))
@@ -79,9 +107,9 @@ def _next_phase(ablation: AblationConfig, phase: str, step: int) -> str | None:
 
 
 def test_no_reflect_init_goes_from_warmup_to_coevolution():
-    assert _next_phase(AblationConfig(), WARMUP, 2) == REFLECT_INIT
-    assert _next_phase(AblationConfig(no_reflect_init=True), WARMUP, 2) == COEVOLVE
-    assert _next_phase(AblationConfig(no_reflect_init=True), WARMUP, 1) is None
+    assert _next_phase([], WARMUP, 2) == REFLECT_INIT
+    assert _next_phase(["no_reflect_init"], WARMUP, 2) == COEVOLVE
+    assert _next_phase(["no_reflect_init"], WARMUP, 1) is None
 
 
 # ------------------------------------------------------------------ the training step
@@ -89,7 +117,7 @@ def test_no_reflect_init_goes_from_warmup_to_coevolution():
 def test_no_wmsd_drops_the_kl_term(tiny_model_dir, monkeypatch, reference):
     full = make_trainer(tiny_model_dir, reference=reference).train_step([batch()])
     trainer = make_trainer(tiny_model_dir, reference=reference)
-    trainer.ablation = AblationConfig(no_wmsd=True)
+    trainer.ablation = ["no_wmsd"]
     monkeypatch.setattr(trainer, "teacher_logits", lambda seqs: pytest.fail("the teacher ran under no_wmsd"))
     m = trainer.train_step([batch()])
     assert "wm/kl" not in m and "wm/kl" in full and full["wm/kl"] > 0
@@ -101,7 +129,7 @@ def test_no_wmsd_drops_the_kl_term(tiny_model_dir, monkeypatch, reference):
 def test_no_real_ce_keeps_only_self_distillation(tiny_model_dir, reference):
     full = make_trainer(tiny_model_dir, reference=reference).train_step([batch()])
     trainer = make_trainer(tiny_model_dir, reference=reference)
-    trainer.ablation = AblationConfig(no_real_ce=True)
+    trainer.ablation = ["no_real_ce"]
     m = trainer.train_step([batch()])
     assert "wm/ce" not in m and "wm/change_nll" not in m
     assert m["wm/kl"] == pytest.approx(full["wm/kl"], rel=1e-5)
@@ -113,7 +141,7 @@ def test_frozen_wm_keeps_world_model_and_teacher_identical(tiny_model_dir):
     trainer = make_trainer(tiny_model_dir)
     trainer.train_step([batch()])  # warm-up: the world model trains and the teacher follows it
     before = {role: adapter_state(trainer.model, role) for role in ROLES}
-    trainer.freeze_wm = True  # co-evolution under ablation.frozen_wm (the learner sets it per step)
+    trainer.freeze_wm = True  # co-evolution under the ablation frozen_wm (the learner sets it per step)
     for _ in range(3):
         m = trainer.train_step([batch()])
     after = {role: adapter_state(trainer.model, role) for role in ROLES}

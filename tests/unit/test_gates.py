@@ -233,7 +233,7 @@ def test_ws_gate_ablations_fix_the_future_state(teacher, gate_picks):
 
 
 def test_no_action_gate_reads_every_real_revision_as_executed():
-    """``ablation.no_action_gate`` at the broker: the policy sample's target is the executed
+    """The ablation ``no_action_gate`` at the broker: the policy sample's target is the executed
     reflected action even where the gate would have refused it (low q_ref here)."""
     tr = validate(
         transition(

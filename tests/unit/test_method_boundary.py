@@ -1,4 +1,4 @@
-"""The method in one place: the ablation flags and the gates' thresholds are read only in
+"""The method in one place: the ablations and the gates' thresholds are read only in
 ``comap_async/method/`` (and declared and validated in ``comap_async/config/``); the phase
 routing tables are defined only there, and the action gate's ``p`` and ``q`` computed only there
 (``comap_async/method/decision.py``). An AST walk over every module of the processes and the core,
@@ -11,13 +11,16 @@ import inspect
 import re
 from pathlib import Path
 
-from comap_async.config import AblationConfig, GateConfig
+from comap_async.config import ABLATIONS, GateConfig
 from comap_async.method import decision, labels
 
 REPO = Path(__file__).resolve().parents[2]
 METHOD = REPO / "comap_async" / "method"
 DECLARED = REPO / "comap_async" / "config"
-FLAGS = set(AblationConfig.model_fields) | set(GateConfig.model_fields)
+FLAGS = set(GateConfig.model_fields)
+"""The gates' thresholds, read as attributes (``cfg.gates.tau_p``)."""
+ABLATION_NAMES = set(ABLATIONS)
+"""The ablations, tested by name (``"frozen_wm" in cfg.ablation``): a name spelled in the code is a read."""
 ROUTING = {"PHASE_STORES", "PHASE_REQUIRES", "PHASE_FILTERS", "MIXED_IN"}
 DEFINITIONS = {
     name: module.__name__
@@ -141,6 +144,8 @@ def reads_outside_the_method(root: Path) -> list[str]:
             for node in ast.walk(tree):
                 if isinstance(node, ast.Attribute) and node.attr in FLAGS:
                     out.append(f"{rel}:{node.lineno}: reads .{node.attr}")
+                if isinstance(node, ast.Constant) and node.value in ABLATION_NAMES:
+                    out.append(f"{rel}:{node.lineno}: names the ablation {node.value}")
                 # a phase's settings are read as its spec (comap_async.method.phases), not from the config
                 if isinstance(node, ast.Attribute) and node.attr == "phases" and _names_learner(node.value):
                     out.append(f"{rel}:{node.lineno}: reads learner.phases")
@@ -157,7 +162,7 @@ def reads_outside_the_method(root: Path) -> list[str]:
     return out
 
 
-def test_ablation_flags_gate_thresholds_phases_routing_p_q_and_labels_live_in_the_method_package():
+def test_ablations_gate_thresholds_phases_routing_p_q_and_labels_live_in_the_method_package():
     assert reads_outside_the_method(REPO) == []
 
 
@@ -165,7 +170,7 @@ def test_the_walk_catches_a_flag_read_and_a_routing_table_elsewhere(tmp_path):
     for top in ("comap_async", "actors", "broker", "learner"):
         (tmp_path / top).mkdir()
     (tmp_path / "actors" / "x.py").write_text(
-        "def f(cfg):\n    return cfg.ablation.no_action_gate or cfg.gates.tau_p\n"
+        "def f(cfg):\n    return 'no_action_gate' in cfg.ablation or cfg.gates.tau_p\n"
     )
     (tmp_path / "learner" / "y.py").write_text("PHASE_STORES = {}\n")
     (tmp_path / "learner" / "w.py").write_text(
@@ -173,11 +178,11 @@ def test_the_walk_catches_a_flag_read_and_a_routing_table_elsewhere(tmp_path):
     )
     (tmp_path / "actors" / "v.py").write_text("def reflection_label(equal, expert, draft):\n    return 0, 'keep'\n")
     (tmp_path / "comap_async" / "method").mkdir()
-    (tmp_path / "comap_async" / "method" / "z.py").write_text("def g(a):\n    return a.frozen_wm\n")  # allowed
+    (tmp_path / "comap_async" / "method" / "z.py").write_text("def g(a):\n    return 'frozen_wm' in a\n")  # allowed
     assert reads_outside_the_method(tmp_path) == [
         "actors/v.py:1: defines reflection_label (comap_async.method.labels's)",
-        "actors/x.py:2: reads .no_action_gate",
         "actors/x.py:2: reads .tau_p",
+        "actors/x.py:2: names the ablation no_action_gate",
         "learner/w.py:2: reads learner.phases",
         "learner/w.py:2: reads learner.phases",
         "learner/y.py:1: defines PHASE_STORES",

@@ -15,8 +15,8 @@ def test_the_fingerprint_covers_the_gates_the_ablations_the_env_and_the_related_
     others = [
         ["gates.tau_p=0.7"],
         ["gates.tau_ws=0.8"],
-        ["ablation.frozen_wm=true"],
-        ["ablation.no_ws_gate_real=true"],
+        ["ablation=frozen_wm"],
+        ["ablation=no_ws_gate_real"],
         ["env.name=scienceworld"],
         ["actor.imagined_rollouts=2", "learner.phases.coevolve.imagined_demo_share=0.5"],
     ]
@@ -24,8 +24,18 @@ def test_the_fingerprint_covers_the_gates_the_ablations_the_env_and_the_related_
     assert base not in prints and len(set(prints)) == len(prints)
 
 
+def test_the_same_ablations_keep_the_fingerprint_they_had_as_ten_switches():
+    """Pinned before the ablations became one list (then ``ablation.frozen_wm=true`` ...): a process of a run
+    started before the change still agrees with one started after it on the same ablations."""
+    assert fingerprint(load_config(None)) == "b68abcb86773"
+    assert fingerprint(load_config(None, ["ablation=frozen_wm"])) == "af90b53437ff"
+    assert fingerprint(load_config(None, ["ablation=[no_action_gate, frozen_wm]"])) == "e1d4af49ae12"
+    assert fingerprint(load_config(None, ["ablation=[no_ws_gate_imagined, no_future_state]"])) == "45869a96d302"
+    assert fingerprint(load_config(None, ["ablation=no_ws_gate_real"])) == "2a7ce2f508ee"
+
+
 def test_a_mismatch_is_one_line_naming_both_sides_and_an_unsaid_one_passes():
-    cfg = load_config(None, ["ablation.frozen_wm=true"])
+    cfg = load_config(None, ["ablation=frozen_wm"])
     check_method(cfg, fingerprint(cfg), "the broker")
     check_method(cfg, "", "the broker")  # a peer that does not say (an older broker)
     with pytest.raises(MethodMismatch) as err:

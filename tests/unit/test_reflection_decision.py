@@ -239,7 +239,7 @@ async def test_a_decision_first_reflection_generates_past_its_decision_only_when
     # one setting for co-evolution and evaluation episodes alike (eval.reflect_decision_first was the second)
     on = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"reflect_decision_first": True})})
     assert decision_first(on) == cfg.gates.tau_p
-    ungated = on.model_copy(update={"ablation": on.ablation.model_copy(update={"no_action_gate": True})})
+    ungated = on.model_copy(update={"ablation": ["no_action_gate"]})
     assert decision_first(ungated) is None
     # p at or below tau_p: one token generated, a KEEP of the draft, which the gate keeps as it would have
     keep = (" KE", [" KE"], [-0.2], {" KE": -0.2, " RE": -1.8})
