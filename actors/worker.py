@@ -80,6 +80,7 @@ class ActorWorker:
         eval_phase: str = COEVOLVE,
         on_step: Any = None,
         eval_method: str = "comap",
+        priority: int = 0,
         on_result: Any = None,
         cycle_check: bool = False,
     ) -> None:
@@ -90,6 +91,7 @@ class ActorWorker:
         self.reflection_metrics = reflection_metrics  # evaluation: judge every step by two branches
         self.eval_phase = eval_phase  # evaluation plays the CoMap loop, or reflection-mode initialisation
         self.eval_method = eval_method  # evaluation: the CoMap loop or a baseline (actors/eval_methods.py)
+        self.priority = priority  # its model calls' priority (the evaluator's: eval.priority; an actor's: 0)
         self.on_step = on_step  # called after every environment step (evaluation's progress bar)
         self.on_result = on_result  # called with (game, stats) as each episode ends (a resumable comparison)
         self.cycle_check = cycle_check  # evaluation: play recurring episodes on, comparing the projection
@@ -196,7 +198,7 @@ class ActorWorker:
         the actors' labels alone and waits for them, so their calls rank with the evaluator's
         (``eval.priority``): held behind an evaluation (``inference.priority_hold_s``) they stalled the whole
         run, 2.2 minutes of a 10-minute one (docs/running.md, "A ten-minute try"), not just the actors."""
-        own = self.cfg.inference.request_priority
+        own = self.priority
         return min(own, self.cfg.eval.priority) if phase == REFLECT_INIT else own
 
     def _has_its_share(self, phase: str) -> bool:
@@ -244,7 +246,7 @@ class ActorWorker:
             raise ValueError(f"no games found for split {self.split or cfg.env.split!r}")
         # Tokenizer files only (chat template, decision tokens): actors never load model weights.
         prompts = Prompts.for_model(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir), cfg)
-        client = InferenceClient.from_config(cfg)
+        client = InferenceClient.from_config(cfg, priority=self.priority)
         own_outbox = outbox is None
         outbox = outbox or Outbox.from_config(cfg, log=self.log)
         refresher = None

@@ -39,14 +39,21 @@ def wait_healthy(
 
 
 @contextmanager
-def served(overrides: list[str], adapter_root: Path, log_path: Path, timeout_s: float = 180, env: dict | None = None):
-    """Yield the URL of a healthy ``comap serve`` started with these ``--set`` overrides."""
+def served(
+    overrides: list[str],
+    adapter_root: Path,
+    log_path: Path,
+    timeout_s: float = 180,
+    env: dict | None = None,
+    forward: str | None = None,
+):
+    """Yield the URL of a healthy ``comap serve`` started with these ``--set`` overrides (``forward``: the
+    embedded server on that forward, ``fused`` or ``transformers``, instead of the one it decides)."""
     port = free_port()
+    serve = ["-m", "comap_async", "serve"] if forward is None else [__file__, "--forward", forward]
     args = [
         sys.executable,
-        "-m",
-        "comap_async",
-        "serve",
+        *serve,
         "--set",
         f"inference.port={port}",
         "--set",
@@ -195,9 +202,27 @@ def start_comap(name: str, args: list[str], env: dict, log_dir: Path) -> subproc
     )
 
 
+def serve_on(argv: list[str]) -> int:
+    """``python benchmarks/_inference.py --forward fused|transformers [comap serve's arguments]``: ``comap serve``
+    on the named forward (the server decides it from the model otherwise)."""
+    import argparse
+
+    from comap_async.inference import cli
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--forward", choices=["fused", "transformers"], required=True)
+    cli.add_arguments(p)
+    args = p.parse_args(argv)
+    return cli.run(args, forward=args.forward)
+
+
 def stored_transitions(http_port: int) -> int:
     """Transitions the broker has written (its ``/stats``)."""
     import json
 
     with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/stats", timeout=10) as r:
         return json.loads(r.read())["stores"]["transitions"]["written"]
+
+
+if __name__ == "__main__":
+    sys.exit(serve_on(sys.argv[1:]))

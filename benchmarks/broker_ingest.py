@@ -7,7 +7,7 @@ process) with the same pre-encoded messages: ~2 KB of ALFWorld-like text per tra
 when the messages are made, as an actor does). The rate is messages acked
 per second, and the broker only acks after the LMDB commit that stored the message.
 
-    python benchmarks/broker_ingest.py [--n 40000] [--group-commit 256] [--gate-workers 1] [--rounds 3]
+    python benchmarks/broker_ingest.py [--n 40000] [--gate-workers 1] [--rounds 3]
 
 Each round measures the raw loop, then the broker; the last line gives the median rate and the
 median of the rounds' ratios (this machine's speed drifts between runs, so single runs vary).
@@ -39,7 +39,8 @@ import zmq
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from comap_async.ports import free_port  # noqa: E402 - the repo must be on sys.path first
+from broker.actor_path import GROUP_COMMIT  # noqa: E402 - the repo must be on sys.path first
+from comap_async.ports import free_port  # noqa: E402
 from comap_async.wire.messages import COEVOLVE, KEEP, REVISE, Transition  # noqa: E402
 from comap_async.wire.protocol import encode  # noqa: E402
 
@@ -243,10 +244,7 @@ def measure_broker(args: argparse.Namespace, msgs: list[bytes], tmp: str, env: d
         f"broker.actor_port={ports[0]}",
         f"broker.learner_port={ports[1]}",
         f"broker.http_port={ports[2]}",
-        f"broker.group_commit={args.group_commit}",
-        f"broker.capacity_transitions={cap}",
-        f"broker.capacity_reflections={cap}",
-        "broker.map_size_mb=1024",
+        f"broker.capacity={cap}",
         f"broker.gate_workers={args.gate_workers}",
     ]
     cmd = [sys.executable, "-m", "broker"] + [x for s in sets for x in ("--set", s)]
@@ -288,7 +286,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=40_000, help="transitions per measurement")
     ap.add_argument("--text-bytes", type=int, default=2048)
-    ap.add_argument("--group-commit", type=int, default=256)
+    ap.add_argument(
+        "--group-commit", type=int, default=GROUP_COMMIT, help="the raw loop's transaction size (the broker's: 256)"
+    )
     ap.add_argument("--window", type=int, default=2048, help="unacked messages the client keeps in flight")
     ap.add_argument("--gate-workers", type=int, default=1, help="broker.gate_workers (0: gate in the broker process)")
     ap.add_argument(

@@ -224,7 +224,7 @@ class Soak:
             "inference.max_prompt_tokens=2048",
             "broker.max_staleness=100",
             # large enough that no ring evicts during the soak: an evicted record would read as lost
-            *(f"broker.capacity_{s}=1000000" for s in ("transitions", "reflections", "demos", "episodes", "imagined")),
+            "broker.capacity=1000000",
             f"actor.spill_dir={work / 'spill'}",
             f"actor.ack_log={self.ack_log}",
         ]

@@ -10,17 +10,14 @@ in alternating rounds on one machine:
 * ``fast_envs8``: ``fast_cache`` with 8 environments per actor instead of 4 (fuller decode batches).
 * ``fast_envs16``: 16 environments, decoded up to 16 rows at a time.
 * ``fast_history_envs8``: ``fast_history`` with 8 environments.
-* ``fast_spec4`` / ``fast_spec8``: ``fast`` with prompt-lookup speculative decoding
-  (``inference.speculative_tokens`` 4 / 8: the teacher rewrites the real observation it is shown, a
-  reflection the draft); ``fast_envs8_spec4`` / ``fast_envs8_spec8``: with 8 environments too.
 * ``fast_turns``: every role a conversation over the episode (``env.prompt_form: all_turns``: the
   reflection continues the draft's conversation, the world model and its teacher have their own);
   ``fast_envs8_turns``: with 8 environments too;
   ``fast_turns_decision_first``: with co-evolution's reflections read decision first
-  (``actor.reflect_decision_first``); ``fast_turns_decision_first_spec4``: with prompt-lookup speculative
-  decoding too (``inference.speculative_tokens=4``); ``fast_turns_decision_first_spec8``: 8 at most;
-  ``fast_turns_decision_first_spec4_block32``: with prefix-cache blocks of 32 tokens (``inference.prefix_cache_block``);
-  ``fast_envs8_turns_decision_first_spec4``: with 8 environments.
+  (``actor.reflect_decision_first``). The settings with prompt-lookup speculative decoding
+  (``fast_spec4``, ``fast_turns_decision_first_spec4`` and others) and with prefix-cache blocks of 32 tokens
+  went with ``inference.speculative_tokens`` and ``inference.prefix_cache_block`` (their figures:
+  docs/benchmarks.md, docs/inference.md).
   (The reflection's turns alone, ``fast_reflect_turns``, are no ``env.prompt_form``: dropped, ``fast_turns``
   measures them with the world model's and the teacher's.)
 
@@ -71,7 +68,7 @@ from comap_async.wire.inference_client import ENGINE_COUNTERS, parse_engine_coun
 from comap_async.wire.messages import COEVOLVE, ROLES, adapter_name  # noqa: E402
 from experiments.system import copy_trained_adapters, wait_for  # noqa: E402
 
-FAST = ["inference.forward=fused", "actor.reflect_decision_first=false"]
+FAST = ["actor.reflect_decision_first=false"]
 TURNS_DECISION_FIRST = [*FAST, "env.prompt_form=all_turns", "actor.reflect_decision_first=true"]
 SETTINGS = {
     "fast": FAST,
@@ -89,12 +86,6 @@ SETTINGS = {
     "fast_envs16": [*FAST, "inference.prefix_cache_mb=2048", "actor.envs=16", "inference.max_batch_size=16"],
     # both: every role's prompt extends its previous step's, and twice the rows in each decode step
     "fast_history_envs8": [*FAST, "inference.prefix_cache_mb=2048", "env.history_k=50", "actor.envs=8"],
-    # most generated tokens are in the prompt already (the teacher's hindsight observation, the draft a
-    # reflection repeats): proposed from it and checked in one forward pass, same output
-    "fast_spec4": [*FAST, "inference.speculative_tokens=4"],
-    "fast_envs8_spec4": [*FAST, "inference.prefix_cache_mb=2048", "actor.envs=8", "inference.speculative_tokens=4"],
-    "fast_spec8": [*FAST, "inference.speculative_tokens=8"],
-    "fast_envs8_spec8": [*FAST, "inference.prefix_cache_mb=2048", "actor.envs=8", "inference.speculative_tokens=8"],
     # every role a conversation over the episode: the reflection continues the draft's (the cache holds the
     # draft's prompt: ~60 new tokens a reflection instead of the state again), the world model's and the
     # teacher's prompts extend their previous step's (~1,000 computed prompt tokens a step with trained
@@ -103,25 +94,6 @@ SETTINGS = {
     # a reflection whose p_revise is at or under tau_p (the gate keeps the draft whatever follows) stops
     # at its decision token: most of the policy's decoded tokens a step
     "fast_turns_decision_first": TURNS_DECISION_FIRST,
-    # with prompt-lookup speculative decoding too: decode is now half the step, and a reflection's action and
-    # the teacher's hindsight observation are mostly copies of tokens in their conversations
-    "fast_turns_decision_first_spec4": [*TURNS_DECISION_FIRST, "inference.speculative_tokens=4"],
-    # 8 at most: a row's budget doubles only while its proposals are confirmed (the teacher copying the real
-    # observation it is shown), so a row whose guesses fail stays at 1-2 tokens
-    "fast_turns_decision_first_spec8": [*TURNS_DECISION_FIRST, "inference.speculative_tokens=8"],
-    # the same with prefix-cache blocks of 32 tokens (the earlier size): a prompt recomputes 16 tokens of its
-    # known prefix on average instead of 4
-    "fast_turns_decision_first_spec4_block32": [
-        *TURNS_DECISION_FIRST,
-        "inference.speculative_tokens=4",
-        "inference.prefix_cache_block=32",
-    ],
-    # 8 environments: with prompts prefilled in the decode step's forward, more rows share each read of the weights
-    "fast_envs8_turns_decision_first_spec4": [
-        *TURNS_DECISION_FIRST,
-        "inference.speculative_tokens=4",
-        "actor.envs=8",
-    ],
     "fast_envs8_turns": [
         *FAST,
         "inference.prefix_cache_mb=2048",

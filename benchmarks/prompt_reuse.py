@@ -10,7 +10,7 @@ For each stored episode (its main transitions in order: the conversation at step
 observation and the executed actions before t with what they got) the calls of a CoMap step are
 rendered: the draft, the world model on the draft (and on the executed action when it differs), the
 reflection, the teacher. Each goes through a model of the server's cache (blocks of
-``inference.prefix_cache_block`` tokens (``--block``) chained per adapter, a prompt reusing the full blocks
+``PREFIX_CACHE_BLOCK`` tokens (``--block``) chained per adapter, a prompt reusing the full blocks
 it shares with any earlier prompt of its adapter, at least one token computed; no eviction:
 ``inference.prefix_cache_mb`` large enough for the episodes in flight), and the tokens it computes are
 counted by role. No model runs: the outputs are the stored ones, so a form whose outputs would differ
@@ -73,13 +73,12 @@ def main() -> int:
     ap.add_argument("--config", default="configs/local.yaml", help="the run's config")
     ap.add_argument("--phase", default=COEVOLVE, help="the transitions' phase (warmup: the expert's steps)")
     ap.add_argument("--episodes", type=int, default=40, help="the run's last N episodes of the phase")
-    ap.add_argument(
-        "--block", type=int, help="prefix-cache block size (default: the config's inference.prefix_cache_block)"
-    )
+    ap.add_argument("--block", type=int, help="prefix-cache block size (default: the server's, PREFIX_CACHE_BLOCK)")
     args = ap.parse_args()
     from tokenizers import Tokenizer
 
     from comap_async.config import load_config
+    from comap_async.inference.prefix import PREFIX_CACHE_BLOCK
     from comap_async.models import resolve_model
     from comap_async.prompts.template import Prompts
 
@@ -97,7 +96,7 @@ def main() -> int:
     for form, prompt_form in FORMS.items():
         cfg = load_config(args.config, [f"env.prompt_form={prompt_form}"])
         prompts = Prompts.for_model(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir), cfg)
-        cache, computed, sent = BlockCache(args.block or cfg.inference.prefix_cache_block), dict.fromkeys(ROLES, 0), 0
+        cache, computed, sent = BlockCache(args.block or PREFIX_CACHE_BLOCK), dict.fromkeys(ROLES, 0), 0
         for episode in played:
             seen = Conversation(episode[0]["goal"], episode[0]["o"])
             for r in episode:

@@ -1,5 +1,5 @@
 """Decode rate of the embedded server with the real default model (SmolLM2-135M-Instruct): the fused
-forward (``inference.forward=fused``, the default) against the reference (``transformers``), both
+forward (what the server runs the Llama family on) against the reference (transformers' forward), both
 served at once and measured in alternating rounds so the ratio is taken under the same machine load.
 
 Each server is a real ``comap serve`` (torch_threads=1, max_batch_size=8). Requests are actor draft
@@ -45,10 +45,11 @@ from comap_async.wire.messages import POLICY, adapter_name  # noqa: E402
 OBJECTS = ["apple", "bread", "knife", "mug", "egg", "lettuce", "potato", "tomato", "spoon", "cup"]
 PLACES = ["countertop", "cabinet", "drawer", "shelf", "fridge", "sinkbasin", "microwave", "desk"]
 PATHS = {
-    "reference": ["inference.forward=transformers"],
-    "fused": ["inference.forward=fused"],
-    "vllm": ["inference.backend=vllm"],
+    "reference": ([], "transformers"),
+    "fused": ([], "fused"),
+    "vllm": (["inference.backend=vllm"], None),
 }
+"""Each server: its overrides and the embedded server's forward (None: not the embedded server)."""
 
 
 def state(i: int) -> str:
@@ -187,9 +188,10 @@ async def main(args: argparse.Namespace) -> None:
         # vLLM's CPU engine takes the cores listed here (its default binds all of them)
         env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}" if args.threads > 1 else "0"}
         timeout = {p: 900 if p == "vllm" else 180 for p in pair}
+        a, b = pair
         with (
-            served(base + PATHS[pair[0]], root, root / f"{pair[0]}.log", timeout[pair[0]], env) as url_a,
-            served(base + PATHS[pair[1]], root, root / f"{pair[1]}.log", timeout[pair[1]], env) as url_b,
+            served(base + PATHS[a][0], root, root / f"{a}.log", timeout[a], env, forward=PATHS[a][1]) as url_a,
+            served(base + PATHS[b][0], root, root / f"{b}.log", timeout[b], env, forward=PATHS[b][1]) as url_b,
         ):
             res = await measure(args, prompts, {pair[0]: url_a, pair[1]: url_b}, names)
             logs = {p: (root / f"{p}.log").read_text() for p in pair}

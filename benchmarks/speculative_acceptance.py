@@ -1,4 +1,4 @@
-"""How many decode steps prompt-lookup speculation (``inference.speculative_tokens``) would save, per role,
+"""How many decode steps prompt-lookup speculation (the engine's ``speculative_tokens``) would save, per role,
 replayed offline over what a run's roles generated in co-evolution.
 
 For each stored co-evolution transition the role's prompt is rendered as the actors rendered it and its
@@ -63,7 +63,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--config", default="configs/local.yaml", help="the run's config (its prompts' wording)")
-    ap.add_argument("--k", type=int, default=8, help="inference.speculative_tokens")
+    ap.add_argument("--k", type=int, default=8, help="most tokens proposed per row and step")
     ap.add_argument("--last", type=int, default=300, help="the run's last N co-evolution transitions")
     ap.add_argument("--sizes", default=",".join(map(str, NGRAM_SIZES)), help="suffix lengths looked up")
     ap.add_argument("--row-ms", type=float, default=9.0, help="a row's share of a decode step's fixed cost")

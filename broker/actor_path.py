@@ -6,7 +6,7 @@ broker then starts it, reads its state for ``/stats`` and ``/healthz`` (``queued
 ``writable_error``, ``map_info``) and stops it at shutdown.
 
 One task does it all: drain the actor ROUTER and queue the frames; hand batches of up to
-``broker.group_commit`` frames to the gate pool (:mod:`broker.gate_worker`: decoding, validation
+:data:`GROUP_COMMIT` frames to the gate pool (:mod:`broker.gate_worker`: decoding, validation
 and both gates, in worker processes by default); take the oldest gated batch, answer its rejects,
 store its items in one durable LMDB transaction, and only then ack each with the current
 registry. While a commit syncs, the gate workers gate the next batches and ZeroMQ's I/O thread
@@ -44,6 +44,15 @@ from comap_async.wire.protocol import encode
 Pending = tuple[bytes, list[bytes], bytes]  # ident, delimiter, raw frame
 _SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
 _SEQ_MARK = (1 << 62) - 1  # the seq a cached positive ack is encoded with (packed as a uint64)
+
+GROUP_COMMIT = 256
+"""Most messages stored per LMDB transaction (acks go out after its commit); four times as many may be
+queued or in the gate pool before the actor socket is no longer read."""
+DRAIN_S = 2.0
+"""On SIGTERM, keep storing and acking actor messages for at most this long, so actors stopping at the
+same moment (``honcho`` signals every process at once and kills after 5 s) flush their outboxes."""
+DRAIN_QUIET_S = 0.5
+"""The drain ends early once no actor message has arrived for this long."""
 
 
 def _pack_seq(seq: int) -> bytes:

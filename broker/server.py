@@ -17,7 +17,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from broker import replay_sampling
-from broker.actor_path import ActorPath
+from broker.actor_path import DRAIN_QUIET_S, DRAIN_S, GROUP_COMMIT, ActorPath
 from broker.counters import LiveStats, build_snapshot, reject_category, stored_total
 from broker.gate_worker import GatePool
 from broker.ingest import Ingest, best_effort_int, checked_registry
@@ -38,11 +38,27 @@ from comap_async.wire.messages import (
     Reply,
     Sample,
 )
-from comap_async.wire.protocol import ID_LEN, MAX_ITEMS, ProtocolError, decode, encode, error_reason, message_type
+from comap_async.wire.protocol import (
+    ID_LEN,
+    MAX_ITEMS,
+    STORES,
+    ProtocolError,
+    decode,
+    encode,
+    error_reason,
+    message_type,
+)
 
 ZAP_DOMAIN = "comap"
 LEARNER_TYPES = LearnerRequest.__args__
 MAX_EVAL_RESULTS = 2000  # held-out results kept (one per evaluated version)
+ACK_QUEUE_MAX = 50_000
+"""Replies queued for one peer (ZeroMQ's send high-water mark per connection). A peer that sends without
+reading its acks cannot grow the broker past it: further replies to it are dropped and counted
+(``peer_ack_dropped``). Nothing acknowledged is lost that way: an actor's outbox resends what was not
+acked and the broker, which stores each id once, acks it again. Flooded by a peer that never reads, the
+broker grew 274 MB in 20 s without a bound and 5 MB with one of 20,000
+(``tests/integration/test_broker_non_reading_peer.py``)."""
 _MONITOR_EVENTS = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake_failed_auth",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_failed_protocol",
@@ -71,18 +87,9 @@ class Broker:
         same gating; without it the broker gates in its own process."""
         b = cfg.broker
         self.cfg, self.b, self.log, self.server_keys = cfg, b, log, server_keys
-        self.capacities = {
-            "transitions": b.capacity_transitions,
-            "reflections": b.capacity_reflections,
-            "demos": b.capacity_demos,
-            "episodes": b.capacity_episodes,
-            "imagined": b.capacity_imagined,
-        }
+        self.capacities = dict.fromkeys(STORES, b.capacity)
         self.store = ReplayStore(
-            replay_dir or cfg.run.dir / "replay",
-            self.capacities,
-            map_size_mb=b.map_size_mb,
-            max_map_size_mb=b.max_map_size_mb,
+            replay_dir or cfg.run.dir / "replay", self.capacities, max_map_size_mb=b.max_map_size_mb
         )
         self.ingest = Ingest(SampleRule.from_config(cfg))
         self.method = fingerprint(cfg)  # the run's reference: every ack's registry carries it
@@ -112,13 +119,13 @@ class Broker:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.linger = 500
         sock.maxmsgsize = self.b.max_message_bytes  # ZeroMQ drops the peer of an oversized frame
-        sock.rcvhwm = max(1000, 4 * self.b.group_commit)  # backpressure on what peers send
+        sock.rcvhwm = max(1000, 4 * GROUP_COMMIT)  # backpressure on what peers send
         # A ROUTER drops a reply silently when the peer's queue is at its high-water mark. ZeroMQ's
         # default (1000) lost error acks of a peer that sent faster than it read (the fuzz test: 27-393
         # of 10,000, 2 runs in 15); no limit let a peer that never reads grow the broker without bound
         # (60 -> 558 MB in 60 s of empty frames). The bound is per peer and far above what an honest
         # peer leaves unread; a dropped ack only makes an outbox resend (stored once, acked again).
-        sock.sndhwm = self.b.ack_queue_max
+        sock.sndhwm = ACK_QUEUE_MAX
         sock.router_mandatory = False  # a reply to a vanished peer is dropped, never raises
         if self.server_keys is not None:
             sock.curve_server = True
@@ -161,10 +168,10 @@ class Broker:
             self.live,
             self.log,
             registry=lambda: store.registry,
-            group_commit=self.b.group_commit,
-            max_pending=4 * self.b.group_commit,
-            drain_s=self.b.drain_s,
-            drain_quiet_s=self.b.drain_quiet_s,
+            group_commit=GROUP_COMMIT,
+            max_pending=4 * GROUP_COMMIT,
+            drain_s=DRAIN_S,
+            drain_quiet_s=DRAIN_QUIET_S,
         )
         self.actor_path.start()
         self._tasks.append(asyncio.create_task(self._learner_loop(), name="learner-recv"))

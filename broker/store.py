@@ -34,6 +34,8 @@ from comap_async.wire.protocol import STORES, empty_registry
 
 _KEY = struct.Struct(">Q")
 MB = 1 << 20
+MAP_SIZE_MB = 256
+"""The LMDB map a new replay starts with; it doubles whenever full, up to ``broker.max_map_size_mb``."""
 STORED, DUPLICATE = "stored", "duplicate"
 
 
@@ -79,7 +81,7 @@ class ReplayStore:
         path: str | Path,
         capacities: dict[str, int],
         *,
-        map_size_mb: int = 256,
+        map_size_mb: int = MAP_SIZE_MB,
         max_map_size_mb: int = 65536,
         dedup_capacity: int | None = None,
         readonly: bool = False,
@@ -285,7 +287,7 @@ class ReplayStore:
         if size >= self.max_map_size:
             self.last_error = (
                 f"LMDB map is full at its limit ({size // MB} MB = broker.max_map_size_mb); "
-                "raise max_map_size_mb or lower the store capacities"
+                "raise broker.max_map_size_mb or lower broker.capacity"
             )
             raise StoreRefused(self.last_error)
         new = min(self.max_map_size, size * 2)

@@ -1,41 +1,68 @@
 """The one retry policy of every client: the inference client, the broker client, the learner's publish.
 
-A :class:`~comap_async.config.RetryConfig` says how many attempts in all and how long to wait
-between them (exponential from ``backoff_s``, capped at ``backoff_max_s``, with full jitter or
-none); :func:`retrying` turns it into a ``tenacity.AsyncRetrying`` and :func:`call` runs a coroutine
-function under it. Layers never both retry: a caller that retries around a client passes the
-client :data:`NO_RETRY` (one attempt), so the attempts of one operation are exactly ``attempts``.
+A :class:`RetryPolicy` says how many attempts in all and how long to wait between them (exponential
+from ``backoff_s``, capped at ``backoff_max_s``, with full jitter or none); :func:`retrying` turns it
+into a ``tenacity.AsyncRetrying`` and :func:`call` runs a coroutine function under it. Each client
+names its own policy as a constant (``INFERENCE_RETRY``, ``BROKER_RETRY``, ``PUBLISH_RETRY``); a test
+that needs a short one passes it as an argument. Layers never both retry: a caller that retries around
+a client passes the client :data:`NO_RETRY` (one attempt), so the attempts of one operation are
+exactly ``attempts``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Literal, TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 from tenacity.wait import wait_base
 
-from comap_async.config import RetryConfig
-
 T = TypeVar("T")
 
-NO_RETRY = RetryConfig(attempts=1, backoff_s=0.0, backoff_max_s=0.0)
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """How often a client call is tried and how long it waits in between. A caller that wraps a client
+    which retries itself passes that client :data:`NO_RETRY`, so attempts never multiply."""
+
+    attempts: int = 6
+    """Tries in all, the first one included (1 = no retry); then the last error is raised."""
+    backoff_s: float = 0.25
+    """Wait before the second try; it doubles before each later try (exponential backoff)."""
+    backoff_max_s: float = 8.0
+    """Upper bound of one wait."""
+    jitter: Literal["full", "none"] = "full"
+    """``full``: each wait is drawn uniformly from [0, the exponential wait], so many clients that
+    failed together do not retry in lockstep; ``none``: exactly the exponential wait."""
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be at least 1 (got {self.attempts})")
+        if self.backoff_s < 0:
+            raise ValueError(f"backoff_s must be >= 0 (got {self.backoff_s})")
+        if self.backoff_max_s < self.backoff_s:
+            raise ValueError(f"backoff_max_s ({self.backoff_max_s}) must be at least backoff_s ({self.backoff_s})")
+        if self.jitter not in ("full", "none"):
+            raise ValueError(f"jitter must be 'full' or 'none' (got {self.jitter!r})")
+
+
+NO_RETRY = RetryPolicy(attempts=1, backoff_s=0.0, backoff_max_s=0.0)
 """One attempt: what a client gets from a caller that runs its own retry policy around it."""
 
 
-def policy(base: RetryConfig | None = None, **changes: Any) -> RetryConfig:
-    """``base`` (the defaults when None) with ``changes`` applied, validated (e.g. ``attempts=1``)."""
-    data = (base or RetryConfig()).model_dump()
-    data.update({k: v for k, v in changes.items() if v is not None})
-    return RetryConfig.model_validate(data)
+def policy(base: RetryPolicy | None = None, **changes: Any) -> RetryPolicy:
+    """``base`` (:class:`RetryPolicy`'s defaults when None) with ``changes`` applied (None: unchanged),
+    checked (e.g. ``attempts=1``)."""
+    return dataclasses.replace(base or RetryPolicy(), **{k: v for k, v in changes.items() if v is not None})
 
 
 class Backoff(wait_base):
     """Wait after the ``n``-th failed attempt: ``min(backoff_max_s, backoff_s * 2**(n-1))``, or with
     full jitter a uniform draw from [0, that] (``rng``: a seeded ``random.Random`` for reproducibility)."""
 
-    def __init__(self, cfg: RetryConfig, rng: random.Random | None = None) -> None:
+    def __init__(self, cfg: RetryPolicy, rng: random.Random | None = None) -> None:
         self.cfg = cfg
         self.rng = rng or random.Random()
 
@@ -59,7 +86,7 @@ def _default_sleep(seconds: float) -> Awaitable[None]:
 
 
 def retrying(
-    cfg: RetryConfig,
+    cfg: RetryPolicy,
     *,
     retry_on: type[BaseException] | tuple[type[BaseException], ...] = Exception,
     rng: random.Random | None = None,
@@ -77,7 +104,7 @@ def retrying(
 
 
 async def call(
-    cfg: RetryConfig,
+    cfg: RetryPolicy,
     fn: Callable[[int], Awaitable[T]],
     *,
     retry_on: type[BaseException] | tuple[type[BaseException], ...] = Exception,

@@ -111,12 +111,14 @@ async def play_games(
     reflection_metrics: bool = False,
     phase: str = COEVOLVE,
     method: str = "comap",
+    priority: int = 0,
     on_result: Callable[[Any, Any], None] | None = None,
     cycle_check: bool = False,
 ) -> list:
     """Play each game once with the adapters ``registry`` names, at ``eval.temperature`` (``phase``: the CoMap loop, or
     reflection-mode initialisation for its labels; ``method``: the CoMap loop or a baseline of
-    :mod:`actors.eval_methods`); nothing is stored. Returns the
+    :mod:`actors.eval_methods`; ``priority``: its model calls', the evaluator's ``eval.priority``); nothing is
+    stored. Returns the
     ``(game, EpisodeStats)`` results (``on_result`` is also called with each as its episode ends).
     ``cycle_check``: with ``eval.cycle_stop``, every episode is played to its end and records whether the
     stop's projection was exact (``EpisodeStats.cycle_check``; ``experiments/studies/cycle_stop.py``)."""
@@ -134,6 +136,7 @@ async def play_games(
         eval_phase=phase,
         on_step=on_step,
         eval_method=method,
+        priority=priority,
         on_result=on_result,
         cycle_check=cycle_check,
     )

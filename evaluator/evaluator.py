@@ -135,14 +135,9 @@ class Evaluator:
 
     @functools.cached_property
     def playing_config(self) -> Any:
-        """The config its probes and games run under: ``eval.envs`` games at once, and its model calls at
-        ``eval.priority`` on the servers it shares with the actors."""
-        return self.cfg.model_copy(
-            update={
-                "actor": self.cfg.actor.model_copy(update={"envs": self.cfg.eval.envs}),
-                "inference": self.cfg.inference.model_copy(update={"request_priority": self.cfg.eval.priority}),
-            }
-        )
+        """The config its probes and games run under: ``eval.envs`` games at once (their model calls carry
+        ``eval.priority``, passed to each)."""
+        return self.cfg.model_copy(update={"actor": self.cfg.actor.model_copy(update={"envs": self.cfg.eval.envs})})
 
     async def evaluate(
         self, client: Any, version: int, registry: dict[str, Any], adapter_dir: Path | None = None
@@ -163,7 +158,12 @@ class Evaluator:
 
         async def probes() -> dict[str, Any]:
             part = await run_probes(
-                cfg, probe_games, eval_registry, self.log, failures_per_game=self.cfg.eval.failures_per_game
+                cfg,
+                probe_games,
+                eval_registry,
+                self.log,
+                failures_per_game=self.cfg.eval.failures_per_game,
+                priority=self.cfg.eval.priority,
             )
             return part | {"probe_s": round(time.time() - t0, 1)}
 
@@ -171,7 +171,13 @@ class Evaluator:
             if not success_games:
                 return None
             return await play_games(
-                cfg, success_games, eval_registry, self.log, envs=self.cfg.eval.envs, method=self.cfg.eval.method
+                cfg,
+                success_games,
+                eval_registry,
+                self.log,
+                envs=self.cfg.eval.envs,
+                method=self.cfg.eval.method,
+                priority=self.cfg.eval.priority,
             )
 
         try:

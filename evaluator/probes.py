@@ -277,9 +277,11 @@ async def run_probes(
     on_step: Callable[[], None] | None = None,
     failures_per_game: int = 2,
     counterfactual: bool = False,
+    priority: int = 0,
 ) -> dict[str, Any]:
     """Probe ``games`` with the adapters ``registry`` names (greedy, ``actor.envs`` games at a time).
-    ``counterfactual``: the counterfactual probes instead (:mod:`evaluator.counterfactual`)."""
+    ``counterfactual``: the counterfactual probes instead (:mod:`evaluator.counterfactual`); ``priority``:
+    the model calls' (the evaluator's ``eval.priority``)."""
     from actors.episodes import EpisodeContext
     from actors.llm import AgentLLM
     from actors.registry_view import RegistryView
@@ -291,7 +293,7 @@ async def run_probes(
 
     prompts = Prompts.for_model(resolve_model(cfg.model.name_or_path, cfg.model.cache_dir), cfg)
     greedy = cfg.actor.model_copy(update={"temperature": 0.0})
-    async with InferenceClient.from_config(cfg) as client:
+    async with InferenceClient.from_config(cfg, priority=priority) as client:
         models = await client.models()
         llm = AgentLLM(client, prompts, greedy, base_model=models[0] if models else "", registry=RegistryView(registry))
 

@@ -187,7 +187,6 @@ class Learner(PhaseControl):
                     endpoints=list(self.cfg.inference.endpoints),
                     broker=broker,
                     log=self.log,
-                    retries=self.cfg.inference.retries,
                     metrics=metrics,
                     keep_steps=pinned_steps(self.ckpt_dir),
                     ablation=self.cfg.ablation,
@@ -211,7 +210,7 @@ class Learner(PhaseControl):
         registry names; the files are the published ones, so nothing changes for them. A server
         that kept running already lists them and is left as it is.
         """
-        from learner.publish import load_everywhere
+        from learner.publish import PUBLISH_RETRY, load_everywhere
 
         for role, name in (registry.get("adapters") or {}).items():
             path = self.adapter_root / name
@@ -223,7 +222,7 @@ class Learner(PhaseControl):
                 list(self.cfg.inference.endpoints),
                 name,
                 path,
-                self.cfg.inference.retries,
+                PUBLISH_RETRY,
                 self.log,
                 reload=True,
             )

@@ -19,18 +19,20 @@ from pathlib import Path
 from typing import Any
 
 from comap_async import retry as retry_policy
-from comap_async.config import RetryConfig
+from comap_async.retry import RetryPolicy
 from comap_async.run_files import VERSION_META
 from comap_async.wire.messages import ROLES, adapter_name, adapter_version
 
 PUBLISH_BACKOFF = {"backoff_s": 0.5, "backoff_max_s": 5.0, "jitter": "none"}
 """Waits between an endpoint's load attempts when the policy is given as a number of retries."""
+PUBLISH_RETRY = RetryPolicy(attempts=6, **PUBLISH_BACKOFF)
+"""The learner's policy for one endpoint's adapter load: 6 attempts, waiting 0.5 s doubling up to 5 s."""
 
 
-def publish_policy(retries: int | RetryConfig) -> RetryConfig:
-    """The retry policy of one endpoint's adapter load: a :class:`RetryConfig` as is, or ``retries``
-    (retries after the first attempt, e.g. ``inference.retries``) with :data:`PUBLISH_BACKOFF`."""
-    if isinstance(retries, RetryConfig):
+def publish_policy(retries: int | RetryPolicy) -> RetryPolicy:
+    """The retry policy of one endpoint's adapter load: a :class:`RetryPolicy` as is, or ``retries``
+    (retries after the first attempt) with :data:`PUBLISH_BACKOFF`."""
+    if isinstance(retries, RetryPolicy):
         return retries
     return retry_policy.policy(None, attempts=int(retries) + 1, **PUBLISH_BACKOFF)
 
@@ -93,7 +95,7 @@ async def load_everywhere(
     endpoints: list[str],
     name: str,
     path: Path,
-    retries: int | RetryConfig,
+    retries: int | RetryPolicy,
     log: Any,
     reload: bool = False,
 ) -> None:
@@ -155,7 +157,7 @@ RELISTS = 3
 
 
 async def reload_until_listed(
-    client: Any, endpoints: list[str], version: int, paths: dict[str, Path], retries: int | RetryConfig, log: Any
+    client: Any, endpoints: list[str], version: int, paths: dict[str, Path], retries: int | RetryPolicy, log: Any
 ) -> None:
     """Just before the announce, every endpoint lists every role's adapter of ``version``; those it
     does not list are loaded again. An endpoint restarted while the roles were loaded one after the
@@ -185,7 +187,7 @@ async def publish_adapters(
     endpoints: list[str],
     broker: Any,
     log: Any,
-    retries: int | RetryConfig = 3,
+    retries: int | RetryPolicy = PUBLISH_RETRY,
     keep_dirs: int = 5,
     metrics: dict[str, float] | None = None,
     ablation: list[str] | None = None,

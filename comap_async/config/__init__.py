@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from comap_async.config.actor import ActorConfig
-from comap_async.config.base import ConfigError, RetryConfig, Section, is_loopback, lookup_env_spec
+from comap_async.config.base import ConfigError, Section, is_loopback, lookup_env_spec
 from comap_async.config.evaluator import EVAL_METHODS, EvalConfig, EvalMethod
 from comap_async.config.learner import ABLATIONS, AblationName, Ablations, LearnerConfig, ablations
 from comap_async.config.run import PROMPT_FORM_SWITCHES, EnvConfig, GateConfig, ModelConfig, PromptForm, RunConfig
@@ -45,7 +45,6 @@ __all__ = [
     "InferenceConfig",
     "LearnerConfig",
     "ModelConfig",
-    "RetryConfig",
     "RunConfig",
     "ablations",
     "is_loopback",
@@ -163,12 +162,8 @@ class CoMapConfig(Section):
             raise ValueError(
                 f"eval.split={self.eval.split!r} is not a split of {self.env.name} ({', '.join(env_splits)})"
             )
-        for store in ("transitions", "reflections", "demos"):
-            cap = getattr(b, f"capacity_{store}")
-            if cap <= lr.batch_size:
-                raise ValueError(
-                    f"broker.capacity_{store} ({cap}) must be larger than learner.batch_size ({lr.batch_size})"
-                )
+        if b.capacity <= lr.batch_size:
+            raise ValueError(f"broker.capacity ({b.capacity}) must be larger than learner.batch_size ({lr.batch_size})")
         cap, need = self.actor.max_reflect_init_labels, lr.phases.reflect_init.min_samples
         if cap is not None and cap < need:
             raise ValueError(
@@ -392,6 +387,37 @@ REMOVED_FIELDS: dict[str, str] = {
     "ablation.no_reflect_init": "now one list of the ablations switched on: ablation: [no_reflect_init]",
     "ablation.no_expert_sft": "now one list of the ablations switched on: ablation: [no_expert_sft]",
     "ablation.no_wm_warmup": "now one list of the ablations switched on: ablation: [no_wm_warmup]",
+    # the broker's and the inference server's tuning constants
+    "broker.capacity_transitions": "now broker.capacity (records kept per store, every store alike)",
+    "broker.capacity_reflections": "now broker.capacity (records kept per store, every store alike)",
+    "broker.capacity_demos": "now broker.capacity (records kept per store, every store alike)",
+    "broker.capacity_episodes": "now broker.capacity (records kept per store, every store alike)",
+    "broker.capacity_imagined": "now broker.capacity (records kept per store, every store alike)",
+    "broker.map_size_mb": "the LMDB map starts at 256 MB (broker.store.MAP_SIZE_MB) and doubles when full, up to "
+    "broker.max_map_size_mb",
+    "broker.drain_s": "on SIGTERM the broker drains the actors for at most 2 s (broker.actor_path.DRAIN_S)",
+    "broker.drain_quiet_s": "the broker's drain ends once no actor message has come for 0.5 s "
+    "(broker.actor_path.DRAIN_QUIET_S)",
+    "broker.ack_queue_max": "at most 50,000 replies wait for one peer (broker.server.ACK_QUEUE_MAX)",
+    "broker.group_commit": "at most 256 messages go in one LMDB transaction (broker.actor_path.GROUP_COMMIT)",
+    "broker.client_retry": "the learner's broker client tries a request 3 times "
+    "(comap_async.wire.broker_client.BROKER_RETRY)",
+    "inference.retry": "the inference client tries 6 times, waiting from 0.25 s doubling up to 8 s with full "
+    "jitter (comap_async.wire.inference_client.INFERENCE_RETRY)",
+    "inference.retries": "the inference client tries 6 times, waiting from 0.25 s doubling up to 8 s with full "
+    "jitter (comap_async.wire.inference_client.INFERENCE_RETRY)",
+    "inference.forward": "the embedded server runs its fused forward on the architectures it supports (the Llama "
+    "family), any other model on transformers' forward with peft (docs/benchmarks.md has the figure)",
+    "inference.prefix_cache_block": "prefix-cache blocks are always 8 tokens (docs/benchmarks.md has the figure "
+    "that chose it)",
+    "inference.batch_wait_ms": "the batcher waits 5 ms for more requests (comap_async.inference.engine.BATCH_WAIT_MS)",
+    "inference.spare_adapter_slots": "the embedded server keeps 7 spare adapter slots "
+    "(comap_async.inference.adapters.SPARE_ADAPTER_SLOTS)",
+    "inference.vllm_cpu_kv_cache_gb": "vLLM on a CPU gets 2 GiB of KV cache unless VLLM_CPU_KVCACHE_SPACE is set "
+    "(comap_async.inference.vllm.VLLM_CPU_KV_CACHE_GB)",
+    "inference.request_priority": "the evaluator's calls carry eval.priority, every other process's none",
+    "inference.speculative_tokens": "no prompt-lookup speculative decoding: it gained nothing in co-evolution "
+    "(docs/benchmarks.md has the figure); vLLM's takes --speculative-config in inference.vllm_args",
 }
 """Fields a config may still name from an older release, dotted (``learner.fast_path``), each with what
 replaced it: a config naming one is refused with that one line instead of "unknown field". A field goes

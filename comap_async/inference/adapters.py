@@ -29,6 +29,12 @@ from comap_async.inference.token_sampling import RequestError
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
+SPARE_ADAPTER_SLOTS = 7
+"""LoRA slots the server builds ahead with the learner's adapter shape, so loading a published adapter only
+copies tensors (~10-50 ms); each costs one adapter's memory (~20 MB for SmolLM2 r=8). 7 covers a publish
+(policy, wm, wm_teacher) and the evaluator's copies of the same version, which it loads a few seconds later,
+plus one: with 4, the evaluator's third load took the slow path (2.3 s) while the spares were being rebuilt.
+The versions a publish replaces return to the pool when the learner unloads them."""
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 
 
@@ -180,8 +186,8 @@ class SlotManager:
             self._drop(name)
             what = f"targets {outside[0]}" if outside else "needs LoRA biases or a non-Linear target"
             raise RequestError(
-                f"this adapter {what}, which the fused forward does not apply: serve it with "
-                "inference.forward=transformers",
+                f"this adapter {what}, which the fused forward (this model's) does not apply: its LoRA must "
+                "target the decoder layers' linear projections (learner.target_modules)",
                 param="lora_path",
             )
 

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from comap_async.cli import add_config_arguments
+
+if TYPE_CHECKING:
+    from comap_async.inference.server import Forward
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--print-command", action="store_true", help="vllm backend: print the command instead of running it")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, forward: Forward | None = None) -> int:
+    """``forward``: the embedded server's forward when a caller names one (``benchmarks/serve_batching.py``
+    compares the two); None: decided from the model."""
     from comap_async.config import ConfigError, load_config
     from comap_async.logsetup import configure_logging
 
@@ -77,4 +83,4 @@ def run(args: argparse.Namespace) -> int:
         return 1  # not reached: exec replaces the process
     from comap_async.inference.server import run_server
 
-    return run_server(cfg, log, loras)
+    return run_server(cfg, log, loras, forward=forward)

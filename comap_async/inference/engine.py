@@ -120,6 +120,8 @@ class EngineStats:
         self.real_columns += int(mask.sum())
 
 
+BATCH_WAIT_MS = 5.0
+"""How long the batcher waits for more requests before it starts a batch from an idle engine."""
 TRIM_EVERY_S = 10.0
 """How often the engine thread hands the allocator's freed pages back (``comap_async/heap.py``): batches
 of changing shapes fragment the heap as the learner's steps do; a trim costs milliseconds."""
@@ -133,7 +135,7 @@ class Engine(SpeculativeSteps, PrefillSteps):
         slots: SlotManager,
         *,
         max_batch_size: int = 8,
-        batch_wait_ms: float = 5.0,
+        batch_wait_ms: float = BATCH_WAIT_MS,
         max_model_len: int = 4096,
         seed: int = 0,
         log: Any = None,

@@ -80,7 +80,7 @@ def families(state: Any) -> list[Metric]:
         out,
         "speculative_tokens_total",
         "counter",
-        "Tokens proposed by prompt lookup and confirmed by the model (inference.speculative_tokens).",
+        "Tokens proposed by prompt lookup and confirmed by the model (an engine built with speculative_tokens).",
         [({"outcome": "proposed"}, st.proposed_tokens), ({"outcome": "accepted"}, st.accepted_tokens)],
     )
     _line(out, "verify_steps_total", "counter", "Decode steps that checked proposed tokens.", [({}, st.verify_steps)])

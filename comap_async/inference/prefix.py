@@ -11,7 +11,7 @@ can never return another prompt's values). Least recently used blocks are evicte
 
 A prompt computes from the end of its last cached full block, so a block's size is what a prompt
 recomputes of a prefix it shares with an earlier one (half a block on average, every call): 8 tokens
-rather than 32 saved 23 % of a co-evolution step's computed prompt tokens (``inference.prefix_cache_block``).
+rather than 32 saved 23 % of a co-evolution step's computed prompt tokens (:data:`PREFIX_CACHE_BLOCK`).
 A block keeps every layer's keys (and values) in one tensor, so a lookup copies a block once per
 tensor, not once per layer.
 """
@@ -25,9 +25,14 @@ import torch
 Key = tuple[str, int, int]  # (slot, generation, chained hash)
 Block = tuple[torch.Tensor, torch.Tensor]  # every layer's keys and values: [layers, 1, heads, ..., ...]
 
+PREFIX_CACHE_BLOCK = 8
+"""Tokens per block. A prompt reuses whole blocks only, so it recomputes half a block of its known prefix on
+average: with 8, a co-evolution step computed 23 % fewer prompt tokens than with 32 (the earlier size;
+docs/inference.md), for a lookup that copies four times as many blocks."""
+
 
 class PrefixCache:
-    def __init__(self, block: int = 8, max_bytes: int = 256 << 20) -> None:
+    def __init__(self, block: int = PREFIX_CACHE_BLOCK, max_bytes: int = 256 << 20) -> None:
         self.block = block
         self.max_bytes = max_bytes
         self._blocks: OrderedDict[Key, tuple[Key | None, tuple[int, ...], Block]] = OrderedDict()

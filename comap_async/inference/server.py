@@ -6,28 +6,36 @@ from __future__ import annotations
 import asyncio
 import signal
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 
+from comap_async.inference.adapters import SPARE_ADAPTER_SLOTS
 from comap_async.inference.engine import Engine
 from comap_async.inference.openai_api import ServerState, build_app, prompt_chars_bound
 from comap_async.inference.prefill import MIXED_STEP_TOKENS
 from comap_async.inference.speculative import FORCED_CHOICE_TOKENS
 from comap_async.prompts import ChatTemplate
 
+Forward = Literal["fused", "transformers"]
 
-def build_fused(model: Any, slots: Any, inf: Any, log: Any = None) -> Any:
-    """The fused forward when ``inference.forward`` asks for it and the model allows it, else None."""
+
+def build_fused(model: Any, slots: Any, inf: Any, log: Any = None, forward: Forward | None = None) -> Any:
+    """The fused forward where it supports the model's architecture (the Llama family: about 3x the
+    decode rate of transformers' forward on CPU, docs/benchmarks.md), else None: transformers' forward
+    with peft's LoRA layers. ``forward`` decides instead (the tests and benchmarks that compare the two);
+    ``fused`` on a model it does not support is a ValueError."""
     from comap_async.inference.fused import FusedLlama, fused_support
     from comap_async.models import inference_dtype
 
-    if inf.forward != "fused":
+    if forward == "transformers":
         return None
     reason = fused_support(model)
     if reason is not None:
+        if forward == "fused":
+            raise ValueError(f"the fused forward does not support this model: {reason}")
         if log:
-            log.warning("serve.fused_unsupported", reason=reason, using="transformers")
+            log.info("serve.forward", forward="transformers", reason=reason)
         return None
     fused = FusedLlama(model, slots.stacks, inference_dtype(inf.dtype), batch_hint=inf.max_batch_size)
     slots.fused_targets = fused.lora_targets
@@ -41,8 +49,8 @@ def build_fused(model: Any, slots: Any, inf: Any, log: Any = None) -> Any:
     return fused
 
 
-def create_state(cfg: Any, log: Any = None) -> ServerState:
-    """Load the model and start the engine (blocking, seconds)."""
+def create_state(cfg: Any, log: Any = None, forward: Forward | None = None) -> ServerState:
+    """Load the model and start the engine (blocking, seconds); ``forward``: as for :func:`build_fused`."""
     import torch
 
     from comap_async.inference.adapters import SlotManager
@@ -59,24 +67,22 @@ def create_state(cfg: Any, log: Any = None) -> ServerState:
     lr = cfg.learner
     spare = LoraConfig(r=lr.lora_r, lora_alpha=lr.lora_alpha, lora_dropout=0.0, target_modules=lr.target_modules)
     inf = cfg.inference
-    slots = SlotManager(model, spare, spares=inf.spare_adapter_slots)
-    fused = build_fused(model, slots, inf, log)
+    slots = SlotManager(model, spare, spares=SPARE_ADAPTER_SLOTS)
+    fused = build_fused(model, slots, inf, log, forward)
     max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30
     max_model_len = min(max_pos, inf.max_prompt_tokens + inf.max_new_tokens)
-    from comap_async.inference.prefix import PrefixCache
+    from comap_async.inference.prefix import PREFIX_CACHE_BLOCK, PrefixCache
 
     engine = Engine(
         model,
         tok,
         slots,
         max_batch_size=inf.max_batch_size,
-        batch_wait_ms=inf.batch_wait_ms,
         max_model_len=max_model_len,
         seed=cfg.run.seed,
         log=log,
-        prefix_cache=(PrefixCache(inf.prefix_cache_block, inf.prefix_cache_mb << 20) if inf.prefix_cache_mb else None),
+        prefix_cache=(PrefixCache(PREFIX_CACHE_BLOCK, inf.prefix_cache_mb << 20) if inf.prefix_cache_mb else None),
         fused=fused,
-        speculative_tokens=inf.speculative_tokens,
         forced_tokens=FORCED_CHOICE_TOKENS,
         priority_hold_s=inf.priority_hold_s,
         mixed_step_tokens=MIXED_STEP_TOKENS,
@@ -112,10 +118,11 @@ async def serve(
     initial_adapters: dict[str, str] | None = None,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
+    forward: Forward | None = None,
 ) -> None:
-    """Run until SIGTERM/SIGINT (or ``stop`` is set)."""
+    """Run until SIGTERM/SIGINT (or ``stop`` is set); ``forward``: as for :func:`build_fused`."""
     loop = asyncio.get_running_loop()
-    state = await loop.run_in_executor(None, create_state, cfg, log)
+    state = await loop.run_in_executor(None, create_state, cfg, log, forward)
     for name, p in (initial_adapters or {}).items():
         await state.registry.load(name, p)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its sequences
@@ -149,6 +156,8 @@ async def serve(
         state.executor.shutdown(wait=False)
 
 
-def run_server(cfg: Any, log: Any = None, initial_adapters: dict[str, str] | None = None) -> int:
-    asyncio.run(serve(cfg, log, initial_adapters))
+def run_server(
+    cfg: Any, log: Any = None, initial_adapters: dict[str, str] | None = None, forward: Forward | None = None
+) -> int:
+    asyncio.run(serve(cfg, log, initial_adapters, forward=forward))
     return 0

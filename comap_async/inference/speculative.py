@@ -1,4 +1,4 @@
-"""Speculative decoding from prompt lookup (``inference.speculative_tokens``): the proposals and the verify step.
+"""Speculative decoding from prompt lookup (the engine's ``speculative_tokens``): the proposals and the verify step.
 
 Most of what the roles generate is already in their prompts: the EMA teacher is shown the real next
 observation and writes it again; a reflection's final action repeats the draft; the world model's
@@ -77,7 +77,7 @@ class NgramIndex:
 
 def next_budget(most: int, confirmed: int) -> int:
     """A row's next proposal budget after a check that confirmed ``confirmed`` of its tokens: twice that,
-    at least 1, at most ``most`` (``inference.speculative_tokens``), so failing guesses cost little."""
+    at least 1, at most ``most`` (the engine's ``speculative_tokens``), so failing guesses cost little."""
     return max(1, min(most, 2 * confirmed))
 
 

@@ -3,7 +3,7 @@
 One DEALER socket, requests matched to replies by ``req``; each call has a timeout and raises
 :class:`BrokerError` with a reason a person can act on. Every request is idempotent (sampling
 reads, ``announce`` replaces the registry), so a timed-out call is simply sent again, under the
-client's retry policy (:mod:`comap_async.retry`, ``broker.client_retry``: 3 attempts by default).
+client's retry policy (:data:`BROKER_RETRY`: 3 attempts; a test passes a shorter one as ``retry``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from comap_async import retry as retry_policy
-from comap_async.config import RetryConfig
+from comap_async.retry import RetryPolicy
 from comap_async.waiting import cancel_and_wait
 from comap_async.wire.messages import (
     Announce,
@@ -40,8 +40,10 @@ class _NoReply(BrokerError):
     """No reply within the timeout: retried under the policy, then raised as is."""
 
 
-DEFAULT_RETRY = RetryConfig(attempts=3, backoff_s=0.0, backoff_max_s=0.0)
-"""The broker client's policy when none is given (the same as ``broker.client_retry``'s default)."""
+BROKER_RETRY = RetryPolicy(attempts=3, backoff_s=0.0, backoff_max_s=0.0)
+"""The broker client's policy when none is given: a request without a reply within the client's
+timeout is sent again, up to 3 tries in all (every request is idempotent), with no wait beyond the
+timeout."""
 
 
 class BrokerClient:
@@ -50,17 +52,17 @@ class BrokerClient:
         endpoint: str,
         *,
         timeout_s: float = 10.0,
-        retry: RetryConfig | None = None,
+        retry: RetryPolicy | None = None,
         retries: int | None = None,
         client_keys: Any = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         ctx: zmq.asyncio.Context | None = None,
     ) -> None:
-        """``retry``: the policy for requests without a reply in ``timeout_s`` (default: 3 attempts, no
-        wait beyond the timeout); ``retries`` (attempts after the first) overrides its ``attempts``."""
+        """``retry``: the policy for requests without a reply in ``timeout_s`` (default :data:`BROKER_RETRY`);
+        ``retries`` (attempts after the first) overrides its ``attempts``."""
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self.retry = retry_policy.policy(retry or DEFAULT_RETRY, attempts=None if retries is None else retries + 1)
+        self.retry = retry_policy.policy(retry or BROKER_RETRY, attempts=None if retries is None else retries + 1)
         self.max_message_bytes = max_message_bytes
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.asyncio.Context()
@@ -83,7 +85,6 @@ class BrokerClient:
         from comap_async.wire.curve import client_connection
 
         endpoint, keys = client_connection(cfg, cfg.broker.learner_port, kw.pop("client_keys", None))
-        kw.setdefault("retry", cfg.broker.client_retry)
         return cls(endpoint, client_keys=keys, max_message_bytes=cfg.broker.max_message_bytes, **kw)
 
     @property

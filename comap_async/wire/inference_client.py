@@ -6,8 +6,8 @@
   is not much busier than the least busy (``affinity_slack``), so the prompts' shared prefixes are
   in that server's prefix cache.
 * Connection errors, timeouts, 429 and 5xx are retried under the client's retry policy
-  (:mod:`comap_async.retry`, ``inference.retry``: exponential backoff with full jitter by default,
-  so many actors do not retry in lockstep), on another endpoint when there is one; an endpoint
+  (:data:`INFERENCE_RETRY`: 6 attempts, exponential backoff with full jitter, so many actors do not
+  retry in lockstep), on another endpoint when there is one; an endpoint
   that just failed is avoided for a moment. Other 4xx are the caller's mistake and raise at once.
 * After the policy's attempts an :class:`InferenceError` says which endpoints failed and how.
   A caller that retries around the client (the learner's publish) passes ``retry=NO_RETRY``.
@@ -32,7 +32,7 @@ import aiohttp
 import orjson
 
 from comap_async import retry as retry_policy
-from comap_async.config import RetryConfig
+from comap_async.retry import RetryPolicy
 from comap_async.wire.completion import Completion
 from comap_async.wire.http1 import Http1Pool
 
@@ -99,6 +99,10 @@ def parse_engine_counters(metrics_text: str) -> dict[str, float]:
 
 
 AFFINITY_KEYS = 4096  # the newest keys remembered: many actors' episodes, bounded memory
+INFERENCE_RETRY = RetryPolicy(attempts=6, backoff_s=0.25, backoff_max_s=8.0, jitter="full")
+"""The client's retry policy when none is given: 6 attempts in all, waiting 0.25 s, doubling up to 8 s,
+each wait drawn uniformly below that (full jitter), so actors that failed together do not retry in
+lockstep. A test that needs a short one passes ``retry`` (or ``retries``, ``backoff_s``)."""
 
 
 class InferenceClient:
@@ -108,7 +112,7 @@ class InferenceClient:
         *,
         token: str | None = None,
         timeout_s: float = 120.0,
-        retry: RetryConfig | None = None,
+        retry: RetryPolicy | None = None,
         retries: int | None = None,
         backoff_s: float | None = None,
         backoff_max_s: float | None = None,
@@ -118,9 +122,10 @@ class InferenceClient:
         affinity_slack: int = 4,
         priority: int = 0,
     ) -> None:
-        """``retry``: the retry policy (default: ``RetryConfig()``, 6 attempts); ``retries`` (attempts
-        after the first), ``backoff_s`` and ``backoff_max_s`` override single fields of it.
-        ``priority``: vLLM's ``priority`` field on every completion (lower is admitted first; 0: none sent)."""
+        """``retry``: the retry policy (default :data:`INFERENCE_RETRY`); ``retries`` (attempts after the
+        first), ``backoff_s`` and ``backoff_max_s`` override single fields of it. ``priority``: vLLM's
+        ``priority`` field on every completion (lower is admitted first; 0: none sent; the evaluator's
+        clients pass ``eval.priority``)."""
         eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not eps:
             raise ValueError("InferenceClient needs at least one endpoint")
@@ -129,7 +134,10 @@ class InferenceClient:
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self.retry = retry_policy.policy(
-            retry, attempts=None if retries is None else retries + 1, backoff_s=backoff_s, backoff_max_s=backoff_max_s
+            retry or INFERENCE_RETRY,
+            attempts=None if retries is None else retries + 1,
+            backoff_s=backoff_s,
+            backoff_max_s=backoff_max_s,
         )
         self.avoid_s = avoid_s
         self.outstanding = {e: 0 for e in self.endpoints}
@@ -146,17 +154,9 @@ class InferenceClient:
 
     @classmethod
     def from_config(cls, cfg: Any, **kw: Any) -> "InferenceClient":
+        """A client of ``inference.endpoints``; ``kw`` (e.g. ``priority``, ``retries``) as for the constructor."""
         inf = cfg.inference
-        return cls(
-            inf.endpoints,
-            **{
-                "token": inf.admin_token,
-                "timeout_s": inf.request_timeout_s,
-                "retry": inf.retry,
-                "priority": inf.request_priority,
-                **kw,
-            },
-        )
+        return cls(inf.endpoints, **{"token": inf.admin_token, "timeout_s": inf.request_timeout_s, **kw})
 
     async def __aenter__(self) -> "InferenceClient":
         return self
@@ -262,7 +262,7 @@ class InferenceClient:
             raise _Retryable(f"timed out after {self.timeout.total:g} s") from None
 
     async def _request(
-        self, method: str, path: str, body: Any = None, endpoint: str | None = None, retry: RetryConfig | None = None
+        self, method: str, path: str, body: Any = None, endpoint: str | None = None, retry: RetryPolicy | None = None
     ) -> tuple[int, str, str]:
         """(status, text, endpoint) of the first non-retryable answer; ``endpoint`` pins the server;
         ``retry`` replaces the client's policy for this call."""
@@ -342,7 +342,7 @@ class InferenceClient:
         body: dict[str, Any],
         ok_404: bool = False,
         endpoints: list[str] | None = None,
-        retry: RetryConfig | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         targets = [e.rstrip("/") for e in endpoints] if endpoints else self.endpoints
         results = await asyncio.gather(
@@ -369,7 +369,7 @@ class InferenceClient:
         *,
         load_inplace: bool = False,
         endpoint: str | None = None,
-        retry: RetryConfig | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         """Load a peft adapter directory under ``name`` on every endpoint (or only on ``endpoint``);
         ``retry`` replaces the client's policy (``NO_RETRY`` when the caller retries itself)."""
@@ -377,7 +377,7 @@ class InferenceClient:
         await self._on_all("/v1/load_lora_adapter", body, endpoints=[endpoint] if endpoint else None, retry=retry)
 
     async def unload_adapter(
-        self, name: str, *, missing_ok: bool = False, endpoint: str | None = None, retry: RetryConfig | None = None
+        self, name: str, *, missing_ok: bool = False, endpoint: str | None = None, retry: RetryPolicy | None = None
     ) -> None:
         """Unload ``name`` everywhere (or on ``endpoint``); ``missing_ok``: a server without it (restarted) is fine."""
         await self._on_all(

@@ -19,10 +19,8 @@ ACTORS = ("a0", "a1", "a2")
 async def test_exactly_once_across_two_sigkills(broker_factory):
     bp = broker_factory(
         [
-            "broker.capacity_transitions=20000",
-            "broker.capacity_reflections=20000",
+            "broker.capacity=20000",
             "broker.window=2000",
-            "broker.group_commit=128",
         ]
     )
     counts = [N_TOTAL // 3 + (1 if i < N_TOTAL % 3 else 0) for i in range(3)]

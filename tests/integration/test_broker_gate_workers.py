@@ -12,6 +12,7 @@ import time
 
 import msgpack
 
+from broker.actor_path import GROUP_COMMIT
 from broker.store import ReplayStore
 from comap_async.wire.outbox import Outbox
 from tests.fixtures.broker import make_transition
@@ -50,9 +51,7 @@ async def test_killed_gate_worker_loses_nothing(broker_factory):
     bp = broker_factory(
         [
             "broker.gate_workers=1",
-            "broker.group_commit=64",
-            f"broker.capacity_transitions={2 * N}",
-            f"broker.capacity_reflections={2 * N}",
+            f"broker.capacity={2 * N}",
         ]
     )
     first = bp.stats()["gate_workers"]["pids"]
@@ -96,9 +95,7 @@ async def test_in_process_gating_stores_the_same_samples(broker_factory):
         bp = broker_factory(
             [
                 f"broker.gate_workers={workers}",
-                "broker.group_commit=32",
-                "broker.capacity_transitions=1000",
-                "broker.capacity_reflections=1000",
+                "broker.capacity=1000",
             ]
         )
         assert len(bp.stats()["gate_workers"]["pids"]) == workers
@@ -116,17 +113,10 @@ async def test_broker_gates_batches_itself_while_its_worker_is_stopped(broker_fa
     """With its worker stopped (SIGSTOP) and its queue full, the broker process gates the batches
     that keep coming itself; once the worker runs again it returns its own. Every message is still stored exactly once,
     with the samples the worker would have made."""
-    n = 640
-    bp = broker_factory(
-        [
-            "broker.gate_workers=1",
-            "broker.group_commit=32",
-            "broker.capacity_transitions=1000",
-            "broker.capacity_reflections=1000",
-        ]
-    )
+    n = 10 * GROUP_COMMIT  # the worker holds two batches; the outbox keeps four in flight, so two wait for it
+    bp = broker_factory(["broker.gate_workers=1", f"broker.capacity={2 * n}"])
     (worker,) = bp.stats()["gate_workers"]["pids"]
-    ob = await Outbox(bp.actor_endpoint, ack_timeout_s=5.0, max_pending=512).start()
+    ob = await Outbox(bp.actor_endpoint, ack_timeout_s=5.0, max_pending=4 * GROUP_COMMIT).start()
     os.kill(worker, signal.SIGSTOP)
 
     async def put_all() -> None:
@@ -156,7 +146,7 @@ async def test_broker_gates_batches_itself_while_its_worker_is_stopped(broker_fa
     assert ob.stats["acked"] == n and ob.stats["rejected"] == 0
     here = stats["gate_workers"]["batches_gated_in_broker"]
     assert stats["gate_workers"]["restarts"] == 0
-    assert 0 < here < n // 32, f"{here} of {n // 32} batches gated in the broker process"
+    assert 0 < here < n // GROUP_COMMIT, f"{here} of {n // GROUP_COMMIT} batches gated in the broker process"
     assert bp.terminate() == 0
     ids, refl = _stored_records(bp)
     assert collections.Counter(ids) == collections.Counter(f"a0:ep0:{i}" for i in range(n))

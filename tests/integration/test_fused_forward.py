@@ -1,4 +1,4 @@
-"""The fused forward (``inference.forward=fused``) against transformers + peft on the tiny model.
+"""The fused forward (what the embedded server runs the Llama family on) against transformers + peft on the tiny model.
 
 fp32: the same logits to 1e-4 for a padded batch that mixes the base model and three adapters,
 for a prefill that continues cached keys/values, and over decode steps.
@@ -177,8 +177,8 @@ def test_adapter_the_fused_forward_cannot_apply_is_refused(tiny_model_dir, tmp_p
     )
     model, _ = load_model_and_tokenizer(str(tiny_model_dir))
     slots = SlotManager(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"), spares=0)
-    assert build_fused(model, slots, InferenceConfig(forward="fused", dtype="float32")) is not None
-    with pytest.raises(RequestError, match="lm_head.*inference.forward=transformers"):
+    assert build_fused(model, slots, InferenceConfig(dtype="float32")) is not None  # decided from the model
+    with pytest.raises(RequestError, match="lm_head.*learner.target_modules"):
         slots.add_slow(read_adapter(tmp_path / "head"))
     assert slots.peft is None or not slots.peft.peft_config  # nothing half-loaded stays behind
 

@@ -92,14 +92,14 @@ async def test_retries_5xx_then_succeeds_and_parses():
 
 
 async def test_a_configured_priority_rides_on_every_completion():
-    """``inference.request_priority`` (the evaluator's ``eval.priority``) reaches the server as vLLM's
-    ``priority`` field; the default sends none (a vLLM without priority scheduling refuses one)."""
+    """A client's ``priority`` (the evaluator's: ``eval.priority``) reaches the server as vLLM's ``priority``
+    field; the default sends none (a vLLM without priority scheduling refuses one)."""
     from comap_async.config import load_config
 
     async with Fake() as s:
-        for sets, expected in (([], None), (["inference.request_priority=-1"], -1)):
-            cfg = load_config(None, [f"inference.endpoints=['{s.url}']", *sets])
-            async with InferenceClient.from_config(cfg) as c:
+        cfg = load_config(None, [f"inference.endpoints=['{s.url}']"])
+        for kw, expected in (({}, None), ({"priority": -1}, -1)):
+            async with InferenceClient.from_config(cfg, **kw) as c:
                 await c.complete("x")
             assert s.calls[-1][1].get("priority") == expected
 

@@ -77,21 +77,21 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 async def test_spare_slots_and_prefix_cache_follow_the_config(embedded_server, tiny_model_dir, tmp_path):
-    from comap_async.config import InferenceConfig
+    from comap_async.inference.adapters import SPARE_ADAPTER_SLOTS
 
     # the shared server's spares are rebuilt in the background after earlier tests' loads (REFILL_DELAY_S,
-    # then one slot at a time): wait for the pool to settle at its configured size
+    # then one slot at a time): wait for the pool to settle at its size
     deadline = time.monotonic() + 60
     while (default := _metrics(embedded_server.url))[
         "comap_inference_adapter_spare_slots"
-    ] != InferenceConfig().spare_adapter_slots and time.monotonic() < deadline:
+    ] != SPARE_ADAPTER_SLOTS and time.monotonic() < deadline:
         await asyncio.sleep(0.5)
     assert (
-        default["comap_inference_adapter_spare_slots"] == InferenceConfig().spare_adapter_slots
+        default["comap_inference_adapter_spare_slots"] == SPARE_ADAPTER_SLOTS
         and "comap_inference_prefix_cache_blocks" in default
     )
     root = tmp_path / "adapters"
-    AdapterFactory(tiny_model_dir, root).random("policy-v1", seed=5)
+    AdapterFactory(tiny_model_dir, root).random("policy-v1", seed=5, r=4)  # not the spares' shape (r=8)
     port = free_port()
     proc = start_server(
         [
@@ -101,8 +101,6 @@ async def test_spare_slots_and_prefix_cache_follow_the_config(embedded_server, t
             f"inference.port={port}",
             "--set",
             f"inference.adapter_root={root}",
-            "--set",
-            "inference.spare_adapter_slots=0",
             "--set",
             "inference.prefix_cache_mb=0",
         ],
@@ -115,11 +113,12 @@ async def test_spare_slots_and_prefix_cache_follow_the_config(embedded_server, t
         from comap_async.wire.inference_client import InferenceClient
 
         async with InferenceClient([url]) as c:
-            await c.load_adapter("policy-v1", str(root / "policy-v1"))  # no spare: the slow path still works
+            await c.load_adapter("policy-v1", str(root / "policy-v1"))  # no spare fits: the slow path works
             out = await c.complete("look", model="policy-v1", max_tokens=3, ignore_eos=True)
         assert len(out.choices) == 1
         m = _metrics(url)
-        assert m["comap_inference_adapter_spare_slots"] == 0 and "comap_inference_prefix_cache_blocks" not in m
+        assert m['comap_inference_adapter_loads_total{path="slow"}'] == 1
+        assert "comap_inference_prefix_cache_blocks" not in m
     finally:
         stop_server(proc)
 

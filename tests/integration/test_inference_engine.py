@@ -26,7 +26,7 @@ PROMPTS = [
 
 
 def make_engine(tiny_model_dir, forward: str, dtype: str = "float32", **kw) -> Engine:
-    """An engine on the tiny model with ``inference.forward`` = ``forward`` (the fused one in ``dtype``)."""
+    """An engine on the tiny model on ``forward`` (``fused`` in ``dtype``, or ``transformers``)."""
     from peft import LoraConfig
 
     from comap_async.config import InferenceConfig
@@ -36,8 +36,8 @@ def make_engine(tiny_model_dir, forward: str, dtype: str = "float32", **kw) -> E
     model, tok = load_model_and_tokenizer(str(tiny_model_dir))
     prepare_for_inference(model)
     slots = SlotManager(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"), spares=1)
-    inf = InferenceConfig(forward=forward, dtype=dtype, max_batch_size=kw.get("max_batch_size", 3))
-    fused = build_fused(model, slots, inf)
+    inf = InferenceConfig(dtype=dtype, max_batch_size=kw.get("max_batch_size", 3))
+    fused = build_fused(model, slots, inf, forward=forward)
     assert (fused is not None) == (forward == "fused")
     defaults = {"max_batch_size": 3, "batch_wait_ms": 0, "mixed_step_tokens": MIXED_STEP_TOKENS}
     return Engine(model, tok, slots, **{**defaults, **kw}, fused=fused)
@@ -160,7 +160,7 @@ def test_lora_bias_adapter_falls_back_to_peft_forward(engine, tiny_model_dir, tm
     path = _saved(tiny_model_dir, tmp_path / "biased", lora_bias=True)
     files = read_adapter(path)
     if engine.fused is not None:
-        with pytest.raises(RequestError, match="inference.forward=transformers"):
+        with pytest.raises(RequestError, match="fused forward .* does not apply"):
             engine.call(lambda: engine.slots.add_slow(files)).result(30)
         assert engine.slots.stacked and len(engine.slots.peft.peft_config) == 1  # only the spare is left
         return
@@ -388,7 +388,7 @@ def test_forced_choice_tokens_give_the_tokens_of_decoding_one_at_a_time(tiny_mod
 
 @pytest.mark.parametrize("forward", ["transformers", "fused"])
 def test_speculative_decoding_gives_the_tokens_of_decoding_one_at_a_time(tiny_model_dir, tmp_path, forward):
-    """The verify step (``inference.speculative_tokens``) on a batch of 3 that rows join and leave, mixing
+    """The verify step (the engine's ``speculative_tokens``) on a batch of 3 that rows join and leave, mixing
     the base model and an adapter, greedy and seeded top-p rows, a stop string and short budgets: every
     row's tokens, logprobs and finish are those of decoding one token a step, whether a proposal is right
     throughout, right then wrong, or wrong at once. The tiny random model copies nothing from its

@@ -65,8 +65,8 @@ def test_out_of_range_threshold(tmp_path):
 
 
 def test_invariant_capacity_vs_batch_size():
-    with pytest.raises(ConfigError, match=r"broker.capacity_demos \(4\) must be larger than learner.batch_size \(8\)"):
-        load_config(None, ["broker.capacity_demos=4", "learner.batch_size=8"])
+    with pytest.raises(ConfigError, match=r"broker.capacity \(4\) must be larger than learner.batch_size \(8\)"):
+        load_config(None, ["broker.capacity=4", "learner.batch_size=8"])
 
 
 def test_invariant_non_loopback_needs_curve():

@@ -85,18 +85,18 @@ async def test_an_evaluated_version_whose_success_game_crashed_has_no_success_ra
 
 
 async def test_the_evaluators_probes_and_games_call_at_its_priority(monkeypatch, tmp_path):
-    """``eval.priority`` reaches the config its probes and success games open their clients from; the
-    run's own (the actors') stays at 0."""
+    """``eval.priority`` reaches its probes and success games, which open their clients with it; the
+    config keeps no priority (the actors' calls carry none)."""
     from comap_async.config import load_config
 
     seen = []
 
     async def probes(cfg, *args, **kwargs):
-        seen.append(("probes", cfg.inference.request_priority, cfg.actor.envs))
+        seen.append(("probes", kwargs["priority"], cfg.actor.envs))
         return {"wm_delta_f1": 0.5}
 
     async def games_played(cfg, games, *args, **kwargs):
-        seen.append(("games", cfg.inference.request_priority, cfg.actor.envs))
+        seen.append(("games", kwargs["priority"], cfg.actor.envs))
         return []
 
     log = SimpleNamespace(error=lambda *a, **kw: None, info=lambda *a, **k: None)
@@ -105,7 +105,6 @@ async def test_the_evaluators_probes_and_games_call_at_its_priority(monkeypatch,
         AdapterClient(), 3, {"phase": "coevolve"}
     )
     assert seen == [("probes", -1, 3), ("games", -1, 3)]
-    assert cfg.inference.request_priority == 0
 
 
 def test_an_evaluation_that_played_a_game_twice_and_another_never_is_incomplete():

@@ -1,4 +1,4 @@
-"""The one retry policy (comap_async/retry.py): attempt counts and waits follow the config, in the
+"""The one retry policy (comap_async/retry.py): attempt counts and waits follow the policy, in the
 policy itself, the inference client, the broker client and the learner's publish (no nesting)."""
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ import random
 import pytest
 
 from comap_async import retry
-from comap_async.config import RetryConfig, load_config
-from comap_async.wire.broker_client import BrokerClient, BrokerError
-from comap_async.wire.inference_client import InferenceClient, InferenceError, _Retryable
+from comap_async.config import load_config
+from comap_async.retry import RetryPolicy
+from comap_async.wire.broker_client import BROKER_RETRY, BrokerClient, BrokerError
+from comap_async.wire.inference_client import INFERENCE_RETRY, InferenceClient, InferenceError, _Retryable
 from comap_async.wire.messages import Reply
-from learner.publish import PublishError, load_everywhere
+from learner.publish import PUBLISH_RETRY, PublishError, load_everywhere
 
 
 @pytest.fixture
@@ -51,8 +52,8 @@ class Log:
     info = warning
 
 
-async def test_attempts_and_waits_follow_the_config(sleeps):
-    cfg = RetryConfig(attempts=5, backoff_s=0.1, backoff_max_s=0.3, jitter="none")
+async def test_attempts_and_waits_follow_the_policy(sleeps):
+    cfg = RetryPolicy(attempts=5, backoff_s=0.1, backoff_max_s=0.3, jitter="none")
     fn = Failing()
     with pytest.raises(ValueError, match="failure 5"):  # the last error, after exactly `attempts` tries
         await retry.call(cfg, fn, retry_on=ValueError)
@@ -61,7 +62,7 @@ async def test_attempts_and_waits_follow_the_config(sleeps):
 
 
 async def test_full_jitter_draws_below_the_exponential_wait(sleeps):
-    cfg = RetryConfig(attempts=6, backoff_s=0.25, backoff_max_s=1.0, jitter="full")
+    cfg = RetryPolicy(attempts=6, backoff_s=0.25, backoff_max_s=1.0, jitter="full")
     with pytest.raises(ValueError):
         await retry.call(cfg, Failing(), retry_on=ValueError, rng=random.Random(7))
     caps = [0.25, 0.5, 1.0, 1.0, 1.0]
@@ -71,7 +72,7 @@ async def test_full_jitter_draws_below_the_exponential_wait(sleeps):
 
 
 async def test_success_stops_and_other_errors_are_not_retried(sleeps):
-    cfg = RetryConfig(attempts=4, backoff_s=0.01, backoff_max_s=0.01)
+    cfg = RetryPolicy(attempts=4, backoff_s=0.01, backoff_max_s=0.01)
     ok = Failing(fails=2)
     assert await retry.call(cfg, ok, retry_on=ValueError) == "ok" and ok.calls == [1, 2, 3] and len(sleeps) == 2
     other = Failing(exc=KeyError)
@@ -84,19 +85,17 @@ async def test_success_stops_and_other_errors_are_not_retried(sleeps):
     assert once.calls == [1]
 
 
-def test_config_section_and_the_former_inference_retries():
+def test_each_client_has_its_policy_and_a_caller_may_pass_another():
+    assert INFERENCE_RETRY == RetryPolicy(attempts=6, backoff_s=0.25, backoff_max_s=8.0, jitter="full")
+    assert BROKER_RETRY.attempts == 3 and PUBLISH_RETRY.attempts == 6
     cfg = load_config(None)
-    assert cfg.inference.retry.attempts == 6 and cfg.inference.retries == 5
-    assert cfg.broker.client_retry.attempts == 3
-    assert load_config(None, ["inference.retries=2"]).inference.retry.attempts == 3
-    with pytest.raises(ValueError, match="set only one"):
-        load_config(None, ["inference.retries=2", "inference.retry.attempts=4"])
-    with pytest.raises(ValueError, match="backoff_max_s"):
-        load_config(None, ["inference.retry.backoff_s=2", "inference.retry.backoff_max_s=1"])
-    client = InferenceClient.from_config(cfg)
-    assert client.retry == cfg.inference.retry
+    assert InferenceClient.from_config(cfg).retry == INFERENCE_RETRY
     assert InferenceClient.from_config(cfg, retries=0).retry.attempts == 1  # eval_runner's probe clients
-    assert BrokerClient.__init__.__kwdefaults__["retry"] is None
+    assert BrokerClient.from_config(cfg).retry == BROKER_RETRY
+    with pytest.raises(ValueError, match="backoff_max_s"):
+        RetryPolicy(backoff_s=2, backoff_max_s=1)
+    with pytest.raises(ValueError, match="attempts"):
+        RetryPolicy(attempts=0)
 
 
 def _failing_client(monkeypatch, client: InferenceClient, ok_after: dict[str, int] | None = None) -> dict[str, int]:
@@ -122,7 +121,7 @@ def _failing_client(monkeypatch, client: InferenceClient, ok_after: dict[str, in
 
 
 async def test_inference_client_attempts_equal_the_policy(monkeypatch, sleeps):
-    cfg = RetryConfig(attempts=4, backoff_s=0.1, backoff_max_s=0.25, jitter="none")
+    cfg = RetryPolicy(attempts=4, backoff_s=0.1, backoff_max_s=0.25, jitter="none")
     client = InferenceClient(["http://a", "http://b"], retry=cfg, seed=0)
     calls = _failing_client(monkeypatch, client)
     with pytest.raises(InferenceError) as err:
@@ -149,7 +148,7 @@ async def test_legacy_keywords_override_the_policy(monkeypatch, sleeps):
 
 
 async def test_broker_client_attempts_equal_the_policy(sleeps):
-    cfg = RetryConfig(attempts=3, backoff_s=0.05, backoff_max_s=0.05, jitter="none")
+    cfg = RetryPolicy(attempts=3, backoff_s=0.05, backoff_max_s=0.05, jitter="none")
     client = BrokerClient("tcp://127.0.0.1:9", timeout_s=0.02, retry=cfg)
     sent: list[bytes] = []
 
@@ -192,7 +191,7 @@ async def test_load_everywhere_does_not_nest_retries(monkeypatch, sleeps, tmp_pa
     assert client.retry.attempts == 6
     calls = _failing_client(monkeypatch, client, ok_after={"http://a": 2})  # a: fails twice, then loads
     log = Log()
-    policy = RetryConfig(attempts=3, backoff_s=0.5, backoff_max_s=0.75, jitter="none")
+    policy = RetryPolicy(attempts=3, backoff_s=0.5, backoff_max_s=0.75, jitter="none")
     with pytest.raises(PublishError, match="http://b could not load policy-v1 after 3 attempts"):
         await load_everywhere(client, ["http://a", "http://b"], "policy-v1", tmp_path, policy, log)
     assert calls == {"http://a": 3, "http://b": 3}
@@ -208,8 +207,8 @@ async def test_load_everywhere_does_not_nest_retries(monkeypatch, sleeps, tmp_pa
 
 
 async def test_load_everywhere_with_a_retry_count(monkeypatch, sleeps, tmp_path):
-    """``retries`` as a number (the learner passes ``inference.retries``): that many retries per
-    endpoint, with the publish backoff (0.5 s doubling, at most 5 s, no jitter)."""
+    """``retries`` as a number: that many retries per endpoint, with the publish backoff (0.5 s doubling,
+    at most 5 s, no jitter, as :data:`PUBLISH_RETRY`)."""
     client = InferenceClient(["http://a"])
     calls = _failing_client(monkeypatch, client)
     with pytest.raises(PublishError, match="after 5 attempts"):
