@@ -19,8 +19,8 @@ the policy saw and its action; in the turns form (``env.draft_turns``) each kept
 :class:`~comap_async.wire.messages.TurnDemos` path (``imagined``), the real turns as context and the
 imagined actions as targets, trained as the warm-up's paths are. The broker stores them apart (the
 ``imagined`` store); the learner mixes them into the draft loss's demonstrations at
-``learner.phases.coevolve.imagined_demo_share`` in co-evolution, and never into the world model's data (the world model
-would learn from its own answers).
+``comap_async.method.phases.IMAGINED_DEMO_SHARE`` in co-evolution, and never into the world model's data (the
+world model would learn from its own answers).
 
 WebEvolver's own filter is not in its released code in a form this setting can reuse; the
 critic's judgement is the closest signal the policy has without a reward.
@@ -71,10 +71,10 @@ async def imagine_from(ctx: Any, ep: Any, t: int, depth: int) -> list[tuple[str,
 def turns_path(ctx: Any, ep: Any, t: int, steps: list[tuple[str, str, str]], score: float | None) -> TurnDemos:
     """An imagined episode in the turns form as one path: the real turns to ``t`` (context; the oldest
     left out, in the actors' steps of ``FIT_LEFT_OUT_TURNS``, while the whole would pass
-    ``learner.max_path_tokens``, where the learner would end the path before its imagined actions), then
+    ``inference.max_prompt_tokens``, where the learner would end the path before its imagined actions), then
     the imagined actions (targets) with the world model's answers."""
     real, imagined = list(ep.history[:t]), [(a, o) for _, a, o in steps]
-    prompts, limit = ctx.llm.prompts, ctx.cfg.learner.max_path_tokens
+    prompts, limit = ctx.llm.prompts, ctx.cfg.inference.max_prompt_tokens
     count = getattr(prompts, "count_tokens", None)
     while real and count is not None:
         whole = Conversation(ep.task, ep.first_observation, (*real, *imagined))

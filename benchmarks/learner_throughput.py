@@ -58,8 +58,9 @@ VARIANTS = {
     "new-2-threads": ({}, 2, "as configured, 2 torch threads (not in the headline)"),
     "new-no-ckpt": ({"gradient_checkpointing": False}, 1, "as configured, without activation checkpointing"),
     "turns": ({}, 1, "as configured, each demonstration record a warm-up path (env.draft_turns)"),
-    # learner.phases.warmup.torch_threads: the actors idle for most of warm-up, leaving the second core free
-    "turns-2-threads": ({}, 2, "turns with 2 torch threads (learner.phases.warmup.torch_threads=2)"),
+    # the actors idle for most of warm-up, leaving the second core free: a CPU learner then takes every core
+    # (learner/threads.py; learner.phases.warmup.torch_threads=2 when this was measured)
+    "turns-2-threads": ({}, 2, "turns with 2 torch threads (every core of a 2-core machine, learner/threads.py)"),
     "turns-2-threads-passive": ({}, 2, "the same, idle OpenMP threads sleeping (OMP_WAIT_POLICY=PASSIVE)"),
 }
 VARIANT_ENV = {"turns-2-threads-passive": {"OMP_WAIT_POLICY": "PASSIVE"}}

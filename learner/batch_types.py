@@ -65,7 +65,7 @@ class WorldModelBatch:
 @dataclass
 class DraftBatch:
     """Demonstrations for the policy's draft CE: the ones whose sequence carries a loss (a warm-up path
-    none of whose demonstrated actions fits ``learner.max_path_tokens`` carries none and is left out;
+    none of whose demonstrated actions fits ``inference.max_prompt_tokens`` carries none and is left out;
     it is counted in ``learner/truncated``)."""
 
     seqs: list[Seq] = field(default_factory=list)

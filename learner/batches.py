@@ -89,15 +89,19 @@ class Encoder:
     prompts: Prompts
     max_seq_len: int
     max_path_tokens: int = 2048
+    """A path of the draft's turns ends after its last whole turn within this many tokens: the servers'
+    prompt limit (``inference.max_prompt_tokens``, which the actors' prompts stay under)."""
     demo_loss_share: Mapping[str, float] = field(default_factory=dict)
     """``learner.demo_loss_share``: per first word of a demonstrated action, the share of its turns
     that carry a loss (:func:`carries_loss`)."""
 
     @classmethod
     def for_learner(cls, tokenizer: Any, prompts: Prompts, lc: LearnerConfig) -> "Encoder":
-        """The encoder the learner trains with, from its config section (``learner.*``): the
-        benchmarks that train as the learner does build it here too."""
-        return cls(tokenizer, prompts, lc.max_seq_len, lc.max_path_tokens, lc.demo_loss_share)
+        """The encoder the learner trains with, from its config section (``learner.*``) and the prompts
+        (in the turns forms they hold the servers' prompt limit, ``max_path_tokens``): the benchmarks that
+        train as the learner does build it here too."""
+        limit = prompts.max_prompt_tokens or cls.max_path_tokens
+        return cls(tokenizer, prompts, lc.max_seq_len, limit, lc.demo_loss_share)
 
     def __post_init__(self) -> None:
         self.truncated = 0  # prompts cut to fit max_seq_len since the trainer last read it

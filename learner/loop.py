@@ -21,13 +21,13 @@ from typing import Any
 from comap_async.config import CoMapConfig
 from comap_async.heap import resident_gb
 from comap_async.method.fingerprint import check_method
-from comap_async.method.phases import first_phase, phase_spec
+from comap_async.method.phases import coevolve_shares, first_phase, phase_spec
 from comap_async.method.routing import world_model_frozen
 from comap_async.run_files import append_run_config, write_run_ablation
 from comap_async.waiting import cancel_and_wait, until_stopped, wait_until_answers
 from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
 from learner.phases import PhaseControl
-from learner.prefetch import Prefetcher
+from learner.prefetch import AHEAD, Prefetcher
 from learner.step_thread import step_or_stop
 from learner.threads import QuietWatch
 
@@ -95,6 +95,7 @@ class Learner(PhaseControl):
         from comap_async.prompts import Prompts
         from learner.batches import Encoder
         from learner.distributed import DataParallel
+        from learner.paw import paw_entropy
         from learner.peft_model import build_peft_model
         from learner.trainer import Trainer
 
@@ -115,6 +116,7 @@ class Learner(PhaseControl):
         prompts = Prompts.for_model(path, cfg)
         encoder = Encoder.for_learner(tok, prompts, lc)
         self.trainer = Trainer(model, encoder, lc, device)
+        self.trainer.paw_entropy = paw_entropy(cfg)
         self.trainer.ablation = cfg.ablation
         if self.dp is not None:
             from comap_async.wire.messages import ROLES
@@ -290,13 +292,13 @@ class Learner(PhaseControl):
                     )
                 if self.state.phase == WARMUP:
                     await self.wait_for_demos(broker)
-                shares = dict(phase_spec(lc, COEVOLVE).shares)  # only co-evolution mixes stores
+                shares = dict(coevolve_shares(self.cfg))  # only co-evolution mixes stores
                 rank = self.dp.rank if self.dp is not None else 0  # each rank samples its own micro-batches
                 prefetch = Prefetcher(
                     broker,
                     self.state,
                     lc.batch_size,
-                    lc.prefetch,
+                    AHEAD,
                     self.cfg.run.seed + 7919 * rank,
                     self.log,
                     shares,
@@ -370,7 +372,6 @@ class Learner(PhaseControl):
             phase = self.state.phase
             threads = await self.follow_threads(phase, broker)
             self.trainer.freeze_wm = world_model_frozen(self.cfg, phase)
-            self.trainer.bce_weight = phase_spec(lc, phase).bce_weight
             metrics = await self._step_or_stop(micro)
             if metrics is None:  # SIGTERM during a step: checkpoint the last completed one, now
                 break

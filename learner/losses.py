@@ -143,7 +143,7 @@ class LossWeights:
     reflect: float = 1.0
     """``learner.reflect_weight``: the reflection's CE."""
     bce: float = 0.01
-    """The BCE on ``p`` in the phase being trained (:attr:`learner.trainer.Trainer.bce_weight`)."""
+    """``learner.bce_weight``: the BCE on ``p``."""
     eta: float = 0.5
     """``learner.eta``: self-distillation's KL beside the world model's CE."""
     wm_aux: float = 0.0

@@ -5,13 +5,13 @@ The description available (no public code) names three parts; what is implemente
 
 * **Which transitions**: those where the policy is least sure of the action that was taken, by
   its action entropy (the mean entropy of its next-token distribution over the executed action's
-  tokens, given the draft prompt): the ``learner.policy_wm_aux_share`` of a micro-batch's real
-  transitions with the highest entropy (:func:`select_by_entropy`). In the turns form (``env.draft_turns``)
-  a transition does not carry the conversation its draft saw, so the entropy is the actor's, read as
-  it drafted (:func:`acting_entropy`, ``learner.policy_wm_aux_entropy: acting``): a one-sample estimate
+  tokens, given the draft prompt): the :data:`SHARE` (half) of a micro-batch's real transitions with
+  the highest entropy (:func:`select_by_entropy`). In the turns forms (``env.draft_turns``) a transition
+  does not carry the conversation its draft saw, so the entropy is the actor's, read as it drafted
+  (:func:`acting_entropy`, :attr:`learner.trainer.Trainer.paw_entropy` ``acting``): a one-sample estimate
   from the draft's own tokens, of the policy that acted rather than the one being trained.
 * **A noise-tolerant loss**: the generalized cross-entropy of Zhang and Sabuncu (2018) per target
-  token, ``(1 - p^q) / q`` (:func:`generalized_ce`, ``learner.policy_wm_aux_q``, 0.7): it tends to
+  token, ``(1 - p^q) / q`` (:func:`generalized_ce`, :data:`Q`, 0.7): it tends to
   the cross-entropy as ``q -> 0`` and to the mean absolute error at ``q = 1``, so a few
   observations the policy cannot predict (the game's randomness, unseen receptacles' contents)
   pull less than under the cross-entropy.
@@ -24,9 +24,23 @@ The description available (no public code) names three parts; what is implemente
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
+
+SHARE = 0.5
+"""Share of a micro-batch's real transitions, highest action entropy first, PaW trains on."""
+Q = 0.7
+"""The generalized cross-entropy's ``q`` (noise tolerance; towards 0 it is the cross-entropy)."""
+
+
+def paw_entropy(cfg: Any) -> Literal["prompt", "acting"]:
+    """Whose action entropy selects under ``cfg`` (a ``CoMapConfig``): ``prompt``, the learner's current
+    policy's over the executed action's tokens after the window-form draft prompt of ``s_t``; in the turns
+    forms (``env.draft_turns``) ``acting``, the actor's as it drafted (:func:`acting_entropy`; no extra
+    forward): their transitions do not carry the conversation the draft saw, and the window-form prompt is
+    one their policy never acts on."""
+    return "acting" if cfg.env.draft_turns else "prompt"
 
 
 def select_by_entropy(entropy: torch.Tensor, share: float) -> list[int]:
@@ -55,7 +69,7 @@ def generalized_ce(logits: torch.Tensor, targets: torch.Tensor, q: float) -> tor
 def acting_entropy(records: list[dict[str, Any]]) -> torch.Tensor:
     """Per record, minus the log of its draft's confidence (the geometric-mean token probability the
     actor read as it drafted): the mean negative log-likelihood of the tokens it sampled, whose
-    expectation is the per-token entropy (``learner.policy_wm_aux_entropy: acting``)."""
+    expectation is the per-token entropy (:func:`paw_entropy` ``acting``)."""
     return -torch.log(torch.tensor([float(r["draft_confidence"]) for r in records], dtype=torch.float32))
 
 
@@ -83,13 +97,13 @@ def policy_wm_aux_term(trainer: Any, records: list[dict[str, Any]]) -> tuple[tor
     from learner.packing import pack
     from learner.peft_model import activate
 
-    cfg, enc = trainer.cfg, trainer.encoder
+    enc, acting = trainer.encoder, trainer.paw_entropy == "acting"
     usable = [r for r in records if r.get("s_next") and r.get("a_exec")]
-    if cfg.policy_wm_aux_entropy == "acting":  # only steps whose draft's confidence the actor measured
+    if acting:  # only steps whose draft's confidence the actor measured
         usable = [r for r in usable if (r.get("draft_confidence") or 0.0) > 0.0]
     if not usable:
         return None
-    if cfg.policy_wm_aux_entropy == "acting":
+    if acting:
         per_row = acting_entropy(usable)
     else:
         activate(trainer.model, "policy", trainable=False)
@@ -101,11 +115,11 @@ def policy_wm_aux_term(trainer: Any, records: list[dict[str, Any]]) -> tuple[tor
             owner = torch.as_tensor(packed.owner, device=ent.device)
             per_row = torch.zeros(len(usable), device=ent.device).index_add_(0, owner, ent)
             per_row = per_row / torch.bincount(owner, minlength=len(usable)).clamp(min=1)
-    chosen = select_by_entropy(per_row.cpu(), cfg.policy_wm_aux_share)
+    chosen = select_by_entropy(per_row.cpu(), SHARE)
     activate(trainer.model, "policy", trainable=True)
     packed = pack([[enc.world_model_ce(usable[i])] for i in chosen], trainer.pad_id, trainer.device)
     with trainer.forward.amp():
-        loss = generalized_ce(trainer.forward.target_logits(packed), packed.targets, cfg.policy_wm_aux_q)
+        loss = generalized_ce(trainer.forward.target_logits(packed), packed.targets, Q)
     return loss, {
         "policy/wm_aux_selected": float(len(chosen)),
         "policy/wm_aux_entropy": float(per_row.mean()),

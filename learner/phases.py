@@ -96,8 +96,9 @@ class PhaseControl:
         return have
 
     async def wait_for_round(self, broker: Any) -> None:
-        """``rounds`` schedule: block until the actors finished ``rounds_episodes`` new episodes."""
-        need = self.state.round_episodes + self.cfg.learner.rounds_episodes
+        """``rounds`` schedule: block until the actors finished a round of new episodes, as many as the
+        steps the round then trains (``publish_every``)."""
+        need = self.state.round_episodes + self.cfg.learner.publish_every
         written = await self.wait_for_store(broker, "episodes", "written", need, "learner.waiting_for_round")
         if written is not None:
             self.state.round_episodes = written

@@ -18,6 +18,9 @@ from comap_async.method.routing import PHASE_REQUIRES, phase_stores, store_reque
 if TYPE_CHECKING:
     from learner.loop import LearnerState
 
+AHEAD = 4
+"""Micro-batches the learner keeps fetched ahead of the model (the :class:`Prefetcher`'s ``depth``)."""
+
 
 @dataclass
 class MicroBatch:

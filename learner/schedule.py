@@ -14,8 +14,13 @@ from comap_async.config import LearnerConfig
 from comap_async.method.phases import phase_spec
 from comap_async.wire.messages import WARMUP
 
+WARMUP_RATIO = 0.03
+"""Share of each phase's step budget spent in linear learning-rate warm-up before its cosine decay (the
+paper's 3 %; every run config had it): every phase starts its own schedule, so a short phase still
+reaches the peak rate."""
 
-def cosine_with_warmup(step: int, total: int, warmup_ratio: float, floor: float = 0.1) -> float:
+
+def cosine_with_warmup(step: int, total: int, warmup_ratio: float = WARMUP_RATIO, floor: float = 0.1) -> float:
     """LR multiplier: linear warm-up, cosine decay to ``floor`` at ``total`` steps, flat afterwards."""
     warm = max(1, int(total * warmup_ratio))
     if step < warm:
@@ -38,6 +43,9 @@ class PhaseSchedule:
     checkpoint at any step uses exactly the rate an uninterrupted one would.
     """
 
+    warmup_ratio: float = WARMUP_RATIO
+    """:data:`WARMUP_RATIO`; a test sets 0 to train at the peak rate from the first step."""
+
     def __init__(
         self, optimizer: torch.optim.Optimizer, cfg: LearnerConfig, phase: str = WARMUP, phase_start: int = 0
     ) -> None:
@@ -55,7 +63,7 @@ class PhaseSchedule:
         spec = phase_spec(self.cfg, self.phase)
         budget = max(1, self.budget or spec.steps)
         since = max(0, step - self.phase_start)
-        return spec.lr * cosine_with_warmup(since, budget, self.cfg.warmup_ratio)
+        return spec.lr * cosine_with_warmup(since, budget, self.warmup_ratio)
 
     def apply(self, step: int) -> float:
         """Set the optimizer's rate for the step about to be taken; returns it."""

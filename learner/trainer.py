@@ -91,14 +91,14 @@ class Trainer:
     freeze_wm: bool = False
     """Set per step by the learner (the ablation ``frozen_wm`` after warm-up): the world model is not
     trained (its records are ignored) and the EMA teacher is not updated."""
-    bce_weight: float | None = None
-    """The BCE's weight in the phase being trained (the loop sets it from the phase's spec:
-    :func:`comap_async.method.phases.phase_spec`); None: ``cfg.bce_weight``."""
+    paw_entropy: str = "prompt"
+    """Whose action entropy selects PaW's transitions (``learner.policy_wm_aux``): ``prompt`` or ``acting``,
+    set by the learner from the prompt form (:func:`learner.paw.paw_entropy`)."""
 
     def __post_init__(self) -> None:
         self.role_params = {role: [p for _, p in adapter_parameters(self.model, role)] for role in TRAINED}
         params = [p for role in TRAINED for p in self.role_params[role]]
-        self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=0.0)
         self.scheduler = PhaseSchedule(self.optimizer, self.cfg)
         self._pairs = paired_lora_tensors(self.model)
         # Held while the weights change (optimizer, EMA, step): a checkpoint taken from another thread
@@ -142,7 +142,7 @@ class Trainer:
     def loss_weights(self) -> losses.LossWeights:
         """The weights :func:`learner.losses.step_loss` composes this step's terms with."""
         c = self.cfg
-        return losses.LossWeights(draft=c.draft_weight, reflect=c.reflect_weight, bce=self._bce_w, eta=c.eta)
+        return losses.LossWeights(draft=c.draft_weight, reflect=c.reflect_weight, bce=c.bce_weight, eta=c.eta)
 
     def _wm_terms(self, ce: losses.Term, kl: losses.Term) -> losses.StepTerms:
         """The world-model terms an ablation keeps (a dropped one is neither in the loss nor logged)."""
@@ -252,10 +252,6 @@ class Trainer:
         _, metrics = losses.step_loss(self._wm_terms(total["ce"] / n_ce, total["kl"] / n_kl), self.loss_weights)
         change_nll = total["change"] / total["n_change"] if total["n_change"] else None
         return metrics, int(total["tokens"]), change_nll
-
-    @property
-    def _bce_w(self) -> float:
-        return self.cfg.bce_weight if self.bce_weight is None else self.bce_weight
 
     def _policy_step(
         self, drafts: DraftBatch, reflections: ReflectionBatch, scale: float

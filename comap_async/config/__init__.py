@@ -125,7 +125,7 @@ class CoMapConfig(Section):
         ``reflect_turns`` (the reflection continues the draft's conversation), ``wm_turns`` (the world
         model's and the teacher's own conversation)."""
         on = []
-        if self.actor.imagined_rollouts > 0 and self.learner.phases.coevolve.imagined_demo_share > 0:
+        if self.actor.imagined_rollouts > 0:
             on.append("imagined_episodes")
         if self.learner.policy_wm_aux > 0:
             on.append("paw")
@@ -179,27 +179,16 @@ class CoMapConfig(Section):
                 "learner.demo_loss_share subsamples the demonstrated turns of a path: it needs env.prompt_form "
                 "draft_turns or all_turns"
             )
-        if lr.policy_wm_aux > 0 and lr.policy_wm_aux_entropy == "acting" and not self.actor.reflect_confidence:
-            raise ValueError(
-                "learner.policy_wm_aux_entropy: acting reads the draft's confidence, which the actors measure "
-                "with actor.reflect_confidence: true"
-            )
         if self.actor.demonstrations == "handcoded" and self.env.name != "alfworld":
             raise ValueError(
                 f"actor.demonstrations: handcoded needs ALFWorld's handcoded expert (env.name is {self.env.name})"
             )
-        if self.env.draft_turns:
-            if lr.policy_wm_aux > 0 and lr.policy_wm_aux_entropy != "acting":
-                raise ValueError(
-                    f"learner.policy_wm_aux with env.prompt_form {self.env.prompt_form} selects by the actors' "
-                    "entropy: set learner.policy_wm_aux_entropy: acting (a transition does not carry the turns its "
-                    "draft saw)"
-                )
-            if lr.max_path_tokens > self.inference.max_prompt_tokens:
-                raise ValueError(
-                    f"learner.max_path_tokens ({lr.max_path_tokens}) must not exceed inference.max_prompt_tokens "
-                    f"({self.inference.max_prompt_tokens}): a trained path's prompts must reach the servers uncut"
-                )
+        if self.env.draft_turns and lr.policy_wm_aux > 0 and not self.actor.reflect_confidence:
+            raise ValueError(
+                f"learner.policy_wm_aux with env.prompt_form {self.env.prompt_form} selects by the actors' entropy, "
+                "the draft's confidence, which the actors measure with actor.reflect_confidence: true (a transition "
+                "does not carry the turns its draft saw)"
+            )
         if b.window < lr.batch_size:
             raise ValueError(f"broker.window ({b.window}) must be at least learner.batch_size ({lr.batch_size})")
         ports = {
@@ -330,20 +319,24 @@ REMOVED_FIELDS: dict[str, str] = {
     "learner.warmup_max_minutes": "now learner.phases.warmup.max_minutes",
     "learner.warmup_min_demos": "now learner.phases.warmup.min_samples",
     "learner.warmup_publish_every": "now learner.phases.warmup.publish_every",
-    "learner.warmup_torch_threads": "now learner.phases.warmup.torch_threads",
+    "learner.warmup_torch_threads": "a CPU learner takes every core once the actors are quiet in warm-up SFT "
+    "(learner/threads.py)",
     "learner.reflect_init_steps": "now learner.phases.reflect_init.steps",
     "learner.reflect_init_epochs": "now learner.phases.reflect_init.epochs",
     "learner.reflect_init_max_minutes": "now learner.phases.reflect_init.max_minutes",
     "learner.reflect_init_min_samples": "now learner.phases.reflect_init.min_samples",
     "learner.reflect_init_batch_size": "now learner.phases.reflect_init.batch_size",
     "learner.reflect_init_lr": "now learner.phases.reflect_init.lr",
-    "learner.reflect_init_torch_threads": "now learner.phases.reflect_init.torch_threads",
+    "learner.reflect_init_torch_threads": "a CPU learner takes every core once the labels have stopped coming "
+    "in reflection-mode initialisation (learner/threads.py)",
     "learner.total_steps": "now learner.phases.coevolve.steps",
     "learner.coevolve_lr": "now learner.phases.coevolve.lr",
-    "learner.coevolve_bce_weight": "now learner.phases.coevolve.bce_weight",
-    "learner.imagined_share": "now learner.phases.coevolve.imagined_demo_share",
-    "learner.reflect_init_share": "now learner.phases.coevolve.suffix_label_share",
-    "learner.wm_anchor_share": "now learner.phases.coevolve.warmup_transition_share",
+    "learner.coevolve_bce_weight": "co-evolution's BCE weight is learner.bce_weight (docs/findings.md)",
+    "learner.imagined_share": "with actor.imagined_rollouts a quarter of co-evolution's demonstrations are "
+    "imagined steps (comap_async.method.phases.IMAGINED_DEMO_SHARE)",
+    "learner.reflect_init_share": "half of each co-evolution reflection batch is suffix-labelled samples "
+    "(comap_async.method.phases.SUFFIX_LABEL_SHARE)",
+    "learner.wm_anchor_share": "co-evolution's world model trains on co-evolution transitions only",
     # the four booleans that chose each role's prompt became one choice (env.prompt_form)
     "env.draft_turns": "now env.prompt_form: draft_turns (all_turns adds the reflection's and the world model's turns)",
     "env.reflect_turns": "now env.prompt_form: all_turns (the draft's, the reflection's and the world model's "
@@ -352,6 +345,32 @@ REMOVED_FIELDS: dict[str, str] = {
     "turns together)",
     "env.task_every_turn": "the draft's turns name the task once, in the first turn; repeating it in every "
     "turn changed nothing (docs/findings.md)",
+    # the learner's tuning constants
+    "learner.weight_decay": "AdamW trains without weight decay (the paper names none)",
+    "learner.warmup_ratio": "each phase warms its learning rate up over 3 % of its step budget, the paper's, as "
+    "every run config did (learner.schedule.WARMUP_RATIO)",
+    "learner.max_path_tokens": "a path of the draft's turns ends after its last whole turn within "
+    "inference.max_prompt_tokens, the servers' prompt limit it had to stay under",
+    "learner.policy_wm_aux_share": "PaW trains on the half of a micro-batch's transitions with the highest action "
+    "entropy (learner.paw.SHARE)",
+    "learner.policy_wm_aux_q": "PaW's generalized cross-entropy has q 0.7 (learner.paw.Q)",
+    "learner.policy_wm_aux_entropy": "PaW's entropy follows env.prompt_form: the learner's policy's in the window "
+    "form, the actors' (the draft's confidence) in the turns forms",
+    "learner.rounds_episodes": "a round of learner.schedule: rounds waits for as many new episodes as it trains "
+    "steps (learner.publish_every)",
+    "learner.prefetch": "the learner keeps 4 micro-batches fetched ahead (learner.prefetch.AHEAD)",
+    "learner.phases.warmup.torch_threads": "a CPU learner takes every core once the actors are quiet in warm-up "
+    "SFT (learner/threads.py)",
+    "learner.phases.reflect_init.torch_threads": "a CPU learner takes every core once the labels have stopped "
+    "coming in reflection-mode initialisation (learner/threads.py)",
+    "learner.phases.coevolve.bce_weight": "co-evolution's BCE weight is learner.bce_weight; the paper's 0.01 "
+    "there alone shut the gate faster (docs/findings.md)",
+    "learner.phases.coevolve.suffix_label_share": "half of each co-evolution reflection batch is suffix-labelled "
+    "samples (comap_async.method.phases.SUFFIX_LABEL_SHARE; docs/findings.md)",
+    "learner.phases.coevolve.imagined_demo_share": "with actor.imagined_rollouts a quarter of co-evolution's "
+    "demonstrations are imagined steps (comap_async.method.phases.IMAGINED_DEMO_SHARE)",
+    "learner.phases.coevolve.warmup_transition_share": "co-evolution's world model trains on co-evolution "
+    "transitions only (the anchor on warm-up transitions was never used)",
     # the actor's tuning constants
     "actor.outbox_max": "an actor keeps at most 1024 unacknowledged messages before its episodes pause "
     "(comap_async/wire/outbox.py, OUTBOX_MAX)",

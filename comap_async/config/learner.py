@@ -26,13 +26,6 @@ class WarmupPhase(Section):
     publish_every: int | None = Field(default=None, ge=1)
     """Also publish every this many steps of warm-up SFT (the evaluator then draws the warm-up part of
     the learning curve; actors keep replaying demonstrations). ``None``: the first publish ends warm-up."""
-    torch_threads: int | None = Field(default=None, ge=1)
-    """torch threads of the learner's warm-up SFT steps (``None``: ``model.torch_threads``). The actors
-    idle once they have played ``actor.max_warmup_episodes`` (a few minutes into warm-up) and the server
-    has nothing to decode, so on a small machine the learner can use the cores for most of the phase;
-    co-evolution goes back to ``model.torch_threads`` (docs/running.md).
-    They apply once the broker has stored no new episode for a minute (learner/threads.py): before,
-    two threads beside the playing actors made a run's first steps 10x slower."""
 
 
 class ReflectInitPhase(Section):
@@ -59,14 +52,11 @@ class ReflectInitPhase(Section):
     """Peak learning rate of reflection-mode initialisation (``None``: ``learner.lr``). Its BCE trains one
     decision logit on a few hundred labels, a quarter of them REVISE; at warm-up's rate the balanced
     BCE swung between 0.0003 and 16 from one batch of 4 to the next."""
-    torch_threads: int | None = Field(default=None, ge=1)
-    """torch threads of reflection-mode initialisation's steps (``None``: ``model.torch_threads``), once the
-    broker's reflection labels have stopped growing for a minute: the actors idle after
-    ``actor.max_reflect_init_labels`` and the phase is then the learner's alone."""
 
 
 class CoevolvePhase(Section):
-    """Co-evolution: both roles on the policy's own rollouts, gated, with earlier phases' data mixed in."""
+    """Co-evolution: both roles on the policy's own rollouts, gated, with the suffix-labelled samples mixed
+    in (``comap_async.method.phases.SUFFIX_LABEL_SHARE``)."""
 
     steps: int = Field(default=100_000, ge=1)
     """Co-evolution's step budget: horizon of its cosine schedule (counted from the start of
@@ -76,23 +66,6 @@ class CoevolvePhase(Section):
     cosine, so without it an adapter that reflection-mode initialisation left at the end of its decay
     is driven at warm-up SFT's rate again (docs/findings.md, "The gate also shuts when co-evolution's
     learning rate climbs back")."""
-    bce_weight: float | None = Field(default=None, ge=0.0)
-    """The BCE's weight in co-evolution, where ``y`` is the action gate's own decision (None:
-    ``learner.bce_weight``). A weight raised so that reflection-mode initialisation moves ``p`` within a
-    short phase also lets the gate's self-labels pull ``p`` below ``tau_p`` within a few versions,
-    after which every label is KEEP (docs/findings.md, "Under self-labelling the gate shuts itself")."""
-    imagined_demo_share: float = Field(default=0.0, ge=0.0, le=1.0)
-    """Expected share of each micro-batch's demonstrations drawn from the imagined store instead
-    (``actor.imagined_rollouts``), trained with the draft loss; 0: none."""
-    suffix_label_share: float = Field(default=0.5, ge=0.0, le=1.0)
-    """Expected share of each reflection batch drawn from the suffix-labelled samples of
-    reflection-mode initialisation (labelled by outcome, not by a policy version: never stale); the
-    rest are the gate's samples of the policy's own steps. Without them a gate that stays shut
-    trains only keep samples and keeps itself shut."""
-    warmup_transition_share: float = Field(default=0.0, ge=0.0, le=1.0)
-    """Expected share of each world-model batch drawn from warm-up transitions (an anchor on real
-    expert-path data); the rest are co-evolution transitions, the policy's own rollouts that
-    self-distillation is defined on."""
 
 
 class PhasesConfig(Section):
@@ -122,13 +95,8 @@ class LearnerConfig(Section):
     target_modules: str | list[str] = "all-linear"
     """peft target modules."""
     lr: float = Field(default=1e-4, gt=0)
-    """AdamW peak learning rate."""
-    weight_decay: float = Field(default=0.0, ge=0)
-    """AdamW weight decay."""
-    warmup_ratio: float = Field(default=0.03, ge=0.0, le=1.0)
-    """Share of each phase's step budget spent in linear learning-rate warm-up before its cosine
-    decay (``phases.<phase>.steps``, or the budget a phase sized by data; the paper's 0.03): every
-    phase starts its own schedule, so a short phase still reaches the peak rate."""
+    """AdamW peak learning rate (no weight decay). Each phase warms it up linearly over 3 % of its step
+    budget, the paper's, then decays it (cosine; ``learner.schedule.WARMUP_RATIO``)."""
     batch_size: int = Field(default=8, ge=1)
     """Samples per store per micro-batch."""
     grad_accum: int = Field(default=1, ge=1)
@@ -138,10 +106,9 @@ class LearnerConfig(Section):
     The learner needs it only for long sequences (the 135M default model peaks at ~3 GB without it
     at batch 2)."""
     max_seq_len: int = Field(default=1024, ge=16)
-    """Longer sequences are truncated from the left of the prompt."""
-    max_path_tokens: int = Field(default=2048, ge=64)
-    """``env.draft_turns``: a warm-up path trained as one sequence ends after the last whole turn
-    that fits (counted in ``learner/truncated``); its first demonstrated action always stays."""
+    """Longer sequences are truncated from the left of the prompt. (A path of the draft's turns,
+    ``env.draft_turns``, trained as one sequence, ends after its last whole turn within
+    ``inference.max_prompt_tokens``, the servers' prompt limit.)"""
     chunk_tokens: int = Field(default=1024, ge=0)
     """A micro-batch's sequences go through the model in chunks of at most this many
     tokens (at least one sequence each), each chunk's backward right after its forward, so only
@@ -181,11 +148,13 @@ class LearnerConfig(Section):
     reflect_weight: float = Field(default=1.0, ge=0.0)
     """Weight of the reflection cross-entropy."""
     bce_weight: float = Field(default=0.01, ge=0.0)
-    """Weight of the BCE on the revise probability."""
+    """Weight of the BCE on the revise probability, in every phase (a lower weight for co-evolution alone,
+    the paper's 0.01 there, shut the gate faster: docs/findings.md, "Under self-labelling the gate shuts
+    itself")."""
     bce_gate_labels: bool = True
     """Whether the action gate's own decisions (the co-evolution samples' ``y``) train ``p`` through
     the BCE. False: only the suffix-labelled samples (reflection-mode initialisation's branch outcomes,
-    mixed in at ``phases.coevolve.suffix_label_share``) do, and only they are counted for ``bce_balance``; the gate's
+    mixed into co-evolution's reflection batches) do, and only they are counted for ``bce_balance``; the gate's
     samples still train the reflection's text. A label that is the gate's output teaches ``p`` its own
     threshold: a state whose ``p`` is under ``tau_p`` is labelled KEEP, which pulls ``p`` further
     down; with ``bce_balance`` weighing labels by the initialisation's REVISE-heavy counts the gate
@@ -194,35 +163,25 @@ class LearnerConfig(Section):
     (True)."""
     policy_wm_aux: float = Field(default=0.0, ge=0.0)
     """PaW (``learner/paw.py``): the policy adapter also predicts the next observation of the real
-    transitions where its action entropy is highest; the term is kept at this fraction of the
-    policy loss (adaptive weight). 0: off (CoMap itself)."""
-    policy_wm_aux_share: float = Field(default=0.5, gt=0.0, le=1.0)
-    """PaW: share of a micro-batch's real transitions, highest action entropy first, it trains on."""
-    policy_wm_aux_q: float = Field(default=0.7, gt=0.0, le=1.0)
-    """PaW: the generalized cross-entropy's ``q`` (noise tolerance; towards 0 it is the cross-entropy)."""
-    policy_wm_aux_entropy: Literal["prompt", "acting"] = "prompt"
-    """PaW: whose action entropy selects. ``prompt``: the learner's current policy, over the executed
-    action's tokens after the window-form draft prompt of ``s_t``. ``acting``: the actor's, at the step,
-    under the prompt it acted with: minus the log of the draft's confidence (``draft_confidence``, its
-    tokens' mean log-probability as sampled: a one-sample estimate of the per-token entropy; no extra
-    forward). The turns form (``env.draft_turns``) needs ``acting``: its transitions do not carry the
-    conversation the draft saw, and the window-form prompt is one its policy never acts on."""
+    transitions where its action entropy is highest (half of them, under the generalized
+    cross-entropy with ``q`` 0.7: ``learner.paw.SHARE``, ``learner.paw.Q``); the term is kept at this
+    fraction of the policy loss (adaptive weight). 0: off (CoMap itself). The entropy follows
+    ``env.prompt_form``: in the window form the learner's current policy's over the executed action;
+    in the turns forms the actor's as it drafted (minus the log of the draft's confidence, which
+    needs ``actor.reflect_confidence``): their transitions do not carry the conversation the draft saw."""
     bce_balance: bool = False
     """Weigh the BCE's two labels alike (by the label counts the learner has trained on so far): a
     skewed mix is then not learned as a constant ``p``. Not in the paper (its BCE is unweighted)."""
     schedule: Literal["async", "rounds"] = "async"
     """``async``: train continuously and publish every ``publish_every`` steps;
-    ``rounds``: the paper's collect-train-publish loop."""
+    ``rounds``: the paper's collect-train-publish loop, a round as many new episodes as the steps it
+    trains (``publish_every``)."""
     phases: PhasesConfig = Field(default_factory=PhasesConfig)
-    """Each phase's own settings: its step budget, when it starts and ends, its rate, threads and shares."""
+    """Each phase's own settings: its step budget, when it starts and ends, its rate, batch and publishing."""
     publish_every: int = Field(default=50, ge=1)
     """Publish adapters every this many optimizer steps."""
     checkpoint_every: int = Field(default=50, ge=1)
     """Checkpoint every this many optimizer steps (and at SIGTERM)."""
-    rounds_episodes: int = Field(default=32, ge=1)
-    """``rounds`` schedule: episodes collected per round."""
-    prefetch: int = Field(default=4, ge=1)
-    """Batches fetched ahead of the model."""
 
 
 AblationName = Literal[

@@ -17,8 +17,8 @@ Read in this order:
 4. :mod:`comap_async.method.routing` - the phases and what each trains on: the stores, the phase
    filters, the mixed-in shares, and the ablations that leave data or loss terms out;
 5. :mod:`comap_async.method.phases` - each phase as one spec built from ``learner.phases.<phase>``:
-   its stores, when it starts and ends (budget, sized by data, capped in time), its rate, BCE weight,
-   shares and threads.
+   its stores, when it starts and ends (budget, sized by data, capped in time), its rate and publishing;
+   and co-evolution's mixed-in shares.
 
 The losses themselves are in ``learner/losses.py`` (one small function per term, on tensors, composed once
 by ``step_loss``). The ablation flags, the gate thresholds and the phases' settings are read here and

@@ -3,9 +3,9 @@
 
 A spec says what a phase trains on (the stores of :mod:`comap_async.method.routing`, ablations applied),
 when it may start (``min_samples`` items of the store it cannot do without), how long it lasts (its step
-budget, sized by data with ``epochs``, capped by ``max_minutes``) and what follows it, and at what rate,
-BCE weight, mixed-in shares and torch threads it trains. The learner's modules read the spec, never the
-config's per-phase fields.
+budget, sized by data with ``epochs``, capped by ``max_minutes``) and what follows it, and at what rate
+it trains and publishes. The learner's modules read the spec, never the config's per-phase fields;
+co-evolution's mixed-in shares are :func:`coevolve_shares`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,16 @@ from comap_async.method.routing import PHASE_REQUIRES, phase_stores
 from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
 
 PHASES = (WARMUP, REFLECT_INIT, COEVOLVE)
+
+SUFFIX_LABEL_SHARE = 0.5
+"""Expected share of each co-evolution reflection batch drawn from the suffix-labelled samples of
+reflection-mode initialisation (labelled by outcome, not by a policy version: never stale); the rest are
+the gate's samples of the policy's own steps. Without them a gate that stays shut trains only keep
+samples and keeps itself shut (docs/findings.md, "Under self-labelling the gate shuts itself")."""
+IMAGINED_DEMO_SHARE = 0.25
+"""With imagined episodes (``actor.imagined_rollouts``), the expected share of each co-evolution
+micro-batch's demonstrations drawn from the imagined store instead, trained with the draft loss (the
+share the imagined-episode runs of the method table trained with)."""
 
 
 @dataclass(frozen=True)
@@ -43,14 +53,6 @@ class PhaseSpec:
     """The phase after this one once its budget or time is spent (None: co-evolution never ends)."""
     lr: float
     """Peak learning rate."""
-    bce_weight: float
-    """Weight of the BCE on the revise probability."""
-    shares: Mapping[str, float]
-    """Per store, the expected share of its items drawn from an earlier phase
-    (:data:`~comap_async.method.routing.MIXED_IN`; ``imagined``: demonstrations from the imagined store).
-    Empty outside co-evolution."""
-    torch_threads: int | None
-    """The phase's own torch threads once the actors are quiet (None: ``model.torch_threads``)."""
     publish_every: int | None
     """Steps between published versions (None: warm-up publishes only when it ends)."""
 
@@ -88,9 +90,6 @@ def phase_spec(learner: Any, phase: str, ablation: Collection[str] = ()) -> Phas
             max_minutes=warmup.max_minutes,
             then=after_warmup(lc, ablation),
             lr=lc.lr,
-            bce_weight=lc.bce_weight,
-            shares={},
-            torch_threads=warmup.torch_threads,
             publish_every=warmup.publish_every,
         )
     if phase == REFLECT_INIT:
@@ -104,9 +103,6 @@ def phase_spec(learner: Any, phase: str, ablation: Collection[str] = ()) -> Phas
             max_minutes=reflect.max_minutes,
             then=COEVOLVE,
             lr=lc.lr if reflect.lr is None else reflect.lr,
-            bce_weight=lc.bce_weight,
-            shares={},
-            torch_threads=reflect.torch_threads,
             publish_every=lc.publish_every,
         )
     co = lc.phases.coevolve
@@ -119,15 +115,19 @@ def phase_spec(learner: Any, phase: str, ablation: Collection[str] = ()) -> Phas
         max_minutes=None,
         then=None,
         lr=lc.lr if co.lr is None else co.lr,
-        bce_weight=lc.bce_weight if co.bce_weight is None else co.bce_weight,
-        shares={
-            "transitions": co.warmup_transition_share,
-            "reflections": co.suffix_label_share,
-            "imagined": co.imagined_demo_share,
-        },
-        torch_threads=None,
         publish_every=lc.publish_every,
     )
+
+
+def coevolve_shares(cfg: Any) -> Mapping[str, float]:
+    """Per store, the expected share of co-evolution's items drawn from elsewhere (``cfg`` a ``CoMapConfig``):
+    reflection samples from reflection-mode initialisation (:data:`SUFFIX_LABEL_SHARE`,
+    :data:`~comap_async.method.routing.MIXED_IN`) and, when the actors play imagined episodes,
+    demonstrations from the imagined store (``imagined``: :data:`IMAGINED_DEMO_SHARE`)."""
+    shares = {"reflections": SUFFIX_LABEL_SHARE}
+    if cfg.actor.imagined_rollouts > 0:
+        shares["imagined"] = IMAGINED_DEMO_SHARE
+    return shares
 
 
 def first_phase(cfg: Any) -> str:

@@ -24,16 +24,15 @@ PHASE_STORES = {
 PHASE_REQUIRES = {WARMUP: "demos", REFLECT_INIT: "reflections"}
 # Which phases' items a store is sampled from, per phase (absent: any). Reflection-mode
 # initialisation trains on the suffix-labelled samples; co-evolution's world model on the policy's
-# own rollouts (the warm-up transitions come in only as ``learner.phases.coevolve.warmup_transition_share``).
+# own rollouts, which self-distillation is defined on.
 PHASE_FILTERS = {
     (REFLECT_INIT, "reflections"): [REFLECT_INIT],
     (COEVOLVE, "transitions"): [COEVOLVE],
     (COEVOLVE, "reflections"): [COEVOLVE],
 }
-# ``coevolve`` mixes in items of an earlier phase, each with a configured probability: warm-up
-# transitions as the world model's anchor (``learner.phases.coevolve.warmup_transition_share``) and the
-# suffix-labelled reflection samples (``learner.phases.coevolve.suffix_label_share``).
-MIXED_IN = {"transitions": [WARMUP], "reflections": [REFLECT_INIT]}
+# ``coevolve`` mixes in items of an earlier phase, each with a probability: the suffix-labelled
+# reflection samples (``comap_async.method.phases.SUFFIX_LABEL_SHARE``).
+MIXED_IN = {"reflections": [REFLECT_INIT]}
 
 
 def phase_stores(phase: str, ablation: Collection[str] = ()) -> tuple[str, ...]:
@@ -77,7 +76,7 @@ def store_requests(
                 reqs.append((store, n - imagined, phases))
             continue
         mixed = 0
-        share = shares.get(store, 0.0) if phase == COEVOLVE else 0.0
+        share = shares.get(store, 0.0) if phase == COEVOLVE and store in MIXED_IN else 0.0
         if share > 0:
             mixed = sum(rng.random() < share for _ in range(n))
             if mixed:

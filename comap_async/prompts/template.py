@@ -305,8 +305,8 @@ class Prompts:
         """The turns' draft prompt; with ``fit``, its oldest turns (after the first one: the task) left
         out while it would pass ``max_prompt_tokens`` (:meth:`_fit`): a looping greedy episode reaches
         ~2,000 tokens by step 40 on ALFWorld, and the server refuses a longer prompt. The learner renders
-        paths whole (``fit`` false) and ends them within ``learner.max_path_tokens``, no longer than the
-        limit (the config checks), so a trained prompt is never one the actors cut."""
+        paths whole (``fit`` false) and ends them within the same limit, so a trained prompt is never one
+        the actors cut."""
 
         def render(c: Conversation) -> str:
             return self.chat.render_as_generated(draft_turn_messages(c, self.wording))

@@ -280,8 +280,8 @@ class Imagined(Message, tag="imagined", kw_only=True):
     ``actor.imagined_rollouts``): from a real state, the policy acted and the world model answered;
     ``s`` is the state the policy saw (the real history, then the imagined pairs before this step),
     ``target`` the policy's action there. No environment step was taken: the broker stores it apart, for
-    the policy's draft training only (``learner.phases.coevolve.imagined_demo_share``), never for the world
-    model."""
+    the policy's draft training only (``comap_async.method.phases.IMAGINED_DEMO_SHARE``), never for the
+    world model."""
 
     seq: Int
     id: Id

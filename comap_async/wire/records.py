@@ -53,6 +53,6 @@ def record_kind(store: str, record: Mapping[str, Any]) -> RecordKind:
 
 
 def is_imagined(record: Mapping[str, Any]) -> bool:
-    """Whether a demonstration comes from an imagined episode (``learner.phases.coevolve.imagined_demo_share``):
+    """Whether a demonstration comes from an imagined episode (``comap_async.method.phases.IMAGINED_DEMO_SHARE``):
     a path in the turns form marked ``imagined`` or one step of such an episode (``source: imagined``)."""
     return bool(record.get("imagined")) or record.get("source") == "imagined"

@@ -183,7 +183,6 @@ def child(args: argparse.Namespace) -> None:
     n_refl = phase_spec(lc, REFLECT_INIT).batch_size if args.phase == REFLECT_INIT else 0
     steps = args.steps if args.epochs is None else math.ceil(args.epochs * len(demos) / lc.batch_size)
     trainer = build_trainer(cfg, Path(args.init_adapter) if args.init_adapter else None, {}, steps, args.phase)
-    trainer.bce_weight = phase_spec(lc, args.phase).bce_weight
     losses, seconds, trained = [], 0.0, 0
     loss_name = "policy/draft_ce" if args.phase == WARMUP else "policy/loss"
     for step in range(steps):

@@ -143,6 +143,7 @@ def build_trainer(cfg: Any, adapter: Path | None, overrides: dict[str, Any], bud
     from comap_async.models import load_model_and_tokenizer, resolve_model
     from comap_async.prompts import Prompts
     from learner.batches import Encoder
+    from learner.paw import paw_entropy
     from learner.peft_model import build_peft_model, load_adapter_state
     from learner.trainer import Trainer
 
@@ -156,6 +157,7 @@ def build_trainer(cfg: Any, adapter: Path | None, overrides: dict[str, Any], bud
     if adapter is not None:
         load_adapter_state(model, "policy", load_file(str(Path(adapter) / "adapter_model.safetensors")))
     trainer = Trainer(model, Encoder.for_learner(tok, Prompts.for_model(path, cfg), lc), lc, lc.device)
+    trainer.paw_entropy = paw_entropy(cfg)
     trainer.scheduler.enter(phase, 0, budget)  # one warm-up and cosine over the whole budget
     return trainer
 

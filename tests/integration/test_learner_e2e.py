@@ -95,7 +95,6 @@ def learner_config(broker, server, tiny_model_dir, *extra):
             "broker.max_staleness=1000",
             "learner.batch_size=4",
             "learner.lr=0.01",
-            "learner.warmup_ratio=0.0",
             "learner.lora_dropout=0.0",
             "learner.bce_weight=1.0",
             "learner.phases.warmup.steps=0",
@@ -218,8 +217,8 @@ async def test_learner_resumes_bit_identical_after_sigkill(broker_factory, roomy
 
 
 async def test_rounds_schedule_trains_only_after_each_round_of_episodes(broker_factory, roomy_server, tiny_model_dir):
-    """``learner.schedule: rounds``: after each publish the learner waits for ``rounds_episodes``
-    new episodes, then trains ``publish_every`` steps and publishes (the paper's loop)."""
+    """``learner.schedule: rounds``: after each publish the learner waits for a round of new episodes, as
+    many as the steps it then trains (``publish_every``), trains them and publishes (the paper's loop)."""
     from tests.fixtures.broker import make_episode
 
     broker = broker_factory()
@@ -229,7 +228,6 @@ async def test_rounds_schedule_trains_only_after_each_round_of_episodes(broker_f
         roomy_server,
         tiny_model_dir,
         "learner.schedule=rounds",
-        "learner.rounds_episodes=3",
         "learner.publish_every=2",
     )
     learner = Learner(cfg, configure_logging("learner-test"))
@@ -254,12 +252,12 @@ async def test_rounds_schedule_trains_only_after_each_round_of_episodes(broker_f
             load_file(str(root / f"{role}-v1" / "adapter_model.safetensors")) for role in ("wm", "wm_teacher")
         )
         assert student.keys() == teacher.keys() and all(torch.equal(student[k], teacher[k]) for k in student)
-        await fill(broker, [make_episode(i, actor="r1") for i in range(3)])
-        await settles_at(3)  # a round: publish_every=2 steps, then v2
+        await fill(broker, [make_episode(i, actor="r1") for i in range(2)])
+        await settles_at(3)  # a round of 2 episodes: publish_every=2 steps, then v2
         assert learner.state.version == 2
-        await fill(broker, [make_episode(i, actor="r2") for i in range(2)])
+        await fill(broker, [make_episode(0, actor="r2")])
         await asyncio.sleep(2.0)
-        assert learner.trainer.step == 3  # 2 of 3 episodes are not a round
+        assert learner.trainer.step == 3  # 1 of 2 episodes is not a round
         await fill(broker, [make_episode(9, actor="r2")])
         await asyncio.wait_for(run, 60)
         assert learner.trainer.step == 5 and learner.state.version == 3

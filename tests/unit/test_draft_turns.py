@@ -118,7 +118,7 @@ def test_a_trained_path_moves_the_per_step_draft_losses_of_its_actions(tiny_mode
 def test_a_step_counts_the_imagined_episodes_among_its_demonstrations(tiny_model_dir):
     """``policy/imagined_demos``: how many of a step's demonstrations came from the imagined store (a path in
     the turns form, or a window-form step of one), so a run shows what
-    ``learner.phases.coevolve.imagined_demo_share`` trained."""
+    ``comap_async.method.phases.IMAGINED_DEMO_SHARE`` trained."""
     from tests.fixtures.learner import make_trainer
 
     trainer = make_trainer(tiny_model_dir, max_seq_len=512)
@@ -174,7 +174,6 @@ def test_an_episode_longer_than_the_servers_limit_leaves_out_its_oldest_turns(ti
         {
             "env": {"prompt_form": "draft_turns"},
             "inference": {"max_prompt_tokens": 600},
-            "learner": {"max_path_tokens": 600},
         }
     )
     prompts = Prompts.for_model(tiny_model_dir, cfg)
@@ -197,33 +196,30 @@ def test_an_episode_longer_than_the_servers_limit_leaves_out_its_oldest_turns(ti
     short = Conversation(TASK, FIRST, tuple(TURNS[:1]))
     assert prompts.count_tokens(whole.draft(short)) <= 600 and prompts.draft(short) == whole.draft(short)
     assert whole.count_tokens is None
-    with pytest.raises(ValueError, match="max_path_tokens"):
-        CoMapConfig.model_validate({"env": {"prompt_form": "draft_turns"}, "inference": {"max_prompt_tokens": 1024}})
 
 
 def test_the_learner_cuts_a_path_at_its_length_cap_not_at_the_prompt_limit(tiny_model_dir):
+    """The cap is the servers' prompt limit (``inference.max_prompt_tokens``), so no trained prompt is one
+    the actors cut; a longer path ends after its last whole turn within it, not with its oldest turns left out."""
+    from comap_async.config import LearnerConfig
     from comap_async.models import load_model_and_tokenizer
 
-    cfg = CoMapConfig.model_validate(
-        {
-            "env": {"prompt_form": "draft_turns"},
-            "inference": {"max_prompt_tokens": 300},
-            "learner": {"max_path_tokens": 300},
-        }
-    )
+    cfg = CoMapConfig.model_validate({"env": {"prompt_form": "draft_turns"}, "inference": {"max_prompt_tokens": 300}})
     _, tok = load_model_and_tokenizer(str(tiny_model_dir))
-    enc = Encoder(tok, Prompts.for_model(tiny_model_dir, cfg), 512, 300)
+    enc = Encoder.for_learner(tok, Prompts.for_model(tiny_model_dir, cfg), LearnerConfig(max_seq_len=512))
+    assert enc.max_path_tokens == 300
     seq = enc.draft({"goal": TASK, "first": FIRST, "turns": TURNS * 6, "targets": [True] * 24})
     assert len(seq.ids) <= 300 and enc.truncated == 1 and 0 < enc.demo_actions < 24
 
 
 def test_a_path_whose_demonstrations_lie_past_the_cap_trains_nothing_and_does_not_stop_the_step(tiny_model_dir):
     """A recovery path that learns only its last action (the prefix is context) can be longer than
-    ``learner.max_path_tokens``: cut there, it holds no demonstrated action. It is left out of the step
-    (counted as truncated), alone or beside a path that trains."""
+    the path cap (``inference.max_prompt_tokens``): cut there, it holds no demonstrated action. It is left out
+    of the step (counted as truncated), alone or beside a path that trains."""
     from tests.fixtures.learner import make_trainer
 
-    trainer = make_trainer(tiny_model_dir, max_path_tokens=500)
+    trainer = make_trainer(tiny_model_dir)
+    trainer.encoder.max_path_tokens = 500
     long_tail = {"goal": TASK, "first": FIRST, "turns": TURNS * 6, "targets": [False] * 23 + [True]}
     assert trainer.encoder.draft(long_tail).n_loss == 0 and trainer.encoder.truncated == 1
     assert trainer.encoder.draft(path_record()).n_loss > 0 and trainer.encoder.truncated == 1  # fits whole

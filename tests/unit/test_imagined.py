@@ -162,12 +162,9 @@ def test_a_run_records_the_related_methods_switches_and_the_table_names_them(tmp
     from evaluator.compare_report import run_label
 
     assert load_config(None).method_switches == []
-    # rollouts without a share train nothing: the switch is the pair
-    assert load_config(None, ["actor.imagined_rollouts=2"]).method_switches == []
-    cfg = load_config(
-        None,
-        ["actor.imagined_rollouts=2", "learner.phases.coevolve.imagined_demo_share=0.25", "learner.policy_wm_aux=0.1"],
-    )
+    # the rollouts are the switch: co-evolution then trains on them (comap_async.method.phases.IMAGINED_DEMO_SHARE)
+    assert load_config(None, ["actor.imagined_rollouts=2"]).method_switches == ["imagined_episodes"]
+    cfg = load_config(None, ["actor.imagined_rollouts=2", "learner.policy_wm_aux=0.1"])
     assert cfg.method_switches == ["imagined_episodes", "paw"]
     write_run_ablation(tmp_path, ["frozen_wm"], cfg.method_switches)
     assert read_run_ablation(tmp_path) == ["frozen_wm"] and read_run_methods(tmp_path) == ["imagined_episodes", "paw"]
@@ -231,9 +228,10 @@ def test_a_long_real_prefix_leaves_out_its_oldest_turns_so_the_imagined_actions_
     def tokens(turns):
         return prompts.count_tokens(prompts.turns_prompt(Conversation(ep.task, ep.first_observation, turns), fit=False))
 
-    # a learner's path limit halfway between the imagined turns alone and the whole episode with them
+    # the servers' prompt limit (a learner's path cap) halfway between the imagined turns alone and the whole
+    # episode with them
     limit = (tokens(imagined) + tokens((*ep.history, *imagined))) // 2
-    cfg = CoMapConfig.model_validate({"env": {"prompt_form": "draft_turns"}, "learner": {"max_path_tokens": limit}})
+    cfg = CoMapConfig.model_validate({"env": {"prompt_form": "draft_turns"}, "inference": {"max_prompt_tokens": limit}})
     path = turns_path(SimpleNamespace(cfg=cfg, llm=llm, actor="a"), ep, 40, steps, None)
     kept = len(path.turns) - 2
     assert 0 < kept < 40 and (40 - kept) % FIT_LEFT_OUT_TURNS == 0

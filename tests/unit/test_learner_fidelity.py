@@ -26,7 +26,7 @@ def _schedule(**cfg):
     from learner.schedule import PhaseSchedule
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    return PhaseSchedule(opt, LearnerConfig(**cfg))
+    return PhaseSchedule(opt, LearnerConfig(**cfg))  # the run's warm-up share, learner.schedule.WARMUP_RATIO
 
 
 def _phases(warmup: int, reflect_init: int, coevolve: int, /, **peak_lr: float) -> dict:
@@ -40,7 +40,7 @@ def test_each_phase_warms_up_to_the_peak_and_decays_over_its_own_budget():
     floor; reflection initialisation starts its own warm-up; co-evolution decays over
     ``phases.coevolve.steps`` from its own start and stays flat at the floor afterwards."""
     lr = 1e-4
-    sched = _schedule(lr=lr, warmup_ratio=0.03, phases=_phases(20, 5, 1000))
+    sched = _schedule(lr=lr, phases=_phases(20, 5, 1000))
     warm = [sched.lr_at(s) for s in range(20)]
     assert max(warm) == pytest.approx(lr) and warm[-1] < 0.2 * lr
     sched.enter("reflect_init", 20)
@@ -247,13 +247,13 @@ def test_store_requests_filter_by_phase_and_draw_the_mixed_in_shares():
     mixed = {"transitions": 0, "reflections": 0}
     total = dict(mixed)
     earlier = {"transitions": ["warmup"], "reflections": ["reflect_init"]}
-    for _ in range(500):
+    for _ in range(500):  # a share for a store nothing is mixed into (transitions) draws nothing
         for store, n, phases in store_requests("coevolve", 4, {"transitions": 0.25, "reflections": 0.5}, rng):
             if store in total:
                 total[store] += n
                 mixed[store] += n if phases == earlier[store] else 0
     assert total == {"transitions": 2000, "reflections": 2000}
-    assert 0.2 < mixed["transitions"] / 2000 < 0.3 and 0.45 < mixed["reflections"] / 2000 < 0.55
+    assert mixed["transitions"] == 0 and 0.45 < mixed["reflections"] / 2000 < 0.55
 
 
 def test_suffix_labelled_reflection_samples_are_never_stale():
@@ -393,8 +393,8 @@ def test_revise_label_share_is_the_share_of_y1_among_trained_reflection_samples(
     assert "policy/revise_label_share" not in trainer.train_step([{"demos": [demo_record(0)]}])
 
 
-def test_learner_config_rejects_an_anchor_share_outside_zero_to_one():
+def test_learner_config_rejects_a_phase_setting_out_of_range():
     with pytest.raises(ValueError):
-        LearnerConfig(phases={"coevolve": {"warmup_transition_share": 1.5}})
+        LearnerConfig(phases={"coevolve": {"lr": 0.0}})
     with pytest.raises(ValueError):
         LearnerConfig(phases={"reflect_init": {"min_samples": 0}})

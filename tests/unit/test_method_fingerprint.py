@@ -18,7 +18,7 @@ def test_the_fingerprint_covers_the_gates_the_ablations_the_env_and_the_related_
         ["ablation=frozen_wm"],
         ["ablation=no_ws_gate_real"],
         ["env.name=scienceworld"],
-        ["actor.imagined_rollouts=2", "learner.phases.coevolve.imagined_demo_share=0.5"],
+        ["actor.imagined_rollouts=2"],
     ]
     prints = [fingerprint(load_config(None, o)) for o in others]
     assert base not in prints and len(set(prints)) == len(prints)

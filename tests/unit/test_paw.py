@@ -60,7 +60,7 @@ def test_off_by_default_and_on_with_its_switch(tiny_model_dir):
     off = make_trainer(tiny_model_dir, autocast="off")
     mb = {"transitions": records(), "demos": [demo_record(0)]}
     assert not any(k.startswith("policy/wm_aux") for k in off.train_step([mb]))
-    on = make_trainer(tiny_model_dir, autocast="off", policy_wm_aux=0.2, policy_wm_aux_share=0.5)
+    on = make_trainer(tiny_model_dir, autocast="off", policy_wm_aux=0.2)
     metrics = on.train_step([mb])
     assert metrics["policy/wm_aux_selected"] == 2 and metrics["policy/wm_aux_weight"] > 0
 
@@ -69,7 +69,7 @@ def test_it_trains_on_the_transitions_the_policy_is_least_sure_of(tiny_model_dir
     from learner.packing import pack
     from learner.peft_model import activate
 
-    trainer = make_trainer(tiny_model_dir, autocast="off", policy_wm_aux=0.2, policy_wm_aux_share=0.5)
+    trainer = make_trainer(tiny_model_dir, autocast="off", policy_wm_aux=0.2)
     recs, enc = records(), trainer.encoder
     activate(trainer.model, "policy", trainable=False)
     with torch.no_grad():  # the expected term, by hand, before the step changes the weights
@@ -89,9 +89,7 @@ def test_acting_entropy_selects_the_drafts_the_actor_was_least_sure_of(tiny_mode
     from learner.packing import pack
     from learner.peft_model import activate
 
-    trainer = make_trainer(
-        tiny_model_dir, autocast="off", policy_wm_aux=0.2, policy_wm_aux_share=0.5, policy_wm_aux_entropy="acting"
-    )
+    trainer = make_trainer(tiny_model_dir, autocast="off", policy_wm_aux=0.2, paw_entropy="acting")
     # an unmeasured confidence (None) is no candidate: 3 candidates, half of them -> 2
     recs = [r | {"draft_confidence": c} for r, c in zip(records(), [0.9, 0.2, None, 0.5])]
     activate(trainer.model, "policy", trainable=False)
@@ -108,13 +106,16 @@ def test_acting_entropy_selects_the_drafts_the_actor_was_least_sure_of(tiny_mode
     )
 
 
-def test_the_turns_form_takes_pa_w_with_the_actors_entropy_only():
+def test_the_turns_form_takes_pa_w_with_the_actors_entropy():
+    """PaW's entropy follows the prompt form: the learner's policy's in the window form, the actors' (their
+    drafts' confidence, which ``actor.reflect_confidence`` measures) in the turns forms."""
     from comap_async.config import load_config
+    from learner.paw import paw_entropy
 
+    assert paw_entropy(load_config(None, ["learner.policy_wm_aux=0.2"])) == "prompt"
     turns = ["env.prompt_form=draft_turns", "learner.policy_wm_aux=0.2"]
-    with pytest.raises(ValueError, match="policy_wm_aux_entropy: acting"):
-        load_config(None, turns)
     with pytest.raises(ValueError, match="reflect_confidence"):
-        load_config(None, [*turns, "learner.policy_wm_aux_entropy=acting", "actor.reflect_confidence=false"])
-    cfg = load_config(None, [*turns, "learner.policy_wm_aux_entropy=acting", "actor.reflect_confidence=true"])
-    assert cfg.learner.policy_wm_aux_entropy == "acting"
+        load_config(None, [*turns, "actor.reflect_confidence=false"])
+    cfg = load_config(None, [*turns, "actor.reflect_confidence=true"])
+    assert paw_entropy(cfg) == "acting"
+    assert paw_entropy(load_config(None, ["env.prompt_form=all_turns", "actor.reflect_confidence=true"])) == "acting"

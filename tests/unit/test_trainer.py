@@ -261,20 +261,11 @@ def test_a_checkpoint_resumes_on_any_device(tiny_model_dir, tmp_path, monkeypatc
     assert torch.equal(torch.get_rng_state(), saved) and fresh.step == t.step
 
 
-def test_the_phase_bce_weight_is_the_one_trained(tiny_model_dir):
-    """``learner.phases.coevolve.bce_weight``: co-evolution's BCE weight (its phase spec's), set on the
-    trainer by the loop; the other phases keep ``bce_weight``. The loss trained is the logged terms at that weight."""
-    from comap_async.config import LearnerConfig
-    from comap_async.method.phases import phase_spec
-    from comap_async.wire.messages import COEVOLVE, REFLECT_INIT, WARMUP
-
-    cfg = LearnerConfig(bce_weight=1.0, phases={"coevolve": {"bce_weight": 0.01}})
-    assert [phase_spec(cfg, p).bce_weight for p in (WARMUP, REFLECT_INIT, COEVOLVE)] == [1.0, 1.0, 0.01]
-    assert phase_spec(LearnerConfig(bce_weight=0.5), COEVOLVE).bce_weight == 0.5
+def test_the_bce_weight_is_the_one_trained(tiny_model_dir):
+    """``learner.bce_weight`` (every phase's): the loss trained is the logged terms at that weight."""
     batch = {"reflections": [reflection_record(1), reflection_record(0)]}
     for weight in (1.0, 0.0):
-        trainer = make_trainer(tiny_model_dir, bce_weight=1.0)
-        trainer.bce_weight = weight
+        trainer = make_trainer(tiny_model_dir, bce_weight=weight)
         m = trainer.train_step([batch])
         assert m["policy/bce"] > 0
         assert abs(m["policy/loss"] - (m["policy/reflect_ce"] + weight * m["policy/bce"])) < 1e-5

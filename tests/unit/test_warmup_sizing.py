@@ -4,6 +4,7 @@ learning rate spans that budget."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from comap_async.config import load_config
 from learner.loop import Learner, LearnerState
 from learner.schedule import PhaseSchedule
-from learner.threads import QuietWatch, phase_threads
+from learner.threads import QuietWatch, own_threads, phase_threads
 
 
 def _next(cfg, state: LearnerState, step: int):
@@ -33,11 +34,11 @@ def test_warmup_ends_after_its_data_budget_or_its_time():
 
 
 def test_the_learning_rate_spans_the_data_sized_budget():
-    cfg = load_config(None, ["learner.phases.warmup.steps=10", "learner.warmup_ratio=0.1", "learner.lr=1.0"])
+    cfg = load_config(None, ["learner.phases.warmup.steps=10", "learner.lr=1.0"])
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = PhaseSchedule(opt, cfg.learner)
     sched.enter("warmup", 0, budget=100)
-    assert sched.lr_at(9) == pytest.approx(1.0)  # warmed up over 10% of 100 steps, at the peak
+    assert sched.lr_at(1) < 1.0 and sched.lr_at(2) == pytest.approx(1.0)  # warmed up over 3% of 100 steps
     assert sched.lr_at(55) > 0.4 and sched.lr_at(99) < 0.2  # decays over the 100, not over its steps
     restored = PhaseSchedule(opt, cfg.learner)
     restored.load_state_dict(sched.state_dict())
@@ -53,18 +54,21 @@ def test_warmup_publishes_only_when_configured():
     assert every(["learner.phases.warmup.publish_every=20"], "warmup") == 20
 
 
-def test_warmup_trains_on_its_own_threads():
-    cfg = load_config(None, ["learner.phases.warmup.torch_threads=2", "model.torch_threads=1"])
-    assert [phase_threads(cfg, p) for p in ("warmup", "reflect_init", "coevolve")] == [2, 1, 1]
-    plain = load_config(None, ["model.torch_threads=3"])  # unset: every phase on model.torch_threads
-    assert [phase_threads(plain, p) for p in ("warmup", "reflect_init", "coevolve")] == [3, 3, 3]
+def test_a_cpu_learner_takes_every_core_once_the_actors_are_quiet(monkeypatch):
+    """Warm-up SFT and reflection-mode initialisation are the learner's alone once the actors idle: a CPU
+    learner then trains on every core it may run on (shared by the ranks of a machine); co-evolution, and a
+    learner on a GPU, stay on ``model.torch_threads``."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cfg = load_config(None, ["model.torch_threads=1"])
+    assert [phase_threads(cfg, p) for p in ("warmup", "reflect_init", "coevolve")] == [4, 4, 1]
     assert phase_threads(cfg, "warmup", actors_quiet=False) == 1  # the actors still play: no second thread
-
-
-def test_reflect_init_trains_on_its_own_threads_once_the_labels_stop():
-    cfg = load_config(None, ["learner.phases.reflect_init.torch_threads=2", "model.torch_threads=1"])
-    assert [phase_threads(cfg, p) for p in ("warmup", "reflect_init", "coevolve")] == [1, 2, 1]
     assert phase_threads(cfg, "reflect_init", actors_quiet=False) == 1  # labels still coming: the actors play
+    gpu = load_config(None, ["model.torch_threads=3", "learner.device=cuda"])
+    assert [phase_threads(gpu, p) for p in ("warmup", "reflect_init", "coevolve")] == [3, 3, 3]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on this machine: two cores each
+    assert phase_threads(cfg, "warmup") == 2
+    assert own_threads(load_config(None, ["model.torch_threads=2"]), "warmup") is None  # no more cores than that
 
 
 def test_actors_count_as_quiet_once_no_episode_came_for_the_window():
