@@ -107,8 +107,8 @@ class ActorConfig(Section):
     seed); in each the policy drafts and the world model answers for three steps, no environment step
     taken, and the policy as critic scores the episode (P(YES) that it brings the task closer to
     done); one scored at least 0.5 is kept (:mod:`actors.imagined`, ``DEPTH`` and ``MIN_SCORE``). Kept
-    ones are sent for the policy's draft training (``learner.phases.coevolve.imagined_demo_share``),
-    never the world model's."""
+    ones are sent for the policy's draft training (a quarter of co-evolution's demonstrations:
+    ``comap_async.method.phases.IMAGINED_DEMO_SHARE``), never the world model's."""
     reflect_decision_first: bool = False
     """Reflections are read decision first, in co-evolution and in evaluation episodes alike: one
     generated token gives ``p_revise``, and at or below ``gates.tau_p`` the step is a KEEP of the draft
