@@ -20,12 +20,12 @@ def run(args: argparse.Namespace) -> int:
     from actors.worker import ActorWorker
     from comap_async.config import load_config
     from comap_async.logsetup import configure_logging
-    from comap_async.priority import lower_priority
+    from comap_async.priority import lower_priority, niceness
 
     cfg = load_config(args.config, args.overrides, training=True)
     log = configure_logging("actor", run=cfg.run.name)
-    if cfg.actor.nice:
-        log.info("actor.priority", niceness=lower_priority(cfg.actor.nice))
+    if nice := niceness(cfg, "actor"):
+        log.info("actor.priority", niceness=lower_priority(nice))
     worker = ActorWorker(cfg, log, envs=args.envs, episodes=args.episodes)
 
     async def main() -> None:

@@ -391,7 +391,7 @@ async def play_coevolve(
                 s_hat,
                 confidence,
                 admissible,
-                keep_at_or_below=decision_first(ctx.cfg),
+                keep_at_or_below=decision_first(ctx.cfg, evaluating=eval_mode),
                 conversation=turns_of(seen),
             )
             ep.stats.parse_problems += refl.problem is not None

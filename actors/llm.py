@@ -364,7 +364,7 @@ class AgentLLM:
         conversation: Conversation | None = None,
     ) -> Reflected:
         """Decision, refined action, ``p`` and ``q`` of one reflection; always an action when ``p`` can be read.
-        ``keep_at_or_below`` (``actor.reflect_decision_first``: the action gate's ``tau_p``): the decision
+        ``keep_at_or_below`` (an evaluation's: the action gate's ``tau_p``): the decision
         token is generated alone first, and a ``p`` at or below it is a KEEP of the draft with nothing more
         generated; above it the reflection is generated whole from the same prompt (the server's prefix
         cache holds it), as without the setting.

@@ -3,7 +3,7 @@ in alternating rounds on one machine:
 
 * ``fast``: the defaults, with reflections generated whole: fused forward, top-p from the top
   candidates, the teacher overlapped with the next draft (with ``configs/local.yaml``: the draft's turns
-  form and a 2 GB prefix cache; its ``actor.reflect_decision_first`` off, as when the figures were taken).
+  form and a 2 GB prefix cache).
 * ``fast_cache``: ``fast`` with a 2 GB prefix cache (the built-in default is 256 MB);
 * ``fast_history``: ``fast_cache`` with the whole interaction history as the state
   (``env.history_k=50``, the paper's state) instead of the last 3 pairs.
@@ -12,9 +12,9 @@ in alternating rounds on one machine:
 * ``fast_history_envs8``: ``fast_history`` with 8 environments.
 * ``fast_turns``: every role a conversation over the episode (``env.prompt_form: all_turns``: the
   reflection continues the draft's conversation, the world model and its teacher have their own);
-  ``fast_envs8_turns``: with 8 environments too;
-  ``fast_turns_decision_first``: with co-evolution's reflections read decision first
-  (``actor.reflect_decision_first``). The settings with prompt-lookup speculative decoding
+  ``fast_envs8_turns``: with 8 environments too. Co-evolution's reflections read decision first
+  (``fast_turns_decision_first``, 1.15x) went with the setting: co-evolution's reflections are generated
+  whole. The settings with prompt-lookup speculative decoding
   (``fast_spec4``, ``fast_turns_decision_first_spec4`` and others) and with prefix-cache blocks of 32 tokens
   went with ``inference.speculative_tokens`` and ``inference.prefix_cache_block`` (their figures:
   docs/benchmarks.md, docs/inference.md).
@@ -68,8 +68,7 @@ from comap_async.wire.inference_client import ENGINE_COUNTERS, parse_engine_coun
 from comap_async.wire.messages import COEVOLVE, ROLES, adapter_name  # noqa: E402
 from experiments.system import copy_trained_adapters, wait_for  # noqa: E402
 
-FAST = ["actor.reflect_decision_first=false"]
-TURNS_DECISION_FIRST = [*FAST, "env.prompt_form=all_turns", "actor.reflect_decision_first=true"]
+FAST: list[str] = []
 SETTINGS = {
     "fast": FAST,
     # the fast path with a prefix cache that holds every in-flight episode's prompts (a step's
@@ -91,9 +90,6 @@ SETTINGS = {
     # teacher's prompts extend their previous step's (~1,000 computed prompt tokens a step with trained
     # adapters, 2/3 of the server's time)
     "fast_turns": [*FAST, "env.prompt_form=all_turns"],
-    # a reflection whose p_revise is at or under tau_p (the gate keeps the draft whatever follows) stops
-    # at its decision token: most of the policy's decoded tokens a step
-    "fast_turns_decision_first": TURNS_DECISION_FIRST,
     "fast_envs8_turns": [
         *FAST,
         "inference.prefix_cache_mb=2048",

@@ -3,8 +3,9 @@
 several evaluator settings, alternating, against the servers of a running system:
 
 * ``together``: the config's evaluator (the probes' walkthrough states sent to the server together,
-  ``eval.probe_states``, 8 by default; reflections read from their decision token first);
-* ``one_by_one``: ``together`` with the probes' states one after another (``eval.probe_states=0``);
+  ``evaluator.probes.PROBE_STATES``, 8; reflections read from their decision token first);
+* (``one_by_one``, the probes' states one after another, went with ``eval.probe_states``; its figure
+  stays in docs/benchmarks.md);
 * ``priority``: ``together`` with its model calls admitted ahead of the actors' (``eval.priority=-1``);
 * ``priority_envs8``: ``priority`` with 8 success games at a time (``eval.envs=8``), so the evaluation's
   calls alone can fill the server's batch (``inference.max_batch_size``, 8) while they go first;
@@ -22,7 +23,7 @@ it (and does: say so when quoting). ``--fork SOURCE``: ``comap fork`` makes run
 ``evaltime-<time>`` from SOURCE's version ``--version`` (its checkpoint, adapters and replay) and
 ``honcho start broker inference learner actor`` runs it (co-evolution: the actors play and the
 learner trains) while the evaluations run, then stops it. The evaluations run at the evaluator
-process's niceness (``eval.nice``). Each evaluation also reports the transitions the run's actors
+process's niceness (``comap_async.priority.niceness``). Each evaluation also reports the transitions the run's actors
 stored meanwhile per second (from the broker's ``/stats``): more of the server for the evaluation is
 less for them. Rounds alternate the order, and should: an evaluation right after ``--fork`` started the
 system shares the server with the actors' first, short conversations, and read 571-642 s where the same
@@ -52,7 +53,6 @@ from experiments.system import wait_for  # noqa: E402
 
 VARIANTS: dict[str, dict] = {
     "together": {},
-    "one_by_one": {"probe_states": 0},
     "priority": {"priority": -1},
     "priority_envs8": {"priority": -1, "envs": 8},
     "priority_envs10": {"priority": -1, "envs": 10},
@@ -156,13 +156,13 @@ def _answers(http_port: int) -> bool:
 
 
 def measure_version(args, cfg, log) -> dict[str, list[tuple[float, float]]]:
-    from comap_async.priority import lower_priority
+    from comap_async.priority import lower_priority, niceness
     from comap_async.wire.messages import ROLES, adapter_name
 
     missing = [r for r in ROLES if not (cfg.adapter_root / adapter_name(r, args.version)).is_dir()]
     if missing:
         raise SystemExit(f"version {args.version} of run {cfg.run.name} has no {', '.join(missing)} adapter")
-    lower_priority(cfg.eval.nice)  # as the evaluator process does (after a --fork system started: not inherited)
+    lower_priority(niceness(cfg, "evaluator"))  # as the evaluator process does (a --fork system does not pass it on)
     # the learner keeps its newest few versions only: a copy of this one (inside the adapter root,
     # which the server loads from) outlives its rotation
     snapshot = cfg.adapter_root / f"bench-snapshot-{os.getpid()}"

@@ -66,7 +66,7 @@ VARIANTS = {
 VARIANT_ENV = {"turns-2-threads-passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
 """Environment a variant's child starts with (OpenMP reads it once, when torch loads)."""
 BUSY = "import os, sys\nos.nice(5)\nwhile True:\n    pass\n"
-"""A process that keeps one core busy at the actors' niceness (``actor.nice``): ``--busy``."""
+"""A process that keeps one core busy at the niceness of actors beside a CPU learner (5): ``--busy``."""
 PATH_TURNS = 10  # a turns record's demonstrated actions: valid_seen walkthroughs take 5-40 steps
 LOSSES = ("wm/ce", "wm/kl", "policy/draft_ce", "policy/reflect_ce", "policy/bce")
 

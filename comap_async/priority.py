@@ -8,6 +8,20 @@ matters under contention: on an idle core a niced process runs at full speed.
 from __future__ import annotations
 
 import os
+from typing import Any
+
+ACTOR_NICE = 5
+"""An actor's niceness beside a CPU learner: the learner's core comes first (actors are bounded by inference anyway)."""
+EVALUATOR_NICE = 10
+"""The evaluator's beside a CPU learner: a measurement yields the CPU to the learner and the actors."""
+
+
+def niceness(cfg: Any, role: str) -> int:
+    """How much ``role`` (``actor`` or ``evaluator``) lowers its priority: on a CPU learner's machine they
+    share its cores and yield to it; beside a GPU learner they have the CPU to themselves."""
+    if cfg.learner.device != "cpu":
+        return 0
+    return {"actor": ACTOR_NICE, "evaluator": EVALUATOR_NICE}[role]
 
 
 def lower_priority(nice: int) -> int:

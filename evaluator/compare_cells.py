@@ -58,7 +58,6 @@ def with_ablation(cfg: Any, ablation: list[str], methods: list[str] | tuple[str,
 DECODING_SWITCHES = (
     ("actor", "admissible_choice"),
     ("actor", "revise_other_action"),
-    ("actor", "reflect_decision_first"),
 )
 """Settings of how actions are decoded that came after rows were stored (every row plays the config's)."""
 

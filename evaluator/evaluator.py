@@ -294,12 +294,12 @@ class Evaluator:
 def run(args: argparse.Namespace) -> int:
     from comap_async.config import load_config
     from comap_async.logsetup import configure_logging
-    from comap_async.priority import lower_priority
+    from comap_async.priority import lower_priority, niceness
 
     cfg = load_config(args.config, args.overrides)
     log = configure_logging("evaluator", run=cfg.run.name)
-    if cfg.eval.nice:
-        log.info("evaluator.priority", niceness=lower_priority(cfg.eval.nice))
+    if nice := niceness(cfg, "evaluator"):
+        log.info("evaluator.priority", niceness=lower_priority(nice))
     evaluator = Evaluator(cfg, log)
 
     async def main() -> int:

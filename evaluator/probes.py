@@ -17,7 +17,7 @@ the models greedily:
 Three or four model calls per walkthrough state (draft, the expert action's prediction, the draft's
 prediction when it differs, the reflection) and one per failure transition; no teacher.
 The walkthrough is teacher-forced, so each game's states are stepped first and their calls then go
-to the server together (``eval.probe_states`` states at a time over all games): an evaluation is
+to the server together (``PROBE_STATES`` states at a time over all games): an evaluation is
 paced by batched decoding, not by one state's chain of calls after another.
 """
 
@@ -60,6 +60,12 @@ class ProbeRow:
     executed_match: bool | None = None
     """Walkthrough rows with a draft: the action the CoMap step executes (the reflected one where the
     gate opens, else the draft) is canonically the expert action."""
+
+
+PROBE_STATES = 8
+"""Walkthrough states whose model calls are in flight at once, over all probed games (the walkthrough is
+teacher-forced, so every state is known before the first call); 0: one state at a time per game, in
+order, the path before, kept as the batched path's oracle (``tests/integration/test_probes_batched.py``)."""
 
 
 def draft_scores(draft: str | None, expert: str, admissible: Sequence[str]) -> tuple[bool, bool]:
@@ -306,7 +312,7 @@ async def run_probes(
             queue.put_nowait(g)
         rows: list[Any] = []
         failed: list[str] = []
-        slots = asyncio.Semaphore(cfg.eval.probe_states) if cfg.eval.probe_states else None
+        slots = asyncio.Semaphore(PROBE_STATES) if PROBE_STATES else None
         pool = env_pool_from_config(cfg, workers=cfg.actor.env_workers)
         await pool.start()
         try:

@@ -205,7 +205,7 @@ def micro_batch(
 ) -> MicroBatch:
     """A served micro-batch's typed batches (``real_ce``/``distill``: the world-model terms an ablation
     keeps, :func:`comap_async.method.routing.world_model_terms`; ``train_world_model`` False: its
-    transitions train no world model, ``ablation.frozen_wm``)."""
+    transitions train no world model, the ablation ``frozen_wm``)."""
     transitions = list(records.get("transitions") or [])
     return MicroBatch(
         world_model=world_model_batch(encoder, transitions, real_ce, distill)

@@ -393,8 +393,21 @@ REMOVED_FIELDS: dict[str, str] = {
     "actor.max_final_action_tokens": "now actor.max_tokens: {final_action: N}",
     "actor.max_wm_tokens": "now actor.max_tokens: {wm: N}",
     "actor.max_state_tokens": "now actor.max_tokens: {wm: N}",
-    "eval.reflect_decision_first": "now actor.reflect_decision_first, one setting for co-evolution and "
-    "evaluation episodes alike",
+    "eval.reflect_decision_first": "an evaluation's reflection is always read decision first (the action gate "
+    "keeps the draft at or under tau_p whatever follows); co-evolution's are generated whole",
+    "actor.reflect_decision_first": "an evaluation's reflection is always read decision first; co-evolution's "
+    "are generated whole (their transitions carry the reflection's own action)",
+    # decided where their inputs are
+    "env.task_types": "now env.tasks, by name (pick_and_place_simple, look_at_obj_in_light, "
+    "pick_clean_then_place_in_recep, pick_heat_then_place_in_recep, pick_cool_then_place_in_recep, "
+    "pick_two_obj_and_place)",
+    "actor.nice": "beside a CPU learner (learner.device: cpu) the actors run at niceness 5 and the evaluator at 10, "
+    "beside a GPU learner at 0 (comap_async/priority.py)",
+    "eval.nice": "beside a CPU learner (learner.device: cpu) the actors run at niceness 5 and the evaluator at 10, "
+    "beside a GPU learner at 0 (comap_async/priority.py)",
+    "inference.max_loras": "vLLM serves 12 adapters in a batch: a run's 3 roles in 2 versions and the evaluators' "
+    "copies (comap_async/inference/vllm.py, MAX_LORAS)",
+    "eval.probe_states": "the probes send 8 walkthrough states' calls at a time (evaluator/probes.py, PROBE_STATES)",
     # the ablations became one list
     "ablation.frozen_wm": "now one list of the ablations switched on: ablation: [frozen_wm]",
     "ablation.no_wmsd": "now one list of the ablations switched on: ablation: [no_wmsd]",

@@ -109,21 +109,6 @@ class ActorConfig(Section):
     done); one scored at least 0.5 is kept (:mod:`actors.imagined`, ``DEPTH`` and ``MIN_SCORE``). Kept
     ones are sent for the policy's draft training (a quarter of co-evolution's demonstrations:
     ``comap_async.method.phases.IMAGINED_DEMO_SHARE``), never the world model's."""
-    reflect_decision_first: bool = False
-    """Reflections are read decision first, in co-evolution and in evaluation episodes alike: one
-    generated token gives ``p_revise``, and at or below ``gates.tau_p`` the step is a KEEP of the draft
-    with nothing more generated (the action gate keeps the draft there whatever the reflection's
-    action; above it the reflection is generated whole from the same prompt, whose blocks the prefix
-    cache holds). An evaluation episode is the same and its server decodes fewer tokens; such a step's
-    reflection is not read, so it is not counted among the unreadable answers. In co-evolution the
-    broker's gate, too, keeps the draft there, so the policy sample is the same (target the draft,
-    ``y = 0``); what changes is the transition's reflection fields on such a step (``a_ref`` the draft,
-    ``q_ref`` 0) and that a reflection whose sampled text would have been unreadable there now stores
-    a sample. Not under ``no_action_gate`` (its gate reads every reflection's action)."""
-    nice: int = Field(default=0, ge=0, le=19)
-    """Niceness added to the actor process and its environment workers: under CPU contention the
-    learner (and the inference server) run first. The CPU default sets 5 so the actors, whose rate
-    is bounded by inference anyway, never starve the learner of its core."""
 
     @field_validator("max_tokens", mode="before")
     @classmethod

@@ -56,10 +56,6 @@ class EvalConfig(Section):
     run seed and spread over the task types; the same games for every version."""
     failures_per_game: int = Field(default=2, ge=0)
     """Seeded non-expert transitions per probed game (the world model's failure cases)."""
-    probe_states: int = Field(default=8, ge=0)
-    """Walkthrough states whose model calls are in flight at once, over all probed games (the
-    walkthrough is teacher-forced, so every state is known before the first call); 0 = one state at
-    a time per game, in order (the path before, kept for comparison)."""
     success_games: int = Field(default=10, ge=0)
     """Games played with the full CoMap loop for the success rate (``eval.envs`` at a time; slow on a
     CPU: a game is up to ``env.max_steps`` steps of 4-5 model calls); 0 = probes only. Fewer than
@@ -82,6 +78,3 @@ class EvalConfig(Section):
     while the actors store a fifth of their rate or less (12 co-evolution transitions in 12 minutes of
     ``configs/local-quick.yaml``, docs/running.md, "A ten-minute try"). None: evaluate whenever a version
     waits. ``comap evaluator --once`` never rests."""
-    nice: int = Field(default=0, ge=0, le=19)
-    """Niceness added to the evaluator process and its environment workers: a measurement should
-    yield the CPU to the learner and the actors (the CPU default sets 10)."""

@@ -60,12 +60,11 @@ class EnvConfig(Section):
     environment's evaluation splits (its registry entry's ``eval_splits``; for ALFWorld and
     ScienceWorld, every split but train)."""
     tasks: list[str] | None = None
-    """ScienceWorld: the task names to play (None: all 30)."""
+    """The tasks to play (None: all): ScienceWorld's task names (30), ALFWorld's task types
+    (``pick_and_place_simple``, ``look_at_obj_in_light``, ``pick_clean_then_place_in_recep``,
+    ``pick_heat_then_place_in_recep``, ``pick_cool_then_place_in_recep``, ``pick_two_obj_and_place``)."""
     per_task: int | None = Field(default=None, ge=1)
     """ScienceWorld: variations per task, drawn with the run seed (None: every variation of the split)."""
-    task_types: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
-    """ALFWorld task types to play (1 pick_and_place, 2 look_at_obj_in_light, 3 pick_clean_then_place,
-    4 pick_heat_then_place, 5 pick_cool_then_place, 6 pick_two_obj)."""
     max_games: int | None = Field(default=None, ge=1)
     """Use only this many games of the split (sampled with the run seed); ``None`` = all."""
     max_steps: int = Field(default=50, ge=1)

@@ -72,9 +72,6 @@ class InferenceConfig(Section):
     """vLLM's ``--gpu-memory-utilization``; None: vLLM's own (0.9) on a card of its own, 0.45 on one
     that ``learner.gpus`` also lists (:meth:`comap_async.config.CoMapConfig.vllm_memory_share`, for
     ``comap serve --backend vllm`` however it is started)."""
-    max_loras: int = Field(default=12, ge=1)
-    """vLLM's ``--max-loras``, adapters in one batch: 3 roles x 2 versions while actors move to a new
-    one, plus the evaluator's and one ``comap eval``'s copies (3 each). Requests naming a 13th wait."""
     vllm_args: list[str] = Field(default_factory=list)
     """More command-line options for vLLM's server, passed as given (e.g. ``["--enforce-eager"]``)."""
     max_prompt_tokens: int = Field(default=2048, ge=16)

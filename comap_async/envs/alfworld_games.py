@@ -31,6 +31,16 @@ TASK_TYPES: dict[int, str] = {
     6: "pick_two_obj_and_place",
 }
 TASK_TYPE_IDS = {name: i for i, name in TASK_TYPES.items()}
+
+
+def task_type_ids(names: Iterable[str]) -> list[int]:
+    """``env.tasks`` as ALFWorld's task type numbers; one line naming the known ones for a name that is not."""
+    unknown = [n for n in names if n not in TASK_TYPE_IDS]
+    if unknown:
+        raise CommandError(f"env.tasks: unknown ALFWorld task {', '.join(unknown)} (known: {', '.join(TASK_TYPE_IDS)})")
+    return [TASK_TYPE_IDS[n] for n in names]
+
+
 SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")
 JSON_DIR = "json_2.1.1"
 DEFAULT_CACHE = "~/.cache/comap-async/alfworld"
@@ -162,7 +172,7 @@ def games_for_config(cfg, split: str) -> list[GameInfo]:
     return discover_games(
         resolve_data_root(cfg.alfworld_data),
         split,
-        task_types=cfg.env.task_types,
+        task_types=None if cfg.env.tasks is None else task_type_ids(cfg.env.tasks),
         max_games=cfg.env.max_games,
         seed=cfg.run.seed,
     )

@@ -25,6 +25,11 @@ environment sets it. Without it vLLM's CPU backend takes ~92% of the host's memo
 _RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max-lora-rank values
 
 
+MAX_LORAS = 12
+"""vLLM's ``--max-loras``, adapters in one batch: a run's 3 roles in 2 versions while actors move to a new
+one, plus the evaluator's and one ``comap eval``'s copies (3 each); a request naming a 13th waits."""
+
+
 def max_lora_rank(r: int) -> int:
     for allowed in _RANKS:
         if r <= allowed:
@@ -96,9 +101,9 @@ def build_command(
         "--max-lora-rank",
         str(max_lora_rank(lr.lora_r)),
         "--max-loras",
-        str(inf.max_loras),
+        str(MAX_LORAS),
         "--max-cpu-loras",
-        str(max(inf.max_loras, inf.max_loaded_adapters)),
+        str(max(MAX_LORAS, inf.max_loaded_adapters)),
         "--tensor-parallel-size",
         str(inf.tensor_parallel),
     ]

@@ -209,11 +209,12 @@ def gate_reflection(cfg: Any, refl: Any, a_draft: str) -> ActionGateResult:
     return action_gate(refl.p_revise, refl.q_ref, refl.a_ref, a_draft, cfg.gates.tau_p, cfg.gates.tau_q)
 
 
-def decision_first(cfg: Any) -> float | None:
-    """The ``p_revise`` at or below which a reflection need not be generated past its decision token
-    (``actor.reflect_decision_first``, in co-evolution and evaluation episodes alike): CoMap's gate keeps
-    the draft there whatever follows. None (generate it whole) when the setting is off, and under
-    ``no_action_gate``, whose gate reads every reflection's action."""
-    if not cfg.actor.reflect_decision_first or "no_action_gate" in cfg.ablation:
+def decision_first(cfg: Any, evaluating: bool) -> float | None:
+    """The ``p_revise`` at or below which an evaluation's reflection is not generated past its decision
+    token: CoMap's gate keeps the draft there whatever follows, so the episode is the one the whole
+    reflection gives and the server decodes fewer tokens (a CoMap step 2.7 against 3.3 s, docs/running.md).
+    None (generate it whole) in co-evolution, whose transitions carry the reflection's own action and
+    readability, and under ``no_action_gate``, whose gate reads every reflection's action."""
+    if not evaluating or "no_action_gate" in cfg.ablation:
         return None
     return cfg.gates.tau_p

@@ -1,6 +1,6 @@
-"""``eval.probe_states``: the probes step each walkthrough first, then send the states' model calls
+"""``evaluator.probes.PROBE_STATES``: the probes step each walkthrough first, then send the states' model calls
 together. On real valid_seen games with the tiny model on a real embedded server, the rows are
-those of the state-by-state path (``eval.probe_states=0``), and the calls of several states of one
+those of the state-by-state path (``PROBE_STATES = 0``), and the calls of several states of one
 game were in flight at once."""
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ def probe(monkeypatch, server, alfworld_data, tiny_model_dir, tmp_path, probe_st
     from comap_async.envs.base import spread_sample
     from comap_async.logsetup import configure_logging
     from comap_async.wire.messages import Registry
+    from evaluator import probes
     from evaluator.probes import run_probes
 
-    cfg = valid_seen_config(
-        server, alfworld_data, tiny_model_dir, tmp_path, "actor.envs=1", f"eval.probe_states={probe_states}"
-    )
+    monkeypatch.setattr(probes, "PROBE_STATES", probe_states)
+    cfg = valid_seen_config(server, alfworld_data, tiny_model_dir, tmp_path, "actor.envs=1")
     games = spread_sample(games_from_config(cfg, "valid_seen"), 2, cfg.run.seed)
     in_flight, most = [0], [0]
     draft = AgentLLM.draft_scored

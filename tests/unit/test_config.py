@@ -82,8 +82,8 @@ def test_port_clash_is_reported():
 
 
 def test_overrides_parse_yaml_values():
-    cfg = load_config(CONFIGS / "test.yaml", ["env.task_types=[1, 2]", "learner.lr=3e-4", "run.name=x"])
-    assert cfg.env.task_types == [1, 2] and cfg.learner.lr == 3e-4 and cfg.run.name == "x"
+    cfg = load_config(CONFIGS / "test.yaml", ["env.tasks=[look_at_obj_in_light]", "learner.lr=3e-4", "run.name=x"])
+    assert cfg.env.tasks == ["look_at_obj_in_light"] and cfg.learner.lr == 3e-4 and cfg.run.name == "x"
 
 
 @pytest.mark.parametrize("bad", ["novalue", "=3", "a.b=[unclosed"])
@@ -139,12 +139,12 @@ def test_admissible_choice_is_recorded_and_keys_a_compared_row_only_when_on():
 
 
 def test_extends_merges_sections_key_by_key(tmp_path):
-    (tmp_path / "base.yaml").write_text("learner:\n  lr: 0.001\n  batch_size: 4\nenv:\n  task_types: [1, 2]\n")
-    (tmp_path / "child.yaml").write_text("extends: base.yaml\nlearner:\n  lr: 0.0002\nenv:\n  task_types: [3]\n")
+    (tmp_path / "base.yaml").write_text("learner:\n  lr: 0.001\n  batch_size: 4\nenv:\n  tasks: [a, b]\n")
+    (tmp_path / "child.yaml").write_text("extends: base.yaml\nlearner:\n  lr: 0.0002\nenv:\n  tasks: [c]\n")
     cfg = load_config(tmp_path / "child.yaml", ["learner.batch_size=2"])
     assert cfg.learner.lr == 2e-4  # the child's value
     assert cfg.learner.batch_size == 2  # the base's, then the override's
-    assert cfg.env.task_types == [3]  # a list replaces, never appends
+    assert cfg.env.tasks == ["c"]  # a list replaces, never appends
 
 
 def test_extends_chain_and_relative_path(tmp_path):

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from comap_async.config import load_config
-from comap_async.priority import lower_priority
+from comap_async.priority import lower_priority, niceness
 
 
 def _niceness_after(code: str) -> int:
@@ -34,9 +34,9 @@ def test_zero_leaves_priority_alone_and_negative_is_refused():
         lower_priority(-1)
 
 
-def test_cpu_default_nices_actors_and_evaluator_not_the_learner():
-    cfg = load_config("configs/local.yaml", [])
-    assert cfg.actor.nice == 5 and cfg.eval.nice == 10
-    assert load_config(None, []).actor.nice == 0  # the class defaults change nothing
-    with pytest.raises(ValueError):
-        load_config(None, ["actor.nice=-2"])
+def test_beside_a_cpu_learner_actors_and_evaluator_yield_to_it_beside_a_gpu_one_nobody_does():
+    cpu = load_config("configs/local.yaml", [])
+    assert niceness(cpu, "actor") == 5 and niceness(cpu, "evaluator") == 10
+    gpu = load_config("configs/alfworld-qwen3-4b.yaml", [])
+    assert gpu.learner.device != "cpu"
+    assert niceness(gpu, "actor") == 0 and niceness(gpu, "evaluator") == 0

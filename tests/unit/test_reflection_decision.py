@@ -235,12 +235,11 @@ async def test_a_decision_first_reflection_generates_past_its_decision_only_when
     from comap_async.method.gates import decision_first
 
     cfg = CoMapConfig()
-    assert decision_first(cfg) is None
-    # one setting for co-evolution and evaluation episodes alike (eval.reflect_decision_first was the second)
-    on = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"reflect_decision_first": True})})
-    assert decision_first(on) == cfg.gates.tau_p
-    ungated = on.model_copy(update={"ablation": ["no_action_gate"]})
-    assert decision_first(ungated) is None
+    # evaluation episodes only: co-evolution's transitions carry the whole reflection's action
+    assert decision_first(cfg, evaluating=False) is None
+    assert decision_first(cfg, evaluating=True) == cfg.gates.tau_p
+    ungated = cfg.model_copy(update={"ablation": ["no_action_gate"]})
+    assert decision_first(ungated, evaluating=True) is None
     # p at or below tau_p: one token generated, a KEEP of the draft, which the gate keeps as it would have
     keep = (" KE", [" KE"], [-0.2], {" KE": -0.2, " RE": -1.8})
     client = ScriptedClient(keep)
