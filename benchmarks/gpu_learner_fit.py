@@ -244,7 +244,7 @@ def main() -> None:
     model = build_peft_model(
         base, lc.lora_r, lc.lora_alpha, lc.lora_dropout, lc.target_modules, lc.gradient_checkpointing
     )
-    trainer = Trainer(model, Encoder.for_learner(tok, prompts, lc), lc, args.device)
+    trainer = Trainer(model, Encoder.for_learner(tok, prompts, lc), lc, args.device, method=cfg.method)
     if not args.cpu_padding_only:  # the model's own counts, where the config's shape was built
         lora = sum(p.numel() for _, p in adapter_parameters(model, "policy"))
         dims = ModelDims(dims.layers, dims.hidden, dims.attn_width, dims.vocab, matmul_params, lora)

@@ -163,7 +163,7 @@ class System:
             "learner.phases.warmup.min_samples=4",
             "learner.publish_every=2",
             "learner.checkpoint_every=1000",
-            "ablation=no_reflect_init",
+            "method.ablation=no_reflect_init",
             "broker.max_staleness=100",
         ]
         if backend == "vllm":  # one card shared as the GPU configs share it: vLLM's share, the learner waits

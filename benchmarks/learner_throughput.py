@@ -168,9 +168,10 @@ def child(args: argparse.Namespace) -> None:
     model = build_peft_model(
         base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.gradient_checkpointing
     )
-    trainer = Trainer(
-        model, Encoder(tok, Prompts(ChatTemplate.from_model_dir(path)), cfg.max_seq_len), cfg, args.device
-    )
+    from comap_async.config import load_config
+
+    encoder = Encoder(tok, Prompts(ChatTemplate.from_model_dir(path)), cfg.max_seq_len)
+    trainer = Trainer(model, encoder, cfg, args.device, method=load_config(args.config).method)
     rows = [records(i) for i in range(args.batch_size)]
     mb = {"transitions": [r[0] for r in rows], "demos": [r[1] for r in rows], "reflections": [r[2] for r in rows]}
     if args.warmup:  # warm-up SFT's micro-batch: expert transitions carry no student rollout (no KL)

@@ -99,7 +99,7 @@ def check_played_as_trained(cfg: object, run_dir: Path) -> None:
     if not (Path(run_dir) / RUN_ABLATION).exists():
         return
     trained = (sorted(read_run_ablation(run_dir)), sorted(read_run_methods(run_dir)))
-    played = (sorted(cfg.ablation), sorted(cfg.method_switches))  # type: ignore[attr-defined]
+    played = (sorted(cfg.method.ablation), sorted(cfg.method_switches))  # type: ignore[attr-defined]
     if trained != played:
 
         def say(ablation: list[str], methods: list[str]) -> str:

@@ -52,7 +52,8 @@ def with_ablation(cfg: Any, ablation: list[str], methods: list[str] | tuple[str,
     as it trained."""
     from comap_async.config import ablations
 
-    return cfg.playing(methods).model_copy(update={"ablation": ablations(ablation)})
+    played = cfg.playing(methods)
+    return played.model_copy(update={"method": played.method.model_copy(update={"ablation": ablations(ablation)})})
 
 
 DECODING_SWITCHES = (
@@ -65,11 +66,9 @@ DECODING_SWITCHES = (
 def cell_key(cfg: Any, source: str, version: int, method: str, split: str, games: list) -> dict[str, Any]:
     """What a row's figures depend on: the adapters (run directory and version), the method, the
     games, and the settings that change how an episode is played (not where files or servers are)."""
-    from comap_async.config import ABLATIONS, PLAY_SWITCHES, PROMPT_FORM_SWITCHES
+    from comap_async.config import PLAY_SWITCHES, PROMPT_FORM_SWITCHES
 
-    settings = cfg.model_dump(mode="json", include={"env", "eval", "gates", "actor", "model"})
-    # the ablations as the switches they were before they became one list: stored rows keep their keys
-    settings["ablation"] = {name: name in cfg.ablation for name in ABLATIONS}
+    settings = cfg.model_dump(mode="json", include={"env", "eval", "method", "actor", "model"})
     settings["env"].pop("data_dir", None)
     settings["model"].pop("cache_dir", None)
     # how many cores and games at once play it, not how it is played

@@ -10,8 +10,8 @@ CPU run's first hour). The new run gets, from the source run at version N:
 * a copy of the replay holding what the source had stored up to that publish (records stamped
   later are cut), with the registry set to version N and the held-out results of versions up to N.
 
-Its own switches (``ablation``, any ``--set``) are whatever the new run is started with:
-``COMAP_OVERRIDES="run.name=NEW ablation=frozen_wm" honcho start``. ``fork.json`` in the new
+Its own switches (``method.ablation``, any ``--set``) are whatever the new run is started with:
+``COMAP_OVERRIDES="run.name=NEW method.ablation=frozen_wm" honcho start``. ``fork.json`` in the new
 run directory records where it came from.
 """
 

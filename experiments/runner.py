@@ -151,7 +151,7 @@ class Experiment:
         a = self.spec.arms[arm]
         return [
             *self.spec.set,
-            *([f"ablation=[{','.join(a.ablation)}]"] if a.ablation else []),
+            *([f"method.ablation=[{','.join(a.ablation)}]"] if a.ablation else []),
             *a.set,
             f"run.seed={seed}",
             # the learner publishes at the fork point's step + k * steps: the version at exactly the

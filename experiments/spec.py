@@ -76,8 +76,8 @@ class TrainSpec(Strict):
 
 class ArmSpec(Strict):
     ablation: list[str] = []
-    """The ablations switched on in this arm (names of ``comap_async.config.AblationName``; they replace
-    an ``ablation`` of ``set``); none: the method itself."""
+    """The ablations switched on in this arm (names of ``comap_async.config.AblationName``; its forks get
+    them as ``method.ablation``, replacing one of ``set``); none: the method itself."""
     set: list[str] = []
     """More settings of this arm's training and play (e.g. a related method's switch)."""
     seeds: list[int] = [0]

@@ -92,9 +92,9 @@ class ReflectionBatch:
     kinds: list[RecordKind] = field(default_factory=list)
     """Where ``y`` came from: :attr:`RecordKind.GATE_REFLECTION` or :attr:`RecordKind.SUFFIX_REFLECTION`."""
     in_bce: list[bool] = field(default_factory=list)
-    """Whether the sample's ``y`` trains ``p`` (``learner.bce_gate_labels``: the gate's labels may not)."""
+    """Whether the sample's ``y`` trains ``p`` (``method.bce_gate_labels``: the gate's labels may not)."""
     weight: list[float] | None = None
-    """Per sample, its BCE weight under ``learner.bce_balance`` (None: unweighted); set by the trainer
+    """Per sample, its BCE weight under ``method.bce_balance`` (None: unweighted); set by the trainer
     from the labels it has trained on (:meth:`learner.trainer.Trainer.weigh`)."""
 
     @property
@@ -183,7 +183,7 @@ def draft_batch(encoder: Encoder, records: list[dict[str, Any]]) -> DraftBatch:
 
 def reflection_batch(encoder: Encoder, records: list[dict[str, Any]], bce_gate_labels: bool) -> ReflectionBatch:
     """The reflection samples' sequences and labels; a gate's label trains ``p`` only under
-    ``learner.bce_gate_labels``, a suffix-labelled one always."""
+    ``method.bce_gate_labels``, a suffix-labelled one always."""
     batch = ReflectionBatch()
     for r in records:
         kind = record_kind("reflections", r)

@@ -115,9 +115,9 @@ class Learner(PhaseControl):
         )
         prompts = Prompts.for_model(path, cfg)
         encoder = Encoder.for_learner(tok, prompts, lc)
-        self.trainer = Trainer(model, encoder, lc, device)
+        self.trainer = Trainer(model, encoder, lc, device, method=cfg.method)
         self.trainer.paw_entropy = paw_entropy(cfg)
-        self.trainer.ablation = cfg.ablation
+        self.trainer.ablation = cfg.method.ablation
         if self.dp is not None:
             from comap_async.wire.messages import ROLES
             from learner.peft_model import adapter_parameters
@@ -191,7 +191,7 @@ class Learner(PhaseControl):
                     log=self.log,
                     metrics=metrics,
                     keep_steps=pinned_steps(self.ckpt_dir),
-                    ablation=self.cfg.ablation,
+                    ablation=self.cfg.method.ablation,
                 ),
                 self.stop,
             )
@@ -260,10 +260,10 @@ class Learner(PhaseControl):
         lc = self.cfg.learner
         # what this run is: CoMap itself ([]) or the ablations switched on (comap compare reads it)
         if self.leader:
-            write_run_ablation(self.run_dir, self.cfg.ablation, self.cfg.method_switches)
+            write_run_ablation(self.run_dir, self.cfg.method.ablation, self.cfg.method_switches)
             append_run_config(self.run_dir, self.cfg.model_dump(mode="json"), self.trainer.step, self.state.phase)
-        if self.cfg.ablation:
-            self.log.info("learner.ablation", active=self.cfg.ablation)
+        if self.cfg.method.ablation:
+            self.log.info("learner.ablation", active=self.cfg.method.ablation)
         async with BrokerClient.from_config(self.cfg) as broker:
             inference = InferenceClient.from_config(self.cfg)
             watcher: asyncio.Task | None = None
@@ -302,7 +302,7 @@ class Learner(PhaseControl):
                     self.cfg.run.seed + 7919 * rank,
                     self.log,
                     shares,
-                    self.cfg.ablation,
+                    self.cfg.method.ablation,
                     {REFLECT_INIT: {"reflections": phase_spec(lc, REFLECT_INIT).batch_size}},
                 )
                 task = asyncio.create_task(prefetch.run())

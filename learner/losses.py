@@ -139,13 +139,13 @@ class LossWeights:
     """The weights of a learner step's loss terms."""
 
     draft: float = 1.0
-    """``learner.draft_weight``: the expert-draft anchor's CE."""
+    """``method.draft_weight``: the expert-draft anchor's CE."""
     reflect: float = 1.0
-    """``learner.reflect_weight``: the reflection's CE."""
+    """``method.reflect_weight``: the reflection's CE."""
     bce: float = 0.01
-    """``learner.bce_weight``: the BCE on ``p``."""
+    """``method.bce_weight``: the BCE on ``p``."""
     eta: float = 0.5
-    """``learner.eta``: self-distillation's KL beside the world model's CE."""
+    """``method.eta``: self-distillation's KL beside the world model's CE."""
     wm_aux: float = 0.0
     """PaW's adaptive weight of the policy's auxiliary world-model term (learner/paw.py)."""
 

@@ -21,7 +21,7 @@ class PhaseControl:
     def next_phase(self) -> str | None:
         """The phase to switch to after this step, or None to stay."""
         s = self.state
-        spec = phase_spec(self.cfg.learner, s.phase, self.cfg.ablation)
+        spec = phase_spec(self.cfg.learner, s.phase, self.cfg.method.ablation)
         return spec.then if spec.done(self.trainer.step - s.phase_start, s.phase_budget, s.phase_seconds) else None
 
     def _publish_every(self) -> int:
@@ -84,7 +84,7 @@ class PhaseControl:
         """Wait until the store ``phase`` requires holds its spec's ``min_samples`` items; a phase sized by
         data (its spec's ``epochs``) then gets its budget from the items held. Returns the count reached, or
         None when stopping."""
-        spec = phase_spec(self.cfg.learner, phase, self.cfg.ablation)
+        spec = phase_spec(self.cfg.learner, phase, self.cfg.method.ablation)
         have = await self.wait_for_store(
             broker, spec.requires, "count", spec.min_samples, f"learner.waiting_for_{spec.requires}"
         )

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from comap_async.config import LearnerConfig
+from comap_async.config import LearnerConfig, MethodConfig
 from comap_async.method.routing import world_model_terms
 from learner import losses
 from learner.batch_types import (
@@ -77,14 +77,16 @@ class Trainer:
     encoder: Encoder
     cfg: LearnerConfig
     device: str = "cpu"
+    method: MethodConfig = field(default_factory=MethodConfig)
+    """The method's section: the losses' weights, the BCE's labels and balance, the EMA teacher's momentum."""
     step: int = 0
     _pairs: list = field(default_factory=list, init=False)
     abort: bool = False  # set from another thread: the step in flight stops at its next micro-batch (or chunk)
     ablation: list[str] = field(default_factory=list)
-    """The ablations switched on (``cfg.ablation``): ``no_wmsd`` / ``no_real_ce`` drop a world-model loss
+    """The ablations switched on (``cfg.method.ablation``): ``no_wmsd`` / ``no_real_ce`` drop a world-model loss
     term (it is then neither computed nor logged)."""
     label_counts: list[float] = field(default_factory=lambda: [0, 0])
-    """Reflection samples trained on so far with y = 0 and y = 1 (``learner.bce_balance``'s weights)."""
+    """Reflection samples trained on so far with y = 0 and y = 1 (``method.bce_balance``'s weights)."""
     data_parallel: Any = None
     """A :class:`learner.distributed.DataParallel` under torchrun: gradients and label counts are
     averaged/summed over the ranks before each optimizer step."""
@@ -128,12 +130,12 @@ class Trainer:
             records,
             real_ce=real_ce,
             distill=distill,
-            bce_gate_labels=self.cfg.bce_gate_labels,
+            bce_gate_labels=self.method.bce_gate_labels,
             train_world_model=not self.freeze_wm,
         )
 
     def weigh(self, reflections: ReflectionBatch) -> ReflectionBatch:
-        """``reflections`` with their BCE weights (``learner.bce_balance``, from the label counts so far)."""
+        """``reflections`` with their BCE weights (``method.bce_balance``, from the label counts so far)."""
         weights = self.bce_weights(torch.tensor(reflections.y, dtype=torch.long))
         reflections.weight = None if weights is None else weights.tolist()
         return reflections
@@ -141,7 +143,7 @@ class Trainer:
     @property
     def loss_weights(self) -> losses.LossWeights:
         """The weights :func:`learner.losses.step_loss` composes this step's terms with."""
-        c = self.cfg
+        c = self.method
         return losses.LossWeights(draft=c.draft_weight, reflect=c.reflect_weight, bce=c.bce_weight, eta=c.eta)
 
     def _wm_terms(self, ce: losses.Term, kl: losses.Term) -> losses.StepTerms:
@@ -203,7 +205,7 @@ class Trainer:
         labelled = [j for j, i in enumerate(refl) if samples[i].in_bce]  # the decisions whose y trains p
         in_bce = [samples[refl[j]] for j in labelled]
         y = torch.tensor([s.y for s in in_bce], device=logits.device)
-        weight = None  # unweighted unless learner.bce_balance gave the samples weights
+        weight = None  # unweighted unless method.bce_balance gave the samples weights
         if in_bce and in_bce[0].weight is not None:
             weight = torch.tensor([s.weight for s in in_bce], device=logits.device)
         keep_id, revise_id = self.encoder.keep_id, self.encoder.revise_id
@@ -226,8 +228,8 @@ class Trainer:
         }
 
     def bce_weights(self, y: torch.Tensor) -> torch.Tensor | None:
-        """Per reflection sample, its BCE weight under ``learner.bce_balance`` (None: unweighted)."""
-        if not self.cfg.bce_balance:
+        """Per reflection sample, its BCE weight under ``method.bce_balance`` (None: unweighted)."""
+        if not self.method.bce_balance:
             return None
         return losses.label_balance_weights(y, (self.label_counts[0], self.label_counts[1]))
 
@@ -329,7 +331,7 @@ class Trainer:
         """(draft CE, reflection CE, revise BCE, tokens processed) with the policy adapter."""
         drafts = draft_batch(self.encoder, demos)
         return self.policy_batch_losses(
-            drafts, self.weigh(reflection_batch(self.encoder, reflections, self.cfg.bce_gate_labels))
+            drafts, self.weigh(reflection_batch(self.encoder, reflections, self.method.bce_gate_labels))
         )
 
     def policy_batch_losses(self, drafts: DraftBatch, reflections: ReflectionBatch) -> tuple[torch.Tensor, ...]:
@@ -396,7 +398,7 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if not self.freeze_wm:
-                ema_update(self._pairs, self.cfg.ema_momentum)
+                ema_update(self._pairs, self.method.ema_momentum)
             self.step += 1
             self.rng_at_step_start = rng_state()
         self.model.eval()

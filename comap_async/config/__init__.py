@@ -5,7 +5,8 @@ and error messages can say what a field means. Invariants that span fields are c
 start-up in :meth:`CoMapConfig.check_invariants`, with a ``ValueError`` naming the fields.
 
 The sections live beside this module, one file per role (``run``, ``serving``, ``actor``, ``learner``,
-``evaluator``; ``base`` holds what they share); this module composes them and loads the YAML.
+``evaluator``), ``method`` holds what changes the algorithm (the rest is tuning) and ``base`` what they
+share; this module composes them and loads the YAML.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from comap_async.config.actor import ActorConfig
 from comap_async.config.base import ConfigError, Section, is_loopback, lookup_env_spec
 from comap_async.config.evaluator import EVAL_METHODS, EvalConfig, EvalMethod
-from comap_async.config.learner import ABLATIONS, AblationName, Ablations, LearnerConfig, ablations
-from comap_async.config.run import PROMPT_FORM_SWITCHES, EnvConfig, GateConfig, ModelConfig, PromptForm, RunConfig
+from comap_async.config.learner import LearnerConfig
+from comap_async.config.method import ABLATIONS, AblationName, Ablations, MethodConfig, ablations
+from comap_async.config.run import PROMPT_FORM_SWITCHES, EnvConfig, ModelConfig, PromptForm, RunConfig
 from comap_async.config.serving import SHARED_GPU_MEMORY, BrokerConfig, InferenceConfig
 
 __all__ = [
@@ -41,9 +43,9 @@ __all__ = [
     "EnvConfig",
     "EvalConfig",
     "EvalMethod",
-    "GateConfig",
     "InferenceConfig",
     "LearnerConfig",
+    "MethodConfig",
     "ModelConfig",
     "RunConfig",
     "ablations",
@@ -93,8 +95,8 @@ class CoMapConfig(Section):
     """Base model shared by all roles."""
     env: EnvConfig = Field(default_factory=EnvConfig)
     """Text environment."""
-    gates: GateConfig = Field(default_factory=GateConfig)
-    """Action-gate and world-state-gate thresholds."""
+    method: MethodConfig = Field(default_factory=MethodConfig)
+    """What changes the algorithm: the gates' thresholds, the ablations switched on, the losses' weights."""
     broker: BrokerConfig = Field(default_factory=BrokerConfig)
     """Broker sockets, replay stores and sampling."""
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
@@ -105,11 +107,6 @@ class CoMapConfig(Section):
     """Training."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """The evaluator process (held-out probes and success rate per adapter version)."""
-    ablation: Ablations = Field(
-        default_factory=list,
-        description="The ablations of the paper's study switched on, a list of names (default []: CoMap itself), "
-        "each turning off one mechanism: " + "; ".join(f"{name}: {what}" for name, what in ABLATIONS.items()),
-    )
 
     @property
     def method_switches(self) -> list[str]:
@@ -331,7 +328,7 @@ REMOVED_FIELDS: dict[str, str] = {
     "in reflection-mode initialisation (learner/threads.py)",
     "learner.total_steps": "now learner.phases.coevolve.steps",
     "learner.coevolve_lr": "now learner.phases.coevolve.lr",
-    "learner.coevolve_bce_weight": "co-evolution's BCE weight is learner.bce_weight (docs/findings.md)",
+    "learner.coevolve_bce_weight": "co-evolution's BCE weight is method.bce_weight (docs/findings.md)",
     "learner.imagined_share": "with actor.imagined_rollouts a quarter of co-evolution's demonstrations are "
     "imagined steps (comap_async.method.phases.IMAGINED_DEMO_SHARE)",
     "learner.reflect_init_share": "half of each co-evolution reflection batch is suffix-labelled samples "
@@ -363,7 +360,7 @@ REMOVED_FIELDS: dict[str, str] = {
     "SFT (learner/threads.py)",
     "learner.phases.reflect_init.torch_threads": "a CPU learner takes every core once the labels have stopped "
     "coming in reflection-mode initialisation (learner/threads.py)",
-    "learner.phases.coevolve.bce_weight": "co-evolution's BCE weight is learner.bce_weight; the paper's 0.01 "
+    "learner.phases.coevolve.bce_weight": "co-evolution's BCE weight is method.bce_weight; the paper's 0.01 "
     "there alone shut the gate faster (docs/findings.md)",
     "learner.phases.coevolve.suffix_label_share": "half of each co-evolution reflection batch is suffix-labelled "
     "samples (comap_async.method.phases.SUFFIX_LABEL_SHARE; docs/findings.md)",
@@ -409,16 +406,16 @@ REMOVED_FIELDS: dict[str, str] = {
     "copies (comap_async/inference/vllm.py, MAX_LORAS)",
     "eval.probe_states": "the probes send 8 walkthrough states' calls at a time (evaluator/probes.py, PROBE_STATES)",
     # the ablations became one list
-    "ablation.frozen_wm": "now one list of the ablations switched on: ablation: [frozen_wm]",
-    "ablation.no_wmsd": "now one list of the ablations switched on: ablation: [no_wmsd]",
-    "ablation.no_real_ce": "now one list of the ablations switched on: ablation: [no_real_ce]",
-    "ablation.no_ws_gate_real": "now one list of the ablations switched on: ablation: [no_ws_gate_real]",
-    "ablation.no_ws_gate_imagined": "now one list of the ablations switched on: ablation: [no_ws_gate_imagined]",
-    "ablation.no_action_gate": "now one list of the ablations switched on: ablation: [no_action_gate]",
-    "ablation.no_future_state": "now one list of the ablations switched on: ablation: [no_future_state]",
-    "ablation.no_reflect_init": "now one list of the ablations switched on: ablation: [no_reflect_init]",
-    "ablation.no_expert_sft": "now one list of the ablations switched on: ablation: [no_expert_sft]",
-    "ablation.no_wm_warmup": "now one list of the ablations switched on: ablation: [no_wm_warmup]",
+    "ablation.frozen_wm": "now one list of the ablations switched on: method.ablation: [frozen_wm]",
+    "ablation.no_wmsd": "now one list of the ablations switched on: method.ablation: [no_wmsd]",
+    "ablation.no_real_ce": "now one list of the ablations switched on: method.ablation: [no_real_ce]",
+    "ablation.no_ws_gate_real": "now one list of the ablations switched on: method.ablation: [no_ws_gate_real]",
+    "ablation.no_ws_gate_imagined": "now one list of the ablations switched on: method.ablation: [no_ws_gate_imagined]",
+    "ablation.no_action_gate": "now one list of the ablations switched on: method.ablation: [no_action_gate]",
+    "ablation.no_future_state": "now one list of the ablations switched on: method.ablation: [no_future_state]",
+    "ablation.no_reflect_init": "now one list of the ablations switched on: method.ablation: [no_reflect_init]",
+    "ablation.no_expert_sft": "now one list of the ablations switched on: method.ablation: [no_expert_sft]",
+    "ablation.no_wm_warmup": "now one list of the ablations switched on: method.ablation: [no_wm_warmup]",
     # the broker's and the inference server's tuning constants
     "broker.capacity_transitions": "now broker.capacity (records kept per store, every store alike)",
     "broker.capacity_reflections": "now broker.capacity (records kept per store, every store alike)",
@@ -450,11 +447,24 @@ REMOVED_FIELDS: dict[str, str] = {
     "inference.request_priority": "the evaluator's calls carry eval.priority, every other process's none",
     "inference.speculative_tokens": "no prompt-lookup speculative decoding: it gained nothing in co-evolution "
     "(docs/benchmarks.md has the figure); vLLM's takes --speculative-config in inference.vllm_args",
+    # the method's settings moved into one section
+    "gates.tau_p": "now method.tau_p",
+    "gates.tau_q": "now method.tau_q",
+    "gates.tau_ws": "now method.tau_ws",
+    "ablation": "now method.ablation",
+    "learner.eta": "now method.eta",
+    "learner.ema_momentum": "now method.ema_momentum",
+    "learner.draft_weight": "now method.draft_weight",
+    "learner.reflect_weight": "now method.reflect_weight",
+    "learner.bce_weight": "now method.bce_weight",
+    "learner.bce_gate_labels": "now method.bce_gate_labels",
+    "learner.bce_balance": "now method.bce_balance",
 }
 """Fields a config may still name from an older release, dotted (``learner.fast_path``), each with what
 replaced it: a config naming one is refused with that one line instead of "unknown field". A field goes
 here when its path is deleted or moved; a deleted one's last figure stays in docs/benchmarks.md. A section
-that became one value (``ablation``) lists its old keys, so its old mapping gets a line for each."""
+that became one value (``ablation``) or went away (``gates``) lists its old keys, so its old mapping gets a
+line for each; a top-level key has no dot (``ablation``)."""
 
 
 def _format_errors(err: ValidationError, source: str) -> str:
@@ -464,7 +474,7 @@ def _format_errors(err: ValidationError, source: str) -> str:
         field = ".".join(str(p) for p in loc) or "<root>"
         inp = e.get("input")
         old = [f"{field}.{k}" for k in inp if f"{field}.{k}" in REMOVED_FIELDS] if isinstance(inp, dict) and loc else []
-        if old and e["type"] != "extra_forbidden":  # a section that became one value, written the old way
+        if old:  # a section that became one value or went away, written the old way: a line for each old key
             lines += [f"{source}: {dotted}: removed: {REMOVED_FIELDS[dotted]}" for dotted in old]
             continue
         if e["type"] == "extra_forbidden" and field in REMOVED_FIELDS:

@@ -1,10 +1,10 @@
-"""The learner's section and the ablations of the paper's study."""
+"""The learner's section: how it trains (the losses' weights are the method's, ``config.method``)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field, TypeAdapter, field_validator
+from pydantic import Field, field_validator
 
 from comap_async.config.base import Section
 
@@ -126,12 +126,6 @@ class LearnerConfig(Section):
     def _off_is_not_false(cls, value: Any) -> Any:
         return "off" if value is False else value  # YAML 1.1 reads ``autocast: off`` (and --set ...=off) as false
 
-    eta: float = Field(default=0.5, ge=0.0)
-    """Weight of the self-distillation KL in the world-model loss."""
-    ema_momentum: float = Field(default=0.99, ge=0.0, le=1.0)
-    """Teacher = m * teacher + (1 - m) * student after every optimizer step."""
-    draft_weight: float = Field(default=1.0, ge=0.0)
-    """Weight of the draft cross-entropy on expert actions."""
     demo_loss_share: dict[str, Annotated[float, Field(gt=0.0, le=1.0)]] = Field(default_factory=dict)
     """``env.draft_turns``: per first word of a demonstrated action (``go``, ``open``...), the share of
     those turns that carry a loss (the rest stay in the path as context; absent words: all). A path
@@ -145,22 +139,6 @@ class LearnerConfig(Section):
     KEEP reflection's final action (the draft copied); a reflection's decision and a REVISE's final
     action (the expert's correction) always carry a loss (subsampling the corrections too left the
     reflection copying the draft after REVISE on every held-out step; docs/findings.md)."""
-    reflect_weight: float = Field(default=1.0, ge=0.0)
-    """Weight of the reflection cross-entropy."""
-    bce_weight: float = Field(default=0.01, ge=0.0)
-    """Weight of the BCE on the revise probability, in every phase (a lower weight for co-evolution alone,
-    the paper's 0.01 there, shut the gate faster: docs/findings.md, "Under self-labelling the gate shuts
-    itself")."""
-    bce_gate_labels: bool = True
-    """Whether the action gate's own decisions (the co-evolution samples' ``y``) train ``p`` through
-    the BCE. False: only the suffix-labelled samples (reflection-mode initialisation's branch outcomes,
-    mixed into co-evolution's reflection batches) do, and only they are counted for ``bce_balance``; the gate's
-    samples still train the reflection's text. A label that is the gate's output teaches ``p`` its own
-    threshold: a state whose ``p`` is under ``tau_p`` is labelled KEEP, which pulls ``p`` further
-    down; with ``bce_balance`` weighing labels by the initialisation's REVISE-heavy counts the gate
-    shut within one version (docs/findings.md, "Under self-labelling the gate shuts itself"). The paper
-    trains on both
-    (True)."""
     policy_wm_aux: float = Field(default=0.0, ge=0.0)
     """PaW (``learner/paw.py``): the policy adapter also predicts the next observation of the real
     transitions where its action entropy is highest (half of them, under the generalized
@@ -169,9 +147,6 @@ class LearnerConfig(Section):
     ``env.prompt_form``: in the window form the learner's current policy's over the executed action;
     in the turns forms the actor's as it drafted (minus the log of the draft's confidence, which
     needs ``actor.reflect_confidence``): their transitions do not carry the conversation the draft saw."""
-    bce_balance: bool = False
-    """Weigh the BCE's two labels alike (by the label counts the learner has trained on so far): a
-    skewed mix is then not learned as a constant ``p``. Not in the paper (its BCE is unweighted)."""
     schedule: Literal["async", "rounds"] = "async"
     """``async``: train continuously and publish every ``publish_every`` steps;
     ``rounds``: the paper's collect-train-publish loop, a round as many new episodes as the steps it
@@ -182,73 +157,3 @@ class LearnerConfig(Section):
     """Publish adapters every this many optimizer steps."""
     checkpoint_every: int = Field(default=50, ge=1)
     """Checkpoint every this many optimizer steps (and at SIGTERM)."""
-
-
-AblationName = Literal[
-    "frozen_wm",
-    "no_wmsd",
-    "no_real_ce",
-    "no_ws_gate_real",
-    "no_ws_gate_imagined",
-    "no_action_gate",
-    "no_future_state",
-    "no_reflect_init",
-    "no_expert_sft",
-    "no_wm_warmup",
-]
-"""One ablation of the paper's study: each turns off exactly one mechanism of CoMap."""
-
-ABLATIONS: dict[str, str] = {
-    "frozen_wm": "the world model is not trained after warm-up, and its EMA teacher is frozen with it",
-    "no_wmsd": "no world-model self-distillation: the KL term is dropped, the real-state CE kept",
-    "no_real_ce": "self-distillation only: the world model's CE on real next states is dropped",
-    "no_ws_gate_real": "no world-state gate, s̄ always the real next state",
-    "no_ws_gate_imagined": "no world-state gate, s̄ always the world model's imagined state",
-    "no_action_gate": "no action gate: the reflected action is executed whenever it differs from the draft (in "
-    "the actors, and in the broker's reading of what was executed for the policy's samples)",
-    "no_future_state": "the reflection prompt without the imagined state, in training and at inference (the "
-    "world model still predicts and trains; the policy no longer sees its prediction)",
-    "no_reflect_init": "warm-up goes straight to co-evolution (no reflection-mode initialisation)",
-    "no_expert_sft": "no draft anchor: after warm-up the policy is not trained on expert demonstrations",
-    "no_wm_warmup": "the world model is not trained during warm-up (the policy's warm-up SFT is kept)",
-}
-"""What each :data:`AblationName` turns off (``comap config --explain`` shows them with ``ablation``)."""
-
-
-def _names(value: Any) -> Any:
-    """``--set ablation=frozen_wm``: one name is a list of one. The mapping of switches that came
-    before the list is refused (``config.REMOVED_FIELDS`` names the new form for each old key)."""
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, dict):
-        raise ValueError("a list of the ablations switched on (ablation: [frozen_wm]), not a mapping of switches")
-    return value
-
-
-def _consistent(names: list[str]) -> list[str]:
-    """The set of ``names``, sorted; refused when two of them contradict each other."""
-    on = sorted(set(names))
-    if {"no_wmsd", "no_real_ce"} <= set(on):
-        raise ValueError(
-            "no_wmsd and no_real_ce together leave the world model no loss; use frozen_wm for an untrained world model"
-        )
-    if {"no_ws_gate_real", "no_ws_gate_imagined"} <= set(on):
-        raise ValueError(
-            "no_ws_gate_real and no_ws_gate_imagined contradict each other: "
-            "s̄ is either always the real or always the imagined state"
-        )
-    return on
-
-
-Ablations = Annotated[list[AblationName], BeforeValidator(_names), AfterValidator(_consistent)]
-"""The ablations switched on (``[]``: CoMap itself): a set, stored sorted, read by membership
-(``"frozen_wm" in cfg.ablation``). Every process reads the same list; the learner records it in the run
-directory (``ablation.json``) and with every published adapter version."""
-
-_ABLATIONS = TypeAdapter(Ablations)
-
-
-def ablations(names: Any) -> list[str]:
-    """``names`` validated as the ``ablation`` field is (a run's recorded list, an experiment arm's):
-    known names, none contradicting another, sorted without duplicates; ValidationError otherwise."""
-    return _ABLATIONS.validate_python(names)

@@ -1,4 +1,4 @@
-"""Sections every role reads: the run, the base model, the environment, the gates' thresholds."""
+"""Sections every role reads: the run, the base model, the environment."""
 
 from __future__ import annotations
 
@@ -123,12 +123,3 @@ class EnvConfig(Section):
         if self.split not in spec.splits:
             raise ValueError(f"env.split={self.split!r} is not a split of {self.name} ({', '.join(spec.splits)})")
         return self
-
-
-class GateConfig(Section):
-    tau_p: float = Field(default=0.5, ge=0.0, le=1.0)
-    """Action gate: a revision is executed only if ``p_revise > tau_p``."""
-    tau_q: float = Field(default=0.6, ge=0.0, le=1.0)
-    """Action gate: ... and the refined action's confidence ``q_ref > tau_q``."""
-    tau_ws: float = Field(default=0.6, ge=0.0, le=1.0)
-    """World-state gate: the imagined state is used when student/teacher change-F1 >= tau_ws."""

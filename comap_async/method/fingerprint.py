@@ -27,7 +27,7 @@ def method_settings(cfg: Any) -> dict[str, Any]:
     return {
         "env": cfg.env.name,
         "rule": dataclasses.asdict(SampleRule.from_config(cfg)),
-        "ablation": sorted(cfg.ablation),
+        "ablation": sorted(cfg.method.ablation),  # its key as before: the hash of the same method stays
         "methods": sorted(cfg.method_switches),
     }
 
@@ -52,5 +52,5 @@ def check_method(cfg: Any, theirs: str | None, who: str) -> None:
     if theirs and theirs != fingerprint(cfg):
         raise MethodMismatch(
             f"{who} runs method {theirs}, this process {describe(cfg)}: start every process of a "
-            "run with the same config (env, gates, ablation, related methods)"
+            "run with the same config (env, method, related methods)"
         )

@@ -189,7 +189,7 @@ class SampleRule:
 
     @classmethod
     def from_config(cls, cfg: Any) -> "SampleRule":
-        g, a = cfg.gates, cfg.ablation
+        g, a = cfg.method, cfg.method.ablation
         future = "real" if "no_ws_gate_real" in a else "imagined" if "no_ws_gate_imagined" in a else "gate"
         return cls(g.tau_p, g.tau_q, g.tau_ws, future, "no_action_gate" not in a)
 
@@ -204,9 +204,9 @@ def gate_reflection(cfg: Any, refl: Any, a_draft: str) -> ActionGateResult:
     be read; under the ablation ``no_action_gate`` open for any different action; else CoMap's gate."""
     if not refl.readable:
         return ActionGateResult(False, "unreadable")
-    if "no_action_gate" in cfg.ablation:
+    if "no_action_gate" in cfg.method.ablation:
         return ungated_action(refl.a_ref, a_draft)
-    return action_gate(refl.p_revise, refl.q_ref, refl.a_ref, a_draft, cfg.gates.tau_p, cfg.gates.tau_q)
+    return action_gate(refl.p_revise, refl.q_ref, refl.a_ref, a_draft, cfg.method.tau_p, cfg.method.tau_q)
 
 
 def decision_first(cfg: Any, evaluating: bool) -> float | None:
@@ -215,6 +215,6 @@ def decision_first(cfg: Any, evaluating: bool) -> float | None:
     reflection gives and the server decodes fewer tokens (a CoMap step 2.7 against 3.3 s, docs/running.md).
     None (generate it whole) in co-evolution, whose transitions carry the reflection's own action and
     readability, and under ``no_action_gate``, whose gate reads every reflection's action."""
-    if not evaluating or "no_action_gate" in cfg.ablation:
+    if not evaluating or "no_action_gate" in cfg.method.ablation:
         return None
-    return cfg.gates.tau_p
+    return cfg.method.tau_p

@@ -73,7 +73,7 @@ class PhaseSpec:
 
 def phase_spec(learner: Any, phase: str, ablation: Collection[str] = ()) -> PhaseSpec:
     """The spec of ``phase`` under ``learner`` (a ``LearnerConfig``) and ``ablation`` (the ablations
-    switched on, ``cfg.ablation``; none: the method itself, for a caller that reads only rates, budgets
+    switched on, ``cfg.method.ablation``; none: the method itself, for a caller that reads only rates, budgets
     and weights, as the trainer's schedule does)."""
     lc = learner
     if phase not in PHASES:
@@ -135,7 +135,7 @@ def first_phase(cfg: Any) -> str:
     reflection-mode initialisation, unless that is ablated (``no_reflect_init``)."""
     if cfg.learner.phases.warmup.steps > 0:
         return WARMUP
-    return COEVOLVE if "no_reflect_init" in cfg.ablation else REFLECT_INIT
+    return COEVOLVE if "no_reflect_init" in cfg.method.ablation else REFLECT_INIT
 
 
 def after_warmup(learner: Any, ablation: Collection[str] = ()) -> str:

@@ -37,7 +37,7 @@ MIXED_IN = {"reflections": [REFLECT_INIT]}
 
 def phase_stores(phase: str, ablation: Collection[str] = ()) -> tuple[str, ...]:
     """The stores a micro-batch of ``phase`` samples, under ``ablation`` (the ablations switched on,
-    ``cfg.ablation``): ``no_wm_warmup`` and ``frozen_wm`` leave out the world model's transitions in
+    ``cfg.method.ablation``): ``no_wm_warmup`` and ``frozen_wm`` leave out the world model's transitions in
     warm-up and after it respectively, ``no_expert_sft`` the demonstrations (the draft anchor) after
     warm-up."""
     stores = PHASE_STORES[phase]
@@ -88,7 +88,7 @@ def store_requests(
 
 def world_model_frozen(cfg: Any, phase: str) -> bool:
     """``frozen_wm``: after warm-up the world model is not trained and its teacher not updated."""
-    return "frozen_wm" in cfg.ablation and phase != WARMUP
+    return "frozen_wm" in cfg.method.ablation and phase != WARMUP
 
 
 def world_model_terms(ablation: Collection[str]) -> tuple[bool, bool]:

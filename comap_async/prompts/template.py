@@ -267,7 +267,7 @@ class Prompts:
 
         return cls(
             chat,
-            future_state=reflection_shows_future(cfg.ablation),
+            future_state=reflection_shows_future(cfg.method.ablation),
             wording=wording_for(cfg.env.name),
             decision=decision,
             critic_answer=critic_answer,

@@ -218,8 +218,8 @@ def model_overrides(args: argparse.Namespace) -> list[str]:
 
 def variant_settings(variant: str) -> list[str]:
     """A variant's overrides: ``KEY=VALUE`` parts joined by ``+``, a learner key unless it names the
-    ``env`` section (``env.prompt_form=window``)."""
-    return [part if part.startswith("env.") else f"learner.{part}" for part in variant.split("+")]
+    ``env`` or the ``method`` section (``env.prompt_form=window``, ``method.bce_balance=true``)."""
+    return [part if part.startswith(("env.", "method.")) else f"learner.{part}" for part in variant.split("+")]
 
 
 def variant_config(args: argparse.Namespace, variant: str) -> Any:

@@ -122,7 +122,7 @@ def main() -> None:
     sets = labelled_sets(replay, args.per_label, args.seed)
     if not sets:
         raise SystemExit(f"p_level: {replay} holds no labelled reflection samples")
-    tau = cfg.gates.tau_p
+    tau = cfg.method.tau_p
     first_last: list[float | None] = []
     for version, adapter in adapters:
         trainer = build_trainer(cfg, adapter, {}, 10, REFLECT_INIT)

@@ -15,11 +15,11 @@ other, teacher-forced, the figures the evaluator's probe reports for ``p``:
   reflection training: a reference for what ``p`` could learn.
 
 Variants (``--variants``, run one after the other from the same starting adapter and seed):
-``plain`` (the BCE as a run trains it) and ``balanced`` (``learner.bce_balance``: each label's
+``plain`` (the BCE as a run trains it) and ``balanced`` (``method.bce_balance``: each label's
 samples weigh as much in total as the other's).
 
     python experiments/studies/reflect_discrimination.py --replay RUN/replay --adapter RUN/adapters/policy-v5 \\
-        [--epochs 2] [--holdout 0.3] [--variants plain,balanced] [--max-train 200] [--set learner.bce_weight=1.0]
+        [--epochs 2] [--holdout 0.3] [--variants plain,balanced] [--max-train 200] [--set method.bce_weight=1.0]
 
 Last line: ``plain_discrimination=X balanced_discrimination=Y`` (the held-out ``p_discrimination``
 after the last epoch of each variant).
@@ -147,7 +147,9 @@ def build_trainer(cfg: Any, adapter: Path | None, overrides: dict[str, Any], bud
     from learner.peft_model import build_peft_model, load_adapter_state
     from learner.trainer import Trainer
 
-    lc = cfg.learner.model_copy(update=overrides)
+    # an override of the method's section (method.bce_balance) goes there, any other to the learner's
+    ours = {k: v for k, v in overrides.items() if k in type(cfg.method).model_fields}
+    lc = cfg.learner.model_copy(update={k: v for k, v in overrides.items() if k not in ours})
     torch.manual_seed(cfg.run.seed)
     path = resolve_model(cfg.model.name_or_path, cfg.model.cache_dir)
     base, tok = load_model_and_tokenizer(path, cfg.model.dtype, lc.device)
@@ -156,7 +158,8 @@ def build_trainer(cfg: Any, adapter: Path | None, overrides: dict[str, Any], bud
     )
     if adapter is not None:
         load_adapter_state(model, "policy", load_file(str(Path(adapter) / "adapter_model.safetensors")))
-    trainer = Trainer(model, Encoder.for_learner(tok, Prompts.for_model(path, cfg), lc), lc, lc.device)
+    encoder = Encoder.for_learner(tok, Prompts.for_model(path, cfg), lc)
+    trainer = Trainer(model, encoder, lc, lc.device, method=cfg.method.model_copy(update=ours))
     trainer.paw_entropy = paw_entropy(cfg)
     trainer.scheduler.enter(phase, 0, budget)  # one warm-up and cosine over the whole budget
     return trainer
@@ -224,7 +227,7 @@ def main() -> None:
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="override one config field, as the commands' --set (e.g. learner.bce_weight=1.0, "
+        help="override one config field, as the commands' --set (e.g. method.bce_weight=1.0, "
         "learner.gradient_checkpointing=false: 8 minutes an epoch of 65 labels with it on)",
     )
     args = ap.parse_args()

@@ -92,7 +92,7 @@ def markdown(setting: str, rows: list[dict]) -> str:
 
 
 def run_slug(text: str, limit: int = 96) -> str:
-    """``learner.bce_gate_labels=false`` -> ``learner-bce_gate_labels-false``: a setting as part of a run
+    """``method.bce_gate_labels=false`` -> ``method-bce_gate_labels-false``: a setting as part of a run
     name. Past ``limit`` characters (a run name is a directory and a log file's name), the start and a
     hash of the whole: the same settings always give the same name, different ones different names."""
     slug = "".join(c if c.isalnum() or c in "_-" else "-" for c in text)

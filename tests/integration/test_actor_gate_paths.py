@@ -280,9 +280,9 @@ async def test_the_teacher_runs_beside_the_next_draft_and_each_transition_carrie
 async def test_no_action_gate_executes_every_revision(valid_seen, alfworld_data):
     """The ablation ``no_action_gate``: the refused revisions of the test above (confident
     decision, unsure action) are executed too; only the gate changes."""
-    sent, stats, cfg, _ = await play_scripted(valid_seen, alfworld_data, "ablation=no_action_gate")
+    sent, stats, cfg, _ = await play_scripted(valid_seen, alfworld_data, "method.ablation=no_action_gate")
     transitions = [m for m in sent if m["type"] == "transition"]
-    assert len(transitions) >= 2 and any(tr["q_ref"] < cfg.gates.tau_q for tr in transitions)
+    assert len(transitions) >= 2 and any(tr["q_ref"] < cfg.method.tau_q for tr in transitions)
     for tr in transitions:  # every step: a_ref differs from the draft 'look', so it is executed
         assert tr["a_exec"] == tr["a_ref"] != "look"
         assert tr["s_hat_exec"] == f"You imagine doing {tr['a_exec']}."

@@ -64,7 +64,7 @@ async def test_coevolve_actor_stores_complete_gated_transitions(
         validate(tr)  # every field present with its wire type
         assert set(Transition.__struct_fields__) <= set(tr)  # the stored frame spells every field
         assert tr["phase"] == "coevolve" and tr["s_hat_teacher"] is not None and 0.0 <= tr["p_revise"] <= 1.0
-        gate = action_gate(tr["p_revise"], tr["q_ref"], tr["a_ref"], tr["a_draft"], cfg.gates.tau_p, cfg.gates.tau_q)
+        gate = action_gate(tr["p_revise"], tr["q_ref"], tr["a_ref"], tr["a_draft"], cfg.method.tau_p, cfg.method.tau_q)
         opened = gate.open and tr["reflection_readable"]  # an unreadable reflection executes the draft
         assert tr["a_exec"] == (tr["a_ref"] if opened else tr["a_draft"]), tr["id"]
         if not opened:
@@ -80,7 +80,7 @@ async def test_coevolve_actor_stores_complete_gated_transitions(
     by_id = {tr["id"]: tr for tr in transitions}
     for r in samples:  # the broker applied the threshold to the actor's score, nothing else
         assert r["ws_score"] == by_id[r["id"]]["ws_score"]
-        assert r["ws_imagined"] == (r["ws_score"] >= cfg.gates.tau_ws)
+        assert r["ws_imagined"] == (r["ws_score"] >= cfg.method.tau_ws)
         assert r["draft_confidence"] == by_id[r["id"]]["draft_confidence"]  # what the learner renders
     # the draft's confidence, read from the draft call's logprobs, only with the switch
     scored = [tr["draft_confidence"] for tr in transitions if tr["draft_confidence"] is not None]

@@ -42,7 +42,7 @@ async def test_a_fork_resumes_at_the_forked_version_with_the_replay_of_then_and_
     src = source.run_root / "t"
     assert sorted(forkable_versions(src, cfg.adapter_root)) == [1, 2]
 
-    target = broker_factory(["ablation=frozen_wm"], start=False)  # a run's processes share its switches
+    target = broker_factory(["method.ablation=frozen_wm"], start=False)  # a run's processes share its switches
     dst = target.run_root / "t"
     fork_adapters = roomy_server.adapter_root / "fork"  # its own adapter root, inside what the server may load
     append_run_config(src, {"restarted": True}, 4, "reflect_init")  # the source restarted after the fork point
@@ -71,7 +71,7 @@ async def test_a_fork_resumes_at_the_forked_version_with_the_replay_of_then_and_
         "learner.phases.warmup.steps=4",
         "learner.phases.warmup.publish_every=2",
         f"inference.adapter_root={fork_adapters}",
-        "ablation=frozen_wm",
+        "method.ablation=frozen_wm",
     )
     forked = Learner(fork_cfg, configure_logging("learner-test"))
     assert await asyncio.wait_for(forked.run(max_steps=2), 300) == 0
@@ -80,7 +80,7 @@ async def test_a_fork_resumes_at_the_forked_version_with_the_replay_of_then_and_
     assert read_run_ablation(dst) == ["frozen_wm"]
     lineage = read_run_configs(dst)
     assert [c["step"] for c in lineage] == [0, 2]
-    assert [c["config"]["ablation"] for c in lineage] == [[], ["frozen_wm"]]
+    assert [c["config"]["method"]["ablation"] for c in lineage] == [[], ["frozen_wm"]]
     assert source.stats()["registry"]["versions"]["policy"] == 2 and read_run_ablation(src) == []
 
 

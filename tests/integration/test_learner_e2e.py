@@ -96,7 +96,7 @@ def learner_config(broker, server, tiny_model_dir, *extra):
             "learner.batch_size=4",
             "learner.lr=0.01",
             "learner.lora_dropout=0.0",
-            "learner.bce_weight=1.0",
+            "method.bce_weight=1.0",
             "learner.phases.warmup.steps=0",
             "learner.phases.reflect_init.steps=0",
             "learner.publish_every=20",

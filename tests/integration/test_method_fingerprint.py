@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 async def test_a_process_with_another_method_is_refused(broker_factory, roomy_server, tiny_model_dir, alfworld_data):
-    broker = broker_factory(["ablation=frozen_wm"])
-    frozen = load_config(None, ["ablation=frozen_wm"])
+    broker = broker_factory(["method.ablation=frozen_wm"])
+    frozen = load_config(None, ["method.ablation=frozen_wm"])
     plain = load_config(
         REPO / "configs" / "test.yaml",
         system_overrides(broker, roomy_server, tiny_model_dir, f"env.data_dir={alfworld_data}"),

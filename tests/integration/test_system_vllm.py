@@ -63,7 +63,7 @@ class Run:
             "learner.max_seq_len=512",
             "learner.publish_every=2",
             "learner.checkpoint_every=1",
-            "ablation=no_reflect_init",
+            "method.ablation=no_reflect_init",
             "broker.max_staleness=100",
         ]
         self.env = {

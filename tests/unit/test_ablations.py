@@ -32,23 +32,25 @@ def batch():
 
 # ------------------------------------------------------------------ config
 def test_the_ablations_are_one_sorted_set_of_names_that_refuses_contradictions(tmp_path):
-    assert load_config(None).ablation == [] and set(ABLATIONS) == set(get_args(AblationName))
-    cfg = load_config(None, ["ablation=[no_ws_gate_real, frozen_wm, no_ws_gate_real]"])
-    assert cfg.ablation == ["frozen_wm", "no_ws_gate_real"]  # duplicates collapse, order-free, stored sorted
-    assert load_config(None, ["ablation=frozen_wm"]).ablation == ["frozen_wm"]  # one name, without brackets
+    assert load_config(None).method.ablation == [] and set(ABLATIONS) == set(get_args(AblationName))
+    cfg = load_config(None, ["method.ablation=[no_ws_gate_real, frozen_wm, no_ws_gate_real]"])
+    assert cfg.method.ablation == ["frozen_wm", "no_ws_gate_real"]  # duplicates collapse, order-free, stored sorted
+    one = load_config(None, ["method.ablation=frozen_wm"])
+    assert one.method.ablation == ["frozen_wm"]  # one name, without brackets
     f = tmp_path / "frozen.yaml"
-    f.write_text("ablation: [no_action_gate, frozen_wm]\n")
-    assert load_config(f).ablation == ["frozen_wm", "no_action_gate"] == ablations(["no_action_gate", "frozen_wm"])
+    f.write_text("method:\n  ablation: [no_action_gate, frozen_wm]\n")
+    both = ablations(["no_action_gate", "frozen_wm"])
+    assert load_config(f).method.ablation == ["frozen_wm", "no_action_gate"] == both
     assert SampleRule.from_config(cfg).future_state == "real"
-    imagined = load_config(None, ["ablation=no_ws_gate_imagined"])
+    imagined = load_config(None, ["method.ablation=no_ws_gate_imagined"])
     assert SampleRule.from_config(imagined).future_state == "imagined"
     assert SampleRule.from_config(load_config(None)) == SampleRule()  # CoMap itself: the gates, the defaults
-    with pytest.raises(ConfigError, match="ablation: no_wmsd and no_real_ce together leave the world model no loss"):
-        load_config(None, ["ablation=[no_wmsd, no_real_ce]"])
+    with pytest.raises(ConfigError, match="method.ablation: no_wmsd and no_real_ce together leave the world model"):
+        load_config(None, ["method.ablation=[no_wmsd, no_real_ce]"])
     with pytest.raises(ConfigError, match="contradict"):
-        load_config(None, ["ablation=[no_ws_gate_real, no_ws_gate_imagined]"])
-    with pytest.raises(ConfigError, match="ablation.0: Input should be 'frozen_wm', .*got 'no_wmsdd'"):
-        load_config(None, ["ablation=no_wmsdd"])
+        load_config(None, ["method.ablation=[no_ws_gate_real, no_ws_gate_imagined]"])
+    with pytest.raises(ConfigError, match="method.ablation.0: Input should be 'frozen_wm', .*got 'no_wmsdd'"):
+        load_config(None, ["method.ablation=no_wmsdd"])
     with pytest.raises(ValueError, match="contradict"):
         ablations(["no_ws_gate_real", "no_ws_gate_imagined"])  # a run's recorded list is checked as the field is
 
@@ -56,7 +58,7 @@ def test_the_ablations_are_one_sorted_set_of_names_that_refuses_contradictions(t
 def test_the_switches_written_the_old_way_get_the_list_in_one_line(tmp_path):
     """``ablation: {frozen_wm: true}`` and ``--set ablation.frozen_wm=true`` (the ten booleans before the
     list) are refused with the line naming the new form, on defaults and on a config that has the list."""
-    new = "now one list of the ablations switched on: ablation: [frozen_wm]"
+    new = "now one list of the ablations switched on: method.ablation: [frozen_wm]"
     f = tmp_path / "old.yaml"
     f.write_text("ablation:\n  frozen_wm: true\n")
     with pytest.raises(ConfigError) as exc:
@@ -70,8 +72,20 @@ def test_the_switches_written_the_old_way_get_the_list_in_one_line(tmp_path):
         load_config(f, ["ablation.frozen_wm=true"])
     assert str(exc.value) == f"--set 'ablation.frozen_wm=true': ablation.frozen_wm: removed: {new}"
     with pytest.raises(ConfigError) as exc:
-        load_config(None, ["ablation={}"])
+        load_config(None, ["method.ablation={}"])
     assert "\n" not in str(exc.value) and "ablation: a list of the ablations switched on" in str(exc.value)
+
+
+def test_the_list_outside_the_method_section_gets_its_new_place_in_one_line(tmp_path):
+    """``ablation: [...]`` at the top level (before the method's section) and ``--set ablation=...``."""
+    f = tmp_path / "old.yaml"
+    f.write_text("ablation: [frozen_wm]\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(f)
+    assert str(exc.value) == f"{f}: ablation: removed: now method.ablation"
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["ablation=[frozen_wm, no_action_gate]"])
+    assert str(exc.value) == "<defaults> (with --set): ablation: removed: now method.ablation"
 
 
 # ------------------------------------------------------------------ what the learner samples
@@ -101,7 +115,7 @@ def test_phase_stores_drop_only_the_ablated_data(name, phase, dropped):
 
 def _next_phase(ablation: list[str], phase: str, step: int) -> str | None:
     cfg = load_config(None, ["learner.phases.warmup.steps=2", "learner.phases.reflect_init.steps=3"])
-    cfg = cfg.model_copy(update={"ablation": ablation})
+    cfg = cfg.model_copy(update={"method": cfg.method.model_copy(update={"ablation": ablation})})
     learner = SimpleNamespace(cfg=cfg, state=LearnerState(phase=phase), trainer=SimpleNamespace(step=step))
     return Learner.next_phase(learner)
 
@@ -133,7 +147,7 @@ def test_no_real_ce_keeps_only_self_distillation(tiny_model_dir, reference):
     m = trainer.train_step([batch()])
     assert "wm/ce" not in m and "wm/change_nll" not in m
     assert m["wm/kl"] == pytest.approx(full["wm/kl"], rel=1e-5)
-    assert m["wm/loss"] == pytest.approx(trainer.cfg.eta * m["wm/kl"], rel=1e-6)
+    assert m["wm/loss"] == pytest.approx(trainer.method.eta * m["wm/kl"], rel=1e-6)
     assert trainer.train_step([{"transitions": [wm_record(0, rollout="")]}])["learner/tokens"] == 0  # nothing to distil
 
 

@@ -32,8 +32,8 @@ def test_the_key_ignores_where_things_live_and_sees_what_changes_play():
     for other in (
         key("eval.lookahead_k=4"),
         key("env.max_steps=30"),
-        key("gates.tau_p=0.7"),
-        key("ablation=no_action_gate"),
+        key("method.tau_p=0.7"),
+        key("method.ablation=no_action_gate"),
         key("run.seed=1"),
         key(version=8),
         key(source="/runs/b"),

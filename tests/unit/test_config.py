@@ -34,14 +34,27 @@ def test_a_removed_field_is_one_line_naming_its_replacement(tmp_path, monkeypatc
 
     monkeypatch.setitem(config.REMOVED_FIELDS, "broker.old_knob", "the broker decides this itself now")
     for dotted, replacement in config.REMOVED_FIELDS.items():
-        section, key = dotted.split(".", 1)
+        section, _, key = dotted.partition(".")
         f = tmp_path / "old.yaml"
-        f.write_text(yaml.safe_dump({section: {key: 1}}))
+        f.write_text(yaml.safe_dump({section: {key: 1}} if key else {section: 1}))  # a top-level key has no dot
         with pytest.raises(ConfigError) as exc:
             load_config(f)
         assert str(exc.value) == f"{f}: {dotted}: removed: {replacement}"
         with pytest.raises(ConfigError, match=f"{dotted}: removed: "):
             load_config(None, [f"{dotted}=1"])
+
+
+def test_the_gates_section_written_the_old_way_gets_a_line_per_threshold(tmp_path):
+    """``gates:`` went into ``method``: each of its thresholds is named with its new place."""
+    f = tmp_path / "old.yaml"
+    f.write_text("gates:\n  tau_p: 0.7\n  tau_ws: 0.8\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(f)
+    assert str(exc.value).splitlines() == [
+        f"{f}: gates.tau_p: removed: now method.tau_p",
+        f"{f}: gates.tau_ws: removed: now method.tau_ws",
+    ]
+    assert load_config(None, ["method.tau_p=0.7"]).method.tau_p == 0.7
 
 
 def test_a_flat_phase_setting_names_its_section_in_one_line(tmp_path):
@@ -59,8 +72,8 @@ def test_a_flat_phase_setting_names_its_section_in_one_line(tmp_path):
 
 def test_out_of_range_threshold(tmp_path):
     f = tmp_path / "bad.yaml"
-    f.write_text("gates:\n  tau_q: 1.7\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml: gates.tau_q: .*less than or equal to 1"):
+    f.write_text("method:\n  tau_q: 1.7\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: method.tau_q: .*less than or equal to 1"):
         load_config(f)
 
 
@@ -179,5 +192,5 @@ def test_quick_profile_is_the_default_with_short_phases():
     assert quick_phases.warmup.max_minutes + quick_phases.reflect_init.max_minutes < 10
     assert quick_phases.warmup.min_samples < local_phases.warmup.min_samples
     # everything else the CPU default decides is inherited, not restated
-    assert quick.model == local.model and quick.inference == local.inference and quick.gates == local.gates
+    assert quick.model == local.model and quick.inference == local.inference and quick.method == local.method
     assert quick.env == local.env and quick.learner.lr == local.learner.lr

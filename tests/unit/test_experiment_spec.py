@@ -224,3 +224,13 @@ def test_a_report_of_an_unfinished_table_shows_what_is_played_and_compares_nothi
     assert "| `comap/comap@s1` (not played yet) |" in md
     assert "| `comap/comap` pooled (2 seeds) (partial) | 40 | 2/2 |" in md
     assert "No comparison yet" in md
+
+
+def test_an_arms_ablation_forks_with_the_method_sections_list(tmp_path):
+    """An arm's ``ablation:`` stays the spec's own key; its forks are started with ``method.ablation``."""
+    from experiments.runner import Experiment
+
+    path = spec_file(tmp_path, set=[f"run.root={tmp_path}"])
+    experiment = Experiment(load_spec(path), path, tmp_path / "out")
+    assert "method.ablation=[frozen_wm]" in experiment.fork_overrides("frozen_wm", 0)
+    assert not any(o.startswith("method.ablation=") for o in experiment.fork_overrides("comap", 0))

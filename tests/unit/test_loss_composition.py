@@ -172,7 +172,7 @@ def test_a_micro_batch_is_read_once_into_its_typed_batches(tiny_model_dir):
     assert (r.y, r.in_bce, r.label_counts()) == ([1, 0, 1], [True, True, False], [1, 1])
     assert batch.transitions == first["transitions"]  # as served, for PaW
     assert [s.y for s in batch.policy_samples()] == [None, None, None, 1, 0, 1]  # drafts first
-    trainer.cfg = trainer.cfg.model_copy(update={"bce_gate_labels": True})
+    trainer.method = trainer.method.model_copy(update={"bce_gate_labels": True})
     assert trainer.micro_batch(second).reflections.in_bce == [True]
     trainer.freeze_wm = True
     assert trainer.micro_batch(first).world_model.units == []  # a frozen world model reads no transition

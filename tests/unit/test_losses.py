@@ -119,13 +119,13 @@ def test_balanced_bce_weighs_each_label_alike_and_is_plain_on_a_balanced_mix():
 def test_trainer_balances_the_bce_by_the_labels_it_has_trained_on(tiny_trainer, tmp_path):
     from learner.checkpoint import load_checkpoint, save_checkpoint
 
-    tiny_trainer.cfg = tiny_trainer.cfg.model_copy(update={"bce_balance": True})
+    tiny_trainer.method = tiny_trainer.method.model_copy(update={"bce_balance": True})
     refl = [reflection_record(1), reflection_record(1), reflection_record(1), reflection_record(0)]
     tiny_trainer.train_step([{"reflections": refl}])
     assert tiny_trainer.label_counts == [1, 3]
     # wired into the loss: at counts 1:3 the lone KEEP sample weighs 3 times each REVISE one
     _, _, balanced, _ = tiny_trainer.policy_losses([], refl)
-    tiny_trainer.cfg = tiny_trainer.cfg.model_copy(update={"bce_balance": False})
+    tiny_trainer.method = tiny_trainer.method.model_copy(update={"bce_balance": False})
     _, _, plain, _ = tiny_trainer.policy_losses([], refl)
     _, _, keep_only, _ = tiny_trainer.policy_losses([], refl[3:])
     _, _, revise_only, _ = tiny_trainer.policy_losses([], refl[:3])
@@ -140,17 +140,17 @@ def test_trainer_balances_the_bce_by_the_labels_it_has_trained_on(tiny_trainer, 
 
 @pytest.mark.parametrize("reference", [False, True])
 def test_the_gates_own_labels_leave_the_bce_when_switched_off(tiny_model_dir, reference):
-    """``learner.bce_gate_labels`` false: only suffix-labelled samples train ``p``; the gate's samples
+    """``method.bce_gate_labels`` false: only suffix-labelled samples train ``p``; the gate's samples
     still train the reflection's text, and the label counts (``bce_balance``) leave them out too."""
     suffix = [dict(reflection_record(1), source="suffix"), dict(reflection_record(0), source="suffix")]
     gate = [dict(reflection_record(0), source="gate"), dict(reflection_record(0), source="gate")]
     tiny_trainer = make_trainer(tiny_model_dir, reference=reference)
-    tiny_trainer.cfg = tiny_trainer.cfg.model_copy(update={"bce_balance": False, "bce_gate_labels": True})
+    tiny_trainer.method = tiny_trainer.method.model_copy(update={"bce_balance": False, "bce_gate_labels": True})
     _, reflect_all, bce_all, _ = tiny_trainer.policy_losses([], suffix + gate)
     _, _, bce_suffix, _ = tiny_trainer.policy_losses([], suffix)
     _, _, bce_gate, _ = tiny_trainer.policy_losses([], gate)
     assert float(bce_all) == pytest.approx((float(bce_suffix) + float(bce_gate)) / 2, rel=1e-4)
-    tiny_trainer.cfg = tiny_trainer.cfg.model_copy(update={"bce_gate_labels": False})
+    tiny_trainer.method = tiny_trainer.method.model_copy(update={"bce_gate_labels": False})
     _, reflect_off, bce_off, _ = tiny_trainer.policy_losses([], suffix + gate)
     assert float(bce_off) == pytest.approx(float(bce_suffix), rel=1e-4)
     assert float(bce_off) != pytest.approx(float(bce_all), rel=1e-3)

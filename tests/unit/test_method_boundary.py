@@ -1,5 +1,6 @@
-"""The method in one place: the ablations and the gates' thresholds are read only in
-``comap_async/method/`` (and declared and validated in ``comap_async/config/``); the phase
+"""The method in one place: the ablations and the gates' thresholds (``method.ablation``,
+``method.tau_*``) are read only in ``comap_async/method/`` (and declared and validated in
+``comap_async/config/``; the learner reads the method section's loss weights); the phase
 routing tables are defined only there, and the action gate's ``p`` and ``q`` computed only there
 (``comap_async/method/decision.py``). An AST walk over every module of the processes and the core,
 like the import-boundary test."""
@@ -11,16 +12,16 @@ import inspect
 import re
 from pathlib import Path
 
-from comap_async.config import ABLATIONS, GateConfig
+from comap_async.config import ABLATIONS, MethodConfig
 from comap_async.method import decision, labels
 
 REPO = Path(__file__).resolve().parents[2]
 METHOD = REPO / "comap_async" / "method"
 DECLARED = REPO / "comap_async" / "config"
-FLAGS = set(GateConfig.model_fields)
-"""The gates' thresholds, read as attributes (``cfg.gates.tau_p``)."""
+FLAGS = {name for name in MethodConfig.model_fields if name.startswith("tau_")}
+"""The gates' thresholds, read as attributes (``cfg.method.tau_p``)."""
 ABLATION_NAMES = set(ABLATIONS)
-"""The ablations, tested by name (``"frozen_wm" in cfg.ablation``): a name spelled in the code is a read."""
+"""The ablations, tested by name (``"frozen_wm" in cfg.method.ablation``): a name spelled in the code is a read."""
 ROUTING = {"PHASE_STORES", "PHASE_REQUIRES", "PHASE_FILTERS", "MIXED_IN"}
 DEFINITIONS = {
     name: module.__name__
@@ -170,7 +171,7 @@ def test_the_walk_catches_a_flag_read_and_a_routing_table_elsewhere(tmp_path):
     for top in ("comap_async", "actors", "broker", "learner"):
         (tmp_path / top).mkdir()
     (tmp_path / "actors" / "x.py").write_text(
-        "def f(cfg):\n    return 'no_action_gate' in cfg.ablation or cfg.gates.tau_p\n"
+        "def f(cfg):\n    return 'no_action_gate' in cfg.method.ablation or cfg.method.tau_p\n"
     )
     (tmp_path / "learner" / "y.py").write_text("PHASE_STORES = {}\n")
     (tmp_path / "learner" / "w.py").write_text(

@@ -51,6 +51,6 @@ def test_resolve_model_errors(tmp_path):
 
 def test_config_error_exit_code_and_message(tmp_path):
     bad = tmp_path / "c.yaml"
-    bad.write_text("gates:\n  tau_p: 2\n")
+    bad.write_text("method:\n  tau_p: 2\n")
     r = subprocess.run([sys.executable, "-m", "comap_async", "config", "-c", str(bad)], capture_output=True, text=True)
-    assert r.returncode == 2 and "gates.tau_p" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "method.tau_p" in r.stderr and "Traceback" not in r.stderr

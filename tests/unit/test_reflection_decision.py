@@ -237,8 +237,8 @@ async def test_a_decision_first_reflection_generates_past_its_decision_only_when
     cfg = CoMapConfig()
     # evaluation episodes only: co-evolution's transitions carry the whole reflection's action
     assert decision_first(cfg, evaluating=False) is None
-    assert decision_first(cfg, evaluating=True) == cfg.gates.tau_p
-    ungated = cfg.model_copy(update={"ablation": ["no_action_gate"]})
+    assert decision_first(cfg, evaluating=True) == cfg.method.tau_p
+    ungated = cfg.model_copy(update={"method": cfg.method.model_copy(update={"ablation": ["no_action_gate"]})})
     assert decision_first(ungated, evaluating=True) is None
     # p at or below tau_p: one token generated, a KEEP of the draft, which the gate keeps as it would have
     keep = (" KE", [" KE"], [-0.2], {" KE": -0.2, " RE": -1.8})

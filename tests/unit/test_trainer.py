@@ -262,7 +262,7 @@ def test_a_checkpoint_resumes_on_any_device(tiny_model_dir, tmp_path, monkeypatc
 
 
 def test_the_bce_weight_is_the_one_trained(tiny_model_dir):
-    """``learner.bce_weight`` (every phase's): the loss trained is the logged terms at that weight."""
+    """``method.bce_weight`` (every phase's): the loss trained is the logged terms at that weight."""
     batch = {"reflections": [reflection_record(1), reflection_record(0)]}
     for weight in (1.0, 0.0):
         trainer = make_trainer(tiny_model_dir, bce_weight=weight)
