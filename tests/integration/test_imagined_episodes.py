@@ -50,7 +50,7 @@ def short_unfiltered(monkeypatch) -> None:
 async def test_imagined_steps_come_from_the_world_model_are_stored_apart_and_train_only_the_draft(
     broker_factory, roomy_server, alfworld_data, tiny_model_dir, recorded_calls, env_steps
 ):
-    broker = broker_factory()
+    broker = broker_factory(["actor.imagined_rollouts=2"])  # the related method is the run's, every process's
     await announce(broker, "coevolve")
     cfg = actor_config(
         broker,
@@ -110,7 +110,7 @@ async def test_in_the_turns_form_each_imagined_episode_is_one_path_trained_on_it
     from comap_async.prompts import ChatTemplate, Prompts
     from learner.batches import Encoder
 
-    broker = broker_factory(["env.prompt_form=draft_turns"])
+    broker = broker_factory(["env.prompt_form=draft_turns", "actor.imagined_rollouts=2"])
     await announce(broker, "coevolve")
     cfg = actor_config(
         broker,
