@@ -30,7 +30,8 @@ from comap_async.prompts import turns_of
 from comap_async.wire.messages import COEVOLVE
 
 REACT_MAX_TOKENS = 96
-"""Tokens of a ReAct answer: a one-sentence thought and the action line."""
+"""Tokens of a ReAct answer: a one-sentence thought and the action line (at most the server's
+``inference.max_new_tokens``, which refuses a longer request)."""
 
 
 async def _act(ctx: EpisodeContext, ep: Episode, method: str, s: str) -> tuple[str | None, str | None]:
@@ -42,7 +43,8 @@ async def _act(ctx: EpisodeContext, ep: Episode, method: str, s: str) -> tuple[s
         ep.stats.lookahead.append(seen)
         return action, None
     if method == "react":
-        action, _ = await llm.react(s, REACT_MAX_TOKENS, ep.current.admissible)
+        budget = min(REACT_MAX_TOKENS, ctx.cfg.inference.max_new_tokens)
+        action, _ = await llm.react(s, budget, ep.current.admissible)
         return action, None
     admissible = ep.current.admissible
     seen = ep.draft_state()
