@@ -18,8 +18,25 @@ REPO = Path(__file__).resolve().parents[2]
 MAX_STEPS = 4
 
 
+@pytest.fixture(autouse=True)
+def short_react_thoughts(monkeypatch):
+    """The tiny random model writes ReAct's whole token budget every step, and ReAct's turns keep their
+    thoughts: 4 steps of 96-token thoughts pass the test server's 2048-token prompt limit."""
+    monkeypatch.setattr("actors.eval_methods.REACT_MAX_TOKENS", 32)
+
+
 def play(method: str, roomy_server, alfworld_data, tiny_model_dir, tmp_path, *extra: str):
     return play_valid_seen(method, roomy_server, alfworld_data, tiny_model_dir, tmp_path, MAX_STEPS, *extra)
+
+
+def _step_calls(calls: list[dict]) -> list[list[dict]]:
+    """The recorded calls cut into steps, each starting with a draft (one episode at a time)."""
+    steps: list[list[dict]] = []
+    for c in calls:
+        if c["kind"] == "draft" or not steps:
+            steps.append([])
+        steps[-1].append(c)
+    return steps
 
 
 def steps_of(calls: list[dict], first: str) -> list[list[str]]:
@@ -67,17 +84,19 @@ def test_comap_drafts_imagines_reflects_and_gates(
     steps = steps_of(recorded_calls, "draft")
     assert len(steps) == n
     revised = 0
-    for step in steps:  # the executed action is imagined again only when the gate revised the draft; a
-        # reflection without a Final Action line is continued for its action
-        assert step[:3] == ["draft", "imagine", "reflect"] and step[3:] in (
-            [],
-            ["imagine"],
-            ["continue"],
-            ["continue", "imagine"],
+    for step in steps:  # the reflection is read decision first: at or under tau_p a KEEP with nothing more
+        # generated; above it the whole reflection, its executed action imagined again only when the gate
+        # revised the draft, and a reflection without a Final Action line continued for its action
+        assert step[:3] == ["draft", "imagine", "reflect"], step
+        assert step[3:] == [] or (
+            step[3] == "reflect" and step[4:] in ([], ["imagine"], ["continue"], ["continue", "imagine"])
         ), step
-        revised += step[-1] == "imagine" and len(step) > 3
+        revised += step[-1] == "imagine" and len(step) > 4
     assert revised == sum(s.revisions for s in stats)
-    assert all(c["logprobs"] for c in recorded_calls if c["kind"] == "reflect")  # p_revise from the decision token
+    reflections = [c for c in recorded_calls if c["kind"] == "reflect"]
+    assert all(c["logprobs"] for c in reflections)  # p_revise from the decision token
+    decisions = [step_calls[2] for step_calls in _step_calls(recorded_calls)]
+    assert len(decisions) == n and all(c["max_tokens"] == 1 for c in decisions)  # the decision alone first
 
 
 def test_evaluation_decodes_at_the_eval_temperature(
@@ -142,8 +161,12 @@ def test_admissible_choice_executes_only_admissible_actions(
     free = play("draft_only", roomy_server, alfworld_data, tiny_model_dir, tmp_path)
     assert sum(s.invalid for s in free) > 0 and all(c["choices"] is None for c in recorded_calls)
     recorded_calls.clear()
+    # an evaluation reads a reflection's decision first and stops at a KEEP under tau_p (the tiny model's p is
+    # mostly 0: its decision tokens are not among its likeliest); without the action gate every reflection is
+    # generated whole, so its final action is read
     for method in ("draft_only", "comap"):
-        stats = play(method, roomy_server, alfworld_data, tiny_model_dir, tmp_path, "actor.admissible_choice=true")
+        switches = ("actor.admissible_choice=true", "method.ablation=no_action_gate")
+        stats = play(method, roomy_server, alfworld_data, tiny_model_dir, tmp_path, *switches)
         assert sum(s.steps for s in stats) >= 2 and sum(s.invalid for s in stats) == 0, method
     drafts = [c for c in recorded_calls if c["kind"] == "draft"]
     assert drafts and all(c["choices"] and c["text"] in c["choices"] for c in drafts)
