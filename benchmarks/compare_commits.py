@@ -1,7 +1,8 @@
 """One benchmark on two commits of this repository, interleaved in one run, so the ratio is taken under the
 same machine load: "no performance lost" across a refactor.
 
-Each commit is checked out once into a git worktree under ``--work`` (reused when it is already there);
+Each commit is checked out once into a git worktree under ``--work`` (a temporary directory by default;
+reused when it is already there, ``git worktree remove`` when done);
 then, for each round, the benchmark runs in the before tree and then in the after tree (the order
 alternates between rounds), each with ``PYTHONPATH`` set to its tree so that every ``comap`` process the
 benchmark starts imports that tree's code. The benchmark's last line (``key=value ...``, as every
@@ -22,6 +23,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,7 +68,12 @@ def main() -> None:
     ap.add_argument("--before", required=True, help="the commit before the change (any git revision)")
     ap.add_argument("--after", default="HEAD")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--work", type=Path, default=REPO / "runs" / "compare-commits", help="where the worktrees go")
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "comap-compare-commits",
+        help="where the worktrees go (outside the repository, so its own checks do not walk them)",
+    )
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one benchmark run may take")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- then the benchmark and its arguments")
     args = ap.parse_args()
