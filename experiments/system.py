@@ -29,15 +29,41 @@ TIED_EXEC = (
 )
 
 
+def newest_checkpoint_step(run_dir: Path) -> int | None:
+    """The learner step of the run's newest whole checkpoint (``checkpoints/step-N`` holding its state), or
+    None before the first: how far a learner has trained, to within ``learner.checkpoint_every`` steps."""
+    from comap_async.run_files import CHECKPOINT_STATE
+
+    steps = [
+        int(p.name.split("-")[1])
+        for p in (run_dir / "checkpoints").glob("step-*")
+        if p.name.split("-")[1].isdigit() and (p / CHECKPOINT_STATE).is_file()
+    ]
+    return max(steps, default=None)
+
+
+def bar_postfix(run_dir: Path) -> str:
+    """``v<newest published version> step <newest checkpoint's step>``, each part once it exists."""
+    parts = []
+    try:
+        parts.append(f"v{json.loads((run_dir / 'adapters' / 'latest.json').read_text())['version']}")
+    except (OSError, ValueError, KeyError):  # not published yet, or mid-write
+        pass
+    step = newest_checkpoint_step(run_dir)
+    if step is not None:
+        parts.append(f"step {step}")
+    return " ".join(parts)
+
+
 def wait_with_bar(
     proc: subprocess.Popen, name: str, minutes: float, run_dir: Path, until: Callable[[], bool] | None = None
 ) -> bool:
     """Wait up to ``minutes`` for ``proc`` (``TimeoutExpired`` when it is still running then), with a bar
-    over the wall time that shows the run's newest published version. True when ``until()`` held
+    over the wall time that shows the run's newest published version and checkpointed learner step
+    (:func:`bar_postfix`). True when ``until()`` held
     (checked every 10 s, and when the process stops), False when the process stopped by itself short of it."""
     from tqdm import tqdm
 
-    latest = run_dir / "adapters" / "latest.json"
     deadline = time.monotonic() + 60 * minutes
     with tqdm(total=round(60 * minutes), desc=name, unit="s", file=sys.stderr) as bar:
         while True:
@@ -52,10 +78,7 @@ def wait_with_bar(
                 if left <= 10.0:
                     raise
             bar.n = round(60 * minutes - max(0.0, deadline - time.monotonic()))
-            try:
-                bar.set_postfix_str(f"v{json.loads(latest.read_text())['version']}", refresh=False)
-            except (OSError, ValueError, KeyError):  # not published yet, or mid-write
-                pass
+            bar.set_postfix_str(bar_postfix(run_dir), refresh=False)
             bar.refresh()
 
 

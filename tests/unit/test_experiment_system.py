@@ -139,3 +139,21 @@ def test_a_runs_adapters_are_served_as_version_1_and_a_missing_one_is_named(tmp_
     }
     with pytest.raises(SystemExit, match=r"no adapter at .*policy-v8"):
         system.copy_trained_adapters(source, 8, tmp_path / "other")
+
+
+def test_the_bar_shows_the_newest_version_and_the_newest_whole_checkpoints_step(tmp_path):
+    from comap_async.run_files import CHECKPOINT_STATE
+    from experiments.system import bar_postfix
+
+    assert bar_postfix(tmp_path) == ""  # nothing published or checkpointed yet
+    (tmp_path / "adapters").mkdir()
+    (tmp_path / "adapters" / "latest.json").write_text('{"version": 19, "phase": "coevolve", "step": 285}')
+    for step, whole in ((285, True), (300, True), (310, False)):  # 310 still being written: no state yet
+        ckpt = tmp_path / "checkpoints" / f"step-{step:08d}"
+        ckpt.mkdir(parents=True)
+        if whole:
+            (ckpt / CHECKPOINT_STATE).write_bytes(b"x")
+    (tmp_path / "checkpoints" / "step-tmp").mkdir()  # not a step
+    assert bar_postfix(tmp_path) == "v19 step 300"
+    (tmp_path / "adapters" / "latest.json").write_text('{"vers')  # mid-write: the step alone
+    assert bar_postfix(tmp_path) == "step 300"
