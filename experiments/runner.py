@@ -273,8 +273,9 @@ class Experiment:
                 self.logs,
                 run_dir,
                 until=lambda: version_at_step(run_dir, target) is not None,
-                # the learner trains exactly the budget and stops: it publishes at it (publish_every) and
-                # trains no step past it, so the version there is not rotated away before it is read
+                # the learner trains exactly the budget and stops: it publishes at it (publish_every, and its
+                # budget's last step whatever the phases' cadence) and trains no step past it, so the
+                # version there is not rotated away before it is read
                 learner_args=["--max-steps", str(steps)],
             )
             version = version_at_step(run_dir, target)

@@ -401,7 +401,11 @@ class Learner(PhaseControl):
                     self.trainer.start_teacher()
                 metrics.update(await self.publish(inference, broker, metrics))
                 published = True
-            elif (step - self.state.phase_start) % self._publish_every() == 0:
+            # a budget's last step is published too (``--max-steps``: a fork's end), also when a phase began
+            # inside the budget and the phase's cadence does not fall on it
+            elif (step - self.state.phase_start) % self._publish_every() == 0 or (
+                max_steps is not None and step - start == max_steps
+            ):
                 metrics.update(await self.publish(inference, broker, metrics))
                 published = True
             else:

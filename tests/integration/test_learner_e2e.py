@@ -123,9 +123,10 @@ async def test_learner_halves_losses_publishes_and_server_follows(broker_factory
             first = next(m for m in learner.history if name in m)
             assert last[name] <= 0.5 * first[name], f"{name}: {first[name]:.3f} -> {last[name]:.3f}"
         version = learner.state.version
-        # v1 at the switch to coevolve (step 1), v2 publish_every=20 steps later (step 21)
+        # v1 at the switch to coevolve (step 1), v2 publish_every=20 steps later (step 21), v3 at the last
+        # step of the budget (max_steps=40: a fork's end is published whatever the cadence)
         published = [i + 1 for i, m in enumerate(learner.history) if "learner/publish_s" in m]
-        assert version == 2 and published == [1, 21]
+        assert version == 3 and published == [1, 21, 40]
         # the learner reports each publish's time to live (loaded everywhere and announced)
         for i in published:
             m = learner.history[i - 1]
@@ -137,7 +138,7 @@ async def test_learner_halves_losses_publishes_and_server_follows(broker_factory
         async with BrokerClient(broker.learner_endpoint) as bc:
             registry = await bc.get_registry()
         assert registry["versions"]["policy"] == version and registry["adapters"]["policy"] == f"policy-v{version}"
-        assert registry["phase"] == "coevolve" and registry["step"] == 21
+        assert registry["phase"] == "coevolve" and registry["step"] == 40
         assert f"policy-v{version}" in await client.models()
 
         after = (await client.complete(prompt, model=f"policy-v{version}", max_tokens=8, temperature=0.0, seed=1)).text
