@@ -55,10 +55,12 @@ class ScriptedLLM:
         return Reflected("REVISE", target, 0.9, 0.2, None)  # confident decision, unsure action: refused
 
 
-async def play_scripted(valid_seen, alfworld_data, *overrides: str, counterfactual: bool = False):
-    """One CoMap episode of the first valid_seen game with :class:`ScriptedLLM`: (what the outbox
-    would send, the episode's stats, the config, the model). ``counterfactual``: with a second
-    environment on which revised steps' drafts are taken, as the actor's training episodes have."""
+async def play_scripted(
+    valid_seen, alfworld_data, *overrides: str, counterfactual: bool = False, llm_class: type | None = None
+):
+    """One CoMap episode of the first valid_seen game with ``llm_class`` (default :class:`ScriptedLLM`):
+    (what the outbox would send, the episode's stats, the config, the model). ``counterfactual``: with a
+    second environment on which revised steps' drafts are taken, as the actor's training episodes have."""
     game = sorted(valid_seen, key=lambda g: g.name)[0]
     cfg = load_config(None, [f"env.data_dir={alfworld_data}", "env.max_steps=6", *overrides])
     sent: list[dict] = []
@@ -70,7 +72,7 @@ async def play_scripted(valid_seen, alfworld_data, *overrides: str, counterfactu
     async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=6) as pool:
         env = pool.env()
         await env.reset(game)
-        llm = ScriptedLLM(await env.walkthrough())
+        llm = (llm_class or ScriptedLLM)(await env.walkthrough())
         ctx = EpisodeContext("test", cfg, llm, emit, next_state, lambda: Registry(versions={"policy": 3, "wm": 2}))
         stats = await play_coevolve(ctx, env, game, "test:e1", counterfactual=pool.env() if counterfactual else None)
     return sent, stats, cfg, llm
@@ -249,20 +251,7 @@ async def test_the_teacher_runs_beside_the_next_draft_and_each_transition_carrie
     """The teacher call of step t runs beside the draft of step t+1 (the former ``actor.overlap_teacher``,
     now the only way; docs/benchmarks.md has its figure), and each transition still goes out whole, in
     step order, with its own step's teacher prediction."""
-    game = sorted(valid_seen, key=lambda g: g.name)[0]
-    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "env.max_steps=6"])
-    sent: list[dict] = []
-
-    async def emit(msg):
-        msg.seq = len(sent)
-        sent.append(as_map(validate(msg)))  # what the outbox would send
-
-    async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=6) as pool:
-        env = pool.env()
-        await env.reset(game)
-        llm = LoggingLLM(await env.walkthrough())
-        ctx = EpisodeContext("test", cfg, llm, emit, next_state, lambda: Registry(versions={"policy": 3, "wm": 2}))
-        await play_coevolve(ctx, env, game, "test:e1")
+    sent, _, _, llm = await play_scripted(valid_seen, alfworld_data, llm_class=LoggingLLM)
     transitions = [m for m in sent if m["type"] == "transition"]
     assert len(sent) == 7 and sent[-1]["type"] == "episode"  # 6 transitions, then the episode
     assert [tr["t"] for tr in transitions] == list(range(6))
