@@ -85,7 +85,7 @@ def cell_key(cfg: Any, source: str, version: int, method: str, split: str, games
     settings["env"].update(dict.fromkeys(PROMPT_FORM_SWITCHES[settings["env"].pop("prompt_form")], True))
     settings["eval"].pop("envs", None)
     settings["seed"] = cfg.run.seed
-    settings["inference"] = cfg.model_dump(mode="json", include={"inference": {"forward", "dtype"}})["inference"]
+    settings["inference"] = cfg.model_dump(mode="json", include={"inference": {"dtype"}})["inference"]
     return {
         "source": source,
         "version": version,
