@@ -66,9 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--counterfactual",
         action="store_true",
-        help="with --probes: reflect on each walkthrough state's draft four times, shown the world model's "
+        help="with --probes: reflect on each state's greedy draft four times, shown the world model's "
         "prediction, the draft's true next state, a contradicting state and none; how p and the gate's "
-        "decision move between them (does the reflection read the world model?)",
+        "decision move between them (does the reflection read the world model?), on the walkthrough's "
+        "states and on the states the policy's own drafts lead to (one table each)",
     )
     p.add_argument(
         "--cycle-check",
