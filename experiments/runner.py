@@ -428,17 +428,20 @@ class Experiment:
                     self.spec.name,
                     f"row {row.name}: {len(games) - len(left)} of {len(games)} games held, playing {len(left)}",
                 )
-                t0, wall_before = time.time(), held["wall_s"]
+                t0, wall_before, held_before = time.time(), held["wall_s"], len(held["episodes"])
 
                 def on_result(game: Any, stats: Any, held: dict = held, name: str = row.name) -> None:
                     held["episodes"][game.name] = game_record(episode_record(game, stats), stats.judged_steps)
                     held["wall_s"] = round(wall_before + time.time() - t0, 1)
                     write_json(self.results_path, results)
                     won = sum(e["won"] for e in held["episodes"].values())
+                    # the rate of this sitting's games: an earlier sitting may have run on a busier machine
+                    done_now, left = len(held["episodes"]) - held_before, len(games) - len(held["episodes"])
+                    eta = f", ~{(time.time() - t0) / done_now * left / 60:.0f} min left" if left and done_now else ""
                     say(
                         self.spec.name,
                         f"row {name}: game {len(held['episodes'])}/{len(games)} {'won' if stats.won else 'lost'} "
-                        f"({won} won so far, {held['wall_s'] / 60:.1f} min)",
+                        f"({won} won so far, {held['wall_s'] / 60:.1f} min{eta})",
                     )
 
                 for name in registry.adapters.values():
