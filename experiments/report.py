@@ -144,7 +144,7 @@ def comparisons(spec: ExperimentSpec, results: dict[str, Any]) -> tuple[list[dic
 def write_report(spec: ExperimentSpec, results: dict[str, Any], out: Path) -> dict[str, Any]:
     """Figures, comparisons and verdicts into ``results``; ``results.json``, ``results.md`` and
     ``results.png`` written in ``out``. Returns ``results``."""
-    from experiments.runner import write_json
+    from experiments.system import write_json
 
     source = results.get("source") or {}
     if (

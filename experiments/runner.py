@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.spec import ExperimentSpec, SpecError
+from experiments.system import write_json
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = "source"
@@ -42,13 +43,6 @@ SOURCE = "source"
 def say(name: str, text: str) -> None:
     """The progress line (stderr): one per phase, fork and game."""
     print(f"experiment {name} | {text}", file=sys.stderr, flush=True)
-
-
-def write_json(path: Path, content: Any) -> None:
-    """Written whole or not at all: a kill between two games leaves the previous file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(content, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def adapters_digest(adapter_root: Path, version: int) -> str:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINING = ("broker", "inference", "learner", "actor")
@@ -213,6 +213,17 @@ def first_version_in_phase(run_dir: Path, phase: str) -> dict | None:
     return {"version": version, "step": int(found[version]["step"]), "phase": phase}
 
 
+def write_json(path: Path, content: Any) -> None:
+    """Written whole or not at all: a kill between two writes leaves the previous file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(content, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+WALL_SAVE_S = 60.0
+"""How often a training sitting writes its wall time so far to its ledger."""
+
+
 def run_to_phase(
     name: str, phase: str, config: str, overrides: list[str], max_minutes: float, out: Path, root: Path, ledger: Path
 ) -> dict:
@@ -222,23 +233,26 @@ def run_to_phase(
     record = json.loads(ledger.read_text()) if ledger.exists() else {"name": name, "wall_s": 0}
     reached = first_version_in_phase(root / name, phase)
     if reached is None:
-        t0 = time.time()
+        t0, before, written = time.time(), record["wall_s"], [time.monotonic()]
+
+        def save_wall() -> None:
+            record["wall_s"] = round(before + time.time() - t0)
+            write_json(ledger, record)
+            written[0] = time.monotonic()
+
+        def reached_phase() -> bool:
+            # the sitting's time so far, every minute: a sitting killed with -9 (no finally) still counts
+            if time.monotonic() - written[0] >= WALL_SAVE_S:
+                save_wall()
+            return first_version_in_phase(root / name, phase) is not None
+
         try:
-            run_system(
-                name,
-                config,
-                overrides,
-                max_minutes,
-                out,
-                root / name,
-                until=lambda: first_version_in_phase(root / name, phase) is not None,
-            )
+            run_system(name, config, overrides, max_minutes, out, root / name, until=reached_phase)
         finally:  # a sitting stopped by a signal counts too: the run resumes from its checkpoint next time
-            record["wall_s"] = round(record["wall_s"] + time.time() - t0)
-            ledger.write_text(json.dumps(record, indent=2))
+            save_wall()
         reached = first_version_in_phase(root / name, phase)
     record.update(reached or {})
-    ledger.write_text(json.dumps(record, indent=2))  # the wall time so far also when it fell short
+    write_json(ledger, record)  # the wall time so far also when it fell short
     if reached is None:
         raise SystemExit(
             f"{Path(sys.argv[0]).stem}: {name} published no {phase} version in {max_minutes:.0f} minutes "

@@ -46,6 +46,42 @@ def test_a_warm_up_sitting_stopped_by_a_signal_still_counts_its_wall_time(tmp_pa
     assert json.loads(ledger.read_text())["wall_s"] == 601
 
 
+KILLED_SITTING = """
+import sys, time
+from pathlib import Path
+import experiments.system as system
+
+def training(*args, until=None, **kwargs):  # the system's part: a sitting that polls its end, for a while
+    while True:
+        until()
+        time.sleep(0.05)
+
+system.run_system = training
+system.first_version_in_phase = lambda run_dir, phase: None
+system.WALL_SAVE_S = 0.2
+out = Path(sys.argv[1])
+system.run_to_phase("sw", "coevolve", "cfg.yaml", [], 1.0, out, out, out / "source.json")
+"""
+
+
+def test_a_warm_up_sitting_killed_with_minus_9_still_counts_most_of_its_wall_time(tmp_path):
+    ledger = tmp_path / "source.json"
+    ledger.write_text(json.dumps({"name": "sw", "wall_s": 600}))
+    root = str(system.Path(system.__file__).resolve().parents[1])
+    sitting = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SITTING, str(tmp_path)], env={**os.environ, "PYTHONPATH": root}
+    )
+    try:
+        time.sleep(4.0)
+        assert sitting.poll() is None, "the sitting ended by itself"
+    finally:
+        sitting.kill()  # -9: no finally runs in it
+        sitting.wait()
+    wall = json.loads(ledger.read_text())["wall_s"]
+    # started ~4 s before the kill (less its interpreter's start), written every 0.2 s
+    assert 601 <= wall <= 605, wall
+
+
 def test_a_system_left_by_a_killed_runner_is_waited_for_then_killed(tmp_path):
     # a process group as honcho's is (its own session), ignoring SIGINT as a slow shutdown would
     left = subprocess.Popen(["bash", "-c", "trap '' INT; sleep 60 & wait"], start_new_session=True)
