@@ -190,7 +190,9 @@ async def play_reflect_init(ctx: EpisodeContext, env: Any, branch: Any, game: An
             try:
                 d_result, s_bar = await play_branch(branch, game, prefix, draft, plan)
                 e_result, _ = await play_branch(branch, game, prefix, expert, plan)
-                y, label = reflection_label(False, e_result, d_result)
+                y, label = reflection_label(
+                    False, e_result, d_result, sooner=ctx.cfg.method.reflect_init_label == "sooner"
+                )
             except RestoreDiverged:  # the branches would not start from this state: no sample here
                 ep.stats.restore_diverged += 1
                 draft = None

@@ -116,6 +116,13 @@ class MethodConfig(Section):
     shut within one version (docs/findings.md, "Under self-labelling the gate shuts itself"). The paper
     trains on both
     (True)."""
+    reflect_init_label: Literal["sooner", "paper"] = "sooner"
+    """Which drafts reflection-mode initialisation labels REVISE (``y = 1``). ``sooner``: the expert's branch
+    wins and the draft's does not (``expert_better``), or both win and the expert's in fewer steps
+    (``expert_sooner``: the return read as discounted). ``paper``: the first alone, the paper's higher success
+    rate (ALFWorld pays only at the win, so two winning branches tie on the undiscounted return) and a
+    detour that still wins is kept (``not_better``). docs/design.md section 12 says why ``sooner`` is the
+    default."""
     bce_balance: bool = False
     """Weigh the BCE's two labels alike (by the label counts the learner has trained on so far): a
     skewed mix is then not learned as a constant ``p``. Not in the paper (its BCE is unweighted)."""

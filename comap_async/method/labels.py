@@ -42,20 +42,24 @@ def branch_sooner(a: BranchResult, b: BranchResult) -> bool:
 
 
 def reflection_label(
-    draft_equals_expert: bool, expert: BranchResult | None, draft: BranchResult | None
+    draft_equals_expert: bool, expert: BranchResult | None, draft: BranchResult | None, sooner: bool = True
 ) -> tuple[int, str]:
     """``(y, label)`` of a reflection-initialisation sample (docs/design.md section 11).
 
     ``y = 1`` (target: the expert action) only when the expert branch is strictly better than the
     draft branch (``expert_better``: it wins and the draft's does not; ``expert_sooner``: both win,
-    the expert's in fewer steps); otherwise ``y = 0`` and the draft is kept. A draft canonically equal to the
-    expert action is a keep sample (``equal_draft``): it teaches the policy not to over-correct."""
+    the expert's in fewer steps, counted only with ``sooner``, ``method.reflect_init_label``); otherwise
+    ``y = 0`` and the draft is kept. A draft canonically equal to the expert action is a keep sample
+    (``equal_draft``): it teaches the policy not to over-correct."""
     if draft_equals_expert:
         return 0, "equal_draft"
     if expert is None or draft is None:
         raise ValueError("a draft that differs from the expert action needs both branch results")
     if branch_better(expert, draft):
-        return 1, "expert_sooner" if branch_sooner(expert, draft) else "expert_better"
+        if not branch_sooner(expert, draft):
+            return 1, "expert_better"
+        if sooner:
+            return 1, "expert_sooner"
     return 0, "not_better"
 
 

@@ -92,3 +92,30 @@ async def test_with_pairs_each_revise_sample_comes_with_the_expert_draft_as_keep
         assert (p["s"], p["a_draft"], p["target"], p["y"], p["label"]) == (r["s"], plan[t], plan[t], 0, "equal_draft")
         assert p["s_bar"] == observations[t + 1] and r["a_draft"] == "look"
     assert stats.labels == {"equal_draft": (len(plan) + 1) // 2 + len(revise), "expert_sooner": len(revise)}
+
+
+async def test_with_the_papers_label_a_detour_that_still_wins_is_kept(valid_seen, alfworld_data):
+    """``method.reflect_init_label: paper``: the same ``look`` detours, whose branches both win, are KEEP samples
+    (``not_better``), their draft the target; the drafts equal to the expert's action are as before."""
+    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "method.reflect_init_label=paper"])
+    sent: list[dict] = []
+
+    async def emit(msg):
+        msg.seq = len(sent)
+        sent.append(as_map(validate(msg)))
+
+    async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=50) as pool:
+        env, branch = pool.env(), pool.env()
+        game = sorted(valid_seen, key=lambda g: g.name)[0]
+        await env.reset(game)
+        plan = await env.walkthrough()
+        ctx = EpisodeContext("test", cfg, AlternatingDrafts(plan), emit, next_state, Registry)
+        stats = await play_reflect_init(ctx, env, branch, game, "test:ri")
+    samples = [m for m in sent if m["type"] == "reflection"]
+    assert len(samples) == len(plan) >= 2
+    for t, r in enumerate(samples):
+        if t % 2 == 0:
+            assert (r["y"], r["label"], r["target"]) == (0, "equal_draft", plan[t])
+        else:
+            assert (r["y"], r["label"], r["target"], r["a_draft"]) == (0, "not_better", "look", "look")
+    assert stats.labels == {"equal_draft": (len(plan) + 1) // 2, "not_better": len(plan) // 2}

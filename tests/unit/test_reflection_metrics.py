@@ -25,6 +25,10 @@ def test_reflection_labels():
     assert reflection_label(False, WIN3, WIN3) == (0, "not_better")  # tie: the draft is kept
     assert reflection_label(False, LOSE, LOSE) == (0, "not_better")
     assert reflection_label(False, WIN5, WIN3) == (0, "not_better")
+    # the paper's label (method.reflect_init_label: paper): a higher success rate alone
+    assert reflection_label(False, WIN3, LOSE, sooner=False) == (1, "expert_better")
+    assert reflection_label(False, WIN3, WIN5, sooner=False) == (0, "not_better")  # a detour that wins is kept
+    assert reflection_label(True, None, None, sooner=False) == (0, "equal_draft")
     with pytest.raises(ValueError):
         reflection_label(False, None, WIN3)
 
