@@ -38,11 +38,15 @@ def test_a_fork_at_reflect_inits_first_version_redoes_the_phase(tmp_path, tiny_m
     assert r.returncode == 0, r.stderr[-3000:]
 
     root = tmp_path / "runs" / "experiments" / "tiny-reflect-init-lever"
-    source = json.loads((root / "source" / "adapters" / "latest.json").read_text())
     fork_point = [json.loads(p.read_text()) for p in (root / "source" / "adapters").glob("policy-v*/comap.json")]
     first = min((m for m in fork_point if m["phase"] == "reflect_init"), key=lambda m: m["version"])
-    assert source["phase"] == "reflect_init"  # the source stopped at the phase's first version
+    # the source is stopped once it has published the phase's first version (a tiny learner may publish a few
+    # more before its stop lands, on a busy machine): the experiment and every fork start from that first one
+    ledger = json.loads((root / "ledger.json").read_text())
+    assert (ledger["source"]["version"], ledger["source"]["phase"]) == (first["version"], "reflect_init")
     for arm in ("comap-s0", "pairs-s0"):
+        forked = json.loads((root / arm / "fork.json").read_text())
+        assert (forked["version"], forked["step"], forked["phase"]) == (first["version"], first["step"], "reflect_init")
         latest = json.loads((root / arm / "adapters" / "latest.json").read_text())
         assert latest["step"] == first["step"] + REFLECT_INIT_STEPS + 2, arm
         assert latest["phase"] == "coevolve", arm
