@@ -34,8 +34,11 @@ class AlternatingDrafts:
         return Draft(*await self.draft(state))
 
 
-async def test_labels_follow_the_branches_to_the_episode_end(valid_seen, alfworld_data):
-    cfg = load_config(None, [f"env.data_dir={alfworld_data}"])
+async def reflect_init_samples(valid_seen, alfworld_data, *overrides: str, long_enough: int = 0):
+    """Reflection-mode initialisation of the first ``valid_seen`` game whose walkthrough is longer than
+    ``long_enough``, drafted by :class:`AlternatingDrafts`: (the reflection samples the outbox would send,
+    everything it would send, the episode's stats, the walkthrough, the observation after each of its steps)."""
+    cfg = load_config(None, [f"env.data_dir={alfworld_data}", *overrides])
     sent: list[dict] = []
 
     async def emit(msg):
@@ -47,13 +50,17 @@ async def test_labels_follow_the_branches_to_the_episode_end(valid_seen, alfworl
         for game in sorted(valid_seen, key=lambda g: g.name):
             await env.reset(game)
             plan = await env.walkthrough()
-            if len(plan) > 6:  # long enough that a 5-step horizon cannot see the win from the start
+            if len(plan) > long_enough:
                 break
         ctx = EpisodeContext("test", cfg, AlternatingDrafts(plan), emit, next_state, Registry)
         stats = await play_reflect_init(ctx, env, branch, game, "test:ri")
-        # the observation after each walkthrough step, to check s_bar of the keep samples
         observations = [(await env.reset(game)).observation] + [(await env.step(a)).observation for a in plan]
-    samples = [m for m in sent if m["type"] == "reflection"]
+    return [m for m in sent if m["type"] == "reflection"], sent, stats, plan, observations
+
+
+async def test_labels_follow_the_branches_to_the_episode_end(valid_seen, alfworld_data):
+    # long enough that a 5-step horizon cannot see the win from the start
+    samples, sent, stats, plan, observations = await reflect_init_samples(valid_seen, alfworld_data, long_enough=6)
     assert stats.won and len(samples) == len(plan)  # every demonstration state, equal drafts included
     assert samples[0]["target"] == plan[0] != "look"  # the demonstration is the walkthrough: no leading look
     for t, r in enumerate(samples):
@@ -67,22 +74,9 @@ async def test_labels_follow_the_branches_to_the_episode_end(valid_seen, alfworl
 
 
 async def test_with_pairs_each_revise_sample_comes_with_the_expert_draft_as_keep(valid_seen, alfworld_data):
-    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "actor.reflect_init_pairs=true"])
-    sent: list[dict] = []
-
-    async def emit(msg):
-        msg.seq = len(sent)
-        sent.append(as_map(validate(msg)))
-
-    async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=50) as pool:
-        env, branch = pool.env(), pool.env()
-        game = sorted(valid_seen, key=lambda g: g.name)[0]
-        await env.reset(game)
-        plan = await env.walkthrough()
-        ctx = EpisodeContext("test", cfg, AlternatingDrafts(plan), emit, next_state, Registry)
-        stats = await play_reflect_init(ctx, env, branch, game, "test:ri")
-        observations = [(await env.reset(game)).observation] + [(await env.step(a)).observation for a in plan]
-    samples = [m for m in sent if m["type"] == "reflection"]
+    samples, _, stats, plan, observations = await reflect_init_samples(
+        valid_seen, alfworld_data, "actor.reflect_init_pairs=true"
+    )
     revise = [r for r in samples if r["y"] == 1]
     pairs = {r["id"]: r for r in samples if r["id"].endswith(":rp")}
     assert revise and len(pairs) == len(revise)
@@ -97,21 +91,9 @@ async def test_with_pairs_each_revise_sample_comes_with_the_expert_draft_as_keep
 async def test_with_the_papers_label_a_detour_that_still_wins_is_kept(valid_seen, alfworld_data):
     """``method.reflect_init_label: paper``: the same ``look`` detours, whose branches both win, are KEEP samples
     (``not_better``), their draft the target; the drafts equal to the expert's action are as before."""
-    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "method.reflect_init_label=paper"])
-    sent: list[dict] = []
-
-    async def emit(msg):
-        msg.seq = len(sent)
-        sent.append(as_map(validate(msg)))
-
-    async with AsyncEnvPool(workers=1, env_name="alfworld", max_steps=50) as pool:
-        env, branch = pool.env(), pool.env()
-        game = sorted(valid_seen, key=lambda g: g.name)[0]
-        await env.reset(game)
-        plan = await env.walkthrough()
-        ctx = EpisodeContext("test", cfg, AlternatingDrafts(plan), emit, next_state, Registry)
-        stats = await play_reflect_init(ctx, env, branch, game, "test:ri")
-    samples = [m for m in sent if m["type"] == "reflection"]
+    samples, _, stats, plan, _ = await reflect_init_samples(
+        valid_seen, alfworld_data, "method.reflect_init_label=paper"
+    )
     assert len(samples) == len(plan) >= 2
     for t, r in enumerate(samples):
         if t % 2 == 0:
