@@ -84,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
     games = games_arg(args.games)
     games = games if games != spec.evaluation.games else None
     out = out_dir(spec.name, split, args.out, games)
-    experiment = Experiment(spec, args.spec, out, split=split, games=games, data=args.data)
+    # what the table trained is kept beside its own results, whichever games this run plays
+    state = out_dir(spec.name, None, args.out) / "state"
+    experiment = Experiment(spec, args.spec, out, split=split, games=games, data=args.data, state=state)
     try:
         results = experiment.run(train_only=args.train_only)
     except (EvalIncomplete, ServerStartError) as exc:

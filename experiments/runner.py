@@ -17,7 +17,8 @@
    verdicts into ``results.json``, ``results.md`` and ``results.png``.
 
 The work (runs, logs, staged adapters) lives in ``run.root/experiments/NAME``; only ``results/NAME``
-is meant to be committed.
+is meant to be committed. With the spec's ``keep_state`` the fork point and each fork's end are also packed
+into ``results/NAME/state`` (:mod:`experiments.state`), from which a machine without the work goes on.
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ from pathlib import Path
 from typing import Any
 
 from experiments.spec import ExperimentSpec, SpecError
+from experiments.state import (
+    STATE_DIR,
+    bundle_bytes,
+    bundle_name,
+    pack_fork_end,
+    pack_fork_point,
+    remove_bundles,
+    unpack,
+)
 from experiments.system import write_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,6 +122,7 @@ class Experiment:
         split: str | None = None,
         games: int | str | None = None,
         data: str | None = None,
+        state: Path | None = None,
     ) -> None:
         from comap_async.config import ConfigError, load_config
 
@@ -135,6 +146,8 @@ class Experiment:
         self.logs = self.work / "logs"
         self.ledger_path = self.work / "ledger.json"
         self.results_path = out / "results.json"
+        # spec.keep_state: what is trained is packed here too (results/NAME/state, committed)
+        self.state = (state or out / STATE_DIR) if spec.keep_state else None
 
     # ---- settings ------------------------------------------------------------------------------
 
@@ -174,8 +187,32 @@ class Experiment:
         return {"source": None, "forks": {}}
 
     def save_ledger(self, ledger: dict[str, Any]) -> None:
+        from experiments.state import save_ledgers
+
         self.work.mkdir(parents=True, exist_ok=True)
         write_json(self.ledger_path, ledger)
+        if self.state is not None:
+            save_ledgers(self.work, self.state)
+
+    def restore(self, bundle: Path, run_dir: Path, what: str) -> bool:
+        """A run directory that this machine lacks, unpacked from the table's state; True when it was."""
+        if self.state is None or not (self.state / bundle.name).is_file():
+            return False
+        unpack(self.state / bundle.name, run_dir)
+        say(self.spec.name, f"{what}: restored from {self.shown(self.state / bundle.name)} (not trained again)")
+        return True
+
+    def pack(self, packer: Any, run_dir: Path, version: int, what: str) -> None:
+        if self.state is None or (self.state / bundle_name(run_dir.name, version)).is_file():
+            return
+        remove_bundles(self.state, run_dir.name)
+        say(self.spec.name, f"{what}: packing v{version} into {self.shown(self.state)}")
+        path = packer(run_dir, version, self.state)
+        say(self.spec.name, f"{what}: packed into {self.shown(path)} ({bundle_bytes(path) / 2**20:.1f} MB)")
+
+    @staticmethod
+    def shown(path: Path) -> str:
+        return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
     def results(self) -> dict[str, Any]:
         if self.results_path.exists():
@@ -207,6 +244,9 @@ class Experiment:
         else:
             run_dir = self.work / SOURCE
             self.logs.mkdir(parents=True, exist_ok=True)
+            held = (ledger.get("source") or {}).get("version")
+            if held is not None and first_version_in_phase(run_dir, src.phase) is None:
+                self.restore(Path(bundle_name(SOURCE, int(held))), run_dir, "source")
             if first_version_in_phase(run_dir, src.phase) is None:
                 say(
                     name,
@@ -223,6 +263,7 @@ class Experiment:
                 self.work / "source.json",
             )
             record = {"run_dir": str(run_dir), **record}
+            self.pack(pack_fork_point, run_dir, int(record["version"]), "source")
         say(name, f"source: v{record['version']} at step {record['step']} ({record['phase']})")
         ledger["source"] = record
         self.save_ledger(ledger)
@@ -241,15 +282,20 @@ class Experiment:
             run_dir = self.work / fork
             record = ledger["forks"].get(fork)
             same_source = record is not None and record.get("source_version") == source["version"]
+            if same_source and "version" in record and version_at_step(run_dir, target) != record["version"]:
+                self.restore(Path(bundle_name(fork, int(record["version"]))), run_dir, f"fork {fork}")
             if same_source and "version" in record and version_at_step(run_dir, target) == record["version"]:
                 if "gate_samples" not in record:  # a ledger written before the gate was counted
                     record["gate_opened"], record["gate_samples"] = training_gate(run_dir)
                     self.save_ledger(ledger)
                 say(name, f"fork {fork}: trained (v{record['version']} at step {target}), kept")
+                self.pack(pack_fork_end, run_dir, int(record["version"]), f"fork {fork}")
                 continue
             if record is not None:
                 say(name, f"fork {fork}: stopped short of its {steps} steps before: forked and trained again")
             shutil.rmtree(run_dir, ignore_errors=True)
+            if self.state is not None:
+                remove_bundles(self.state, fork)
             try:
                 forked = fork_run(Path(source["run_dir"]), run_dir, int(source["version"]))
             except ForkError as exc:
@@ -282,6 +328,7 @@ class Experiment:
             opened, samples = training_gate(run_dir)
             # a CoMap arm is CoMap only while its action gate opens: how often it did in the fork's own training
             record.update(version=version, step=target, wall_s=round(wall), gate_opened=opened, gate_samples=samples)
+            self.pack(pack_fork_end, run_dir, version, f"fork {fork}")
             self.save_ledger(ledger)
             say(
                 name,
@@ -463,6 +510,11 @@ class Experiment:
     def run(self, train_only: bool = False) -> dict[str, Any]:
         from experiments.report import write_report
 
+        if self.state is not None:
+            from experiments.state import restore_ledgers
+
+            if restore_ledgers(self.work, self.state):
+                say(self.spec.name, f"no work directory here: its ledgers restored from {self.shown(self.state)}")
         ledger = self.ledger()
         source = self.source(ledger)
         forks = self.forks(ledger, source)

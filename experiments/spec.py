@@ -22,6 +22,7 @@
       arms: [comap, draft_only]          # how each arm's end is played (an arm may list its own ``play``)
       reference: source/draft_only       # every row is compared with this one on the same games
       pairs: [[comap/comap, comap/draft_only]]   # more paired comparisons
+    keep_state: false                    # true: what is trained is also packed into results/NAME/state/
 
 A row is ``ARM/METHOD`` (``source/METHOD`` for the fork point); an arm trained with several seeds has a
 row per seed (``comap/comap@s1``) and its pooled row (``comap/comap``).
@@ -135,6 +136,10 @@ class ExperimentSpec(Strict):
     arms: dict[str, ArmSpec] = {}
     """The forks; none: the table plays the fork point alone, in each of ``evaluation.source``'s ways."""
     evaluation: EvalSpec = EvalSpec()
+    keep_state: bool = False
+    """Pack the fork point and each fork's end into ``results/NAME/state/`` as they are trained, to be
+    committed: on a machine that lost ``run.root`` the table goes on from them (:mod:`experiments.state`).
+    Tens of MB on the CPU default; for a table longer than a machine's life."""
 
     @field_validator("name")
     @classmethod

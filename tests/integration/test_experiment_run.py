@@ -1,13 +1,15 @@
 """``comap experiment run``: a two-arm experiment end to end on the tiny model and real ALFWorld games
 (the source trained from empty under honcho, two forks trained the same number of learner steps, every
 row on the same held-out games, the paired statistics), killed with -9 in a fork's training and again in
-the middle of the evaluation, then resumed: no finished game is played twice and what results.json held
-of the finished games is unchanged."""
+the middle of the evaluation, then resumed on a machine that lost its work directory (the spec keeps its
+state in results/): no source or fork is trained again, no finished game is played twice and what
+results.json held of the finished games is unchanged."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,6 +35,7 @@ def write_spec(tmp_path: Path, settings: list[str]) -> Path:
         "set": [*settings, "env.split=train", "env.max_games=8"],
         "source": {"from_empty": True, "phase": "coevolve", "max_minutes": 10},
         "train": {"steps": 2, "max_minutes": 5},
+        "keep_state": True,  # the trained parts packed into results/state: a machine that loses runs/ goes on
         "arms": {"comap": {}, "frozen_wm": {"ablation": ["frozen_wm"]}},
         "evaluation": {
             "split": "valid_seen",
@@ -114,10 +117,26 @@ def test_an_experiment_killed_twice_resumes_to_the_same_table(tmp_path, tiny_mod
     held = {row: dict(r["episodes"]) for row, r in snapshot["rows"].items()}
     assert len(held["source/draft_only"]) == GAMES and len(held["comap/comap"]) >= 1
 
-    # 3. resumed to the end: no fork trained again, no finished game played again
+    # 3. the machine loses its work directory (runs/ is not committed); results/ with its state is kept
+    state = out / "state"
+    manifests = sorted(p.name.rsplit("-v", 1)[0] for p in state.glob("*-v*.json"))
+    assert manifests == ["comap-s0", "frozen_wm-s0", "source"], manifests
+    assert (state / "ledger.json").is_file() and (state / "source.json").is_file()
+    for manifest in state.glob("*-v*.json"):  # every part of every bundle is there, none left over
+        parts = json.loads(manifest.read_text())["parts"]
+        assert parts and all((state / p).is_file() for p in parts)
+    assert len(list(state.glob("*.tar.xz.*"))) == sum(
+        len(json.loads(m.read_text())["parts"]) for m in state.glob("*-v*.json")
+    )
+    shutil.rmtree(tmp_path / "runs" / "experiments" / "tiny-two-arms")
+
+    # 4. resumed to the end from results/ alone: nothing trained again, no finished game played again
     third = runner.start()
     assert third.wait(timeout=900) == 0, runner.log.read_text()[-3000:]
     lines3 = runner.lines()
+    for part in ("source", "fork comap-s0", "fork frozen_wm-s0"):
+        assert any(f"{part}: restored from" in x for x in lines3), part
+    assert not any("training from empty" in x for x in lines3), "the source was trained again"
     assert any("fork comap-s0: trained" in x and "kept" in x for x in lines3)
     assert not any("training" in x and "steps from step" in x for x in lines3)
     played = finished_games(lines2)
