@@ -221,14 +221,49 @@ class Experiment:
 
     # ---- 1. the source -------------------------------------------------------------------------
 
+    def restore_source(self, ledger: dict[str, Any]) -> Path:
+        """The source trained from empty, unpacked from the table's state where this machine lacks it."""
+        from experiments.system import first_version_in_phase
+
+        run_dir = self.work / SOURCE
+        held = (ledger.get("source") or {}).get("version")
+        if held is not None and first_version_in_phase(run_dir, self.spec.source.phase) is None:
+            self.restore(Path(bundle_name(SOURCE, int(held))), run_dir, "source")
+        return run_dir
+
+    def other_source(self, name: str) -> Path:
+        """The source that experiment ``name`` (``NAME.yaml`` beside this spec) trained, restored from its
+        ``results/NAME/state`` where this machine lacks it; one line when it has not been trained."""
+        from experiments.spec import load_spec
+        from experiments.system import first_version_in_phase
+
+        path = self.spec_path.parent / f"{name}.yaml"  # beside this spec
+        other = Experiment(load_spec(path), path, REPO / "results" / name)
+        if not other.spec.source.from_empty:
+            raise SpecError(f"source.experiment: {name} trains no source of its own (its source is another run)")
+        if other.state is not None:
+            from experiments.state import restore_ledgers
+
+            restore_ledgers(other.work, other.state)
+        run_dir = other.restore_source(other.ledger())
+        if first_version_in_phase(run_dir, other.spec.source.phase) is None:
+            raise SpecError(
+                f"source.experiment: {name} has not trained its source yet: run "
+                f"`comap experiment run {self.shown(path)} --train-only` first"
+            )
+        return run_dir
+
     def source(self, ledger: dict[str, Any]) -> dict[str, Any]:
         from experiments.system import first_version_in_phase, run_to_phase
 
         src = self.spec.source
         name = self.spec.name
-        if src.run_dir is not None:
-            run_dir = Path(src.run_dir).expanduser()
-            run_dir = run_dir if run_dir.is_absolute() else (REPO / run_dir).resolve()
+        if src.run_dir is not None or src.experiment is not None:
+            if src.experiment is not None:
+                run_dir = self.other_source(src.experiment)
+            else:
+                run_dir = Path(src.run_dir).expanduser()
+                run_dir = run_dir if run_dir.is_absolute() else (REPO / run_dir).resolve()
             if src.version is not None:
                 from experiments.fork import forkable_versions
 
@@ -244,9 +279,7 @@ class Experiment:
         else:
             run_dir = self.work / SOURCE
             self.logs.mkdir(parents=True, exist_ok=True)
-            held = (ledger.get("source") or {}).get("version")
-            if held is not None and first_version_in_phase(run_dir, src.phase) is None:
-                self.restore(Path(bundle_name(SOURCE, int(held))), run_dir, "source")
+            self.restore_source(ledger)
             if first_version_in_phase(run_dir, src.phase) is None:
                 say(
                     name,
@@ -263,7 +296,7 @@ class Experiment:
                 self.work / "source.json",
             )
             record = {"run_dir": str(run_dir), **record}
-            self.pack(pack_fork_point, run_dir, int(record["version"]), "source")
+            self.pack(pack_fork_point, run_dir, int(record["version"]), "source")  # with earlier phases' starts
         say(name, f"source: v{record['version']} at step {record['step']} ({record['phase']})")
         ledger["source"] = record
         self.save_ledger(ledger)

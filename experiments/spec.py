@@ -55,17 +55,23 @@ class SourceSpec(Strict):
     max_minutes: float = Field(default=240.0, gt=0)
     run_dir: str | None = None
     """Instead of training one: fork this run directory (absolute, or relative to the repository)."""
+    experiment: str | None = None
+    """Instead of training one: fork the source another spec (``NAME.yaml`` beside this one) trained from empty,
+    unpacked from its ``results/NAME/state`` where this machine lacks it (that spec's ``keep_state``)."""
     version: int | None = Field(default=None, ge=1)
     """With ``run_dir``: the version forked (default: its first version of ``phase``)."""
 
     @model_validator(mode="after")
     def _one_source(self) -> SourceSpec:
-        if self.run_dir is not None and self.from_empty and "from_empty" in self.model_fields_set:
-            raise ValueError("source: from_empty and run_dir exclude each other")
-        if self.run_dir is not None:
+        given = [k for k in ("run_dir", "experiment") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError("source: run_dir and experiment exclude each other")
+        if given and self.from_empty and "from_empty" in self.model_fields_set:
+            raise ValueError(f"source: from_empty and {given[0]} exclude each other")
+        if given:
             self.from_empty = False
         if self.version is not None and self.run_dir is None:
-            raise ValueError("source.version needs source.run_dir (a source trained from empty is forked at its phase)")
+            raise ValueError("source.version needs source.run_dir (any other source is forked at its phase)")
         return self
 
 

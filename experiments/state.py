@@ -7,7 +7,8 @@ spec's ``keep_state: true`` the runner packs, as each part is trained:
 
 * ``source-vN``: the fork point as a run directory that forks exactly like the source did at
   version N (:func:`experiments.fork.fork_run`'s copy: that version's checkpoint, adapters and the replay
-  cut at its publish), with the source's own run files;
+  cut at its publish), with the source's own run files and the first version of each earlier phase but
+  warm-up (checkpoint and adapters: another table forks reflection-mode initialisation's start);
 * ``ARM-sSEED-vM``: each fork's end, the adapters its rows play and its run files;
 * ``ledger.json`` and ``source.json``: what was trained, from which fork point, in how much wall time.
 
@@ -79,19 +80,32 @@ def bundle_bytes(manifest: Path) -> int:
 
 
 def pack_fork_point(run_dir: Path, version: int, state: Path) -> Path:
-    """The source ``run_dir`` at ``version``, as a run directory forkable at that version."""
-    from experiments.fork import FORK_FILE, fork_run
+    """The source ``run_dir`` at ``version``, as a run directory forkable at that version and at the first
+    version of each earlier phase but warm-up (a lever on reflection-mode initialisation forks its start)."""
+    from comap_async.run_files import RUN_CONFIGS
+    from comap_async.wire.messages import ROLES, adapter_name
+    from experiments.fork import FORK_FILE, fork_run, forkable_versions
 
     out = state / bundle_name(run_dir.name, version)
+    versions = forkable_versions(run_dir)
+    fork_phase = versions[version].get("phase")
+    starts = {
+        min(v for v, m in versions.items() if m.get("phase") == phase)
+        for phase in {m.get("phase") for v, m in versions.items() if v < version}
+        if phase not in ("warmup", fork_phase)
+    }
     with tempfile.TemporaryDirectory(dir=run_dir.parent) as tmp:  # beside the run: the same disk
         copy = Path(tmp) / run_dir.name
-        fork_run(run_dir, copy, version)
+        fork_run(run_dir, copy, version)  # the replay cut at version's publish
         (copy / FORK_FILE).unlink()  # the source is not a fork: its own files follow
-        from comap_async.run_files import RUN_CONFIGS
-
         (copy / RUN_CONFIGS).unlink(missing_ok=True)
         for path in _run_files(run_dir):
             shutil.copy2(path, copy / path.name)
+        for v in sorted(starts):
+            ckpt = versions[v]["checkpoint"]
+            shutil.copytree(ckpt, copy / "checkpoints" / ckpt.name)  # copy2: its mtime is the fork's cut
+            for role in ROLES:
+                shutil.copytree(run_dir / "adapters" / adapter_name(role, v), copy / "adapters" / adapter_name(role, v))
         return _pack_dir(copy, out)
 
 
@@ -145,12 +159,19 @@ def unpack(manifest: Path, run_dir: Path) -> None:
 
 
 def save_ledgers(work: Path, state: Path) -> None:
-    """The work directory's ledgers copied into ``state`` (each written whole)."""
+    """The work directory's ledgers copied into ``state`` (each written whole; the source's run directory
+    relative to the repository, as in results.json: a committed file names no path outside it)."""
+    from experiments.report import repo_relative
+
     state.mkdir(parents=True, exist_ok=True)
     for name in LEDGERS:
         path = work / name
         if path.exists():
-            write_json(state / name, json.loads(path.read_text()))
+            content = json.loads(path.read_text())
+            source = content.get("source") if name == "ledger.json" else None
+            if isinstance(source, dict) and source.get("run_dir"):
+                source["run_dir"] = repo_relative(source["run_dir"])
+            write_json(state / name, content)
 
 
 def restore_ledgers(work: Path, state: Path) -> bool:

@@ -178,6 +178,28 @@ def test_an_experiment_killed_twice_resumes_to_the_same_table(tmp_path, tiny_mod
     assert reflection["steps"] == results["figures"]["frozen_wm/comap"]["steps"]
     assert 0.0 <= reflection["urr"] <= 1.0 and "## Reflection: URR, HRR, BRP" in md
 
+    # 5. another spec forks this table's source at its first reflection-mode initialisation version, which the
+    # source's bundle kept beside the fork point (the source here is the one unpacked from results/)
+    lever = {
+        "name": "tiny-lever",
+        "config": "configs/test.yaml",
+        "set": yaml.safe_load(spec.read_text())["set"],
+        "source": {"experiment": "tiny-two-arms", "phase": "reflect_init"},
+        "train": {"steps": 3, "max_minutes": 5},
+        "arms": {"comap": {}},
+        "evaluation": {"split": "valid_seen", "games": 1, "arms": ["comap"]},
+    }
+    lever_spec = tmp_path / "tiny-lever.yaml"
+    lever_spec.write_text(yaml.safe_dump(lever))
+    cmd = [sys.executable, "-m", "comap_async", "experiment", "run", str(lever_spec), "--train-only"]
+    r = subprocess.run([*cmd, "--out", str(tmp_path / "lever")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    source_dir = tmp_path / "runs" / "experiments" / "tiny-two-arms" / "source"
+    starts = [json.loads(p.read_text()) for p in (source_dir / "adapters").glob("policy-v*/comap.json")]
+    first = min((m for m in starts if m["phase"] == "reflect_init"), key=lambda m: m["version"])
+    forked = json.loads((tmp_path / "runs" / "experiments" / "tiny-lever" / "comap-s0" / "fork.json").read_text())
+    assert (forked["version"], forked["phase"], forked["source"]) == (first["version"], "reflect_init", str(source_dir))
+
     # nothing of the experiment's systems is left running: its pid file gone, the broker's port free
     assert not (tmp_path / "runs" / "experiments" / "tiny-two-arms" / "logs" / "system.pid").exists()
     (http_port,) = [int(s.split("=")[1]) for s in yaml.safe_load(spec.read_text())["set"] if "http_port" in s]

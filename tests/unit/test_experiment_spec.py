@@ -75,6 +75,10 @@ def test_a_spec_names_its_rows_and_forks(tmp_path):
         ({"budget": 3}, "budget: Extra inputs are not permitted"),
         ({"evaluation": {"judged": ["frozen_wm/react"]}}, "row 'frozen_wm/react' is not played"),
         ({"evaluation": {"judged": ["comap/draft_only"]}}, "evaluation.judged: 'comap/draft_only' is not a CoMap row"),
+        ({"source": {"experiment": "t", "run_dir": "runs/x"}}, "source: run_dir and experiment exclude each other"),
+        ({"source": {"experiment": "t", "from_empty": True}}, "source: from_empty and experiment exclude each other"),
+        ({"source": {"experiment": "t", "version": 3}}, "source.version needs source.run_dir"),
+        ({"keep_state": "sometimes"}, "keep_state: Input should be a valid boolean"),
     ],
 )
 def test_a_spec_that_cannot_run_is_one_line_naming_the_field(tmp_path, change, says):
@@ -234,3 +238,20 @@ def test_an_arms_ablation_forks_with_the_method_sections_list(tmp_path):
     experiment = Experiment(load_spec(path), path, tmp_path / "out")
     assert "method.ablation=[frozen_wm]" in experiment.fork_overrides("frozen_wm", 0)
     assert not any(o.startswith("method.ablation=") for o in experiment.fork_overrides("comap", 0))
+
+
+def test_a_source_from_another_experiment_that_has_not_trained_it_is_one_line(tmp_path):
+    """``source.experiment`` forks the source another spec trained; before it has, one line says how."""
+    from experiments.runner import Experiment
+
+    other = {**BASE, "set": [f"run.root={tmp_path / 'runs'}"], "keep_state": True}
+    (tmp_path / "table.yaml").write_text(yaml.safe_dump(other))
+    path = tmp_path / "lever.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "source": {"experiment": "table", "phase": "reflect_init"}}))
+    experiment = Experiment(load_spec(path), path, tmp_path / "out")
+    with pytest.raises(SpecError) as err:
+        experiment.source({"source": None, "forks": {}})
+    assert str(err.value) == (
+        "source.experiment: table has not trained its source yet: run "
+        f"`comap experiment run {tmp_path / 'table.yaml'} --train-only` first"
+    )
