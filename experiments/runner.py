@@ -451,6 +451,8 @@ class Experiment:
                 held.update(version=version, adapters=digest, episodes={}, wall_s=0.0)
                 held["sees"] = what_row_sees(row_cfg, row.method)
                 results["rows"][row.name] = held
+            if len(held["episodes"]) < len(games):
+                self.take_shared_games(row.name, held, names)
             plan.append((row, (ablation, methods), prefix, held))
         write_json(self.results_path, results)
 
@@ -463,6 +465,29 @@ class Experiment:
             finally:
                 stop_server(server)
         return results
+
+    def take_shared_games(self, row: str, held: dict[str, Any], games: list[str]) -> None:
+        """The finished games of the same cell (same key: adapters, method, games and settings of play) that
+        another table under ``results/`` holds, taken instead of played again: the oracle bound's drafts
+        at the fork point are the method table's ``source/draft_only``."""
+        best: tuple[str, dict[str, Any]] | None = None
+        for path in sorted((REPO / "results").glob("*/results.json")):
+            if path.resolve() == self.results_path.resolve():
+                continue
+            try:
+                other = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            for cell in other.get("rows", {}).values():
+                have = {g: e for g, e in cell.get("episodes", {}).items() if g in games}
+                if cell.get("key") == held["key"] and len(have) > len((best or ("", {}))[1]):
+                    best = (str(path.parent.relative_to(REPO)), have)
+        if best is None or len(best[1]) <= len(held["episodes"]):
+            return
+        taken = len(best[1]) - len(held["episodes"])
+        held["episodes"] = {**best[1], **held["episodes"]}
+        held["taken_from"] = best[0]  # written with the plan, before any game is played
+        say(self.spec.name, f"row {row}: {taken} finished games of the same cell taken from {best[0]}")
 
     def start_server(self, overrides: list[str], log: Any) -> tuple[Any, Any]:
         """The evaluation's embedded server on a free port, its output in ``logs/eval-server.log``, tied to

@@ -255,3 +255,28 @@ def test_a_source_from_another_experiment_that_has_not_trained_it_is_one_line(tm
         "source.experiment: table has not trained its source yet: run "
         f"`comap experiment run {tmp_path / 'table.yaml'} --train-only` first"
     )
+
+
+def test_a_row_takes_the_finished_games_of_the_same_cell_from_another_table(tmp_path, monkeypatch):
+    """The same adapters played the same way on the same games are one cell: a second table (the oracle
+    bound's drafts at the method table's fork point) takes its finished games instead of playing them."""
+    import experiments.runner as runner
+
+    path = spec_file(tmp_path, set=[f"run.root={tmp_path}"])
+    experiment = runner.Experiment(load_spec(path), path, tmp_path / "results" / "exp")
+    monkeypatch.setattr(runner, "REPO", tmp_path)  # the tables under results/ here
+    games = ["g0", "g1", "g2"]
+    for name, rows in {
+        "other": {"source/draft_only": {"key": "K", "episodes": {"g0": {"won": True}, "g1": {"won": False}}}},
+        "partial": {"source/draft_only": {"key": "K", "episodes": {"g0": {"won": True}}}},
+        "different": {"source/draft_only": {"key": "Z", "episodes": {g: {"won": True} for g in games}}},
+    }.items():
+        (tmp_path / "results" / name).mkdir(parents=True)
+        (tmp_path / "results" / name / "results.json").write_text(json.dumps({"rows": rows}))
+    held = {"key": "K", "episodes": {"g2": {"won": True}}}
+    experiment.take_shared_games("source/draft_only", held, games)
+    assert held["episodes"] == {"g0": {"won": True}, "g1": {"won": False}, "g2": {"won": True}}
+    assert held["taken_from"] == "results/other"
+    alone = {"key": "Q", "episodes": {}}  # no table holds its cell: nothing taken
+    experiment.take_shared_games("source/draft_only", alone, games)
+    assert alone == {"key": "Q", "episodes": {}}
