@@ -229,7 +229,8 @@ def markdown(spec: ExperimentSpec, results: dict[str, Any]) -> str:
         ),
         f"- Played on {len(results['games'])} games of `{results['split']}`, {results['decoding']}",
         *(
-            f"- `{row}`: finished games taken from the same cell (adapters, method, games, settings) in `{r['taken_from']}`"
+            f"- `{row}`: finished games taken from the same cell (adapters, method, games, settings) in "
+            f"`{r['taken_from']}`"
             for row, r in results["rows"].items()
             if r.get("taken_from")
         ),
