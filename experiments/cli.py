@@ -79,13 +79,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from evaluator.eval_runner import EvalIncomplete, ServerStartError
     from experiments.runner import Experiment
+    from experiments.state import STATE_DIR
 
     split = args.split if args.split not in (None, spec.evaluation.split) else None
     games = games_arg(args.games)
     games = games if games != spec.evaluation.games else None
     out = out_dir(spec.name, split, args.out, games)
     # what the table trained is kept beside its own results, whichever games this run plays
-    state = out_dir(spec.name, None, args.out) / "state"
+    state = out_dir(spec.name, None, args.out) / STATE_DIR
     experiment = Experiment(spec, args.spec, out, split=split, games=games, data=args.data, state=state)
     try:
         results = experiment.run(train_only=args.train_only)

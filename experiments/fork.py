@@ -103,9 +103,7 @@ def _copy(
     cut_ts = (ckpt / CHECKPOINT_STATE).stat().st_mtime  # the publish's checkpoint: written right after it
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copytree(ckpt, dst / "checkpoints" / ckpt.name)
-    for role in ROLES:
-        name = adapter_name(role, version)
-        shutil.copytree(src_adapters / name, dst_adapters / name)
+    copy_adapters(src_adapters, dst_adapters, version)
     (dst_adapters / "latest.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "checkpoint"}))
 
     (dst / "replay").mkdir()
@@ -136,6 +134,13 @@ def _copy(
     (dst / FORK_FILE).write_text(json.dumps(record, indent=1) + "\n")
     copy_run_configs(src, dst, record["step"])  # the fork's learner appends its own start after them
     return record
+
+
+def copy_adapters(src_root: Path, dst_root: Path, version: int) -> None:
+    """Every role's adapter of ``version`` from one adapter root to another (files and mtimes as they are)."""
+    for role in ROLES:
+        name = adapter_name(role, version)
+        shutil.copytree(src_root / name, dst_root / name)
 
 
 def msgspec_registry(phase: str, version: int, step: int) -> dict[str, Any]:

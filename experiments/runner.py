@@ -42,6 +42,8 @@ from experiments.state import (
     pack_fork_end,
     pack_fork_point,
     remove_bundles,
+    restore_ledgers,
+    save_ledgers,
     unpack,
 )
 from experiments.system import write_json
@@ -182,25 +184,25 @@ class Experiment:
     # ---- state ---------------------------------------------------------------------------------
 
     def ledger(self) -> dict[str, Any]:
+        """What was trained; on a machine without the work directory, the ledgers kept in the state."""
+        if self.state is not None and restore_ledgers(self.work, self.state):
+            say(self.spec.name, f"no work directory here: its ledgers restored from {self.shown(self.state)}")
         if self.ledger_path.exists():
             return json.loads(self.ledger_path.read_text())
         return {"source": None, "forks": {}}
 
     def save_ledger(self, ledger: dict[str, Any]) -> None:
-        from experiments.state import save_ledgers
-
         self.work.mkdir(parents=True, exist_ok=True)
         write_json(self.ledger_path, ledger)
         if self.state is not None:
             save_ledgers(self.work, self.state)
 
-    def restore(self, bundle: Path, run_dir: Path, what: str) -> bool:
-        """A run directory that this machine lacks, unpacked from the table's state; True when it was."""
-        if self.state is None or not (self.state / bundle.name).is_file():
-            return False
-        unpack(self.state / bundle.name, run_dir)
-        say(self.spec.name, f"{what}: restored from {self.shown(self.state / bundle.name)} (not trained again)")
-        return True
+    def restore(self, run_dir: Path, version: int, what: str) -> None:
+        """``run_dir`` at ``version``, which this machine lacks, unpacked from the table's state if it is there."""
+        manifest = self.state / bundle_name(run_dir.name, version) if self.state is not None else None
+        if manifest is not None and manifest.is_file():
+            unpack(manifest, run_dir)
+            say(self.spec.name, f"{what}: restored from {self.shown(manifest)} (not trained again)")
 
     def pack(self, packer: Any, run_dir: Path, version: int, what: str) -> None:
         if self.state is None or (self.state / bundle_name(run_dir.name, version)).is_file():
@@ -228,7 +230,7 @@ class Experiment:
         run_dir = self.work / SOURCE
         held = (ledger.get("source") or {}).get("version")
         if held is not None and first_version_in_phase(run_dir, self.spec.source.phase) is None:
-            self.restore(Path(bundle_name(SOURCE, int(held))), run_dir, "source")
+            self.restore(run_dir, int(held), "source")
         return run_dir
 
     def other_source(self, name: str) -> Path:
@@ -241,10 +243,6 @@ class Experiment:
         other = Experiment(load_spec(path), path, REPO / "results" / name)
         if not other.spec.source.from_empty:
             raise SpecError(f"source.experiment: {name} trains no source of its own (its source is another run)")
-        if other.state is not None:
-            from experiments.state import restore_ledgers
-
-            restore_ledgers(other.work, other.state)
         run_dir = other.restore_source(other.ledger())
         if first_version_in_phase(run_dir, other.spec.source.phase) is None:
             raise SpecError(
@@ -314,10 +312,10 @@ class Experiment:
             fork = f"{arm}-s{seed}"
             run_dir = self.work / fork
             record = ledger["forks"].get(fork)
-            same_source = record is not None and record.get("source_version") == source["version"]
-            if same_source and "version" in record and version_at_step(run_dir, target) != record["version"]:
-                self.restore(Path(bundle_name(fork, int(record["version"]))), run_dir, f"fork {fork}")
-            if same_source and "version" in record and version_at_step(run_dir, target) == record["version"]:
+            trained = record is not None and record.get("source_version") == source["version"] and "version" in record
+            if trained and version_at_step(run_dir, target) != record["version"]:
+                self.restore(run_dir, int(record["version"]), f"fork {fork}")
+            if trained and version_at_step(run_dir, target) == record["version"]:
                 if "gate_samples" not in record:  # a ledger written before the gate was counted
                     record["gate_opened"], record["gate_samples"] = training_gate(run_dir)
                     self.save_ledger(ledger)
@@ -568,11 +566,6 @@ class Experiment:
     def run(self, train_only: bool = False) -> dict[str, Any]:
         from experiments.report import write_report
 
-        if self.state is not None:
-            from experiments.state import restore_ledgers
-
-            if restore_ledgers(self.work, self.state):
-                say(self.spec.name, f"no work directory here: its ledgers restored from {self.shown(self.state)}")
         ledger = self.ledger()
         source = self.source(ledger)
         forks = self.forks(ledger, source)

@@ -83,8 +83,7 @@ def pack_fork_point(run_dir: Path, version: int, state: Path) -> Path:
     """The source ``run_dir`` at ``version``, as a run directory forkable at that version and at the first
     version of each earlier phase but warm-up (a lever on reflection-mode initialisation forks its start)."""
     from comap_async.run_files import RUN_CONFIGS
-    from comap_async.wire.messages import ROLES, adapter_name
-    from experiments.fork import FORK_FILE, fork_run, forkable_versions
+    from experiments.fork import FORK_FILE, copy_adapters, fork_run, forkable_versions
 
     out = state / bundle_name(run_dir.name, version)
     versions = forkable_versions(run_dir)
@@ -104,14 +103,13 @@ def pack_fork_point(run_dir: Path, version: int, state: Path) -> Path:
         for v in sorted(starts):
             ckpt = versions[v]["checkpoint"]
             shutil.copytree(ckpt, copy / "checkpoints" / ckpt.name)  # copy2: its mtime is the fork's cut
-            for role in ROLES:
-                shutil.copytree(run_dir / "adapters" / adapter_name(role, v), copy / "adapters" / adapter_name(role, v))
+            copy_adapters(run_dir / "adapters", copy / "adapters", v)
         return _pack_dir(copy, out)
 
 
 def pack_fork_end(run_dir: Path, version: int, state: Path) -> Path:
     """A trained fork's end: its run files and the adapters of ``version`` (what its rows play)."""
-    from comap_async.wire.messages import ROLES, adapter_name
+    from experiments.fork import copy_adapters
 
     out = state / bundle_name(run_dir.name, version)
     with tempfile.TemporaryDirectory(dir=run_dir.parent) as tmp:  # beside the run: the same disk
@@ -119,9 +117,7 @@ def pack_fork_end(run_dir: Path, version: int, state: Path) -> Path:
         (copy / "adapters").mkdir(parents=True)
         for path in _run_files(run_dir):
             shutil.copy2(path, copy / path.name)
-        for role in ROLES:
-            name = adapter_name(role, version)
-            shutil.copytree(run_dir / "adapters" / name, copy / "adapters" / name)
+        copy_adapters(run_dir / "adapters", copy / "adapters", version)
         return _pack_dir(copy, out)
 
 
